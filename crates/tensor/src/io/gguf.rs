@@ -1,0 +1,1 @@
+//! GGUF reader/writer. STUB: owned by the GGUF work item.

@@ -1,0 +1,1 @@
+//! safetensors reader/writer. STUB: owned by the GGUF work item.

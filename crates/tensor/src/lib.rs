@@ -1,0 +1,24 @@
+//! hf2q-tensor: the numeric core of hf2q.
+//!
+//! - [`dtype`]: ggml's element/block types, numbered as ggml numbers them.
+//! - [`quant`]: scalar reference dequantization for every supported block format (ggml's byte
+//!   layouts) and MLX affine.
+//! - [`io`]: GGUF and safetensors readers and writers; every count and offset checked.
+//! - [`weight`]: a 2-D weight kept in its stored form (quantized blocks, MLX affine, dense).
+//! - [`tensor`] + [`op`] + [`cpu`]: activations, the closed op set and its CPU reference backend.
+
+pub mod cpu;
+pub mod dtype;
+pub mod error;
+pub mod io;
+pub mod op;
+pub mod quant;
+pub mod storage;
+pub mod tensor;
+pub mod weight;
+
+pub use dtype::GgmlType;
+pub use error::{Error, Result};
+pub use storage::Bytes;
+pub use tensor::Tensor;
+pub use weight::{QTensor, WeightData};

@@ -1,0 +1,1 @@
+//! The op set: placeholder, filled in by the CPU forward work.
