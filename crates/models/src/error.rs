@@ -1,0 +1,21 @@
+//! The one error type of the models crate.
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Tensor(#[from] hf2q_tensor::Error),
+    #[error("{path}: {source}")]
+    Io { path: std::path::PathBuf, source: std::io::Error },
+    #[error("invalid model config: {0}")]
+    Config(String),
+    #[error("missing tensor '{0}'")]
+    MissingTensor(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("{0}")]
+    Msg(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
