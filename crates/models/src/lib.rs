@@ -3,8 +3,17 @@
 
 pub mod chat_template;
 pub mod error;
+pub mod generate;
+pub mod model;
+pub mod config;
+pub mod names;
+pub mod source;
+pub mod kv_cache;
+pub mod arch;
+pub mod layers;
 pub mod sampler;
 pub mod stop;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
+pub use model::{Model, ModelInfo, Session};

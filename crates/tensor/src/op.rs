@@ -1,1 +1,82 @@
-//! The op set: placeholder, filled in by the CPU forward work.
+//! The closed op set every model is written against, and the `Backend` trait with one method per
+//! op: a device that lacks an op fails to compile, not at run time.
+//!
+//! Shapes (letters used throughout): T tokens in this call, D model width, H query heads,
+//! Hkv key/value heads, Dh head width, R/C a weight's output/input features, S cached positions.
+
+use crate::{QTensor, Result, Tensor};
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs (i, i + Dh/2): Hugging Face `rotate_half`, ggml NEOX.
+    Neox,
+    /// Pairs (2i, 2i+1): ggml's "normal" mode, used with GGUF Llama weights (whose q/k rows the
+    /// converter permuted so that this equals the checkpoint's `rotate_half`).
+    Interleaved,
+}
+
+#[derive(Clone, Debug)]
+pub struct RopeParams {
+    pub style: RopeStyle,
+    /// Base θ.
+    pub theta: f32,
+    /// Rotated dimensions (Dh for every model we load).
+    pub dims: usize,
+    /// Per-frequency divisors (Llama 3 scaling, `rope_freqs.weight`), `dims / 2` values.
+    pub freq_factors: Option<Vec<f32>>,
+    /// Linear position scaling: positions are divided by this (1.0 = none).
+    pub linear_scale: f32,
+}
+
+impl RopeParams {
+    /// Inverse frequencies θ^(-2i/dims) / factor_i, computed in f64 and rounded once.
+    pub fn inv_freqs(&self) -> Vec<f32> {
+        (0..self.dims / 2)
+            .map(|i| {
+                let f = (self.theta as f64).powf(-(2.0 * i as f64) / self.dims as f64);
+                let div = self.freq_factors.as_ref().map_or(1.0, |ff| ff[i] as f64);
+                (f / div) as f32
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionParams {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplier applied to q·k.
+    pub scale: f32,
+    /// Keys at distance >= window from the query are masked (Gemma 3 local layers).
+    pub window: Option<usize>,
+}
+
+/// Key/value cache of one layer, laid out `(Hkv, S_cap, Dh)` so a head's keys are contiguous.
+pub struct LayerCache<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    /// S_cap: capacity in positions (stride between heads).
+    pub capacity: usize,
+}
+
+pub trait Backend {
+    /// Rows of an embedding table `(V, D)` for `ids` -> `(T, D)`, times `scale`.
+    fn embedding(&self, table: &QTensor, ids: &[u32], scale: f32) -> Result<Tensor>;
+    /// RMSNorm over the last dim: `x / rms(x) * (w + offset)`.
+    fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, offset: f32) -> Result<Tensor>;
+    /// `(T, C) · Wᵀ -> (T, R)`, plus an optional bias `(R)`.
+    fn linear(&self, x: &Tensor, w: &QTensor, bias: Option<&[f32]>) -> Result<Tensor>;
+    /// Rotates `x (T, nh, Dh)` in place at absolute positions `pos0..pos0+T`.
+    fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()>;
+    /// Causal attention of `q (T, H*Dh)` at positions `pos0..pos0+T` over a cache holding positions
+    /// `0..pos0+T` -> `(T, H*Dh)`.
+    fn attention(&self, q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) -> Result<Tensor>;
+    /// `silu(gate) * up`.
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
+    /// `gelu_tanh(gate) * up`.
+    fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()>;
+}

@@ -1,0 +1,212 @@
+//! The CPU reference backend: scalar, obvious f32 code (parallel over rows/heads with rayon).
+//! Every faster kernel, CPU SIMD or CUDA, is held to these results.
+
+use rayon::prelude::*;
+
+use crate::op::{AttentionParams, Backend, LayerCache, RopeParams, RopeStyle};
+use crate::weight::dot;
+use crate::{Error, QTensor, Result, Tensor};
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::Shape(format!("{op}: shapes {:?} and {:?} differ", a.shape(), b.shape())));
+    }
+    Ok(())
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU with the tanh approximation (PyTorch `gelu(approximate="tanh")`).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+impl Backend for CpuBackend {
+    fn embedding(&self, table: &QTensor, ids: &[u32], scale: f32) -> Result<Tensor> {
+        let d = table.cols;
+        let mut out = vec![0f32; ids.len() * d];
+        for (row, &id) in out.chunks_mut(d.max(1)).zip(ids) {
+            if id as usize >= table.rows {
+                return Err(Error::Shape(format!("token id {id} is outside the vocabulary of {}", table.rows)));
+            }
+            table.dequantize_row(id as usize, row)?;
+            if scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+        Tensor::new(&[ids.len(), d], out)
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, offset: f32) -> Result<Tensor> {
+        let (_, c) = x.dims2();
+        if w.len() != c {
+            return Err(Error::Shape(format!("rms_norm: weight has {} values, rows have {c}", w.len())));
+        }
+        let mut out = x.clone();
+        out.data_mut().par_chunks_mut(c).for_each(|row| {
+            let ss: f32 = row.iter().map(|v| v * v).sum::<f32>() / c as f32;
+            let inv = 1.0 / (ss + eps).sqrt();
+            for (v, wi) in row.iter_mut().zip(w) {
+                *v = *v * inv * (wi + offset);
+            }
+        });
+        Ok(out)
+    }
+
+    fn linear(&self, x: &Tensor, w: &QTensor, bias: Option<&[f32]>) -> Result<Tensor> {
+        let (t, c) = x.dims2();
+        if c != w.cols {
+            return Err(Error::Shape(format!("linear '{}': input has {c} features, weight takes {}", w.name, w.cols)));
+        }
+        let mut out = vec![0f32; t * w.rows];
+        w.matmul(x.data(), t, &mut out)?;
+        if let Some(b) = bias {
+            if b.len() != w.rows {
+                return Err(Error::Shape(format!("linear '{}': bias has {} values, {} rows", w.name, b.len(), w.rows)));
+            }
+            out.chunks_mut(w.rows).for_each(|r| r.iter_mut().zip(b).for_each(|(o, bi)| *o += bi));
+        }
+        Tensor::new(&[t, w.rows], out)
+    }
+
+    fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {
+        let (t, width) = x.dims2();
+        if n_heads == 0 || width % n_heads != 0 {
+            return Err(Error::Shape(format!("rope: width {width} is not {n_heads} heads")));
+        }
+        let dh = width / n_heads;
+        if p.dims > dh || p.dims % 2 != 0 {
+            return Err(Error::Shape(format!("rope: {} rotated dims for head width {dh}", p.dims)));
+        }
+        let inv = p.inv_freqs();
+        let half = p.dims / 2;
+        x.data_mut().par_chunks_mut(width).enumerate().for_each(|(ti, row)| {
+            let pos = (pos0 + ti) as f32 / p.linear_scale;
+            let cs: Vec<(f32, f32)> = inv.iter().map(|f| {
+                let a = pos * f;
+                (a.cos(), a.sin())
+            }).collect();
+            for head in row.chunks_mut(dh) {
+                for (i, &(c, s)) in cs.iter().enumerate() {
+                    let (a, b) = match p.style {
+                        RopeStyle::Neox => (i, i + half),
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * c - x1 * s;
+                    head[b] = x0 * s + x1 * c;
+                }
+            }
+        });
+        let _ = t;
+        Ok(())
+    }
+
+    fn attention(&self, q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
+        let (t, width) = q.dims2();
+        let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+        if width != h * dh || hkv == 0 || h % hkv != 0 {
+            return Err(Error::Shape(format!("attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)")));
+        }
+        let total = pos0 + t;
+        if total > cache.capacity || cache.k.len() < hkv * cache.capacity * dh || cache.v.len() < hkv * cache.capacity * dh {
+            return Err(Error::Shape(format!("attention: {total} positions exceed the cache capacity {}", cache.capacity)));
+        }
+        let group = h / hkv;
+        let mut out = vec![0f32; t * width];
+        // One task per (token, head): scores over the visible keys, softmax in f32, weighted sum.
+        out.par_chunks_mut(dh).enumerate().for_each(|(idx, o)| {
+            let (ti, hi) = (idx / h, idx % h);
+            let qpos = pos0 + ti;
+            let kvh = hi / group;
+            let lo = match p.window {
+                Some(w) => (qpos + 1).saturating_sub(w),
+                None => 0,
+            };
+            let qv = &q.data()[ti * width + hi * dh..ti * width + (hi + 1) * dh];
+            let kbase = kvh * cache.capacity * dh;
+            let mut scores: Vec<f32> = (lo..=qpos)
+                .map(|j| dot(qv, &cache.k[kbase + j * dh..kbase + (j + 1) * dh]) * p.scale)
+                .collect();
+            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - m).exp();
+                sum += *s;
+            }
+            o.iter_mut().for_each(|v| *v = 0.0);
+            for (s, j) in scores.iter().zip(lo..=qpos) {
+                let w = s / sum;
+                let vr = &cache.v[kbase + j * dh..kbase + (j + 1) * dh];
+                for (ov, vv) in o.iter_mut().zip(vr) {
+                    *ov += w * vv;
+                }
+            }
+        });
+        Tensor::new(&[t, width], out)
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        same_shape(gate, up, "silu_mul")?;
+        let d: Vec<f32> = gate.data().iter().zip(up.data()).map(|(g, u)| silu(*g) * u).collect();
+        Tensor::new(gate.shape(), d)
+    }
+
+    fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        same_shape(gate, up, "gelu_tanh_mul")?;
+        let d: Vec<f32> = gate.data().iter().zip(up.data()).map(|(g, u)| gelu_tanh(*g) * u).collect();
+        Tensor::new(gate.shape(), d)
+    }
+
+    fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        same_shape(x, y, "add")?;
+        x.data_mut().iter_mut().zip(y.data()).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::RopeStyle;
+
+    #[test]
+    fn rope_styles_agree_after_permutation() {
+        // Interleaved rope on a permuted head equals neox rope on the original head, permuted.
+        let dh = 8;
+        let x: Vec<f32> = (0..dh).map(|i| i as f32 * 0.3 - 1.0).collect();
+        // GGUF permutation: neox index i (first half) -> 2i, i+half -> 2i+1.
+        let mut xp = vec![0f32; dh];
+        for i in 0..dh / 2 {
+            xp[2 * i] = x[i];
+            xp[2 * i + 1] = x[i + dh / 2];
+        }
+        let mk = |style| RopeParams { style, theta: 10000.0, dims: dh, freq_factors: None, linear_scale: 1.0 };
+        let mut a = Tensor::new(&[1, dh], x.clone()).unwrap();
+        let mut b = Tensor::new(&[1, dh], xp).unwrap();
+        CpuBackend.rope(&mut a, 1, 7, &mk(RopeStyle::Neox)).unwrap();
+        CpuBackend.rope(&mut b, 1, 7, &mk(RopeStyle::Interleaved)).unwrap();
+        for i in 0..dh / 2 {
+            assert!((a.data()[i] - b.data()[2 * i]).abs() < 1e-6);
+            assert!((a.data()[i + dh / 2] - b.data()[2 * i + 1]).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn attention_single_key_returns_value() {
+        let p = AttentionParams { n_heads: 2, n_kv_heads: 1, head_dim: 2, scale: 1.0, window: None };
+        let k = vec![1.0, 0.0, 0.0, 0.0];
+        let v = vec![3.0, 4.0, 0.0, 0.0];
+        let cache = LayerCache { k: &k, v: &v, capacity: 2 };
+        let q = Tensor::new(&[1, 4], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        let o = CpuBackend.attention(&q, &cache, 0, &p).unwrap();
+        assert_eq!(o.data(), &[3.0, 4.0, 3.0, 4.0]);
+        assert!(CpuBackend.attention(&q, &cache, 2, &p).is_err());
+    }
+}

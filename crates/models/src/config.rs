@@ -1,0 +1,331 @@
+//! One config for every architecture, filled from a Hugging Face `config.json` or from GGUF
+//! metadata (`<arch>.*` keys). Architecture code reads only this struct.
+
+use hf2q_tensor::io::gguf::GgufFile;
+use hf2q_tensor::op::RopeStyle;
+use serde_json::Value;
+
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3, SmolLM, Mistral.
+    Llama,
+    /// Llama + q/k/v bias.
+    Qwen2,
+    /// Llama + q/k RMSNorm.
+    Qwen3,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+    fn from_hf(model_type: &str) -> Option<Arch> {
+        Some(match model_type {
+            "llama" | "mistral" | "smollm" | "smollm2" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "gemma3" | "gemma3_text" => Arch::Gemma3,
+            _ => return None,
+        })
+    }
+    fn from_gguf(arch: &str) -> Option<Arch> {
+        Some(match arch {
+            "llama" | "mistral" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "gemma3" => Arch::Gemma3,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    GeluTanh,
+}
+
+/// Llama 3 frequency-dependent RoPE scaling (`rope_type: llama3`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Llama3Scaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    /// V
+    pub vocab_size: usize,
+    /// D
+    pub hidden_size: usize,
+    /// F
+    pub intermediate_size: usize,
+    pub n_layers: usize,
+    /// H
+    pub n_heads: usize,
+    /// Hkv
+    pub n_kv_heads: usize,
+    /// Dh
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    /// Base θ of sliding-window (local) layers, when it differs (Gemma 3: 10 000).
+    pub rope_theta_local: Option<f32>,
+    pub rope_style: RopeStyle,
+    pub llama3_scaling: Option<Llama3Scaling>,
+    /// Linear RoPE scaling factor of global layers (1.0 = none).
+    pub rope_linear_factor: f32,
+    pub context_length: usize,
+    /// Sliding window of local layers.
+    pub sliding_window: Option<usize>,
+    /// Per layer: true when the layer uses the sliding window.
+    pub sliding_layers: Vec<bool>,
+    pub tie_embeddings: bool,
+    pub attention_bias: bool,
+    pub qk_norm: bool,
+    pub activation: Activation,
+    /// Multiplier applied to embeddings (Gemma: √D).
+    pub embed_scale: f32,
+    /// Added to RMSNorm weights at run time: 1.0 for Gemma checkpoints in HF layout ((1+w) norm);
+    /// 0.0 for GGUF, whose converter already added the 1.
+    pub norm_offset: f32,
+    /// Gemma 3's extra norms around attention and MLP outputs.
+    pub sandwich_norms: bool,
+    /// Attention score multiplier (1/√Dh, or Gemma's query_pre_attn_scalar^-½).
+    pub attn_scale: f32,
+    pub final_logit_softcap: Option<f32>,
+}
+
+fn bad(msg: impl Into<String>) -> Error {
+    Error::Config(msg.into())
+}
+
+/// Checks cross-field invariants once, so architecture code can index without fear.
+fn validate(c: &ModelConfig) -> Result<()> {
+    let nz = [
+        ("vocab_size", c.vocab_size),
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("num_hidden_layers", c.n_layers),
+        ("num_attention_heads", c.n_heads),
+        ("num_key_value_heads", c.n_kv_heads),
+        ("head_dim", c.head_dim),
+    ];
+    for (k, v) in nz {
+        if v == 0 || v > (1 << 24) {
+            return Err(bad(format!("{k} = {v} is out of range")));
+        }
+    }
+    if c.n_heads % c.n_kv_heads != 0 {
+        return Err(bad(format!("{} heads is not a multiple of {} kv heads", c.n_heads, c.n_kv_heads)));
+    }
+    if c.head_dim % 2 != 0 {
+        return Err(bad(format!("head_dim {} is odd", c.head_dim)));
+    }
+    if c.sliding_layers.len() != c.n_layers {
+        return Err(bad("sliding layer pattern does not cover every layer"));
+    }
+    if !(c.rms_eps > 0.0 && c.rms_eps < 1.0) || !(c.rope_theta > 0.0) {
+        return Err(bad(format!("rms_eps {} / rope_theta {} out of range", c.rms_eps, c.rope_theta)));
+    }
+    Ok(())
+}
+
+fn gemma_sliding(n_layers: usize, pattern: usize) -> Vec<bool> {
+    // Every `pattern`-th layer is global; the others use the sliding window.
+    (0..n_layers).map(|i| pattern == 0 || (i + 1) % pattern != 0).collect()
+}
+
+impl ModelConfig {
+    /// From a Hugging Face `config.json` (also MLX folders, which keep the same file).
+    pub fn from_hf_json(v: &Value) -> Result<ModelConfig> {
+        // Multimodal Gemma 3 checkpoints nest the language model's config.
+        let v = v.get("text_config").filter(|t| t.is_object()).unwrap_or(v);
+        let mt = v.get("model_type").and_then(Value::as_str).ok_or_else(|| bad("config.json has no model_type"))?;
+        let arch = Arch::from_hf(mt).ok_or_else(|| bad(format!("unsupported model_type '{mt}'")))?;
+        let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
+        let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
+        let req = |k: &str| u(k).ok_or_else(|| bad(format!("config.json lacks '{k}'")));
+        let hidden = req("hidden_size")?;
+        let n_heads = req("num_attention_heads")?;
+        let n_layers = req("num_hidden_layers")?;
+        let head_dim = u("head_dim").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let gemma = arch == Arch::Gemma3;
+        // RoPE settings: transformers >= 5 writes `rope_parameters` (flat, or keyed by layer
+        // type for Gemma 3); older files have top-level `rope_theta` + `rope_scaling`.
+        let rp = v.get("rope_parameters").filter(|r| r.is_object());
+        let (rp_global, rp_local) = match rp.and_then(|r| r.get("full_attention")) {
+            Some(full) => (Some(full), rp.and_then(|r| r.get("sliding_attention"))),
+            None => (rp, None),
+        };
+        let theta_of = |r: Option<&Value>| r.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32);
+        let rope_theta = theta_of(rp_global).or_else(|| f("rope_theta")).unwrap_or(10000.0);
+        let rope_theta_local = theta_of(rp_local).or_else(|| f("rope_local_base_freq")).unwrap_or(10000.0);
+        let rs = rp_global.or_else(|| v.get("rope_scaling")).filter(|r| r.is_object());
+        let rope_type = rs.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str);
+        let llama3_scaling = match (rope_type, rs) {
+            (Some("llama3"), Some(r)) => {
+                let g = |k: &str| r.get(k).and_then(Value::as_f64);
+                Some(Llama3Scaling {
+                    factor: g("factor").ok_or_else(|| bad("llama3 rope scaling lacks factor"))? as f32,
+                    low_freq_factor: g("low_freq_factor").unwrap_or(1.0) as f32,
+                    high_freq_factor: g("high_freq_factor").unwrap_or(4.0) as f32,
+                    original_max_position: g("original_max_position_embeddings").unwrap_or(8192.0) as usize,
+                })
+            }
+            (Some(t), _) if !matches!(t, "default" | "llama3" | "linear") => {
+                return Err(bad(format!("unsupported RoPE type '{t}'")));
+            }
+            _ => None,
+        };
+        let rope_linear_factor = match (rope_type, rs) {
+            (Some("linear"), Some(r)) => r.get("factor").and_then(Value::as_f64).unwrap_or(1.0) as f32,
+            _ => 1.0,
+        };
+        let sliding_window = if gemma || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            u("sliding_window")
+        } else {
+            None
+        };
+        let sliding_layers = if let Some(lt) = v.get("layer_types").and_then(Value::as_array) {
+            lt.iter().map(|t| t.as_str() == Some("sliding_attention")).collect()
+        } else if gemma {
+            gemma_sliding(n_layers, u("sliding_window_pattern").unwrap_or(6))
+        } else {
+            vec![sliding_window.is_some(); n_layers]
+        };
+        let attn_scale = if gemma {
+            (f("query_pre_attn_scalar").unwrap_or(head_dim as f32)).powf(-0.5)
+        } else {
+            (head_dim as f32).powf(-0.5)
+        };
+        let c = ModelConfig {
+            arch,
+            vocab_size: req("vocab_size")?,
+            hidden_size: hidden,
+            intermediate_size: req("intermediate_size")?,
+            n_layers,
+            n_heads,
+            n_kv_heads: u("num_key_value_heads").unwrap_or(n_heads),
+            head_dim,
+            rms_eps: f("rms_norm_eps").unwrap_or(1e-6),
+            rope_theta,
+            rope_theta_local: if gemma { Some(rope_theta_local) } else { None },
+            rope_style: RopeStyle::Neox,
+            llama3_scaling,
+            rope_linear_factor,
+            context_length: u("max_position_embeddings").unwrap_or(2048),
+            sliding_window,
+            sliding_layers,
+            tie_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(gemma),
+            attention_bias: arch == Arch::Qwen2 || v.get("attention_bias").and_then(Value::as_bool) == Some(true),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
+            norm_offset: if gemma { 1.0 } else { 0.0 },
+            sandwich_norms: gemma,
+            attn_scale,
+            final_logit_softcap: f("final_logit_softcapping"),
+        };
+        validate(&c)?;
+        Ok(c)
+    }
+
+    /// From GGUF metadata. `has_output` says whether an `output.weight` tensor exists (else the
+    /// embeddings are tied).
+    pub fn from_gguf(g: &GgufFile, has_output: bool) -> Result<ModelConfig> {
+        let a = g.architecture().ok_or_else(|| bad("GGUF has no general.architecture"))?.to_string();
+        let arch = Arch::from_gguf(&a).ok_or_else(|| bad(format!("unsupported GGUF architecture '{a}'")))?;
+        let key = |k: &str| format!("{a}.{k}");
+        let u = |k: &str| g.get_u64(&key(k)).map(|x| x as usize);
+        let f = |k: &str| g.get_f32(&key(k));
+        let req = |k: &str| u(k).ok_or_else(|| bad(format!("GGUF lacks '{}'", key(k))));
+        let hidden = req("embedding_length")?;
+        let n_heads = req("attention.head_count")?;
+        let n_layers = req("block_count")?;
+        let head_dim = u("attention.key_length").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let vocab = match u("vocab_size") {
+            Some(v) => v,
+            None => g.get_str_array("tokenizer.ggml.tokens").map(|t| t.len()).unwrap_or(0),
+        };
+        let gemma = arch == Arch::Gemma3;
+        let sliding_window = u("attention.sliding_window");
+        let sliding_layers = if gemma {
+            gemma_sliding(n_layers, 6)
+        } else {
+            vec![sliding_window.is_some(); n_layers]
+        };
+        let scaling_type = g.get_str(&key("rope.scaling.type"));
+        let rope_linear_factor = if scaling_type == Some("linear") { f("rope.scaling.factor").unwrap_or(1.0) } else { 1.0 };
+        let c = ModelConfig {
+            arch,
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: req("feed_forward_length")?,
+            n_layers,
+            n_heads,
+            n_kv_heads: u("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim,
+            rms_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
+            rope_theta: f("rope.freq_base").unwrap_or(10000.0),
+            rope_theta_local: if gemma { Some(10000.0) } else { None },
+            // ggml's Llama uses interleaved pairs on permuted q/k rows; Qwen and Gemma use NEOX.
+            rope_style: if arch == Arch::Llama { RopeStyle::Interleaved } else { RopeStyle::Neox },
+            // Llama 3 scaling arrives as the `rope_freqs.weight` tensor in GGUF.
+            llama3_scaling: None,
+            rope_linear_factor,
+            context_length: u("context_length").unwrap_or(2048),
+            sliding_window,
+            sliding_layers,
+            tie_embeddings: !has_output,
+            attention_bias: arch == Arch::Qwen2,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
+            norm_offset: 0.0,
+            sandwich_norms: gemma,
+            attn_scale: (head_dim as f32).powf(-0.5),
+            final_logit_softcap: f("final_logit_softcapping"),
+        };
+        validate(&c)?;
+        Ok(c)
+    }
+
+    /// Llama 3 per-frequency divisors (as transformers' `_compute_llama3_parameters`).
+    pub fn llama3_freq_factors(&self) -> Option<Vec<f32>> {
+        let s = self.llama3_scaling.as_ref()?;
+        let pi = std::f64::consts::PI;
+        let low_wavelen = s.original_max_position as f64 / s.low_freq_factor as f64;
+        let high_wavelen = s.original_max_position as f64 / s.high_freq_factor as f64;
+        Some(
+            (0..self.head_dim / 2)
+                .map(|i| {
+                    let freq = (self.rope_theta as f64).powf(-(2.0 * i as f64) / self.head_dim as f64);
+                    let wavelen = 2.0 * pi / freq;
+                    let factor = if wavelen < high_wavelen {
+                        1.0
+                    } else if wavelen > low_wavelen {
+                        s.factor as f64
+                    } else {
+                        let smooth = (s.original_max_position as f64 / wavelen - s.low_freq_factor as f64)
+                            / (s.high_freq_factor as f64 - s.low_freq_factor as f64);
+                        // new_freq = (1-smooth)*freq/factor + smooth*freq  => divisor:
+                        1.0 / ((1.0 - smooth) / s.factor as f64 + smooth)
+                    };
+                    factor as f32
+                })
+                .collect(),
+        )
+    }
+}

@@ -1,0 +1,311 @@
+//! `Model`: a loaded checkpoint (any format) with its config, weights, tokenizer and template;
+//! `Session`: one sequence's KV cache and position over a borrowed model.
+//!
+//! The forward here is the reference path: f32 activations, weights dequantized a row at a time
+//! inside the matmul, f32 accumulation.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use hf2q_tensor::cpu::CpuBackend;
+use hf2q_tensor::io::gguf::GgufFile;
+use hf2q_tensor::op::Backend;
+use hf2q_tensor::{QTensor, Tensor};
+use serde::Serialize;
+
+use crate::arch::{load_blocks, Block};
+use crate::chat_template::ChatTemplate;
+use crate::config::ModelConfig;
+use crate::kv_cache::KvCache;
+use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// What `hf2q inspect` prints (also as JSON).
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelInfo {
+    pub path: String,
+    /// "gguf", "safetensors" or "mlx".
+    pub format: String,
+    /// "llama", "qwen2", "qwen3", "gemma3".
+    pub architecture: String,
+    pub name: Option<String>,
+    pub parameters: u64,
+    pub file_bytes: u64,
+    pub bits_per_weight: f64,
+    /// Stored type name -> (tensor count, element count).
+    pub tensor_types: BTreeMap<String, (usize, u64)>,
+    pub context_length: usize,
+    pub n_layers: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rope_theta: f32,
+    pub sliding_window: Option<usize>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub eog_tokens: Vec<String>,
+    pub add_bos: bool,
+    pub chat_template: bool,
+}
+
+pub struct Model {
+    path: PathBuf,
+    format: Format,
+    name: Option<String>,
+    file_bytes: u64,
+    tensor_summary: Vec<(String, String, u64)>,
+    pub config: ModelConfig,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    /// (V, D)
+    embed: QTensor,
+    blocks: Vec<Box<dyn Block>>,
+    /// (D)
+    final_norm: Vec<f32>,
+    /// (V, D); the embedding table when tied.
+    lm_head: QTensor,
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok()).filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+        .unwrap_or(0)
+}
+
+fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    path.is_file() && std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == b"GGUF"
+}
+
+impl Model {
+    /// Loads a `.gguf` file, a Hugging Face folder (or HF cache `models--ORG--NAME` folder) or an
+    /// MLX folder; the format is detected from what is there.
+    pub fn load(path: &Path) -> Result<Model> {
+        if !path.exists() {
+            return Err(Error::Msg(format!("{}: no such file or directory", path.display())));
+        }
+        if is_gguf(path) {
+            return Self::load_gguf(path);
+        }
+        if path.is_file() {
+            return Err(Error::Msg(format!(
+                "{}: not a GGUF file (expected a .gguf file or a folder with config.json and *.safetensors)",
+                path.display()
+            )));
+        }
+        let dir = resolve_hf_cache(path)?;
+        if !dir.join("config.json").is_file() {
+            return Err(Error::Msg(format!("{}: folder has no config.json", dir.display())));
+        }
+        Self::load_folder(&dir)
+    }
+
+    fn load_gguf(path: &Path) -> Result<Model> {
+        let file = GgufFile::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let name = file.get_str("general.name").map(str::to_string);
+        let src_arch_probe = {
+            let has_output = file.tensor("output.weight").is_some();
+            ModelConfig::from_gguf(&file, has_output)?
+        };
+        let src = WeightSource::gguf(file, src_arch_probe.arch);
+        let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        Self::assemble(path.to_path_buf(), src, None, tokenizer, name, file_bytes)
+    }
+
+    fn load_folder(dir: &Path) -> Result<Model> {
+        let cfg_json = read_config_json(dir)?;
+        let src = WeightSource::safetensors(dir, &cfg_json)?;
+        let tj = dir.join("tokenizer.json");
+        if !tj.is_file() {
+            return Err(Error::Msg(format!("{}: folder has no tokenizer.json", dir.display())));
+        }
+        let tc = dir.join("tokenizer_config.json");
+        let tokenizer = Tokenizer::from_hf_files(&tj, tc.is_file().then_some(tc.as_path()))?;
+        let name = dir.file_name().map(|s| s.to_string_lossy().to_string());
+        Self::assemble(dir.to_path_buf(), src, Some(cfg_json), tokenizer, name, dir_bytes(dir))
+    }
+
+    fn assemble(
+        path: PathBuf,
+        src: WeightSource,
+        cfg_json: Option<serde_json::Value>,
+        tokenizer: Tokenizer,
+        name: Option<String>,
+        file_bytes: u64,
+    ) -> Result<Model> {
+        let config = config_from_source(&src, cfg_json.as_ref())?;
+        let embed = src.matrix("model.embed_tokens.weight")?;
+        if embed.cols != config.hidden_size {
+            return Err(Error::Config(format!("embedding width {} != hidden_size {}", embed.cols, config.hidden_size)));
+        }
+        let lm_head = if src.contains("lm_head.weight") && !config.tie_embeddings {
+            src.matrix("lm_head.weight")?
+        } else {
+            embed.clone()
+        };
+        let mut config = config;
+        // The weights are the truth about the vocabulary size.
+        config.vocab_size = lm_head.rows;
+        let blocks = load_blocks(&src, &config)?;
+        let final_norm = src.vector("model.norm.weight")?;
+        let template = match tokenizer.chat_template() {
+            Some(t) => Some(ChatTemplate::new(t, tokenizer.bos_token(), tokenizer.eos_token())?),
+            None => None,
+        };
+        Ok(Model {
+            path,
+            format: src.format(),
+            name,
+            file_bytes,
+            tensor_summary: src.tensor_summary(),
+            config,
+            tokenizer,
+            template,
+            embed,
+            blocks,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    pub fn info(&self) -> ModelInfo {
+        let mut types: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+        let mut params = 0u64;
+        for (_, ty, n) in &self.tensor_summary {
+            let e = types.entry(ty.clone()).or_default();
+            e.0 += 1;
+            e.1 += n;
+            params += n;
+        }
+        let c = &self.config;
+        let tok = &self.tokenizer;
+        ModelInfo {
+            path: self.path.display().to_string(),
+            format: self.format.name().to_string(),
+            architecture: c.arch.name().to_string(),
+            name: self.name.clone(),
+            parameters: params,
+            file_bytes: self.file_bytes,
+            bits_per_weight: if params > 0 { self.file_bytes as f64 * 8.0 / params as f64 } else { 0.0 },
+            tensor_types: types,
+            context_length: c.context_length,
+            n_layers: c.n_layers,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            vocab_size: c.vocab_size,
+            rope_theta: c.rope_theta,
+            sliding_window: c.sliding_window,
+            bos_token: tok.bos_token().map(str::to_string),
+            eos_token: tok.eos_token().map(str::to_string),
+            eog_tokens: tok.eog_ids().iter().filter_map(|&i| tok.token_to_str(i).map(str::to_string)).collect(),
+            add_bos: tok.add_bos(),
+            chat_template: self.template.is_some(),
+        }
+    }
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+    /// The model's chat template, if it ships one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
+    }
+    /// Context length the model was trained for.
+    pub fn context_length(&self) -> usize {
+        self.config.context_length
+    }
+    pub fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+    /// A new sequence holding at most `max_context` positions (0 = the model's context length).
+    pub fn session(&self, max_context: usize) -> Session<'_> {
+        let limit = if max_context == 0 { self.config.context_length } else { max_context };
+        let c = &self.config;
+        Session { model: self, pos: 0, cache: KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit) }
+    }
+
+    /// Runs `tokens` at positions `pos0..` through the blocks; returns the normed hidden states.
+    fn hidden(&self, tokens: &[u32], cache: &mut KvCache, pos0: usize) -> Result<Tensor> {
+        let be = CpuBackend;
+        if tokens.is_empty() {
+            return Err(Error::Msg("no tokens to run".into()));
+        }
+        if pos0 + tokens.len() > cache.limit {
+            return Err(Error::Msg(format!(
+                "context full: {} + {} tokens exceed the context size {}",
+                pos0,
+                tokens.len(),
+                cache.limit
+            )));
+        }
+        let mut x = be.embedding(&self.embed, tokens, self.config.embed_scale)?;
+        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            block.forward(&be, &mut x, kv, pos0, cache.limit)?;
+        }
+        Ok(be.rms_norm(&x, &self.final_norm, self.config.rms_eps, self.config.norm_offset)?)
+    }
+
+    /// `h (T, D)` -> logits `(T, V)`.
+    fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let mut l = CpuBackend.linear(h, &self.lm_head, None)?;
+        if let Some(cap) = self.config.final_logit_softcap {
+            l.data_mut().iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        }
+        Ok(l)
+    }
+}
+
+/// One sequence: KV cache + position.
+pub struct Session<'m> {
+    model: &'m Model,
+    pos: usize,
+    cache: KvCache,
+}
+
+impl<'m> Session<'m> {
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+    /// Tokens in the cache.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+    pub fn max_context(&self) -> usize {
+        self.cache.limit
+    }
+    /// Bytes held by the KV cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+    pub fn reset(&mut self) {
+        self.pos = 0;
+    }
+    /// Feeds `tokens` (appended after what is cached) and returns the logits `(V)` of the last one.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let h = self.model.hidden(tokens, &mut self.cache, self.pos)?;
+        let (t, d) = h.dims2();
+        let last = Tensor::new(&[1, d], h.row(t - 1).to_vec())?;
+        let l = self.model.logits(&last)?;
+        self.pos += tokens.len();
+        Ok(l.into_data())
+    }
+    /// Feeds one token and returns its logits `(V)`.
+    pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        self.prefill(&[token])
+    }
+    /// Feeds `tokens` and returns the logits of every position `(T, V)` (teacher forcing).
+    pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let h = self.model.hidden(tokens, &mut self.cache, self.pos)?;
+        let l = self.model.logits(&h)?;
+        self.pos += tokens.len();
+        Ok(l)
+    }
+}

@@ -1,0 +1,71 @@
+//! The one table mapping checkpoint tensor names (Hugging Face style, used everywhere inside
+//! hf2q) to GGUF names (llama.cpp's `tensor_mapping`). Architecture code asks for HF names.
+
+use crate::config::Arch;
+
+/// Global (non-layer) tensors.
+const GLOBAL: &[(&str, &str)] = &[
+    ("model.embed_tokens", "token_embd"),
+    ("model.norm", "output_norm"),
+    ("lm_head", "output"),
+    ("rope_freqs", "rope_freqs"),
+];
+
+/// Per-layer tensors: HF suffix after `model.layers.N.` -> GGUF suffix after `blk.N.`.
+const LAYER: &[(&str, &str)] = &[
+    ("input_layernorm", "attn_norm"),
+    ("self_attn.q_proj", "attn_q"),
+    ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"),
+    ("self_attn.o_proj", "attn_output"),
+    ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.k_norm", "attn_k_norm"),
+    ("mlp.gate_proj", "ffn_gate"),
+    ("mlp.up_proj", "ffn_up"),
+    ("mlp.down_proj", "ffn_down"),
+    ("pre_feedforward_layernorm", "ffn_norm"),
+    ("post_feedforward_layernorm", "post_ffw_norm"),
+];
+
+/// Maps an HF tensor name (`model.layers.3.self_attn.q_proj.weight`) to its GGUF name
+/// (`blk.3.attn_q.weight`), or `None` if the table has no entry.
+pub fn hf_to_gguf(arch: Arch, hf: &str) -> Option<String> {
+    let (stem, suffix) = match hf.rsplit_once('.') {
+        Some((s, x)) if x == "weight" || x == "bias" => (s, x),
+        _ => (hf, ""),
+    };
+    let dot_suffix = if suffix.is_empty() { String::new() } else { format!(".{suffix}") };
+    if let Some((_, g)) = GLOBAL.iter().find(|(h, _)| *h == stem) {
+        return Some(format!("{g}{dot_suffix}"));
+    }
+    let rest = stem.strip_prefix("model.layers.")?;
+    let (idx, part) = rest.split_once('.')?;
+    idx.parse::<usize>().ok()?;
+    // The one name whose meaning differs by family: Llama's "post attention" norm is the norm
+    // before the MLP; Gemma 3's is applied to the attention output.
+    let g = if part == "post_attention_layernorm" {
+        if arch == Arch::Gemma3 { "post_attention_norm" } else { "ffn_norm" }
+    } else {
+        LAYER.iter().find(|(h, _)| *h == part)?.1
+    };
+    Some(format!("blk.{idx}.{g}{dot_suffix}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn maps_known_names() {
+        assert_eq!(hf_to_gguf(Arch::Llama, "model.embed_tokens.weight").unwrap(), "token_embd.weight");
+        assert_eq!(hf_to_gguf(Arch::Llama, "model.layers.3.self_attn.q_proj.weight").unwrap(), "blk.3.attn_q.weight");
+        assert_eq!(hf_to_gguf(Arch::Qwen2, "model.layers.0.self_attn.k_proj.bias").unwrap(), "blk.0.attn_k.bias");
+        assert_eq!(hf_to_gguf(Arch::Llama, "model.layers.1.post_attention_layernorm.weight").unwrap(), "blk.1.ffn_norm.weight");
+        assert_eq!(
+            hf_to_gguf(Arch::Gemma3, "model.layers.1.post_attention_layernorm.weight").unwrap(),
+            "blk.1.post_attention_norm.weight"
+        );
+        assert_eq!(hf_to_gguf(Arch::Gemma3, "model.layers.1.pre_feedforward_layernorm.weight").unwrap(), "blk.1.ffn_norm.weight");
+        assert_eq!(hf_to_gguf(Arch::Llama, "lm_head.weight").unwrap(), "output.weight");
+        assert!(hf_to_gguf(Arch::Llama, "model.layers.x.mlp.up_proj.weight").is_none());
+    }
+}

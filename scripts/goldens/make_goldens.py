@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Golden logits from an independent implementation (PyTorch + transformers) for hf2q's parity tests.
+
+Run on a machine with torch + transformers (the GPU machine); no network needed.
+
+1. Real GGUF checkpoints (`--gguf NAME=PATH`): transformers loads the GGUF (dequantizing every
+   tensor to float32 with the `gguf` package), tokenizes a fixed text with the tokenizer it
+   builds from the GGUF, and records teacher-forced top-k logits for the last STEPS positions.
+2. Tiny random-weight Hugging Face checkpoints (`--tiny DIR`): Llama (llama3 rope scaling),
+   Qwen2 (qkv bias), Qwen3 (q/k norm) and Gemma 3 (sliding window, sandwich norms), two layers,
+   hidden 64, written by transformers with a byte-level tokenizer, plus their full logits.
+
+Everything runs in float32 with TF32 off so the reference is as exact as the format allows.
+Versions used are written into every fixture (`meta`).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+STEPS = 100
+TOPK = 20
+
+# Natural text long enough for STEPS teacher-forced positions after a short prefix.
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
+    "produce books quickly and cheaply. Before that, most books in Europe were copied by hand, a "
+    "slow process that made them rare and expensive. Within fifty years, printing shops had opened "
+    "in more than two hundred cities, and millions of volumes were in circulation. Scholars could "
+    "now compare identical copies of a text, which helped standardize spelling and grammar, and new "
+    "ideas spread faster than ever before. def add(a, b):\n    return a + b\n"
+)
+
+
+def meta():
+    import gguf  # noqa: F401  (recorded for provenance)
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gguf": getattr(sys.modules["gguf"], "__version__", "unknown"),
+        "dtype": "float32",
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+
+
+def setup():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_grad_enabled(False)
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gguf_golden(name, path, out_dir, dev):
+    d, f = os.path.split(os.path.abspath(path))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32).to(dev).eval()
+    ids = tok(TEXT, add_special_tokens=True)["input_ids"]
+    if len(ids) < STEPS + 8:
+        raise SystemExit(f"{name}: text gives only {len(ids)} tokens")
+    x = torch.tensor([ids], device=dev)
+    logits = model(x).logits[0].float().cpu()  # (T, V)
+    first = len(ids) - STEPS
+    steps = []
+    for pos in range(first, len(ids)):
+        v, i = torch.topk(logits[pos], TOPK)
+        steps.append({"pos": pos, "top_ids": i.tolist(), "top_logits": [round(float(a), 5) for a in v]})
+    fx = {
+        "model": name,
+        "file": f,
+        "text": TEXT,
+        "ids": ids,
+        "argmax": [int(logits[p].argmax()) for p in range(len(ids))],
+        "steps": steps,
+        "meta": meta(),
+    }
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
+        json.dump(fx, fh)
+    print(f"{name}: {len(ids)} tokens, first argmax {fx['argmax'][:8]}", flush=True)
+
+
+def byte_tokenizer(dir_):
+    """A byte-level BPE with no merges: 256 byte tokens + 3 specials; small and real."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    bl = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = bl
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens(["<s>", "</s>", "<pad>"])
+    t.save(os.path.join(dir_, "tokenizer.json"))
+    with open(os.path.join(dir_, "tokenizer_config.json"), "w") as fh:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+                   "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                                    "{% if add_generation_prompt %}<s>assistant: {% endif %}"}, fh)
+    return t.get_vocab_size()
+
+
+def tiny_configs(vocab):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    return {
+        "tiny-llama": LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        "tiny-qwen2": Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+        "tiny-qwen3": Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                  tie_word_embeddings=True),
+        "tiny-gemma3": Gemma3TextConfig(**common, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                        rope_local_base_freq=10000.0, sliding_window=4,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh"),
+    }
+
+
+def tiny_goldens(out_dir, dev):
+    torch.manual_seed(1234)
+    for name, cfg in tiny_configs(259).items():
+        d = os.path.join(out_dir, name)
+        os.makedirs(d, exist_ok=True)
+        byte_tokenizer(d)
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        # Random init leaves norms at exactly 1 (or 0 for Gemma); perturb every parameter so the
+        # test sees each weight's role.
+        for p in model.parameters():
+            p.data.add_(torch.randn_like(p) * 0.05)
+        model = model.to(dev).eval()
+        model.save_pretrained(d, safe_serialization=True)
+        ids = [256] + list(range(65, 65 + 19))  # BOS + 19 byte tokens: longer than the window
+        logits = model(torch.tensor([ids], device=dev)).logits[0].float().cpu()
+        with open(os.path.join(d, "golden.json"), "w") as fh:
+            json.dump({"ids": ids, "logits": [[round(float(v), 6) for v in row] for row in logits],
+                       "meta": meta()}, fh)
+        print(f"{name}: saved", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", action="append", default=[], help="NAME=PATH of a GGUF checkpoint")
+    ap.add_argument("--tiny", help="write tiny random HF checkpoints here")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dev = setup()
+    os.makedirs(a.out, exist_ok=True)
+    for spec in a.gguf:
+        name, path = spec.split("=", 1)
+        gguf_golden(name, path, a.out, dev)
+    if a.tiny:
+        tiny_goldens(a.tiny, dev)
+
+
+if __name__ == "__main__":
+    main()
