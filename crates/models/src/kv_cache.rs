@@ -71,6 +71,16 @@ impl LayerKv {
     }
 }
 
+/// One sequence's rows inside a batched forward, for one layer: rows `start..start+len` of the
+/// batch activation are this sequence's tokens at positions `pos0..pos0+len`.
+pub struct SeqRef<'a> {
+    pub kv: &'a mut LayerKv,
+    pub start: usize,
+    pub len: usize,
+    pub pos0: usize,
+    pub limit: usize,
+}
+
 pub struct KvCache {
     pub layers: Vec<LayerKv>,
     /// Most positions this cache may hold.

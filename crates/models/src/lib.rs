@@ -16,4 +16,4 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
-pub use model::{Model, ModelInfo, Session};
+pub use model::{BatchItem, Model, ModelInfo, Session};

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::arch::{load_blocks, Block};
 use crate::chat_template::ChatTemplate;
 use crate::config::ModelConfig;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, SeqRef};
 use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -227,30 +227,71 @@ impl Model {
     }
     /// A new sequence holding at most `max_context` positions (0 = the model's context length).
     pub fn session(&self, max_context: usize) -> Session<'_> {
-        let limit = if max_context == 0 { self.config.context_length } else { max_context };
-        let c = &self.config;
-        Session { model: self, pos: 0, cache: KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit) }
+        Session { model: self, pos: 0, cache: self.new_cache(max_context) }
     }
 
-    /// Runs `tokens` at positions `pos0..` through the blocks; returns the normed hidden states.
-    fn hidden(&self, tokens: &[u32], cache: &mut KvCache, pos0: usize) -> Result<Tensor> {
+    /// An empty KV cache for one sequence of at most `limit` positions (0 = context length).
+    pub fn new_cache(&self, limit: usize) -> KvCache {
+        let limit = if limit == 0 { self.config.context_length } else { limit };
+        let c = &self.config;
+        KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit)
+    }
+
+    /// Runs a batch of sequences through the blocks in one forward: their tokens are concatenated
+    /// for every matmul, attention runs per sequence over its own cache. Returns the normed
+    /// hidden states `(ΣT, D)`.
+    fn hidden_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Tensor> {
         let be = CpuBackend;
-        if tokens.is_empty() {
-            return Err(Error::Msg("no tokens to run".into()));
+        let mut ids = Vec::new();
+        for it in items.iter() {
+            if it.tokens.is_empty() {
+                return Err(Error::Msg("no tokens to run".into()));
+            }
+            if it.pos0 + it.tokens.len() > it.cache.limit {
+                return Err(Error::Msg(format!(
+                    "context full: {} + {} tokens exceed the context size {}",
+                    it.pos0,
+                    it.tokens.len(),
+                    it.cache.limit
+                )));
+            }
+            ids.extend_from_slice(it.tokens);
         }
-        if pos0 + tokens.len() > cache.limit {
-            return Err(Error::Msg(format!(
-                "context full: {} + {} tokens exceed the context size {}",
-                pos0,
-                tokens.len(),
-                cache.limit
-            )));
-        }
-        let mut x = be.embedding(&self.embed, tokens, self.config.embed_scale)?;
-        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            block.forward(&be, &mut x, kv, pos0, cache.limit)?;
+        let mut x = be.embedding(&self.embed, &ids, self.config.embed_scale)?;
+        for (li, block) in self.blocks.iter().enumerate() {
+            let mut start = 0;
+            let mut seqs: Vec<SeqRef<'_>> = items
+                .iter_mut()
+                .map(|it| {
+                    let len = it.tokens.len();
+                    let limit = it.cache.limit;
+                    let r = SeqRef { kv: &mut it.cache.layers[li], start, len, pos0: it.pos0, limit };
+                    start += len;
+                    r
+                })
+                .collect();
+            block.forward(&be, &mut x, &mut seqs)?;
         }
         Ok(be.rms_norm(&x, &self.final_norm, self.config.rms_eps, self.config.norm_offset)?)
+    }
+
+    /// One batched step: for each sequence, feeds its tokens after `pos0` and returns the logits
+    /// `(V)` of its last token. The caller advances positions.
+    pub fn step_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let h = self.hidden_batch(items)?;
+        let d = h.dims2().1;
+        let mut last = Vec::with_capacity(items.len() * d);
+        let mut end = 0;
+        for it in items.iter() {
+            end += it.tokens.len();
+            last.extend_from_slice(h.row(end - 1));
+        }
+        let l = self.logits(&Tensor::new(&[items.len(), d], last)?)?;
+        let v = l.dims2().1;
+        Ok(l.into_data().chunks(v).map(<[f32]>::to_vec).collect())
     }
 
     /// `h (T, D)` -> logits `(T, V)`.
@@ -261,6 +302,14 @@ impl Model {
         }
         Ok(l)
     }
+}
+
+/// One sequence's part of a batched step ([`Model::step_batch`]).
+pub struct BatchItem<'s> {
+    pub cache: &'s mut KvCache,
+    /// Position of the first of `tokens` (tokens already in the cache).
+    pub pos0: usize,
+    pub tokens: &'s [u32],
 }
 
 /// One sequence: KV cache + position.
@@ -290,12 +339,10 @@ impl<'m> Session<'m> {
     }
     /// Feeds `tokens` (appended after what is cached) and returns the logits `(V)` of the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let h = self.model.hidden(tokens, &mut self.cache, self.pos)?;
-        let (t, d) = h.dims2();
-        let last = Tensor::new(&[1, d], h.row(t - 1).to_vec())?;
-        let l = self.model.logits(&last)?;
+        let mut item = [BatchItem { cache: &mut self.cache, pos0: self.pos, tokens }];
+        let mut l = self.model.step_batch(&mut item)?;
         self.pos += tokens.len();
-        Ok(l.into_data())
+        Ok(l.pop().expect("one sequence in, one row out"))
     }
     /// Feeds one token and returns its logits `(V)`.
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
@@ -303,7 +350,8 @@ impl<'m> Session<'m> {
     }
     /// Feeds `tokens` and returns the logits of every position `(T, V)` (teacher forcing).
     pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let h = self.model.hidden(tokens, &mut self.cache, self.pos)?;
+        let mut item = [BatchItem { cache: &mut self.cache, pos0: self.pos, tokens }];
+        let h = self.model.hidden_batch(&mut item)?;
         let l = self.model.logits(&h)?;
         self.pos += tokens.len();
         Ok(l)

@@ -9,7 +9,7 @@ use hf2q_tensor::Tensor;
 
 use super::Block;
 use crate::config::ModelConfig;
-use crate::kv_cache::LayerKv;
+use crate::kv_cache::SeqRef;
 use crate::layers::{attention::Attention, mlp::Mlp};
 use crate::source::WeightSource;
 use crate::Result;
@@ -45,9 +45,9 @@ impl Gemma3Block {
 }
 
 impl Block for Gemma3Block {
-    fn forward(&self, be: &CpuBackend, x: &mut Tensor, cache: &mut LayerKv, pos0: usize, limit: usize) -> Result<()> {
+    fn forward(&self, be: &CpuBackend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let h = be.rms_norm(x, &self.input_norm, self.eps, self.offset)?;
-        let a = self.attn.forward(be, &h, cache, pos0, limit)?;
+        let a = self.attn.forward(be, &h, seqs)?;
         let a = be.rms_norm(&a, &self.post_attn_norm, self.eps, self.offset)?;
         be.add_assign(x, &a)?;
         let h = be.rms_norm(x, &self.pre_ffn_norm, self.eps, self.offset)?;

@@ -8,7 +8,7 @@ use hf2q_tensor::Tensor;
 
 use super::Block;
 use crate::config::ModelConfig;
-use crate::kv_cache::LayerKv;
+use crate::kv_cache::SeqRef;
 use crate::layers::{attention::Attention, mlp::Mlp};
 use crate::source::WeightSource;
 use crate::Result;
@@ -38,9 +38,9 @@ impl LlamaBlock {
 }
 
 impl Block for LlamaBlock {
-    fn forward(&self, be: &CpuBackend, x: &mut Tensor, cache: &mut LayerKv, pos0: usize, limit: usize) -> Result<()> {
+    fn forward(&self, be: &CpuBackend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let h = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
-        let a = self.attn.forward(be, &h, cache, pos0, limit)?;
+        let a = self.attn.forward(be, &h, seqs)?;
         be.add_assign(x, &a)?;
         let h = be.rms_norm(x, &self.mlp_norm, self.eps, 0.0)?;
         let m = self.mlp.forward(be, &h)?;

@@ -9,13 +9,13 @@ use hf2q_tensor::op::{RopeParams, RopeStyle};
 use hf2q_tensor::Tensor;
 
 use crate::config::{Arch, ModelConfig};
-use crate::kv_cache::LayerKv;
+use crate::kv_cache::SeqRef;
 use crate::source::WeightSource;
 use crate::Result;
 
-/// One decoder layer: updates the residual stream `x (T, D)` in place.
+/// One decoder layer: updates the residual stream `x (ΣT, D)` of a batch of sequences in place.
 pub trait Block: Send + Sync {
-    fn forward(&self, be: &CpuBackend, x: &mut Tensor, cache: &mut LayerKv, pos0: usize, limit: usize) -> Result<()>;
+    fn forward(&self, be: &CpuBackend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()>;
 }
 
 /// RoPE of layer `i`: local layers of Gemma 3 use their own base and no scaling.

@@ -6,7 +6,7 @@ use hf2q_tensor::op::{AttentionParams, Backend, RopeParams};
 use hf2q_tensor::Tensor;
 
 use crate::config::ModelConfig;
-use crate::kv_cache::LayerKv;
+use crate::kv_cache::SeqRef;
 use crate::layers::linear::Linear;
 use crate::source::WeightSource;
 use crate::Result;
@@ -67,18 +67,28 @@ impl Attention {
         Ok(y.reshape(&[t, width])?)
     }
 
-    /// `x (T, D)` at positions `pos0..pos0+T` -> `(T, D)`.
-    pub fn forward(&self, be: &CpuBackend, x: &Tensor, cache: &mut LayerKv, pos0: usize, limit: usize) -> Result<Tensor> {
+    /// `x (ΣT, D)`: the rows of every sequence in `seqs` -> `(ΣT, D)`. Projections run once over
+    /// the whole batch; norms, RoPE, cache writes and attention run per sequence.
+    pub fn forward(&self, be: &CpuBackend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
         let p = &self.params;
         let q = self.q.forward(be, x)?;
         let k = self.k.forward(be, x)?;
         let v = self.v.forward(be, x)?;
-        let mut q = self.head_norm(be, q, &self.q_norm, p.n_heads)?;
-        let mut k = self.head_norm(be, k, &self.k_norm, p.n_kv_heads)?;
-        be.rope(&mut q, p.n_heads, pos0, &self.rope)?;
-        be.rope(&mut k, p.n_kv_heads, pos0, &self.rope)?;
-        cache.write(&k, &v, pos0, limit)?;
-        let a = be.attention(&q, &cache.view(), pos0, p)?;
+        let (qw, kw) = (q.dims2().1, k.dims2().1);
+        let mut out = vec![0f32; q.len()];
+        for s in seqs.iter_mut() {
+            let rows = |t: &Tensor, w: usize| Tensor::new(&[s.len, w], t.data()[s.start * w..(s.start + s.len) * w].to_vec());
+            let qs = self.head_norm(be, rows(&q, qw)?, &self.q_norm, p.n_heads)?;
+            let ks = self.head_norm(be, rows(&k, kw)?, &self.k_norm, p.n_kv_heads)?;
+            let vs = rows(&v, kw)?;
+            let (mut qs, mut ks) = (qs, ks);
+            be.rope(&mut qs, p.n_heads, s.pos0, &self.rope)?;
+            be.rope(&mut ks, p.n_kv_heads, s.pos0, &self.rope)?;
+            s.kv.write(&ks, &vs, s.pos0, s.limit)?;
+            let a = be.attention(&qs, &s.kv.view(), s.pos0, p)?;
+            out[s.start * qw..(s.start + s.len) * qw].copy_from_slice(a.data());
+        }
+        let a = Tensor::new(&[x.dims2().0, qw], out)?;
         self.o.forward(be, &a)
     }
 }
