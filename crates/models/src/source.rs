@@ -165,6 +165,11 @@ impl WeightSource {
         let bits = pick("bits").ok_or_else(|| Error::Config("MLX quantization lacks bits".into()))? as u32;
         let group = pick("group_size").unwrap_or(64) as usize;
         let wname = format!("{stored_stem}.weight");
+        // mlx-lm writes "mode" (affine, mxfp4, nvfp4, mxfp8); only affine is this layout.
+        let mode = over.and_then(|o| o.get("mode")).or_else(|| q.get("mode")).and_then(Value::as_str).unwrap_or("affine");
+        if mode != "affine" {
+            return Err(Error::Config(format!("MLX '{wname}': quantization mode '{mode}' is not supported (affine only)")));
+        }
         let bname = format!("{stored_stem}.biases");
         let (wf, wi) = st.get(&wname).ok_or_else(|| Error::MissingTensor(wname.clone()))?;
         let (sf, si) = st.get(scales_name).ok_or_else(|| Error::MissingTensor(scales_name.to_string()))?;
@@ -176,7 +181,25 @@ impl WeightSource {
             return Err(Error::Config(format!("MLX '{wname}': {bits} bits is not supported")));
         }
         let rows = wi.shape[0];
-        let cols = wi.shape[1].checked_mul(32).ok_or_else(|| Error::Config("MLX shape overflows".into()))? / bits as usize;
+        let row_bits = wi.shape[1].checked_mul(32).ok_or_else(|| Error::Config("MLX shape overflows".into()))?;
+        let cols = row_bits / bits as usize;
+        // Scales and biases are (R, C / group): checked as 2-D shapes, not only as counts, so a
+        // transposed tensor or a config whose bits/group disagree with the file is refused here.
+        if !row_bits.is_multiple_of(bits as usize) || group == 0 || !cols.is_multiple_of(group) {
+            return Err(Error::Config(format!(
+                "MLX '{wname}' {:?} does not hold whole groups at {bits} bits / group {group} (config.json disagrees with the file)",
+                wi.shape
+            )));
+        }
+        let want = [rows, cols / group];
+        for (n, i) in [(scales_name, si), (bname.as_str(), bi)] {
+            if i.shape != want {
+                return Err(Error::Config(format!(
+                    "MLX '{n}' has shape {:?}; weight {:?} at {bits} bits / group {group} (config.json) needs {want:?}",
+                    i.shape, wi.shape
+                )));
+            }
+        }
         let _ = prefixes;
         Ok(QTensor::affine(
             &wname,
