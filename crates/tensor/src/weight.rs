@@ -219,4 +219,14 @@ mod tests {
         }
         assert!(q.matmul(&x, t + 1, &mut out).is_err());
     }
+
+    #[test]
+    fn unsupported_and_inconsistent_weights_are_named() {
+        let e = QTensor::ggml("blk.0.attn_q.weight", GgmlType::IQ2_XXS, 2, 256, Bytes::from_vec(vec![0; 132])).unwrap_err();
+        assert_eq!(e.to_string(), "unsupported tensor type IQ2_XXS for tensor 'blk.0.attn_q.weight'");
+        let e = QTensor::ggml("w", GgmlType::Q4_0, 2, 64, Bytes::from_vec(vec![0; 10])).unwrap_err();
+        assert!(e.to_string().contains("tensor 'w': 10 bytes of data, 72 expected"), "{e}");
+        let e = QTensor::ggml("w", GgmlType::Q4_K, 1, 576, Bytes::from_vec(vec![0; 10])).unwrap_err();
+        assert!(e.to_string().contains("not a whole number of Q4_K blocks"), "{e}");
+    }
 }
