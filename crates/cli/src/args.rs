@@ -61,6 +61,19 @@ pub struct SampleArgs {
     /// Context size in tokens: prompt plus reply must fit [default: the model's, at most 4096].
     #[arg(short = 'c', long, value_name = "N")]
     pub ctx_size: Option<usize>,
+    /// Use the SIMD matmul kernels (8-bit activation blocks): several times faster, but not yet
+    /// within the accuracy gate of the reference path on every model (see BENCHMARKS.md).
+    #[arg(long)]
+    pub fast: bool,
+}
+
+impl SampleArgs {
+    /// Applies the matmul-path choice to a loaded model.
+    pub fn configure(&self, model: &mut Model) {
+        if self.fast {
+            model.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+        }
+    }
 }
 
 impl SampleArgs {

@@ -58,7 +58,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let (path, model) = args::load_model(a.model.as_deref())?;
+    let (path, mut model) = args::load_model(a.model.as_deref())?;
+    a.sample.configure(&mut model);
     let ctx = a.sample.context(&model)?;
     let tok = model.tokenizer();
     let ids = if a.raw {

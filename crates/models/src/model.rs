@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use hf2q_tensor::cpu::CpuBackend;
+use hf2q_tensor::cpu::{CpuBackend, MatmulPath};
 use hf2q_tensor::io::gguf::GgufFile;
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
@@ -68,6 +68,7 @@ pub struct Model {
     final_norm: Vec<f32>,
     /// (V, D); the embedding table when tied.
     lm_head: QTensor,
+    backend: CpuBackend,
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -171,6 +172,7 @@ impl Model {
             blocks,
             final_norm,
             lm_head,
+            backend: CpuBackend::default(),
         })
     }
 
@@ -211,6 +213,14 @@ impl Model {
             chat_template: self.template.is_some(),
         }
     }
+    /// Chooses the matmul path: `Fast` (default, SIMD kernels with 8-bit activations) or
+    /// `Reference` (f32 activations over dequantized rows; what golden parity is measured on).
+    pub fn set_matmul_path(&mut self, path: MatmulPath) {
+        self.backend = CpuBackend { matmul: path };
+    }
+    pub fn matmul_path(&self) -> MatmulPath {
+        self.backend.matmul
+    }
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -241,7 +251,7 @@ impl Model {
     /// for every matmul, attention runs per sequence over its own cache. Returns the normed
     /// hidden states `(ΣT, D)`.
     fn hidden_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Tensor> {
-        let be = CpuBackend;
+        let be = self.backend;
         let mut ids = Vec::new();
         for it in items.iter() {
             if it.tokens.is_empty() {
@@ -296,7 +306,7 @@ impl Model {
 
     /// `h (T, D)` -> logits `(T, V)`.
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        let mut l = CpuBackend.linear(h, &self.lm_head, None)?;
+        let mut l = self.backend.linear(h, &self.lm_head, None)?;
         if let Some(cap) = self.config.final_logit_softcap {
             l.data_mut().iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
         }

@@ -13,6 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use hf2q_models::Model;
+use hf2q_tensor::cpu::MatmulPath;
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -29,12 +30,19 @@ fn ids_of(v: &Value) -> Vec<u32> {
 
 fn model_from_env(var: &str) -> Option<Model> {
     match std::env::var(var) {
-        Ok(p) if !p.is_empty() => Some(Model::load(Path::new(&p)).unwrap_or_else(|e| panic!("{p}: {e}"))),
+        Ok(p) if !p.is_empty() => Some(reference(Model::load(Path::new(&p)).unwrap_or_else(|e| panic!("{p}: {e}")))),
         _ => {
             eprintln!("skipped: {var} is not set");
             None
         }
     }
+}
+
+/// Golden parity is measured on the reference matmul (f32 activations); the fast kernels are
+/// held to the reference separately (hf2q-tensor's kernel tests, and `fast_path_gate` below).
+fn reference(mut m: Model) -> Model {
+    m.set_matmul_path(MatmulPath::Reference);
+    m
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -94,7 +102,7 @@ const TINY: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
 fn tiny_hf_checkpoints_match_transformers() {
     for name in TINY {
         let dir = fixtures().join("tiny").join(name);
-        let model = Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let model = reference(Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}")));
         let g = load_json(&dir.join("golden.json"));
         let ids = ids_of(&g["ids"]);
         let logits = model.session(0).forward_all(&ids).unwrap();
@@ -148,7 +156,7 @@ fn cache_consistency(model: &Model, ids: &[u32], tol: f32) -> f32 {
 #[test]
 fn cache_consistency_every_tiny_family() {
     for name in TINY {
-        let model = Model::load(&fixtures().join("tiny").join(name)).unwrap();
+        let model = reference(Model::load(&fixtures().join("tiny").join(name)).unwrap());
         let ids: Vec<u32> = (0..14).map(|i| 256 + (i * 37 % 250)).map(|x| x % 259).collect();
         // Same arithmetic in a different grouping of tokens: differences are summation noise.
         let w = cache_consistency(&model, &ids, 1e-4);
@@ -170,7 +178,7 @@ fn cache_consistency_real_models() {
 fn batched_step_equals_separate_sequences() {
     use hf2q_models::BatchItem;
     for name in TINY {
-        let model = Model::load(&fixtures().join("tiny").join(name)).unwrap();
+        let model = reference(Model::load(&fixtures().join("tiny").join(name)).unwrap());
         let prompts: [&[u32]; 3] = [&[256, 70, 71, 72, 73, 74, 75], &[256, 100], &[256, 90, 91, 92, 93]];
         // Reference: each sequence alone, prompt then one decode step.
         let mut want = Vec::new();
@@ -199,3 +207,65 @@ fn batched_step_equals_separate_sequences() {
         }
     }
 }
+
+/// The fast CPU path (SIMD kernels, 8-bit activation blocks) against the reference path on the
+/// golden texts: teacher-forced argmax agreement >= 98/100 and mean KL(reference || fast) <= 1e-3
+/// (the gate every fast path, CPU or GPU, must meet). Not met yet (Gemma 3 measures 92/100 and
+/// KL 1.4e-2 with 8-bit activations), so it runs on request: `cargo test -- --ignored`.
+#[test]
+#[ignore = "target gate of the CPU speed work, not met yet; see BENCHMARKS.md"]
+fn fast_path_gate() {
+    fast_path_check(&["smollm2", "gemma3", "qwen25"], 98, 1e-3);
+}
+
+/// Keeps the opt-in fast path from getting worse where it is close: SmolLM2 measures 99/100 and
+/// mean KL 3.0e-3.
+#[test]
+fn fast_path_regression_smollm2() {
+    fast_path_check(&["smollm2"], 98, 5e-3);
+}
+
+fn fast_path_check(names: &[&str], min_agree: usize, max_kl: f64) {
+    for (name, var) in [
+        ("smollm2", "HF2Q_TEST_SMOLLM2_GGUF"),
+        ("gemma3", "HF2Q_TEST_GEMMA3_GGUF"),
+        ("qwen25", "HF2Q_TEST_QWEN25_GGUF"),
+    ] {
+        if !names.contains(&name) {
+            continue;
+        }
+        let Some(mut model) = model_from_env(var) else { continue };
+        let g = load_json(&fixtures().join(format!("goldens/{name}.json")));
+        let ids = ids_of(&g["ids"]);
+        let want = model.session(ids.len()).forward_all(&ids).unwrap();
+        model.set_matmul_path(MatmulPath::Fast);
+        let got = model.session(ids.len()).forward_all(&ids).unwrap();
+        let first = ids.len() - 100;
+        let (mut agree, mut kl_sum) = (0usize, 0f64);
+        for pos in first..ids.len() {
+            let (p, q) = (want.row(pos), got.row(pos));
+            if argmax(p) == argmax(q) {
+                agree += 1;
+            }
+            kl_sum += kl(p, q);
+        }
+        let kl_mean = kl_sum / 100.0;
+        eprintln!("{name}: fast vs reference argmax {agree}/100, mean KL {kl_mean:.2e}");
+        assert!(agree >= min_agree, "{name}: fast path argmax agreement {agree}/100");
+        assert!(kl_mean <= max_kl, "{name}: fast path mean KL {kl_mean}");
+    }
+}
+
+/// KL(softmax(p) || softmax(q)) in f64.
+fn kl(p: &[f32], q: &[f32]) -> f64 {
+    let lse = |v: &[f32]| {
+        let m = v.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
+    };
+    let (lp, lq) = (lse(p), lse(q));
+    p.iter().zip(q).map(|(&a, &b)| {
+        let la = a as f64 - lp;
+        la.exp() * (la - (b as f64 - lq))
+    }).sum()
+}
+

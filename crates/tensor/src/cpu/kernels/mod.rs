@@ -1,0 +1,193 @@
+//! Fast CPU matmul kernels for every weight type hf2q computes with: `out (T, R) = x (T, C) · Wᵀ`
+//! for a [`QTensor`] `W (R, C)`. The reference they are held to is [`QTensor::matmul`]
+//! (dequantize a row, f32 dot); the contract tests are `tests/kernels_*.rs`.
+//!
+//! How it works (the same for every quantized type, llama.cpp's idea in a uniform form):
+//! - The activation rows are quantized once per call to 8-bit blocks of 32 ([`q8act`]: one f32
+//!   scale per 32 values, like ggml's Q8_0, plus the block sums the offsets need).
+//! - A tile of weight rows is decoded ([`unpack`]) into unsigned 8-bit codes `u` with, per 16
+//!   elements, a scale `a` and an offset `c`, so that the weight is `a * u + c`. Every ggml block
+//!   format and MLX affine fits this form (Q4_0: `a = d`, `c = -8d`; Q4_K: `a = d * sc`,
+//!   `c = -dmin * m`; ...).
+//! - An integer engine per ISA (`dot_x86.rs`, `dot_neon.rs`, [`scalar`]) forms `Σ u * q` with
+//!   8-bit multiplies (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`), scales each 16-element
+//!   partial sum by `a * dx` in f32, and adds the offsets as `Σ c * (dx * Σ q)`.
+//! - Each decoded tile is reused for all T activation rows (`matmul.rs`), so prefill decodes every
+//!   weight block once per call; rayon splits the output rows.
+//! - Two AVX-512 VNNI specialisations on top: at T = 1 the 32-element ggml blocks are decoded in
+//!   registers and dotted without scratch (`fused_x86.rs`: the decode is the whole cost of a
+//!   matvec); at T >= 16 a 16-row panel is laid out row-interleaved so one `vpdpbusd` serves 16
+//!   rows and the f32 work per multiply-add drops 5x (`gemm_x86.rs`).
+//!
+//! F32 / F16 / BF16 weights take an f32 FMA path (converted on the fly), no activation rounding.
+//!
+//! The ISA is picked at run time (the best the CPU has); [`set_isa_override`] forces one (for
+//! tests and benchmarks), and [`linear_with`] runs one path directly.
+//!
+//! Not here: attention, norms and the rest of the op set (they stay in `cpu/mod.rs`).
+
+pub mod q8act;
+pub mod unpack;
+pub mod scalar;
+mod matmul;
+#[cfg(target_arch = "x86_64")]
+mod dot_x86;
+#[cfg(target_arch = "x86_64")]
+mod float_x86;
+#[cfg(target_arch = "x86_64")]
+mod fused_x86;
+#[cfg(target_arch = "x86_64")]
+mod gemm_x86;
+#[cfg(target_arch = "aarch64")]
+mod dot_neon;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+use crate::{Error, QTensor, Result};
+
+/// An instruction-set level a kernel is written for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable Rust; always available.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (Haswell, Zen 1 and later): `vpmaddubsw` integer dots.
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL + VNNI (Ice Lake, Zen 4 and later): `vpdpbusd` on 512-bit vectors.
+    Avx512Vnni,
+    /// aarch64 Advanced SIMD (baseline on every aarch64 CPU).
+    Neon,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni, Isa::Neon];
+
+    /// Whether this CPU can run the kernels of this level.
+    pub fn is_available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx2.is_available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The best level this CPU runs (detected once).
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            [Isa::Avx512Vnni, Isa::Avx2, Isa::Neon].into_iter().find(|i| i.is_available()).unwrap_or(Isa::Scalar)
+        })
+    }
+
+    /// Every level this CPU runs, scalar first.
+    pub fn available() -> Vec<Isa> {
+        Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Isa::Scalar => 1,
+            Isa::Avx2 => 2,
+            Isa::Avx512Vnni => 3,
+            Isa::Neon => 4,
+        }
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512vnni",
+            Isa::Neon => "neon",
+        })
+    }
+}
+
+/// 0: no override; otherwise `Isa::code`.
+static OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// Forces every later [`linear`] call (process-wide) onto one ISA level, or back to the best
+/// available with `None`. Errors if this CPU cannot run the level asked for.
+pub fn set_isa_override(isa: Option<Isa>) -> Result<()> {
+    match isa {
+        None => OVERRIDE.store(0, Ordering::Relaxed),
+        Some(i) if i.is_available() => OVERRIDE.store(i.code(), Ordering::Relaxed),
+        Some(i) => return Err(Error::Msg(format!("this CPU cannot run the {i} kernels"))),
+    }
+    Ok(())
+}
+
+/// The level [`linear`] uses now: the override if one is set, else [`Isa::best`].
+pub fn active_isa() -> Isa {
+    let c = OVERRIDE.load(Ordering::Relaxed);
+    Isa::ALL.into_iter().find(|i| i.code() == c).unwrap_or_else(Isa::best)
+}
+
+/// `out (T, R) = x (T, C) · Wᵀ` with the fastest kernels this CPU has (see the module header).
+/// Quantized weights compute against 8-bit activations (error bound in `q8act`); float weights
+/// in f32.
+pub fn linear(w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
+    linear_with(active_isa(), w, x, t, out)
+}
+
+/// [`linear`] on one ISA level; errors if this CPU cannot run it.
+pub fn linear_with(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
+    if !isa.is_available() {
+        return Err(Error::Msg(format!("this CPU cannot run the {isa} kernels")));
+    }
+    let (r, c) = (w.rows, w.cols);
+    let need_x = t.checked_mul(c);
+    let need_out = t.checked_mul(r);
+    if need_x != Some(x.len()) || need_out != Some(out.len()) {
+        return Err(Error::Shape(format!(
+            "linear with '{}' ({r}x{c}): x has {} values, out {}, for T={t}",
+            w.name,
+            x.len(),
+            out.len()
+        )));
+    }
+    check_storage(w)?;
+    if t == 0 || r == 0 {
+        return Ok(());
+    }
+    matmul::run(isa, w, x, t, out)
+}
+
+/// The kernels read weights through raw pointers: re-check that the stored lengths match the
+/// shape (`QTensor`'s constructors do, but its fields are public).
+fn check_storage(w: &QTensor) -> Result<()> {
+    let bad = || Error::Shape(format!("tensor '{}': stored data does not match its {}x{} shape", w.name, w.rows, w.cols));
+    match &w.data {
+        crate::WeightData::Ggml { ty, data } => {
+            let rb = ty.row_bytes(w.cols).ok_or_else(bad)?;
+            if rb.checked_mul(w.rows) != Some(data.len()) {
+                return Err(bad());
+            }
+        }
+        crate::WeightData::Affine { params, packed, scales, biases } => {
+            params.validate()?;
+            let groups = w.rows.checked_mul(w.cols / params.group_size).ok_or_else(bad)?;
+            let bytes = w.rows.checked_mul(w.cols * params.bits as usize / 8).ok_or_else(bad)?;
+            if !w.cols.is_multiple_of(params.group_size) || packed.len() != bytes || scales.len() != groups || biases.len() != groups {
+                return Err(bad());
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! Activation quantization for the integer dot products: each activation row (C values, C a
+//! multiple of 32) is cut into blocks of 32 and stored as `x ~= dx * q`, `q` in -127..=127,
+//! `dx = max|x| / 127` (ggml's Q8_0 rule, with the scale kept in f32 instead of f16).
+//!
+//! Error bound (what the contract tests hold the kernels to): `q = round(x / dx)`, so
+//! `|x - dx * q| <= dx / 2 = max|x_block| / 254` for every element, and a dot product with a
+//! weight row `w` moves by at most `Σ |w_i| * max|x_block(i)| / 254`.
+//!
+//! Per 16 elements we also keep `dx` (repeated, so the engines read scales at one granularity)
+//! and `dx * Σ q` (for the `c * Σ x` offset term of the weight form `a * u + c`). One scale per
+//! 32 values, not llama.cpp's one per 256 for k-quants: it costs the same in these engines (they
+//! scale every 16-element partial sum in f32 anyway) and rounds outlier channels less.
+//!
+//! Not here: weight decoding (`unpack.rs`), the dot products themselves.
+
+/// Elements per activation block.
+pub const QA: usize = 32;
+
+/// Quantized activations for T rows of C values.
+#[derive(Default, Debug)]
+pub struct ActQ8 {
+    /// T.
+    pub t: usize,
+    /// C (a multiple of 32).
+    pub k: usize,
+    /// (T, C) quantized values.
+    pub qx: Vec<i8>,
+    /// (T, C/16): the scale of the 32-block holding these 16 values.
+    pub dx: Vec<f32>,
+    /// (T, C/16): `dx * Σ q` over these 16 values.
+    pub sx: Vec<f32>,
+    /// (T, C/32): `dx * Σ q` over each 32-block (for the fused 32-block kernels).
+    pub sx32: Vec<f32>,
+}
+
+impl ActQ8 {
+    /// Resizes for `t` rows of `k` (grows the buffers, never shrinks them, so a reused `ActQ8`
+    /// stops allocating once it has seen the largest call).
+    pub fn reshape(&mut self, t: usize, k: usize) {
+        debug_assert!(k.is_multiple_of(QA));
+        self.t = t;
+        self.k = k;
+        let n = t * k;
+        if self.qx.len() < n {
+            self.qx.resize(n, 0);
+        }
+        if self.dx.len() < n / 16 {
+            self.dx.resize(n / 16, 0.0);
+            self.sx.resize(n / 16, 0.0);
+            self.sx32.resize(n / 32, 0.0);
+        }
+    }
+
+    /// Quantized row `ti`: (q, dx per 16, dx * Σq per 16).
+    pub fn row(&self, ti: usize) -> (&[i8], &[f32], &[f32]) {
+        let (k, g) = (self.k, self.k / 16);
+        (&self.qx[ti * k..(ti + 1) * k], &self.dx[ti * g..(ti + 1) * g], &self.sx[ti * g..(ti + 1) * g])
+    }
+}
+
+/// Quantizes one row: `x` (C), `qx` (C), `dx` and `sx` (C/16 each); C a multiple of 32.
+/// Written as plain loops that the compiler vectorises for the ISA of the caller it is inlined into.
+#[inline(always)]
+pub fn quantize_row(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
+    let blocks = x.chunks_exact(QA).zip(qx.chunks_exact_mut(QA)).zip(dx.chunks_exact_mut(2)).zip(sx.chunks_exact_mut(2));
+    for (((xb, qb), db), sb) in blocks {
+        let xb: &[f32; QA] = xb.try_into().expect("exact chunk");
+        let qb: &mut [i8; QA] = qb.try_into().expect("exact chunk");
+        let mut amax = 0f32;
+        for v in xb {
+            amax = amax.max(v.abs());
+        }
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut s = [0i32; 2];
+        for (h, sh) in s.iter_mut().enumerate() {
+            let mut acc = 0i32;
+            for j in 16 * h..16 * h + 16 {
+                // |x * id| <= 127 up to one rounding; the clamp keeps it in i8 whatever happens.
+                let q = ((xb[j] * id).round_ties_even() as i32).clamp(-127, 127);
+                qb[j] = q as i8;
+                acc += q;
+            }
+            *sh = acc;
+        }
+        db[0] = d;
+        db[1] = d;
+        sb[0] = d * s[0] as f32;
+        sb[1] = d * s[1] as f32;
+    }
+}
+
+/// A row quantizer: (x, q, dx per 16, sx per 16), compiled for one ISA.
+pub type QuantRowFn = unsafe fn(&[f32], &mut [i8], &mut [f32], &mut [f32]);
+
+/// Quantizes `t` rows of `x` (T, C) into `a`, rows split over rayon when there are many.
+///
+/// # Safety
+/// `row_fn` must be runnable on this CPU (its ISA available).
+pub unsafe fn quantize_rows(x: &[f32], a: &mut ActQ8, row_fn: QuantRowFn) {
+    use rayon::prelude::*;
+    let (k, t) = (a.k, a.t);
+    let g = k / 16;
+    let qx = &mut a.qx[..t * k];
+    let dx = &mut a.dx[..t * g];
+    let sx = &mut a.sx[..t * g];
+    if t >= 16 {
+        let rows = x.par_chunks(k).zip(qx.par_chunks_mut(k)).zip(dx.par_chunks_mut(g)).zip(sx.par_chunks_mut(g));
+        rows.with_min_len(4).for_each(|(((xr, q), d), s)| row_fn(xr, q, d, s));
+    } else {
+        for (((xr, q), d), s) in x.chunks(k).zip(qx.chunks_mut(k)).zip(dx.chunks_mut(g)).zip(sx.chunks_mut(g)) {
+            row_fn(xr, q, d, s);
+        }
+    }
+    for (s32, s16) in a.sx32[..t * k / 32].iter_mut().zip(a.sx[..t * g].chunks_exact(2)) {
+        *s32 = s16[0] + s16[1];
+    }
+}
+
+/// The portable row quantizer (baseline ISA).
+pub fn quantize_row_scalar(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
+    quantize_row(x, qx, dx, sx)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_row_avx2(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
+        super::quantize_row(x, qx, dx, sx)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn quantize_row_avx512(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
+        super::quantize_row(x, qx, dx, sx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_error_is_at_most_half_a_step() {
+        let x: Vec<f32> = (0..96).map(|i| ((i * 7919) % 101) as f32 * 0.37 - 17.0 + if i == 40 { 300.0 } else { 0.0 }).collect();
+        let (mut q, mut d, mut s) = (vec![0i8; 96], vec![0f32; 6], vec![0f32; 6]);
+        quantize_row_scalar(&x, &mut q, &mut d, &mut s);
+        for (b, xb) in x.chunks(32).enumerate() {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (j, v) in xb.iter().enumerate() {
+                let y = d[2 * b] * q[32 * b + j] as f32;
+                assert!((v - y).abs() <= amax / 254.0 * 1.0001, "{v} -> {y}");
+            }
+            for h in 0..2 {
+                let sum: i32 = q[32 * b + 16 * h..32 * b + 16 * h + 16].iter().map(|&v| v as i32).sum();
+                assert_eq!(s[2 * b + h], d[2 * b + h] * sum as f32);
+            }
+        }
+        let (mut q, mut d, mut s) = (vec![1i8; 32], vec![1f32; 2], vec![1f32; 2]);
+        quantize_row_scalar(&[0.0; 32], &mut q, &mut d, &mut s);
+        assert!(q.iter().all(|&v| v == 0) && d == [0.0, 0.0] && s == [0.0, 0.0]);
+    }
+}

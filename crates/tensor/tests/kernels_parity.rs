@@ -1,0 +1,183 @@
+//! Contract: every fast matmul kernel (each ISA level this CPU runs, scalar included) against the
+//! reference `QTensor::matmul`, for every weight type, on random data with awkward shapes (odd
+//! row counts, T = 1, 2, 7, 33, C a multiple of the block but not of 256 where the format
+//! allows, and a final 32-element half step).
+//!
+//! Two checks per output, both with their bound derived below:
+//! 1. Against the reference (f32 weights x f32 activations): the kernels round activations to
+//!    8 bits, `|x - dx*q| <= max|x_block| / 254` (q8act.rs), so the output may move by
+//!    `B = Σ_i |w_i| * max|x_block(i)| / 254`; allowed: `1.01 * B` plus the f32 slack of (2).
+//! 2. Against an exact (f64) product of the dequantized weights with the *quantized*
+//!    activations (from the library's own quantizer): this isolates the engines' integer dots,
+//!    scales and offsets from the activation rounding, so a wrong scale, offset or code in any
+//!    16-element group shows. Allowed: f32 rounding only, `(1e-5 + C/16 * 2^-22) * Σ|w||dx*q|`
+//!    (one rounding per 16-group partial sum and scale product, four ulps each, plus the
+//!    reference dequantizer's own rounding).
+//!
+//! Float weights (F32/F16/BF16) are not rounded: `1e-5 * Σ|w||x|` (summation order only).
+
+mod kernels_util;
+
+use hf2q_tensor::cpu::kernels::{self, q8act, Isa};
+use hf2q_tensor::GgmlType;
+use kernels_util::{all_kinds, make_weight, make_x, Kind, Rng};
+
+/// Column counts to try for a kind: small, not a multiple of 64 (the 32-element tail) and not
+/// a multiple of 256 where the block allows.
+fn cols_for(kind: Kind) -> Vec<usize> {
+    if kind.is_float() {
+        return vec![1, 7, 33, 96, 577];
+    }
+    match kind.col_multiple() {
+        32 => vec![32, 96, 576],
+        64 => vec![64, 192, 576],
+        128 => vec![128, 384],
+        _ => vec![256, 768],
+    }
+}
+
+/// Quantized activation values `dx * q` as the kernels see them.
+fn quantized_x(x: &[f32], t: usize, k: usize) -> Vec<f32> {
+    let (mut q, mut d, mut s) = (vec![0i8; k], vec![0f32; k / 16], vec![0f32; k / 16]);
+    let mut out = Vec::with_capacity(t * k);
+    for row in x.chunks(k) {
+        q8act::quantize_row_scalar(row, &mut q, &mut d, &mut s);
+        out.extend(q.iter().enumerate().map(|(i, &v)| d[i / 16] * v as f32));
+    }
+    out
+}
+
+fn check(kind: Kind, isa: Isa, rows: usize, k: usize, t: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let w = make_weight(kind, rows, k, &mut rng);
+    let x = make_x(t, k, &mut rng);
+    let mut want = vec![0f32; t * rows];
+    w.matmul(&x, t, &mut want).unwrap();
+    let mut got = vec![f32::NAN; t * rows];
+    kernels::linear_with(isa, &w, &x, t, &mut got).unwrap();
+    let wd = w.to_f32().unwrap();
+    let xq = if kind.is_float() { x.clone() } else { quantized_x(&x, t, k) };
+    let f32_slack = 1e-5 + (k / 16) as f64 * 2f64.powi(-22);
+    let ctx = format!("{} on {isa}, {rows}x{k}, T={t}", kind.name());
+    for ti in 0..t {
+        let xr = &x[ti * k..(ti + 1) * k];
+        let xqr = &xq[ti * k..(ti + 1) * k];
+        let amax: Vec<f64> = xr.chunks(32).map(|b| b.iter().fold(0f64, |a, v| a.max(v.abs() as f64))).collect();
+        for r in 0..rows {
+            let wr = &wd[r * k..(r + 1) * k];
+            let (mut exact_q, mut l1, mut l1q, mut bound) = (0f64, 0f64, 0f64, 0f64);
+            for i in 0..k {
+                let wi = wr[i] as f64;
+                exact_q += wi * xqr[i] as f64;
+                l1 += (wi * xr[i] as f64).abs();
+                l1q += (wi * xqr[i] as f64).abs();
+                bound += wi.abs() * amax[i / 32] / 254.0;
+            }
+            let (g, wv) = (got[ti * rows + r] as f64, want[ti * rows + r] as f64);
+            if kind.is_float() {
+                let tol = 1e-5 * l1 + 1e-30;
+                assert!((g - wv).abs() <= tol, "{ctx}: out[{ti}][{r}] = {g}, reference {wv}, tolerance {tol}");
+                continue;
+            }
+            let tol_ref = 1.01 * bound + f32_slack * l1 + 1e-30;
+            assert!((g - wv).abs() <= tol_ref, "{ctx}: out[{ti}][{r}] = {g}, reference {wv}, bound {tol_ref}");
+            let tol_q = f32_slack * l1q + 1e-30;
+            assert!(
+                (g - exact_q).abs() <= tol_q,
+                "{ctx}: out[{ti}][{r}] = {g}, exact with quantized x {exact_q}, tolerance {tol_q}"
+            );
+        }
+    }
+}
+
+/// Every available ISA, several shapes, for one kind.
+fn check_kind(kind: Kind) {
+    let mut seed = 1;
+    for isa in Isa::available() {
+        for k in cols_for(kind) {
+            for (rows, t) in [(1, 1), (5, 2), (37, 7), (67, 1), (150, 33), (3, 33)] {
+                seed += 1;
+                check(kind, isa, rows, k, t, seed);
+            }
+        }
+    }
+}
+
+macro_rules! kind_tests {
+    ($($name:ident => $kind:expr,)*) => {$(
+        #[test]
+        fn $name() {
+            check_kind($kind);
+        }
+    )*};
+}
+
+kind_tests! {
+    f32_matches_reference => Kind::Ggml(GgmlType::F32),
+    f16_matches_reference => Kind::Ggml(GgmlType::F16),
+    bf16_matches_reference => Kind::Ggml(GgmlType::BF16),
+    q4_0_matches_reference => Kind::Ggml(GgmlType::Q4_0),
+    q4_1_matches_reference => Kind::Ggml(GgmlType::Q4_1),
+    q5_0_matches_reference => Kind::Ggml(GgmlType::Q5_0),
+    q5_1_matches_reference => Kind::Ggml(GgmlType::Q5_1),
+    q8_0_matches_reference => Kind::Ggml(GgmlType::Q8_0),
+    q2_k_matches_reference => Kind::Ggml(GgmlType::Q2_K),
+    q3_k_matches_reference => Kind::Ggml(GgmlType::Q3_K),
+    q4_k_matches_reference => Kind::Ggml(GgmlType::Q4_K),
+    q5_k_matches_reference => Kind::Ggml(GgmlType::Q5_K),
+    q6_k_matches_reference => Kind::Ggml(GgmlType::Q6_K),
+    q8_k_matches_reference => Kind::Ggml(GgmlType::Q8_K),
+    mlx4_matches_reference => Kind::Mlx { bits: 4, group: 64 },
+    mlx8_matches_reference => Kind::Mlx { bits: 8, group: 64 },
+}
+
+#[test]
+fn mlx_every_width_and_group_matches_reference() {
+    for kind in all_kinds().into_iter().filter(|k| matches!(k, Kind::Mlx { .. })) {
+        check_kind(kind);
+    }
+}
+
+#[test]
+fn dispatch_uses_an_available_isa_and_override_is_checked() {
+    let best = Isa::best();
+    assert!(best.is_available());
+    assert!(Isa::Scalar.is_available());
+    let unavailable = Isa::ALL.into_iter().find(|i| !i.is_available());
+    if let Some(i) = unavailable {
+        assert!(kernels::set_isa_override(Some(i)).is_err());
+        let mut rng = Rng::new(9);
+        let w = make_weight(Kind::Ggml(GgmlType::Q4_0), 4, 32, &mut rng);
+        assert!(kernels::linear_with(i, &w, &[0.0; 32], 1, &mut [0.0; 4]).is_err());
+    }
+    // The override is process-wide; this test only checks it is accepted and cleared.
+    kernels::set_isa_override(Some(Isa::Scalar)).unwrap();
+    assert_eq!(kernels::active_isa(), Isa::Scalar);
+    kernels::set_isa_override(None).unwrap();
+    assert_eq!(kernels::active_isa(), best);
+}
+
+#[test]
+fn shapes_are_checked_and_zeros_give_zeros() {
+    let mut rng = Rng::new(3);
+    for isa in Isa::available() {
+        let w = make_weight(Kind::Ggml(GgmlType::Q4_K), 3, 256, &mut rng);
+        let mut out = vec![1f32; 6];
+        assert!(kernels::linear_with(isa, &w, &[0.0; 511], 2, &mut out).is_err());
+        assert!(kernels::linear_with(isa, &w, &[0.0; 512], 2, &mut out[..5]).is_err());
+        kernels::linear_with(isa, &w, &[0.0; 512], 2, &mut out).unwrap();
+        assert!(out.iter().all(|v| *v == 0.0), "{isa}: {out:?}");
+        // T = 0 is an empty product.
+        kernels::linear_with(isa, &w, &[], 0, &mut []).unwrap();
+    }
+}
+
+#[test]
+fn inconsistent_storage_is_an_error_not_a_wild_read() {
+    let mut rng = Rng::new(4);
+    let mut w = make_weight(Kind::Ggml(GgmlType::Q4_0), 4, 64, &mut rng);
+    w.rows = 5; // fields are public: the kernels must not trust them
+    for isa in Isa::available() {
+        assert!(kernels::linear_with(isa, &w, &[0.0; 64], 1, &mut [0.0; 5]).is_err());
+    }
+}
