@@ -30,3 +30,29 @@ fi
 
 echo "== tests"
 cargo test --release --locked --workspace -- --test-threads 2
+
+# ---- hf2q serve (issue 4): real clients against a real server -----------------------------------
+# The official `openai` Python package (in a venv), playwright-core (npm) driving Debian's chromium,
+# and the release binary itself (SIGTERM drain). Each tool is installed into the cache on first
+# use; one that cannot be installed makes its test print "skipped".
+echo "== server clients (openai python client, headless chromium, hf2q serve binary)"
+SERVE_CACHE="$CACHE/serve"
+mkdir -p "$SERVE_CACHE"
+if ! "$SERVE_CACHE/venv/bin/python" -c "import openai" >/dev/null 2>&1; then
+    { python3 -m venv "$SERVE_CACHE/venv" && "$SERVE_CACHE/venv/bin/pip" install --quiet "openai==3.51.0"; } \
+        || echo "warning: could not install the openai package; its test will be skipped" >&2
+fi
+if [ ! -d "$SERVE_CACHE/node/node_modules/playwright-core" ]; then
+    npm install --prefix "$SERVE_CACHE/node" --no-audit --no-fund --silent "playwright-core@1.65.1" \
+        || echo "warning: could not install playwright-core; the browser test will be skipped" >&2
+fi
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null \
+        || echo "warning: could not install chromium; the browser test will be skipped" >&2
+fi
+export HF2Q_TEST_PYTHON="$SERVE_CACHE/venv/bin/python"
+export HF2Q_TEST_NODE_MODULES="$SERVE_CACHE/node/node_modules"
+HF2Q_TEST_CHROMIUM="$(command -v chromium || true)"
+export HF2Q_TEST_CHROMIUM
+export HF2Q_TEST_BIN="$PWD/$BIN"
+cargo test --release --locked -p hf2q-server --test clients -- --test-threads 1

@@ -3,9 +3,13 @@
 
 mod args;
 mod chat;
+mod convert;
 mod inspect;
+mod perplexity;
 mod pull;
+mod quantize;
 mod run;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -67,6 +71,24 @@ conversation), /help lists commands, /quit or Ctrl-D exits. Ctrl-C during a repl
     /// Show what a model is: architecture, size, tensor types, context, special tokens.
     #[command(after_help = MODEL_FORMS)]
     Inspect(inspect::InspectArgs),
+    /// Quantize a model: llama.cpp presets (Q4_K_M, Q8_0, ...) into GGUF, or MLX affine (mlx4).
+    #[command(after_help = MODEL_FORMS)]
+    Quantize(quantize::QuantizeArgs),
+    /// Convert between GGUF, Hugging Face safetensors and MLX folders.
+    #[command(after_help = MODEL_FORMS)]
+    Convert(convert::ConvertArgs),
+    /// Perplexity on a text (as llama-perplexity), optionally KL divergence against a base model.
+    #[command(after_help = MODEL_FORMS)]
+    Perplexity(perplexity::PerplexityArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API, with a web chat at /.
+    #[command(
+        long_about = "Serve the model over HTTP: the OpenAI API (/v1/chat/completions, /v1/completions, \
+/v1/models; streaming or not), /health, /metrics (Prometheus), /tokenize, /detokenize, and a web chat \
+at /. Concurrent requests are generated together in batches. Listens on 127.0.0.1:8080 by default; \
+SIGTERM or Ctrl-C lets running requests finish, then exits.",
+        after_help = MODEL_FORMS
+    )]
+    Serve(serve::ServeArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -119,6 +141,10 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run::run(a),
         Cmd::Chat(a) => chat::chat(a),
         Cmd::Inspect(a) => inspect::inspect(a),
+        Cmd::Quantize(a) => quantize::run(a),
+        Cmd::Convert(a) => convert::run(a),
+        Cmd::Perplexity(a) => perplexity::run(a),
+        Cmd::Serve(a) => serve::serve(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -14,6 +14,9 @@ pub mod layers;
 pub mod sampler;
 pub mod stop;
 pub mod tokenizer;
+pub mod convert;
+pub mod perplexity;
+pub mod quantize;
 
 pub use error::{Error, Result};
 pub use model::{BatchItem, Model, ModelInfo, Session};

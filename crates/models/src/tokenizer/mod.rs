@@ -469,6 +469,12 @@ impl Tokenizer {
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
     }
+
+    /// The `tokenizers` pipeline as a Hugging Face `tokenizer.json` document (used to write an
+    /// HF folder from a GGUF source).
+    pub fn to_tokenizer_json(&self) -> Result<String> {
+        self.inner.to_string(true).map_err(|e| tok_err("serializing tokenizer.json", e))
+    }
 }
 
 /// `chat_template.jinja` / `chat_template.json` in the folder of `tokenizer.json`, if present.

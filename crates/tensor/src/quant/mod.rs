@@ -15,6 +15,7 @@
 //! inspected, but [`Error::UnsupportedType`] here), and k-quant quantizers (a later work item).
 
 pub mod float;
+pub mod kquant_quantize;
 pub mod kquants;
 pub mod legacy;
 pub mod mlx;
@@ -73,11 +74,18 @@ pub fn can_quantize(ty: GgmlType) -> bool {
             | GgmlType::Q5_0
             | GgmlType::Q5_1
             | GgmlType::Q8_0
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::Q8_K
     )
 }
 
 /// Quantizes `src` into `dst` (exactly `ty.row_bytes(src.len())` bytes), byte for byte as
-/// ggml's `quantize_row_*_ref` (and gguf-py's `quants.quantize`). Types without a quantizer
+/// ggml's `quantize_row_*_ref` (and gguf-py's `quants.quantize`; k-quants in
+/// [`kquant_quantize`], which also has the importance-weighted variants). Types without a quantizer
 /// here (see [`can_quantize`]) give [`Error::UnsupportedType`].
 ///
 /// NaN or infinite input gives garbage blocks, as in ggml; only F16/BF16 carry NaN through.
@@ -104,6 +112,12 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
         GgmlType::Q5_0 => legacy::quantize_q5_0(src, dst),
         GgmlType::Q5_1 => legacy::quantize_q5_1(src, dst),
         GgmlType::Q8_0 => legacy::quantize_q8_0(src, dst),
+        GgmlType::Q2_K => kquant_quantize::quantize_q2_k(src, dst),
+        GgmlType::Q3_K => kquant_quantize::quantize_q3_k(src, dst),
+        GgmlType::Q4_K => kquant_quantize::quantize_q4_k(src, dst),
+        GgmlType::Q5_K => kquant_quantize::quantize_q5_k(src, dst),
+        GgmlType::Q6_K => kquant_quantize::quantize_q6_k(src, dst),
+        GgmlType::Q8_K => kquant_quantize::quantize_q8_k(src, dst),
         other => return Err(unsupported(other)),
     }
     Ok(())

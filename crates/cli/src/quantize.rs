@@ -1,0 +1,253 @@
+//! `hf2q quantize IN OUT --type T`: llama.cpp presets and single ggml types into GGUF, MLX affine
+//! recipes into an mlx-lm folder; `--eval TEXT` measures what it cost (perplexity and KL against
+//! the input) and prints a report card. Also the progress bar shared with `convert`.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use hf2q_models::convert::source::SourceModel;
+use hf2q_models::convert::Progress;
+use hf2q_models::perplexity::{perplexity, PerplexityOptions};
+use hf2q_models::quantize::imatrix::Imatrix;
+use hf2q_models::quantize::mixed::{quantize_mixed, MixedOptions};
+use hf2q_models::quantize::presets::{GgufRecipe, QuantTarget};
+use hf2q_models::quantize::rules::Overrides;
+use hf2q_models::quantize::{quantize, QuantizeOptions, QuantizeReport};
+use hf2q_models::Model;
+use hf2q_tensor::GgmlType;
+
+use crate::pull;
+
+#[derive(clap::Args, Debug)]
+pub struct QuantizeArgs {
+    /// Input model: a .gguf file, a Hugging Face or MLX folder, or a built-in name.
+    pub input: String,
+    /// Output: a .gguf file for GGUF types, a new folder for MLX types.
+    pub output: PathBuf,
+    /// Target: a llama.cpp preset (Q2_K Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K
+    /// Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 F16 BF16 F32, with llama.cpp's per-tensor rules), Q3_K / Q4_K /
+    /// Q5_K (that type for every weight), or MLX affine mlxB / mlxBgG (B in 2,3,4,5,6,8; G in
+    /// 32,64,128).
+    #[arg(short = 't', long = "type", value_name = "T", required_unless_present = "target_bpw")]
+    pub ty: Option<String>,
+    /// Mixed precision instead of --type: measure on --calib text how much each layer's
+    /// attention / MLP matrices (and the embeddings) move the logits at each k-quant level,
+    /// then spend this many bits per weight where they cut KL most. GGUF output.
+    #[arg(long, value_name = "B", conflicts_with_all = ["ty", "imatrix", "pure"], requires = "calib")]
+    pub target_bpw: Option<f64>,
+    /// Calibration text for --target-bpw.
+    #[arg(long, value_name = "TEXT")]
+    pub calib: Option<PathBuf>,
+    /// Calibration tokens (from the start of --calib) for --target-bpw: each measurement runs
+    /// them once, and there is one measurement per layer group and level.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub calib_tokens: usize,
+    /// --target-bpw: measure every level of every group (one forward each) instead of one
+    /// level per group scaled by the weights' quantization error.
+    #[arg(long)]
+    pub exhaustive: bool,
+    /// MLX group size when --type does not name one.
+    #[arg(long, value_name = "G")]
+    pub group_size: Option<usize>,
+    /// Importance matrix (llama.cpp's GGUF imatrix format) weighting the rounding error.
+    #[arg(long, value_name = "FILE")]
+    pub imatrix: Option<PathBuf>,
+    /// Every weight gets the preset's base type (no per-tensor rules), as llama-quantize --pure.
+    #[arg(long)]
+    pub pure: bool,
+    /// Type of output.weight (llama-quantize --output-tensor-type).
+    #[arg(long, value_name = "TYPE")]
+    pub output_tensor_type: Option<String>,
+    /// Type of token_embd.weight (llama-quantize --token-embedding-type).
+    #[arg(long, value_name = "TYPE")]
+    pub token_embedding_type: Option<String>,
+    /// After writing, measure perplexity and KL against the input on this text and print a
+    /// report card.
+    #[arg(long, value_name = "TEXT")]
+    pub eval: Option<PathBuf>,
+    /// Tokens per evaluation chunk.
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pub eval_ctx: usize,
+    /// Evaluate at most N chunks (the reference CPU forward is slow on long texts).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub eval_chunks: usize,
+}
+
+/// A one-line progress bar on stderr (redrawn in place on a terminal), plus warnings.
+pub struct Bar {
+    label: String,
+    tty: bool,
+    state: Mutex<(usize, usize, Instant)>,
+}
+
+impl Bar {
+    pub fn new(label: impl Into<String>) -> Bar {
+        Bar { label: label.into(), tty: std::io::stderr().is_terminal(), state: Mutex::new((0, 0, Instant::now())) }
+    }
+}
+
+impl Progress for Bar {
+    fn start(&self, total: usize) {
+        let mut s = self.state.lock().unwrap();
+        *s = (0, total, Instant::now());
+    }
+    fn tensor(&self, done: usize, name: &str, from: &str, to: &str) {
+        let mut s = self.state.lock().unwrap();
+        s.0 = done;
+        let total = s.1.max(1);
+        if self.tty {
+            let width = 30;
+            let fill = width * done / total;
+            eprint!(
+                "\r\x1b[2K{} [{}{}] {done}/{total} {name} {from} -> {to}",
+                self.label,
+                "#".repeat(fill),
+                " ".repeat(width - fill)
+            );
+        } else if done == total || done % 50 == 0 {
+            eprintln!("{}: {done}/{total} tensors", self.label);
+        }
+    }
+    fn finish(&self) {
+        let s = self.state.lock().unwrap();
+        if self.tty {
+            eprintln!();
+        }
+        eprintln!("{}: {} tensors in {:.1} s", self.label, s.0, s.2.elapsed().as_secs_f64());
+    }
+    fn warn(&self, msg: &str) {
+        if self.tty {
+            eprint!("\r\x1b[2K");
+        }
+        eprintln!("warning: {msg}");
+    }
+}
+
+/// Opens a model argument (path or built-in name) for conversion.
+pub fn open_source(arg: &str) -> Result<SourceModel> {
+    let path = pull::resolve_model_arg(arg)?;
+    SourceModel::open(&path).with_context(|| format!("opening {}", path.display()))
+}
+
+fn parse_type(s: &Option<String>) -> Result<Option<GgmlType>> {
+    match s {
+        None => Ok(None),
+        Some(n) => match GgmlType::from_name(n) {
+            Some(t) if hf2q_tensor::quant::can_quantize(t) => Ok(Some(t)),
+            _ => bail!("'{n}' is not a ggml type hf2q can write"),
+        },
+    }
+}
+
+pub fn run(a: QuantizeArgs) -> Result<()> {
+    if let Some(bpw) = a.target_bpw {
+        return run_mixed(&a, bpw);
+    }
+    let ty = a.ty.clone().unwrap_or_default();
+    let mut target = QuantTarget::parse(&ty, a.group_size)?;
+    if let QuantTarget::Gguf(GgufRecipe { pure, .. }) = &mut target {
+        *pure |= a.pure;
+    } else if a.imatrix.is_some() {
+        bail!("--imatrix applies to GGUF types only");
+    }
+    let overrides = Overrides { output: parse_type(&a.output_tensor_type)?, token_embd: parse_type(&a.token_embedding_type)? };
+    let imatrix = match &a.imatrix {
+        Some(p) => {
+            let m = Imatrix::load(p).with_context(|| format!("reading {}", p.display()))?;
+            eprintln!("imatrix: {} entries from {} ({} chunks of {})", m.len(), p.display(), m.chunk_count, m.chunk_size);
+            Some(m)
+        }
+        None => None,
+    };
+    let src = open_source(&a.input)?;
+    let bar = Bar::new(format!("quantize {ty}"));
+    let t0 = Instant::now();
+    let report = quantize(&src, &a.output, &QuantizeOptions { target, overrides, imatrix }, &bar)
+        .with_context(|| format!("writing {}", a.output.display()))?;
+    print_summary(&report, &a.output, t0.elapsed().as_secs_f64());
+    if let Some(text) = &a.eval {
+        report_card(&src.path, &a.output, text, a.eval_ctx, a.eval_chunks, &report)?;
+    }
+    Ok(())
+}
+
+/// `--target-bpw`: measure, allocate, write, print the allocation.
+fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
+    let calib_path = a.calib.as_ref().expect("clap requires --calib");
+    let text = std::fs::read_to_string(calib_path).with_context(|| format!("reading {}", calib_path.display()))?;
+    let src = open_source(&a.input)?;
+    let model = Model::load(&src.path).with_context(|| format!("loading {}", src.path.display()))?;
+    let mut calib = model.tokenizer().encode(&text, true, false)?;
+    calib.truncate(a.calib_tokens.max(2));
+    drop(model);
+    let scratch = tempdir_beside(&a.output)?;
+    let opts = MixedOptions { target_bpw: bpw, calib, scratch: scratch.clone(), exhaustive: a.exhaustive };
+    let bar = Bar::new(format!("mixed {bpw} bpw"));
+    let t0 = Instant::now();
+    let result = quantize_mixed(&src, &a.output, &opts, &bar);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let (report, alloc) = result.with_context(|| format!("writing {}", a.output.display()))?;
+    println!("allocation ({} groups, estimated KL {:.5} = sum of per-group measurements):", alloc.groups.len(), alloc.estimated_kl);
+    for g in &alloc.groups {
+        let types: Vec<String> = g.types.iter().map(|t| t.to_string()).collect();
+        println!("  {:14} {:16} KL {:.5}  {:8.2} MB", g.name, types.join("+"), g.kl, g.bytes as f64 / 1e6);
+    }
+    let q = QuantizeReport { written: report, ..Default::default() };
+    print_summary(&q, &a.output, t0.elapsed().as_secs_f64());
+    if let Some(text) = &a.eval {
+        report_card(&src.path, &a.output, text, a.eval_ctx, a.eval_chunks, &q)?;
+    }
+    Ok(())
+}
+
+/// A scratch folder beside the output (same filesystem, cleaned up by the caller).
+fn tempdir_beside(out: &Path) -> Result<PathBuf> {
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let d = parent.join(format!(".hf2q-mixed-{}", std::process::id()));
+    std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+    Ok(d)
+}
+
+fn print_summary(r: &QuantizeReport, out: &Path, secs: f64) {
+    let w = &r.written;
+    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+    for t in &w.tensors {
+        *counts.entry(t.2.clone()).or_default() += 1;
+    }
+    let types: Vec<String> = counts.iter().map(|(k, v)| format!("{k} x{v}")).collect();
+    eprintln!(
+        "wrote {} ({:.1} MB, {:.2} bits per weight, {}) in {:.1} s{}",
+        out.display(),
+        w.bytes_written as f64 / 1e6,
+        w.bits_per_weight(),
+        types.join(", "),
+        secs,
+        if r.fallbacks.is_empty() { String::new() } else { format!("; {} tensors used a fallback type", r.fallbacks.len()) }
+    );
+    if r.imatrix_used > 0 {
+        eprintln!("{} tensors quantized with importance weights", r.imatrix_used);
+    }
+}
+
+/// Perplexity and KL of the output against the input on `text`.
+fn report_card(input: &Path, output: &Path, text: &Path, ctx: usize, chunks: usize, r: &QuantizeReport) -> Result<()> {
+    let s = std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
+    let base = Model::load(input).with_context(|| format!("loading {}", input.display()))?;
+    let quant = Model::load(output).with_context(|| format!("loading {}", output.display()))?;
+    eprintln!("evaluating on {} ({} chunks of {ctx} tokens at most) ...", text.display(), chunks);
+    let opts = PerplexityOptions { ctx, max_chunks: Some(chunks) };
+    let rep = perplexity(&quant, Some(&base), &s, &opts, &mut |i, n, p| eprint!("\r[{i}/{n}] ppl {p:.4}   "))?;
+    eprintln!();
+    let kl = rep.kl.as_ref().expect("base given");
+    println!("report card: {}", output.display());
+    println!("  size              {:.1} MB", r.written.bytes_written as f64 / 1e6);
+    println!("  bits per weight   {:.3}", r.written.bits_per_weight());
+    println!("  perplexity        {:.4} +/- {:.4}   (input: {:.4}, {:+.2}%)", rep.ppl, rep.ppl_err, kl.base_ppl, 100.0 * (rep.ppl / kl.base_ppl - 1.0));
+    println!("  KL vs input       {:.6} +/- {:.6} nats/token (max {:.4})", kl.mean_kl, kl.mean_kl_err, kl.max_kl);
+    println!("  same top token    {:.2}%", kl.same_top_pct);
+    println!("  scored            {} tokens in {} chunks of {}", rep.n_scored, rep.n_chunks, rep.ctx);
+    Ok(())
+}

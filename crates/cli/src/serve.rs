@@ -1,0 +1,194 @@
+//! `hf2q serve`: loads a model and serves the OpenAI-compatible API and the web chat
+//! (`hf2q-server`). This file is flags -> `ServerConfig`; everything else is in the server crate.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use hf2q_server::{EngineConfig, ServerConfig};
+
+use crate::args;
+
+/// Per-sequence context when the model allows more (as `run` and `chat`).
+const DEFAULT_CTX: usize = 4096;
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Model: built-in name or path [default: smollm2-135m].
+    pub model: Option<String>,
+    /// Address to listen on. The default accepts connections from this machine only; use
+    /// 0.0.0.0 to expose the server (then set --api-key).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on the API (not on /health or the web chat page).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Allow browser pages from ORIGIN (e.g. http://localhost:3000) to call the API; `*` allows
+    /// any. Repeat for several. Default: no cross-origin access.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origins: Vec<String>,
+    /// Name of the model in /v1/models and in responses [default: the model argument's name].
+    #[arg(long, value_name = "NAME")]
+    pub model_name: Option<String>,
+    /// Most tokens (prompt + reply) per request [default: the model's, at most 4096].
+    #[arg(short = 'c', long, value_name = "N")]
+    pub ctx_size: Option<usize>,
+    /// Memory for the KV caches of all running requests (e.g. 512M, 4G). A request reserves
+    /// its prompt + max_tokens when it starts; requests wait in the queue while it is full.
+    #[arg(long, value_name = "SIZE", default_value = "4G")]
+    pub kv_mem: String,
+    /// Most requests generated together in one batch.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub max_seqs: usize,
+    /// Most requests waiting for a slot; more get HTTP 429.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub max_queue: usize,
+    /// Most tokens per forward step: running streams get one each, long prompts are fed in
+    /// chunks of what is left, so they do not stall the streams for long (on the CPU a step of
+    /// 256 tokens takes about as long as 256 / the prefill rate).
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub max_batch_tokens: usize,
+    /// Largest request body (e.g. 4M).
+    #[arg(long, value_name = "SIZE", default_value = "4M")]
+    pub max_body: String,
+    /// Seconds a request may take, queue included (0 = no limit). Queued requests then fail
+    /// with 503; running ones end with finish_reason "length".
+    #[arg(long, value_name = "SECS", default_value_t = 600.0)]
+    pub request_timeout: f64,
+    /// On SIGTERM or Ctrl-C, seconds to let running requests finish before aborting them.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub drain_timeout: f64,
+    /// /health answers 503 when the engine has work but has not finished a step for SECS.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub stuck_after: f64,
+    /// Use the SIMD matmul kernels (8-bit activation blocks): several times faster, but not yet
+    /// within the accuracy gate of the reference path on every model (see BENCHMARKS.md).
+    #[arg(long)]
+    pub fast: bool,
+}
+
+/// `512M`, `4G`, `1.5GiB`, `1000000` (bytes) -> bytes.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().with_context(|| format!("'{s}' is not a size (examples: 512M, 4G)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => bail!("'{s}': unknown size unit '{u}' (use K, M, G or T)"),
+    };
+    let bytes = n * mult as f64;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        bail!("'{s}' is not a usable size");
+    }
+    Ok(bytes as u64)
+}
+
+fn secs(name: &str, v: f64) -> Result<Duration> {
+    if !(0.0..=1e7).contains(&v) {
+        bail!("--{name} must be a number of seconds >= 0");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// The name a model argument is served under: a built-in name as is, a path by its file stem.
+fn default_model_name(arg: &str) -> String {
+    let p = Path::new(arg);
+    if !p.exists() {
+        return arg.to_string();
+    }
+    let stem = p.file_stem().or_else(|| p.file_name()).map(|s| s.to_string_lossy().to_string());
+    stem.filter(|s| !s.is_empty()).unwrap_or_else(|| "model".into())
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    // Check the flags before loading (or pulling) the model.
+    let kv_mem = parse_size(&a.kv_mem).context("--kv-mem")?;
+    let max_body = parse_size(&a.max_body).context("--max-body")?;
+    let request_timeout = secs("request-timeout", a.request_timeout)?;
+    let drain_timeout = secs("drain-timeout", a.drain_timeout)?;
+    let stuck_after = secs("stuck-after", a.stuck_after)?;
+    if a.ctx_size == Some(0) {
+        bail!("--ctx-size must be at least 1");
+    }
+    let arg = a.model.clone().unwrap_or_else(|| crate::pull::DEFAULT_MODEL.to_string());
+    let mut cfg = ServerConfig {
+        host: a.host,
+        port: a.port,
+        model_id: a.model_name.unwrap_or_else(|| default_model_name(&arg)),
+        api_key: a.api_key,
+        cors_origins: a.cors_origins,
+        max_body_bytes: usize::try_from(max_body).unwrap_or(usize::MAX),
+        request_timeout,
+        drain_timeout,
+        stuck_after,
+        engine: EngineConfig {
+            ctx_size: DEFAULT_CTX,
+            kv_mem_bytes: kv_mem,
+            max_seqs: a.max_seqs,
+            max_queue: a.max_queue,
+            max_batch_tokens: a.max_batch_tokens,
+            step_delay: Duration::ZERO,
+        },
+    };
+    cfg.validate()?;
+    let (path, mut model) = args::load_model(Some(&arg))?;
+    if a.fast {
+        model.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+    }
+    let trained = model.context_length();
+    cfg.engine.ctx_size = match a.ctx_size {
+        Some(n) => {
+            if trained > 0 && n > trained {
+                eprintln!("warning: --ctx-size {n} is larger than the {trained} tokens the model was trained for");
+            }
+            n
+        }
+        None if trained == 0 => DEFAULT_CTX,
+        None => trained.min(DEFAULT_CTX),
+    };
+    cfg.validate()?;
+    if cfg.host != "127.0.0.1" && cfg.host != "localhost" && cfg.host != "::1" && cfg.api_key.is_none() {
+        eprintln!("warning: listening on {} without --api-key: anyone who can reach it can use it", cfg.host);
+    }
+    eprintln!(
+        "serving {} as '{}': context {} tokens, KV memory {} MiB, up to {} sequences per batch",
+        path.display(),
+        cfg.model_id,
+        cfg.engine.ctx_size,
+        kv_mem >> 20,
+        cfg.engine.max_seqs
+    );
+    hf2q_server::run(model, cfg)?;
+    eprintln!("stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("4G").unwrap(), 4 << 30);
+        assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_size("1000").unwrap(), 1000);
+        assert!(parse_size("").is_err());
+        assert!(parse_size("12Q").is_err());
+        assert!(parse_size("-1G").is_err());
+        assert!(parse_size("0").is_err());
+    }
+
+    #[test]
+    fn model_names() {
+        assert_eq!(default_model_name("smollm2-135m"), "smollm2-135m");
+    }
+}

@@ -1,0 +1,387 @@
+//! The engine loop: admit, build one batch, run one forward, sample, emit; repeat.
+//!
+//! Per step:
+//! 1. take new commands (blocking only when there is no work);
+//! 2. drop cancelled requests (queued or running) and enforce deadlines;
+//! 3. admit queued requests in arrival order while a slot and their KV blocks are free (FIFO:
+//!    a large request at the head is not overtaken, so it cannot starve);
+//! 4. build the batch under the token budget: every decoding sequence's one token first, then
+//!    chunks of prompts being prefilled (oldest first) with what budget is left;
+//! 5. one `Model::step_batch`; sample for every sequence whose prompt is complete.
+//!
+//! The sampling, stop-string and streaming-text logic is `hf2q_models::generate`'s, applied per
+//! sequence (that module's loop is single-sequence; its pieces are reused here).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use hf2q_models::generate::FinishReason;
+use hf2q_models::kv_cache::KvCache;
+use hf2q_models::sampler::Sampler;
+use hf2q_models::stop::StopMatcher;
+use hf2q_models::tokenizer::DecodeStream;
+use hf2q_models::{BatchItem, Model};
+
+use super::{Cmd, Event, Pending, Shared, TokenLogprob};
+
+/// One admitted sequence.
+struct Seq<'m> {
+    p: Pending,
+    cache: KvCache,
+    /// Tokens in the cache.
+    pos: usize,
+    /// The sampled token to feed next (decode phase); `None` while prefilling.
+    next: Option<u32>,
+    sampler: Sampler,
+    stop: StopMatcher,
+    text: DecodeStream<'m>,
+    /// Recent prompt + generated ids, for the penalties.
+    history: Vec<u32>,
+    generated: usize,
+    /// Ids and log-probabilities sampled since the last emitted text.
+    ids: Vec<u32>,
+    lps: Vec<TokenLogprob>,
+    last_token_at: Option<Instant>,
+    /// Set when the sequence must leave the batch.
+    done: Option<FinishReason>,
+}
+
+impl<'m> Seq<'m> {
+    fn new(p: Pending, model: &'m Model, ctx: usize) -> Seq<'m> {
+        let limit = (p.req.prompt.len() + p.req.max_tokens).min(ctx).max(1);
+        let keep = p.req.sampler.penalty_last_n;
+        let history = p.req.prompt[p.req.prompt.len().saturating_sub(keep)..].to_vec();
+        Seq {
+            cache: model.new_cache(limit),
+            pos: 0,
+            next: None,
+            sampler: Sampler::new(p.req.sampler.clone(), model.vocab_size()),
+            stop: StopMatcher::new(&p.req.stop),
+            text: model.tokenizer().decoder(),
+            history,
+            generated: 0,
+            ids: Vec::new(),
+            lps: Vec::new(),
+            last_token_at: None,
+            done: None,
+            p,
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.p.cancel.load(Ordering::Relaxed) || self.p.out.is_closed()
+    }
+
+    fn send(&mut self, ev: Event) {
+        if self.p.out.send(ev).is_err() {
+            self.done.get_or_insert(FinishReason::Cancelled);
+        }
+    }
+
+    /// Samples the next token from `logits` `(V)` and streams its text; sets `done` when the
+    /// sequence ends.
+    fn sample(&mut self, mut logits: Vec<f32>, eog: &[u32], sh: &Shared, now: Instant) {
+        let raw = self.p.req.logprobs.map(|k| (logits.clone(), k));
+        let id = self.sampler.sample(&mut logits, &self.history);
+        self.generated += 1;
+        let m = &sh.metrics;
+        m.completion_tokens.fetch_add(1, Ordering::Relaxed);
+        match self.last_token_at {
+            None => m.ttft.observe(now.duration_since(self.p.arrived).as_secs_f64()),
+            Some(t) => m.itl.observe(now.duration_since(t).as_secs_f64()),
+        }
+        self.last_token_at = Some(now);
+        let keep = self.p.req.sampler.penalty_last_n;
+        if keep > 0 {
+            if self.history.len() >= 2 * keep {
+                self.history.drain(..self.history.len() - keep);
+            }
+            self.history.push(id);
+        }
+        if !self.p.req.ignore_eos && eog.contains(&id) {
+            self.done = Some(FinishReason::Stop);
+            return;
+        }
+        self.ids.push(id);
+        if let Some((raw, k)) = raw {
+            self.lps.push(logprobs(&raw, id, k));
+        }
+        if let Some(piece) = self.text.push(id) {
+            let out = self.stop.push(&piece);
+            if out.matched.is_some() {
+                // The tokens that completed the stop string are not part of the output.
+                self.ids.clear();
+                self.lps.clear();
+            }
+            if !out.text.is_empty() {
+                self.emit(out.text);
+            }
+            if out.matched.is_some() {
+                self.done = Some(FinishReason::Stop);
+                return;
+            }
+        }
+        if self.generated >= self.p.req.max_tokens || self.pos >= self.cache.limit {
+            self.done = Some(FinishReason::Length);
+            return;
+        }
+        self.next = Some(id);
+    }
+
+    fn emit(&mut self, text: String) {
+        let ev = Event::Delta { text, ids: std::mem::take(&mut self.ids), logprobs: std::mem::take(&mut self.lps) };
+        self.send(ev);
+    }
+
+    /// Flushes pending text and sends `Done`.
+    fn finish(&mut self, reason: FinishReason, sh: &Shared) {
+        let mut reason = reason;
+        if reason == FinishReason::Cancelled || self.cancelled() {
+            sh.metrics.count_finished("cancelled");
+            return;
+        }
+        if self.stop.matched().is_none() {
+            let mut rest = String::new();
+            if let Some(tail) = self.text.flush() {
+                let out = self.stop.push(&tail);
+                rest.push_str(&out.text);
+                if out.matched.is_some() {
+                    reason = FinishReason::Stop;
+                }
+            }
+            rest.push_str(&self.stop.finish());
+            if !rest.is_empty() || !self.ids.is_empty() {
+                self.emit(rest);
+            }
+        }
+        sh.metrics.count_finished(reason.as_str());
+        let ev = Event::Done { finish: reason, prompt_tokens: self.p.req.prompt.len(), completion_tokens: self.generated };
+        self.send(ev);
+    }
+}
+
+/// log-softmax of `logits` at `id`, and the `k` most likely tokens (best first, ties by id).
+pub(super) fn logprobs(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().filter(|v| !v.is_nan()).map(|&v| f64::from(v - max).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { (f64::from(v) - lse) as f32 };
+    let mut top: Vec<(u32, f32)> = Vec::new();
+    if k > 0 {
+        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, lp(v))).collect();
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let k = k.min(all.len());
+        if k < all.len() {
+            all.select_nth_unstable_by(k - 1, order);
+            all.truncate(k);
+        }
+        all.sort_unstable_by(order);
+        top = all;
+    }
+    TokenLogprob { id, logprob: logits.get(id as usize).map_or(f32::NEG_INFINITY, |&v| lp(v)), top }
+}
+
+/// The engine loop; returns on `Cmd::Stop` or when every handle is gone.
+pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
+    let eog = model.tokenizer().eog_ids().to_vec();
+    let cfg = sh.cfg.clone();
+    let mut waiting: VecDeque<Pending> = VecDeque::new();
+    let mut running: Vec<Seq<'_>> = Vec::new();
+    let mut free_blocks = sh.total_blocks;
+    loop {
+        sh.beat();
+        // 1. Commands; block only when idle (with a timeout, to keep the heartbeat fresh).
+        let mut cmds: Vec<Cmd> = Vec::new();
+        if waiting.is_empty() && running.is_empty() {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(c) => cmds.push(c),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        cmds.extend(rx.try_iter());
+        for cmd in cmds {
+            match cmd {
+                Cmd::Submit(p) => waiting.push_back(*p),
+                Cmd::AbortAll(why) => {
+                    for p in waiting.drain(..) {
+                        sh.queued.fetch_sub(1, Ordering::SeqCst);
+                        let _ = p.out.send(Event::Error { status: 503, message: why.clone() });
+                    }
+                    for mut s in running.drain(..) {
+                        s.send(Event::Error { status: 503, message: why.clone() });
+                        free_blocks += s.p.blocks;
+                    }
+                }
+                Cmd::Stop => {
+                    for p in waiting.drain(..) {
+                        let _ = p.out.send(Event::Error { status: 503, message: "the server is shutting down".into() });
+                    }
+                    for mut s in running.drain(..) {
+                        s.send(Event::Error { status: 503, message: "the server is shutting down".into() });
+                    }
+                    return;
+                }
+                Cmd::Crash => panic!("engine crash requested (test hook)"),
+            }
+        }
+
+        // 2. Cancellations and deadlines.
+        let now = Instant::now();
+        waiting.retain(|p| {
+            if p.cancel.load(Ordering::Relaxed) || p.out.is_closed() {
+                sh.queued.fetch_sub(1, Ordering::SeqCst);
+                sh.metrics.count_finished("cancelled");
+                return false;
+            }
+            if p.req.deadline.is_some_and(|d| now >= d) {
+                sh.queued.fetch_sub(1, Ordering::SeqCst);
+                sh.metrics.count_finished("timeout");
+                let message = "the request timed out waiting for a free slot".to_string();
+                let _ = p.out.send(Event::Error { status: 503, message });
+                return false;
+            }
+            true
+        });
+        for s in running.iter_mut() {
+            if s.cancelled() {
+                s.done = Some(FinishReason::Cancelled);
+            } else if s.p.req.deadline.is_some_and(|d| now >= d) {
+                sh.metrics.count_finished("timeout");
+                s.done = Some(FinishReason::Length);
+            }
+        }
+        retire(&mut running, &mut free_blocks, sh);
+
+        // 3. Admission, in arrival order.
+        while running.len() < cfg.max_seqs {
+            let Some(front) = waiting.front() else { break };
+            if front.blocks > free_blocks {
+                break;
+            }
+            let p = waiting.pop_front().expect("front exists");
+            sh.queued.fetch_sub(1, Ordering::SeqCst);
+            if p.req.prompt.is_empty() || p.req.prompt.len() > cfg.ctx_size {
+                let message = format!("the prompt has {} tokens; 1 to {} are allowed", p.req.prompt.len(), cfg.ctx_size);
+                let _ = p.out.send(Event::Error { status: 400, message });
+                continue;
+            }
+            free_blocks -= p.blocks;
+            sh.metrics.prompt_tokens.fetch_add(p.req.prompt.len() as u64, Ordering::Relaxed);
+            running.push(Seq::new(p, model, cfg.ctx_size));
+        }
+        publish(&running, free_blocks, sh);
+        if running.is_empty() {
+            continue;
+        }
+
+        // 4. The batch: decode tokens first, then prompt chunks.
+        let mut budget = cfg.max_batch_tokens.max(1);
+        let mut plan: Vec<(usize, usize)> = Vec::new(); // (index in running, tokens fed)
+        for (i, s) in running.iter().enumerate() {
+            if s.next.is_some() && budget > 0 {
+                plan.push((i, 1));
+                budget -= 1;
+            }
+        }
+        for (i, s) in running.iter().enumerate() {
+            if s.next.is_none() && budget > 0 {
+                let n = (s.p.req.prompt.len() - s.pos).min(budget);
+                plan.push((i, n));
+                budget -= n;
+            }
+        }
+        plan.sort_unstable();
+        let fed: usize = plan.iter().map(|p| p.1).sum();
+        let result = {
+            let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
+            let mut pi = 0;
+            for (i, s) in running.iter_mut().enumerate() {
+                if pi >= plan.len() || plan[pi].0 != i {
+                    continue;
+                }
+                let n = plan[pi].1;
+                pi += 1;
+                let Seq { cache, pos, next, p, .. } = s;
+                let tokens: &[u32] = match next {
+                    Some(t) => std::slice::from_ref(t),
+                    None => &p.req.prompt[*pos..*pos + n],
+                };
+                items.push(BatchItem { cache, pos0: *pos, tokens });
+            }
+            model.step_batch(&mut items)
+        };
+        sh.metrics.steps.fetch_add(1, Ordering::Relaxed);
+        sh.metrics.step_tokens.fetch_add(fed as u64, Ordering::Relaxed);
+        sh.beat();
+
+        // 5. Sample.
+        let now = Instant::now();
+        let mut sampled = 0u64;
+        match result {
+            Ok(logits) => {
+                for ((i, n), l) in plan.iter().zip(logits) {
+                    let s = &mut running[*i];
+                    s.pos += n;
+                    let decoding = s.next.take().is_some();
+                    if decoding || s.pos == s.p.req.prompt.len() {
+                        s.sample(l, &eog, sh, now);
+                        sampled += 1;
+                    }
+                }
+            }
+            Err(e) => {
+                eprintln!("error: forward step failed: {e}");
+                for (i, _) in &plan {
+                    let s = &mut running[*i];
+                    s.send(Event::Error { status: 500, message: format!("the forward pass failed: {e}") });
+                    sh.metrics.count_finished("error");
+                    s.done = Some(FinishReason::Cancelled);
+                }
+            }
+        }
+        sh.metrics.rate.lock().unwrap_or_else(|e| e.into_inner()).add(now, sampled);
+        retire(&mut running, &mut free_blocks, sh);
+        publish(&running, free_blocks, sh);
+        if !cfg.step_delay.is_zero() {
+            std::thread::sleep(cfg.step_delay);
+        }
+    }
+}
+
+/// Finishes and removes sequences whose `done` is set, returning their blocks.
+fn retire(running: &mut Vec<Seq<'_>>, free_blocks: &mut usize, sh: &Shared) {
+    running.retain_mut(|s| match s.done {
+        Some(reason) => {
+            s.finish(reason, sh);
+            *free_blocks += s.p.blocks;
+            false
+        }
+        None => true,
+    });
+}
+
+fn publish(running: &[Seq<'_>], free_blocks: usize, sh: &Shared) {
+    sh.running.store(running.len(), Ordering::SeqCst);
+    sh.kv_reserved_blocks.store(sh.total_blocks - free_blocks, Ordering::Relaxed);
+    let used: usize = running.iter().map(|s| s.cache.bytes()).sum();
+    sh.kv_used_bytes.store(used as u64, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_are_a_log_softmax() {
+        let l = [1.0f32, 2.0, 3.0, f32::NAN];
+        let t = logprobs(&l, 1, 2);
+        let z = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
+        assert!((f64::from(t.logprob) - (2.0 - z)).abs() < 1e-6);
+        assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert_eq!(logprobs(&l, 3, 0).logprob, f32::NEG_INFINITY);
+        assert!(logprobs(&l, 9, 0).top.is_empty());
+    }
+}

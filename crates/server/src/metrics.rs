@@ -1,0 +1,240 @@
+//! Server metrics and their Prometheus text exposition (format 0.0.4).
+//!
+//! Counters are plain atomics updated by the engine thread and the HTTP handlers; histograms
+//! (time to first token, inter-token latency) keep fixed buckets behind a mutex that is held for
+//! a few nanoseconds. Gauges that describe the engine's state (queue depth, running sequences,
+//! KV use) live in [`crate::engine::Shared`] and are read when `/metrics` is rendered.
+//!
+//! What it is not: a general metrics library. The names follow Prometheus conventions
+//! (`_total` counters, base units in seconds and bytes) under the `hf2q_` prefix.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Latency buckets in seconds, from one fast CPU step to a long queue wait.
+const BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0];
+
+/// A cumulative histogram over [`BUCKETS`].
+#[derive(Debug, Default)]
+pub struct Histogram {
+    inner: Mutex<HistInner>,
+}
+
+#[derive(Debug, Default)]
+struct HistInner {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    pub fn observe(&self, secs: f64) {
+        let mut h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if h.counts.is_empty() {
+            h.counts = vec![0; BUCKETS.len()];
+        }
+        for (i, &b) in BUCKETS.iter().enumerate() {
+            if secs <= b {
+                h.counts[i] += 1;
+            }
+        }
+        h.sum += secs;
+        h.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, b) in BUCKETS.iter().enumerate() {
+            let c = h.counts.get(i).copied().unwrap_or(0);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
+        let _ = writeln!(out, "{name}_sum {}", h.sum);
+        let _ = writeln!(out, "{name}_count {}", h.count);
+    }
+}
+
+/// Generated tokens per second over a sliding window (what a dashboard wants as "tokens/s").
+#[derive(Debug)]
+pub struct RateMeter {
+    window: Duration,
+    /// (time, tokens generated in the step that ended then)
+    samples: VecDeque<(Instant, u64)>,
+}
+
+impl RateMeter {
+    pub fn new(window: Duration) -> RateMeter {
+        RateMeter { window, samples: VecDeque::new() }
+    }
+    pub fn add(&mut self, now: Instant, tokens: u64) {
+        self.samples.push_back((now, tokens));
+        self.trim(now);
+    }
+    fn trim(&mut self, now: Instant) {
+        while self.samples.front().is_some_and(|(t, _)| now.duration_since(*t) > self.window) {
+            self.samples.pop_front();
+        }
+    }
+    /// Tokens per second over the window ending at `now`.
+    pub fn rate(&mut self, now: Instant) -> f64 {
+        self.trim(now);
+        let n: u64 = self.samples.iter().map(|s| s.1).sum();
+        n as f64 / self.window.as_secs_f64()
+    }
+}
+
+/// Every counter and histogram of the server.
+#[derive(Debug)]
+pub struct Metrics {
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    /// Forward steps run by the engine and tokens fed through them (batch size = ratio).
+    pub steps: AtomicU64,
+    pub step_tokens: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub rate: Mutex<RateMeter>,
+    /// (route, HTTP status) -> count.
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    /// Why sequences ended: "stop", "length", "cancelled", "timeout", "error", "rejected".
+    finished: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            step_tokens: AtomicU64::new(0),
+            ttft: Histogram::default(),
+            itl: Histogram::default(),
+            rate: Mutex::new(RateMeter::new(Duration::from_secs(10))),
+            requests: Mutex::new(BTreeMap::new()),
+            finished: Mutex::new(BTreeMap::new()),
+        }
+    }
+}
+
+/// The engine-side gauges, sampled when `/metrics` is rendered.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Gauges {
+    pub queued: usize,
+    pub running: usize,
+    pub kv_reserved_bytes: u64,
+    pub kv_used_bytes: u64,
+    pub kv_capacity_bytes: u64,
+    pub up: bool,
+}
+
+impl Metrics {
+    pub fn count_request(&self, route: &str, status: u16) {
+        let mut m = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry((route.to_string(), status)).or_default() += 1;
+    }
+    pub fn count_finished(&self, why: &'static str) {
+        let mut m = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry(why).or_default() += 1;
+    }
+    pub fn finished(&self, why: &str) -> u64 {
+        let m = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(why).copied().unwrap_or(0)
+    }
+
+    /// The Prometheus text page.
+    pub fn render(&self, g: &Gauges) -> String {
+        let mut out = String::new();
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        {
+            let m = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = writeln!(out, "# HELP hf2q_requests_total HTTP requests by route and status.");
+            let _ = writeln!(out, "# TYPE hf2q_requests_total counter");
+            for ((route, status), n) in m.iter() {
+                let _ = writeln!(out, "hf2q_requests_total{{route=\"{}\",status=\"{status}\"}} {n}", escape(route));
+            }
+        }
+        {
+            let m = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = writeln!(out, "# HELP hf2q_sequences_finished_total Generated sequences by how they ended.");
+            let _ = writeln!(out, "# TYPE hf2q_sequences_finished_total counter");
+            for (why, n) in m.iter() {
+                let _ = writeln!(out, "hf2q_sequences_finished_total{{reason=\"{why}\"}} {n}");
+            }
+        }
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        counter(&mut out, "hf2q_prompt_tokens_total", "Prompt tokens prefilled.", ld(&self.prompt_tokens));
+        counter(&mut out, "hf2q_generation_tokens_total", "Tokens generated.", ld(&self.completion_tokens));
+        counter(&mut out, "hf2q_engine_steps_total", "Batched forward steps run.", ld(&self.steps));
+        counter(&mut out, "hf2q_engine_step_tokens_total", "Tokens fed through forward steps.", ld(&self.step_tokens));
+        gauge(&mut out, "hf2q_up", "1 while the engine thread is alive.", if g.up { 1.0 } else { 0.0 });
+        gauge(&mut out, "hf2q_queue_depth", "Requests waiting for a slot.", g.queued as f64);
+        gauge(&mut out, "hf2q_running_sequences", "Sequences in the running batch.", g.running as f64);
+        gauge(&mut out, "hf2q_kv_reserved_bytes", "KV cache memory reserved by admitted sequences.", g.kv_reserved_bytes as f64);
+        gauge(&mut out, "hf2q_kv_used_bytes", "KV cache memory allocated by running sequences.", g.kv_used_bytes as f64);
+        gauge(&mut out, "hf2q_kv_capacity_bytes", "KV cache memory cap (--kv-mem).", g.kv_capacity_bytes as f64);
+        let rate = self.rate.lock().unwrap_or_else(|e| e.into_inner()).rate(Instant::now());
+        gauge(&mut out, "hf2q_generation_tokens_per_second", "Tokens generated per second over the last 10 s.", rate);
+        self.ttft.render(&mut out, "hf2q_time_to_first_token_seconds", "From arrival to the first generated token.");
+        self.itl.render(&mut out, "hf2q_inter_token_latency_seconds", "Between consecutive generated tokens of a sequence.");
+        out
+    }
+}
+
+/// Escapes a label value (backslash, quote, newline).
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let h = Histogram::default();
+        h.observe(0.003);
+        h.observe(0.3);
+        let mut s = String::new();
+        h.render(&mut s, "x", "help");
+        assert!(s.contains("x_bucket{le=\"0.005\"} 1"), "{s}");
+        assert!(s.contains("x_bucket{le=\"0.5\"} 2"), "{s}");
+        assert!(s.contains("x_bucket{le=\"+Inf\"} 2"), "{s}");
+        assert!(s.contains("x_count 2"), "{s}");
+    }
+
+    #[test]
+    fn rate_meter_forgets_old_samples() {
+        let mut r = RateMeter::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        r.add(t0, 50);
+        r.add(t0 + Duration::from_secs(5), 50);
+        assert!((r.rate(t0 + Duration::from_secs(6)) - 10.0).abs() < 1e-9);
+        assert!((r.rate(t0 + Duration::from_secs(12)) - 5.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn render_has_every_family() {
+        let m = Metrics::default();
+        m.count_request("/v1/models", 200);
+        m.count_finished("stop");
+        let s = m.render(&Gauges { queued: 3, up: true, ..Default::default() });
+        for name in [
+            "hf2q_requests_total{route=\"/v1/models\",status=\"200\"} 1",
+            "hf2q_sequences_finished_total{reason=\"stop\"} 1",
+            "hf2q_queue_depth 3",
+            "hf2q_up 1",
+            "hf2q_time_to_first_token_seconds_count 0",
+        ] {
+            assert!(s.contains(name), "{name} missing in\n{s}");
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! The HTTP surface: routes, and the layers every request passes through (CORS, API key,
+//! body-size limit, request metrics, JSON errors for unknown routes).
+//!
+//! Layer order, outermost first: request metrics -> CORS (answers preflights before auth, as
+//! browsers send no credentials on them) -> body limit -> routes; the API key guards the `/v1`,
+//! `/tokenize`, `/detokenize` and `/metrics` routes, never `/health` or the static web chat.
+
+mod generate;
+mod misc;
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use hf2q_models::chat_template::ChatTemplate;
+use serde_json::Value;
+
+use crate::engine::Engine;
+use crate::error::{ApiError, ApiResult};
+use crate::openai::Limits;
+use crate::ServerConfig;
+
+/// Everything a handler needs.
+pub struct AppState {
+    pub engine: Engine,
+    pub cfg: ServerConfig,
+    /// The model's chat template, or the generic fallback when it ships none.
+    pub template: ChatTemplate,
+    /// Unix time the server started (the model's `created`).
+    pub created: u64,
+}
+
+pub type Shared = Arc<AppState>;
+
+impl AppState {
+    pub fn new(engine: Engine, cfg: ServerConfig) -> Result<AppState, hf2q_models::Error> {
+        let model = engine.model().clone();
+        let template = match model.chat_template() {
+            Some(t) => t.clone(),
+            None => ChatTemplate::for_tokenizer(model.tokenizer())?,
+        };
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Ok(AppState { engine, cfg, template, created })
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits { ctx_size: self.cfg.engine.ctx_size, vocab: self.engine.model().vocab_size() }
+    }
+
+    /// 404 unless `model` is absent (or empty) or names the served model.
+    pub fn check_model(&self, model: Option<&str>) -> ApiResult<()> {
+        match model {
+            Some(m) if !m.is_empty() && m != self.cfg.model_id => Err(ApiError::not_found(format!(
+                "The model '{m}' does not exist: this server serves '{}' (see /v1/models)",
+                self.cfg.model_id
+            ))
+            .with_code("model_not_found")),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The application: every route with its layers.
+pub fn router(state: Shared) -> Router {
+    let protected = Router::new()
+        .route("/v1/chat/completions", post(generate::chat))
+        .route("/v1/completions", post(generate::completions))
+        .route("/v1/models", get(misc::models))
+        .route("/v1/models/{*id}", get(misc::model))
+        .route("/tokenize", post(misc::tokenize))
+        .route("/detokenize", post(misc::detokenize))
+        .route("/metrics", get(misc::metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    let public = Router::new()
+        .route("/health", get(misc::health))
+        .route("/", get(crate::ui::index))
+        .route("/app.js", get(crate::ui::app_js))
+        .route("/style.css", get(crate::ui::style_css));
+    Router::new()
+        .merge(protected)
+        .merge(public)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), cors))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!("no route for {} {}", req.method(), req.uri().path()))
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("method {} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+/// Counts requests by route template and status.
+async fn count(State(st): State<Shared>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or("other", |m| m.as_str()).to_string();
+    let resp = next.run(req).await;
+    st.engine.shared().metrics.count_request(&route, resp.status().as_u16());
+    resp
+}
+
+/// `Authorization: Bearer KEY` when the server has a key.
+async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::trim);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares without an early exit, so the time taken does not reveal how much of a guess was
+/// right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
+}
+
+/// CORS for the configured origins (`*` = any). Preflights are answered here.
+async fn cors(State(st): State<Shared>, req: Request, next: Next) -> Response {
+    let origins = &st.cfg.cors_origins;
+    let origin = req.headers().get(header::ORIGIN).cloned();
+    let any = origins.iter().any(|o| o == "*");
+    let allowed = origin.as_ref().filter(|o| any || origins.iter().any(|a| o.as_bytes() == a.as_bytes())).cloned();
+    let Some(origin) = allowed else { return next.run(req).await };
+    let allow = if any { HeaderValue::from_static("*") } else { origin };
+    let preflight = req.method() == Method::OPTIONS && req.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    let mut resp = if preflight {
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("authorization, content-type"));
+        h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+        r
+    } else {
+        next.run(req).await
+    };
+    let h = resp.headers_mut();
+    h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, allow);
+    h.insert(header::VARY, HeaderValue::from_static("Origin"));
+    resp
+}
+
+/// The request body as a JSON value: 413 over the size limit, 400 when it is not JSON.
+pub fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> ApiResult<Value> {
+    let bytes = body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(limit)
+        } else {
+            ApiError::invalid("body", format!("could not read the request body: {r}"))
+        }
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid("body", format!("the request body is not valid JSON: {e}")).with_code("invalid_json"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_is_eq() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(!constant_time_eq(b"", b"a"));
+    }
+}

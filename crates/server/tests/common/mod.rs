@@ -1,0 +1,195 @@
+//! Shared helpers for the server tests: models, server configs, a raw HTTP/1.1 client over
+//! loopback (raw so that a test can drop a connection at an exact moment), SSE parsing.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use hf2q_models::Model;
+use hf2q_server::{EngineConfig, ServerConfig, ServerHandle};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+pub fn tiny_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama")
+}
+
+/// The tiny random Llama checkpoint of the models crate (259-token byte-level vocabulary,
+/// 256 positions): real code paths, milliseconds per step.
+pub fn tiny() -> Arc<Model> {
+    static M: OnceLock<Arc<Model>> = OnceLock::new();
+    M.get_or_init(|| Arc::new(Model::load(&tiny_path()).expect("tiny model"))).clone()
+}
+
+/// SmolLM2-135M-Instruct when `HF2Q_TEST_SMOLLM2_GGUF` names it; prints "skipped" otherwise.
+pub fn smollm2(test: &str) -> Option<Arc<Model>> {
+    match std::env::var("HF2Q_TEST_SMOLLM2_GGUF") {
+        Ok(p) if !p.is_empty() => Some(Arc::new(Model::load(Path::new(&p)).expect("SmolLM2 GGUF"))),
+        _ => {
+            eprintln!("{test}: skipped (HF2Q_TEST_SMOLLM2_GGUF is not set)");
+            None
+        }
+    }
+}
+
+pub fn cfg() -> ServerConfig {
+    ServerConfig {
+        port: 0,
+        model_id: "tiny".into(),
+        engine: EngineConfig { ctx_size: 256, kv_mem_bytes: 64 << 20, max_seqs: 16, max_queue: 64, max_batch_tokens: 256, ..Default::default() },
+        ..Default::default()
+    }
+}
+
+pub async fn start(model: Arc<Model>, cfg: ServerConfig) -> ServerHandle {
+    hf2q_server::start(model, cfg).await.expect("server starts")
+}
+
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).to_string()
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+}
+
+fn request_bytes(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> Vec<u8> {
+    let mut r = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        r.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        r.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", b.len()));
+    }
+    r.push_str("\r\n");
+    let mut bytes = r.into_bytes();
+    if let Some(b) = body {
+        bytes.extend_from_slice(b.as_bytes());
+    }
+    bytes
+}
+
+/// An open response whose body is read incrementally.
+pub struct Open {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    reader: BufReader<TcpStream>,
+    chunked: bool,
+}
+
+pub async fn open(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> Open {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(&request_bytes(addr, method, path, headers, body)).await.expect("write");
+    let mut reader = BufReader::new(s);
+    let mut line = String::new();
+    reader.read_line(&mut line).await.expect("status line");
+    let status: u16 = line.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line).await.expect("header");
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_string(), v.trim().to_string()));
+        }
+    }
+    let chunked = headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    Open { status, headers, reader, chunked }
+}
+
+impl Open {
+    /// The next piece of body (`None` at the end).
+    pub async fn next(&mut self) -> Option<Vec<u8>> {
+        if !self.chunked {
+            let mut buf = vec![0u8; 8192];
+            let n = self.reader.read(&mut buf).await.ok()?;
+            return (n > 0).then(|| buf[..n].to_vec());
+        }
+        let mut line = String::new();
+        self.reader.read_line(&mut line).await.ok()?;
+        let size = usize::from_str_radix(line.trim(), 16).ok()?;
+        if size == 0 {
+            return None;
+        }
+        let mut buf = vec![0u8; size + 2];
+        self.reader.read_exact(&mut buf).await.ok()?;
+        buf.truncate(size);
+        Some(buf)
+    }
+
+    pub async fn body(mut self) -> Resp {
+        let mut body = Vec::new();
+        while let Some(b) = self.next().await {
+            body.extend(b);
+        }
+        Resp { status: self.status, headers: self.headers, body }
+    }
+}
+
+pub async fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> Resp {
+    open(addr, method, path, headers, body).await.body().await
+}
+
+pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
+    http(addr, "POST", path, &[], Some(&body.to_string())).await
+}
+
+/// `data:` payloads of an SSE body, in order.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n").filter_map(|f| f.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+/// The text of a streamed chat (all `delta.content`) or completion (all `text`).
+pub fn streamed_text(body: &str) -> String {
+    let mut out = String::new();
+    for d in sse_data(body) {
+        if d == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&d).unwrap_or_else(|e| panic!("{e}: {d}"));
+        for c in v["choices"].as_array().into_iter().flatten() {
+            if let Some(t) = c["delta"]["content"].as_str().or_else(|| c["text"].as_str()) {
+                out.push_str(t);
+            }
+        }
+    }
+    out
+}
+
+/// Polls `f` until it holds or `limit` passes.
+pub async fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f()
+}
+
+pub fn chat_body(content: &str, max_tokens: usize, stream: bool) -> Value {
+    serde_json::json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
