@@ -193,7 +193,8 @@ impl ModelConfig {
             (Some("linear"), Some(r)) => r.get("factor").and_then(Value::as_f64).unwrap_or(1.0) as f32,
             _ => 1.0,
         };
-        let sliding_window = if gemma || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        // Mistral (v0.1) applies its window whenever one is set; Qwen2 only with use_sliding_window.
+        let sliding_window = if gemma || mt == "mistral" || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
             u("sliding_window")
         } else {
             None
@@ -327,5 +328,46 @@ impl ModelConfig {
                 })
                 .collect(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base(extra: Value) -> Value {
+        let mut v = serde_json::json!({
+            "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    #[test]
+    fn sliding_window_rules_per_family() {
+        let m = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "mistral", "sliding_window": 4096}))).unwrap();
+        assert_eq!(m.sliding_window, Some(4096));
+        assert_eq!(m.sliding_layers, vec![true, true]);
+        let q = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": false}))).unwrap();
+        assert_eq!(q.sliding_window, None);
+        assert!(q.attention_bias);
+        let g = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "gemma3_text", "sliding_window": 512, "num_hidden_layers": 12}))).unwrap();
+        assert_eq!(g.sliding_layers.iter().filter(|s| !**s).count(), 2, "every 6th layer is global");
+        assert!(!g.sliding_layers[5] && !g.sliding_layers[11]);
+    }
+
+    #[test]
+    fn bad_configs_are_named() {
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "gpt_neox"}))).unwrap_err();
+        assert!(e.to_string().contains("unsupported model_type 'gpt_neox'"), "{e}");
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "llama", "num_key_value_heads": 3}))).unwrap_err();
+        assert!(e.to_string().contains("not a multiple"), "{e}");
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "llama", "hidden_size": 0}))).unwrap_err();
+        assert!(e.to_string().contains("hidden_size = 0"), "{e}");
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))).unwrap_err();
+        assert!(e.to_string().contains("unsupported RoPE type 'yarn'"), "{e}");
     }
 }
