@@ -107,7 +107,7 @@ impl Progress for Bar {
                 "#".repeat(fill),
                 " ".repeat(width - fill)
             );
-        } else if done == total || done % 50 == 0 {
+        } else if done == total || done.is_multiple_of(50) {
             eprintln!("{}: {done}/{total} tensors", self.label);
         }
     }

@@ -39,11 +39,11 @@ fn budget_floors_and_monotonicity() {
     let dir = tempfile::tempdir().unwrap();
     let opts = |bpw: f64| MixedOptions { target_bpw: bpw, calib: ids(), scratch: dir.path().join("scratch"), exhaustive: true };
     // Every group of a 2-layer model is protected (first or last layer, embeddings): the floor
-    // is Q4_K's fallback for 64-wide rows, Q5_0 (5.5 bits) plus F32 norms and biases.
-    let e = plan_mixed(&src, &opts(4.0), &NoProgress).unwrap_err().to_string();
+    // is Q3_K's fallback for 64-wide rows, Q4_0 (4.5 bits) plus F32 norms and biases.
+    let e = plan_mixed(&src, &opts(4.5), &NoProgress).unwrap_err().to_string();
     assert!(e.contains("below what this model can reach"), "{e}");
     let mut last = f64::INFINITY;
-    for bpw in [6.0, 7.0, 9.0] {
+    for bpw in [5.0, 6.0, 7.0, 9.0] {
         let (_, a) = plan_mixed(&src, &opts(bpw), &NoProgress).unwrap();
         eprintln!("target {bpw}: {:.3} bpw, estimated KL {:.6}", a.bits_per_weight, a.estimated_kl);
         assert!(a.bits_per_weight <= bpw + 1e-9, "{} > {bpw}", a.bits_per_weight);
@@ -55,7 +55,7 @@ fn budget_floors_and_monotonicity() {
     assert!(a.bits_per_weight <= 7.0 && a.estimated_kl > 0.0);
     // The written file: its real KL against the source is no worse than the floor-only model
     // (every group at its floor), which is the mixed plan at the smallest feasible budget.
-    let (floor_report, floor) = quantize_mixed(&src, &dir.path().join("floor.gguf"), &opts(5.75), &NoProgress).unwrap();
+    let (floor_report, floor) = quantize_mixed(&src, &dir.path().join("floor.gguf"), &opts(4.75), &NoProgress).unwrap();
     let (report, mixed) = quantize_mixed(&src, &dir.path().join("mixed.gguf"), &opts(7.0), &NoProgress).unwrap();
     assert!(mixed.groups.iter().zip(&floor.groups).any(|(m, f)| m.level > f.level), "nothing upgraded");
     let k_floor = kl_vs(&src_path, &dir.path().join("floor.gguf"), &ids());

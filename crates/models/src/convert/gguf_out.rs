@@ -71,7 +71,7 @@ pub fn quantize_rows(ty: GgmlType, x: &[f32], cols: usize, weights: Option<&[f32
     let rb = ty
         .row_bytes(cols)
         .ok_or_else(|| Error::Msg(format!("tensor '{name}': rows of {cols} are not whole {ty} blocks")))?;
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(Error::Msg(format!("tensor '{name}': {} values are not whole rows of {cols}", x.len())));
     }
     let rows = x.len() / cols;

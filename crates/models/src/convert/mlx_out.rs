@@ -97,7 +97,7 @@ pub fn write_mlx(src: &SourceModel, out: &Path, opts: &MlxOptions, progress: &dy
                 },
                 _ => None,
             };
-            let recipe = recipe.filter(|p| t.cols() % p.group_size == 0);
+            let recipe = recipe.filter(|p| t.cols().is_multiple_of(p.group_size));
             match (recipe, stem) {
                 (Some(p), Some(stem)) => {
                     let (packed, scales, biases) = quantize_matrix(p, &x, t.cols())?;

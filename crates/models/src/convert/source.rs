@@ -199,7 +199,7 @@ impl SourceModel {
         let cfg = read_config_json(dir)?;
         let config = ModelConfig::from_hf_json(&cfg)?;
         let weights = WeightSource::safetensors(dir, &cfg)?;
-        let WeightSource::St { st, quant, prefixes } = &weights else { unreachable!("folder source") };
+        let WeightSource::St { st, prefixes, .. } = &weights else { unreachable!("folder source") };
         let mut tensors = Vec::new();
         let mut names: Vec<&String> = st.names().collect();
         names.sort();
@@ -234,7 +234,6 @@ impl SourceModel {
                     .ok_or_else(|| Error::Config(format!("tensor '{stored_name}': dtype {} is not a float", info.dtype)))?;
                 (info.shape.clone(), Stored::Ggml(ty))
             };
-            let _ = quant;
             tensors.push(SrcTensor { hf, gguf, shape, stored });
         }
         if tensors.is_empty() {
@@ -354,7 +353,7 @@ fn relayout(cfg: &ModelConfig, t: &SrcTensor, v: &mut [f32], want: Layout) -> Re
 /// llama.cpp's `permute` (to GGUF, `forward`) and its inverse, on `rows` rows of `cols` values
 /// split into `heads` heads (a bias is `rows` rows of one value).
 pub fn permute_qk_rows(v: &mut [f32], rows: usize, cols: usize, heads: usize, forward: bool) -> Result<()> {
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(Error::Msg(format!("cannot permute {rows} rows into {heads} heads of an even size")));
     }
     let dh = rows / heads;

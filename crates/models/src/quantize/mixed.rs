@@ -12,7 +12,7 @@
 //!    per group (its cheapest, where the signal is largest) and the other levels' KL is scaled
 //!    from it by the group's weight quantization error (KL of a small perturbation grows with
 //!    its square, which the summed squared error tracks); `exhaustive` measures every level.
-//! 4. **Spend.** Starting from the floors (embeddings, output, first and last layer at Q4_K or
+//! 4. **Spend.** Starting from the floors (embeddings, output, first and last layer at Q3_K or
 //!    better: llama.cpp's presets protect them too), the budget `B x parameters / 8` bytes is
 //!    spent greedily on the upgrade that removes the most measured KL per byte, until no upgrade
 //!    fits. KL is treated as additive over groups (a first-order approximation that holds for
@@ -36,8 +36,11 @@ use crate::{Error, Model, Result};
 /// The types a group climbs through, cheapest first.
 pub const LADDER: [GgmlType; 6] = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q8_0];
 
-/// Index of Q4_K in [`LADDER`]: the floor of protected groups.
-const FLOOR_PROTECTED: usize = 2;
+/// Index of Q3_K in [`LADDER`]: the floor of protected groups (no 2-bit embeddings, output, or
+/// first or last layer). A higher floor (Q4_K) costs too much where the embeddings are a large
+/// share of the model: on SmolLM2-135M (embeddings 21% of the weights) a Q4_K-level floor at
+/// 4.5 bits per weight left only Q2_K for the MLP down projections and measured worse.
+const FLOOR_PROTECTED: usize = 1;
 
 #[derive(Clone, Debug)]
 pub struct MixedOptions {
@@ -168,7 +171,7 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
     let floor_bytes: u64 = fixed + groups.iter().map(|g| g.bytes[g.floor]).sum::<u64>();
     if floor_bytes > budget {
         return Err(Error::Msg(format!(
-            "--target-bpw {} is below what this model can reach with its floors (embeddings, output, first and last layer at Q4_K or its fallback): {:.3} bits per weight",
+            "--target-bpw {} is below what this model can reach with its floors (embeddings, output, first and last layer at Q3_K or its fallback): {:.3} bits per weight",
             opts.target_bpw,
             floor_bytes as f64 * 8.0 / n_params as f64
         )));
@@ -211,6 +214,7 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
     let variant = opts.scratch.join("measure.gguf");
     let mut done = 0;
     for g in &mut groups {
+        #[allow(clippy::needless_range_loop)] // l indexes several per-level vectors
         for l in 0..LADDER.len() {
             if !distinct(g, l) {
                 let k = g.kl[l - 1];

@@ -75,10 +75,7 @@ pub fn plan_gguf(src: &SourceModel, recipe: GgufRecipe, overrides: Overrides, ha
         // A tensor that is not quantized keeps its type; float sources store 1-D tensors as F32
         // in GGUF (as llama.cpp's converter does), MLX affine ones cannot stay affine.
         let current = match t.stored {
-            Stored::Ggml(ty) if t.shape.len() == 1 && src.gguf_file().is_none() => {
-                let _ = ty;
-                GgmlType::F32
-            }
+            Stored::Ggml(_) if t.shape.len() == 1 && src.gguf_file().is_none() => GgmlType::F32,
             Stored::Ggml(ty) => ty,
             Stored::Affine(_) => GgmlType::F16,
         };

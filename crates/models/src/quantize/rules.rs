@@ -193,11 +193,11 @@ impl TypeChooser {
         use Preset::*;
         let ft = self.recipe.preset;
         let m = self.model;
-        let n_gqa = if m.n_head_kv > 0 { m.n_head / m.n_head_kv } else { 1 };
+        let n_gqa = m.n_head.checked_div(m.n_head_kv).unwrap_or(1);
         let use_more_bits =
             |i: usize, n: usize| -> bool { i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2 };
         if cat == Category::Output || (self.has_tied_embeddings && cat == Category::TokenEmbd) {
-            if t.cols % ty.block_size() != 0 {
+            if !t.cols.is_multiple_of(ty.block_size()) {
                 ty = G::Q8_0;
             } else if ty != G::Q8_0 {
                 ty = G::Q6_K;
@@ -223,12 +223,9 @@ impl TypeChooser {
                 Q2_K => ty = G::Q3_K,
                 Q3_K_M => ty = if i < n / 16 { G::Q5_K } else { G::Q4_K },
                 Q3_K_L => ty = G::Q5_K,
-                Q4_K_M => {
-                    if use_more_bits(i, n) {
-                        ty = G::Q6_K
-                    }
-                }
-                Q5_K_M if use_more_bits(i, n) => ty = G::Q6_K,
+                Q4_K_M | Q5_K_M if use_more_bits(i, n) => ty = G::Q6_K,
+                // Q4_K_M's chain ends here in llama.cpp (no Q4_K_S / imatrix rule below applies).
+                Q4_K_M => {}
                 Q4_K_S if i < n / 8 => ty = G::Q5_K,
                 Q4_0 | Q5_0 if self.has_imatrix && i < n / 8 => {
                     // llama.cpp guards the first ffn_down layers of Q4_0/Q5_0 when an imatrix
@@ -271,7 +268,7 @@ impl TypeChooser {
 /// Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 when even that does not divide it.
 pub fn fallback_type(name: &str, cols: usize, ty: GgmlType) -> Result<GgmlType> {
     use GgmlType as G;
-    if cols % ty.block_size() == 0 {
+    if cols.is_multiple_of(ty.block_size()) {
         return Ok(ty);
     }
     let to = match ty {
@@ -286,7 +283,7 @@ pub fn fallback_type(name: &str, cols: usize, ty: GgmlType) -> Result<GgmlType> 
             )))
         }
     };
-    Ok(if cols % to.block_size() != 0 { G::F16 } else { to })
+    Ok(if !cols.is_multiple_of(to.block_size()) { G::F16 } else { to })
 }
 
 pub fn is_quantized(ty: GgmlType) -> bool {

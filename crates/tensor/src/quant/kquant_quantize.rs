@@ -15,6 +15,10 @@
 //!
 //! Not here: the block layouts' dequantizers (`kquants.rs`), IQ* formats, SIMD.
 
+// Index loops on purpose: they mirror ggml's C loops line for line, which is what keeps the
+// float operations in the same order (and the review against ggml-quants.c easy).
+#![allow(clippy::needless_range_loop)]
+
 use super::float::{f16_bits_to_f32, f32_to_f16_bits};
 use super::kquants::QK_K;
 use crate::{Error, GgmlType, Result};
@@ -611,7 +615,7 @@ fn q4_1_q5_1_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8], five: bool) {
 /// number of blocks, and `dst` exactly the quantized size.
 pub fn quantize_weighted(ty: GgmlType, src: &[f32], dst: &mut [u8], weights: &[f32]) -> Result<()> {
     let n = weights.len();
-    if n == 0 || src.len() % n != 0 {
+    if n == 0 || !src.len().is_multiple_of(n) {
         return Err(Error::Shape(format!("{} values are not whole rows of {n} (the importance weights' length)", src.len())));
     }
     let row_bytes = ty.row_bytes(n).ok_or_else(|| {

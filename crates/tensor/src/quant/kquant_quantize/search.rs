@@ -3,6 +3,10 @@
 //! `make_q3_quants`, `make_qkx2_quants` / `make_qkx3_quants` (one function here) and
 //! `make_qp_quants`. Integer conversions truncate where C's implicit conversions truncate.
 
+// Index loops on purpose: they mirror ggml's C loops line for line, which is what keeps the
+// float operations in the same order (and the review against ggml-quants.c easy).
+#![allow(clippy::needless_range_loop)]
+
 /// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below this is all zero.
 pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
 
