@@ -263,7 +263,8 @@ impl ModelConfig {
         let gemma = arch == Arch::Gemma3;
         let sliding_window = u("attention.sliding_window");
         let sliding_layers = if gemma {
-            gemma_sliding(n_layers, 6)
+            // Every N-th layer is global; llama.cpp writes N when it differs from Gemma 3's 6.
+            gemma_sliding(n_layers, u("attention.sliding_window_pattern").unwrap_or(6))
         } else {
             vec![sliding_window.is_some(); n_layers]
         };

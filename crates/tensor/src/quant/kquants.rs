@@ -8,7 +8,7 @@
 //! code and to gguf-py's numpy dequantizers.
 //!
 //! Dequantization only: the k-quant quantizers (ggml's `quantize_row_q*_K_ref`, with their
-//! iterative scale search) are a later work item.
+//! iterative scale search) are in `kquant_quantize`.
 
 use super::float::f16_bits_to_f32;
 

@@ -10,9 +10,11 @@
 //! - [`legacy`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 (32-element blocks).
 //! - [`kquants`]: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K (256-element super-blocks).
 //! - [`mlx`]: MLX affine (`mx.quantize` / `mx.dequantize`), 2..8 bits.
+//! - [`kquant_quantize`]: the k-quant quantizers (ggml's `quantize_row_q*_K_ref` and their
+//!   importance-weighted variants).
 //!
 //! Not here: the IQ*, TQ* and MXFP4 families (named in [`GgmlType`] so files holding them can be
-//! inspected, but [`Error::UnsupportedType`] here), and k-quant quantizers (a later work item).
+//! inspected, but [`Error::UnsupportedType`] here).
 
 pub mod float;
 pub mod kquant_quantize;
