@@ -151,7 +151,10 @@ pub fn chat_tokens(
 }
 
 pub fn message(role: &str, content: &str) -> ChatMessage {
-    ChatMessage { role: role.to_string(), content: content.to_string() }
+    ChatMessage {
+        role: role.to_string(),
+        content: content.to_string(),
+    }
 }
 
 /// `prompt: N tokens, X tok/s; generated: M tokens, Y tok/s` on stderr.

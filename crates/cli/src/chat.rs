@@ -116,7 +116,10 @@ impl Conversation<'_> {
         let mut out = stdout.lock();
         let mut on_text = |piece: &str| -> bool {
             reply.push_str(piece);
-            let ok = out.write_all(piece.as_bytes()).and_then(|_| out.flush()).is_ok();
+            let ok = out
+                .write_all(piece.as_bytes())
+                .and_then(|_| out.flush())
+                .is_ok();
             ok && !stop.load(Ordering::SeqCst)
         };
         let result = generate(&mut self.session, &feed, params, &mut on_text);
@@ -135,7 +138,8 @@ impl Conversation<'_> {
         // The cache now holds the fed prompt and every sampled token but the last.
         self.cached.extend_from_slice(&feed);
         let fed_generated = self.session.pos().saturating_sub(self.cached.len());
-        self.cached.extend_from_slice(&st.tokens[..fed_generated.min(st.tokens.len())]);
+        self.cached
+            .extend_from_slice(&st.tokens[..fed_generated.min(st.tokens.len())]);
         if self.cached.len() != self.session.pos() {
             self.session.reset();
             self.cached.clear();
@@ -178,7 +182,10 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     if let Some(h) = &history {
         let _ = rl.load_history(h);
     }
-    let name = model.info().name.unwrap_or_else(|| path.display().to_string());
+    let name = model
+        .info()
+        .name
+        .unwrap_or_else(|| path.display().to_string());
     eprintln!("hf2q chat with {name} (context {ctx} tokens). /help for commands, Ctrl-D to quit.");
 
     let mut conv = Conversation {

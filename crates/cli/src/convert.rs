@@ -70,22 +70,34 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         (To::Gguf, None) => ConvertTarget::Gguf(None),
         (To::Gguf, Some(QuantTarget::Gguf(r))) => ConvertTarget::Gguf(Some(r)),
         (To::Mlx, None) => ConvertTarget::Mlx(MlxOptions {
-            params: AffineParams { bits: 4, group_size: a.group_size.unwrap_or(64) },
+            params: AffineParams {
+                bits: 4,
+                group_size: a.group_size.unwrap_or(64),
+            },
             overrides: Default::default(),
             dtype: st(a.dtype),
         }),
-        (To::Mlx, Some(QuantTarget::Mlx(r))) => ConvertTarget::Mlx(MlxOptions { params: r.params, overrides: Default::default(), dtype: st(a.dtype) }),
+        (To::Mlx, Some(QuantTarget::Mlx(r))) => ConvertTarget::Mlx(MlxOptions {
+            params: r.params,
+            overrides: Default::default(),
+            dtype: st(a.dtype),
+        }),
         (To::Hf, None) => ConvertTarget::Hf(HfOptions {
             dtype: st(a.dtype),
-            shard_bytes: a.shard_size.map_or(DEFAULT_SHARD_BYTES, |mb| mb.max(1) << 20),
+            shard_bytes: a
+                .shard_size
+                .map_or(DEFAULT_SHARD_BYTES, |mb| mb.max(1) << 20),
         }),
-        (To::Hf, Some(_)) => bail!("--to hf writes float weights; --type does not apply (use --dtype)"),
+        (To::Hf, Some(_)) => {
+            bail!("--to hf writes float weights; --type does not apply (use --dtype)")
+        }
         (to, Some(t)) => bail!("--type {t:?} does not fit --to {to:?}"),
     };
     let src = open_source(&a.input)?;
     let bar = Bar::new(format!("convert to {:?}", a.to).to_lowercase());
     let t0 = Instant::now();
-    let r = convert(&src, &a.output, &target, &bar).with_context(|| format!("writing {}", a.output.display()))?;
+    let r = convert(&src, &a.output, &target, &bar)
+        .with_context(|| format!("writing {}", a.output.display()))?;
     eprintln!(
         "wrote {} ({:.1} MB, {} tensors) in {:.1} s",
         a.output.display(),

@@ -45,7 +45,8 @@ fn human_bytes(n: u64) -> String {
 }
 
 fn or_dash(s: &Option<String>) -> String {
-    s.as_deref().map_or_else(|| "-".to_string(), |s| format!("{s:?}"))
+    s.as_deref()
+        .map_or_else(|| "-".to_string(), |s| format!("{s:?}"))
 }
 
 pub fn table(i: &ModelInfo) -> String {
@@ -54,7 +55,10 @@ pub fn table(i: &ModelInfo) -> String {
         ("format", i.format.clone()),
         ("architecture", i.architecture.clone()),
         ("name", i.name.clone().unwrap_or_else(|| "-".into())),
-        ("parameters", format!("{} ({})", human_count(i.parameters), i.parameters)),
+        (
+            "parameters",
+            format!("{} ({})", human_count(i.parameters), i.parameters),
+        ),
         ("size on disk", human_bytes(i.file_bytes)),
         ("bits per weight", format!("{:.2}", i.bits_per_weight)),
         ("context length", i.context_length.to_string()),
@@ -63,11 +67,18 @@ pub fn table(i: &ModelInfo) -> String {
         ("ffn size", i.intermediate_size.to_string()),
         (
             "attention heads",
-            format!("{} (kv {}), head dim {}", i.n_heads, i.n_kv_heads, i.head_dim),
+            format!(
+                "{} (kv {}), head dim {}",
+                i.n_heads, i.n_kv_heads, i.head_dim
+            ),
         ),
         ("vocab size", i.vocab_size.to_string()),
         ("rope theta", format!("{}", i.rope_theta)),
-        ("sliding window", i.sliding_window.map_or_else(|| "-".into(), |w| w.to_string())),
+        (
+            "sliding window",
+            i.sliding_window
+                .map_or_else(|| "-".into(), |w| w.to_string()),
+        ),
         ("BOS token", or_dash(&i.bos_token)),
         ("EOS token", or_dash(&i.eos_token)),
         (
@@ -75,11 +86,18 @@ pub fn table(i: &ModelInfo) -> String {
             if i.eog_tokens.is_empty() {
                 "-".into()
             } else {
-                i.eog_tokens.iter().map(|t| format!("{t:?}")).collect::<Vec<_>>().join(", ")
+                i.eog_tokens
+                    .iter()
+                    .map(|t| format!("{t:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             },
         ),
         ("adds BOS", if i.add_bos { "yes" } else { "no" }.into()),
-        ("chat template", if i.chat_template { "yes" } else { "no" }.into()),
+        (
+            "chat template",
+            if i.chat_template { "yes" } else { "no" }.into(),
+        ),
     ];
     let mut out = String::new();
     let w = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
@@ -87,11 +105,20 @@ pub fn table(i: &ModelInfo) -> String {
         out.push_str(&format!("{k:<w$}  {v}\n"));
     }
     out.push_str("\ntensor types:\n");
-    out.push_str(&format!("  {:<10} {:>8} {:>14} {:>7}\n", "type", "tensors", "elements", "share"));
+    out.push_str(&format!(
+        "  {:<10} {:>8} {:>14} {:>7}\n",
+        "type", "tensors", "elements", "share"
+    ));
     let total: u64 = i.tensor_types.values().map(|v| v.1).sum();
     for (ty, (count, elems)) in &i.tensor_types {
-        let share = if total > 0 { 100.0 * *elems as f64 / total as f64 } else { 0.0 };
-        out.push_str(&format!("  {ty:<10} {count:>8} {elems:>14} {share:>6.1}%\n"));
+        let share = if total > 0 {
+            100.0 * *elems as f64 / total as f64
+        } else {
+            0.0
+        };
+        out.push_str(&format!(
+            "  {ty:<10} {count:>8} {elems:>14} {share:>6.1}%\n"
+        ));
     }
     out
 }

@@ -123,12 +123,18 @@ fn pull_cmd(a: PullArgs) -> anyhow::Result<()> {
     let k = pull::find_known(arg).ok_or_else(|| pull::unknown_model(arg))?;
     if !a.force {
         if let Some(path) = pull::is_cached(k)? {
-            eprintln!("{} is already cached (use --force to fetch and verify again)", k.name);
+            eprintln!(
+                "{} is already cached (use --force to fetch and verify again)",
+                k.name
+            );
             println!("{}", path.display());
             return Ok(());
         }
     }
-    let opts = pull::PullOptions { force: a.force, find_links: a.find_links };
+    let opts = pull::PullOptions {
+        force: a.force,
+        find_links: a.find_links,
+    };
     let path = pull::pull_known(k, &opts)?;
     println!("{}", path.display());
     Ok(())

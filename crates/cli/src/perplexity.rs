@@ -32,14 +32,18 @@ pub struct PerplexityArgs {
 }
 
 pub fn run(a: PerplexityArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, model) = args::load_model(Some(&a.model))?;
     let base = match &a.kl_base {
         Some(b) => Some(args::load_model(Some(b))?.1),
         None => None,
     };
     let t0 = Instant::now();
-    let opts = PerplexityOptions { ctx: a.ctx, max_chunks: a.chunks };
+    let opts = PerplexityOptions {
+        ctx: a.ctx,
+        max_chunks: a.chunks,
+    };
     let r = perplexity(&model, base.as_ref(), &text, &opts, &mut |i, n, p| {
         eprint!("[{i}]{p:.4},");
         if i == n {
@@ -54,10 +58,16 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         return Ok(());
     }
     println!("Final estimate: PPL = {:.4} +/- {:.5}", r.ppl, r.ppl_err);
-    println!("{} chunks of {} tokens ({} tokens scored of {}) in {:.1} s", r.n_chunks, r.ctx, r.n_scored, r.n_tokens, secs);
+    println!(
+        "{} chunks of {} tokens ({} tokens scored of {}) in {:.1} s",
+        r.n_chunks, r.ctx, r.n_scored, r.n_tokens, secs
+    );
     if let Some(k) = &r.kl {
         println!("base PPL          {:.4}", k.base_ppl);
-        println!("Mean KLD          {:.6} +/- {:.6}", k.mean_kl, k.mean_kl_err);
+        println!(
+            "Mean KLD          {:.6} +/- {:.6}",
+            k.mean_kl, k.mean_kl_err
+        );
         println!("Maximum KLD       {:.6}", k.max_kl);
         println!("Same top p        {:.3} %", k.same_top_pct);
     }

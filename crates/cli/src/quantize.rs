@@ -31,7 +31,12 @@ pub struct QuantizeArgs {
     /// Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 F16 BF16 F32, with llama.cpp's per-tensor rules), Q3_K / Q4_K /
     /// Q5_K (that type for every weight), or MLX affine mlxB / mlxBgG (B in 2,3,4,5,6,8; G in
     /// 32,64,128).
-    #[arg(short = 't', long = "type", value_name = "T", required_unless_present = "target_bpw")]
+    #[arg(
+        short = 't',
+        long = "type",
+        value_name = "T",
+        required_unless_present = "target_bpw"
+    )]
     pub ty: Option<String>,
     /// Mixed precision instead of --type: measure on --calib text how much each layer's
     /// attention / MLP matrices (and the embeddings) move the logits at each k-quant level,
@@ -85,7 +90,11 @@ pub struct Bar {
 
 impl Bar {
     pub fn new(label: impl Into<String>) -> Bar {
-        Bar { label: label.into(), tty: std::io::stderr().is_terminal(), state: Mutex::new((0, 0, Instant::now())) }
+        Bar {
+            label: label.into(),
+            tty: std::io::stderr().is_terminal(),
+            state: Mutex::new((0, 0, Instant::now())),
+        }
     }
 }
 
@@ -116,7 +125,12 @@ impl Progress for Bar {
         if self.tty {
             eprintln!();
         }
-        eprintln!("{}: {} tensors in {:.1} s", self.label, s.0, s.2.elapsed().as_secs_f64());
+        eprintln!(
+            "{}: {} tensors in {:.1} s",
+            self.label,
+            s.0,
+            s.2.elapsed().as_secs_f64()
+        );
     }
     fn warn(&self, msg: &str) {
         if self.tty {
@@ -153,11 +167,20 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     } else if a.imatrix.is_some() {
         bail!("--imatrix applies to GGUF types only");
     }
-    let overrides = Overrides { output: parse_type(&a.output_tensor_type)?, token_embd: parse_type(&a.token_embedding_type)? };
+    let overrides = Overrides {
+        output: parse_type(&a.output_tensor_type)?,
+        token_embd: parse_type(&a.token_embedding_type)?,
+    };
     let imatrix = match &a.imatrix {
         Some(p) => {
             let m = Imatrix::load(p).with_context(|| format!("reading {}", p.display()))?;
-            eprintln!("imatrix: {} entries from {} ({} chunks of {})", m.len(), p.display(), m.chunk_count, m.chunk_size);
+            eprintln!(
+                "imatrix: {} entries from {} ({} chunks of {})",
+                m.len(),
+                p.display(),
+                m.chunk_count,
+                m.chunk_size
+            );
             Some(m)
         }
         None => None,
@@ -165,11 +188,27 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     let src = open_source(&a.input)?;
     let bar = Bar::new(format!("quantize {ty}"));
     let t0 = Instant::now();
-    let report = quantize(&src, &a.output, &QuantizeOptions { target, overrides, imatrix }, &bar)
-        .with_context(|| format!("writing {}", a.output.display()))?;
+    let report = quantize(
+        &src,
+        &a.output,
+        &QuantizeOptions {
+            target,
+            overrides,
+            imatrix,
+        },
+        &bar,
+    )
+    .with_context(|| format!("writing {}", a.output.display()))?;
     print_summary(&report, &a.output, t0.elapsed().as_secs_f64());
     if let Some(text) = &a.eval {
-        report_card(&src.path, &a.output, text, a.eval_ctx, a.eval_chunks, &report)?;
+        report_card(
+            &src.path,
+            &a.output,
+            text,
+            a.eval_ctx,
+            a.eval_chunks,
+            &report,
+        )?;
     }
     Ok(())
 }
@@ -177,25 +216,45 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
 /// `--target-bpw`: measure, allocate, write, print the allocation.
 fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
     let calib_path = a.calib.as_ref().expect("clap requires --calib");
-    let text = std::fs::read_to_string(calib_path).with_context(|| format!("reading {}", calib_path.display()))?;
+    let text = std::fs::read_to_string(calib_path)
+        .with_context(|| format!("reading {}", calib_path.display()))?;
     let src = open_source(&a.input)?;
-    let model = Model::load(&src.path).with_context(|| format!("loading {}", src.path.display()))?;
+    let model =
+        Model::load(&src.path).with_context(|| format!("loading {}", src.path.display()))?;
     let mut calib = model.tokenizer().encode(&text, true, false)?;
     calib.truncate(a.calib_tokens.max(2));
     drop(model);
     let scratch = tempdir_beside(&a.output)?;
-    let opts = MixedOptions { target_bpw: bpw, calib, scratch: scratch.clone(), exhaustive: a.exhaustive };
+    let opts = MixedOptions {
+        target_bpw: bpw,
+        calib,
+        scratch: scratch.clone(),
+        exhaustive: a.exhaustive,
+    };
     let bar = Bar::new(format!("mixed {bpw} bpw"));
     let t0 = Instant::now();
     let result = quantize_mixed(&src, &a.output, &opts, &bar);
     let _ = std::fs::remove_dir_all(&scratch);
     let (report, alloc) = result.with_context(|| format!("writing {}", a.output.display()))?;
-    println!("allocation ({} groups, estimated KL {:.5} = sum of per-group measurements):", alloc.groups.len(), alloc.estimated_kl);
+    println!(
+        "allocation ({} groups, estimated KL {:.5} = sum of per-group measurements):",
+        alloc.groups.len(),
+        alloc.estimated_kl
+    );
     for g in &alloc.groups {
         let types: Vec<String> = g.types.iter().map(|t| t.to_string()).collect();
-        println!("  {:14} {:16} KL {:.5}  {:8.2} MB", g.name, types.join("+"), g.kl, g.bytes as f64 / 1e6);
+        println!(
+            "  {:14} {:16} KL {:.5}  {:8.2} MB",
+            g.name,
+            types.join("+"),
+            g.kl,
+            g.bytes as f64 / 1e6
+        );
     }
-    let q = QuantizeReport { written: report, ..Default::default() };
+    let q = QuantizeReport {
+        written: report,
+        ..Default::default()
+    };
     print_summary(&q, &a.output, t0.elapsed().as_secs_f64());
     if let Some(text) = &a.eval {
         report_card(&src.path, &a.output, text, a.eval_ctx, a.eval_chunks, &q)?;
@@ -205,7 +264,10 @@ fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
 
 /// A scratch folder beside the output (same filesystem, cleaned up by the caller).
 fn tempdir_beside(out: &Path) -> Result<PathBuf> {
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let d = parent.join(format!(".hf2q-mixed-{}", std::process::id()));
     std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     Ok(d)
@@ -225,29 +287,67 @@ fn print_summary(r: &QuantizeReport, out: &Path, secs: f64) {
         w.bits_per_weight(),
         types.join(", "),
         secs,
-        if r.fallbacks.is_empty() { String::new() } else { format!("; {} tensors used a fallback type", r.fallbacks.len()) }
+        if r.fallbacks.is_empty() {
+            String::new()
+        } else {
+            format!("; {} tensors used a fallback type", r.fallbacks.len())
+        }
     );
     if r.imatrix_used > 0 {
-        eprintln!("{} tensors quantized with importance weights", r.imatrix_used);
+        eprintln!(
+            "{} tensors quantized with importance weights",
+            r.imatrix_used
+        );
     }
 }
 
 /// Perplexity and KL of the output against the input on `text`.
-fn report_card(input: &Path, output: &Path, text: &Path, ctx: usize, chunks: usize, r: &QuantizeReport) -> Result<()> {
+fn report_card(
+    input: &Path,
+    output: &Path,
+    text: &Path,
+    ctx: usize,
+    chunks: usize,
+    r: &QuantizeReport,
+) -> Result<()> {
     let s = std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
     let base = Model::load(input).with_context(|| format!("loading {}", input.display()))?;
     let quant = Model::load(output).with_context(|| format!("loading {}", output.display()))?;
-    eprintln!("evaluating on {} ({} chunks of {ctx} tokens at most) ...", text.display(), chunks);
-    let opts = PerplexityOptions { ctx, max_chunks: Some(chunks) };
-    let rep = perplexity(&quant, Some(&base), &s, &opts, &mut |i, n, p| eprint!("\r[{i}/{n}] ppl {p:.4}   "))?;
+    eprintln!(
+        "evaluating on {} ({} chunks of {ctx} tokens at most) ...",
+        text.display(),
+        chunks
+    );
+    let opts = PerplexityOptions {
+        ctx,
+        max_chunks: Some(chunks),
+    };
+    let rep = perplexity(&quant, Some(&base), &s, &opts, &mut |i, n, p| {
+        eprint!("\r[{i}/{n}] ppl {p:.4}   ")
+    })?;
     eprintln!();
     let kl = rep.kl.as_ref().expect("base given");
     println!("report card: {}", output.display());
-    println!("  size              {:.1} MB", r.written.bytes_written as f64 / 1e6);
+    println!(
+        "  size              {:.1} MB",
+        r.written.bytes_written as f64 / 1e6
+    );
     println!("  bits per weight   {:.3}", r.written.bits_per_weight());
-    println!("  perplexity        {:.4} +/- {:.4}   (input: {:.4}, {:+.2}%)", rep.ppl, rep.ppl_err, kl.base_ppl, 100.0 * (rep.ppl / kl.base_ppl - 1.0));
-    println!("  KL vs input       {:.6} +/- {:.6} nats/token (max {:.4})", kl.mean_kl, kl.mean_kl_err, kl.max_kl);
+    println!(
+        "  perplexity        {:.4} +/- {:.4}   (input: {:.4}, {:+.2}%)",
+        rep.ppl,
+        rep.ppl_err,
+        kl.base_ppl,
+        100.0 * (rep.ppl / kl.base_ppl - 1.0)
+    );
+    println!(
+        "  KL vs input       {:.6} +/- {:.6} nats/token (max {:.4})",
+        kl.mean_kl, kl.mean_kl_err, kl.max_kl
+    );
     println!("  same top token    {:.2}%", kl.same_top_pct);
-    println!("  scored            {} tokens in {} chunks of {}", rep.n_scored, rep.n_chunks, rep.ctx);
+    println!(
+        "  scored            {} tokens in {} chunks of {}",
+        rep.n_scored, rep.n_chunks, rep.ctx
+    );
     Ok(())
 }

@@ -41,7 +41,9 @@ fn read_prompt(a: &RunArgs) -> Result<String> {
     match (&a.prompt, &a.file) {
         (Some(p), _) if p == "-" => {
             let mut s = String::new();
-            std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .context("reading the prompt from stdin")?;
             Ok(s)
         }
         (Some(p), _) => Ok(p.clone()),
@@ -67,7 +69,11 @@ pub fn run(a: RunArgs) -> Result<()> {
         // BOS is added when the model's metadata asks for it.
         tok.encode(&prompt, true, true)?
     } else {
-        args::chat_tokens(&model, a.system.as_deref(), &[args::message("user", &prompt)])?
+        args::chat_tokens(
+            &model,
+            a.system.as_deref(),
+            &[args::message("user", &prompt)],
+        )?
     };
     if ids.is_empty() {
         bail!("the prompt produced no tokens");

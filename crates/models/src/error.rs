@@ -5,7 +5,10 @@ pub enum Error {
     #[error(transparent)]
     Tensor(#[from] hf2q_tensor::Error),
     #[error("{path}: {source}")]
-    Io { path: std::path::PathBuf, source: std::io::Error },
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
     #[error("invalid model config: {0}")]
     Config(String),
     #[error("missing tensor '{0}'")]

@@ -274,7 +274,13 @@ mod tests {
 
     impl Scripted {
         fn new(script: &[u32], max_ctx: usize) -> Self {
-            Scripted { script: script.to_vec(), pos: 0, max_ctx, fed: vec![], fail_at: None }
+            Scripted {
+                script: script.to_vec(),
+                pos: 0,
+                max_ctx,
+                fed: vec![],
+                fail_at: None,
+            }
         }
         fn logits(&self) -> Vec<f32> {
             let mut l = vec![0.0; V];
@@ -414,12 +420,25 @@ mod tests {
     fn prompt_longer_than_context_is_an_error() {
         let mut src = Scripted::new(&[1], 1);
         let mut piece = pieces();
-        let e =
-            generate_with(&mut src, &[0, 1], &params(3, &[]), &[EOS], &mut piece, &mut |_| true)
-                .unwrap_err();
+        let e = generate_with(
+            &mut src,
+            &[0, 1],
+            &params(3, &[]),
+            &[EOS],
+            &mut piece,
+            &mut |_| true,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("does not fit"), "{e}");
-        let e = generate_with(&mut src, &[], &params(3, &[]), &[EOS], &mut piece, &mut |_| true)
-            .unwrap_err();
+        let e = generate_with(
+            &mut src,
+            &[],
+            &params(3, &[]),
+            &[EOS],
+            &mut piece,
+            &mut |_| true,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("empty prompt"), "{e}");
     }
 
@@ -463,10 +482,17 @@ mod tests {
         let mut src = Scripted::new(&[1], 100);
         let mut piece = pieces();
         let mut n = 0;
-        let st = generate_with(&mut src, &[0], &params(100, &[]), &[EOS], &mut piece, &mut |_| {
-            n += 1;
-            n < 3
-        })
+        let st = generate_with(
+            &mut src,
+            &[0],
+            &params(100, &[]),
+            &[EOS],
+            &mut piece,
+            &mut |_| {
+                n += 1;
+                n < 3
+            },
+        )
         .unwrap();
         assert_eq!(st.finish_reason, FinishReason::Cancelled);
         assert_eq!(st.completion_tokens, 3);
@@ -477,8 +503,14 @@ mod tests {
         let mut src = Scripted::new(&[1], 100);
         src.fail_at = Some(3);
         let mut piece = pieces();
-        let r =
-            generate_with(&mut src, &[0, 1], &params(10, &[]), &[EOS], &mut piece, &mut |_| true);
+        let r = generate_with(
+            &mut src,
+            &[0, 1],
+            &params(10, &[]),
+            &[EOS],
+            &mut piece,
+            &mut |_| true,
+        );
         assert!(r.is_err());
     }
 
@@ -527,7 +559,11 @@ mod tests {
         }
         let gen = |seed| {
             let mut p = params(40, &[]);
-            p.sampler = SamplerConfig { seed: Some(seed), temperature: 1.0, ..Default::default() };
+            p.sampler = SamplerConfig {
+                seed: Some(seed),
+                temperature: 1.0,
+                ..Default::default()
+            };
             let mut piece = pieces();
             generate_with(&mut Wide, &[0], &p, &[EOS], &mut piece, &mut |_| true).unwrap()
         };
@@ -539,7 +575,10 @@ mod tests {
 
     #[test]
     fn finish_reason_serializes_like_openai() {
-        assert_eq!(serde_json::to_string(&FinishReason::Length).unwrap(), "\"length\"");
+        assert_eq!(
+            serde_json::to_string(&FinishReason::Length).unwrap(),
+            "\"length\""
+        );
         assert_eq!(FinishReason::Stop.as_str(), "stop");
     }
 }

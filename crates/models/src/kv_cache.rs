@@ -17,7 +17,13 @@ pub struct LayerKv {
 
 impl LayerKv {
     pub fn new(n_kv_heads: usize, head_dim: usize) -> LayerKv {
-        LayerKv { k: Vec::new(), v: Vec::new(), capacity: 0, n_kv_heads, head_dim }
+        LayerKv {
+            k: Vec::new(),
+            v: Vec::new(),
+            capacity: 0,
+            n_kv_heads,
+            head_dim,
+        }
     }
 
     fn grow(&mut self, need: usize, limit: usize) {
@@ -30,7 +36,8 @@ impl LayerKv {
             let mut n = vec![0f32; h * cap * d];
             for hi in 0..h {
                 if old_cap > 0 {
-                    n[hi * cap * d..hi * cap * d + old_cap * d].copy_from_slice(&old[hi * old_cap * d..(hi + 1) * old_cap * d]);
+                    n[hi * cap * d..hi * cap * d + old_cap * d]
+                        .copy_from_slice(&old[hi * old_cap * d..(hi + 1) * old_cap * d]);
                 }
             }
             n
@@ -45,25 +52,38 @@ impl LayerKv {
         let (t, w) = k.dims2();
         let (h, d) = (self.n_kv_heads, self.head_dim);
         if w != h * d || v.dims2() != (t, w) {
-            return Err(Error::Msg(format!("kv write: k {:?} / v {:?} for {h} heads of {d}", k.shape(), v.shape())));
+            return Err(Error::Msg(format!(
+                "kv write: k {:?} / v {:?} for {h} heads of {d}",
+                k.shape(),
+                v.shape()
+            )));
         }
         if pos0 + t > limit {
-            return Err(Error::Msg(format!("context full: {} tokens exceed the limit of {limit}", pos0 + t)));
+            return Err(Error::Msg(format!(
+                "context full: {} tokens exceed the limit of {limit}",
+                pos0 + t
+            )));
         }
         self.grow(pos0 + t, limit);
         let cap = self.capacity;
         for ti in 0..t {
             for hi in 0..h {
                 let dst = hi * cap * d + (pos0 + ti) * d;
-                self.k[dst..dst + d].copy_from_slice(&k.data()[ti * w + hi * d..ti * w + (hi + 1) * d]);
-                self.v[dst..dst + d].copy_from_slice(&v.data()[ti * w + hi * d..ti * w + (hi + 1) * d]);
+                self.k[dst..dst + d]
+                    .copy_from_slice(&k.data()[ti * w + hi * d..ti * w + (hi + 1) * d]);
+                self.v[dst..dst + d]
+                    .copy_from_slice(&v.data()[ti * w + hi * d..ti * w + (hi + 1) * d]);
             }
         }
         Ok(())
     }
 
     pub fn view(&self) -> LayerCache<'_> {
-        LayerCache { k: &self.k, v: &self.v, capacity: self.capacity }
+        LayerCache {
+            k: &self.k,
+            v: &self.v,
+            capacity: self.capacity,
+        }
     }
 
     pub fn bytes(&self) -> usize {
@@ -89,7 +109,12 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize, limit: usize) -> KvCache {
-        KvCache { layers: (0..n_layers).map(|_| LayerKv::new(n_kv_heads, head_dim)).collect(), limit }
+        KvCache {
+            layers: (0..n_layers)
+                .map(|_| LayerKv::new(n_kv_heads, head_dim))
+                .collect(),
+            limit,
+        }
     }
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::bytes).sum()

@@ -73,14 +73,24 @@ pub struct Model {
 
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
-        .map(|rd| rd.filter_map(|e| e.ok()).filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
         .unwrap_or(0)
 }
 
 fn is_gguf(path: &Path) -> bool {
     use std::io::Read;
     let mut magic = [0u8; 4];
-    path.is_file() && std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == b"GGUF"
+    path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+        && &magic == b"GGUF"
 }
 
 impl Model {
@@ -88,7 +98,10 @@ impl Model {
     /// MLX folder; the format is detected from what is there.
     pub fn load(path: &Path) -> Result<Model> {
         if !path.exists() {
-            return Err(Error::Msg(format!("{}: no such file or directory", path.display())));
+            return Err(Error::Msg(format!(
+                "{}: no such file or directory",
+                path.display()
+            )));
         }
         if is_gguf(path) {
             return Self::load_gguf(path);
@@ -101,7 +114,10 @@ impl Model {
         }
         let dir = resolve_hf_cache(path)?;
         if !dir.join("config.json").is_file() {
-            return Err(Error::Msg(format!("{}: folder has no config.json", dir.display())));
+            return Err(Error::Msg(format!(
+                "{}: folder has no config.json",
+                dir.display()
+            )));
         }
         Self::load_folder(&dir)
     }
@@ -124,12 +140,22 @@ impl Model {
         let src = WeightSource::safetensors(dir, &cfg_json)?;
         let tj = dir.join("tokenizer.json");
         if !tj.is_file() {
-            return Err(Error::Msg(format!("{}: folder has no tokenizer.json", dir.display())));
+            return Err(Error::Msg(format!(
+                "{}: folder has no tokenizer.json",
+                dir.display()
+            )));
         }
         let tc = dir.join("tokenizer_config.json");
         let tokenizer = Tokenizer::from_hf_files(&tj, tc.is_file().then_some(tc.as_path()))?;
         let name = dir.file_name().map(|s| s.to_string_lossy().to_string());
-        Self::assemble(dir.to_path_buf(), src, Some(cfg_json), tokenizer, name, dir_bytes(dir))
+        Self::assemble(
+            dir.to_path_buf(),
+            src,
+            Some(cfg_json),
+            tokenizer,
+            name,
+            dir_bytes(dir),
+        )
     }
 
     fn assemble(
@@ -143,7 +169,10 @@ impl Model {
         let config = config_from_source(&src, cfg_json.as_ref())?;
         let embed = src.matrix("model.embed_tokens.weight")?;
         if embed.cols != config.hidden_size {
-            return Err(Error::Config(format!("embedding width {} != hidden_size {}", embed.cols, config.hidden_size)));
+            return Err(Error::Config(format!(
+                "embedding width {} != hidden_size {}",
+                embed.cols, config.hidden_size
+            )));
         }
         let lm_head = if src.contains("lm_head.weight") && !config.tie_embeddings {
             src.matrix("lm_head.weight")?
@@ -156,7 +185,11 @@ impl Model {
         let blocks = load_blocks(&src, &config)?;
         let final_norm = src.vector("model.norm.weight")?;
         let template = match tokenizer.chat_template() {
-            Some(t) => Some(ChatTemplate::new(t, tokenizer.bos_token(), tokenizer.eos_token())?),
+            Some(t) => Some(ChatTemplate::new(
+                t,
+                tokenizer.bos_token(),
+                tokenizer.eos_token(),
+            )?),
             None => None,
         };
         Ok(Model {
@@ -194,7 +227,11 @@ impl Model {
             name: self.name.clone(),
             parameters: params,
             file_bytes: self.file_bytes,
-            bits_per_weight: if params > 0 { self.file_bytes as f64 * 8.0 / params as f64 } else { 0.0 },
+            bits_per_weight: if params > 0 {
+                self.file_bytes as f64 * 8.0 / params as f64
+            } else {
+                0.0
+            },
             tensor_types: types,
             context_length: c.context_length,
             n_layers: c.n_layers,
@@ -208,7 +245,11 @@ impl Model {
             sliding_window: c.sliding_window,
             bos_token: tok.bos_token().map(str::to_string),
             eos_token: tok.eos_token().map(str::to_string),
-            eog_tokens: tok.eog_ids().iter().filter_map(|&i| tok.token_to_str(i).map(str::to_string)).collect(),
+            eog_tokens: tok
+                .eog_ids()
+                .iter()
+                .filter_map(|&i| tok.token_to_str(i).map(str::to_string))
+                .collect(),
             add_bos: tok.add_bos(),
             chat_template: self.template.is_some(),
         }
@@ -237,12 +278,20 @@ impl Model {
     }
     /// A new sequence holding at most `max_context` positions (0 = the model's context length).
     pub fn session(&self, max_context: usize) -> Session<'_> {
-        Session { model: self, pos: 0, cache: self.new_cache(max_context) }
+        Session {
+            model: self,
+            pos: 0,
+            cache: self.new_cache(max_context),
+        }
     }
 
     /// An empty KV cache for one sequence of at most `limit` positions (0 = context length).
     pub fn new_cache(&self, limit: usize) -> KvCache {
-        let limit = if limit == 0 { self.config.context_length } else { limit };
+        let limit = if limit == 0 {
+            self.config.context_length
+        } else {
+            limit
+        };
         let c = &self.config;
         KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit)
     }
@@ -275,14 +324,25 @@ impl Model {
                 .map(|it| {
                     let len = it.tokens.len();
                     let limit = it.cache.limit;
-                    let r = SeqRef { kv: &mut it.cache.layers[li], start, len, pos0: it.pos0, limit };
+                    let r = SeqRef {
+                        kv: &mut it.cache.layers[li],
+                        start,
+                        len,
+                        pos0: it.pos0,
+                        limit,
+                    };
                     start += len;
                     r
                 })
                 .collect();
             block.forward(&be, &mut x, &mut seqs)?;
         }
-        Ok(be.rms_norm(&x, &self.final_norm, self.config.rms_eps, self.config.norm_offset)?)
+        Ok(be.rms_norm(
+            &x,
+            &self.final_norm,
+            self.config.rms_eps,
+            self.config.norm_offset,
+        )?)
     }
 
     /// One batched step: for each sequence, feeds its tokens after `pos0` and returns the logits
@@ -308,7 +368,9 @@ impl Model {
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
         let mut l = self.backend.linear(h, &self.lm_head, None)?;
         if let Some(cap) = self.config.final_logit_softcap {
-            l.data_mut().iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+            l.data_mut()
+                .iter_mut()
+                .for_each(|v| *v = (*v / cap).tanh() * cap);
         }
         Ok(l)
     }
@@ -349,7 +411,11 @@ impl<'m> Session<'m> {
     }
     /// Feeds `tokens` (appended after what is cached) and returns the logits `(V)` of the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let mut item = [BatchItem { cache: &mut self.cache, pos0: self.pos, tokens }];
+        let mut item = [BatchItem {
+            cache: &mut self.cache,
+            pos0: self.pos,
+            tokens,
+        }];
         let mut l = self.model.step_batch(&mut item)?;
         self.pos += tokens.len();
         Ok(l.pop().expect("one sequence in, one row out"))
@@ -360,7 +426,11 @@ impl<'m> Session<'m> {
     }
     /// Feeds `tokens` and returns the logits of every position `(T, V)` (teacher forcing).
     pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let mut item = [BatchItem { cache: &mut self.cache, pos0: self.pos, tokens }];
+        let mut item = [BatchItem {
+            cache: &mut self.cache,
+            pos0: self.pos,
+            tokens,
+        }];
         let h = self.model.hidden_batch(&mut item)?;
         let l = self.model.logits(&h)?;
         self.pos += tokens.len();

@@ -34,7 +34,11 @@ pub fn hf_to_gguf(arch: Arch, hf: &str) -> Option<String> {
         Some((s, x)) if x == "weight" || x == "bias" => (s, x),
         _ => (hf, ""),
     };
-    let dot_suffix = if suffix.is_empty() { String::new() } else { format!(".{suffix}") };
+    let dot_suffix = if suffix.is_empty() {
+        String::new()
+    } else {
+        format!(".{suffix}")
+    };
     if let Some((_, g)) = GLOBAL.iter().find(|(h, _)| *h == stem) {
         return Some(format!("{g}{dot_suffix}"));
     }
@@ -44,7 +48,11 @@ pub fn hf_to_gguf(arch: Arch, hf: &str) -> Option<String> {
     // The one name whose meaning differs by family: Llama's "post attention" norm is the norm
     // before the MLP; Gemma 3's is applied to the attention output.
     let g = if part == "post_attention_layernorm" {
-        if arch == Arch::Gemma3 { "post_attention_norm" } else { "ffn_norm" }
+        if arch == Arch::Gemma3 {
+            "post_attention_norm"
+        } else {
+            "ffn_norm"
+        }
     } else {
         LAYER.iter().find(|(h, _)| *h == part)?.1
     };
@@ -56,16 +64,46 @@ mod tests {
     use super::*;
     #[test]
     fn maps_known_names() {
-        assert_eq!(hf_to_gguf(Arch::Llama, "model.embed_tokens.weight").unwrap(), "token_embd.weight");
-        assert_eq!(hf_to_gguf(Arch::Llama, "model.layers.3.self_attn.q_proj.weight").unwrap(), "blk.3.attn_q.weight");
-        assert_eq!(hf_to_gguf(Arch::Qwen2, "model.layers.0.self_attn.k_proj.bias").unwrap(), "blk.0.attn_k.bias");
-        assert_eq!(hf_to_gguf(Arch::Llama, "model.layers.1.post_attention_layernorm.weight").unwrap(), "blk.1.ffn_norm.weight");
         assert_eq!(
-            hf_to_gguf(Arch::Gemma3, "model.layers.1.post_attention_layernorm.weight").unwrap(),
+            hf_to_gguf(Arch::Llama, "model.embed_tokens.weight").unwrap(),
+            "token_embd.weight"
+        );
+        assert_eq!(
+            hf_to_gguf(Arch::Llama, "model.layers.3.self_attn.q_proj.weight").unwrap(),
+            "blk.3.attn_q.weight"
+        );
+        assert_eq!(
+            hf_to_gguf(Arch::Qwen2, "model.layers.0.self_attn.k_proj.bias").unwrap(),
+            "blk.0.attn_k.bias"
+        );
+        assert_eq!(
+            hf_to_gguf(
+                Arch::Llama,
+                "model.layers.1.post_attention_layernorm.weight"
+            )
+            .unwrap(),
+            "blk.1.ffn_norm.weight"
+        );
+        assert_eq!(
+            hf_to_gguf(
+                Arch::Gemma3,
+                "model.layers.1.post_attention_layernorm.weight"
+            )
+            .unwrap(),
             "blk.1.post_attention_norm.weight"
         );
-        assert_eq!(hf_to_gguf(Arch::Gemma3, "model.layers.1.pre_feedforward_layernorm.weight").unwrap(), "blk.1.ffn_norm.weight");
-        assert_eq!(hf_to_gguf(Arch::Llama, "lm_head.weight").unwrap(), "output.weight");
+        assert_eq!(
+            hf_to_gguf(
+                Arch::Gemma3,
+                "model.layers.1.pre_feedforward_layernorm.weight"
+            )
+            .unwrap(),
+            "blk.1.ffn_norm.weight"
+        );
+        assert_eq!(
+            hf_to_gguf(Arch::Llama, "lm_head.weight").unwrap(),
+            "output.weight"
+        );
         assert!(hf_to_gguf(Arch::Llama, "model.layers.x.mlp.up_proj.weight").is_none());
     }
 }

@@ -29,7 +29,10 @@ pub struct PerplexityOptions {
 
 impl Default for PerplexityOptions {
     fn default() -> Self {
-        PerplexityOptions { ctx: 512, max_chunks: None }
+        PerplexityOptions {
+            ctx: 512,
+            max_chunks: None,
+        }
     }
 }
 
@@ -109,16 +112,25 @@ pub fn perplexity(
 ) -> Result<PerplexityReport> {
     let ctx = opts.ctx;
     if ctx < 4 {
-        return Err(Error::Msg(format!("context {ctx} is too small (at least 4 tokens)")));
+        return Err(Error::Msg(format!(
+            "context {ctx} is too small (at least 4 tokens)"
+        )));
     }
     let tokens = tokenize_text(model, text)?;
     if let Some(b) = base {
         let bt = tokenize_text(b, text)?;
         if bt != tokens {
-            return Err(Error::Msg("the base model tokenizes the text differently: KL needs the same vocabulary".into()));
+            return Err(Error::Msg(
+                "the base model tokenizes the text differently: KL needs the same vocabulary"
+                    .into(),
+            ));
         }
         if b.vocab_size() != model.vocab_size() {
-            return Err(Error::Msg(format!("vocabulary sizes differ: {} vs {} (base)", model.vocab_size(), b.vocab_size())));
+            return Err(Error::Msg(format!(
+                "vocabulary sizes differ: {} vs {} (base)",
+                model.vocab_size(),
+                b.vocab_size()
+            )));
         }
     }
     if tokens.len() < 2 * ctx {
@@ -129,12 +141,16 @@ pub fn perplexity(
         )));
     }
     let n_chunk_max = tokens.len() / ctx;
-    let n_chunk = opts.max_chunks.map_or(n_chunk_max, |m| m.min(n_chunk_max)).max(1);
+    let n_chunk = opts
+        .max_chunks
+        .map_or(n_chunk_max, |m| m.min(n_chunk_max))
+        .max(1);
     let add_bos = model.tokenizer().add_bos();
     let bos = model.tokenizer().bos_id();
     let first = ctx / 2;
     let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
-    let (mut kl_sum, mut kl2_sum, mut kl_max, mut same_top, mut base_nll) = (0f64, 0f64, 0f64, 0usize, 0f64);
+    let (mut kl_sum, mut kl2_sum, mut kl_max, mut same_top, mut base_nll) =
+        (0f64, 0f64, 0f64, 0usize, 0f64);
     let mut running = Vec::with_capacity(n_chunk);
     for i in 0..n_chunk {
         let mut chunk = tokens[i * ctx..(i + 1) * ctx].to_vec();
@@ -152,7 +168,10 @@ pub fn perplexity(
             let row = logits.row(j);
             let next = chunk[j + 1] as usize;
             if next >= row.len() {
-                return Err(Error::Msg(format!("token id {next} is outside the model's {} logits", row.len())));
+                return Err(Error::Msg(format!(
+                    "token id {next} is outside the model's {} logits",
+                    row.len()
+                )));
             }
             let v = -log_softmax_at(row, next);
             nll += v;
@@ -177,13 +196,21 @@ pub fn perplexity(
     let mean = nll / count as f64;
     let ppl = mean.exp();
     let var = nll2 / count as f64 - mean * mean;
-    let ppl_err = if var > 0.0 && count > 1 { (var / (count - 1) as f64).sqrt() * ppl } else { 0.0 };
+    let ppl_err = if var > 0.0 && count > 1 {
+        (var / (count - 1) as f64).sqrt() * ppl
+    } else {
+        0.0
+    };
     let kl = base.map(|_| {
         let m = kl_sum / count as f64;
         let v = kl2_sum / count as f64 - m * m;
         KlReport {
             mean_kl: m,
-            mean_kl_err: if v > 0.0 && count > 1 { (v / (count - 1) as f64).sqrt() } else { 0.0 },
+            mean_kl_err: if v > 0.0 && count > 1 {
+                (v / (count - 1) as f64).sqrt()
+            } else {
+                0.0
+            },
             max_kl: kl_max,
             same_top_pct: 100.0 * same_top as f64 / count as f64,
             base_ppl: (base_nll / count as f64).exp(),

@@ -83,13 +83,18 @@ impl Default for SamplerConfig {
 impl SamplerConfig {
     /// Greedy decoding (temperature 0), everything else default.
     pub fn greedy() -> Self {
-        SamplerConfig { temperature: 0.0, ..Default::default() }
+        SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
 
     /// Checks every value is in its documented range (finite, non-negative, ...).
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str, v: f32, range: &str| {
-            Err(Error::Msg(format!("sampler: {what} = {v} is out of range (expected {range})")))
+            Err(Error::Msg(format!(
+                "sampler: {what} = {v} is out of range (expected {range})"
+            )))
         };
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return bad("temperature", self.temperature, ">= 0");
@@ -107,7 +112,11 @@ impl SamplerConfig {
             return bad("presence_penalty", self.presence_penalty, "a finite number");
         }
         if !self.frequency_penalty.is_finite() {
-            return bad("frequency_penalty", self.frequency_penalty, "a finite number");
+            return bad(
+                "frequency_penalty",
+                self.frequency_penalty,
+                "a finite number",
+            );
         }
         for &(id, b) in &self.logit_bias {
             if b.is_nan() || b == f32::INFINITY {
@@ -143,7 +152,9 @@ impl Rng {
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             z ^ (z >> 31)
         };
-        Rng { s: [split(), split(), split(), split()] }
+        Rng {
+            s: [split(), split(), split(), split()],
+        }
     }
 
     pub fn next_u64(&mut self) -> u64 {
@@ -190,7 +201,13 @@ impl Sampler {
     pub fn new(cfg: SamplerConfig, vocab: usize) -> Sampler {
         let seed = cfg.seed.unwrap_or_else(clock_seed);
         let recent = Vec::with_capacity(cfg.penalty_last_n.min(1 << 16));
-        Sampler { rng: Rng::new(seed), seed, cand: Vec::with_capacity(vocab), recent, cfg }
+        Sampler {
+            rng: Rng::new(seed),
+            seed,
+            cand: Vec::with_capacity(vocab),
+            recent,
+            cfg,
+        }
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -248,7 +265,9 @@ impl Sampler {
             }
             let count = (j - i) as f32;
             i = j;
-            let Some(l) = logits.get_mut(id as usize) else { continue };
+            let Some(l) = logits.get_mut(id as usize) else {
+                continue;
+            };
             if *l <= 0.0 {
                 *l *= self.cfg.repetition_penalty;
             } else {
@@ -333,7 +352,11 @@ impl Sampler {
             }
         }
         // Rounding left `u` past the last bucket: the last token with non-zero mass.
-        self.cand.iter().rev().find(|c| c.1 > 0.0).map_or(self.cand[0].0, |c| c.0)
+        self.cand
+            .iter()
+            .rev()
+            .find(|c| c.1 > 0.0)
+            .map_or(self.cand[0].0, |c| c.0)
     }
 }
 
@@ -389,7 +412,10 @@ mod tests {
 
     fn softmax(logits: &[f32], t: f32) -> Vec<f64> {
         let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let e: Vec<f64> = logits.iter().map(|&l| f64::from(((l - m) / t).exp())).collect();
+        let e: Vec<f64> = logits
+            .iter()
+            .map(|&l| f64::from(((l - m) / t).exp()))
+            .collect();
         let s: f64 = e.iter().sum();
         e.iter().map(|x| x / s).collect()
     }
@@ -428,7 +454,11 @@ mod tests {
     fn top_k_one_is_greedy() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32 * 0.1).collect();
         let expected = argmax(&logits);
-        let c = SamplerConfig { temperature: 1.5, top_k: 1, ..cfg(1.5) };
+        let c = SamplerConfig {
+            temperature: 1.5,
+            top_k: 1,
+            ..cfg(1.5)
+        };
         let mut s = Sampler::new(c, logits.len());
         for _ in 0..200 {
             assert_eq!(s.sample(&mut logits.clone(), &[]), expected);
@@ -439,8 +469,16 @@ mod tests {
     fn same_seed_same_draws_and_pinned_stream() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
         let run = |seed| {
-            let mut s = Sampler::new(SamplerConfig { seed: Some(seed), ..cfg(1.0) }, 50);
-            (0..64).map(|_| s.sample(&mut logits.clone(), &[])).collect::<Vec<_>>()
+            let mut s = Sampler::new(
+                SamplerConfig {
+                    seed: Some(seed),
+                    ..cfg(1.0)
+                },
+                50,
+            );
+            (0..64)
+                .map(|_| s.sample(&mut logits.clone(), &[]))
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -475,7 +513,14 @@ mod tests {
     #[test]
     fn top_k_restricts_and_renormalises() {
         let logits = [1.0f32, 0.0, 2.0, -1.0, 0.5];
-        let counts = histogram(SamplerConfig { top_k: 2, ..cfg(1.0) }, &logits, 50_000);
+        let counts = histogram(
+            SamplerConfig {
+                top_k: 2,
+                ..cfg(1.0)
+            },
+            &logits,
+            50_000,
+        );
         // Only ids 2 and 0 survive, with softmax over {2.0, 1.0}.
         let p = softmax(&[2.0, 1.0], 1.0);
         assert_matches(&counts, &[p[1], 0.0, p[0], 0.0, 0.0]);
@@ -488,13 +533,34 @@ mod tests {
         let logits: Vec<f32> = probs.iter().map(|p| p.ln()).collect();
         // top_p = 0.79: 0.5 + 0.3 reaches it -> {0, 1} (not exactly 0.8: the f32 logs of the
         // probabilities would make the boundary a coin toss of rounding).
-        let counts = histogram(SamplerConfig { top_p: 0.79, ..cfg(1.0) }, &logits, 50_000);
+        let counts = histogram(
+            SamplerConfig {
+                top_p: 0.79,
+                ..cfg(1.0)
+            },
+            &logits,
+            50_000,
+        );
         assert_matches(&counts, &[0.625, 0.375, 0.0, 0.0]);
         // top_p = 0.81 needs the third token.
-        let counts = histogram(SamplerConfig { top_p: 0.81, ..cfg(1.0) }, &logits, 50_000);
+        let counts = histogram(
+            SamplerConfig {
+                top_p: 0.81,
+                ..cfg(1.0)
+            },
+            &logits,
+            50_000,
+        );
         assert_matches(&counts, &[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]);
         // Tiny top_p keeps at least one token.
-        let counts = histogram(SamplerConfig { top_p: 1e-6, ..cfg(1.0) }, &logits, 1000);
+        let counts = histogram(
+            SamplerConfig {
+                top_p: 1e-6,
+                ..cfg(1.0)
+            },
+            &logits,
+            1000,
+        );
         assert_eq!(counts, vec![1000, 0, 0, 0]);
     }
 
@@ -503,7 +569,14 @@ mod tests {
         let probs = [0.5f32, 0.3, 0.15, 0.05];
         let logits: Vec<f32> = probs.iter().map(|p| p.ln()).collect();
         // min_p = 0.25: threshold 0.125 -> keep {0.5, 0.3, 0.15}.
-        let counts = histogram(SamplerConfig { min_p: 0.25, ..cfg(1.0) }, &logits, 50_000);
+        let counts = histogram(
+            SamplerConfig {
+                min_p: 0.25,
+                ..cfg(1.0)
+            },
+            &logits,
+            50_000,
+        );
         assert_matches(&counts, &[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]);
     }
 
@@ -513,7 +586,14 @@ mod tests {
         // temperature came first; llama.cpp applies top-p to the untempered distribution.
         let probs = [0.5f32, 0.3, 0.15, 0.05];
         let logits: Vec<f32> = probs.iter().map(|p| p.ln()).collect();
-        let counts = histogram(SamplerConfig { top_p: 0.79, ..cfg(10.0) }, &logits, 20_000);
+        let counts = histogram(
+            SamplerConfig {
+                top_p: 0.79,
+                ..cfg(10.0)
+            },
+            &logits,
+            20_000,
+        );
         assert_eq!(counts[2] + counts[3], 0);
         let p = softmax(&logits[..2], 10.0);
         assert_matches(&counts, &[p[0], p[1], 0.0, 0.0]);
@@ -543,7 +623,10 @@ mod tests {
 
     #[test]
     fn penalty_changes_greedy_choice() {
-        let c = SamplerConfig { repetition_penalty: 1.5, ..SamplerConfig::greedy() };
+        let c = SamplerConfig {
+            repetition_penalty: 1.5,
+            ..SamplerConfig::greedy()
+        };
         let mut s = Sampler::new(c, 3);
         // 3.0 / 1.5 = 2.0 < 2.5.
         assert_eq!(s.sample(&mut [3.0, 2.5, 0.0], &[0]), 1);
@@ -558,7 +641,10 @@ mod tests {
         };
         let mut s = Sampler::new(c.clone(), 3);
         assert_eq!(s.sample(&mut [5.0, 4.0, -4.0], &[]), 2);
-        let c = SamplerConfig { logit_bias: vec![(0, f32::NEG_INFINITY)], ..cfg(1.0) };
+        let c = SamplerConfig {
+            logit_bias: vec![(0, f32::NEG_INFINITY)],
+            ..cfg(1.0)
+        };
         let counts = histogram(c, &[10.0, 0.0, 0.0], 2000);
         assert_eq!(counts[0], 0);
     }
@@ -579,24 +665,62 @@ mod tests {
     #[test]
     fn validate_rejects_out_of_range() {
         assert!(SamplerConfig::default().validate().is_ok());
-        assert!(SamplerConfig { temperature: -1.0, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { temperature: f32::NAN, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { top_p: 0.0, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { top_p: 1.5, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { min_p: -0.1, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { repetition_penalty: 0.0, ..Default::default() }
-            .validate()
-            .is_err());
-        assert!(SamplerConfig { logit_bias: vec![(1, f32::NAN)], ..Default::default() }
-            .validate()
-            .is_err());
+        assert!(SamplerConfig {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            temperature: f32::NAN,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            top_p: 1.5,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            min_p: -0.1,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            repetition_penalty: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            logit_bias: vec![(1, f32::NAN)],
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]
     fn defaults_are_llama_cpp_defaults() {
         let d = SamplerConfig::default();
         assert_eq!(
-            (d.temperature, d.top_k, d.top_p, d.min_p, d.repetition_penalty, d.penalty_last_n),
+            (
+                d.temperature,
+                d.top_k,
+                d.top_p,
+                d.min_p,
+                d.repetition_penalty,
+                d.penalty_last_n
+            ),
             (0.8, 40, 0.95, 0.05, 1.0, 64)
         );
     }

@@ -32,9 +32,16 @@ impl Format {
 }
 
 pub enum WeightSource {
-    Gguf { file: GgufFile, arch: Arch },
+    Gguf {
+        file: GgufFile,
+        arch: Arch,
+    },
     /// Hugging Face or MLX folder; `quant` holds MLX's `quantization` block when present.
-    St { st: ShardedSafeTensors, quant: Option<Value>, prefixes: Vec<String> },
+    St {
+        st: ShardedSafeTensors,
+        quant: Option<Value>,
+        prefixes: Vec<String>,
+    },
 }
 
 /// Finds the model folder inside a Hugging Face cache entry (`models--ORG--NAME`): the snapshot
@@ -51,14 +58,28 @@ pub fn resolve_hf_cache(path: &Path) -> Result<PathBuf> {
         }
     }
     let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
-    for e in std::fs::read_dir(&snaps).map_err(|e| Error::Io { path: snaps.clone(), source: e })? {
-        let e = e.map_err(|e| Error::Io { path: snaps.clone(), source: e })?;
-        let t = e.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH);
+    for e in std::fs::read_dir(&snaps).map_err(|e| Error::Io {
+        path: snaps.clone(),
+        source: e,
+    })? {
+        let e = e.map_err(|e| Error::Io {
+            path: snaps.clone(),
+            source: e,
+        })?;
+        let t = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .unwrap_or(std::time::UNIX_EPOCH);
         if e.path().is_dir() && best.as_ref().is_none_or(|(bt, _)| t > *bt) {
             best = Some((t, e.path()));
         }
     }
-    best.map(|(_, p)| p).ok_or_else(|| Error::Msg(format!("{}: Hugging Face cache entry has no snapshot", path.display())))
+    best.map(|(_, p)| p).ok_or_else(|| {
+        Error::Msg(format!(
+            "{}: Hugging Face cache entry has no snapshot",
+            path.display()
+        ))
+    })
 }
 
 fn st_dtype_to_ggml(d: StDtype) -> Option<GgmlType> {
@@ -77,13 +98,20 @@ impl WeightSource {
 
     pub fn safetensors(dir: &Path, config: &Value) -> Result<WeightSource> {
         let st = ShardedSafeTensors::open_dir(dir)?;
-        let quant = config.get("quantization").or_else(|| config.get("quantization_config")).cloned();
+        let quant = config
+            .get("quantization")
+            .or_else(|| config.get("quantization_config"))
+            .cloned();
         // Multimodal checkpoints keep the text model under another prefix.
         let prefixes = ["", "language_model.", "model.language_model."]
             .iter()
             .map(|s| s.to_string())
             .collect();
-        Ok(WeightSource::St { st, quant: quant.filter(|q| q.get("bits").is_some()), prefixes })
+        Ok(WeightSource::St {
+            st,
+            quant: quant.filter(|q| q.get("bits").is_some()),
+            prefixes,
+        })
     }
 
     pub fn format(&self) -> Format {
@@ -116,10 +144,13 @@ impl WeightSource {
 
     pub fn contains(&self, hf: &str) -> bool {
         match self {
-            WeightSource::Gguf { file, arch } => hf_to_gguf(*arch, hf).is_some_and(|g| file.tensor(&g).is_some()),
+            WeightSource::Gguf { file, arch } => {
+                hf_to_gguf(*arch, hf).is_some_and(|g| file.tensor(&g).is_some())
+            }
             WeightSource::St { st, prefixes, .. } => {
                 let stem = hf.strip_suffix(".weight").unwrap_or(hf);
-                Self::st_name(st, prefixes, hf).is_some() || Self::st_name(st, prefixes, &format!("{stem}.scales")).is_some()
+                Self::st_name(st, prefixes, hf).is_some()
+                    || Self::st_name(st, prefixes, &format!("{stem}.scales")).is_some()
             }
         }
     }
@@ -128,60 +159,128 @@ impl WeightSource {
     pub fn matrix(&self, hf: &str) -> Result<QTensor> {
         match self {
             WeightSource::Gguf { file, arch } => {
-                let g = hf_to_gguf(*arch, hf).ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
-                let info = file.tensor(&g).ok_or_else(|| Error::MissingTensor(format!("{g} ({hf})")))?;
+                let g =
+                    hf_to_gguf(*arch, hf).ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
+                let info = file
+                    .tensor(&g)
+                    .ok_or_else(|| Error::MissingTensor(format!("{g} ({hf})")))?;
                 let dims = &info.dims;
                 let (c, r) = match dims.len() {
                     2 => (dims[0], dims[1]),
-                    _ => return Err(Error::Config(format!("tensor '{g}' has {} dims, 2 expected", dims.len()))),
+                    _ => {
+                        return Err(Error::Config(format!(
+                            "tensor '{g}' has {} dims, 2 expected",
+                            dims.len()
+                        )))
+                    }
                 };
                 let data = file.tensor_data(info)?;
-                Ok(QTensor::ggml(&g, info.ty, usize::try_from(r).unwrap_or(usize::MAX), usize::try_from(c).unwrap_or(usize::MAX), data)?)
+                Ok(QTensor::ggml(
+                    &g,
+                    info.ty,
+                    usize::try_from(r).unwrap_or(usize::MAX),
+                    usize::try_from(c).unwrap_or(usize::MAX),
+                    data,
+                )?)
             }
-            WeightSource::St { st, quant, prefixes } => {
+            WeightSource::St {
+                st,
+                quant,
+                prefixes,
+            } => {
                 let stem = hf.strip_suffix(".weight").unwrap_or(hf);
                 if let Some(sname) = Self::st_name(st, prefixes, &format!("{stem}.scales")) {
                     let q = quant.as_ref().ok_or_else(|| {
-                        Error::Config(format!("'{sname}' is MLX-quantized but config.json has no quantization block"))
+                        Error::Config(format!(
+                            "'{sname}' is MLX-quantized but config.json has no quantization block"
+                        ))
                     })?;
                     return self.mlx_matrix(st, q, prefixes, stem, &sname);
                 }
-                let name = Self::st_name(st, prefixes, hf).ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
-                let (file, info) = st.get(&name).ok_or_else(|| Error::MissingTensor(name.clone()))?;
-                let ty = st_dtype_to_ggml(info.dtype).ok_or_else(|| Error::Config(format!("tensor '{name}': dtype {:?} is not a float weight", info.dtype)))?;
+                let name = Self::st_name(st, prefixes, hf)
+                    .ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
+                let (file, info) = st
+                    .get(&name)
+                    .ok_or_else(|| Error::MissingTensor(name.clone()))?;
+                let ty = st_dtype_to_ggml(info.dtype).ok_or_else(|| {
+                    Error::Config(format!(
+                        "tensor '{name}': dtype {:?} is not a float weight",
+                        info.dtype
+                    ))
+                })?;
                 if info.shape.len() != 2 {
-                    return Err(Error::Config(format!("tensor '{name}' has shape {:?}, 2-D expected", info.shape)));
+                    return Err(Error::Config(format!(
+                        "tensor '{name}' has shape {:?}, 2-D expected",
+                        info.shape
+                    )));
                 }
-                Ok(QTensor::ggml(&name, ty, info.shape[0], info.shape[1], file.tensor_data(info)?)?)
+                Ok(QTensor::ggml(
+                    &name,
+                    ty,
+                    info.shape[0],
+                    info.shape[1],
+                    file.tensor_data(info)?,
+                )?)
             }
         }
     }
 
-    fn mlx_matrix(&self, st: &ShardedSafeTensors, q: &Value, prefixes: &[String], stem: &str, scales_name: &str) -> Result<QTensor> {
+    fn mlx_matrix(
+        &self,
+        st: &ShardedSafeTensors,
+        q: &Value,
+        prefixes: &[String],
+        stem: &str,
+        scales_name: &str,
+    ) -> Result<QTensor> {
         // Per-layer overrides are keyed by the module path as stored (with or without prefix).
         let stored_stem = scales_name.strip_suffix(".scales").unwrap_or(stem);
         let over = q.get(stored_stem).or_else(|| q.get(stem));
-        let pick = |k: &str| over.and_then(|o| o.get(k)).or_else(|| q.get(k)).and_then(Value::as_u64);
-        let bits = pick("bits").ok_or_else(|| Error::Config("MLX quantization lacks bits".into()))? as u32;
+        let pick = |k: &str| {
+            over.and_then(|o| o.get(k))
+                .or_else(|| q.get(k))
+                .and_then(Value::as_u64)
+        };
+        let bits =
+            pick("bits").ok_or_else(|| Error::Config("MLX quantization lacks bits".into()))? as u32;
         let group = pick("group_size").unwrap_or(64) as usize;
         let wname = format!("{stored_stem}.weight");
         // mlx-lm writes "mode" (affine, mxfp4, nvfp4, mxfp8); only affine is this layout.
-        let mode = over.and_then(|o| o.get("mode")).or_else(|| q.get("mode")).and_then(Value::as_str).unwrap_or("affine");
+        let mode = over
+            .and_then(|o| o.get("mode"))
+            .or_else(|| q.get("mode"))
+            .and_then(Value::as_str)
+            .unwrap_or("affine");
         if mode != "affine" {
-            return Err(Error::Config(format!("MLX '{wname}': quantization mode '{mode}' is not supported (affine only)")));
+            return Err(Error::Config(format!(
+                "MLX '{wname}': quantization mode '{mode}' is not supported (affine only)"
+            )));
         }
         let bname = format!("{stored_stem}.biases");
-        let (wf, wi) = st.get(&wname).ok_or_else(|| Error::MissingTensor(wname.clone()))?;
-        let (sf, si) = st.get(scales_name).ok_or_else(|| Error::MissingTensor(scales_name.to_string()))?;
-        let (bf, bi) = st.get(&bname).ok_or_else(|| Error::MissingTensor(bname.clone()))?;
+        let (wf, wi) = st
+            .get(&wname)
+            .ok_or_else(|| Error::MissingTensor(wname.clone()))?;
+        let (sf, si) = st
+            .get(scales_name)
+            .ok_or_else(|| Error::MissingTensor(scales_name.to_string()))?;
+        let (bf, bi) = st
+            .get(&bname)
+            .ok_or_else(|| Error::MissingTensor(bname.clone()))?;
         if wi.shape.len() != 2 || wi.dtype != StDtype::U32 {
-            return Err(Error::Config(format!("MLX weight '{wname}' must be 2-D uint32, found {:?} {:?}", wi.dtype, wi.shape)));
+            return Err(Error::Config(format!(
+                "MLX weight '{wname}' must be 2-D uint32, found {:?} {:?}",
+                wi.dtype, wi.shape
+            )));
         }
         if bits == 0 || bits > 8 {
-            return Err(Error::Config(format!("MLX '{wname}': {bits} bits is not supported")));
+            return Err(Error::Config(format!(
+                "MLX '{wname}': {bits} bits is not supported"
+            )));
         }
         let rows = wi.shape[0];
-        let row_bits = wi.shape[1].checked_mul(32).ok_or_else(|| Error::Config("MLX shape overflows".into()))?;
+        let row_bits = wi.shape[1]
+            .checked_mul(32)
+            .ok_or_else(|| Error::Config("MLX shape overflows".into()))?;
         let cols = row_bits / bits as usize;
         // Scales and biases are (R, C / group): checked as 2-D shapes, not only as counts, so a
         // transposed tensor or a config whose bits/group disagree with the file is refused here.
@@ -203,7 +302,10 @@ impl WeightSource {
         let _ = prefixes;
         Ok(QTensor::affine(
             &wname,
-            AffineParams { bits, group_size: group },
+            AffineParams {
+                bits,
+                group_size: group,
+            },
             rows,
             cols,
             wf.tensor_data(wi)?,
@@ -216,21 +318,38 @@ impl WeightSource {
     pub fn vector(&self, hf: &str) -> Result<Vec<f32>> {
         match self {
             WeightSource::Gguf { file, arch } => {
-                let g = hf_to_gguf(*arch, hf).ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
-                let info = file.tensor(&g).ok_or_else(|| Error::MissingTensor(format!("{g} ({hf})")))?;
+                let g =
+                    hf_to_gguf(*arch, hf).ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
+                let info = file
+                    .tensor(&g)
+                    .ok_or_else(|| Error::MissingTensor(format!("{g} ({hf})")))?;
                 if info.dims.len() != 1 {
-                    return Err(Error::Config(format!("tensor '{g}' has {} dims, 1 expected", info.dims.len())));
+                    return Err(Error::Config(format!(
+                        "tensor '{g}' has {} dims, 1 expected",
+                        info.dims.len()
+                    )));
                 }
-                let n = usize::try_from(info.dims[0]).map_err(|_| Error::Config(format!("tensor '{g}' is too large")))?;
+                let n = usize::try_from(info.dims[0])
+                    .map_err(|_| Error::Config(format!("tensor '{g}' is too large")))?;
                 let mut out = vec![0f32; n];
-                hf2q_tensor::quant::dequantize(info.ty, file.tensor_data(info)?.as_slice(), &mut out)?;
+                hf2q_tensor::quant::dequantize(
+                    info.ty,
+                    file.tensor_data(info)?.as_slice(),
+                    &mut out,
+                )?;
                 Ok(out)
             }
             WeightSource::St { st, prefixes, .. } => {
-                let name = Self::st_name(st, prefixes, hf).ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
-                let (file, info) = st.get(&name).ok_or_else(|| Error::MissingTensor(name.clone()))?;
+                let name = Self::st_name(st, prefixes, hf)
+                    .ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
+                let (file, info) = st
+                    .get(&name)
+                    .ok_or_else(|| Error::MissingTensor(name.clone()))?;
                 if info.shape.len() != 1 {
-                    return Err(Error::Config(format!("tensor '{name}' has shape {:?}, 1-D expected", info.shape)));
+                    return Err(Error::Config(format!(
+                        "tensor '{name}' has shape {:?}, 1-D expected",
+                        info.shape
+                    )));
                 }
                 Ok(file.to_f32(info)?)
             }
@@ -240,20 +359,38 @@ impl WeightSource {
     /// Every stored tensor: (name, stored type, element count) — for `inspect`.
     pub fn tensor_summary(&self) -> Vec<(String, String, u64)> {
         match self {
-            WeightSource::Gguf { file, .. } => file.tensors.iter().map(|t| (t.name.clone(), t.ty.to_string(), t.numel())).collect(),
+            WeightSource::Gguf { file, .. } => file
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.ty.to_string(), t.numel()))
+                .collect(),
             WeightSource::St { st, quant, .. } => {
                 let mut out = Vec::new();
                 for name in st.names() {
-                    let Some((_, info)) = st.get(&name) else { continue };
-                    if name.ends_with(".scales") || name.ends_with(".biases") && quant.is_some() && st.get(&name.replace(".biases", ".scales")).is_some() {
+                    let Some((_, info)) = st.get(&name) else {
+                        continue;
+                    };
+                    if name.ends_with(".scales")
+                        || name.ends_with(".biases")
+                            && quant.is_some()
+                            && st.get(&name.replace(".biases", ".scales")).is_some()
+                    {
                         continue;
                     }
                     let n: u64 = info.shape.iter().map(|&d| d as u64).product();
                     let stem = name.strip_suffix(".weight").unwrap_or(&name);
                     if let (Some(q), true) = (quant, st.get(&format!("{stem}.scales")).is_some()) {
                         let over = q.get(stem);
-                        let bits = over.and_then(|o| o.get("bits")).or_else(|| q.get("bits")).and_then(Value::as_u64).unwrap_or(4);
-                        let g = over.and_then(|o| o.get("group_size")).or_else(|| q.get("group_size")).and_then(Value::as_u64).unwrap_or(64);
+                        let bits = over
+                            .and_then(|o| o.get("bits"))
+                            .or_else(|| q.get("bits"))
+                            .and_then(Value::as_u64)
+                            .unwrap_or(4);
+                        let g = over
+                            .and_then(|o| o.get("group_size"))
+                            .or_else(|| q.get("group_size"))
+                            .and_then(Value::as_u64)
+                            .unwrap_or(64);
                         out.push((name.clone(), format!("mlx{bits}g{g}"), n * 32 / bits.max(1)));
                     } else {
                         out.push((name.clone(), format!("{:?}", info.dtype), n));
@@ -268,7 +405,10 @@ impl WeightSource {
 /// Loads the config of a safetensors/MLX folder.
 pub fn read_config_json(dir: &Path) -> Result<Value> {
     let p = dir.join("config.json");
-    let s = std::fs::read_to_string(&p).map_err(|e| Error::Io { path: p.clone(), source: e })?;
+    let s = std::fs::read_to_string(&p).map_err(|e| Error::Io {
+        path: p.clone(),
+        source: e,
+    })?;
     serde_json::from_str(&s).map_err(|e| Error::Config(format!("{}: {e}", p.display())))
 }
 

@@ -31,9 +31,16 @@ pub struct StopMatcher {
 impl StopMatcher {
     /// Empty stop strings are ignored (they would match everywhere).
     pub fn new<S: AsRef<str>>(stops: &[S]) -> StopMatcher {
-        let stops =
-            stops.iter().map(|s| s.as_ref().to_string()).filter(|s| !s.is_empty()).collect();
-        StopMatcher { stops, pending: String::new(), matched: None }
+        let stops = stops
+            .iter()
+            .map(|s| s.as_ref().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        StopMatcher {
+            stops,
+            pending: String::new(),
+            matched: None,
+        }
     }
 
     /// True when there are no stop strings (everything passes straight through).
@@ -54,23 +61,35 @@ impl StopMatcher {
     /// Feeds the next piece of text. After a match, further pushes produce nothing.
     pub fn push(&mut self, text: &str) -> StopOutput {
         if self.matched.is_some() {
-            return StopOutput { text: String::new(), matched: self.matched };
+            return StopOutput {
+                text: String::new(),
+                matched: self.matched,
+            };
         }
         if self.stops.is_empty() {
-            return StopOutput { text: text.to_string(), matched: None };
+            return StopOutput {
+                text: text.to_string(),
+                matched: None,
+            };
         }
         self.pending.push_str(text);
         if let Some((at, which)) = self.find_stop() {
             self.matched = Some(which);
             let mut out = std::mem::take(&mut self.pending);
             out.truncate(at);
-            return StopOutput { text: out, matched: Some(which) };
+            return StopOutput {
+                text: out,
+                matched: Some(which),
+            };
         }
         let hold = self.held_tail_len();
         let split = self.pending.len() - hold;
         let tail = self.pending.split_off(split);
         let out = std::mem::replace(&mut self.pending, tail);
-        StopOutput { text: out, matched: None }
+        StopOutput {
+            text: out,
+            matched: None,
+        }
     }
 
     /// Ends the stream: returns whatever was held back (empty after a match).
@@ -107,7 +126,11 @@ impl StopMatcher {
                 continue;
             }
             let tail = &p[start..];
-            if self.stops.iter().any(|s| s.len() > len && s.as_bytes().starts_with(tail)) {
+            if self
+                .stops
+                .iter()
+                .any(|s| s.len() > len && s.as_bytes().starts_with(tail))
+            {
                 return len;
             }
         }
@@ -142,12 +165,18 @@ mod tests {
 
     #[test]
     fn stop_within_one_piece_truncates() {
-        assert_eq!(run(&["\n\n"], &["Hello\n\nWorld"]), ("Hello".into(), Some(0)));
+        assert_eq!(
+            run(&["\n\n"], &["Hello\n\nWorld"]),
+            ("Hello".into(), Some(0))
+        );
     }
 
     #[test]
     fn stop_split_across_pieces() {
-        assert_eq!(run(&["</end>"], &["abc</", "en", "d>tail"]), ("abc".into(), Some(0)));
+        assert_eq!(
+            run(&["</end>"], &["abc</", "en", "d>tail"]),
+            ("abc".into(), Some(0))
+        );
         // One byte per push.
         let text = "xx STOP yy";
         let pieces: Vec<String> = text.chars().map(|c| c.to_string()).collect();
@@ -171,19 +200,31 @@ mod tests {
         // "aab" contains "ab" starting at 1: the first 'a' is safe once "aa" is seen.
         assert_eq!(run(&["ab"], &["a", "a", "b"]), ("a".into(), Some(0)));
         // A tail that is a prefix of the stop only from its second byte.
-        assert_eq!(run(&["aab"], &["a", "a", "a", "b", "c"]), ("a".into(), Some(0)));
+        assert_eq!(
+            run(&["aab"], &["a", "a", "a", "b", "c"]),
+            ("a".into(), Some(0))
+        );
     }
 
     #[test]
     fn earliest_of_several_stops_wins() {
-        assert_eq!(run(&["world", "lo"], &["hello world"]), ("hel".into(), Some(1)));
-        assert_eq!(run(&["lo w", "lo"], &["hello world"]), ("hel".into(), Some(0)));
+        assert_eq!(
+            run(&["world", "lo"], &["hello world"]),
+            ("hel".into(), Some(1))
+        );
+        assert_eq!(
+            run(&["lo w", "lo"], &["hello world"]),
+            ("hel".into(), Some(0))
+        );
     }
 
     #[test]
     fn multibyte_characters() {
         // The stop is a multi-byte string split inside a character's worth of pieces.
-        assert_eq!(run(&["世界"], &["你好", "世", "界!"]), ("你好".into(), Some(0)));
+        assert_eq!(
+            run(&["世界"], &["你好", "世", "界!"]),
+            ("你好".into(), Some(0))
+        );
         // A stop sharing the first bytes of a character must not split that character.
         let mut m = StopMatcher::new(&["é!"]);
         let o = m.push("café");
@@ -191,14 +232,23 @@ mod tests {
         let o = m.push("?");
         assert_eq!(o.text, "é?");
         // Emoji then stop.
-        assert_eq!(run(&["<|im_end|>"], &["ok 👍", "<|im_", "end|>"]), ("ok 👍".into(), Some(0)));
+        assert_eq!(
+            run(&["<|im_end|>"], &["ok 👍", "<|im_", "end|>"]),
+            ("ok 👍".into(), Some(0))
+        );
     }
 
     #[test]
     fn after_match_nothing_more() {
         let mut m = StopMatcher::new(&["x"]);
         assert_eq!(m.push("axb").matched, Some(0));
-        assert_eq!(m.push("more"), StopOutput { text: String::new(), matched: Some(0) });
+        assert_eq!(
+            m.push("more"),
+            StopOutput {
+                text: String::new(),
+                matched: Some(0)
+            }
+        );
         assert_eq!(m.finish(), "");
         assert_eq!(m.matched(), Some(0));
     }

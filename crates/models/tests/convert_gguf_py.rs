@@ -32,15 +32,26 @@ fn root() -> PathBuf {
 }
 
 fn summary(py: &str, file: &Path) -> Value {
-    let o = Command::new(py).arg(root().join("scripts/fixtures/gguf_py_summary.py")).arg(file).output().unwrap();
-    assert!(o.status.success(), "gguf-py on {}: {}", file.display(), String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(py)
+        .arg(root().join("scripts/fixtures/gguf_py_summary.py"))
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "gguf-py on {}: {}",
+        file.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
 /// hf2q's value in the script's JSON shape.
 fn as_json(v: &GgufValue) -> Value {
     match v {
-        GgufValue::Array(a) => serde_json::json!({ "array_len": a.values.len(), "first": a.values.first().map(as_json) }),
+        GgufValue::Array(a) => {
+            serde_json::json!({ "array_len": a.values.len(), "first": a.values.first().map(as_json) })
+        }
         GgufValue::String(s) => Value::String(s.clone()),
         GgufValue::Bool(b) => Value::Bool(*b),
         GgufValue::F32(x) => serde_json::json!(*x as f64),
@@ -53,28 +64,60 @@ fn check(py: &str, file: &Path) {
     let s = summary(py, file);
     let f = GgufFile::open(file).unwrap();
     let meta = s["metadata"].as_object().unwrap();
-    assert_eq!(meta.len(), f.metadata.len(), "{}: metadata count", file.display());
+    assert_eq!(
+        meta.len(),
+        f.metadata.len(),
+        "{}: metadata count",
+        file.display()
+    );
     for (k, v) in &f.metadata {
-        assert_eq!(meta.get(k), Some(&as_json(v)), "{}: metadata {k}", file.display());
+        assert_eq!(
+            meta.get(k),
+            Some(&as_json(v)),
+            "{}: metadata {k}",
+            file.display()
+        );
     }
     let ts = s["tensors"].as_array().unwrap();
     assert_eq!(ts.len(), f.tensors.len());
     for (t, p) in f.tensors.iter().zip(ts) {
         assert_eq!(p["name"], t.name.as_str());
         assert_eq!(p["type"], t.ty.name(), "{}", t.name);
-        let dims: Vec<u64> = p["dims"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        let dims: Vec<u64> = p["dims"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
         assert_eq!(dims, t.dims, "{}", t.name);
         assert_eq!(p["n_bytes"].as_u64().unwrap(), t.nbytes(), "{}", t.name);
         let n = t.numel() as usize;
         let mut x = vec![0f32; n];
         hf2q_tensor::quant::dequantize(t.ty, f.tensor_data(t).unwrap().as_slice(), &mut x).unwrap();
-        let head: Vec<f32> = p["head"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        let head: Vec<f32> = p["head"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
         assert_eq!(head, x[..head.len()], "{}: first values", t.name);
-        let (sum, abs): (f64, f64) = x.iter().fold((0.0, 0.0), |(s, a), &v| (s + v as f64, a + (v as f64).abs()));
+        let (sum, abs): (f64, f64) = x.iter().fold((0.0, 0.0), |(s, a), &v| {
+            (s + v as f64, a + (v as f64).abs())
+        });
         // Sums in f64 in another order: equal to ~1e-12 of the magnitude.
-        assert!((sum - p["sum"].as_f64().unwrap()).abs() <= 1e-9 * abs.max(1.0), "{}: sum {sum} vs {}", t.name, p["sum"]);
+        assert!(
+            (sum - p["sum"].as_f64().unwrap()).abs() <= 1e-9 * abs.max(1.0),
+            "{}: sum {sum} vs {}",
+            t.name,
+            p["sum"]
+        );
     }
-    eprintln!("{}: gguf-py agrees ({} keys, {} tensors)", file.display(), f.metadata.len(), f.tensors.len());
+    eprintln!(
+        "{}: gguf-py agrees ({} keys, {} tensors)",
+        file.display(),
+        f.metadata.len(),
+        f.tensors.len()
+    );
 }
 
 #[test]
@@ -82,7 +125,12 @@ fn hf2q_gguf_reads_the_same_in_gguf_py() {
     let Some(py) = python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny");
-    for (name, ty) in [("tiny-llama", None), ("tiny-qwen2", Some("Q8_0")), ("tiny-qwen3", Some("Q4_0")), ("tiny-gemma3", Some("BF16"))] {
+    for (name, ty) in [
+        ("tiny-llama", None),
+        ("tiny-qwen2", Some("Q8_0")),
+        ("tiny-qwen3", Some("Q4_0")),
+        ("tiny-gemma3", Some("BF16")),
+    ] {
         let src = SourceModel::open(&tiny.join(name)).unwrap();
         let out = dir.path().join(format!("{name}.gguf"));
         let target = match ty {
@@ -99,7 +147,11 @@ fn hf2q_gguf_reads_the_same_in_gguf_py() {
         let src = SourceModel::open(Path::new(&p)).unwrap();
         for ty in ["Q4_K_M", "Q6_K", "Q2_K"] {
             let out = dir.path().join(format!("smollm2-{ty}.gguf"));
-            let opts = QuantizeOptions { target: QuantTarget::parse(ty, None).unwrap(), overrides: Default::default(), imatrix: None };
+            let opts = QuantizeOptions {
+                target: QuantTarget::parse(ty, None).unwrap(),
+                overrides: Default::default(),
+                imatrix: None,
+            };
             quantize(&src, &out, &opts, &NoProgress).unwrap();
             check(&py, &out);
         }

@@ -18,12 +18,21 @@ use hf2q_tensor::quant::mlx::AffineParams;
 use hf2q_tensor::GgmlType;
 
 fn tiny(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tiny")
+        .join(name)
 }
 
 fn golden_ids(name: &str) -> Vec<u32> {
-    let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tiny(name).join("golden.json")).unwrap()).unwrap();
-    g["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    let g: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny(name).join("golden.json")).unwrap())
+            .unwrap();
+    g["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn logits(path: &Path, ids: &[u32]) -> Vec<f32> {
@@ -34,7 +43,10 @@ fn logits(path: &Path, ids: &[u32]) -> Vec<f32> {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 const FAMILIES: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
@@ -54,9 +66,15 @@ fn source(name: &str, scratch: &Path) -> PathBuf {
             let p = e.unwrap().path();
             std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
         }
-        let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
         cfg["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"]);
-        std::fs::write(dir.join("config.json"), serde_json::to_string(&cfg).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string(&cfg).unwrap(),
+        )
+        .unwrap();
     }
     dir
 }
@@ -77,10 +95,20 @@ fn hf_to_gguf_keeps_the_model_and_the_tensors() {
         // Re-read: the same tensors in GGUF layout, F32 as in the source.
         let back = SourceModel::open(&gguf).unwrap();
         for t in &src.tensors {
-            let g = back.tensor_by_gguf(&t.gguf).unwrap_or_else(|| panic!("{name}: {} missing", t.gguf));
+            let g = back
+                .tensor_by_gguf(&t.gguf)
+                .unwrap_or_else(|| panic!("{name}: {} missing", t.gguf));
             assert_eq!(g.shape, t.shape, "{name}: {}", t.gguf);
-            assert_eq!(back.read_f32(g, Layout::Gguf).unwrap(), src.read_f32(t, Layout::Gguf).unwrap(), "{name}: {}", t.gguf);
-            let (x, y) = (back.read_f32(g, Layout::Hf).unwrap(), src.read_f32(t, Layout::Hf).unwrap());
+            assert_eq!(
+                back.read_f32(g, Layout::Gguf).unwrap(),
+                src.read_f32(t, Layout::Gguf).unwrap(),
+                "{name}: {}",
+                t.gguf
+            );
+            let (x, y) = (
+                back.read_f32(g, Layout::Hf).unwrap(),
+                src.read_f32(t, Layout::Hf).unwrap(),
+            );
             if name.contains("gemma") && t.gguf.contains("norm") {
                 // Gemma norms come back as (w + 1) - 1 in f32: within one f32 step of 1.0.
                 assert!(max_diff(&x, &y) <= f32::EPSILON, "{name}: {}", t.gguf);
@@ -104,11 +132,19 @@ fn gguf_layout_is_llama_cpp_layout() {
     let gguf = dir.path().join("l.gguf");
     convert(&src, &gguf, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
     let f = GgufFile::open(&gguf).unwrap();
-    let q = src.tensor_by_hf("model.layers.0.self_attn.q_proj.weight").unwrap();
+    let q = src
+        .tensor_by_hf("model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
     let mut want = src.read_f32(q, Layout::Hf).unwrap();
     permute_qk_rows(&mut want, q.rows(), q.cols(), src.config.n_heads, true).unwrap();
     let info = f.tensor("blk.0.attn_q.weight").unwrap();
-    let got: Vec<f32> = f.tensor_data(info).unwrap().as_slice().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let got: Vec<f32> = f
+        .tensor_data(info)
+        .unwrap()
+        .as_slice()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     assert_eq!(got, want);
     assert_eq!(f.get_str("general.architecture"), Some("llama"));
     assert_eq!(f.get_u64("llama.block_count"), Some(2));
@@ -117,7 +153,10 @@ fn gguf_layout_is_llama_cpp_layout() {
     assert_eq!(f.get_str("tokenizer.ggml.pre"), Some("gpt-2"));
     assert_eq!(f.get_str_array("tokenizer.ggml.tokens").unwrap().len(), 259);
     assert_eq!(f.get_u64("tokenizer.ggml.bos_token_id"), Some(256));
-    assert!(f.get_str("tokenizer.chat_template").unwrap().contains("assistant"));
+    assert!(f
+        .get_str("tokenizer.chat_template")
+        .unwrap()
+        .contains("assistant"));
     assert_eq!(f.get_u64("general.file_type"), Some(0));
     // Llama 3 RoPE scaling travels as rope_freqs.weight.
     assert!(f.tensor("rope_freqs.weight").is_some());
@@ -126,15 +165,27 @@ fn gguf_layout_is_llama_cpp_layout() {
     let gguf = dir.path().join("g.gguf");
     convert(&src, &gguf, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
     let back = SourceModel::open(&gguf).unwrap();
-    for hf in ["model.norm.weight", "model.layers.1.self_attn.q_norm.weight", "model.layers.0.pre_feedforward_layernorm.weight"] {
+    for hf in [
+        "model.norm.weight",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.0.pre_feedforward_layernorm.weight",
+    ] {
         let t = src.tensor_by_hf(hf).unwrap();
         let g = back.tensor_by_hf(hf).unwrap();
-        let want: Vec<f32> = src.read_f32(t, Layout::Hf).unwrap().iter().map(|x| x + 1.0).collect();
+        let want: Vec<f32> = src
+            .read_f32(t, Layout::Hf)
+            .unwrap()
+            .iter()
+            .map(|x| x + 1.0)
+            .collect();
         assert_eq!(back.read_f32(g, Layout::Gguf).unwrap(), want, "{hf}");
     }
     let f = GgufFile::open(&gguf).unwrap();
     assert_eq!(f.get_u64("gemma3.attention.sliding_window"), Some(4));
-    assert_eq!(f.get_u64("gemma3.attention.sliding_window_pattern"), Some(2));
+    assert_eq!(
+        f.get_u64("gemma3.attention.sliding_window_pattern"),
+        Some(2)
+    );
 }
 
 #[test]
@@ -146,29 +197,63 @@ fn gguf_to_hf_to_gguf_is_lossless() {
         let g1 = dir.path().join(format!("{name}-1.gguf"));
         convert(&src, &g1, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
         let hf = dir.path().join(format!("{name}-hf"));
-        convert(&SourceModel::open(&g1).unwrap(), &hf, &ConvertTarget::Hf(HfOptions::default()), &NoProgress).unwrap();
-        for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors", "model.safetensors.index.json"] {
+        convert(
+            &SourceModel::open(&g1).unwrap(),
+            &hf,
+            &ConvertTarget::Hf(HfOptions::default()),
+            &NoProgress,
+        )
+        .unwrap();
+        for f in [
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "model.safetensors",
+            "model.safetensors.index.json",
+        ] {
             assert!(hf.join(f).is_file(), "{name}: {f} missing");
         }
         let g2 = dir.path().join(format!("{name}-2.gguf"));
-        convert(&SourceModel::open(&hf).unwrap(), &g2, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
+        convert(
+            &SourceModel::open(&hf).unwrap(),
+            &g2,
+            &ConvertTarget::Gguf(None),
+            &NoProgress,
+        )
+        .unwrap();
         let (a, b) = (GgufFile::open(&g1).unwrap(), GgufFile::open(&g2).unwrap());
         assert_eq!(a.tensors.len(), b.tensors.len(), "{name}");
         for t in &a.tensors {
-            let u = b.tensor(&t.name).unwrap_or_else(|| panic!("{name}: {}", t.name));
+            let u = b
+                .tensor(&t.name)
+                .unwrap_or_else(|| panic!("{name}: {}", t.name));
             assert_eq!((u.ty, &u.dims), (t.ty, &t.dims), "{name}: {}", t.name);
             let (x, y) = (a.tensor_data(t).unwrap(), b.tensor_data(u).unwrap());
             if t.name == "rope_freqs.weight" {
                 // Llama 3 divisors are recomputed from the rope_scaling recovered for config.json:
                 // equal up to f32 rounding of a different but equivalent parameter set.
-                let f = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>();
+                let f = |b: &[u8]| {
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect::<Vec<_>>()
+                };
                 for (p, q) in f(x.as_slice()).iter().zip(f(y.as_slice())) {
-                    assert!((p - q).abs() <= 1e-4 * p.abs(), "{name}: rope_freqs {p} vs {q}");
+                    assert!(
+                        (p - q).abs() <= 1e-4 * p.abs(),
+                        "{name}: rope_freqs {p} vs {q}"
+                    );
                 }
             } else if name.contains("gemma") && t.name.contains("norm") {
                 // (w + 1) - 1 + 1 in f32 can move the last bit of a norm weight.
-                let max = x.as_slice().chunks_exact(4).zip(y.as_slice().chunks_exact(4))
-                    .map(|(p, q)| (f32::from_le_bytes(p.try_into().unwrap()) - f32::from_le_bytes(q.try_into().unwrap())).abs())
+                let max = x
+                    .as_slice()
+                    .chunks_exact(4)
+                    .zip(y.as_slice().chunks_exact(4))
+                    .map(|(p, q)| {
+                        (f32::from_le_bytes(p.try_into().unwrap())
+                            - f32::from_le_bytes(q.try_into().unwrap()))
+                        .abs()
+                    })
                     .fold(0f32, f32::max);
                 assert!(max <= f32::EPSILON, "{name}: {} moved by {max}", t.name);
             } else {
@@ -188,43 +273,90 @@ fn hf_dtypes_and_shards() {
     let src = SourceModel::open(&tiny("tiny-llama")).unwrap();
     let out = dir.path().join("bf16");
     // 20 KB shards: the tiny model spans several.
-    let opts = HfOptions { dtype: Some(StDtype::BF16), shard_bytes: 20_000 };
+    let opts = HfOptions {
+        dtype: Some(StDtype::BF16),
+        shard_bytes: 20_000,
+    };
     convert(&src, &out, &ConvertTarget::Hf(opts), &NoProgress).unwrap();
-    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
-    let files: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
-    assert!(files.len() > 1 && files.iter().all(|f| f.starts_with("model-000") && out.join(f).is_file()), "{files:?}");
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let files: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        files.len() > 1
+            && files
+                .iter()
+                .all(|f| f.starts_with("model-000") && out.join(f).is_file()),
+        "{files:?}"
+    );
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["torch_dtype"], "bfloat16");
     // bf16 -> GGUF keeps BF16 (file type 32), and back to HF loses nothing more.
     let back = SourceModel::open(&out).unwrap();
-    assert!(back.tensors.iter().filter(|t| t.shape.len() == 2).all(|t| t.stored.name() == "BF16"));
+    assert!(back
+        .tensors
+        .iter()
+        .filter(|t| t.shape.len() == 2)
+        .all(|t| t.stored.name() == "BF16"));
     let g = dir.path().join("bf16.gguf");
     convert(&back, &g, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
     let f = GgufFile::open(&g).unwrap();
     assert_eq!(f.get_u64("general.file_type"), Some(32));
     assert_eq!(f.tensor("blk.0.ffn_up.weight").unwrap().ty, GgmlType::BF16);
-    assert_eq!(f.tensor("blk.0.attn_norm.weight").unwrap().ty, GgmlType::F32);
+    assert_eq!(
+        f.tensor("blk.0.attn_norm.weight").unwrap().ty,
+        GgmlType::F32
+    );
     let g_src = SourceModel::open(&g).unwrap();
     for t in &back.tensors {
-        assert_eq!(g_src.read_f32(g_src.tensor_by_hf(&t.hf).unwrap(), Layout::Hf).unwrap(), back.read_f32(t, Layout::Hf).unwrap(), "{}", t.hf);
+        assert_eq!(
+            g_src
+                .read_f32(g_src.tensor_by_hf(&t.hf).unwrap(), Layout::Hf)
+                .unwrap(),
+            back.read_f32(t, Layout::Hf).unwrap(),
+            "{}",
+            t.hf
+        );
     }
 }
 
 #[test]
 fn hf_to_mlx_loads_and_stays_close() {
     let dir = tempfile::tempdir().unwrap();
-    for (name, bits, group, tol) in [("tiny-llama", 8, 32, 0.05f32), ("tiny-qwen3", 4, 64, 1.0), ("tiny-gemma3", 6, 32, 0.2)] {
+    for (name, bits, group, tol) in [
+        ("tiny-llama", 8, 32, 0.05f32),
+        ("tiny-qwen3", 4, 64, 1.0),
+        ("tiny-gemma3", 6, 32, 0.2),
+    ] {
         let src = SourceModel::open(&tiny(name)).unwrap();
         let out = dir.path().join(format!("{name}-mlx"));
-        let opts = MlxOptions { params: AffineParams { bits, group_size: group }, overrides: Default::default(), dtype: None };
+        let opts = MlxOptions {
+            params: AffineParams {
+                bits,
+                group_size: group,
+            },
+            overrides: Default::default(),
+            dtype: None,
+        };
         convert(&src, &out, &ConvertTarget::Mlx(opts), &NoProgress).unwrap();
-        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
         assert_eq!(cfg["quantization"]["bits"], bits);
         assert_eq!(cfg["quantization"]["group_size"], group);
         assert_eq!(cfg["quantization"]["mode"], "affine");
         assert_eq!(cfg["quantization_config"], cfg["quantization"]);
         let back = SourceModel::open(&out).unwrap();
-        let up = back.tensor_by_hf("model.layers.0.mlp.up_proj.weight").unwrap();
+        let up = back
+            .tensor_by_hf("model.layers.0.mlp.up_proj.weight")
+            .unwrap();
         assert_eq!(up.stored.name(), format!("mlx{bits}g{group}"));
         // Tolerance: how far a random 2-layer model's logits (size ~1-3) move under {bits}-bit
         // weights; measured 0.033 at 8 bits, 0.51 at 4 bits (group 64), about half of each bound.
@@ -240,7 +372,16 @@ fn quantized_gguf_from_hf_loads() {
     let dir = tempfile::tempdir().unwrap();
     let src = SourceModel::open(&tiny("tiny-qwen2")).unwrap();
     let out = dir.path().join("q8.gguf");
-    convert(&src, &out, &ConvertTarget::Gguf(Some(GgufRecipe { preset: Preset::Q8_0, pure: false })), &NoProgress).unwrap();
+    convert(
+        &src,
+        &out,
+        &ConvertTarget::Gguf(Some(GgufRecipe {
+            preset: Preset::Q8_0,
+            pure: false,
+        })),
+        &NoProgress,
+    )
+    .unwrap();
     let f = GgufFile::open(&out).unwrap();
     assert_eq!(f.tensor("blk.0.attn_q.weight").unwrap().ty, GgmlType::Q8_0);
     assert_eq!(f.tensor("blk.0.attn_q.bias").unwrap().ty, GgmlType::F32);
@@ -258,17 +399,46 @@ fn refuses_existing_outputs_and_mismatched_requests() {
     let busy = dir.path().join("busy");
     std::fs::create_dir(&busy).unwrap();
     std::fs::write(busy.join("x"), b"keep me").unwrap();
-    let e = convert(&src, &busy, &ConvertTarget::Hf(HfOptions::default()), &NoProgress).unwrap_err();
+    let e = convert(
+        &src,
+        &busy,
+        &ConvertTarget::Hf(HfOptions::default()),
+        &NoProgress,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("already exists"), "{e}");
     assert_eq!(std::fs::read(busy.join("x")).unwrap(), b"keep me");
     // No temporary folder is left behind by a failed write.
-    let bad = HfOptions { dtype: Some(StDtype::I32), shard_bytes: 1 << 20 };
-    assert!(convert(&src, &dir.path().join("i32"), &ConvertTarget::Hf(bad), &NoProgress).is_err());
-    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let bad = HfOptions {
+        dtype: Some(StDtype::I32),
+        shard_bytes: 1 << 20,
+    };
+    assert!(convert(
+        &src,
+        &dir.path().join("i32"),
+        &ConvertTarget::Hf(bad),
+        &NoProgress
+    )
+    .is_err());
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(left.len(), 1, "{left:?}");
     // A plan naming a type the writer cannot produce fails before writing anything.
-    let plan = vec![GgufPlanEntry { src: 0, to: GgmlType::IQ2_XXS }];
+    let plan = vec![GgufPlanEntry {
+        src: 0,
+        to: GgmlType::IQ2_XXS,
+    }];
     let out = dir.path().join("iq.gguf");
-    assert!(hf2q_models::convert::gguf_out::write_gguf(&src, &out, Vec::new(), &plan, None, &NoProgress).is_err());
+    assert!(hf2q_models::convert::gguf_out::write_gguf(
+        &src,
+        &out,
+        Vec::new(),
+        &plan,
+        None,
+        &NoProgress
+    )
+    .is_err());
     assert!(!out.exists());
 }

@@ -27,7 +27,12 @@ fn load_json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
-const MLX: &[&str] = &["mlx-llama-q4g32", "mlx-qwen3-q8g64", "mlx-gemma3-mixed", "mlx-qwen2-mixed-bf16"];
+const MLX: &[&str] = &[
+    "mlx-llama-q4g32",
+    "mlx-qwen3-q8g64",
+    "mlx-gemma3-mixed",
+    "mlx-qwen2-mixed-bf16",
+];
 
 // Tolerance on every logit: both sides dequantize the same codes with the same f32 scales and
 // biases (bit-exact, tested in hf2q-tensor), so what remains is f32 accumulation order (MLX's
@@ -56,16 +61,29 @@ fn mlx_folders_match_mlx_lm() {
         let st = SafeTensors::open(&dir.join("model.safetensors")).unwrap();
         let mut want: BTreeMap<String, usize> = BTreeMap::new();
         for t in &st.tensors {
-            let Some(stem) = t.name.strip_suffix(".scales") else { continue };
+            let Some(stem) = t.name.strip_suffix(".scales") else {
+                continue;
+            };
             let o = q.get(stem).filter(|o| o.is_object()).unwrap_or(q);
-            *want.entry(format!("mlx{}g{}", o["bits"], o["group_size"])).or_default() += 1;
+            *want
+                .entry(format!("mlx{}g{}", o["bits"], o["group_size"]))
+                .or_default() += 1;
         }
-        let got: BTreeMap<String, usize> =
-            info.tensor_types.iter().filter(|(k, _)| k.starts_with("mlx")).map(|(k, v)| (k.clone(), v.0)).collect();
+        let got: BTreeMap<String, usize> = info
+            .tensor_types
+            .iter()
+            .filter(|(k, _)| k.starts_with("mlx"))
+            .map(|(k, v)| (k.clone(), v.0))
+            .collect();
         eprintln!("{name}: tensor_types {:?}", info.tensor_types);
         assert_eq!(got, want, "{name}: stored MLX types");
 
-        let ids: Vec<u32> = g["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let ids: Vec<u32> = g["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
         let logits = model.session(0).forward_all(&ids).unwrap();
         let rows = g["logits"].as_array().unwrap();
         assert_eq!(rows.len(), ids.len(), "{name}");
@@ -105,14 +123,22 @@ fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, Value>)) 
 fn replace_tensor(dir: &Path, name: &str, shape: Vec<usize>, data: Option<Vec<u8>>) {
     let p = dir.join("model.safetensors");
     let st = SafeTensors::open(&p).unwrap();
-    let blobs: Vec<Vec<u8>> = st.tensors.iter().map(|t| st.tensor_data(t).unwrap().as_slice().to_vec()).collect();
+    let blobs: Vec<Vec<u8>> = st
+        .tensors
+        .iter()
+        .map(|t| st.tensor_data(t).unwrap().as_slice().to_vec())
+        .collect();
     let mut list: Vec<StTensorRef<'_>> = Vec::new();
     let mut found = false;
     let replacement = data.unwrap_or_default();
     for (t, b) in st.tensors.iter().zip(&blobs) {
         if t.name == name {
             found = true;
-            let bytes: &[u8] = if replacement.is_empty() { b } else { &replacement };
+            let bytes: &[u8] = if replacement.is_empty() {
+                b
+            } else {
+                &replacement
+            };
             list.push((t.name.clone(), t.dtype, shape.clone(), bytes));
         } else {
             list.push((t.name.clone(), t.dtype, t.shape.clone(), b));

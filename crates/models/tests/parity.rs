@@ -25,12 +25,18 @@ fn load_json(p: &Path) -> Value {
 }
 
 fn ids_of(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn model_from_env(var: &str) -> Option<Model> {
     match std::env::var(var) {
-        Ok(p) if !p.is_empty() => Some(reference(Model::load(Path::new(&p)).unwrap_or_else(|e| panic!("{p}: {e}")))),
+        Ok(p) if !p.is_empty() => Some(reference(
+            Model::load(Path::new(&p)).unwrap_or_else(|e| panic!("{p}: {e}")),
+        )),
         _ => {
             eprintln!("skipped: {var} is not set");
             None
@@ -46,12 +52,20 @@ fn reference(mut m: Model) -> Model {
 }
 
 fn argmax(row: &[f32]) -> usize {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0
 }
 
 /// Teacher-forced comparison with the golden top-20; returns (agreements, steps, max abs error).
 fn gguf_parity(name: &str, var: &str, tol: f32) {
-    let Some(model) = model_from_env(var) else { return };
+    let Some(model) = model_from_env(var) else {
+        return;
+    };
     let g = load_json(&fixtures().join(format!("goldens/{name}.json")));
     let ids = ids_of(&g["ids"]);
     let mut s = model.session(ids.len());
@@ -70,9 +84,19 @@ fn gguf_parity(name: &str, var: &str, tol: f32) {
             max_err = max_err.max(err);
         }
     }
-    eprintln!("{name}: argmax agreement {agree}/{}, max |Δ| on top-20 logits {max_err:.5}", steps.len());
-    assert!(agree * 100 >= 99 * steps.len(), "{name}: argmax agreement {agree}/{}", steps.len());
-    assert!(max_err <= tol, "{name}: top-20 logit error {max_err} > {tol}");
+    eprintln!(
+        "{name}: argmax agreement {agree}/{}, max |Δ| on top-20 logits {max_err:.5}",
+        steps.len()
+    );
+    assert!(
+        agree * 100 >= 99 * steps.len(),
+        "{name}: argmax agreement {agree}/{}",
+        steps.len()
+    );
+    assert!(
+        max_err <= tol,
+        "{name}: top-20 logit error {max_err} > {tol}"
+    );
 }
 
 // Tolerance on top-20 logits: both sides dequantize the same blocks exactly (bit-identical
@@ -120,7 +144,10 @@ fn tiny_hf_checkpoints_match_transformers() {
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn cache_consistency(model: &Model, ids: &[u32], tol: f32) -> f32 {
@@ -157,7 +184,10 @@ fn cache_consistency(model: &Model, ids: &[u32], tol: f32) -> f32 {
 fn cache_consistency_every_tiny_family() {
     for name in TINY {
         let model = reference(Model::load(&fixtures().join("tiny").join(name)).unwrap());
-        let ids: Vec<u32> = (0..14).map(|i| 256 + (i * 37 % 250)).map(|x| x % 259).collect();
+        let ids: Vec<u32> = (0..14)
+            .map(|i| 256 + (i * 37 % 250))
+            .map(|x| x % 259)
+            .collect();
         // Same arithmetic in a different grouping of tokens: differences are summation noise.
         let w = cache_consistency(&model, &ids, 1e-4);
         eprintln!("{name}: cache consistency max |Δ| {w:.2e}");
@@ -166,9 +196,22 @@ fn cache_consistency_every_tiny_family() {
 
 #[test]
 fn cache_consistency_real_models() {
-    for var in ["HF2Q_TEST_SMOLLM2_GGUF", "HF2Q_TEST_GEMMA3_GGUF", "HF2Q_TEST_QWEN25_GGUF"] {
-        let Some(model) = model_from_env(var) else { continue };
-        let ids = model.tokenizer().encode("The quick brown fox jumps over the lazy dog. 1234", true, false).unwrap();
+    for var in [
+        "HF2Q_TEST_SMOLLM2_GGUF",
+        "HF2Q_TEST_GEMMA3_GGUF",
+        "HF2Q_TEST_QWEN25_GGUF",
+    ] {
+        let Some(model) = model_from_env(var) else {
+            continue;
+        };
+        let ids = model
+            .tokenizer()
+            .encode(
+                "The quick brown fox jumps over the lazy dog. 1234",
+                true,
+                false,
+            )
+            .unwrap();
         let w = cache_consistency(&model, &ids, 1e-3);
         eprintln!("{var}: cache consistency max |Δ| {w:.2e}");
     }
@@ -179,7 +222,11 @@ fn batched_step_equals_separate_sequences() {
     use hf2q_models::BatchItem;
     for name in TINY {
         let model = reference(Model::load(&fixtures().join("tiny").join(name)).unwrap());
-        let prompts: [&[u32]; 3] = [&[256, 70, 71, 72, 73, 74, 75], &[256, 100], &[256, 90, 91, 92, 93]];
+        let prompts: [&[u32]; 3] = [
+            &[256, 70, 71, 72, 73, 74, 75],
+            &[256, 100],
+            &[256, 90, 91, 92, 93],
+        ];
         // Reference: each sequence alone, prompt then one decode step.
         let mut want = Vec::new();
         for p in prompts {
@@ -190,20 +237,37 @@ fn batched_step_equals_separate_sequences() {
         }
         // Batched: all prompts in one forward, then all decode steps in one forward.
         let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache(64)).collect();
-        let mut items: Vec<BatchItem> =
-            caches.iter_mut().zip(prompts).map(|(c, p)| BatchItem { cache: c, pos0: 0, tokens: p }).collect();
+        let mut items: Vec<BatchItem> = caches
+            .iter_mut()
+            .zip(prompts)
+            .map(|(c, p)| BatchItem {
+                cache: c,
+                pos0: 0,
+                tokens: p,
+            })
+            .collect();
         let first = model.step_batch(&mut items).unwrap();
         let step: [u32; 1] = [80];
         let mut items: Vec<BatchItem> = caches
             .iter_mut()
             .zip(prompts)
-            .map(|(c, p)| BatchItem { cache: c, pos0: p.len(), tokens: &step })
+            .map(|(c, p)| BatchItem {
+                cache: c,
+                pos0: p.len(),
+                tokens: &step,
+            })
             .collect();
         let second = model.step_batch(&mut items).unwrap();
         for i in 0..3 {
             // Identical arithmetic per row: batching must not change a single bit beyond noise.
-            assert!(max_diff(&first[i], &want[i].0) < 1e-5, "{name}: seq {i} prefill");
-            assert!(max_diff(&second[i], &want[i].1) < 1e-5, "{name}: seq {i} decode");
+            assert!(
+                max_diff(&first[i], &want[i].0) < 1e-5,
+                "{name}: seq {i} prefill"
+            );
+            assert!(
+                max_diff(&second[i], &want[i].1) < 1e-5,
+                "{name}: seq {i} decode"
+            );
         }
     }
 }
@@ -234,7 +298,9 @@ fn fast_path_check(names: &[&str], min_agree: usize, max_kl: f64) {
         if !names.contains(&name) {
             continue;
         }
-        let Some(mut model) = model_from_env(var) else { continue };
+        let Some(mut model) = model_from_env(var) else {
+            continue;
+        };
         let g = load_json(&fixtures().join(format!("goldens/{name}.json")));
         let ids = ids_of(&g["ids"]);
         let want = model.session(ids.len()).forward_all(&ids).unwrap();
@@ -251,7 +317,10 @@ fn fast_path_check(names: &[&str], min_agree: usize, max_kl: f64) {
         }
         let kl_mean = kl_sum / 100.0;
         eprintln!("{name}: fast vs reference argmax {agree}/100, mean KL {kl_mean:.2e}");
-        assert!(agree >= min_agree, "{name}: fast path argmax agreement {agree}/100");
+        assert!(
+            agree >= min_agree,
+            "{name}: fast path argmax agreement {agree}/100"
+        );
         assert!(kl_mean <= max_kl, "{name}: fast path mean KL {kl_mean}");
     }
 }
@@ -263,9 +332,11 @@ fn kl(p: &[f32], q: &[f32]) -> f64 {
         m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
     };
     let (lp, lq) = (lse(p), lse(q));
-    p.iter().zip(q).map(|(&a, &b)| {
-        let la = a as f64 - lp;
-        la.exp() * (la - (b as f64 - lq))
-    }).sum()
+    p.iter()
+        .zip(q)
+        .map(|(&a, &b)| {
+            let la = a as f64 - lp;
+            la.exp() * (la - (b as f64 - lq))
+        })
+        .sum()
 }
-

@@ -9,7 +9,8 @@ use hf2q_models::perplexity::{perplexity, tokenize_text, PerplexityOptions};
 use hf2q_models::Model;
 
 fn model() -> Model {
-    Model::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/tiny-llama")).unwrap()
+    Model::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/tiny-llama"))
+        .unwrap()
 }
 
 const TEXT: &str = "The quick brown fox jumps over the lazy dog; a perplexity test needs a few dozen bytes of text.";
@@ -39,8 +40,21 @@ fn matches_a_direct_computation() {
     }
     let want = (nll / n as f64).exp();
     let mut seen = Vec::new();
-    let r = perplexity(&m, None, TEXT, &PerplexityOptions { ctx, max_chunks: None }, &mut |i, k, p| seen.push((i, k, p))).unwrap();
-    assert_eq!((r.n_chunks, r.n_scored, r.n_tokens), (n_chunks, n, toks.len()));
+    let r = perplexity(
+        &m,
+        None,
+        TEXT,
+        &PerplexityOptions {
+            ctx,
+            max_chunks: None,
+        },
+        &mut |i, k, p| seen.push((i, k, p)),
+    )
+    .unwrap();
+    assert_eq!(
+        (r.n_chunks, r.n_scored, r.n_tokens),
+        (n_chunks, n, toks.len())
+    );
     // The same f32 logits; perplexity takes each exp in f32 (as llama.cpp's log_softmax does)
     // and this direct sum in f64: 1e-6 relative covers that and nothing else.
     assert!((r.ppl - want).abs() <= 1e-6 * want, "{} vs {want}", r.ppl);
@@ -48,7 +62,17 @@ fn matches_a_direct_computation() {
     assert_eq!(seen.len(), n_chunks);
     assert_eq!(seen.last().unwrap().2, r.ppl);
     // --chunks limits the chunks.
-    let r2 = perplexity(&m, None, TEXT, &PerplexityOptions { ctx, max_chunks: Some(1) }, &mut |_, _, _| {}).unwrap();
+    let r2 = perplexity(
+        &m,
+        None,
+        TEXT,
+        &PerplexityOptions {
+            ctx,
+            max_chunks: Some(1),
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap();
     assert_eq!((r2.n_chunks, r2.n_scored), (1, ctx - 1 - ctx / 2));
 }
 
@@ -56,7 +80,17 @@ fn matches_a_direct_computation() {
 fn kl_against_itself_is_zero() {
     let m = model();
     let b = model();
-    let r = perplexity(&m, Some(&b), TEXT, &PerplexityOptions { ctx: 16, max_chunks: None }, &mut |_, _, _| {}).unwrap();
+    let r = perplexity(
+        &m,
+        Some(&b),
+        TEXT,
+        &PerplexityOptions {
+            ctx: 16,
+            max_chunks: None,
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap();
     let k = r.kl.unwrap();
     assert!(k.mean_kl.abs() < 1e-9 && k.max_kl < 1e-9, "{k:?}");
     assert_eq!(k.same_top_pct, 100.0);
@@ -66,7 +100,27 @@ fn kl_against_itself_is_zero() {
 #[test]
 fn refuses_texts_too_short_and_tiny_contexts() {
     let m = model();
-    let e = perplexity(&m, None, "short", &PerplexityOptions { ctx: 512, max_chunks: None }, &mut |_, _, _| {}).unwrap_err();
+    let e = perplexity(
+        &m,
+        None,
+        "short",
+        &PerplexityOptions {
+            ctx: 512,
+            max_chunks: None,
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("at least"), "{e}");
-    assert!(perplexity(&m, None, TEXT, &PerplexityOptions { ctx: 2, max_chunks: None }, &mut |_, _, _| {}).is_err());
+    assert!(perplexity(
+        &m,
+        None,
+        TEXT,
+        &PerplexityOptions {
+            ctx: 2,
+            max_chunks: None
+        },
+        &mut |_, _, _| {}
+    )
+    .is_err());
 }

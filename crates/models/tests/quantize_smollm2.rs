@@ -31,7 +31,12 @@ fn smollm2() -> Option<PathBuf> {
 fn golden_ids() -> Vec<u32> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/goldens/smollm2.json");
     let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-    g["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    g["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn logits(path: &Path, ids: &[u32]) -> (Vec<f32>, usize) {
@@ -61,7 +66,11 @@ fn compare(base: &[f32], q: &[f32], v: usize) -> (f64, f64) {
     for (b, x) in base.chunks(v).zip(q.chunks(v)) {
         agree += usize::from(argmax(b) == argmax(x));
         let (lb, lq) = (log_softmax(b), log_softmax(x));
-        kl += lb.iter().zip(&lq).map(|(p, q)| p.exp() * (p - q)).sum::<f64>();
+        kl += lb
+            .iter()
+            .zip(&lq)
+            .map(|(p, q)| p.exp() * (p - q))
+            .sum::<f64>();
     }
     (100.0 * agree as f64 / n as f64, kl / n as f64)
 }
@@ -93,15 +102,25 @@ fn quantized_variants_pass_the_parity_gate() {
     ];
     let mut failures = Vec::new();
     for &(ty, min_agree, max_kl) in gates {
-        let out = dir.path().join(if ty.starts_with("mlx") { ty.to_string() } else { format!("{ty}.gguf") });
-        let opts = QuantizeOptions { target: QuantTarget::parse(ty, None).unwrap(), overrides: Default::default(), imatrix: None };
+        let out = dir.path().join(if ty.starts_with("mlx") {
+            ty.to_string()
+        } else {
+            format!("{ty}.gguf")
+        });
+        let opts = QuantizeOptions {
+            target: QuantTarget::parse(ty, None).unwrap(),
+            overrides: Default::default(),
+            imatrix: None,
+        };
         quantize(&src, &out, &opts, &NoProgress).unwrap();
         let (q, vq) = logits(&out, &ids);
         assert_eq!(v, vq);
         let (agree, kl) = compare(&base, &q, v);
         eprintln!("{ty:7} top-1 agreement {agree:5.1}%  mean KL {kl:.5}");
         if agree < min_agree || kl > max_kl {
-            failures.push(format!("{ty}: agreement {agree:.1}% (min {min_agree}), KL {kl:.5} (max {max_kl})"));
+            failures.push(format!(
+                "{ty}: agreement {agree:.1}% (min {min_agree}), KL {kl:.5} (max {max_kl})"
+            ));
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
@@ -113,26 +132,48 @@ fn gguf_to_hf_to_gguf_keeps_weights_tokenizer_and_template() {
     let dir = tempfile::tempdir().unwrap();
     let src = SourceModel::open(&src_path).unwrap();
     let hf = dir.path().join("smollm2-hf");
-    convert(&src, &hf, &ConvertTarget::Hf(HfOptions::default()), &NoProgress).unwrap();
+    convert(
+        &src,
+        &hf,
+        &ConvertTarget::Hf(HfOptions::default()),
+        &NoProgress,
+    )
+    .unwrap();
     // The rebuilt tokenizer.json tokenizes like the GGUF tokenizer.
     let (a, b) = (Model::load(&src_path).unwrap(), Model::load(&hf).unwrap());
     let text = "Hello world! It's 2024, and 12345 tokens fly\n\tover  the lazy dog. Ünïcödé, 你好, <|im_start|>.";
     for special in [false, true] {
-        assert_eq!(a.tokenizer().encode(text, true, special).unwrap(), b.tokenizer().encode(text, true, special).unwrap());
+        assert_eq!(
+            a.tokenizer().encode(text, true, special).unwrap(),
+            b.tokenizer().encode(text, true, special).unwrap()
+        );
     }
     assert_eq!(a.tokenizer().chat_template(), b.tokenizer().chat_template());
-    assert_eq!((a.tokenizer().bos_id(), a.tokenizer().eos_id()), (b.tokenizer().bos_id(), b.tokenizer().eos_id()));
+    assert_eq!(
+        (a.tokenizer().bos_id(), a.tokenizer().eos_id()),
+        (b.tokenizer().bos_id(), b.tokenizer().eos_id())
+    );
     // f32 HF output -> GGUF: the source's decoded weights exactly, and its tokenizer metadata.
     let hf32 = dir.path().join("smollm2-hf32");
-    let opts = HfOptions { dtype: Some(hf2q_tensor::io::safetensors::StDtype::F32), ..HfOptions::default() };
+    let opts = HfOptions {
+        dtype: Some(hf2q_tensor::io::safetensors::StDtype::F32),
+        ..HfOptions::default()
+    };
     convert(&src, &hf32, &ConvertTarget::Hf(opts), &NoProgress).unwrap();
     let g2 = dir.path().join("back.gguf");
     let back_src = SourceModel::open(&hf32).unwrap();
     convert(&back_src, &g2, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
     let back = SourceModel::open(&g2).unwrap();
     for t in &src.tensors {
-        let u = back.tensor_by_gguf(&t.gguf).unwrap_or_else(|| panic!("{} missing", t.gguf));
-        assert_eq!(back.read_f32(u, Layout::Gguf).unwrap(), src.read_f32(t, Layout::Gguf).unwrap(), "{}", t.gguf);
+        let u = back
+            .tensor_by_gguf(&t.gguf)
+            .unwrap_or_else(|| panic!("{} missing", t.gguf));
+        assert_eq!(
+            back.read_f32(u, Layout::Gguf).unwrap(),
+            src.read_f32(t, Layout::Gguf).unwrap(),
+            "{}",
+            t.gguf
+        );
     }
     // Logits: the f32 HF folder and the f32 GGUF made from it hold the same values (GGUF's q/k
     // rows permuted), so they differ only by summation order (NEOX RoPE on HF rows, interleaved
@@ -147,15 +188,31 @@ fn gguf_to_hf_to_gguf_keeps_weights_tokenizer_and_template() {
     eprintln!("HF f32 vs GGUF f32: top-1 {agree:.1}%, KL {kl:.2e}; HF f32 vs HF f16: top-1 {agree16:.1}%, KL {kl16:.2e}");
     assert!(agree == 100.0 && kl < 1e-6, "{agree} {kl}");
     assert!(agree16 >= 97.0 && kl16 < 1e-3, "{agree16} {kl16}");
-    let (f1, f2) = (GgufFile::open(&src_path).unwrap(), GgufFile::open(&g2).unwrap());
-    for key in ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "general.architecture"] {
+    let (f1, f2) = (
+        GgufFile::open(&src_path).unwrap(),
+        GgufFile::open(&g2).unwrap(),
+    );
+    for key in [
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.pre",
+        "tokenizer.chat_template",
+        "general.architecture",
+    ] {
         assert_eq!(f1.get_str(key), f2.get_str(key), "{key}");
     }
     for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.merges"] {
         assert_eq!(f1.get_str_array(key), f2.get_str_array(key), "{key}");
     }
-    assert_eq!(f1.get_i32_array("tokenizer.ggml.token_type"), f2.get_i32_array("tokenizer.ggml.token_type"));
-    for key in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "llama.block_count", "llama.attention.head_count_kv"] {
+    assert_eq!(
+        f1.get_i32_array("tokenizer.ggml.token_type"),
+        f2.get_i32_array("tokenizer.ggml.token_type")
+    );
+    for key in [
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "llama.block_count",
+        "llama.attention.head_count_kv",
+    ] {
         assert_eq!(f1.get_u64(key), f2.get_u64(key), "{key}");
     }
 }

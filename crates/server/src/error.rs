@@ -24,15 +24,27 @@ pub type ApiResult<T> = Result<T, ApiError>;
 
 impl ApiError {
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), kind, param: None, code: None }
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+        }
     }
     /// 400 `invalid_request_error`, naming the offending parameter.
     pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError { param: Some(param.to_string()), ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message) }
+        ApiError {
+            param: Some(param.to_string()),
+            ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
     }
     /// 400 for a feature this server does not implement.
     pub fn unsupported(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError { code: Some("unsupported_parameter"), ..Self::invalid(param, message) }
+        ApiError {
+            code: Some("unsupported_parameter"),
+            ..Self::invalid(param, message)
+        }
     }
     /// 422 for a field of the wrong type (or a missing required one).
     pub fn wrong_type(param: &str, expected: &str) -> ApiError {
@@ -63,7 +75,10 @@ impl ApiError {
         }
     }
     pub fn not_found(message: impl Into<String>) -> ApiError {
-        ApiError { code: Some("not_found"), ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message) }
+        ApiError {
+            code: Some("not_found"),
+            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+        }
     }
     pub fn too_large(limit: usize) -> ApiError {
         Self::new(
@@ -73,10 +88,16 @@ impl ApiError {
         )
     }
     pub fn busy(message: impl Into<String>) -> ApiError {
-        ApiError { code: Some("rate_limit_exceeded"), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "requests", message) }
+        ApiError {
+            code: Some("rate_limit_exceeded"),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, "requests", message)
+        }
     }
     pub fn unavailable(message: impl Into<String>) -> ApiError {
-        ApiError { code: Some("service_unavailable"), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message) }
+        ApiError {
+            code: Some("service_unavailable"),
+            ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+        }
     }
     pub fn internal(message: impl Into<String>) -> ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

@@ -127,7 +127,9 @@ impl ServerHandle {
     /// Waits until the server has stopped: `Ok` after a drain, `Err(EngineDied)` when the engine
     /// thread died.
     pub async fn wait(self) -> Result<(), Error> {
-        self.task.await.map_err(|e| Error::Config(format!("server task failed: {e}")))?
+        self.task
+            .await
+            .map_err(|e| Error::Config(format!("server task failed: {e}")))?
     }
 }
 
@@ -141,8 +143,19 @@ pub async fn start(model: Arc<Model>, cfg: ServerConfig) -> Result<ServerHandle,
     let state = Arc::new(routes::AppState::new(engine.clone(), cfg.clone())?);
     let app = routes::router(state);
     let (stop, stop_rx) = oneshot::channel();
-    let task = tokio::spawn(serve_until(listener, app, engine.clone(), cfg.drain_timeout, stop_rx));
-    Ok(ServerHandle { addr, engine, stop: Some(stop), task })
+    let task = tokio::spawn(serve_until(
+        listener,
+        app,
+        engine.clone(),
+        cfg.drain_timeout,
+        stop_rx,
+    ));
+    Ok(ServerHandle {
+        addr,
+        engine,
+        stop: Some(stop),
+        task,
+    })
 }
 
 async fn serve_until(
@@ -185,7 +198,10 @@ async fn serve_until(
 /// `Err` when the engine dies (the process should then exit non-zero). A second signal during
 /// the drain stops at once.
 pub fn run(model: Model, cfg: ServerConfig) -> Result<(), Error> {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("hf2q-http").build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("hf2q-http")
+        .build()?;
     rt.block_on(async move {
         let h = start(Arc::new(model), cfg).await?;
         eprintln!("listening on http://{}", h.addr);
@@ -212,8 +228,12 @@ async fn shutdown_signal() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).map_err(|e| eprintln!("warning: cannot handle SIGTERM: {e}")).ok();
-        let mut int = signal(SignalKind::interrupt()).map_err(|e| eprintln!("warning: cannot handle SIGINT: {e}")).ok();
+        let mut term = signal(SignalKind::terminate())
+            .map_err(|e| eprintln!("warning: cannot handle SIGTERM: {e}"))
+            .ok();
+        let mut int = signal(SignalKind::interrupt())
+            .map_err(|e| eprintln!("warning: cannot handle SIGINT: {e}"))
+            .ok();
         let wait = |s: Option<tokio::signal::unix::Signal>| async move {
             match s {
                 Some(mut s) => {

@@ -15,7 +15,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Latency buckets in seconds, from one fast CPU step to a long queue wait.
-const BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0];
+const BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
 
 /// A cumulative histogram over [`BUCKETS`].
 #[derive(Debug, Default)]
@@ -68,14 +70,21 @@ pub struct RateMeter {
 
 impl RateMeter {
     pub fn new(window: Duration) -> RateMeter {
-        RateMeter { window, samples: VecDeque::new() }
+        RateMeter {
+            window,
+            samples: VecDeque::new(),
+        }
     }
     pub fn add(&mut self, now: Instant, tokens: u64) {
         self.samples.push_back((now, tokens));
         self.trim(now);
     }
     fn trim(&mut self, now: Instant) {
-        while self.samples.front().is_some_and(|(t, _)| now.duration_since(*t) > self.window) {
+        while self
+            .samples
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > self.window)
+        {
             self.samples.pop_front();
         }
     }
@@ -149,49 +158,131 @@ impl Metrics {
     pub fn render(&self, g: &Gauges) -> String {
         let mut out = String::new();
         let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
         };
         let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         };
         {
             let m = self.requests.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = writeln!(out, "# HELP hf2q_requests_total HTTP requests by route and status.");
+            let _ = writeln!(
+                out,
+                "# HELP hf2q_requests_total HTTP requests by route and status."
+            );
             let _ = writeln!(out, "# TYPE hf2q_requests_total counter");
             for ((route, status), n) in m.iter() {
-                let _ = writeln!(out, "hf2q_requests_total{{route=\"{}\",status=\"{status}\"}} {n}", escape(route));
+                let _ = writeln!(
+                    out,
+                    "hf2q_requests_total{{route=\"{}\",status=\"{status}\"}} {n}",
+                    escape(route)
+                );
             }
         }
         {
             let m = self.finished.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = writeln!(out, "# HELP hf2q_sequences_finished_total Generated sequences by how they ended.");
+            let _ = writeln!(
+                out,
+                "# HELP hf2q_sequences_finished_total Generated sequences by how they ended."
+            );
             let _ = writeln!(out, "# TYPE hf2q_sequences_finished_total counter");
             for (why, n) in m.iter() {
                 let _ = writeln!(out, "hf2q_sequences_finished_total{{reason=\"{why}\"}} {n}");
             }
         }
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        counter(&mut out, "hf2q_prompt_tokens_total", "Prompt tokens prefilled.", ld(&self.prompt_tokens));
-        counter(&mut out, "hf2q_generation_tokens_total", "Tokens generated.", ld(&self.completion_tokens));
-        counter(&mut out, "hf2q_engine_steps_total", "Batched forward steps run.", ld(&self.steps));
-        counter(&mut out, "hf2q_engine_step_tokens_total", "Tokens fed through forward steps.", ld(&self.step_tokens));
-        gauge(&mut out, "hf2q_up", "1 while the engine thread is alive.", if g.up { 1.0 } else { 0.0 });
-        gauge(&mut out, "hf2q_queue_depth", "Requests waiting for a slot.", g.queued as f64);
-        gauge(&mut out, "hf2q_running_sequences", "Sequences in the running batch.", g.running as f64);
-        gauge(&mut out, "hf2q_kv_reserved_bytes", "KV cache memory reserved by admitted sequences.", g.kv_reserved_bytes as f64);
-        gauge(&mut out, "hf2q_kv_used_bytes", "KV cache memory allocated by running sequences.", g.kv_used_bytes as f64);
-        gauge(&mut out, "hf2q_kv_capacity_bytes", "KV cache memory cap (--kv-mem).", g.kv_capacity_bytes as f64);
-        let rate = self.rate.lock().unwrap_or_else(|e| e.into_inner()).rate(Instant::now());
-        gauge(&mut out, "hf2q_generation_tokens_per_second", "Tokens generated per second over the last 10 s.", rate);
-        self.ttft.render(&mut out, "hf2q_time_to_first_token_seconds", "From arrival to the first generated token.");
-        self.itl.render(&mut out, "hf2q_inter_token_latency_seconds", "Between consecutive generated tokens of a sequence.");
+        counter(
+            &mut out,
+            "hf2q_prompt_tokens_total",
+            "Prompt tokens prefilled.",
+            ld(&self.prompt_tokens),
+        );
+        counter(
+            &mut out,
+            "hf2q_generation_tokens_total",
+            "Tokens generated.",
+            ld(&self.completion_tokens),
+        );
+        counter(
+            &mut out,
+            "hf2q_engine_steps_total",
+            "Batched forward steps run.",
+            ld(&self.steps),
+        );
+        counter(
+            &mut out,
+            "hf2q_engine_step_tokens_total",
+            "Tokens fed through forward steps.",
+            ld(&self.step_tokens),
+        );
+        gauge(
+            &mut out,
+            "hf2q_up",
+            "1 while the engine thread is alive.",
+            if g.up { 1.0 } else { 0.0 },
+        );
+        gauge(
+            &mut out,
+            "hf2q_queue_depth",
+            "Requests waiting for a slot.",
+            g.queued as f64,
+        );
+        gauge(
+            &mut out,
+            "hf2q_running_sequences",
+            "Sequences in the running batch.",
+            g.running as f64,
+        );
+        gauge(
+            &mut out,
+            "hf2q_kv_reserved_bytes",
+            "KV cache memory reserved by admitted sequences.",
+            g.kv_reserved_bytes as f64,
+        );
+        gauge(
+            &mut out,
+            "hf2q_kv_used_bytes",
+            "KV cache memory allocated by running sequences.",
+            g.kv_used_bytes as f64,
+        );
+        gauge(
+            &mut out,
+            "hf2q_kv_capacity_bytes",
+            "KV cache memory cap (--kv-mem).",
+            g.kv_capacity_bytes as f64,
+        );
+        let rate = self
+            .rate
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .rate(Instant::now());
+        gauge(
+            &mut out,
+            "hf2q_generation_tokens_per_second",
+            "Tokens generated per second over the last 10 s.",
+            rate,
+        );
+        self.ttft.render(
+            &mut out,
+            "hf2q_time_to_first_token_seconds",
+            "From arrival to the first generated token.",
+        );
+        self.itl.render(
+            &mut out,
+            "hf2q_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a sequence.",
+        );
         out
     }
 }
 
 /// Escapes a label value (backslash, quote, newline).
 fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -226,7 +317,11 @@ mod tests {
         let m = Metrics::default();
         m.count_request("/v1/models", 200);
         m.count_finished("stop");
-        let s = m.render(&Gauges { queued: 3, up: true, ..Default::default() });
+        let s = m.render(&Gauges {
+            queued: 3,
+            up: true,
+            ..Default::default()
+        });
         for name in [
             "hf2q_requests_total{route=\"/v1/models\",status=\"200\"} 1",
             "hf2q_sequences_finished_total{reason=\"stop\"} 1",

@@ -71,14 +71,43 @@ pub struct CompletionRequest {
 }
 
 const SAMPLING_FIELDS: &[&str] = &[
-    "model", "stream", "stream_options", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
-    "logprobs", "user", "ignore_eos",
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "logit_bias",
+    "logprobs",
+    "user",
+    "ignore_eos",
 ];
 const CHAT_FIELDS: &[&str] = &[
-    "messages", "max_completion_tokens", "top_logprobs", "store", "metadata", "service_tier",
-    "parallel_tool_calls", "tools", "tool_choice", "functions", "function_call", "response_format",
-    "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
 ];
 const COMPLETION_FIELDS: &[&str] = &["prompt", "best_of", "echo", "suffix"];
 
@@ -89,8 +118,11 @@ fn present<'a>(m: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
 fn check_known(m: &Map<String, Value>, extra: &[&str]) -> ApiResult<()> {
     for k in m.keys() {
         if !SAMPLING_FIELDS.contains(&k.as_str()) && !extra.contains(&k.as_str()) {
-            return Err(ApiError::invalid(k, format!("Unrecognized request argument supplied: {k}"))
-                .with_code("unknown_parameter"));
+            return Err(ApiError::invalid(
+                k,
+                format!("Unrecognized request argument supplied: {k}"),
+            )
+            .with_code("unknown_parameter"));
         }
     }
     Ok(())
@@ -114,33 +146,55 @@ fn string<'a>(m: &'a Map<String, Value>, k: &str) -> ApiResult<Option<&'a str>> 
 
 /// A number in `lo..=hi`.
 fn float(m: &Map<String, Value>, k: &str, lo: f64, hi: f64) -> ApiResult<Option<f32>> {
-    let Some(v) = present(m, k) else { return Ok(None) };
-    let x = v.as_f64().ok_or_else(|| ApiError::wrong_type(k, "a number"))?;
+    let Some(v) = present(m, k) else {
+        return Ok(None);
+    };
+    let x = v
+        .as_f64()
+        .ok_or_else(|| ApiError::wrong_type(k, "a number"))?;
     if !(lo..=hi).contains(&x) {
-        return Err(ApiError::invalid(k, format!("'{k}' is {x}; it must be between {lo} and {hi}")));
+        return Err(ApiError::invalid(
+            k,
+            format!("'{k}' is {x}; it must be between {lo} and {hi}"),
+        ));
     }
     Ok(Some(x as f32))
 }
 
 /// An integer in `lo..=hi`.
 fn int(m: &Map<String, Value>, k: &str, lo: i64, hi: i64) -> ApiResult<Option<i64>> {
-    let Some(v) = present(m, k) else { return Ok(None) };
-    let Value::Number(n) = v else { return Err(ApiError::wrong_type(k, "an integer")) };
+    let Some(v) = present(m, k) else {
+        return Ok(None);
+    };
+    let Value::Number(n) = v else {
+        return Err(ApiError::wrong_type(k, "an integer"));
+    };
     let x = match (n.as_i64(), n.as_u64()) {
         (Some(x), _) => x,
         (None, Some(_)) => i64::MAX,
         _ => return Err(ApiError::wrong_type(k, "an integer")),
     };
     if !(lo..=hi).contains(&x) {
-        return Err(ApiError::invalid(k, format!("'{k}' is {n}; it must be between {lo} and {hi}")));
+        return Err(ApiError::invalid(
+            k,
+            format!("'{k}' is {n}; it must be between {lo} and {hi}"),
+        ));
     }
     Ok(Some(x))
 }
 
 /// `null`, absent, or a value for which `ok` holds; anything else is a feature we lack.
-fn refuse_unless(m: &Map<String, Value>, k: &str, ok: impl Fn(&Value) -> bool, what: &str) -> ApiResult<()> {
+fn refuse_unless(
+    m: &Map<String, Value>,
+    k: &str,
+    ok: impl Fn(&Value) -> bool,
+    what: &str,
+) -> ApiResult<()> {
     match present(m, k) {
-        Some(v) if !ok(v) => Err(ApiError::unsupported(k, format!("'{k}' is not supported by this server yet: {what}"))),
+        Some(v) if !ok(v) => Err(ApiError::unsupported(
+            k,
+            format!("'{k}' is not supported by this server yet: {what}"),
+        )),
         _ => Ok(()),
     }
 }
@@ -150,12 +204,20 @@ fn parse_common(m: &Map<String, Value>, lim: Limits, max_tokens_key: &str) -> Ap
     let mut include_usage = false;
     if let Some(so) = present(m, "stream_options") {
         if !stream {
-            return Err(ApiError::invalid("stream_options", "'stream_options' is only allowed when 'stream' is true"));
+            return Err(ApiError::invalid(
+                "stream_options",
+                "'stream_options' is only allowed when 'stream' is true",
+            ));
         }
-        let so = so.as_object().ok_or_else(|| ApiError::wrong_type("stream_options", "an object"))?;
+        let so = so
+            .as_object()
+            .ok_or_else(|| ApiError::wrong_type("stream_options", "an object"))?;
         for k in so.keys() {
             if k != "include_usage" {
-                return Err(ApiError::invalid("stream_options", format!("unknown stream option '{k}'")));
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    format!("unknown stream option '{k}'"),
+                ));
             }
         }
         include_usage = boolean(so, "include_usage")?.unwrap_or(false);
@@ -180,27 +242,50 @@ fn parse_common(m: &Map<String, Value>, lim: Limits, max_tokens_key: &str) -> Ap
         logit_bias: Vec::new(),
     };
     if sampler.top_p <= 0.0 {
-        return Err(ApiError::invalid("top_p", "'top_p' must be greater than 0 (use temperature 0 for greedy decoding)"));
+        return Err(ApiError::invalid(
+            "top_p",
+            "'top_p' must be greater than 0 (use temperature 0 for greedy decoding)",
+        ));
     }
     if sampler.repetition_penalty <= 0.0 {
-        return Err(ApiError::invalid("repetition_penalty", "'repetition_penalty' must be greater than 0"));
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            "'repetition_penalty' must be greater than 0",
+        ));
     }
     if let Some(v) = present(m, "seed") {
-        let Value::Number(n) = v else { return Err(ApiError::wrong_type("seed", "an integer")) };
-        let s = n.as_u64().or_else(|| n.as_i64().map(|x| x as u64)).ok_or_else(|| ApiError::wrong_type("seed", "an integer"))?;
+        let Value::Number(n) = v else {
+            return Err(ApiError::wrong_type("seed", "an integer"));
+        };
+        let s = n
+            .as_u64()
+            .or_else(|| n.as_i64().map(|x| x as u64))
+            .ok_or_else(|| ApiError::wrong_type("seed", "an integer"))?;
         sampler.seed = Some(s);
     }
     if let Some(v) = present(m, "logit_bias") {
-        let o = v.as_object().ok_or_else(|| ApiError::wrong_type("logit_bias", "an object mapping token ids to numbers"))?;
+        let o = v.as_object().ok_or_else(|| {
+            ApiError::wrong_type("logit_bias", "an object mapping token ids to numbers")
+        })?;
         for (k, b) in o {
             let id: u32 = k
                 .parse()
                 .ok()
                 .filter(|&id: &u32| (id as usize) < lim.vocab)
-                .ok_or_else(|| ApiError::invalid("logit_bias", format!("logit_bias key '{k}' is not a token id below {}", lim.vocab)))?;
-            let b = b.as_f64().ok_or_else(|| ApiError::wrong_type("logit_bias", "an object mapping token ids to numbers"))?;
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        format!("logit_bias key '{k}' is not a token id below {}", lim.vocab),
+                    )
+                })?;
+            let b = b.as_f64().ok_or_else(|| {
+                ApiError::wrong_type("logit_bias", "an object mapping token ids to numbers")
+            })?;
             if !(-100.0..=100.0).contains(&b) {
-                return Err(ApiError::invalid("logit_bias", format!("logit_bias value {b} for token {k} must be between -100 and 100")));
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias value {b} for token {k} must be between -100 and 100"),
+                ));
             }
             sampler.logit_bias.push((id, b as f32));
         }
@@ -209,32 +294,74 @@ fn parse_common(m: &Map<String, Value>, lim: Limits, max_tokens_key: &str) -> Ap
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => {
-            let v = a.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>();
+            let v = a
+                .iter()
+                .map(|x| x.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>();
             v.ok_or_else(|| ApiError::wrong_type("stop", "a string or a list of strings"))?
         }
-        Some(_) => return Err(ApiError::wrong_type("stop", "a string or a list of strings")),
+        Some(_) => {
+            return Err(ApiError::wrong_type(
+                "stop",
+                "a string or a list of strings",
+            ))
+        }
     };
     if stop.len() > MAX_STOP {
-        return Err(ApiError::invalid("stop", format!("at most {MAX_STOP} stop sequences are allowed")));
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOP} stop sequences are allowed"),
+        ));
     }
     string(m, "user")?;
     let model = string(m, "model")?.map(str::to_string);
     let ignore_eos = boolean(m, "ignore_eos")?.unwrap_or(false);
     let max_tokens = max_tokens.map(|m| m as usize);
-    Ok(Common { model, stream, include_usage, max_tokens, n, sampler, stop, ignore_eos })
+    Ok(Common {
+        model,
+        stream,
+        include_usage,
+        max_tokens,
+        n,
+        sampler,
+        stop,
+        ignore_eos,
+    })
 }
 
 /// Parses a `/v1/chat/completions` body.
 pub fn parse_chat(v: &Value, lim: Limits) -> ApiResult<ChatRequest> {
-    let m = v.as_object().ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
+    let m = v
+        .as_object()
+        .ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
     check_known(m, CHAT_FIELDS)?;
     let tools_empty = |v: &Value| v.as_array().is_some_and(|a| a.is_empty());
     refuse_unless(m, "tools", tools_empty, "tool calling")?;
-    refuse_unless(m, "tool_choice", |v| v == "none" || v == "auto", "tool calling")?;
+    refuse_unless(
+        m,
+        "tool_choice",
+        |v| v == "none" || v == "auto",
+        "tool calling",
+    )?;
     refuse_unless(m, "functions", tools_empty, "function calling")?;
-    refuse_unless(m, "function_call", |v| v == "none" || v == "auto", "function calling")?;
-    refuse_unless(m, "response_format", |v| v.get("type").is_some_and(|t| t == "text"), "structured output (json_object / json_schema)")?;
-    refuse_unless(m, "modalities", |v| v.as_array().is_some_and(|a| a.iter().all(|x| x == "text")), "only text output")?;
+    refuse_unless(
+        m,
+        "function_call",
+        |v| v == "none" || v == "auto",
+        "function calling",
+    )?;
+    refuse_unless(
+        m,
+        "response_format",
+        |v| v.get("type").is_some_and(|t| t == "text"),
+        "structured output (json_object / json_schema)",
+    )?;
+    refuse_unless(
+        m,
+        "modalities",
+        |v| v.as_array().is_some_and(|a| a.iter().all(|x| x == "text")),
+        "only text output",
+    )?;
     refuse_unless(m, "audio", |_| false, "audio output")?;
     refuse_unless(m, "prediction", |_| false, "predicted outputs")?;
     refuse_unless(m, "reasoning_effort", |_| false, "reasoning effort")?;
@@ -243,26 +370,46 @@ pub fn parse_chat(v: &Value, lim: Limits) -> ApiResult<ChatRequest> {
     boolean(m, "parallel_tool_calls")?;
     let common = parse_common(m, lim, "max_completion_tokens")?;
     let logprobs = match boolean(m, "logprobs")? {
-        Some(true) => Some(int(m, "top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?.unwrap_or(0) as usize),
+        Some(true) => {
+            Some(int(m, "top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?.unwrap_or(0) as usize)
+        }
         _ => {
             if present(m, "top_logprobs").is_some() {
-                return Err(ApiError::invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true"));
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "'top_logprobs' requires 'logprobs' to be true",
+                ));
             }
             None
         }
     };
     let msgs = present(m, "messages").ok_or_else(|| ApiError::missing("messages"))?;
-    let msgs = msgs.as_array().ok_or_else(|| ApiError::wrong_type("messages", "a list of messages"))?;
+    let msgs = msgs
+        .as_array()
+        .ok_or_else(|| ApiError::wrong_type("messages", "a list of messages"))?;
     if msgs.is_empty() {
-        return Err(ApiError::invalid("messages", "'messages' must contain at least one message"));
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must contain at least one message",
+        ));
     }
-    let messages = msgs.iter().enumerate().map(|(i, x)| parse_message(i, x)).collect::<ApiResult<Vec<_>>>()?;
-    Ok(ChatRequest { common, messages, logprobs })
+    let messages = msgs
+        .iter()
+        .enumerate()
+        .map(|(i, x)| parse_message(i, x))
+        .collect::<ApiResult<Vec<_>>>()?;
+    Ok(ChatRequest {
+        common,
+        messages,
+        logprobs,
+    })
 }
 
 fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
     let p = |f: &str| format!("messages[{i}].{f}");
-    let m = v.as_object().ok_or_else(|| ApiError::wrong_type(&format!("messages[{i}]"), "an object"))?;
+    let m = v
+        .as_object()
+        .ok_or_else(|| ApiError::wrong_type(&format!("messages[{i}]"), "an object"))?;
     let role = match present(m, "role") {
         Some(Value::String(r)) => r.as_str(),
         Some(_) => return Err(ApiError::wrong_type(&p("role"), "a string")),
@@ -272,18 +419,41 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
         "system" | "developer" => "system",
         "user" | "assistant" => role,
         "tool" | "function" => {
-            return Err(ApiError::unsupported(&p("role"), format!("messages with role '{role}' are not supported (no tool calling yet)")))
+            return Err(ApiError::unsupported(
+                &p("role"),
+                format!("messages with role '{role}' are not supported (no tool calling yet)"),
+            ))
         }
         other => {
-            return Err(ApiError::invalid(&p("role"), format!("unknown role '{other}' (expected system, developer, user or assistant)")))
+            return Err(ApiError::invalid(
+                &p("role"),
+                format!("unknown role '{other}' (expected system, developer, user or assistant)"),
+            ))
         }
     };
-    if present(m, "tool_calls").is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty())) || present(m, "function_call").is_some() {
-        return Err(ApiError::unsupported(&p("tool_calls"), "assistant tool calls are not supported yet"));
+    if present(m, "tool_calls").is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()))
+        || present(m, "function_call").is_some()
+    {
+        return Err(ApiError::unsupported(
+            &p("tool_calls"),
+            "assistant tool calls are not supported yet",
+        ));
     }
     for k in m.keys() {
-        if !["role", "content", "name", "tool_calls", "function_call", "refusal"].contains(&k.as_str()) {
-            return Err(ApiError::invalid(&p(k), format!("unknown message field '{k}'")));
+        if ![
+            "role",
+            "content",
+            "name",
+            "tool_calls",
+            "function_call",
+            "refusal",
+        ]
+        .contains(&k.as_str())
+        {
+            return Err(ApiError::invalid(
+                &p(k),
+                format!("unknown message field '{k}'"),
+            ));
         }
     }
     let content = match present(m, "content") {
@@ -294,7 +464,10 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
             let mut texts = Vec::new();
             for (j, part) in parts.iter().enumerate() {
                 let pp = format!("messages[{i}].content[{j}]");
-                let ty = part.get("type").and_then(Value::as_str).ok_or_else(|| ApiError::wrong_type(&pp, "a content part with a 'type'"))?;
+                let ty = part
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::wrong_type(&pp, "a content part with a 'type'"))?;
                 match ty {
                     "text" => {
                         let t = part.get("text").and_then(Value::as_str).ok_or_else(|| ApiError::wrong_type(&format!("{pp}.text"), "a string"))?;
@@ -307,35 +480,56 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
             }
             texts.join("\n")
         }
-        Some(_) => return Err(ApiError::wrong_type(&p("content"), "a string or a list of content parts")),
+        Some(_) => {
+            return Err(ApiError::wrong_type(
+                &p("content"),
+                "a string or a list of content parts",
+            ))
+        }
     };
     Ok(ChatMessage::new(role, content))
 }
 
 /// Parses a `/v1/completions` body.
 pub fn parse_completion(v: &Value, lim: Limits) -> ApiResult<CompletionRequest> {
-    let m = v.as_object().ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
+    let m = v
+        .as_object()
+        .ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
     check_known(m, COMPLETION_FIELDS)?;
     refuse_unless(m, "suffix", |v| v == "", "insertion (suffix)")?;
     let common = parse_common(m, lim, "max_tokens")?;
     if let Some(b) = int(m, "best_of", 1, MAX_CHOICES as i64)? {
         if b as usize != common.n {
-            return Err(ApiError::unsupported("best_of", "'best_of' other than 'n' is not supported"));
+            return Err(ApiError::unsupported(
+                "best_of",
+                "'best_of' other than 'n' is not supported",
+            ));
         }
     }
     let echo = boolean(m, "echo")?.unwrap_or(false);
     let logprobs = int(m, "logprobs", 0, MAX_COMPLETION_LOGPROBS as i64)?.map(|k| k as usize);
     if echo && logprobs.is_some() {
-        return Err(ApiError::unsupported("echo", "'echo' together with 'logprobs' (prompt log-probabilities) is not supported"));
+        return Err(ApiError::unsupported(
+            "echo",
+            "'echo' together with 'logprobs' (prompt log-probabilities) is not supported",
+        ));
     }
     let p = present(m, "prompt").ok_or_else(|| ApiError::missing("prompt"))?;
-    let bad = || ApiError::wrong_type("prompt", "a string, a list of strings, a list of token ids or a list of lists of token ids");
+    let bad = || {
+        ApiError::wrong_type(
+            "prompt",
+            "a string, a list of strings, a list of token ids or a list of lists of token ids",
+        )
+    };
     let tokens = |a: &[Value]| -> ApiResult<Vec<u32>> {
         a.iter()
             .map(|x| {
                 let id = x.as_u64().ok_or_else(bad)?;
                 if id as usize >= lim.vocab {
-                    return Err(ApiError::invalid("prompt", format!("token id {id} is outside the vocabulary of {}", lim.vocab)));
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!("token id {id} is outside the vocabulary of {}", lim.vocab),
+                    ));
                 }
                 Ok(id as u32)
             })
@@ -343,21 +537,36 @@ pub fn parse_completion(v: &Value, lim: Limits) -> ApiResult<CompletionRequest> 
     };
     let prompts = match p {
         Value::String(s) => vec![Prompt::Text(s.clone())],
-        Value::Array(a) if a.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
-        Value::Array(a) if a.iter().all(Value::is_string) => {
-            a.iter().map(|s| Prompt::Text(s.as_str().unwrap_or_default().to_string())).collect()
+        Value::Array(a) if a.is_empty() => {
+            return Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
         }
+        Value::Array(a) if a.iter().all(Value::is_string) => a
+            .iter()
+            .map(|s| Prompt::Text(s.as_str().unwrap_or_default().to_string()))
+            .collect(),
         Value::Array(a) if a.iter().all(Value::is_number) => vec![Prompt::Tokens(tokens(a)?)],
         Value::Array(a) if a.iter().all(Value::is_array) => a
             .iter()
-            .map(|x| Ok(Prompt::Tokens(tokens(x.as_array().map(Vec::as_slice).unwrap_or_default())?)))
+            .map(|x| {
+                Ok(Prompt::Tokens(tokens(
+                    x.as_array().map(Vec::as_slice).unwrap_or_default(),
+                )?))
+            })
             .collect::<ApiResult<Vec<_>>>()?,
         _ => return Err(bad()),
     };
     if prompts.len() * common.n > MAX_CHOICES {
-        return Err(ApiError::invalid("n", format!("prompts x n must be at most {MAX_CHOICES}")));
+        return Err(ApiError::invalid(
+            "n",
+            format!("prompts x n must be at most {MAX_CHOICES}"),
+        ));
     }
-    Ok(CompletionRequest { common, prompts, echo, logprobs })
+    Ok(CompletionRequest {
+        common,
+        prompts,
+        echo,
+        logprobs,
+    })
 }
 
 // ---- responses ---------------------------------------------------------------------------------
@@ -411,12 +620,20 @@ pub fn chat_logprobs(lps: &[TokenLogprob], text_of: &dyn Fn(u32) -> String) -> V
 
 /// JSON has no -inf: clamp to OpenAI's floor for impossible tokens.
 fn lp_json(lp: f32) -> f64 {
-    if lp.is_finite() { f64::from(lp) } else { -9999.0 }
+    if lp.is_finite() {
+        f64::from(lp)
+    } else {
+        -9999.0
+    }
 }
 
 /// Legacy completions `logprobs`: `{tokens, token_logprobs, top_logprobs, text_offset}`;
 /// `offset0` is the text length before these tokens.
-pub fn completion_logprobs(lps: &[TokenLogprob], text_of: &dyn Fn(u32) -> String, offset0: usize) -> Value {
+pub fn completion_logprobs(
+    lps: &[TokenLogprob],
+    text_of: &dyn Fn(u32) -> String,
+    offset0: usize,
+) -> Value {
     let mut tokens = Vec::new();
     let mut token_lps = Vec::new();
     let mut tops = Vec::new();
@@ -455,7 +672,11 @@ pub fn chat_response(meta: &RespMeta, choices: Vec<(ChoiceOut, Value)>, usage: V
     })
 }
 
-pub fn completion_response(meta: &RespMeta, choices: Vec<(ChoiceOut, Value)>, usage: Value) -> Value {
+pub fn completion_response(
+    meta: &RespMeta,
+    choices: Vec<(ChoiceOut, Value)>,
+    usage: Value,
+) -> Value {
     let choices: Vec<Value> = choices
         .into_iter()
         .map(|(c, lp)| json!({"text": c.text, "index": c.index, "logprobs": lp, "finish_reason": c.finish}))
@@ -480,7 +701,12 @@ pub fn chat_chunk(meta: &RespMeta, choice: Option<Value>, usage: Option<Value>) 
     v
 }
 
-pub fn chat_chunk_choice(index: usize, delta: Value, logprobs: Value, finish: Option<&str>) -> Value {
+pub fn chat_chunk_choice(
+    index: usize,
+    delta: Value,
+    logprobs: Value,
+    finish: Option<&str>,
+) -> Value {
     json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 }
 
@@ -496,7 +722,12 @@ pub fn completion_chunk(meta: &RespMeta, choice: Option<Value>, usage: Option<Va
     v
 }
 
-pub fn completion_chunk_choice(index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
+pub fn completion_chunk_choice(
+    index: usize,
+    text: &str,
+    logprobs: Value,
+    finish: Option<&str>,
+) -> Value {
     json!({"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish})
 }
 
@@ -511,7 +742,10 @@ pub const SSE_DONE: &str = "data: [DONE]\n\n";
 mod tests {
     use super::*;
 
-    const LIM: Limits = Limits { ctx_size: 100, vocab: 50 };
+    const LIM: Limits = Limits {
+        ctx_size: 100,
+        vocab: 50,
+    };
 
     fn chat(v: Value) -> ApiResult<ChatRequest> {
         parse_chat(&v, LIM)
@@ -519,7 +753,8 @@ mod tests {
 
     #[test]
     fn minimal_chat() {
-        let r = chat(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
+        let r =
+            chat(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
         assert_eq!(r.messages, vec![ChatMessage::new("user", "hi")]);
         assert_eq!(r.common.n, 1);
         assert_eq!(r.common.sampler.temperature, 1.0);
@@ -548,31 +783,119 @@ mod tests {
             (json!({"messages": []}), 400, "messages"),
             (json!({}), 422, "messages"),
             (json!({"messages": "x"}), 422, "messages"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}), 400, "max_tokens"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 101}), 400, "max_tokens"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}), 422, "max_tokens"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}), 422, "max_tokens"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "n": 0}), 400, "n"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "n": 1000}), 400, "n"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "temperature": 3}), 400, "temperature"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "top_p": 0}), 400, "top_p"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "top_k": -2}), 400, "top_k"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"77": 1}}), 400, "logit_bias"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 101}}), 400, "logit_bias"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400, "top_logprobs"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}), 400, "top_logprobs"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}), 400, "stream_options"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400, "tools"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}), 400, "response_format"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}), 400, "frobnicate"),
-            (json!({"messages": [{"role": "tool", "content": "x"}]}), 400, "messages[0].role"),
-            (json!({"messages": [{"role": "wizard", "content": "x"}]}), 400, "messages[0].role"),
-            (json!({"messages": [{"role": "user"}]}), 422, "messages[0].content"),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
+                400,
+                "max_tokens",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 101}),
+                400,
+                "max_tokens",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}),
+                422,
+                "max_tokens",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}),
+                422,
+                "max_tokens",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "n": 0}),
+                400,
+                "n",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "n": 1000}),
+                400,
+                "n",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "temperature": 3}),
+                400,
+                "temperature",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "top_p": 0}),
+                400,
+                "top_p",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "top_k": -2}),
+                400,
+                "top_k",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"77": 1}}),
+                400,
+                "logit_bias",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 101}}),
+                400,
+                "logit_bias",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}),
+                400,
+                "stop",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+                400,
+                "top_logprobs",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}),
+                400,
+                "top_logprobs",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}),
+                400,
+                "stream_options",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+                400,
+                "tools",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}),
+                400,
+                "response_format",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}),
+                400,
+                "frobnicate",
+            ),
+            (
+                json!({"messages": [{"role": "tool", "content": "x"}]}),
+                400,
+                "messages[0].role",
+            ),
+            (
+                json!({"messages": [{"role": "wizard", "content": "x"}]}),
+                400,
+                "messages[0].role",
+            ),
+            (
+                json!({"messages": [{"role": "user"}]}),
+                422,
+                "messages[0].content",
+            ),
         ];
         for (body, status, param) in cases {
             let e = chat(body.clone()).expect_err(&body.to_string());
-            assert_eq!((e.status.as_u16(), e.param.as_deref()), (status, Some(param)), "{body}: {e}");
+            assert_eq!(
+                (e.status.as_u16(), e.param.as_deref()),
+                (status, Some(param)),
+                "{body}: {e}"
+            );
         }
     }
 
@@ -612,8 +935,21 @@ mod tests {
 
     #[test]
     fn chunk_shapes() {
-        let meta = RespMeta { id: "chatcmpl-1".into(), created: 5, model: "m".into() };
-        let c = chat_chunk(&meta, Some(chat_chunk_choice(0, json!({"content": "x"}), Value::Null, None)), None);
+        let meta = RespMeta {
+            id: "chatcmpl-1".into(),
+            created: 5,
+            model: "m".into(),
+        };
+        let c = chat_chunk(
+            &meta,
+            Some(chat_chunk_choice(
+                0,
+                json!({"content": "x"}),
+                Value::Null,
+                None,
+            )),
+            None,
+        );
         let want = format!(
             "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":5,\"model\":\"m\",\
              \"system_fingerprint\":\"{FINGERPRINT}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"x\"}},\

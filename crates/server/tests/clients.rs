@@ -26,17 +26,29 @@ fn env_path(var: &str, test: &str) -> Option<PathBuf> {
 }
 
 fn script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients")
+        .join(name)
 }
 
 /// Runs a command to completion off the async runtime; panics with its output on failure.
 async fn run_ok(mut cmd: Command, what: &str) -> String {
     let what = what.to_string();
     tokio::task::spawn_blocking(move || {
-        let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         eprintln!("{text}");
-        assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
+        assert!(
+            out.status.success(),
+            "{what} failed ({}):\n{text}",
+            out.status
+        );
         text
     })
     .await
@@ -46,17 +58,25 @@ async fn run_ok(mut cmd: Command, what: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_openai_python_client() {
     let test = "official_openai_python_client";
-    let Some(python) = env_path("HF2Q_TEST_PYTHON", test) else { return };
+    let Some(python) = env_path("HF2Q_TEST_PYTHON", test) else {
+        return;
+    };
     let probe = Command::new(&python).args(["-c", "import openai"]).output();
     if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("{test}: skipped ({} cannot import openai)", python.display());
+        eprintln!(
+            "{test}: skipped ({} cannot import openai)",
+            python.display()
+        );
         return;
     }
     let mut c = cfg();
     c.api_key = Some("test-key".into());
     let h = start(tiny(), c).await;
     let mut cmd = Command::new(python);
-    cmd.arg(script("openai_client.py")).arg(format!("http://{}", h.addr)).arg("test-key").arg("tiny");
+    cmd.arg(script("openai_client.py"))
+        .arg(format!("http://{}", h.addr))
+        .arg("test-key")
+        .arg("tiny");
     let out = run_ok(cmd, "openai client").await;
     assert!(out.contains(" 0 failed"), "{out}");
 }
@@ -64,9 +84,15 @@ async fn official_openai_python_client() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn web_chat_in_headless_chromium() {
     let test = "web_chat_in_headless_chromium";
-    let Some(chromium) = env_path("HF2Q_TEST_CHROMIUM", test) else { return };
-    let Some(modules) = env_path("HF2Q_TEST_NODE_MODULES", test) else { return };
-    if !modules.join("playwright-core").is_dir() || Command::new("node").arg("--version").output().is_err() {
+    let Some(chromium) = env_path("HF2Q_TEST_CHROMIUM", test) else {
+        return;
+    };
+    let Some(modules) = env_path("HF2Q_TEST_NODE_MODULES", test) else {
+        return;
+    };
+    if !modules.join("playwright-core").is_dir()
+        || Command::new("node").arg("--version").output().is_err()
+    {
         eprintln!("{test}: skipped (node or playwright-core is missing)");
         return;
     }
@@ -88,9 +114,20 @@ async fn web_chat_in_headless_chromium() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_serves_and_exits_0_on_sigterm() {
     let test = "binary_serves_and_exits_0_on_sigterm";
-    let Some(bin) = env_path("HF2Q_TEST_BIN", test) else { return };
+    let Some(bin) = env_path("HF2Q_TEST_BIN", test) else {
+        return;
+    };
     let mut child = Command::new(bin)
-        .args(["serve", tiny_path().to_str().unwrap(), "--port", "0", "--model-name", "tiny", "--drain-timeout", "20"])
+        .args([
+            "serve",
+            tiny_path().to_str().unwrap(),
+            "--port",
+            "0",
+            "--model-name",
+            "tiny",
+            "--drain-timeout",
+            "20",
+        ])
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -99,26 +136,50 @@ async fn binary_serves_and_exits_0_on_sigterm() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         use std::io::BufRead;
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
             eprintln!("[serve] {line}");
             if let Some(a) = line.strip_prefix("listening on http://") {
                 let _ = tx.send(a.trim().to_string());
             }
         }
     });
-    let addr: std::net::SocketAddr = rx.recv_timeout(Duration::from_secs(60)).expect("listening line").parse().unwrap();
+    let addr: std::net::SocketAddr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("listening line")
+        .parse()
+        .unwrap();
     assert_eq!(http(addr, "GET", "/health", &[], None).await.status, 200);
     let r = post(addr, "/v1/chat/completions", &chat_body("hi", 4, false)).await;
     assert_eq!(r.status, 200, "{}", r.text());
     // A stream in flight when SIGTERM arrives still completes.
     let mut body = chat_body("a long one", 200, true);
     body["ignore_eos"] = serde_json::json!(true);
-    let mut s = open(addr, "POST", "/v1/chat/completions", &[], Some(&body.to_string())).await;
+    let mut s = open(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&body.to_string()),
+    )
+    .await;
     s.next().await.expect("first frame");
-    let kill = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
     assert!(kill.success());
     let rest = s.body().await;
     assert!(rest.text().ends_with("data: [DONE]\n\n"), "{}", rest.text());
-    let status = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
-    assert_eq!(status.code(), Some(0), "hf2q serve exit status after SIGTERM");
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "hf2q serve exit status after SIGTERM"
+    );
 }

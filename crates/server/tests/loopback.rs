@@ -32,10 +32,30 @@ async fn disconnect_mid_stream_frees_the_slot_and_spares_others() {
     let h = start(tiny(), c).await;
     let addr = h.addr;
     // Reference for the bystander: the same request alone.
-    let want = post(addr, "/v1/chat/completions", &long_chat("bystander", 40, false)).await.json();
-    let bystander = tokio::spawn(async move { post(addr, "/v1/chat/completions", &long_chat("bystander", 40, false)).await });
+    let want = post(
+        addr,
+        "/v1/chat/completions",
+        &long_chat("bystander", 40, false),
+    )
+    .await
+    .json();
+    let bystander = tokio::spawn(async move {
+        post(
+            addr,
+            "/v1/chat/completions",
+            &long_chat("bystander", 40, false),
+        )
+        .await
+    });
 
-    let mut s = open(addr, "POST", "/v1/chat/completions", &[], Some(&long_chat("leaver", 200, true).to_string())).await;
+    let mut s = open(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&long_chat("leaver", 200, true).to_string()),
+    )
+    .await;
     assert_eq!(s.status, 200);
     let mut got = 0;
     while got < 3 {
@@ -44,10 +64,20 @@ async fn disconnect_mid_stream_frees_the_slot_and_spares_others() {
     }
     assert_eq!(gauges(&h).running, 2);
     drop(s);
-    assert!(wait_until(Duration::from_secs(3), || cancelled(&h) == 1).await, "the stream was not cancelled");
+    assert!(
+        wait_until(Duration::from_secs(3), || cancelled(&h) == 1).await,
+        "the stream was not cancelled"
+    );
     let other = bystander.await.unwrap().json();
-    assert_eq!(other["choices"][0]["message"], want["choices"][0]["message"]);
-    assert!(wait_until(Duration::from_secs(3), || gauges(&h).running == 0 && gauges(&h).kv_reserved_bytes == 0).await);
+    assert_eq!(
+        other["choices"][0]["message"],
+        want["choices"][0]["message"]
+    );
+    assert!(
+        wait_until(Duration::from_secs(3), || gauges(&h).running == 0
+            && gauges(&h).kv_reserved_bytes == 0)
+        .await
+    );
 }
 
 #[tokio::test]
@@ -65,7 +95,10 @@ async fn disconnect_while_waiting_for_a_full_answer() {
     });
     assert!(wait_until(Duration::from_secs(3), || gauges(&h).running == 1).await);
     t.await.unwrap();
-    assert!(wait_until(Duration::from_secs(3), || gauges(&h).running == 0).await, "not cancelled");
+    assert!(
+        wait_until(Duration::from_secs(3), || gauges(&h).running == 0).await,
+        "not cancelled"
+    );
     assert_eq!(cancelled(&h), 1);
 }
 
@@ -76,13 +109,25 @@ async fn disconnect_while_queued() {
     c.engine.step_delay = Duration::from_millis(10);
     let h = start(tiny(), c).await;
     let addr = h.addr;
-    let first = tokio::spawn(async move { post(addr, "/v1/chat/completions", &long_chat("first", 60, false)).await });
+    let first = tokio::spawn(async move {
+        post(addr, "/v1/chat/completions", &long_chat("first", 60, false)).await
+    });
     assert!(wait_until(Duration::from_secs(3), || gauges(&h).running == 1).await);
-    let mut queued = open(addr, "POST", "/v1/chat/completions", &[], Some(&long_chat("second", 50, true).to_string())).await;
+    let mut queued = open(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&long_chat("second", 50, true).to_string()),
+    )
+    .await;
     queued.next().await.expect("role chunk");
     assert!(wait_until(Duration::from_secs(3), || gauges(&h).queued == 1).await);
     drop(queued);
-    assert!(wait_until(Duration::from_secs(3), || gauges(&h).queued == 0).await, "queued request not removed");
+    assert!(
+        wait_until(Duration::from_secs(3), || gauges(&h).queued == 0).await,
+        "queued request not removed"
+    );
     assert_eq!(gauges(&h).running, 1, "the running request is untouched");
     let r = first.await.unwrap();
     assert_eq!(r.status, 200);
@@ -100,16 +145,35 @@ async fn disconnect_during_prefill() {
     let h = start(tiny(), c).await;
     let prompt: Vec<u32> = (0..200).map(|i| 40 + (i % 60)).collect();
     let body = json!({"prompt": prompt, "max_tokens": 5, "stream": true});
-    let s = open(h.addr, "POST", "/v1/completions", &[], Some(&body.to_string())).await;
+    let s = open(
+        h.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        Some(&body.to_string()),
+    )
+    .await;
     assert_eq!(s.status, 200);
     assert!(wait_until(Duration::from_secs(3), || gauges(&h).running == 1).await);
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let tokens_before = h.engine.shared().metrics.completion_tokens.load(std::sync::atomic::Ordering::Relaxed);
+    let tokens_before = h
+        .engine
+        .shared()
+        .metrics
+        .completion_tokens
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(tokens_before, 0, "still prefilling");
     drop(s);
     assert!(wait_until(Duration::from_secs(3), || gauges(&h).running == 0).await);
     // No token was ever sampled: the sequence left while its prompt was still being prefilled.
-    assert_eq!(h.engine.shared().metrics.completion_tokens.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        h.engine
+            .shared()
+            .metrics
+            .completion_tokens
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     assert_eq!(cancelled(&h), 1);
 }
 
@@ -119,19 +183,40 @@ type Tok = (String, f64, Vec<(String, f64)>);
 /// The generated tokens of a chat response, streamed or not.
 fn tokens_of(resp: &Resp, stream: bool) -> Vec<Tok> {
     let entry = |e: &Value| {
-        let top = e["top_logprobs"].as_array().unwrap().iter().map(|t| (t["token"].as_str().unwrap().to_string(), t["logprob"].as_f64().unwrap()));
-        (e["token"].as_str().unwrap().to_string(), e["logprob"].as_f64().unwrap(), top.collect())
+        let top = e["top_logprobs"].as_array().unwrap().iter().map(|t| {
+            (
+                t["token"].as_str().unwrap().to_string(),
+                t["logprob"].as_f64().unwrap(),
+            )
+        });
+        (
+            e["token"].as_str().unwrap().to_string(),
+            e["logprob"].as_f64().unwrap(),
+            top.collect(),
+        )
     };
     let mut out = Vec::new();
     if stream {
         for d in sse_data(&resp.text()).iter().filter(|d| *d != "[DONE]") {
             let v: Value = serde_json::from_str(d).unwrap();
             for c in v["choices"].as_array().unwrap() {
-                out.extend(c["logprobs"]["content"].as_array().into_iter().flatten().map(entry));
+                out.extend(
+                    c["logprobs"]["content"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(entry),
+                );
             }
         }
     } else {
-        out.extend(resp.json()["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(entry));
+        out.extend(
+            resp.json()["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(entry),
+        );
     }
     out
 }
@@ -144,7 +229,12 @@ fn tokens_of(resp: &Resp, stream: bool) -> Vec<Tok> {
 /// diverge only at a near tie, where the solo run's two most likely tokens are within `2 t` and
 /// the batched run picked the other of the two. Mixed-up KV caches or positions move
 /// log-probabilities by whole nats and fail this.
-pub async fn concurrent_equals_alone(model: std::sync::Arc<hf2q_models::Model>, model_id: &str, max_tokens: usize, tol: Option<f64>) {
+pub async fn concurrent_equals_alone(
+    model: std::sync::Arc<hf2q_models::Model>,
+    model_id: &str,
+    max_tokens: usize,
+    tol: Option<f64>,
+) {
     let mut c = cfg();
     c.model_id = model_id.into();
     c.engine.ctx_size = 512;
@@ -153,8 +243,22 @@ pub async fn concurrent_equals_alone(model: std::sync::Arc<hf2q_models::Model>, 
     let h = start(model, c).await;
     let addr = h.addr;
     let topics = [
-        "cats", "the sea", "bread", "winter", "rust code", "a robot", "the moon", "tea", "rivers", "music", "chess",
-        "trains", "gardens", "clocks", "bees", "maps",
+        "cats",
+        "the sea",
+        "bread",
+        "winter",
+        "rust code",
+        "a robot",
+        "the moon",
+        "tea",
+        "rivers",
+        "music",
+        "chess",
+        "trains",
+        "gardens",
+        "clocks",
+        "bees",
+        "maps",
     ];
     let body = |t: &str, stream: bool| {
         json!({"model": model_id, "messages": [{"role": "user", "content": format!("Tell me about {t}.")}],
@@ -164,7 +268,9 @@ pub async fn concurrent_equals_alone(model: std::sync::Arc<hf2q_models::Model>, 
     let mut tasks = Vec::new();
     for t in topics {
         let b = body(t, true);
-        tasks.push(tokio::spawn(async move { post(addr, "/v1/chat/completions", &b).await }));
+        tasks.push(tokio::spawn(async move {
+            post(addr, "/v1/chat/completions", &b).await
+        }));
     }
     let mut together = Vec::new();
     for t in tasks {
@@ -178,7 +284,10 @@ pub async fn concurrent_equals_alone(model: std::sync::Arc<hf2q_models::Model>, 
     let (mut ties, mut max_dev) = (0, 0f64);
     for (i, t) in topics.iter().enumerate() {
         let alone = post(addr, "/v1/chat/completions", &body(t, false)).await;
-        let text = alone.json()["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        let text = alone.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
         let (a, b) = (tokens_of(&alone, false), &together[i].1);
         let same = a.iter().zip(b).take_while(|(x, y)| x.0 == y.0).count();
         for (x, y) in a.iter().zip(b).take(same) {
@@ -188,12 +297,20 @@ pub async fn concurrent_equals_alone(model: std::sync::Arc<hf2q_models::Model>, 
             continue;
         }
         let Some(tol) = tol else {
-            panic!("prompt {i} ({t}): batched {:?} != solo {text:?}", together[i].0);
+            panic!(
+                "prompt {i} ({t}): batched {:?} != solo {text:?}",
+                together[i].0
+            );
         };
-        assert!(same < a.len().min(b.len()), "prompt {i} ({t}): texts differ, tokens agree");
+        assert!(
+            same < a.len().min(b.len()),
+            "prompt {i} ({t}): texts differ, tokens agree"
+        );
         let (solo, batched) = (&a[same], &b[same]);
         let gap = solo.2[0].1 - solo.2.get(1).map_or(f64::NEG_INFINITY, |x| x.1);
-        let tie = gap < 2.0 * tol && solo.2.iter().any(|x| x.0 == batched.0) && batched.2.iter().any(|x| x.0 == solo.0);
+        let tie = gap < 2.0 * tol
+            && solo.2.iter().any(|x| x.0 == batched.0)
+            && batched.2.iter().any(|x| x.0 == solo.0);
         assert!(
             tie,
             "prompt {i} ({t}): batched {:?} != solo {text:?}; first differing token {same}: solo {solo:?} (top-2 gap {gap:.3}), batched {batched:?}",
@@ -208,7 +325,10 @@ pub async fn concurrent_equals_alone(model: std::sync::Arc<hf2q_models::Model>, 
         t0.elapsed()
     );
     if let Some(tol) = tol {
-        assert!(max_dev <= tol, "batched log-probabilities differ from solo ones by {max_dev} > {tol}");
+        assert!(
+            max_dev <= tol,
+            "batched log-probabilities differ from solo ones by {max_dev} > {tol}"
+        );
     } else {
         assert_eq!(max_dev, 0.0, "float paths must be batch-invariant");
     }
@@ -222,7 +342,9 @@ async fn sixteen_concurrent_greedy_streams_equal_solo_runs_tiny() {
 
 #[tokio::test]
 async fn sixteen_concurrent_greedy_streams_equal_solo_runs_smollm2() {
-    let Some(m) = smollm2("sixteen_concurrent_greedy_streams_equal_solo_runs_smollm2") else { return };
+    let Some(m) = smollm2("sixteen_concurrent_greedy_streams_equal_solo_runs_smollm2") else {
+        return;
+    };
     // Why 0.25 nats: the quantized CPU kernels' one-token path and many-token path round the
     // 8-bit activations differently; over 30 layers that moves SmolLM2's log-probabilities by
     // up to ~0.15 nats (measured). A wrong cache or position moves them by whole nats.
@@ -235,22 +357,42 @@ async fn drain_finishes_running_streams_and_refuses_new_work() {
     c.engine.step_delay = Duration::from_millis(10);
     let mut h = start(tiny(), c).await;
     let addr = h.addr;
-    let mut s = open(addr, "POST", "/v1/chat/completions", &[], Some(&long_chat("x", 50, true).to_string())).await;
+    let mut s = open(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&long_chat("x", 50, true).to_string()),
+    )
+    .await;
     s.next().await.expect("role chunk");
     h.shutdown();
     assert!(wait_until(Duration::from_secs(2), || h.engine.shared().is_draining()).await);
     // New connections are refused (listener closed) or answered 503.
-    if let Ok(Ok(mut c)) = tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(addr)).await {
+    if let Ok(Ok(mut c)) =
+        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(addr)).await
+    {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let _ = c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        let _ = c
+            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await;
         let mut buf = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(2), c.read_to_end(&mut buf)).await;
         let text = String::from_utf8_lossy(&buf);
-        assert!(text.is_empty() || text.starts_with("HTTP/1.1 503"), "{text}");
+        assert!(
+            text.is_empty() || text.starts_with("HTTP/1.1 503"),
+            "{text}"
+        );
     }
     let rest = s.body().await;
-    assert!(rest.text().ends_with("data: [DONE]\n\n"), "the running stream completes: {}", rest.text());
-    let r = tokio::time::timeout(Duration::from_secs(5), h.wait()).await.expect("server stops");
+    assert!(
+        rest.text().ends_with("data: [DONE]\n\n"),
+        "the running stream completes: {}",
+        rest.text()
+    );
+    let r = tokio::time::timeout(Duration::from_secs(5), h.wait())
+        .await
+        .expect("server stops");
     assert!(r.is_ok(), "{r:?}");
 }
 
@@ -260,11 +402,26 @@ async fn drain_timeout_aborts_what_is_left() {
     c.engine.step_delay = Duration::from_millis(10);
     c.drain_timeout = Duration::from_millis(200);
     let mut h = start(tiny(), c).await;
-    let mut s = open(h.addr, "POST", "/v1/chat/completions", &[], Some(&long_chat("x", 200, true).to_string())).await;
+    let mut s = open(
+        h.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&long_chat("x", 200, true).to_string()),
+    )
+    .await;
     s.next().await.expect("role chunk");
     h.shutdown();
-    let rest = tokio::time::timeout(Duration::from_secs(5), s.body()).await.expect("stream ends");
-    assert!(rest.text().contains("\"error\""), "aborted with an error frame: {}", rest.text());
-    let r = tokio::time::timeout(Duration::from_secs(8), h.wait()).await.expect("server stops");
+    let rest = tokio::time::timeout(Duration::from_secs(5), s.body())
+        .await
+        .expect("stream ends");
+    assert!(
+        rest.text().contains("\"error\""),
+        "aborted with an error frame: {}",
+        rest.text()
+    );
+    let r = tokio::time::timeout(Duration::from_secs(8), h.wait())
+        .await
+        .expect("server stops");
     assert!(r.is_ok(), "{r:?}");
 }

@@ -49,7 +49,13 @@ impl Out {
     }
 }
 
-async fn call(app: &Router, method: &str, path: &str, headers: &[(&str, &str)], body: Option<String>) -> Out {
+async fn call(
+    app: &Router,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+) -> Out {
     let mut b = Request::builder().method(method).uri(path);
     for (k, v) in headers {
         b = b.header(*k, *v);
@@ -57,13 +63,30 @@ async fn call(app: &Router, method: &str, path: &str, headers: &[(&str, &str)], 
     let req = b.body(body.map_or_else(Body::empty, Body::from)).unwrap();
     let resp = app.clone().oneshot(req).await.unwrap();
     let status = resp.status();
-    let content_type = resp.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
-    Out { status, content_type, body: String::from_utf8_lossy(&bytes).to_string() }
+    let content_type = resp
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    Out {
+        status,
+        content_type,
+        body: String::from_utf8_lossy(&bytes).to_string(),
+    }
 }
 
 async fn post_json(app: &Router, path: &str, v: Value) -> Out {
-    call(app, "POST", path, &[("content-type", "application/json")], Some(v.to_string())).await
+    call(
+        app,
+        "POST",
+        path,
+        &[("content-type", "application/json")],
+        Some(v.to_string()),
+    )
+    .await
 }
 
 #[tokio::test]
@@ -76,15 +99,27 @@ async fn models_health_metrics() {
     assert_eq!(v["data"][0]["id"], "tiny");
     assert_eq!(v["data"][0]["object"], "model");
     assert_eq!(v["data"][0]["meta"]["context_length"], 256);
-    assert_eq!(call(&app, "GET", "/v1/models/tiny", &[], None).await.status, 200);
-    call(&app, "GET", "/v1/models/gpt-4", &[], None).await.error(404);
+    assert_eq!(
+        call(&app, "GET", "/v1/models/tiny", &[], None).await.status,
+        200
+    );
+    call(&app, "GET", "/v1/models/gpt-4", &[], None)
+        .await
+        .error(404);
 
     let h = call(&app, "GET", "/health", &[], None).await;
-    assert_eq!((h.status.as_u16(), h.json()["status"].as_str()), (200, Some("ok")));
+    assert_eq!(
+        (h.status.as_u16(), h.json()["status"].as_str()),
+        (200, Some("ok"))
+    );
 
     let _ = post_json(&app, "/v1/chat/completions", chat_body("hi", 3, false)).await;
     let m = call(&app, "GET", "/metrics", &[], None).await;
-    assert!(m.content_type.starts_with("text/plain; version=0.0.4"), "{}", m.content_type);
+    assert!(
+        m.content_type.starts_with("text/plain; version=0.0.4"),
+        "{}",
+        m.content_type
+    );
     for name in [
         "hf2q_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 1",
         "hf2q_queue_depth 0",
@@ -101,7 +136,12 @@ async fn models_health_metrics() {
 #[tokio::test]
 async fn chat_non_streaming() {
     let app = app();
-    let o = post_json(&app, "/v1/chat/completions", chat_body("Hello there", 6, false)).await;
+    let o = post_json(
+        &app,
+        "/v1/chat/completions",
+        chat_body("Hello there", 6, false),
+    )
+    .await;
     assert_eq!(o.status, 200, "{}", o.body);
     assert!(o.content_type.starts_with("application/json"));
     let v = o.json();
@@ -117,10 +157,19 @@ async fn chat_non_streaming() {
     let u = &v["usage"];
     assert!(u["prompt_tokens"].as_u64().unwrap() > 3);
     assert!(u["completion_tokens"].as_u64().unwrap() <= 6);
-    assert_eq!(u["total_tokens"].as_u64(), Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()));
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap())
+    );
 
     // Greedy is deterministic.
-    let again = post_json(&app, "/v1/chat/completions", chat_body("Hello there", 6, false)).await.json();
+    let again = post_json(
+        &app,
+        "/v1/chat/completions",
+        chat_body("Hello there", 6, false),
+    )
+    .await
+    .json();
     assert_eq!(again["choices"][0]["message"], c["message"]);
 }
 
@@ -131,21 +180,37 @@ async fn chat_streaming_framing() {
     body["stream_options"] = json!({"include_usage": true});
     let o = post_json(&app, "/v1/chat/completions", body).await;
     assert_eq!(o.status, 200);
-    assert!(o.content_type.starts_with("text/event-stream"), "{}", o.content_type);
+    assert!(
+        o.content_type.starts_with("text/event-stream"),
+        "{}",
+        o.content_type
+    );
     assert!(o.body.ends_with("data: [DONE]\n\n"), "{}", o.body);
     // Every frame is exactly `data: ...\n\n`.
     for frame in o.body.split_terminator("\n\n") {
-        assert!(frame.starts_with("data: ") && !frame.contains('\n'), "{frame:?}");
+        assert!(
+            frame.starts_with("data: ") && !frame.contains('\n'),
+            "{frame:?}"
+        );
     }
     let data = sse_data(&o.body);
-    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
     let id = chunks[0]["id"].clone();
     for c in &chunks {
         assert_eq!(c["object"], "chat.completion.chunk");
         assert_eq!(c["id"], id);
-        assert!(c.get("usage").is_some(), "include_usage: every chunk has a usage field: {c}");
+        assert!(
+            c.get("usage").is_some(),
+            "include_usage: every chunk has a usage field: {c}"
+        );
     }
-    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": "", "refusal": null}));
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": "", "refusal": null})
+    );
     let n = chunks.len();
     let last_choice = &chunks[n - 2]["choices"][0];
     assert_eq!(last_choice["delta"], json!({}));
@@ -157,10 +222,24 @@ async fn chat_streaming_framing() {
         assert_eq!(c["usage"], Value::Null);
     }
     // The streamed text equals the non-streamed one.
-    let full = post_json(&app, "/v1/chat/completions", chat_body("Hello there", 5, false)).await.json();
-    assert_eq!(streamed_text(&o.body), full["choices"][0]["message"]["content"].as_str().unwrap());
+    let full = post_json(
+        &app,
+        "/v1/chat/completions",
+        chat_body("Hello there", 5, false),
+    )
+    .await
+    .json();
+    assert_eq!(
+        streamed_text(&o.body),
+        full["choices"][0]["message"]["content"].as_str().unwrap()
+    );
     // Without include_usage there is no usage field at all.
-    let o = post_json(&app, "/v1/chat/completions", chat_body("Hello there", 2, true)).await;
+    let o = post_json(
+        &app,
+        "/v1/chat/completions",
+        chat_body("Hello there", 2, true),
+    )
+    .await;
     let first: Value = serde_json::from_str(&sse_data(&o.body)[0]).unwrap();
     assert!(first.get("usage").is_none(), "{first}");
 }
@@ -169,7 +248,9 @@ async fn chat_streaming_framing() {
 async fn completions_both_ways() {
     let app = app();
     let body = json!({"model": "tiny", "prompt": ["The cat", "A dog"], "max_tokens": 4, "temperature": 0, "n": 2});
-    let v = post_json(&app, "/v1/completions", body.clone()).await.json();
+    let v = post_json(&app, "/v1/completions", body.clone())
+        .await
+        .json();
     assert_eq!(v["object"], "text_completion");
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 4);
@@ -201,9 +282,24 @@ async fn completions_both_ways() {
     }
 
     // echo and token-id prompts.
-    let v = post_json(&app, "/v1/completions", json!({"prompt": "Hi", "echo": true, "max_tokens": 2, "temperature": 0})).await.json();
-    assert!(v["choices"][0]["text"].as_str().unwrap().starts_with("Hi"), "{v}");
-    let v = post_json(&app, "/v1/completions", json!({"prompt": [256, 72, 105], "max_tokens": 2})).await.json();
+    let v = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "Hi", "echo": true, "max_tokens": 2, "temperature": 0}),
+    )
+    .await
+    .json();
+    assert!(
+        v["choices"][0]["text"].as_str().unwrap().starts_with("Hi"),
+        "{v}"
+    );
+    let v = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [256, 72, 105], "max_tokens": 2}),
+    )
+    .await
+    .json();
     assert_eq!(v["usage"]["prompt_tokens"], 3);
 }
 
@@ -226,28 +322,48 @@ async fn logprobs() {
         assert!(lp <= 0.0);
         assert!(t["bytes"].is_array());
     }
-    let v = post_json(&app, "/v1/completions", json!({"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "ignore_eos": true})).await.json();
+    let v = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "ignore_eos": true}),
+    )
+    .await
+    .json();
     let lp = &v["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 3, "{v}");
     assert_eq!(lp["text_offset"][0], 0);
-    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len().min(2), lp["top_logprobs"][0].as_object().unwrap().len());
+    assert_eq!(
+        lp["top_logprobs"][0].as_object().unwrap().len().min(2),
+        lp["top_logprobs"][0].as_object().unwrap().len()
+    );
 }
 
 #[tokio::test]
 async fn stop_strings_and_seeds() {
     let app = app();
-    let base = post_json(&app, "/v1/completions", json!({"prompt": "x", "max_tokens": 12, "temperature": 0, "ignore_eos": true})).await.json();
+    let base = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 12, "temperature": 0, "ignore_eos": true}),
+    )
+    .await
+    .json();
     let text = base["choices"][0]["text"].as_str().unwrap().to_string();
     let chars: Vec<char> = text.chars().collect();
     if chars.len() >= 4 {
         let stop: String = chars[2..4].iter().collect();
         let v = post_json(&app, "/v1/completions", json!({"prompt": "x", "max_tokens": 12, "temperature": 0, "stop": stop, "ignore_eos": true})).await.json();
         let got = v["choices"][0]["text"].as_str().unwrap();
-        assert!(!got.contains(&stop) && text.starts_with(got), "{got:?} vs {text:?} stop {stop:?}");
+        assert!(
+            !got.contains(&stop) && text.starts_with(got),
+            "{got:?} vs {text:?} stop {stop:?}"
+        );
         assert_eq!(v["choices"][0]["finish_reason"], "stop");
     }
     let seeded = json!({"prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 7});
-    let a = post_json(&app, "/v1/completions", seeded.clone()).await.json();
+    let a = post_json(&app, "/v1/completions", seeded.clone())
+        .await
+        .json();
     let b = post_json(&app, "/v1/completions", seeded).await.json();
     assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
 }
@@ -256,43 +372,90 @@ async fn stop_strings_and_seeds() {
 async fn validation_errors() {
     let app = app();
     let chat = |v: Value| post_json(&app, "/v1/chat/completions", v);
-    let e = call(&app, "POST", "/v1/chat/completions", &[], Some("{not json".into())).await.error(400);
+    let e = call(
+        &app,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some("{not json".into()),
+    )
+    .await
+    .error(400);
     assert_eq!(e["code"], "invalid_json");
     chat(json!({"messages": "hi"})).await.error(422);
     chat(json!({"model": "tiny"})).await.error(422);
-    let e = chat(json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})).await.error(404);
+    let e = chat(json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}))
+        .await
+        .error(404);
     assert_eq!(e["code"], "model_not_found");
-    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5})).await.error(400);
+    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}))
+        .await
+        .error(400);
     assert_eq!(e["param"], "max_tokens");
-    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 250})).await.error(400);
+    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 250}))
+        .await
+        .error(400);
     assert_eq!(e["code"], "context_length_exceeded");
     let long = "word ".repeat(300);
-    let e = chat(json!({"messages": [{"role": "user", "content": long}]})).await.error(400);
+    let e = chat(json!({"messages": [{"role": "user", "content": long}]}))
+        .await
+        .error(400);
     assert_eq!(e["code"], "context_length_exceeded");
     let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]})).await.error(400);
-    assert!(e["message"].as_str().unwrap().contains("not supported"), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("not supported"),
+        "{e}"
+    );
     let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {}}})).await.error(400);
     assert_eq!(e["param"], "response_format");
-    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "whatever": 1})).await.error(400);
+    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "whatever": 1}))
+        .await
+        .error(400);
     assert!(e["message"].as_str().unwrap().contains("whatever"));
     call(&app, "GET", "/v1/nothing", &[], None).await.error(404);
-    call(&app, "GET", "/v1/chat/completions", &[], None).await.error(405);
-    let e = post_json(&app, "/detokenize", json!({"tokens": [999999]})).await.error(400);
+    call(&app, "GET", "/v1/chat/completions", &[], None)
+        .await
+        .error(405);
+    let e = post_json(&app, "/detokenize", json!({"tokens": [999999]}))
+        .await
+        .error(400);
     assert_eq!(e["param"], "tokens");
 }
 
 #[tokio::test]
 async fn tokenize_roundtrip() {
     let app = app();
-    let v = post_json(&app, "/tokenize", json!({"content": "Hello world", "with_pieces": true})).await.json();
+    let v = post_json(
+        &app,
+        "/tokenize",
+        json!({"content": "Hello world", "with_pieces": true}),
+    )
+    .await
+    .json();
     let ids = v["tokens"].as_array().unwrap().clone();
     assert_eq!(v["count"], ids.len());
     assert_eq!(v["pieces"].as_array().unwrap().len(), ids.len());
-    let plain = post_json(&app, "/tokenize", json!({"content": "Hello world", "add_special": false})).await.json();
-    let v = post_json(&app, "/detokenize", json!({"tokens": plain["tokens"]})).await.json();
+    let plain = post_json(
+        &app,
+        "/tokenize",
+        json!({"content": "Hello world", "add_special": false}),
+    )
+    .await
+    .json();
+    let v = post_json(&app, "/detokenize", json!({"tokens": plain["tokens"]}))
+        .await
+        .json();
     assert_eq!(v["content"], "Hello world");
-    let chat = post_json(&app, "/tokenize", json!({"messages": [{"role": "user", "content": "hi"}]})).await.json();
-    let prompt = post_json(&app, "/v1/chat/completions", chat_body("hi", 1, false)).await.json();
+    let chat = post_json(
+        &app,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await
+    .json();
+    let prompt = post_json(&app, "/v1/chat/completions", chat_body("hi", 1, false))
+        .await
+        .json();
     assert_eq!(chat["count"], prompt["usage"]["prompt_tokens"]);
 }
 
@@ -303,10 +466,33 @@ async fn api_key_guards_all_but_health_and_ui() {
     let (app, _) = app_with(c);
     let e = call(&app, "GET", "/v1/models", &[], None).await.error(401);
     assert_eq!(e["code"], "invalid_api_key");
-    call(&app, "GET", "/v1/models", &[("authorization", "Bearer wrong")], None).await.error(401);
-    assert_eq!(call(&app, "GET", "/v1/models", &[("authorization", "Bearer sekret")], None).await.status, 200);
-    post_json(&app, "/v1/chat/completions", chat_body("x", 1, false)).await.error(401);
-    post_json(&app, "/tokenize", json!({"content": "x"})).await.error(401);
+    call(
+        &app,
+        "GET",
+        "/v1/models",
+        &[("authorization", "Bearer wrong")],
+        None,
+    )
+    .await
+    .error(401);
+    assert_eq!(
+        call(
+            &app,
+            "GET",
+            "/v1/models",
+            &[("authorization", "Bearer sekret")],
+            None
+        )
+        .await
+        .status,
+        200
+    );
+    post_json(&app, "/v1/chat/completions", chat_body("x", 1, false))
+        .await
+        .error(401);
+    post_json(&app, "/tokenize", json!({"content": "x"}))
+        .await
+        .error(401);
     call(&app, "GET", "/metrics", &[], None).await.error(401);
     assert_eq!(call(&app, "GET", "/health", &[], None).await.status, 200);
     let ui = call(&app, "GET", "/", &[], None).await;
@@ -318,11 +504,21 @@ async fn api_key_guards_all_but_health_and_ui() {
 
 #[tokio::test]
 async fn cors_only_when_configured() {
-    let pre = [("origin", "http://example.test"), ("access-control-request-method", "POST")];
+    let pre = [
+        ("origin", "http://example.test"),
+        ("access-control-request-method", "POST"),
+    ];
     let app = app();
     let resp = app
         .clone()
-        .oneshot(Request::builder().method("GET").uri("/v1/models").header("origin", "http://example.test").body(Body::empty()).unwrap())
+        .oneshot(
+            Request::builder()
+                .method("GET")
+                .uri("/v1/models")
+                .header("origin", "http://example.test")
+                .body(Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert!(resp.headers().get("access-control-allow-origin").is_none());
@@ -331,17 +527,36 @@ async fn cors_only_when_configured() {
     c.cors_origins = vec!["http://example.test".into()];
     c.api_key = Some("k".into());
     let (app, _) = app_with(c);
-    let mut b = Request::builder().method("OPTIONS").uri("/v1/chat/completions");
+    let mut b = Request::builder()
+        .method("OPTIONS")
+        .uri("/v1/chat/completions");
     for (k, v) in pre {
         b = b.header(k, v);
     }
-    let resp = app.clone().oneshot(b.body(Body::empty()).unwrap()).await.unwrap();
-    assert_eq!(resp.status(), 204, "a preflight needs no API key");
-    assert_eq!(resp.headers()["access-control-allow-origin"], "http://example.test");
-    assert!(resp.headers()["access-control-allow-headers"].to_str().unwrap().contains("authorization"));
     let resp = app
         .clone()
-        .oneshot(Request::builder().uri("/v1/models").header("origin", "http://other.test").header("authorization", "Bearer k").body(Body::empty()).unwrap())
+        .oneshot(b.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 204, "a preflight needs no API key");
+    assert_eq!(
+        resp.headers()["access-control-allow-origin"],
+        "http://example.test"
+    );
+    assert!(resp.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap()
+        .contains("authorization"));
+    let resp = app
+        .clone()
+        .oneshot(
+            Request::builder()
+                .uri("/v1/models")
+                .header("origin", "http://other.test")
+                .header("authorization", "Bearer k")
+                .body(Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert!(resp.headers().get("access-control-allow-origin").is_none());
@@ -353,7 +568,9 @@ async fn body_limit_is_413() {
     c.max_body_bytes = 1000;
     let (app, _) = app_with(c);
     let big = json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]});
-    let e = post_json(&app, "/v1/chat/completions", big).await.error(413);
+    let e = post_json(&app, "/v1/chat/completions", big)
+        .await
+        .error(413);
     assert!(e["message"].as_str().unwrap().contains("1000"));
 }
 
@@ -370,10 +587,20 @@ async fn full_queue_is_429() {
         post_json(&app, "/v1/chat/completions", b).await
     };
     let running = tokio::spawn(long(app.clone()));
-    assert!(wait_until(Duration::from_secs(5), || engine.shared().gauges().running == 1).await);
+    assert!(
+        wait_until(Duration::from_secs(5), || engine.shared().gauges().running
+            == 1)
+        .await
+    );
     let queued = tokio::spawn(long(app.clone()));
-    assert!(wait_until(Duration::from_secs(5), || engine.shared().gauges().queued == 1).await);
-    let e = post_json(&app, "/v1/chat/completions", chat_body("x", 1, false)).await.error(429);
+    assert!(
+        wait_until(Duration::from_secs(5), || engine.shared().gauges().queued
+            == 1)
+        .await
+    );
+    let e = post_json(&app, "/v1/chat/completions", chat_body("x", 1, false))
+        .await
+        .error(429);
     assert_eq!(e["code"], "rate_limit_exceeded");
     running.abort();
     queued.abort();
@@ -420,7 +647,9 @@ async fn dead_engine_answers_503() {
     assert!(wait_until(Duration::from_secs(5), || engine.shared().is_dead()).await);
     let h = call(&app, "GET", "/health", &[], None).await;
     assert_eq!(h.status, 503);
-    post_json(&app, "/v1/chat/completions", chat_body("x", 1, false)).await.error(503);
+    post_json(&app, "/v1/chat/completions", chat_body("x", 1, false))
+        .await
+        .error(503);
     let m = call(&app, "GET", "/metrics", &[], None).await;
     assert!(m.body.contains("hf2q_up 0"));
 }
@@ -432,10 +661,20 @@ async fn health_reports_a_stuck_engine() {
     c.engine.step_delay = Duration::from_millis(400);
     c.stuck_after = Duration::from_millis(100);
     let (app, engine) = app_with(c);
-    assert_eq!(call(&app, "GET", "/health", &[], None).await.status, 200, "idle is healthy");
+    assert_eq!(
+        call(&app, "GET", "/health", &[], None).await.status,
+        200,
+        "idle is healthy"
+    );
     let app2 = app.clone();
-    let busy = tokio::spawn(async move { post_json(&app2, "/v1/chat/completions", chat_body("x", 3, false)).await });
-    assert!(wait_until(Duration::from_secs(3), || engine.shared().gauges().running == 1).await);
+    let busy = tokio::spawn(async move {
+        post_json(&app2, "/v1/chat/completions", chat_body("x", 3, false)).await
+    });
+    assert!(
+        wait_until(Duration::from_secs(3), || engine.shared().gauges().running
+            == 1)
+        .await
+    );
     tokio::time::sleep(Duration::from_millis(250)).await;
     let h = call(&app, "GET", "/health", &[], None).await;
     assert_eq!(h.status, 503, "{}", h.body);
@@ -460,7 +699,11 @@ async fn queued_request_times_out_with_503() {
         deadline,
     };
     let mut first = engine.submit(req(None)).unwrap();
-    let mut second = engine.submit(req(Some(std::time::Instant::now() + Duration::from_millis(150)))).unwrap();
+    let mut second = engine
+        .submit(req(Some(
+            std::time::Instant::now() + Duration::from_millis(150),
+        )))
+        .unwrap();
     match second.recv().await {
         Event::Error { status, message } => assert_eq!(status, 503, "{message}"),
         other => panic!("expected a 503 error, got {other:?}"),
@@ -468,7 +711,9 @@ async fn queued_request_times_out_with_503() {
     // The running one is unaffected and runs to its length.
     loop {
         match first.recv().await {
-            Event::Done { completion_tokens, .. } => {
+            Event::Done {
+                completion_tokens, ..
+            } => {
                 assert_eq!(completion_tokens, 100);
                 break;
             }

@@ -18,13 +18,24 @@ use hf2q_tensor::cpu::kernels;
 use hf2q_tensor::{GgmlType, QTensor};
 use kernels_util::{make_weight, make_x, Kind, Rng};
 
-const SHAPES: [(usize, usize); 7] =
-    [(576, 576), (1536, 576), (576, 1536), (49152, 576), (2048, 2048), (8192, 2048), (2048, 8192)];
+const SHAPES: [(usize, usize); 7] = [
+    (576, 576),
+    (1536, 576),
+    (576, 1536),
+    (49152, 576),
+    (2048, 2048),
+    (8192, 2048),
+    (2048, 8192),
+];
 
 fn kinds() -> Vec<Kind> {
     use GgmlType::*;
-    let mut v: Vec<Kind> =
-        [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16, F32].into_iter().map(Kind::Ggml).collect();
+    let mut v: Vec<Kind> = [
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16, F32,
+    ]
+    .into_iter()
+    .map(Kind::Ggml)
+    .collect();
     v.push(Kind::Mlx { bits: 4, group: 64 });
     v.push(Kind::Mlx { bits: 8, group: 64 });
     v
@@ -42,7 +53,8 @@ struct Lazy {
 impl Lazy {
     fn get(&mut self) -> &QTensor {
         let (kind, r, k) = (self.kind, self.r, self.k);
-        self.w.get_or_insert_with(|| make_weight(kind, r, k, &mut Rng::new((r * 31 + k) as u64)))
+        self.w
+            .get_or_insert_with(|| make_weight(kind, r, k, &mut Rng::new((r * 31 + k) as u64)))
     }
 }
 
@@ -55,13 +67,22 @@ fn bench_t(c: &mut Criterion, t: usize) {
             }
             let x = make_x(t, k, &mut Rng::new(7));
             let mut out = vec![0f32; t * r];
-            let mut lazy = Lazy { kind, r, k, w: None };
+            let mut lazy = Lazy {
+                kind,
+                r,
+                k,
+                w: None,
+            };
             // Throughput from sizes alone (the weight is built lazily).
             let bytes = match kind {
                 Kind::Ggml(ty) => ty.row_bytes(k).unwrap() * r,
                 Kind::Mlx { bits, group } => r * k * bits as usize / 8 + 4 * r * k / group,
             };
-            group.throughput(if t == 1 { Throughput::Bytes(bytes as u64) } else { Throughput::Elements((2 * r * k * t) as u64) });
+            group.throughput(if t == 1 {
+                Throughput::Bytes(bytes as u64)
+            } else {
+                Throughput::Elements((2 * r * k * t) as u64)
+            });
             let id = format!("{}/{r}x{k}", kind.name());
             group.bench_function(BenchmarkId::new("fast", &id), |b| {
                 let w = lazy.get().clone();

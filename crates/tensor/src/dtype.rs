@@ -87,7 +87,10 @@ impl GgmlType {
         TABLE.iter().find(|r| r.1 == id).map(|r| r.0)
     }
     fn row(self) -> &'static (GgmlType, u32, usize, usize, &'static str) {
-        TABLE.iter().find(|r| r.0 == self).expect("every GgmlType is in TABLE")
+        TABLE
+            .iter()
+            .find(|r| r.0 == self)
+            .expect("every GgmlType is in TABLE")
     }
     pub fn id(self) -> u32 {
         self.row().1
@@ -104,7 +107,10 @@ impl GgmlType {
         self.row().4
     }
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        TABLE.iter().find(|r| r.4.eq_ignore_ascii_case(name)).map(|r| r.0)
+        TABLE
+            .iter()
+            .find(|r| r.4.eq_ignore_ascii_case(name))
+            .map(|r| r.0)
     }
     pub fn all() -> impl Iterator<Item = GgmlType> {
         TABLE.iter().map(|r| r.0)
@@ -117,7 +123,19 @@ impl GgmlType {
     pub fn is_supported(self) -> bool {
         matches!(
             self,
-            F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K
+            F32 | F16
+                | BF16
+                | Q4_0
+                | Q4_1
+                | Q5_0
+                | Q5_1
+                | Q8_0
+                | Q2_K
+                | Q3_K
+                | Q4_K
+                | Q5_K
+                | Q6_K
+                | Q8_K
         )
     }
     /// Bytes for a row of `n` elements, or `None` if `n` is not a whole number of blocks or the

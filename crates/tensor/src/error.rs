@@ -5,7 +5,10 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("i/o error: {0}")]
     IoBare(#[from] std::io::Error),
     /// A file's bytes contradict its own header or the format (truncated, absurd counts, ...).
@@ -25,9 +28,15 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn malformed(format: &'static str, msg: impl Into<String>) -> Self {
-        Error::Malformed { format, msg: msg.into() }
+        Error::Malformed {
+            format,
+            msg: msg.into(),
+        }
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
 }

@@ -72,7 +72,13 @@ pub trait Backend {
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()>;
     /// Causal attention of `q (T, H*Dh)` at positions `pos0..pos0+T` over a cache holding positions
     /// `0..pos0+T` -> `(T, H*Dh)`.
-    fn attention(&self, q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) -> Result<Tensor>;
+    fn attention(
+        &self,
+        q: &Tensor,
+        cache: &LayerCache<'_>,
+        pos0: usize,
+        p: &AttentionParams,
+    ) -> Result<Tensor>;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
     /// `gelu_tanh(gate) * up`.

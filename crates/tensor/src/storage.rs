@@ -23,11 +23,19 @@ impl AsRef<[u8]> for MmapOwner {
 impl Bytes {
     pub fn from_vec(v: Vec<u8>) -> Bytes {
         let len = v.len();
-        Bytes { owner: Arc::new(v), start: 0, len }
+        Bytes {
+            owner: Arc::new(v),
+            start: 0,
+            len,
+        }
     }
     pub fn from_mmap(m: memmap2::Mmap) -> Bytes {
         let len = m.len();
-        Bytes { owner: Arc::new(MmapOwner(m)), start: 0, len }
+        Bytes {
+            owner: Arc::new(MmapOwner(m)),
+            start: 0,
+            len,
+        }
     }
     /// Memory-maps a whole file read-only.
     pub fn map_file(path: &std::path::Path) -> Result<Bytes> {
@@ -58,7 +66,11 @@ impl Bytes {
                 r.start, r.end, self.len
             )));
         }
-        Ok(Bytes { owner: self.owner.clone(), start: self.start + r.start, len: r.end - r.start })
+        Ok(Bytes {
+            owner: self.owner.clone(),
+            start: self.start + r.start,
+            len: r.end - r.start,
+        })
     }
 }
 

@@ -13,13 +13,23 @@ impl Tensor {
     pub fn new(shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
         let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         if n != Some(data.len()) {
-            return Err(Error::Shape(format!("shape {:?} does not hold {} elements", shape, data.len())));
+            return Err(Error::Shape(format!(
+                "shape {:?} does not hold {} elements",
+                shape,
+                data.len()
+            )));
         }
-        Ok(Tensor { shape: shape.to_vec(), data })
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            data,
+        })
     }
     pub fn zeros(shape: &[usize]) -> Tensor {
         let n = shape.iter().product();
-        Tensor { shape: shape.to_vec(), data: vec![0.0; n] }
+        Tensor {
+            shape: shape.to_vec(),
+            data: vec![0.0; n],
+        }
     }
     pub fn shape(&self) -> &[usize] {
         &self.shape
@@ -57,7 +67,10 @@ impl Tensor {
     pub fn reshape(mut self, shape: &[usize]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
         if n != self.data.len() {
-            return Err(Error::Shape(format!("cannot reshape {:?} to {:?}", self.shape, shape)));
+            return Err(Error::Shape(format!(
+                "cannot reshape {:?} to {:?}",
+                self.shape, shape
+            )));
         }
         self.shape = shape.to_vec();
         Ok(self)

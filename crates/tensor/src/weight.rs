@@ -14,7 +14,12 @@ pub enum WeightData {
     /// `R` rows of `ty.row_bytes(C)` bytes each.
     Ggml { ty: GgmlType, data: Bytes },
     /// MLX affine: `packed` (R, C*bits/32) uint32 words, `scales`/`biases` (R, C/group) as f32.
-    Affine { params: AffineParams, packed: Bytes, scales: Vec<f32>, biases: Vec<f32> },
+    Affine {
+        params: AffineParams,
+        packed: Bytes,
+        scales: Vec<f32>,
+        biases: Vec<f32>,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -29,14 +34,27 @@ pub struct QTensor {
 
 impl QTensor {
     /// A ggml-typed weight; checks the byte count and that the type is one hf2q computes with.
-    pub fn ggml(name: &str, ty: GgmlType, rows: usize, cols: usize, data: Bytes) -> Result<QTensor> {
+    pub fn ggml(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: Bytes,
+    ) -> Result<QTensor> {
         if !ty.is_supported() {
-            return Err(Error::UnsupportedType { ty: ty.to_string(), tensor: name.to_string() });
+            return Err(Error::UnsupportedType {
+                ty: ty.to_string(),
+                tensor: name.to_string(),
+            });
         }
         let rb = ty.row_bytes(cols).ok_or_else(|| {
-            Error::Shape(format!("tensor '{name}': {cols} columns is not a whole number of {ty} blocks"))
+            Error::Shape(format!(
+                "tensor '{name}': {cols} columns is not a whole number of {ty} blocks"
+            ))
         })?;
-        let need = rb.checked_mul(rows).ok_or_else(|| Error::Shape(format!("tensor '{name}': size overflows")))?;
+        let need = rb
+            .checked_mul(rows)
+            .ok_or_else(|| Error::Shape(format!("tensor '{name}': size overflows")))?;
         if data.len() != need {
             return Err(Error::Shape(format!(
                 "tensor '{name}': {} bytes of data, {} expected for {rows}x{cols} {ty}",
@@ -44,7 +62,12 @@ impl QTensor {
                 need
             )));
         }
-        Ok(QTensor { name: name.to_string(), rows, cols, data: WeightData::Ggml { ty, data } })
+        Ok(QTensor {
+            name: name.to_string(),
+            rows,
+            cols,
+            data: WeightData::Ggml { ty, data },
+        })
     }
 
     /// A dense f32 weight from values (used for small tensors and tests).
@@ -67,16 +90,32 @@ impl QTensor {
         biases: Vec<f32>,
     ) -> Result<QTensor> {
         let bad = |m: String| Error::Shape(format!("tensor '{name}': {m}"));
-        if !matches!(params.bits, 2 | 3 | 4 | 5 | 6 | 8) || !matches!(params.group_size, 32 | 64 | 128) {
-            return Err(bad(format!("unsupported affine bits {} / group {}", params.bits, params.group_size)));
+        if !matches!(params.bits, 2 | 3 | 4 | 5 | 6 | 8)
+            || !matches!(params.group_size, 32 | 64 | 128)
+        {
+            return Err(bad(format!(
+                "unsupported affine bits {} / group {}",
+                params.bits, params.group_size
+            )));
         }
         if cols % params.group_size != 0 || (cols * params.bits as usize) % 32 != 0 {
-            return Err(bad(format!("{cols} columns do not fit group {} at {} bits", params.group_size, params.bits)));
+            return Err(bad(format!(
+                "{cols} columns do not fit group {} at {} bits",
+                params.group_size, params.bits
+            )));
         }
-        let groups = rows.checked_mul(cols / params.group_size).ok_or_else(|| bad("size overflows".into()))?;
-        let pbytes = rows.checked_mul(cols * params.bits as usize / 8).ok_or_else(|| bad("size overflows".into()))?;
+        let groups = rows
+            .checked_mul(cols / params.group_size)
+            .ok_or_else(|| bad("size overflows".into()))?;
+        let pbytes = rows
+            .checked_mul(cols * params.bits as usize / 8)
+            .ok_or_else(|| bad("size overflows".into()))?;
         if packed.len() != pbytes {
-            return Err(bad(format!("packed weight has {} bytes, {} expected", packed.len(), pbytes)));
+            return Err(bad(format!(
+                "packed weight has {} bytes, {} expected",
+                packed.len(),
+                pbytes
+            )));
         }
         if scales.len() != groups || biases.len() != groups {
             return Err(bad(format!(
@@ -86,14 +125,26 @@ impl QTensor {
                 groups
             )));
         }
-        Ok(QTensor { name: name.to_string(), rows, cols, data: WeightData::Affine { params, packed, scales, biases } })
+        Ok(QTensor {
+            name: name.to_string(),
+            rows,
+            cols,
+            data: WeightData::Affine {
+                params,
+                packed,
+                scales,
+                biases,
+            },
+        })
     }
 
     /// A short description of the stored type, e.g. `Q4_K` or `mlx4g64`.
     pub fn type_name(&self) -> String {
         match &self.data {
             WeightData::Ggml { ty, .. } => ty.to_string(),
-            WeightData::Affine { params, .. } => format!("mlx{}g{}", params.bits, params.group_size),
+            WeightData::Affine { params, .. } => {
+                format!("mlx{}g{}", params.bits, params.group_size)
+            }
         }
     }
 
@@ -101,7 +152,12 @@ impl QTensor {
     pub fn stored_bytes(&self) -> usize {
         match &self.data {
             WeightData::Ggml { data, .. } => data.len(),
-            WeightData::Affine { packed, scales, biases, .. } => packed.len() + 2 * (scales.len() + biases.len()),
+            WeightData::Affine {
+                packed,
+                scales,
+                biases,
+                ..
+            } => packed.len() + 2 * (scales.len() + biases.len()),
         }
     }
 
@@ -125,7 +181,12 @@ impl QTensor {
                 let rb = ty.row_bytes(self.cols).expect("checked at construction");
                 quant::dequantize(*ty, &data.as_slice()[r * rb..(r + 1) * rb], dst)
             }
-            WeightData::Affine { params, packed, scales, biases } => {
+            WeightData::Affine {
+                params,
+                packed,
+                scales,
+                biases,
+            } => {
                 let rb = self.cols * params.bits as usize / 8;
                 let g = self.cols / params.group_size;
                 quant::mlx::dequantize_affine(
@@ -163,16 +224,18 @@ impl QTensor {
         // transposed result, which is scattered into `out` afterwards.
         const CHUNK: usize = 16;
         let mut tr = vec![0f32; r * t];
-        tr.par_chunks_mut(CHUNK * t).enumerate().try_for_each(|(ci, block)| -> Result<()> {
-            let mut row = vec![0f32; c];
-            for (j, dst) in block.chunks_mut(t).enumerate() {
-                self.dequantize_row(ci * CHUNK + j, &mut row)?;
-                for (ti, d) in dst.iter_mut().enumerate() {
-                    *d = dot(&row, &x[ti * c..(ti + 1) * c]);
+        tr.par_chunks_mut(CHUNK * t)
+            .enumerate()
+            .try_for_each(|(ci, block)| -> Result<()> {
+                let mut row = vec![0f32; c];
+                for (j, dst) in block.chunks_mut(t).enumerate() {
+                    self.dequantize_row(ci * CHUNK + j, &mut row)?;
+                    for (ti, d) in dst.iter_mut().enumerate() {
+                        *d = dot(&row, &x[ti * c..(ti + 1) * c]);
+                    }
                 }
-            }
-            Ok(())
-        })?;
+                Ok(())
+            })?;
         for ri in 0..r {
             for ti in 0..t {
                 out[ti * r + ri] = tr[ri * t + ti];
@@ -206,8 +269,12 @@ mod tests {
     #[test]
     fn matmul_matches_naive() {
         let (r, c, t) = (37, 19, 5);
-        let w: Vec<f32> = (0..r * c).map(|i| ((i * 7919) % 23) as f32 * 0.1 - 1.0).collect();
-        let x: Vec<f32> = (0..t * c).map(|i| ((i * 104729) % 17) as f32 * 0.05 - 0.4).collect();
+        let w: Vec<f32> = (0..r * c)
+            .map(|i| ((i * 7919) % 23) as f32 * 0.1 - 1.0)
+            .collect();
+        let x: Vec<f32> = (0..t * c)
+            .map(|i| ((i * 104729) % 17) as f32 * 0.05 - 0.4)
+            .collect();
         let q = QTensor::from_f32("w", r, c, &w).unwrap();
         let mut out = vec![0f32; t * r];
         q.matmul(&x, t, &mut out).unwrap();
@@ -222,11 +289,30 @@ mod tests {
 
     #[test]
     fn unsupported_and_inconsistent_weights_are_named() {
-        let e = QTensor::ggml("blk.0.attn_q.weight", GgmlType::IQ2_XXS, 2, 256, Bytes::from_vec(vec![0; 132])).unwrap_err();
-        assert_eq!(e.to_string(), "unsupported tensor type IQ2_XXS for tensor 'blk.0.attn_q.weight'");
-        let e = QTensor::ggml("w", GgmlType::Q4_0, 2, 64, Bytes::from_vec(vec![0; 10])).unwrap_err();
-        assert!(e.to_string().contains("tensor 'w': 10 bytes of data, 72 expected"), "{e}");
-        let e = QTensor::ggml("w", GgmlType::Q4_K, 1, 576, Bytes::from_vec(vec![0; 10])).unwrap_err();
-        assert!(e.to_string().contains("not a whole number of Q4_K blocks"), "{e}");
+        let e = QTensor::ggml(
+            "blk.0.attn_q.weight",
+            GgmlType::IQ2_XXS,
+            2,
+            256,
+            Bytes::from_vec(vec![0; 132]),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unsupported tensor type IQ2_XXS for tensor 'blk.0.attn_q.weight'"
+        );
+        let e =
+            QTensor::ggml("w", GgmlType::Q4_0, 2, 64, Bytes::from_vec(vec![0; 10])).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("tensor 'w': 10 bytes of data, 72 expected"),
+            "{e}"
+        );
+        let e =
+            QTensor::ggml("w", GgmlType::Q4_K, 1, 576, Bytes::from_vec(vec![0; 10])).unwrap_err();
+        assert!(
+            e.to_string().contains("not a whole number of Q4_K blocks"),
+            "{e}"
+        );
     }
 }

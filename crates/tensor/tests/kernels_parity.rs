@@ -56,13 +56,20 @@ fn check(kind: Kind, isa: Isa, rows: usize, k: usize, t: usize, seed: u64) {
     let mut got = vec![f32::NAN; t * rows];
     kernels::linear_with(isa, &w, &x, t, &mut got).unwrap();
     let wd = w.to_f32().unwrap();
-    let xq = if kind.is_float() { x.clone() } else { quantized_x(&x, t, k) };
+    let xq = if kind.is_float() {
+        x.clone()
+    } else {
+        quantized_x(&x, t, k)
+    };
     let f32_slack = 1e-5 + (k / 16) as f64 * 2f64.powi(-22);
     let ctx = format!("{} on {isa}, {rows}x{k}, T={t}", kind.name());
     for ti in 0..t {
         let xr = &x[ti * k..(ti + 1) * k];
         let xqr = &xq[ti * k..(ti + 1) * k];
-        let amax: Vec<f64> = xr.chunks(32).map(|b| b.iter().fold(0f64, |a, v| a.max(v.abs() as f64))).collect();
+        let amax: Vec<f64> = xr
+            .chunks(32)
+            .map(|b| b.iter().fold(0f64, |a, v| a.max(v.abs() as f64)))
+            .collect();
         for r in 0..rows {
             let wr = &wd[r * k..(r + 1) * k];
             let (mut exact_q, mut l1, mut l1q, mut bound) = (0f64, 0f64, 0f64, 0f64);
@@ -76,11 +83,17 @@ fn check(kind: Kind, isa: Isa, rows: usize, k: usize, t: usize, seed: u64) {
             let (g, wv) = (got[ti * rows + r] as f64, want[ti * rows + r] as f64);
             if kind.is_float() {
                 let tol = 1e-5 * l1 + 1e-30;
-                assert!((g - wv).abs() <= tol, "{ctx}: out[{ti}][{r}] = {g}, reference {wv}, tolerance {tol}");
+                assert!(
+                    (g - wv).abs() <= tol,
+                    "{ctx}: out[{ti}][{r}] = {g}, reference {wv}, tolerance {tol}"
+                );
                 continue;
             }
             let tol_ref = 1.01 * bound + f32_slack * l1 + 1e-30;
-            assert!((g - wv).abs() <= tol_ref, "{ctx}: out[{ti}][{r}] = {g}, reference {wv}, bound {tol_ref}");
+            assert!(
+                (g - wv).abs() <= tol_ref,
+                "{ctx}: out[{ti}][{r}] = {g}, reference {wv}, bound {tol_ref}"
+            );
             let tol_q = f32_slack * l1q + 1e-30;
             assert!(
                 (g - exact_q).abs() <= tol_q,
@@ -133,7 +146,10 @@ kind_tests! {
 
 #[test]
 fn mlx_every_width_and_group_matches_reference() {
-    for kind in all_kinds().into_iter().filter(|k| matches!(k, Kind::Mlx { .. })) {
+    for kind in all_kinds()
+        .into_iter()
+        .filter(|k| matches!(k, Kind::Mlx { .. }))
+    {
         check_kind(kind);
     }
 }

@@ -11,30 +11,48 @@ use hf2q_tensor::GgmlType;
 use serde_json::Value;
 
 const TYPES: &[&str] = &[
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    "Q8_K",
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_1", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K", "Q8_K",
 ];
 
 fn unhex(s: &str) -> Vec<u8> {
     assert!(s.len() % 2 == 0, "odd hex length");
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
 }
 
 fn f32s(s: &str) -> Vec<f32> {
-    unhex(s).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    unhex(s)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 fn load(name: &str) -> Value {
-    let path = format!("{}/tests/fixtures/quant/ggml_{name}.json", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/tests/fixtures/quant/ggml_{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
 /// First differing element, with both bit patterns, for a readable failure.
 fn first_diff(ours: &[f32], theirs: &[f32]) -> Option<String> {
-    ours.iter().zip(theirs).enumerate().find(|(_, (a, b))| a.to_bits() != b.to_bits()).map(|(i, (a, b))| {
-        format!("element {i} (block element {}): ours {a:e} ({:#010x}), gguf-py {b:e} ({:#010x})", i % 32, a.to_bits(), b.to_bits())
-    })
+    ours.iter()
+        .zip(theirs)
+        .enumerate()
+        .find(|(_, (a, b))| a.to_bits() != b.to_bits())
+        .map(|(i, (a, b))| {
+            format!(
+                "element {i} (block element {}): ours {a:e} ({:#010x}), gguf-py {b:e} ({:#010x})",
+                i % 32,
+                a.to_bits(),
+                b.to_bits()
+            )
+        })
 }
 
 #[test]
@@ -67,7 +85,9 @@ fn quantize_matches_gguf_py_byte_for_byte() {
         let ty = GgmlType::from_name(name).unwrap();
         let doc = load(name);
         for case in doc["cases"].as_array().unwrap() {
-            let Some(input) = case.get("input_f32") else { continue };
+            let Some(input) = case.get("input_f32") else {
+                continue;
+            };
             let cname = case["name"].as_str().unwrap();
             let x = f32s(input.as_str().unwrap());
             let want = unhex(case["quantized"].as_str().unwrap());

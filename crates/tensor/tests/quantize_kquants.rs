@@ -12,15 +12,24 @@ use hf2q_tensor::GgmlType;
 use serde_json::Value;
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
 }
 
 fn f32s(s: &str) -> Vec<f32> {
-    unhex(s).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    unhex(s)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 fn load(name: &str) -> Value {
-    let path = format!("{}/tests/fixtures/quantize/{name}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/tests/fixtures/quantize/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
@@ -41,8 +50,19 @@ fn inputs() -> Inputs {
     let imatrix = f32s(v["imatrix_f32"].as_str().unwrap());
     assert_eq!(x.len(), rows * cols);
     assert_eq!(imatrix.len(), cols);
-    let desc = v["rows_desc"].as_array().unwrap().iter().map(|d| d.as_str().unwrap().to_string()).collect();
-    Inputs { rows, cols, x, imatrix, desc }
+    let desc = v["rows_desc"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect();
+    Inputs {
+        rows,
+        cols,
+        x,
+        imatrix,
+        desc,
+    }
 }
 
 /// Names the first differing row, block and byte for a readable failure.
@@ -62,7 +82,9 @@ fn compare(what: &str, ty: GgmlType, inp: &Inputs, ours: &[u8], theirs: &[u8]) {
     }
 }
 
-const TYPES: &[&str] = &["q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"];
+const TYPES: &[&str] = &[
+    "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
+];
 
 #[test]
 fn plain_quantization_matches_ggml_byte_for_byte() {
@@ -112,12 +134,21 @@ fn importance_weights_lower_the_weighted_error() {
                 .iter()
                 .map(|&r| {
                     let s = r * inp.cols;
-                    let scale: f64 = inp.x[s..s + inp.cols].iter().map(|v| (*v as f64).powi(2)).sum();
-                    (0..inp.cols).map(|c| inp.imatrix[c] as f64 * ((inp.x[s + c] - y[s + c]) as f64).powi(2)).sum::<f64>() / scale
+                    let scale: f64 = inp.x[s..s + inp.cols]
+                        .iter()
+                        .map(|v| (*v as f64).powi(2))
+                        .sum();
+                    (0..inp.cols)
+                        .map(|c| inp.imatrix[c] as f64 * ((inp.x[s + c] - y[s + c]) as f64).powi(2))
+                        .sum::<f64>()
+                        / scale
                 })
                 .sum()
         };
         let (plain, weighted) = (err(false), err(true));
-        assert!(weighted < plain, "{name}: weighted error {weighted} not below plain {plain}");
+        assert!(
+            weighted < plain,
+            "{name}: weighted error {weighted} not below plain {plain}"
+        );
     }
 }

@@ -27,10 +27,19 @@ pub struct Gemma3Block {
 }
 
 impl Gemma3Block {
-    pub fn load(src: &WeightSource, cfg: &ModelConfig, i: usize, rope: RopeParams) -> Result<Gemma3Block> {
+    pub fn load(
+        src: &WeightSource,
+        cfg: &ModelConfig,
+        i: usize,
+        rope: RopeParams,
+    ) -> Result<Gemma3Block> {
         let p = format!("model.layers.{i}");
         let v = |n: &str| src.vector(&format!("{p}.{n}.weight"));
-        let window = if cfg.sliding_layers[i] { cfg.sliding_window } else { None };
+        let window = if cfg.sliding_layers[i] {
+            cfg.sliding_window
+        } else {
+            None
+        };
         Ok(Gemma3Block {
             input_norm: v("input_layernorm")?,
             post_attn_norm: v("post_attention_layernorm")?,

@@ -24,9 +24,18 @@ pub struct LlamaBlock {
 }
 
 impl LlamaBlock {
-    pub fn load(src: &WeightSource, cfg: &ModelConfig, i: usize, rope: RopeParams) -> Result<LlamaBlock> {
+    pub fn load(
+        src: &WeightSource,
+        cfg: &ModelConfig,
+        i: usize,
+        rope: RopeParams,
+    ) -> Result<LlamaBlock> {
         let p = format!("model.layers.{i}");
-        let window = if cfg.sliding_layers[i] { cfg.sliding_window } else { None };
+        let window = if cfg.sliding_layers[i] {
+            cfg.sliding_window
+        } else {
+            None
+        };
         Ok(LlamaBlock {
             attn_norm: src.vector(&format!("{p}.input_layernorm.weight"))?,
             attn: Attention::load(src, cfg, &p, rope, window)?,

@@ -29,7 +29,11 @@ pub fn rope_for_layer(cfg: &ModelConfig, i: usize, freq_factors: Option<Vec<f32>
         style: cfg.rope_style,
         theta,
         dims: cfg.head_dim,
-        freq_factors: if local && cfg.rope_theta_local.is_some() { None } else { freq_factors },
+        freq_factors: if local && cfg.rope_theta_local.is_some() {
+            None
+        } else {
+            freq_factors
+        },
         linear_scale: scale,
     }
 }
@@ -43,7 +47,11 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
     };
     if let Some(f) = &ff {
         if f.len() != cfg.head_dim / 2 {
-            return Err(crate::Error::Config(format!("rope_freqs has {} values, {} expected", f.len(), cfg.head_dim / 2)));
+            return Err(crate::Error::Config(format!(
+                "rope_freqs has {} values, {} expected",
+                f.len(),
+                cfg.head_dim / 2
+            )));
         }
     }
     let _ = RopeStyle::Neox;
@@ -51,7 +59,9 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
         .map(|i| -> Result<Box<dyn Block>> {
             let rope = rope_for_layer(cfg, i, ff.clone());
             Ok(match cfg.arch {
-                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?),
+                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+                    Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?)
+                }
                 Arch::Gemma3 => Box::new(gemma3::Gemma3Block::load(src, cfg, i, rope)?),
             })
         })

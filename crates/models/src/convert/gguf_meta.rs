@@ -29,7 +29,10 @@ fn arr(elem: GgufValueType, v: Vec<GgufValue>) -> GgufValue {
 }
 
 fn strs(v: Vec<String>) -> GgufValue {
-    arr(GgufValueType::String, v.into_iter().map(GgufValue::String).collect())
+    arr(
+        GgufValueType::String,
+        v.into_iter().map(GgufValue::String).collect(),
+    )
 }
 
 const RE_GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
@@ -39,8 +42,12 @@ const RE_QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
 /// The splitting regexes of a pre-tokenizer in order -> llama.cpp `tokenizer.ggml.pre` names
 /// (llama.cpp's converter identifies a tokenizer by hashing its output; for the families hf2q
 /// supports the regexes decide it).
-const PRE_NAMES: &[(&[&str], &str)] =
-    &[(&[RE_GPT2], "gpt-2"), (&[r"\p{N}", RE_GPT2], "smollm"), (&[RE_LLAMA3], "llama-bpe"), (&[RE_QWEN2], "qwen2")];
+const PRE_NAMES: &[(&[&str], &str)] = &[
+    (&[RE_GPT2], "gpt-2"),
+    (&[r"\p{N}", RE_GPT2], "smollm"),
+    (&[RE_LLAMA3], "llama-bpe"),
+    (&[RE_QWEN2], "qwen2"),
+];
 
 /// The regexes a tokenizer.json `pre_tokenizer` splits with: `Split` patterns, `Digits`
 /// (one digit at a time), and `ByteLevel` with `use_regex` (GPT-2's regex).
@@ -67,7 +74,10 @@ fn pre_regexes(p: &Value, out: &mut Vec<String>) -> Option<()> {
 pub fn pre_tokenizer_name(pre: &Value) -> Result<&'static str> {
     let mut re = Vec::new();
     if pre_regexes(pre, &mut re).is_some() {
-        if let Some((_, name)) = PRE_NAMES.iter().find(|(r, _)| r.len() == re.len() && r.iter().zip(&re).all(|(a, b)| a == b)) {
+        if let Some((_, name)) = PRE_NAMES
+            .iter()
+            .find(|(r, _)| r.len() == re.len() && r.iter().zip(&re).all(|(a, b)| a == b))
+        {
             return Ok(name);
         }
     }
@@ -78,7 +88,10 @@ pub fn pre_tokenizer_name(pre: &Value) -> Result<&'static str> {
 }
 
 fn read_json(path: &std::path::Path) -> Result<Value> {
-    let s = std::fs::read_to_string(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
+    let s = std::fs::read_to_string(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
     serde_json::from_str(&s).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))
 }
 
@@ -94,34 +107,65 @@ fn config_token(cfg: &Value, key: &str) -> Option<String> {
 pub fn tokenizer_metadata(dir: &std::path::Path, vocab_size: usize) -> Result<Meta> {
     let tj = read_json(&dir.join("tokenizer.json"))?;
     let tc_path = dir.join("tokenizer_config.json");
-    let tc = if tc_path.is_file() { read_json(&tc_path)? } else { Value::Null };
-    let model = tj.get("model").ok_or_else(|| Error::Tokenizer("tokenizer.json has no model".into()))?;
+    let tc = if tc_path.is_file() {
+        read_json(&tc_path)?
+    } else {
+        Value::Null
+    };
+    let model = tj
+        .get("model")
+        .ok_or_else(|| Error::Tokenizer("tokenizer.json has no model".into()))?;
     if model.get("type").and_then(Value::as_str) != Some("BPE") {
-        return Err(Error::Tokenizer("only BPE tokenizer.json files can be written to GGUF".into()));
+        return Err(Error::Tokenizer(
+            "only BPE tokenizer.json files can be written to GGUF".into(),
+        ));
     }
-    let vocab = model.get("vocab").and_then(Value::as_object).ok_or_else(|| Error::Tokenizer("BPE model has no vocab".into()))?;
+    let vocab = model
+        .get("vocab")
+        .and_then(Value::as_object)
+        .ok_or_else(|| Error::Tokenizer("BPE model has no vocab".into()))?;
     let mut texts: Vec<Option<String>> = vec![None; vocab_size];
     let mut types = vec![1i32; vocab_size];
     let mut place = |id: usize, text: &str| -> Result<()> {
         if id >= vocab_size {
-            return Err(Error::Tokenizer(format!("token id {id} ('{text}') is beyond the model's vocabulary of {vocab_size}")));
+            return Err(Error::Tokenizer(format!(
+                "token id {id} ('{text}') is beyond the model's vocabulary of {vocab_size}"
+            )));
         }
         texts[id] = Some(text.to_string());
         Ok(())
     };
     for (text, id) in vocab {
-        let id = id.as_u64().ok_or_else(|| Error::Tokenizer("vocab ids must be integers".into()))? as usize;
+        let id = id
+            .as_u64()
+            .ok_or_else(|| Error::Tokenizer("vocab ids must be integers".into()))?
+            as usize;
         place(id, text)?;
     }
-    let added = tj.get("added_tokens").and_then(Value::as_array).cloned().unwrap_or_default();
+    let added = tj
+        .get("added_tokens")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
     for a in &added {
-        let id = a.get("id").and_then(Value::as_u64).ok_or_else(|| Error::Tokenizer("added token without id".into()))? as usize;
+        let id = a
+            .get("id")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| Error::Tokenizer("added token without id".into()))?
+            as usize;
         let content = a.get("content").and_then(Value::as_str).unwrap_or("");
         place(id, content)?;
-        types[id] = if a.get("special").and_then(Value::as_bool) == Some(true) { 3 } else { 4 };
+        types[id] = if a.get("special").and_then(Value::as_bool) == Some(true) {
+            3
+        } else {
+            4
+        };
     }
     let byte_fallback = model.get("byte_fallback").and_then(Value::as_bool) == Some(true);
-    let unk = model.get("unk_token").and_then(Value::as_str).map(str::to_string);
+    let unk = model
+        .get("unk_token")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     let tokens: Vec<String> = texts
         .into_iter()
         .enumerate()
@@ -139,13 +183,19 @@ pub fn tokenizer_metadata(dir: &std::path::Path, vocab_size: usize) -> Result<Me
             m.iter()
                 .filter_map(|x| match x {
                     Value::String(s) => Some(s.clone()),
-                    Value::Array(p) if p.len() == 2 => Some(format!("{} {}", p[0].as_str()?, p[1].as_str()?)),
+                    Value::Array(p) if p.len() == 2 => {
+                        Some(format!("{} {}", p[0].as_str()?, p[1].as_str()?))
+                    }
                     _ => None,
                 })
                 .collect()
         })
         .unwrap_or_default();
-    let id_of: HashMap<&str, u32> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
+    let id_of: HashMap<&str, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i as u32))
+        .collect();
     let mut m: Meta = Vec::new();
     if byte_fallback {
         // SentencePiece-style BPE: llama.cpp merges by token score, so a token made by merge
@@ -170,16 +220,40 @@ pub fn tokenizer_metadata(dir: &std::path::Path, vocab_size: usize) -> Result<Me
         m.push(("tokenizer.ggml.model".into(), "llama".into()));
         m.push(("tokenizer.ggml.pre".into(), "default".into()));
         m.push(("tokenizer.ggml.tokens".into(), strs(tokens.clone())));
-        m.push(("tokenizer.ggml.scores".into(), arr(GgufValueType::F32, scores.into_iter().map(GgufValue::F32).collect())));
-        m.push(("tokenizer.ggml.token_type".into(), arr(GgufValueType::I32, types.into_iter().map(GgufValue::I32).collect())));
-        let prefix = tj.get("normalizer").map(|n| n.to_string().contains("Prepend")).unwrap_or(false);
-        m.push(("tokenizer.ggml.add_space_prefix".into(), GgufValue::Bool(prefix)));
+        m.push((
+            "tokenizer.ggml.scores".into(),
+            arr(
+                GgufValueType::F32,
+                scores.into_iter().map(GgufValue::F32).collect(),
+            ),
+        ));
+        m.push((
+            "tokenizer.ggml.token_type".into(),
+            arr(
+                GgufValueType::I32,
+                types.into_iter().map(GgufValue::I32).collect(),
+            ),
+        ));
+        let prefix = tj
+            .get("normalizer")
+            .map(|n| n.to_string().contains("Prepend"))
+            .unwrap_or(false);
+        m.push((
+            "tokenizer.ggml.add_space_prefix".into(),
+            GgufValue::Bool(prefix),
+        ));
     } else {
         let pre = pre_tokenizer_name(tj.get("pre_tokenizer").unwrap_or(&Value::Null))?;
         m.push(("tokenizer.ggml.model".into(), "gpt2".into()));
         m.push(("tokenizer.ggml.pre".into(), pre.into()));
         m.push(("tokenizer.ggml.tokens".into(), strs(tokens.clone())));
-        m.push(("tokenizer.ggml.token_type".into(), arr(GgufValueType::I32, types.into_iter().map(GgufValue::I32).collect())));
+        m.push((
+            "tokenizer.ggml.token_type".into(),
+            arr(
+                GgufValueType::I32,
+                types.into_iter().map(GgufValue::I32).collect(),
+            ),
+        ));
         m.push(("tokenizer.ggml.merges".into(), strs(merges)));
     }
     let lookup = |name: Option<String>| name.and_then(|n| id_of.get(n.as_str()).copied());
@@ -189,18 +263,35 @@ pub fn tokenizer_metadata(dir: &std::path::Path, vocab_size: usize) -> Result<Me
         ("tokenizer.ggml.unknown_token_id", "unk_token"),
         ("tokenizer.ggml.padding_token_id", "pad_token"),
     ] {
-        let name = config_token(&tc, cfg_key).or_else(|| if cfg_key == "unk_token" { unk.clone() } else { None });
+        let name = config_token(&tc, cfg_key).or_else(|| {
+            if cfg_key == "unk_token" {
+                unk.clone()
+            } else {
+                None
+            }
+        });
         if let Some(id) = lookup(name) {
             m.push((key.into(), GgufValue::U32(id)));
         }
     }
     // add_bos: tokenizer_config's flag, else whether the post-processor inserts the BOS token.
     let bos_name = config_token(&tc, "bos_token");
-    let add_bos = tc.get("add_bos_token").and_then(Value::as_bool).unwrap_or_else(|| {
-        let pp = tj.get("post_processor").map(|p| p.to_string()).unwrap_or_default();
-        bos_name.as_ref().is_some_and(|b| pp.contains(&format!("\"id\":\"{b}\"")))
-    });
-    m.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(add_bos)));
+    let add_bos = tc
+        .get("add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or_else(|| {
+            let pp = tj
+                .get("post_processor")
+                .map(|p| p.to_string())
+                .unwrap_or_default();
+            bos_name
+                .as_ref()
+                .is_some_and(|b| pp.contains(&format!("\"id\":\"{b}\"")))
+        });
+    m.push((
+        "tokenizer.ggml.add_bos_token".into(),
+        GgufValue::Bool(add_bos),
+    ));
     if let Some(e) = tc.get("add_eos_token").and_then(Value::as_bool) {
         m.push(("tokenizer.ggml.add_eos_token".into(), GgufValue::Bool(e)));
     }
@@ -226,11 +317,19 @@ fn chat_template(dir: &std::path::Path, tc: &Value) -> Result<Option<String>> {
     }
     let j = dir.join("chat_template.jinja");
     if j.is_file() {
-        return Ok(Some(std::fs::read_to_string(&j).map_err(|e| Error::Io { path: j.clone(), source: e })?));
+        return Ok(Some(std::fs::read_to_string(&j).map_err(|e| {
+            Error::Io {
+                path: j.clone(),
+                source: e,
+            }
+        })?));
     }
     let j = dir.join("chat_template.json");
     if j.is_file() {
-        return Ok(read_json(&j)?.get("chat_template").and_then(Value::as_str).map(str::to_string));
+        return Ok(read_json(&j)?
+            .get("chat_template")
+            .and_then(Value::as_str)
+            .map(str::to_string));
     }
     Ok(None)
 }
@@ -239,10 +338,16 @@ fn chat_template(dir: &std::path::Path, tc: &Value) -> Result<Option<String>> {
 pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
     let c = &src.config;
     let a = c.arch.name();
-    let dir = src.dir.as_ref().ok_or_else(|| Error::Msg("metadata_from_hf needs a folder source".into()))?;
+    let dir = src
+        .dir
+        .as_ref()
+        .ok_or_else(|| Error::Msg("metadata_from_hf needs a folder source".into()))?;
     let k = |s: &str| format!("{a}.{s}");
     let u32v = |x: usize| GgufValue::U32(x as u32);
-    let name = dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
+    let name = dir
+        .file_name()
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_else(|| "model".into());
     let mut m: Meta = vec![
         ("general.architecture".into(), a.into()),
         ("general.type".into(), "model".into()),
@@ -254,7 +359,10 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
         (k("attention.head_count"), u32v(c.n_heads)),
         (k("attention.head_count_kv"), u32v(c.n_kv_heads)),
         (k("rope.freq_base"), GgufValue::F32(c.rope_theta)),
-        (k("attention.layer_norm_rms_epsilon"), GgufValue::F32(c.rms_eps)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            GgufValue::F32(c.rms_eps),
+        ),
         (k("attention.key_length"), u32v(c.head_dim)),
         (k("attention.value_length"), u32v(c.head_dim)),
     ];
@@ -264,7 +372,10 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
     }
     if c.rope_linear_factor != 1.0 {
         m.push((k("rope.scaling.type"), "linear".into()));
-        m.push((k("rope.scaling.factor"), GgufValue::F32(c.rope_linear_factor)));
+        m.push((
+            k("rope.scaling.factor"),
+            GgufValue::F32(c.rope_linear_factor),
+        ));
     }
     if c.arch == Arch::Gemma3 {
         if let Some(w) = c.sliding_window {
@@ -293,7 +404,10 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
         m.push((k("attention.sliding_window"), u32v(w)));
     }
     m.extend(tokenizer_metadata(dir, c.vocab_size)?);
-    m.push(("general.quantization_version".into(), GgufValue::U32(QUANTIZATION_VERSION)));
+    m.push((
+        "general.quantization_version".into(),
+        GgufValue::U32(QUANTIZATION_VERSION),
+    ));
     m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     Ok(m)
 }
@@ -305,7 +419,10 @@ mod tests {
 
     #[test]
     fn names_known_pre_tokenizers() {
-        assert_eq!(pre_tokenizer_name(&json!({"type": "ByteLevel", "use_regex": true})).unwrap(), "gpt-2");
+        assert_eq!(
+            pre_tokenizer_name(&json!({"type": "ByteLevel", "use_regex": true})).unwrap(),
+            "gpt-2"
+        );
         let smol = json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, {"type": "ByteLevel", "use_regex": true}]});
         assert_eq!(pre_tokenizer_name(&smol).unwrap(), "smollm");
         let qwen = json!({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": RE_QWEN2}}, {"type": "ByteLevel", "use_regex": false}]});

@@ -56,36 +56,59 @@ pub fn metadata_from_gguf(file: &GgufFile, file_type: u32) -> Vec<(String, GgufV
         .metadata
         .iter()
         .filter(|(k, _)| {
-            !matches!(k.as_str(), "split.no" | "split.count" | "split.tensors.count" | "general.quantization_version" | "general.file_type")
+            !matches!(
+                k.as_str(),
+                "split.no"
+                    | "split.count"
+                    | "split.tensors.count"
+                    | "general.quantization_version"
+                    | "general.file_type"
+            )
         })
         .cloned()
         .collect();
-    m.push(("general.quantization_version".into(), GgufValue::U32(QUANTIZATION_VERSION)));
+    m.push((
+        "general.quantization_version".into(),
+        GgufValue::U32(QUANTIZATION_VERSION),
+    ));
     m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     m
 }
 
 /// Quantizes `x` (`rows` rows of `cols`) to `ty`, in parallel over row chunks, optionally with
 /// per-column importance weights.
-pub fn quantize_rows(ty: GgmlType, x: &[f32], cols: usize, weights: Option<&[f32]>, name: &str) -> Result<Vec<u8>> {
-    let rb = ty
-        .row_bytes(cols)
-        .ok_or_else(|| Error::Msg(format!("tensor '{name}': rows of {cols} are not whole {ty} blocks")))?;
+pub fn quantize_rows(
+    ty: GgmlType,
+    x: &[f32],
+    cols: usize,
+    weights: Option<&[f32]>,
+    name: &str,
+) -> Result<Vec<u8>> {
+    let rb = ty.row_bytes(cols).ok_or_else(|| {
+        Error::Msg(format!(
+            "tensor '{name}': rows of {cols} are not whole {ty} blocks"
+        ))
+    })?;
     if cols == 0 || !x.len().is_multiple_of(cols) {
-        return Err(Error::Msg(format!("tensor '{name}': {} values are not whole rows of {cols}", x.len())));
+        return Err(Error::Msg(format!(
+            "tensor '{name}': {} values are not whole rows of {cols}",
+            x.len()
+        )));
     }
     let rows = x.len() / cols;
     let mut out = vec![0u8; rows * rb];
     // Chunks of about 16k values (llama.cpp's min_chunk_size is 32 * 512): big enough to amortise
     // scheduling, small enough to balance on every core.
     let chunk_rows = (16384 / cols).max(1);
-    out.par_chunks_mut(chunk_rows * rb).zip(x.par_chunks(chunk_rows * cols)).try_for_each(|(dst, src)| -> Result<()> {
-        match weights {
-            Some(w) => quantize_weighted(ty, src, dst, w)?,
-            None => quant::quantize(ty, src, dst)?,
-        }
-        Ok(())
-    })?;
+    out.par_chunks_mut(chunk_rows * rb)
+        .zip(x.par_chunks(chunk_rows * cols))
+        .try_for_each(|(dst, src)| -> Result<()> {
+            match weights {
+                Some(w) => quantize_weighted(ty, src, dst, w)?,
+                None => quant::quantize(ty, src, dst)?,
+            }
+            Ok(())
+        })?;
     Ok(out)
 }
 
@@ -104,9 +127,15 @@ pub fn write_gguf(
         w.add_metadata(k, v)?;
     }
     for e in plan {
-        let t = src.tensors.get(e.src).ok_or_else(|| Error::Msg("plan names a tensor the source lacks".into()))?;
+        let t = src
+            .tensors
+            .get(e.src)
+            .ok_or_else(|| Error::Msg("plan names a tensor the source lacks".into()))?;
         if !quant::can_quantize(e.to) && Stored::Ggml(e.to) != t.stored {
-            return Err(Error::Msg(format!("tensor '{}': cannot write type {}", t.gguf, e.to)));
+            return Err(Error::Msg(format!(
+                "tensor '{}': cannot write type {}",
+                t.gguf, e.to
+            )));
         }
         w.add_tensor_info(t.gguf.clone(), t.gguf_dims(), e.to)?;
     }
@@ -117,8 +146,15 @@ pub fn write_gguf(
         let e = &plan[i];
         i += 1;
         let t = &src.tensors[e.src];
-        let bytes = produce(src, t, e.to, imatrix).map_err(|err| hf2q_tensor::Error::Msg(format!("tensor '{}': {err}", info.name)))?;
-        report.tensors.push((t.gguf.clone(), t.stored.name(), e.to.to_string(), t.numel() as u64, bytes.len() as u64));
+        let bytes = produce(src, t, e.to, imatrix)
+            .map_err(|err| hf2q_tensor::Error::Msg(format!("tensor '{}': {err}", info.name)))?;
+        report.tensors.push((
+            t.gguf.clone(),
+            t.stored.name(),
+            e.to.to_string(),
+            t.numel() as u64,
+            bytes.len() as u64,
+        ));
         progress.tensor(i, &t.gguf, &t.stored.name(), &e.to.to_string());
         Ok(bytes)
     });
@@ -130,7 +166,12 @@ pub fn write_gguf(
 
 /// The bytes of one output tensor: copied when the source already holds them, else decoded,
 /// re-laid-out and quantized.
-fn produce(src: &SourceModel, t: &super::source::SrcTensor, to: GgmlType, imatrix: Option<&Imatrix>) -> Result<Vec<u8>> {
+fn produce(
+    src: &SourceModel,
+    t: &super::source::SrcTensor,
+    to: GgmlType,
+    imatrix: Option<&Imatrix>,
+) -> Result<Vec<u8>> {
     if src.layout() == Layout::Gguf {
         if let Some((ty, data)) = src.raw_gguf(t)? {
             if ty == to {
@@ -139,6 +180,8 @@ fn produce(src: &SourceModel, t: &super::source::SrcTensor, to: GgmlType, imatri
         }
     }
     let x = src.read_f32(t, Layout::Gguf)?;
-    let weights = imatrix.and_then(|m| m.get(&t.gguf)).filter(|w| w.len() == t.cols());
+    let weights = imatrix
+        .and_then(|m| m.get(&t.gguf))
+        .filter(|w| w.len() == t.cols());
     quantize_rows(to, &x, t.cols(), weights, &t.gguf)
 }

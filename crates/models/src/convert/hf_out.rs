@@ -43,8 +43,14 @@ const TOKENIZER_FILES: &[&str] = &[
 pub fn encode_floats(v: &[f32], dtype: StDtype) -> Result<Vec<u8>> {
     Ok(match dtype {
         StDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        StDtype::F16 => v.iter().flat_map(|x| f32_to_f16_bits(*x).to_le_bytes()).collect(),
-        StDtype::BF16 => v.iter().flat_map(|x| f32_to_bf16_bits(*x).to_le_bytes()).collect(),
+        StDtype::F16 => v
+            .iter()
+            .flat_map(|x| f32_to_f16_bits(*x).to_le_bytes())
+            .collect(),
+        StDtype::BF16 => v
+            .iter()
+            .flat_map(|x| f32_to_bf16_bits(*x).to_le_bytes())
+            .collect(),
         other => return Err(Error::Msg(format!("cannot store weights as {other}"))),
     })
 }
@@ -94,10 +100,25 @@ pub struct ShardWriter {
 
 impl ShardWriter {
     pub fn new(dir: &Path, max_bytes: usize, metadata: BTreeMap<String, String>) -> ShardWriter {
-        ShardWriter { dir: dir.to_path_buf(), max_bytes: max_bytes.max(1), metadata, pending: Vec::new(), pending_bytes: 0, shards: Vec::new(), total_bytes: 0, total_parameters: 0 }
+        ShardWriter {
+            dir: dir.to_path_buf(),
+            max_bytes: max_bytes.max(1),
+            metadata,
+            pending: Vec::new(),
+            pending_bytes: 0,
+            shards: Vec::new(),
+            total_bytes: 0,
+            total_parameters: 0,
+        }
     }
 
-    pub fn add(&mut self, name: String, dtype: StDtype, shape: Vec<usize>, data: Vec<u8>) -> Result<()> {
+    pub fn add(
+        &mut self,
+        name: String,
+        dtype: StDtype,
+        shape: Vec<usize>,
+        data: Vec<u8>,
+    ) -> Result<()> {
         if !self.pending.is_empty() && self.pending_bytes + data.len() > self.max_bytes {
             self.flush()?;
         }
@@ -111,10 +132,17 @@ impl ShardWriter {
         if self.pending.is_empty() {
             return Ok(());
         }
-        let path = self.dir.join(format!(".shard-{:05}.partial", self.shards.len() + 1));
-        let refs: Vec<_> = self.pending.iter().map(|(n, d, s, b)| (n.clone(), *d, s.clone(), b.as_slice())).collect();
+        let path = self
+            .dir
+            .join(format!(".shard-{:05}.partial", self.shards.len() + 1));
+        let refs: Vec<_> = self
+            .pending
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), *d, s.clone(), b.as_slice()))
+            .collect();
         write_safetensors(&path, &refs, &self.metadata)?;
-        self.shards.push((path, self.pending.iter().map(|p| p.0.clone()).collect()));
+        self.shards
+            .push((path, self.pending.iter().map(|p| p.0.clone()).collect()));
         self.pending.clear();
         self.pending_bytes = 0;
         Ok(())
@@ -126,9 +154,16 @@ impl ShardWriter {
         let n = self.shards.len();
         let mut weight_map = BTreeMap::new();
         for (i, (tmp, names)) in self.shards.iter().enumerate() {
-            let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", i + 1) };
+            let file = if n == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+            };
             let dst = self.dir.join(&file);
-            std::fs::rename(tmp, &dst).map_err(|e| Error::Io { path: dst.clone(), source: e })?;
+            std::fs::rename(tmp, &dst).map_err(|e| Error::Io {
+                path: dst.clone(),
+                source: e,
+            })?;
             for name in names {
                 weight_map.insert(name.clone(), Value::String(file.clone()));
             }
@@ -139,7 +174,10 @@ impl ShardWriter {
             meta.insert("total_parameters".into(), json!(self.total_parameters));
         }
         let index = json!({ "metadata": meta, "weight_map": weight_map });
-        write_text(&self.dir.join("model.safetensors.index.json"), &json_text(&index))
+        write_text(
+            &self.dir.join("model.safetensors.index.json"),
+            &json_text(&index),
+        )
     }
 }
 
@@ -153,7 +191,11 @@ fn hf_class(arch: Arch) -> (&'static str, &'static str) {
 }
 
 /// A config.json for `c` (a GGUF source), readable by transformers and by [`ModelConfig::from_hf_json`].
-pub fn config_from_model(c: &ModelConfig, tok: Option<&Tokenizer>, dtype: StDtype) -> Result<Value> {
+pub fn config_from_model(
+    c: &ModelConfig,
+    tok: Option<&Tokenizer>,
+    dtype: StDtype,
+) -> Result<Value> {
     let (class, model_type) = hf_class(c.arch);
     let mut m = Map::new();
     m.insert("architectures".into(), json!([class]));
@@ -195,14 +237,33 @@ pub fn config_from_model(c: &ModelConfig, tok: Option<&Tokenizer>, dtype: StDtyp
             }),
         );
     } else if c.rope_linear_factor != 1.0 {
-        m.insert("rope_scaling".into(), json!({ "rope_type": "linear", "factor": c.rope_linear_factor }));
+        m.insert(
+            "rope_scaling".into(),
+            json!({ "rope_type": "linear", "factor": c.rope_linear_factor }),
+        );
     }
     if c.arch == Arch::Gemma3 {
         m.insert("sliding_window".into(), json!(c.sliding_window));
-        m.insert("rope_local_base_freq".into(), json!(c.rope_theta_local.unwrap_or(10000.0)));
+        m.insert(
+            "rope_local_base_freq".into(),
+            json!(c.rope_theta_local.unwrap_or(10000.0)),
+        );
         // GGUF keeps 1/sqrt(Dh) as the attention scale.
-        m.insert("query_pre_attn_scalar".into(), json!((1.0 / (c.attn_scale * c.attn_scale)).round()));
-        let types: Vec<&str> = c.sliding_layers.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();
+        m.insert(
+            "query_pre_attn_scalar".into(),
+            json!((1.0 / (c.attn_scale * c.attn_scale)).round()),
+        );
+        let types: Vec<&str> = c
+            .sliding_layers
+            .iter()
+            .map(|&s| {
+                if s {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
         m.insert("layer_types".into(), json!(types));
         if let Some(cap) = c.final_logit_softcap {
             m.insert("final_logit_softcapping".into(), json!(cap));
@@ -245,27 +306,56 @@ pub fn output_config(src: &SourceModel, tok: Option<&Tokenizer>, dtype: StDtype)
 /// neighbouring wavelengths). The result is checked by recomputing every divisor.
 pub fn llama3_scaling_from_gguf(src: &SourceModel) -> Result<Option<crate::config::Llama3Scaling>> {
     use crate::config::Llama3Scaling;
-    let Some(t) = src.tensor_by_gguf(super::source::ROPE_FREQS) else { return Ok(None) };
-    let d: Vec<f64> = src.read_f32(t, Layout::Gguf)?.iter().map(|&x| x as f64).collect();
-    let fail = || Error::Msg("rope_freqs.weight does not follow Llama 3's frequency scaling; config.json cannot express it".into());
+    let Some(t) = src.tensor_by_gguf(super::source::ROPE_FREQS) else {
+        return Ok(None);
+    };
+    let d: Vec<f64> = src
+        .read_f32(t, Layout::Gguf)?
+        .iter()
+        .map(|&x| x as f64)
+        .collect();
+    let fail = || {
+        Error::Msg("rope_freqs.weight does not follow Llama 3's frequency scaling; config.json cannot express it".into())
+    };
     let factor = d.iter().cloned().fold(1.0, f64::max);
     if d.iter().all(|&x| x == 1.0) {
         return Ok(None);
     }
     let c = &src.config;
-    let wav: Vec<f64> = (0..d.len()).map(|i| 2.0 * std::f64::consts::PI * (c.rope_theta as f64).powf(2.0 * i as f64 / c.head_dim as f64)).collect();
+    let wav: Vec<f64> = (0..d.len())
+        .map(|i| {
+            2.0 * std::f64::consts::PI
+                * (c.rope_theta as f64).powf(2.0 * i as f64 / c.head_dim as f64)
+        })
+        .collect();
     let tol = 1e-5;
-    let smooth: Vec<usize> = (0..d.len()).filter(|&i| d[i] > 1.0 + tol && d[i] < factor * (1.0 - tol)).collect();
+    let smooth: Vec<usize> = (0..d.len())
+        .filter(|&i| d[i] > 1.0 + tol && d[i] < factor * (1.0 - tol))
+        .collect();
     let s_of = |i: usize| (1.0 / d[i] - 1.0 / factor) / (1.0 - 1.0 / factor);
-    let last_one = (0..d.len()).filter(|&i| (d[i] - 1.0).abs() <= tol).map(|i| wav[i]).fold(0.0, f64::max);
-    let first_full = (0..d.len()).filter(|&i| d[i] >= factor * (1.0 - tol)).map(|i| wav[i]).fold(f64::INFINITY, f64::min);
+    let last_one = (0..d.len())
+        .filter(|&i| (d[i] - 1.0).abs() <= tol)
+        .map(|i| wav[i])
+        .fold(0.0, f64::max);
+    let first_full = (0..d.len())
+        .filter(|&i| d[i] >= factor * (1.0 - tol))
+        .map(|i| wav[i])
+        .fold(f64::INFINITY, f64::min);
     let (orig, high) = match smooth.as_slice() {
         [] => {
-            let hw = if last_one > 0.0 && first_full.is_finite() { (last_one * first_full).sqrt() } else { return Err(fail()) };
+            let hw = if last_one > 0.0 && first_full.is_finite() {
+                (last_one * first_full).sqrt()
+            } else {
+                return Err(fail());
+            };
             (hw * (1.0 + 1e-6), 1.0 + 1e-6)
         }
         [i] => {
-            let upper = if first_full.is_finite() { first_full } else { wav[*i] * 4.0 };
+            let upper = if first_full.is_finite() {
+                first_full
+            } else {
+                wav[*i] * 4.0
+            };
             let orig = (wav[*i] * upper).sqrt();
             (orig, 1.0 + (orig / wav[*i] - 1.0) / s_of(*i))
         }
@@ -280,19 +370,32 @@ pub fn llama3_scaling_from_gguf(src: &SourceModel) -> Result<Option<crate::confi
     if !(orig.is_finite() && high.is_finite() && high > 1.0 && orig > 0.0) {
         return Err(fail());
     }
-    let s = Llama3Scaling { factor: factor as f32, low_freq_factor: 1.0, high_freq_factor: high as f32, original_max_position: orig.round().max(1.0) as usize };
+    let s = Llama3Scaling {
+        factor: factor as f32,
+        low_freq_factor: 1.0,
+        high_freq_factor: high as f32,
+        original_max_position: orig.round().max(1.0) as usize,
+    };
     let mut check = src.config.clone();
     check.llama3_scaling = Some(s.clone());
     // original_max_position is an integer in config.json: if rounding it moved a divisor, the
     // exact value is kept by scaling low/high instead.
     let ok = |cfg: &crate::config::ModelConfig| {
-        cfg.llama3_freq_factors().is_some_and(|f| f.iter().zip(&d).all(|(&x, &y)| ((x as f64) - y).abs() <= 1e-4 * y))
+        cfg.llama3_freq_factors().is_some_and(|f| {
+            f.iter()
+                .zip(&d)
+                .all(|(&x, &y)| ((x as f64) - y).abs() <= 1e-4 * y)
+        })
     };
     if ok(&check) {
         return Ok(Some(s));
     }
     let k = orig.round().max(1.0) / orig;
-    let s2 = Llama3Scaling { low_freq_factor: k as f32, high_freq_factor: (high * k) as f32, ..s };
+    let s2 = Llama3Scaling {
+        low_freq_factor: k as f32,
+        high_freq_factor: (high * k) as f32,
+        ..s
+    };
     check.llama3_scaling = Some(s2.clone());
     if ok(&check) {
         Ok(Some(s2))
@@ -318,14 +421,22 @@ fn add_legacy_rope_keys(o: &mut Map<String, Value>, c: &ModelConfig) {
                         "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position }),
             );
         } else if c.rope_linear_factor != 1.0 {
-            o.insert("rope_scaling".into(), json!({ "rope_type": "linear", "factor": c.rope_linear_factor }));
+            o.insert(
+                "rope_scaling".into(),
+                json!({ "rope_type": "linear", "factor": c.rope_linear_factor }),
+            );
         }
     }
     if c.arch == Arch::Gemma3 {
         if let Some(t) = c.rope_theta_local {
             o.entry("rope_local_base_freq").or_insert(json!(t));
         }
-        let period = (1..=c.n_layers + 1).find(|&p| c.sliding_layers.iter().enumerate().all(|(i, &s)| s == ((i + 1) % p != 0)));
+        let period = (1..=c.n_layers + 1).find(|&p| {
+            c.sliding_layers
+                .iter()
+                .enumerate()
+                .all(|(i, &s)| s == ((i + 1) % p != 0))
+        });
         if let (Some(p), false) = (period, o.contains_key("sliding_window_pattern")) {
             o.insert("sliding_window_pattern".into(), json!(p));
         }
@@ -338,7 +449,10 @@ pub fn write_tokenizer_files(src: &SourceModel, dir: &Path, progress: &dyn Progr
         for f in TOKENIZER_FILES {
             let p = from.join(f);
             if p.is_file() {
-                std::fs::copy(&p, dir.join(f)).map_err(|e| Error::Io { path: p.clone(), source: e })?;
+                std::fs::copy(&p, dir.join(f)).map_err(|e| Error::Io {
+                    path: p.clone(),
+                    source: e,
+                })?;
             }
         }
         if !dir.join("tokenizer.json").is_file() {
@@ -346,7 +460,9 @@ pub fn write_tokenizer_files(src: &SourceModel, dir: &Path, progress: &dyn Progr
         }
         return Ok(());
     }
-    let file = src.gguf_file().ok_or_else(|| Error::Msg("source has neither a folder nor a GGUF file".into()))?;
+    let file = src
+        .gguf_file()
+        .ok_or_else(|| Error::Msg("source has neither a folder nor a GGUF file".into()))?;
     let tok = Tokenizer::from_gguf(file)?;
     write_text(&dir.join("tokenizer.json"), &tok.to_tokenizer_json()?)?;
     let name = |id: Option<u32>| id.and_then(|i| tok.token_to_str(i)).map(str::to_string);
@@ -360,7 +476,10 @@ pub fn write_tokenizer_files(src: &SourceModel, dir: &Path, progress: &dyn Progr
     if let Some(e) = name(tok.eos_id()) {
         tc.insert("eos_token".into(), json!(e));
     }
-    for (key, gkey) in [("unk_token", "tokenizer.ggml.unknown_token_id"), ("pad_token", "tokenizer.ggml.padding_token_id")] {
+    for (key, gkey) in [
+        ("unk_token", "tokenizer.ggml.unknown_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ] {
         if let Some(t) = name(file.get_u64(gkey).map(|x| x as u32)) {
             tc.insert(key.into(), json!(t));
         }
@@ -370,7 +489,10 @@ pub fn write_tokenizer_files(src: &SourceModel, dir: &Path, progress: &dyn Progr
     if let Some(t) = tok.chat_template() {
         tc.insert("chat_template".into(), json!(t));
     }
-    write_text(&dir.join("tokenizer_config.json"), &json_text(&Value::Object(tc)))?;
+    write_text(
+        &dir.join("tokenizer_config.json"),
+        &json_text(&Value::Object(tc)),
+    )?;
     let mut gen = Map::new();
     if let Some(b) = tok.bos_id() {
         gen.insert("bos_token_id".into(), json!(b));
@@ -378,7 +500,10 @@ pub fn write_tokenizer_files(src: &SourceModel, dir: &Path, progress: &dyn Progr
     if let Some(e) = tok.eos_id() {
         gen.insert("eos_token_id".into(), json!(e));
     }
-    write_text(&dir.join("generation_config.json"), &json_text(&Value::Object(gen)))
+    write_text(
+        &dir.join("generation_config.json"),
+        &json_text(&Value::Object(gen)),
+    )
 }
 
 /// Options of an HF folder output.
@@ -391,15 +516,25 @@ pub struct HfOptions {
 
 impl Default for HfOptions {
     fn default() -> Self {
-        HfOptions { dtype: None, shard_bytes: DEFAULT_SHARD_BYTES }
+        HfOptions {
+            dtype: None,
+            shard_bytes: DEFAULT_SHARD_BYTES,
+        }
     }
 }
 
 /// Writes `src` as a Hugging Face folder at `out` (which must not exist, or be empty).
-pub fn write_hf(src: &SourceModel, out: &Path, opts: &HfOptions, progress: &dyn Progress) -> Result<WriteReport> {
+pub fn write_hf(
+    src: &SourceModel,
+    out: &Path,
+    opts: &HfOptions,
+    progress: &dyn Progress,
+) -> Result<WriteReport> {
     let dtype = opts.dtype.unwrap_or_else(|| default_dtype(src));
     if !matches!(dtype, StDtype::F32 | StDtype::F16 | StDtype::BF16) {
-        return Err(Error::Msg(format!("HF output dtype must be F32, F16 or BF16, not {dtype}")));
+        return Err(Error::Msg(format!(
+            "HF output dtype must be F32, F16 or BF16, not {dtype}"
+        )));
     }
     let tmp = start_dir(out)?;
     let result = (|| -> Result<WriteReport> {
@@ -408,7 +543,11 @@ pub fn write_hf(src: &SourceModel, out: &Path, opts: &HfOptions, progress: &dyn 
             None => None,
         };
         let config = output_config(src, tok.as_ref(), dtype)?;
-        let mut shards = ShardWriter::new(&tmp, opts.shard_bytes, BTreeMap::from([("format".to_string(), "pt".to_string())]));
+        let mut shards = ShardWriter::new(
+            &tmp,
+            opts.shard_bytes,
+            BTreeMap::from([("format".to_string(), "pt".to_string())]),
+        );
         let mut report = WriteReport::default();
         let mut order: Vec<usize> = (0..src.tensors.len()).collect();
         order.sort_by(|&a, &b| src.tensors[a].hf.cmp(&src.tensors[b].hf));
@@ -421,7 +560,13 @@ pub fn write_hf(src: &SourceModel, out: &Path, opts: &HfOptions, progress: &dyn 
             let x = src.read_f32(t, Layout::Hf)?;
             // Norms and biases stay in the chosen dtype too, as save_pretrained writes them.
             let bytes = encode_floats(&x, dtype)?;
-            report.tensors.push((t.hf.clone(), t.stored.name(), dtype.name().to_string(), t.numel() as u64, bytes.len() as u64));
+            report.tensors.push((
+                t.hf.clone(),
+                t.stored.name(),
+                dtype.name().to_string(),
+                t.numel() as u64,
+                bytes.len() as u64,
+            ));
             shards.add(t.hf.clone(), dtype, t.shape.clone(), bytes)?;
             progress.tensor(k + 1, &t.hf, &t.stored.name(), dtype.name());
         }
@@ -446,6 +591,12 @@ pub fn write_hf(src: &SourceModel, out: &Path, opts: &HfOptions, progress: &dyn 
 
 pub fn dir_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
-        .map(|rd| rd.filter_map(|e| e.ok()).filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
         .unwrap_or(0)
 }

@@ -21,7 +21,9 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::gguf_out::WriteReport;
-use super::hf_out::{default_dtype, encode_floats, output_config, write_tokenizer_files, ShardWriter};
+use super::hf_out::{
+    default_dtype, encode_floats, output_config, write_tokenizer_files, ShardWriter,
+};
 use super::source::{Layout, SourceModel};
 use super::{finish_dir, json_text, start_dir, write_text, Progress};
 use crate::tokenizer::Tokenizer;
@@ -46,7 +48,11 @@ fn quant_block(p: AffineParams) -> Value {
 }
 
 /// Quantizes `x` (`rows` x `cols`, HF layout) -> (packed bytes, scales, biases).
-pub fn quantize_matrix(p: AffineParams, x: &[f32], cols: usize) -> Result<(Vec<u8>, Vec<f32>, Vec<f32>)> {
+pub fn quantize_matrix(
+    p: AffineParams,
+    x: &[f32],
+    cols: usize,
+) -> Result<(Vec<u8>, Vec<f32>, Vec<f32>)> {
     let rows = x.len() / cols;
     let pb = cols * p.bits as usize / 8;
     let g = cols / p.group_size;
@@ -63,7 +69,12 @@ pub fn quantize_matrix(p: AffineParams, x: &[f32], cols: usize) -> Result<(Vec<u
 }
 
 /// Writes `src` as an MLX affine folder at `out` (which must not exist, or be empty).
-pub fn write_mlx(src: &SourceModel, out: &Path, opts: &MlxOptions, progress: &dyn Progress) -> Result<WriteReport> {
+pub fn write_mlx(
+    src: &SourceModel,
+    out: &Path,
+    opts: &MlxOptions,
+    progress: &dyn Progress,
+) -> Result<WriteReport> {
     opts.params.validate()?;
     let dtype = opts.dtype.unwrap_or_else(|| default_dtype(src));
     let tmp = start_dir(out)?;
@@ -73,7 +84,11 @@ pub fn write_mlx(src: &SourceModel, out: &Path, opts: &MlxOptions, progress: &dy
             None => None,
         };
         let mut config = output_config(src, tok.as_ref(), dtype)?;
-        let mut shards = ShardWriter::new(&tmp, MLX_SHARD_BYTES, BTreeMap::from([("format".to_string(), "mlx".to_string())]));
+        let mut shards = ShardWriter::new(
+            &tmp,
+            MLX_SHARD_BYTES,
+            BTreeMap::from([("format".to_string(), "mlx".to_string())]),
+        );
         let mut report = WriteReport::default();
         let mut qblock = match quant_block(opts.params) {
             Value::Object(m) => m,
@@ -103,20 +118,47 @@ pub fn write_mlx(src: &SourceModel, out: &Path, opts: &MlxOptions, progress: &dy
                     let (packed, scales, biases) = quantize_matrix(p, &x, t.cols())?;
                     let (r, c) = (t.rows(), t.cols());
                     let nbytes = packed.len();
-                    shards.add(t.hf.clone(), StDtype::U32, vec![r, c * p.bits as usize / 32], packed)?;
-                    shards.add(format!("{stem}.scales"), dtype, vec![r, c / p.group_size], encode_floats(&scales, dtype)?)?;
-                    shards.add(format!("{stem}.biases"), dtype, vec![r, c / p.group_size], encode_floats(&biases, dtype)?)?;
+                    shards.add(
+                        t.hf.clone(),
+                        StDtype::U32,
+                        vec![r, c * p.bits as usize / 32],
+                        packed,
+                    )?;
+                    shards.add(
+                        format!("{stem}.scales"),
+                        dtype,
+                        vec![r, c / p.group_size],
+                        encode_floats(&scales, dtype)?,
+                    )?;
+                    shards.add(
+                        format!("{stem}.biases"),
+                        dtype,
+                        vec![r, c / p.group_size],
+                        encode_floats(&biases, dtype)?,
+                    )?;
                     if p != opts.params {
                         qblock.insert(stem.to_string(), quant_block(p));
                     }
                     let name = format!("mlx{}g{}", p.bits, p.group_size);
                     let bytes = (nbytes + 2 * scales.len() * dtype.size()) as u64;
-                    report.tensors.push((t.hf.clone(), t.stored.name(), name.clone(), t.numel() as u64, bytes));
+                    report.tensors.push((
+                        t.hf.clone(),
+                        t.stored.name(),
+                        name.clone(),
+                        t.numel() as u64,
+                        bytes,
+                    ));
                     progress.tensor(k + 1, &t.hf, &t.stored.name(), &name);
                 }
                 _ => {
                     let bytes = encode_floats(&x, dtype)?;
-                    report.tensors.push((t.hf.clone(), t.stored.name(), dtype.name().to_string(), t.numel() as u64, bytes.len() as u64));
+                    report.tensors.push((
+                        t.hf.clone(),
+                        t.stored.name(),
+                        dtype.name().to_string(),
+                        t.numel() as u64,
+                        bytes.len() as u64,
+                    ));
                     shards.add(t.hf.clone(), dtype, t.shape.clone(), bytes)?;
                     progress.tensor(k + 1, &t.hf, &t.stored.name(), dtype.name());
                 }
@@ -124,7 +166,9 @@ pub fn write_mlx(src: &SourceModel, out: &Path, opts: &MlxOptions, progress: &dy
         }
         progress.finish();
         shards.finish(true)?;
-        let obj = config.as_object_mut().ok_or_else(|| Error::Msg("config.json is not an object".into()))?;
+        let obj = config
+            .as_object_mut()
+            .ok_or_else(|| Error::Msg("config.json is not an object".into()))?;
         obj.insert("quantization".into(), Value::Object(qblock.clone()));
         obj.insert("quantization_config".into(), Value::Object(qblock));
         write_text(&tmp.join("config.json"), &json_text(&config))?;

@@ -38,33 +38,63 @@ impl Progress for NoProgress {}
 /// place. Refuses an `out` that exists and is not an empty folder.
 pub fn start_dir(out: &Path) -> Result<PathBuf> {
     if out.exists() {
-        let empty = out.is_dir() && std::fs::read_dir(out).map(|mut d| d.next().is_none()).unwrap_or(false);
+        let empty = out.is_dir()
+            && std::fs::read_dir(out)
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false);
         if !empty {
-            return Err(Error::Msg(format!("{}: already exists (choose a new output folder)", out.display())));
+            return Err(Error::Msg(format!(
+                "{}: already exists (choose a new output folder)",
+                out.display()
+            )));
         }
     }
-    let name = out.file_name().ok_or_else(|| Error::Msg(format!("{}: not a folder path", out.display())))?;
-    let tmp = out.with_file_name(format!(".{}.partial-{}", name.to_string_lossy(), std::process::id()));
+    let name = out
+        .file_name()
+        .ok_or_else(|| Error::Msg(format!("{}: not a folder path", out.display())))?;
+    let tmp = out.with_file_name(format!(
+        ".{}.partial-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| Error::Io { path: tmp.clone(), source: e })?;
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::Io {
+            path: tmp.clone(),
+            source: e,
+        })?;
     }
-    std::fs::create_dir_all(&tmp).map_err(|e| Error::Io { path: tmp.clone(), source: e })?;
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::Io {
+        path: tmp.clone(),
+        source: e,
+    })?;
     Ok(tmp)
 }
 
 /// Moves a finished temporary folder onto `out`.
 pub fn finish_dir(tmp: &Path, out: &Path) -> Result<()> {
     if out.is_dir() {
-        std::fs::remove_dir(out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e })?;
+        std::fs::remove_dir(out).map_err(|e| Error::Io {
+            path: out.to_path_buf(),
+            source: e,
+        })?;
     }
-    std::fs::rename(tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e })
+    std::fs::rename(tmp, out).map_err(|e| Error::Io {
+        path: out.to_path_buf(),
+        source: e,
+    })
 }
 
 /// Writes a small text file atomically (temporary name, then rename).
 pub fn write_text(path: &Path, text: &str) -> Result<()> {
     let tmp = path.with_extension("partial");
-    std::fs::write(&tmp, text).map_err(|e| Error::Io { path: tmp.clone(), source: e })?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })
+    std::fs::write(&tmp, text).map_err(|e| Error::Io {
+        path: tmp.clone(),
+        source: e,
+    })?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
 }
 
 /// Pretty JSON with a trailing newline, as Hugging Face writes its files.
@@ -85,11 +115,20 @@ pub enum ConvertTarget {
 }
 
 /// Converts `src` to `target` at `out`.
-pub fn convert(src: &source::SourceModel, out: &Path, target: &ConvertTarget, progress: &dyn Progress) -> Result<gguf_out::WriteReport> {
+pub fn convert(
+    src: &source::SourceModel,
+    out: &Path,
+    target: &ConvertTarget,
+    progress: &dyn Progress,
+) -> Result<gguf_out::WriteReport> {
     use crate::quantize::{self, rules::Overrides, QuantizeOptions};
     match target {
         ConvertTarget::Gguf(Some(recipe)) => {
-            let opts = QuantizeOptions { target: quantize::presets::QuantTarget::Gguf(*recipe), overrides: Overrides::default(), imatrix: None };
+            let opts = QuantizeOptions {
+                target: quantize::presets::QuantTarget::Gguf(*recipe),
+                overrides: Overrides::default(),
+                imatrix: None,
+            };
             Ok(quantize::quantize(src, out, &opts, progress)?.written)
         }
         ConvertTarget::Gguf(None) => {

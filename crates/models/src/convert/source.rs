@@ -55,7 +55,10 @@ impl Stored {
     }
     /// Whether reading it as f32 loses nothing relative to its own values (float storage).
     pub fn is_float(&self) -> bool {
-        matches!(self, Stored::Ggml(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
+        matches!(
+            self,
+            Stored::Ggml(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+        )
     }
 }
 
@@ -153,20 +156,30 @@ fn st_dtype_type(d: StDtype) -> Option<GgmlType> {
 fn is_gguf_file(p: &Path) -> bool {
     use std::io::Read;
     let mut m = [0u8; 4];
-    p.is_file() && std::fs::File::open(p).and_then(|mut f| f.read_exact(&mut m)).is_ok() && &m == b"GGUF"
+    p.is_file()
+        && std::fs::File::open(p)
+            .and_then(|mut f| f.read_exact(&mut m))
+            .is_ok()
+        && &m == b"GGUF"
 }
 
 impl SourceModel {
     /// Opens a GGUF file, a Hugging Face folder (or cache entry) or an MLX folder.
     pub fn open(path: &Path) -> Result<SourceModel> {
         if !path.exists() {
-            return Err(Error::Msg(format!("{}: no such file or directory", path.display())));
+            return Err(Error::Msg(format!(
+                "{}: no such file or directory",
+                path.display()
+            )));
         }
         if is_gguf_file(path) {
             return Self::open_gguf(path);
         }
         if path.is_file() {
-            return Err(Error::Msg(format!("{}: neither a GGUF file nor a model folder", path.display())));
+            return Err(Error::Msg(format!(
+                "{}: neither a GGUF file nor a model folder",
+                path.display()
+            )));
         }
         let dir = resolve_hf_cache(path)?;
         Self::open_folder(&dir)
@@ -181,8 +194,17 @@ impl SourceModel {
             let hf = table.get(&t.name).cloned().ok_or_else(|| {
                 Error::Msg(format!("GGUF tensor '{}' has no Hugging Face name in hf2q's table (unsupported tensor)", t.name))
             })?;
-            let shape = t.shape_row_major().iter().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect();
-            tensors.push(SrcTensor { hf, gguf: t.name.clone(), shape, stored: Stored::Ggml(t.ty) });
+            let shape = t
+                .shape_row_major()
+                .iter()
+                .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+                .collect();
+            tensors.push(SrcTensor {
+                hf,
+                gguf: t.name.clone(),
+                shape,
+                stored: Stored::Ggml(t.ty),
+            });
         }
         let arch = config.arch;
         Ok(SourceModel {
@@ -199,7 +221,9 @@ impl SourceModel {
         let cfg = read_config_json(dir)?;
         let config = ModelConfig::from_hf_json(&cfg)?;
         let weights = WeightSource::safetensors(dir, &cfg)?;
-        let WeightSource::St { st, prefixes, .. } = &weights else { unreachable!("folder source") };
+        let WeightSource::St { st, prefixes, .. } = &weights else {
+            unreachable!("folder source")
+        };
         let mut tensors = Vec::new();
         let mut names: Vec<&String> = st.names().collect();
         names.sort();
@@ -212,7 +236,13 @@ impl SourceModel {
                 .iter()
                 .filter(|p| !p.is_empty())
                 .find_map(|p| {
-                    stored_name.strip_prefix(p.as_str()).map(|r| if p == "model.language_model." { format!("model.{r}") } else { r.to_string() })
+                    stored_name.strip_prefix(p.as_str()).map(|r| {
+                        if p == "model.language_model." {
+                            format!("model.{r}")
+                        } else {
+                            r.to_string()
+                        }
+                    })
                 })
                 .unwrap_or_else(|| stored_name.clone());
             let Some(gguf) = hf_to_gguf(config.arch, &hf) else {
@@ -221,30 +251,61 @@ impl SourceModel {
             if hf == "lm_head.weight" && config.tie_embeddings {
                 continue;
             }
-            let (_, info) = st.get(stored_name).ok_or_else(|| Error::MissingTensor(stored_name.clone()))?;
+            let (_, info) = st
+                .get(stored_name)
+                .ok_or_else(|| Error::MissingTensor(stored_name.clone()))?;
             let stem = stored_name.strip_suffix(".weight").unwrap_or(stored_name);
             let (shape, stored) = if st.get(&format!("{stem}.scales")).is_some() {
                 let q = weights.matrix(&hf)?;
                 let hf2q_tensor::WeightData::Affine { params, .. } = q.data else {
-                    return Err(Error::Msg(format!("'{stored_name}' has scales but is not MLX affine")));
+                    return Err(Error::Msg(format!(
+                        "'{stored_name}' has scales but is not MLX affine"
+                    )));
                 };
                 (vec![q.rows, q.cols], Stored::Affine(params))
             } else {
-                let ty = st_dtype_type(info.dtype)
-                    .ok_or_else(|| Error::Config(format!("tensor '{stored_name}': dtype {} is not a float", info.dtype)))?;
+                let ty = st_dtype_type(info.dtype).ok_or_else(|| {
+                    Error::Config(format!(
+                        "tensor '{stored_name}': dtype {} is not a float",
+                        info.dtype
+                    ))
+                })?;
                 (info.shape.clone(), Stored::Ggml(ty))
             };
-            tensors.push(SrcTensor { hf, gguf, shape, stored });
+            tensors.push(SrcTensor {
+                hf,
+                gguf,
+                shape,
+                stored,
+            });
         }
         if tensors.is_empty() {
-            return Err(Error::Msg(format!("{}: no text-model tensors found", dir.display())));
+            return Err(Error::Msg(format!(
+                "{}: no text-model tensors found",
+                dir.display()
+            )));
         }
         // Llama 3 RoPE scaling lives in config.json here and in a `rope_freqs` tensor in GGUF:
         // a virtual tensor computed from the config stands in for it.
-        if let (Some(ff), false) = (config.llama3_freq_factors(), tensors.iter().any(|t| t.gguf == ROPE_FREQS)) {
-            tensors.push(SrcTensor { hf: ROPE_FREQS.into(), gguf: ROPE_FREQS.into(), shape: vec![ff.len()], stored: Stored::Ggml(GgmlType::F32) });
+        if let (Some(ff), false) = (
+            config.llama3_freq_factors(),
+            tensors.iter().any(|t| t.gguf == ROPE_FREQS),
+        ) {
+            tensors.push(SrcTensor {
+                hf: ROPE_FREQS.into(),
+                gguf: ROPE_FREQS.into(),
+                shape: vec![ff.len()],
+                stored: Stored::Ggml(GgmlType::F32),
+            });
         }
-        Ok(SourceModel { path: dir.to_path_buf(), weights, config, hf_config: Some(cfg), dir: Some(dir.to_path_buf()), tensors })
+        Ok(SourceModel {
+            path: dir.to_path_buf(),
+            weights,
+            config,
+            hf_config: Some(cfg),
+            dir: Some(dir.to_path_buf()),
+            tensors,
+        })
     }
 
     pub fn format(&self) -> Format {
@@ -281,8 +342,12 @@ impl SourceModel {
     /// The stored bytes of a GGUF source tensor (to copy without decoding), when the source is
     /// GGUF and `want` is its layout.
     pub fn raw_gguf(&self, t: &SrcTensor) -> Result<Option<(GgmlType, Bytes)>> {
-        let Some(file) = self.gguf_file() else { return Ok(None) };
-        let info = file.tensor(&t.gguf).ok_or_else(|| Error::MissingTensor(t.gguf.clone()))?;
+        let Some(file) = self.gguf_file() else {
+            return Ok(None);
+        };
+        let info = file
+            .tensor(&t.gguf)
+            .ok_or_else(|| Error::MissingTensor(t.gguf.clone()))?;
         Ok(Some((info.ty, file.tensor_data(info)?)))
     }
 
@@ -290,12 +355,16 @@ impl SourceModel {
     pub fn read_f32(&self, t: &SrcTensor, want: Layout) -> Result<Vec<f32>> {
         let mut v = match &self.weights {
             WeightSource::Gguf { file, .. } => {
-                let info = file.tensor(&t.gguf).ok_or_else(|| Error::MissingTensor(t.gguf.clone()))?;
+                let info = file
+                    .tensor(&t.gguf)
+                    .ok_or_else(|| Error::MissingTensor(t.gguf.clone()))?;
                 let data = file.tensor_data(info)?;
                 dequantize_rows(info.ty, data.as_slice(), t.rows(), t.cols(), &t.gguf)?
             }
             WeightSource::St { .. } if t.hf == ROPE_FREQS && !self.weights.contains(ROPE_FREQS) => {
-                self.config.llama3_freq_factors().ok_or_else(|| Error::MissingTensor(ROPE_FREQS.into()))?
+                self.config
+                    .llama3_freq_factors()
+                    .ok_or_else(|| Error::MissingTensor(ROPE_FREQS.into()))?
             }
             WeightSource::St { .. } => {
                 if t.shape.len() == 1 {
@@ -303,12 +372,21 @@ impl SourceModel {
                 } else if t.shape.len() == 2 {
                     self.weights.matrix(&t.hf)?.to_f32()?
                 } else {
-                    return Err(Error::Config(format!("tensor '{}' has {} dims", t.hf, t.shape.len())));
+                    return Err(Error::Config(format!(
+                        "tensor '{}' has {} dims",
+                        t.hf,
+                        t.shape.len()
+                    )));
                 }
             }
         };
         if v.len() != t.numel() {
-            return Err(Error::Msg(format!("tensor '{}': {} values read, shape {:?}", t.hf, v.len(), t.shape)));
+            return Err(Error::Msg(format!(
+                "tensor '{}': {} values read, shape {:?}",
+                t.hf,
+                v.len(),
+                t.shape
+            )));
         }
         let have = self.layout();
         if have != want {
@@ -319,12 +397,24 @@ impl SourceModel {
 }
 
 /// Dequantizes `rows` rows of `cols` values of `ty` (in parallel over rows).
-pub fn dequantize_rows(ty: GgmlType, data: &[u8], rows: usize, cols: usize, name: &str) -> Result<Vec<f32>> {
-    let rb = ty
-        .row_bytes(cols)
-        .ok_or_else(|| Error::Msg(format!("tensor '{name}': {cols} is not a whole number of {ty} blocks")))?;
+pub fn dequantize_rows(
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    name: &str,
+) -> Result<Vec<f32>> {
+    let rb = ty.row_bytes(cols).ok_or_else(|| {
+        Error::Msg(format!(
+            "tensor '{name}': {cols} is not a whole number of {ty} blocks"
+        ))
+    })?;
     if data.len() != rb * rows {
-        return Err(Error::Msg(format!("tensor '{name}': {} bytes, {} expected", data.len(), rb * rows)));
+        return Err(Error::Msg(format!(
+            "tensor '{name}': {} bytes, {} expected",
+            data.len(),
+            rb * rows
+        )));
     }
     let mut out = vec![0f32; rows * cols];
     if cols == 0 {
@@ -339,8 +429,17 @@ pub fn dequantize_rows(ty: GgmlType, data: &[u8], rows: usize, cols: usize, name
 /// Converts values of `t` from the other layout into `want` (see the module header).
 fn relayout(cfg: &ModelConfig, t: &SrcTensor, v: &mut [f32], want: Layout) -> Result<()> {
     let g = t.gguf.as_str();
-    if cfg.arch == Arch::Llama && (g.ends_with("attn_q.weight") || g.ends_with("attn_q.bias") || g.ends_with("attn_k.weight") || g.ends_with("attn_k.bias")) {
-        let heads = if g.contains("attn_q.") { cfg.n_heads } else { cfg.n_kv_heads };
+    if cfg.arch == Arch::Llama
+        && (g.ends_with("attn_q.weight")
+            || g.ends_with("attn_q.bias")
+            || g.ends_with("attn_k.weight")
+            || g.ends_with("attn_k.bias"))
+    {
+        let heads = if g.contains("attn_q.") {
+            cfg.n_heads
+        } else {
+            cfg.n_kv_heads
+        };
         permute_qk_rows(v, t.rows(), t.cols(), heads, want == Layout::Gguf)?;
     }
     if cfg.arch == Arch::Gemma3 && g.ends_with("norm.weight") {
@@ -352,9 +451,17 @@ fn relayout(cfg: &ModelConfig, t: &SrcTensor, v: &mut [f32], want: Layout) -> Re
 
 /// llama.cpp's `permute` (to GGUF, `forward`) and its inverse, on `rows` rows of `cols` values
 /// split into `heads` heads (a bias is `rows` rows of one value).
-pub fn permute_qk_rows(v: &mut [f32], rows: usize, cols: usize, heads: usize, forward: bool) -> Result<()> {
+pub fn permute_qk_rows(
+    v: &mut [f32],
+    rows: usize,
+    cols: usize,
+    heads: usize,
+    forward: bool,
+) -> Result<()> {
     if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
-        return Err(Error::Msg(format!("cannot permute {rows} rows into {heads} heads of an even size")));
+        return Err(Error::Msg(format!(
+            "cannot permute {rows} rows into {heads} heads of an even size"
+        )));
     }
     let dh = rows / heads;
     let half = dh / 2;
@@ -364,7 +471,11 @@ pub fn permute_qk_rows(v: &mut [f32], rows: usize, cols: usize, heads: usize, fo
             for j in 0..2 {
                 let hf_row = h * dh + j * half + i;
                 let gguf_row = h * dh + 2 * i + j;
-                let (from, to) = if forward { (hf_row, gguf_row) } else { (gguf_row, hf_row) };
+                let (from, to) = if forward {
+                    (hf_row, gguf_row)
+                } else {
+                    (gguf_row, hf_row)
+                };
                 v[to * cols..(to + 1) * cols].copy_from_slice(&src[from * cols..(from + 1) * cols]);
             }
         }
@@ -390,10 +501,19 @@ mod tests {
     #[test]
     fn name_table_inverts() {
         let t = gguf_to_hf_table(Arch::Llama, 2);
-        assert_eq!(t["blk.1.ffn_norm.weight"], "model.layers.1.post_attention_layernorm.weight");
+        assert_eq!(
+            t["blk.1.ffn_norm.weight"],
+            "model.layers.1.post_attention_layernorm.weight"
+        );
         assert_eq!(t["token_embd.weight"], "model.embed_tokens.weight");
         let t = gguf_to_hf_table(Arch::Gemma3, 1);
-        assert_eq!(t["blk.0.post_attention_norm.weight"], "model.layers.0.post_attention_layernorm.weight");
-        assert_eq!(t["blk.0.ffn_norm.weight"], "model.layers.0.pre_feedforward_layernorm.weight");
+        assert_eq!(
+            t["blk.0.post_attention_norm.weight"],
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(
+            t["blk.0.ffn_norm.weight"],
+            "model.layers.0.pre_feedforward_layernorm.weight"
+        );
     }
 }

@@ -30,7 +30,13 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn load(src: &WeightSource, cfg: &ModelConfig, prefix: &str, rope: RopeParams, window: Option<usize>) -> Result<Attention> {
+    pub fn load(
+        src: &WeightSource,
+        cfg: &ModelConfig,
+        prefix: &str,
+        rope: RopeParams,
+        window: Option<usize>,
+    ) -> Result<Attention> {
         let bias = cfg.attention_bias;
         let norm = |n: &str| -> Result<Option<Vec<f32>>> {
             if cfg.qk_norm {
@@ -59,7 +65,13 @@ impl Attention {
         })
     }
 
-    fn head_norm(&self, be: &CpuBackend, x: Tensor, w: &Option<Vec<f32>>, heads: usize) -> Result<Tensor> {
+    fn head_norm(
+        &self,
+        be: &CpuBackend,
+        x: Tensor,
+        w: &Option<Vec<f32>>,
+        heads: usize,
+    ) -> Result<Tensor> {
         let Some(w) = w else { return Ok(x) };
         let (t, width) = x.dims2();
         let dh = self.params.head_dim;
@@ -77,7 +89,12 @@ impl Attention {
         let (qw, kw) = (q.dims2().1, k.dims2().1);
         let mut out = vec![0f32; q.len()];
         for s in seqs.iter_mut() {
-            let rows = |t: &Tensor, w: usize| Tensor::new(&[s.len, w], t.data()[s.start * w..(s.start + s.len) * w].to_vec());
+            let rows = |t: &Tensor, w: usize| {
+                Tensor::new(
+                    &[s.len, w],
+                    t.data()[s.start * w..(s.start + s.len) * w].to_vec(),
+                )
+            };
             let qs = self.head_norm(be, rows(&q, qw)?, &self.q_norm, p.n_heads)?;
             let ks = self.head_norm(be, rows(&k, kw)?, &self.k_norm, p.n_kv_heads)?;
             let vs = rows(&v, kw)?;

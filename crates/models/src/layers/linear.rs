@@ -18,7 +18,11 @@ impl Linear {
     /// Loads `{stem}.weight` and, when `bias`, `{stem}.bias`.
     pub fn load(src: &WeightSource, stem: &str, bias: bool) -> Result<Linear> {
         let w = src.matrix(&format!("{stem}.weight"))?;
-        let b = if bias { Some(src.vector(&format!("{stem}.bias"))?) } else { None };
+        let b = if bias {
+            Some(src.vector(&format!("{stem}.bias"))?)
+        } else {
+            None
+        };
         Ok(Linear { w, b })
     }
     /// `x (T, C) -> (T, R)`.

@@ -62,14 +62,30 @@ fn bad(p: &Path, msg: impl std::fmt::Display) -> Error {
 }
 
 impl Imatrix {
-    pub fn new(entries: BTreeMap<String, ImatrixEntry>, datasets: Vec<String>, chunk_count: u32, chunk_size: u32) -> Imatrix {
-        let mut m = Imatrix { entries, datasets, chunk_count, chunk_size, source: None, normalized: BTreeMap::new() };
+    pub fn new(
+        entries: BTreeMap<String, ImatrixEntry>,
+        datasets: Vec<String>,
+        chunk_count: u32,
+        chunk_size: u32,
+    ) -> Imatrix {
+        let mut m = Imatrix {
+            entries,
+            datasets,
+            chunk_count,
+            chunk_size,
+            source: None,
+            normalized: BTreeMap::new(),
+        };
         m.refresh();
         m
     }
 
     fn refresh(&mut self) {
-        self.normalized = self.entries.iter().map(|(k, e)| (k.clone(), e.importance())).collect();
+        self.normalized = self
+            .entries
+            .iter()
+            .map(|(k, e)| (k.clone(), e.importance()))
+            .collect();
     }
 
     /// Importance weights of a weight by its GGUF name.
@@ -98,20 +114,42 @@ impl Imatrix {
                 continue;
             };
             if t.ty != GgmlType::F32 {
-                return Err(bad(path, format!("tensor '{}' is {}, F32 expected", t.name, t.ty)));
+                return Err(bad(
+                    path,
+                    format!("tensor '{}' is {}, F32 expected", t.name, t.ty),
+                ));
             }
             let data = f.tensor_data(t)?;
-            let v: Vec<f32> = data.as_slice().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let v: Vec<f32> = data
+                .as_slice()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
             into.insert(stem.to_string(), v);
         }
         if sums.is_empty() {
-            return Err(bad(path, "no .in_sum2 tensors (a legacy .dat imatrix? only the GGUF format is read)"));
+            return Err(bad(
+                path,
+                "no .in_sum2 tensors (a legacy .dat imatrix? only the GGUF format is read)",
+            ));
         }
         let mut entries = BTreeMap::new();
         for (name, s) in sums {
-            let c = counts.remove(&name).ok_or_else(|| bad(path, format!("'{name}' has sums but no counts")))?;
-            if c.is_empty() || s.len() % c.len() != 0 || c.iter().any(|x| !x.is_finite() || *x < 0.0) {
-                return Err(bad(path, format!("'{name}': {} sums do not split into {} matrices", s.len(), c.len())));
+            let c = counts
+                .remove(&name)
+                .ok_or_else(|| bad(path, format!("'{name}' has sums but no counts")))?;
+            if c.is_empty()
+                || s.len() % c.len() != 0
+                || c.iter().any(|x| !x.is_finite() || *x < 0.0)
+            {
+                return Err(bad(
+                    path,
+                    format!(
+                        "'{name}': {} sums do not split into {} matrices",
+                        s.len(),
+                        c.len()
+                    ),
+                ));
             }
             if s.iter().any(|x| !x.is_finite()) {
                 return Err(bad(path, format!("'{name}' holds non-finite sums")));
@@ -123,7 +161,10 @@ impl Imatrix {
         if let Some(name) = counts.keys().next() {
             return Err(bad(path, format!("'{name}' has counts but no sums")));
         }
-        let datasets = f.get_str_array("imatrix.datasets").map(|v| v.into_iter().map(str::to_string).collect()).unwrap_or_default();
+        let datasets = f
+            .get_str_array("imatrix.datasets")
+            .map(|v| v.into_iter().map(str::to_string).collect())
+            .unwrap_or_default();
         let chunk_count = f.get_u64("imatrix.chunk_count").unwrap_or(0) as u32;
         let chunk_size = f.get_u64("imatrix.chunk_size").unwrap_or(0) as u32;
         let mut m = Imatrix::new(entries, datasets, chunk_count, chunk_size);
@@ -141,13 +182,22 @@ impl Imatrix {
             }
             s[..n].to_string()
         };
-        let mut m = vec![("quantize.imatrix.file".to_string(), GgufValue::String(cut(self.source.as_deref().unwrap_or(""))))];
+        let mut m = vec![(
+            "quantize.imatrix.file".to_string(),
+            GgufValue::String(cut(self.source.as_deref().unwrap_or(""))),
+        )];
         if let Some(d) = self.datasets.first() {
             m.push(("quantize.imatrix.dataset".into(), GgufValue::String(cut(d))));
         }
-        m.push(("quantize.imatrix.entries_count".into(), GgufValue::U32(self.entries.len() as u32)));
+        m.push((
+            "quantize.imatrix.entries_count".into(),
+            GgufValue::U32(self.entries.len() as u32),
+        ));
         if self.chunk_count > 0 {
-            m.push(("quantize.imatrix.chunks_count".into(), GgufValue::U32(self.chunk_count)));
+            m.push((
+                "quantize.imatrix.chunks_count".into(),
+                GgufValue::U32(self.chunk_count),
+            ));
         }
         m
     }
@@ -156,20 +206,38 @@ impl Imatrix {
     pub fn save(&self, path: &Path) -> Result<()> {
         let mut w = GgufWriter::new();
         w.add_metadata("general.type", "imatrix")?;
-        let ds = self.datasets.iter().map(|d| GgufValue::String(d.clone())).collect();
-        let arr = GgufArray::new(GgufValueType::String, ds).ok_or_else(|| Error::Msg("dataset names".into()))?;
+        let ds = self
+            .datasets
+            .iter()
+            .map(|d| GgufValue::String(d.clone()))
+            .collect();
+        let arr = GgufArray::new(GgufValueType::String, ds)
+            .ok_or_else(|| Error::Msg("dataset names".into()))?;
         w.add_metadata("imatrix.datasets", GgufValue::Array(arr))?;
         w.add_metadata("imatrix.chunk_count", GgufValue::U32(self.chunk_count))?;
         w.add_metadata("imatrix.chunk_size", GgufValue::U32(self.chunk_size))?;
-        let f32_bytes = |v: &[f32]| Bytes::from_vec(v.iter().flat_map(|x| x.to_le_bytes()).collect());
+        let f32_bytes =
+            |v: &[f32]| Bytes::from_vec(v.iter().flat_map(|x| x.to_le_bytes()).collect());
         for (name, e) in &self.entries {
             let n_mat = e.counts.len();
             if n_mat == 0 || e.sums.len() % n_mat != 0 {
-                return Err(Error::Msg(format!("imatrix entry '{name}' is inconsistent")));
+                return Err(Error::Msg(format!(
+                    "imatrix entry '{name}' is inconsistent"
+                )));
             }
             let ne0 = (e.sums.len() / n_mat) as u64;
-            w.add_tensor(format!("{name}.in_sum2"), vec![ne0, n_mat as u64], GgmlType::F32, f32_bytes(&e.sums))?;
-            w.add_tensor(format!("{name}.counts"), vec![1, n_mat as u64], GgmlType::F32, f32_bytes(&e.counts))?;
+            w.add_tensor(
+                format!("{name}.in_sum2"),
+                vec![ne0, n_mat as u64],
+                GgmlType::F32,
+                f32_bytes(&e.sums),
+            )?;
+            w.add_tensor(
+                format!("{name}.counts"),
+                vec![1, n_mat as u64],
+                GgmlType::F32,
+                f32_bytes(&e.counts),
+            )?;
         }
         w.write_file(path)?;
         Ok(())
@@ -183,8 +251,20 @@ mod tests {
     #[test]
     fn round_trips_and_normalizes_like_llama_quantize() {
         let mut entries = BTreeMap::new();
-        entries.insert("blk.0.attn_q.weight".to_string(), ImatrixEntry { sums: vec![4.0, 8.0, 0.0, 2.0], counts: vec![4.0] });
-        entries.insert("blk.0.ffn_up.weight".to_string(), ImatrixEntry { sums: vec![1.0, 1.0], counts: vec![0.0] });
+        entries.insert(
+            "blk.0.attn_q.weight".to_string(),
+            ImatrixEntry {
+                sums: vec![4.0, 8.0, 0.0, 2.0],
+                counts: vec![4.0],
+            },
+        );
+        entries.insert(
+            "blk.0.ffn_up.weight".to_string(),
+            ImatrixEntry {
+                sums: vec![1.0, 1.0],
+                counts: vec![0.0],
+            },
+        );
         let m = Imatrix::new(entries, vec!["wiki.txt".into()], 3, 512);
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("imatrix.gguf");

@@ -34,7 +34,14 @@ use crate::convert::{gguf_meta, NoProgress, Progress};
 use crate::{Error, Model, Result};
 
 /// The types a group climbs through, cheapest first.
-pub const LADDER: [GgmlType; 6] = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q8_0];
+pub const LADDER: [GgmlType; 6] = [
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+];
 
 /// Index of Q3_K in [`LADDER`]: the floor of protected groups (no 2-bit embeddings, output, or
 /// first or last layer). A higher floor (Q4_K) costs too much where the embeddings are a large
@@ -97,7 +104,13 @@ fn group_of(name: &str, n_layers: usize, tied: bool) -> Option<(String, bool)> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, part) = rest.split_once('.')?;
     let l: usize = layer.parse().ok()?;
-    let kind = if part.starts_with("attn") { "attn" } else if part.starts_with("ffn") { "ffn" } else { return None };
+    let kind = if part.starts_with("attn") {
+        "attn"
+    } else if part.starts_with("ffn") {
+        "ffn"
+    } else {
+        return None;
+    };
     Some((format!("blk.{l}.{kind}"), l == 0 || l + 1 == n_layers))
 }
 
@@ -112,7 +125,12 @@ fn mean_kl(p: &[f32], q: &[f32], v: usize) -> f64 {
     let mut s = 0.0;
     for (a, b) in p.chunks(v).zip(q.chunks(v)) {
         let (la, lb) = (lsm(a), lsm(b));
-        s += la.iter().zip(&lb).map(|(x, y)| x.exp() * (x - y)).sum::<f64>().max(0.0);
+        s += la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| x.exp() * (x - y))
+            .sum::<f64>()
+            .max(0.0);
     }
     s / n as f64
 }
@@ -123,9 +141,15 @@ fn logits(path: &Path, ids: &[u32]) -> Result<Vec<f32>> {
 }
 
 /// Measures every group's sensitivity and chooses a level per group within the budget.
-pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progress) -> Result<(Vec<GgufPlanEntry>, Allocation)> {
+pub fn plan_mixed(
+    src: &SourceModel,
+    opts: &MixedOptions,
+    progress: &dyn Progress,
+) -> Result<(Vec<GgufPlanEntry>, Allocation)> {
     if opts.calib.len() < 2 {
-        return Err(Error::Msg("mixed precision needs at least 2 calibration tokens".into()));
+        return Err(Error::Msg(
+            "mixed precision needs at least 2 calibration tokens".into(),
+        ));
     }
     let base_plan = plan_gguf_keep(src);
     let tied = src.tensor_by_gguf("output.weight").is_none();
@@ -135,11 +159,21 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
         if !allows_quantization(&t.gguf, t.shape.len()) {
             continue;
         }
-        let Some((name, protected)) = group_of(&t.gguf, src.config.n_layers, tied) else { continue };
+        let Some((name, protected)) = group_of(&t.gguf, src.config.n_layers, tied) else {
+            continue;
+        };
         let floor = if protected { FLOOR_PROTECTED } else { 0 };
         match groups.iter_mut().find(|g| g.name == name) {
             Some(g) => g.members.push(i),
-            None => groups.push(Group { name, members: vec![i], floor, types: Vec::new(), bytes: Vec::new(), kl: Vec::new(), sse: Vec::new() }),
+            None => groups.push(Group {
+                name,
+                members: vec![i],
+                floor,
+                types: Vec::new(),
+                bytes: Vec::new(),
+                kl: Vec::new(),
+                sse: Vec::new(),
+            }),
         }
     }
     for g in &mut groups {
@@ -180,7 +214,11 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
     // Weight-space error of every group at every level (cheap: no forward pass).
     if !opts.exhaustive {
         for g in &mut groups {
-            let xs: Vec<Vec<f32>> = g.members.iter().map(|&i| src.read_f32(&src.tensors[i], Layout::Gguf)).collect::<Result<_>>()?;
+            let xs: Vec<Vec<f32>> = g
+                .members
+                .iter()
+                .map(|&i| src.read_f32(&src.tensors[i], Layout::Gguf))
+                .collect::<Result<_>>()?;
             for l in 0..LADDER.len() {
                 if l > 0 && g.types[l] == g.types[l - 1] {
                     let e = g.sse[l - 1];
@@ -192,7 +230,11 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
                     let cols = src.tensors[i].cols();
                     let q = quantize_rows(ty, x, cols, None, &src.tensors[i].gguf)?;
                     let y = dequantize_rows(ty, &q, x.len() / cols, cols, &src.tensors[i].gguf)?;
-                    sse += x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>();
+                    sse += x
+                        .iter()
+                        .zip(&y)
+                        .map(|(a, b)| ((a - b) as f64).powi(2))
+                        .sum::<f64>();
                 }
                 g.sse.push(sse);
             }
@@ -204,12 +246,21 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
         Some(f) => metadata_from_gguf(f, 15),
         None => gguf_meta::metadata_from_hf(src, 15)?,
     };
-    std::fs::create_dir_all(&opts.scratch).map_err(|e| Error::Io { path: opts.scratch.clone(), source: e })?;
+    std::fs::create_dir_all(&opts.scratch).map_err(|e| Error::Io {
+        path: opts.scratch.clone(),
+        source: e,
+    })?;
     let base = logits(&src.path, &opts.calib)?;
     let v = base.len() / opts.calib.len();
     let distinct = |g: &Group, l: usize| l == 0 || g.types[l] != g.types[l - 1];
-    let total: usize =
-        if opts.exhaustive { groups.iter().map(|g| (0..LADDER.len()).filter(|&l| distinct(g, l)).count()).sum() } else { groups.len() };
+    let total: usize = if opts.exhaustive {
+        groups
+            .iter()
+            .map(|g| (0..LADDER.len()).filter(|&l| distinct(g, l)).count())
+            .sum()
+    } else {
+        groups.len()
+    };
     progress.start(total);
     let variant = opts.scratch.join("measure.gguf");
     let mut done = 0;
@@ -223,7 +274,11 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
             }
             if !opts.exhaustive && l > 0 {
                 // Scaled from the measured cheapest level by the squared weight error.
-                let k = if g.sse[0] > 0.0 { g.kl[0] * g.sse[l] / g.sse[0] } else { 0.0 };
+                let k = if g.sse[0] > 0.0 {
+                    g.kl[0] * g.sse[l] / g.sse[0]
+                } else {
+                    0.0
+                };
                 g.kl.push(k);
                 continue;
             }
@@ -237,7 +292,12 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
             let q = logits(&variant, &opts.calib)?;
             g.kl.push(mean_kl(&base, &q, v));
             done += 1;
-            progress.tensor(done, &g.name, &src.tensors[g.members[0]].stored.name(), &format!("{} (KL {:.5})", LADDER[l], g.kl[l]));
+            progress.tensor(
+                done,
+                &g.name,
+                &src.tensors[g.members[0]].stored.name(),
+                &format!("{} (KL {:.5})", LADDER[l], g.kl[l]),
+            );
         }
     }
     let _ = std::fs::remove_file(&variant);
@@ -251,7 +311,9 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
         for (gi, g) in groups.iter().enumerate() {
             let cur = level[gi];
             // The next level that costs more bytes (equal-byte levels are the same types).
-            let Some(next) = (cur + 1..LADDER.len()).find(|&l| g.bytes[l] > g.bytes[cur]) else { continue };
+            let Some(next) = (cur + 1..LADDER.len()).find(|&l| g.bytes[l] > g.bytes[cur]) else {
+                continue;
+            };
             let cost = g.bytes[next] - g.bytes[cur];
             if used + cost > budget {
                 continue;
@@ -277,15 +339,33 @@ pub fn plan_mixed(src: &SourceModel, opts: &MixedOptions, progress: &dyn Progres
         }
         let mut types = g.types[l].clone();
         types.dedup();
-        out.push(GroupAllocation { name: g.name.clone(), types, level: l, kl: g.kl[l], bytes: g.bytes[l] });
+        out.push(GroupAllocation {
+            name: g.name.clone(),
+            types,
+            level: l,
+            kl: g.kl[l],
+            bytes: g.bytes[l],
+        });
     }
     let estimated_kl = out.iter().map(|g| g.kl).sum();
-    Ok((plan, Allocation { groups: out, bits_per_weight: used as f64 * 8.0 / n_params as f64, estimated_kl }))
+    Ok((
+        plan,
+        Allocation {
+            groups: out,
+            bits_per_weight: used as f64 * 8.0 / n_params as f64,
+            estimated_kl,
+        },
+    ))
 }
 
 /// Writes a mixed-precision GGUF: [`plan_mixed`], then the file (its `general.file_type` is the
 /// llama.cpp preset whose base type most weights got).
-pub fn quantize_mixed(src: &SourceModel, out: &Path, opts: &MixedOptions, progress: &dyn Progress) -> Result<(crate::convert::gguf_out::WriteReport, Allocation)> {
+pub fn quantize_mixed(
+    src: &SourceModel,
+    out: &Path,
+    opts: &MixedOptions,
+    progress: &dyn Progress,
+) -> Result<(crate::convert::gguf_out::WriteReport, Allocation)> {
     let (plan, alloc) = plan_mixed(src, opts, progress)?;
     let file_type = super::file_type_of_plan(src, &plan);
     let metadata = match src.gguf_file() {
@@ -302,11 +382,26 @@ mod tests {
 
     #[test]
     fn groups_and_floors() {
-        assert_eq!(group_of("token_embd.weight", 30, true), Some(("token_embd".into(), true)));
-        assert_eq!(group_of("blk.0.attn_q.weight", 30, true), Some(("blk.0.attn".into(), true)));
-        assert_eq!(group_of("blk.7.ffn_down.weight", 30, true), Some(("blk.7.ffn".into(), false)));
-        assert_eq!(group_of("blk.29.ffn_up.weight", 30, true), Some(("blk.29.ffn".into(), true)));
-        assert_eq!(group_of("blk.3.attn_norm.weight", 30, true).map(|g| g.0), Some("blk.3.attn".into()));
+        assert_eq!(
+            group_of("token_embd.weight", 30, true),
+            Some(("token_embd".into(), true))
+        );
+        assert_eq!(
+            group_of("blk.0.attn_q.weight", 30, true),
+            Some(("blk.0.attn".into(), true))
+        );
+        assert_eq!(
+            group_of("blk.7.ffn_down.weight", 30, true),
+            Some(("blk.7.ffn".into(), false))
+        );
+        assert_eq!(
+            group_of("blk.29.ffn_up.weight", 30, true),
+            Some(("blk.29.ffn".into(), true))
+        );
+        assert_eq!(
+            group_of("blk.3.attn_norm.weight", 30, true).map(|g| g.0),
+            Some("blk.3.attn".into())
+        );
         assert_eq!(group_of("rope_freqs.weight", 30, true), None);
     }
 

@@ -66,9 +66,20 @@ pub fn gguf_tensor_order(src: &SourceModel) -> Vec<usize> {
 }
 
 /// The GGUF types of every tensor for `recipe`, in llama.cpp's order.
-pub fn plan_gguf(src: &SourceModel, recipe: GgufRecipe, overrides: Overrides, has_imatrix: bool) -> Result<(Vec<GgufPlanEntry>, Vec<rules::Fallback>)> {
+pub fn plan_gguf(
+    src: &SourceModel,
+    recipe: GgufRecipe,
+    overrides: Overrides,
+    has_imatrix: bool,
+) -> Result<(Vec<GgufPlanEntry>, Vec<rules::Fallback>)> {
     let order = gguf_tensor_order(src);
-    let mut chooser = TypeChooser::new(recipe, model_facts(src), overrides, has_imatrix, order.iter().map(|&i| src.tensors[i].gguf.as_str()));
+    let mut chooser = TypeChooser::new(
+        recipe,
+        model_facts(src),
+        overrides,
+        has_imatrix,
+        order.iter().map(|&i| src.tensors[i].gguf.as_str()),
+    );
     let mut plan = Vec::with_capacity(order.len());
     for i in order {
         let t = &src.tensors[i];
@@ -79,14 +90,24 @@ pub fn plan_gguf(src: &SourceModel, recipe: GgufRecipe, overrides: Overrides, ha
             Stored::Ggml(ty) => ty,
             Stored::Affine(_) => GgmlType::F16,
         };
-        let to = chooser.choose(TensorFacts { name: &t.gguf, cols: t.cols(), n_dims: t.shape.len(), current })?;
+        let to = chooser.choose(TensorFacts {
+            name: &t.gguf,
+            cols: t.cols(),
+            n_dims: t.shape.len(),
+            current,
+        })?;
         plan.push(GgufPlanEntry { src: i, to });
     }
     Ok((plan, chooser.fallbacks))
 }
 
 /// Quantizes `src` into `out` (a GGUF file, or an MLX folder for MLX targets).
-pub fn quantize(src: &SourceModel, out: &Path, opts: &QuantizeOptions, progress: &dyn Progress) -> Result<QuantizeReport> {
+pub fn quantize(
+    src: &SourceModel,
+    out: &Path,
+    opts: &QuantizeOptions,
+    progress: &dyn Progress,
+) -> Result<QuantizeReport> {
     let requantized = src.is_quantized();
     if requantized {
         progress.warn(&format!(
@@ -101,14 +122,18 @@ pub fn quantize(src: &SourceModel, out: &Path, opts: &QuantizeOptions, progress:
             let (plan, fallbacks) = plan_gguf(src, recipe, opts.overrides, imatrix.is_some())?;
             for (name, want, got) in &fallbacks {
                 let cols = src.tensor_by_gguf(name).map(|t| t.cols()).unwrap_or(0);
-                progress.warn(&format!("{name}: rows of {cols} are not whole {want} blocks ({}): {got} instead", want.block_size()));
+                progress.warn(&format!(
+                    "{name}: rows of {cols} are not whole {want} blocks ({}): {got} instead",
+                    want.block_size()
+                ));
             }
             let imatrix_used = match imatrix {
                 Some(m) => plan
                     .iter()
                     .filter(|e| {
                         let t = &src.tensors[e.src];
-                        m.get(&t.gguf).is_some_and(|w| w.len() == t.cols()) && Stored::Ggml(e.to) != t.stored
+                        m.get(&t.gguf).is_some_and(|w| w.len() == t.cols())
+                            && Stored::Ggml(e.to) != t.stored
                     })
                     .count(),
                 None => 0,
@@ -129,11 +154,30 @@ pub fn quantize(src: &SourceModel, out: &Path, opts: &QuantizeOptions, progress:
                 }
             }
             let written = write_gguf(src, out, metadata, &plan, imatrix, progress)?;
-            Ok(QuantizeReport { written, fallbacks, requantized, imatrix_used })
+            Ok(QuantizeReport {
+                written,
+                fallbacks,
+                requantized,
+                imatrix_used,
+            })
         }
         QuantTarget::Mlx(MlxRecipe { params }) => {
-            let written = mlx_out::write_mlx(src, out, &mlx_out::MlxOptions { params, overrides: Default::default(), dtype: None }, progress)?;
-            Ok(QuantizeReport { written, fallbacks: Vec::new(), requantized, imatrix_used: 0 })
+            let written = mlx_out::write_mlx(
+                src,
+                out,
+                &mlx_out::MlxOptions {
+                    params,
+                    overrides: Default::default(),
+                    dtype: None,
+                },
+                progress,
+            )?;
+            Ok(QuantizeReport {
+                written,
+                fallbacks: Vec::new(),
+                requantized,
+                imatrix_used: 0,
+            })
         }
     }
 }
@@ -189,6 +233,13 @@ pub fn file_type_of_plan(src: &SourceModel, plan: &[GgufPlanEntry]) -> u32 {
     for e in plan.iter().filter(|e| src.tensors[e.src].shape.len() >= 2) {
         *counts.entry(e.to).or_insert(0usize) += 1;
     }
-    let main = counts.into_iter().max_by_key(|(_, n)| *n).map(|(t, _)| t).unwrap_or(GgmlType::F32);
-    presets::Preset::all().find(|p| p.default_type() == main).map(|p| p.ftype()).unwrap_or(1)
+    let main = counts
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(t, _)| t)
+        .unwrap_or(GgmlType::F32);
+    presets::Preset::all()
+        .find(|p| p.default_type() == main)
+        .map(|p| p.ftype())
+        .unwrap_or(1)
 }

@@ -58,7 +58,10 @@ const PRESETS: &[(Preset, &str, u32, GgmlType)] = &[
 
 impl Preset {
     fn row(self) -> &'static (Preset, &'static str, u32, GgmlType) {
-        PRESETS.iter().find(|r| r.0 == self).expect("every preset is in PRESETS")
+        PRESETS
+            .iter()
+            .find(|r| r.0 == self)
+            .expect("every preset is in PRESETS")
     }
     pub fn name(self) -> &'static str {
         self.row().1
@@ -72,7 +75,10 @@ impl Preset {
         self.row().3
     }
     pub fn from_name(name: &str) -> Option<Preset> {
-        PRESETS.iter().find(|r| r.1.eq_ignore_ascii_case(name)).map(|r| r.0)
+        PRESETS
+            .iter()
+            .find(|r| r.1.eq_ignore_ascii_case(name))
+            .map(|r| r.0)
     }
     pub fn from_ftype(id: u32) -> Option<Preset> {
         PRESETS.iter().find(|r| r.2 == id).map(|r| r.0)
@@ -135,15 +141,23 @@ impl QuantTarget {
                 None => group.unwrap_or(64),
             };
             let params = AffineParams { bits, group_size };
-            params.validate().map_err(|e| Error::Msg(format!("--type {s}: {e}")))?;
+            params
+                .validate()
+                .map_err(|e| Error::Msg(format!("--type {s}: {e}")))?;
             return Ok(QuantTarget::Mlx(MlxRecipe { params }));
         }
         if let Some(p) = Preset::from_name(s) {
-            return Ok(QuantTarget::Gguf(GgufRecipe { preset: p, pure: false }));
+            return Ok(QuantTarget::Gguf(GgufRecipe {
+                preset: p,
+                pure: false,
+            }));
         }
         if let Some(ty) = GgmlType::from_name(s) {
             if let Some(p) = Preset::for_pure(ty) {
-                return Ok(QuantTarget::Gguf(GgufRecipe { preset: p, pure: true }));
+                return Ok(QuantTarget::Gguf(GgufRecipe {
+                    preset: p,
+                    pure: true,
+                }));
             }
         }
         Err(bad_type(s))
@@ -166,14 +180,53 @@ mod tests {
     #[test]
     fn parses_presets_pure_types_and_mlx() {
         let g = |s: &str| QuantTarget::parse(s, None).unwrap();
-        assert_eq!(g("q4_k_m"), QuantTarget::Gguf(GgufRecipe { preset: Q4_K_M, pure: false }));
-        assert_eq!(g("Q6_K"), QuantTarget::Gguf(GgufRecipe { preset: Q6_K, pure: false }));
-        assert_eq!(g("Q4_K"), QuantTarget::Gguf(GgufRecipe { preset: Q4_K_S, pure: true }));
-        assert_eq!(g("mlx4"), QuantTarget::Mlx(MlxRecipe { params: AffineParams { bits: 4, group_size: 64 } }));
-        assert_eq!(g("mlx3g32"), QuantTarget::Mlx(MlxRecipe { params: AffineParams { bits: 3, group_size: 32 } }));
+        assert_eq!(
+            g("q4_k_m"),
+            QuantTarget::Gguf(GgufRecipe {
+                preset: Q4_K_M,
+                pure: false
+            })
+        );
+        assert_eq!(
+            g("Q6_K"),
+            QuantTarget::Gguf(GgufRecipe {
+                preset: Q6_K,
+                pure: false
+            })
+        );
+        assert_eq!(
+            g("Q4_K"),
+            QuantTarget::Gguf(GgufRecipe {
+                preset: Q4_K_S,
+                pure: true
+            })
+        );
+        assert_eq!(
+            g("mlx4"),
+            QuantTarget::Mlx(MlxRecipe {
+                params: AffineParams {
+                    bits: 4,
+                    group_size: 64
+                }
+            })
+        );
+        assert_eq!(
+            g("mlx3g32"),
+            QuantTarget::Mlx(MlxRecipe {
+                params: AffineParams {
+                    bits: 3,
+                    group_size: 32
+                }
+            })
+        );
         assert_eq!(
             QuantTarget::parse("mlx8", Some(128)).unwrap(),
-            QuantTarget::Mlx(MlxRecipe { params: AffineParams { bits: 8, group_size: 128 } })
+            QuantTarget::Mlx(MlxRecipe {
+                params: AffineParams {
+                    bits: 8,
+                    group_size: 128
+                }
+            })
         );
         for bad in ["Q7_K", "mlx7", "mlx4g48", "IQ2_XXS", ""] {
             assert!(QuantTarget::parse(bad, None).is_err(), "{bad}");

@@ -194,8 +194,9 @@ impl TypeChooser {
         let ft = self.recipe.preset;
         let m = self.model;
         let n_gqa = m.n_head.checked_div(m.n_head_kv).unwrap_or(1);
-        let use_more_bits =
-            |i: usize, n: usize| -> bool { i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2 };
+        let use_more_bits = |i: usize, n: usize| -> bool {
+            i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2
+        };
         if cat == Category::Output || (self.has_tied_embeddings && cat == Category::TokenEmbd) {
             if !t.cols.is_multiple_of(ty.block_size()) {
                 ty = G::Q8_0;
@@ -207,9 +208,17 @@ impl TypeChooser {
         } else if is_attn_v(cat) {
             match ft {
                 Q2_K => ty = if n_gqa >= 4 { G::Q4_K } else { G::Q3_K },
-                Q3_K_M => ty = if self.i_attention_wv < 2 { G::Q5_K } else { G::Q4_K },
+                Q3_K_M => {
+                    ty = if self.i_attention_wv < 2 {
+                        G::Q5_K
+                    } else {
+                        G::Q4_K
+                    }
+                }
                 Q3_K_L => ty = G::Q5_K,
-                Q4_K_M | Q5_K_M if use_more_bits(self.i_attention_wv, self.n_attention_wv) => ty = G::Q6_K,
+                Q4_K_M | Q5_K_M if use_more_bits(self.i_attention_wv, self.n_attention_wv) => {
+                    ty = G::Q6_K
+                }
                 Q4_K_S if self.i_attention_wv < 4 => ty = G::Q5_K,
                 _ => {}
             }
@@ -283,11 +292,25 @@ pub fn fallback_type(name: &str, cols: usize, ty: GgmlType) -> Result<GgmlType> 
             )))
         }
     };
-    Ok(if !cols.is_multiple_of(to.block_size()) { G::F16 } else { to })
+    Ok(if !cols.is_multiple_of(to.block_size()) {
+        G::F16
+    } else {
+        to
+    })
 }
 
 pub fn is_quantized(ty: GgmlType) -> bool {
-    !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::F64 | GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64)
+    !matches!(
+        ty,
+        GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::F64
+            | GgmlType::I8
+            | GgmlType::I16
+            | GgmlType::I32
+            | GgmlType::I64
+    )
 }
 
 #[cfg(test)]
@@ -297,7 +320,10 @@ mod tests {
 
     /// SmolLM2-135M's tensors (30 layers, 9 heads / 3 kv heads, D 576, F 1536, tied embeddings).
     fn smollm2() -> (ModelFacts, Vec<(String, usize, usize)>) {
-        let mut t = vec![("token_embd.weight".to_string(), 576, 2), ("output_norm.weight".into(), 576, 1)];
+        let mut t = vec![
+            ("token_embd.weight".to_string(), 576, 2),
+            ("output_norm.weight".into(), 576, 1),
+        ];
         for l in 0..30 {
             for (n, c, d) in [
                 ("attn_k.weight", 576, 2),
@@ -314,14 +340,39 @@ mod tests {
             }
         }
         t.sort_by(|a, b| gguf_order(&a.0, &b.0));
-        (ModelFacts { n_layer: 30, n_head: 9, n_head_kv: 3, is_70b: false }, t)
+        (
+            ModelFacts {
+                n_layer: 30,
+                n_head: 9,
+                n_head_kv: 3,
+                is_70b: false,
+            },
+            t,
+        )
     }
 
     fn types(preset: Preset, pure: bool) -> Vec<(String, GgmlType)> {
         let (m, t) = smollm2();
-        let mut c = TypeChooser::new(GgufRecipe { preset, pure }, m, Overrides::default(), false, t.iter().map(|x| x.0.as_str()));
+        let mut c = TypeChooser::new(
+            GgufRecipe { preset, pure },
+            m,
+            Overrides::default(),
+            false,
+            t.iter().map(|x| x.0.as_str()),
+        );
         t.iter()
-            .map(|(n, cols, d)| (n.clone(), c.choose(TensorFacts { name: n, cols: *cols, n_dims: *d, current: G::F32 }).unwrap()))
+            .map(|(n, cols, d)| {
+                (
+                    n.clone(),
+                    c.choose(TensorFacts {
+                        name: n,
+                        cols: *cols,
+                        n_dims: *d,
+                        current: G::F32,
+                    })
+                    .unwrap(),
+                )
+            })
             .collect()
     }
 
@@ -369,7 +420,10 @@ mod tests {
         assert_eq!(of(&v, "token_embd.weight"), G::F16);
         assert_eq!(of(&v, "blk.0.attn_norm.weight"), G::F32);
         let v = types(Preset::Q8_0, false);
-        assert!(v.iter().filter(|x| x.0.ends_with("proj") || x.0.contains("attn_q")).all(|x| x.1 == G::Q8_0));
+        assert!(v
+            .iter()
+            .filter(|x| x.0.ends_with("proj") || x.0.contains("attn_q"))
+            .all(|x| x.1 == G::Q8_0));
         // Q4_0 puts tied embeddings at Q6_K, which a 576-wide row cannot hold: Q8_0.
         let v = types(Preset::Q4_0, false);
         assert_eq!(of(&v, "token_embd.weight"), G::Q8_0);
@@ -377,8 +431,23 @@ mod tests {
 
     #[test]
     fn order_is_layer_then_name() {
-        let mut v = vec!["blk.10.a", "blk.2.b", "output.weight", "blk.2.a", "token_embd.weight"];
+        let mut v = vec![
+            "blk.10.a",
+            "blk.2.b",
+            "output.weight",
+            "blk.2.a",
+            "token_embd.weight",
+        ];
         v.sort_by(|a, b| gguf_order(a, b));
-        assert_eq!(v, ["output.weight", "token_embd.weight", "blk.2.a", "blk.2.b", "blk.10.a"]);
+        assert_eq!(
+            v,
+            [
+                "output.weight",
+                "token_embd.weight",
+                "blk.2.a",
+                "blk.2.b",
+                "blk.10.a"
+            ]
+        );
     }
 }

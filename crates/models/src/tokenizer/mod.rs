@@ -473,7 +473,9 @@ impl Tokenizer {
     /// The `tokenizers` pipeline as a Hugging Face `tokenizer.json` document (used to write an
     /// HF folder from a GGUF source).
     pub fn to_tokenizer_json(&self) -> Result<String> {
-        self.inner.to_string(true).map_err(|e| tok_err("serializing tokenizer.json", e))
+        self.inner
+            .to_string(true)
+            .map_err(|e| tok_err("serializing tokenizer.json", e))
     }
 }
 

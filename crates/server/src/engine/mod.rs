@@ -99,9 +99,17 @@ pub struct TokenLogprob {
 pub enum Event {
     /// Text that became final, the ids sampled since the previous event (end-of-generation ids
     /// excluded) and, when asked for, their log-probabilities.
-    Delta { text: String, ids: Vec<u32>, logprobs: Vec<TokenLogprob> },
+    Delta {
+        text: String,
+        ids: Vec<u32>,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The sequence ended; nothing follows.
-    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Done {
+        finish: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
     /// The sequence failed; nothing follows. `status` is the HTTP status that fits.
     Error { status: u16, message: String },
 }
@@ -140,7 +148,8 @@ pub struct Shared {
 
 impl Shared {
     fn beat(&self) {
-        self.heartbeat_ms.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.heartbeat_ms
+            .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
     /// Time since the engine loop last made progress.
     pub fn since_heartbeat(&self) -> Duration {
@@ -228,7 +237,8 @@ impl Engine {
     /// Starts the engine thread over `model`.
     pub fn start(model: Arc<Model>, cfg: EngineConfig) -> std::io::Result<Engine> {
         let c = &model.config;
-        let bytes_per_token = (c.n_layers * c.n_kv_heads * c.head_dim * 2 * std::mem::size_of::<f32>()) as u64;
+        let bytes_per_token =
+            (c.n_layers * c.n_kv_heads * c.head_dim * 2 * std::mem::size_of::<f32>()) as u64;
         let block_bytes = (BLOCK_TOKENS as u64 * bytes_per_token).max(1);
         let total_blocks = (cfg.kv_mem_bytes / block_bytes) as usize;
         let (dead, _) = watch::channel(false);
@@ -248,17 +258,21 @@ impl Engine {
         });
         let (tx, rx) = mpsc::channel();
         let (m, s) = (model.clone(), shared.clone());
-        std::thread::Builder::new().name("hf2q-engine".into()).spawn(move || {
-            // On a panic the sequences and the command channel are dropped while unwinding, so
-            // every waiting handler sees its channel close and answers 500.
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler::run(&m, &s, rx)));
-            if r.is_err() {
-                eprintln!("error: the engine thread panicked");
-            }
-            s.running.store(0, Ordering::Relaxed);
-            s.queued.store(0, Ordering::Relaxed);
-            s.dead.send_replace(true);
-        })?;
+        std::thread::Builder::new()
+            .name("hf2q-engine".into())
+            .spawn(move || {
+                // On a panic the sequences and the command channel are dropped while unwinding, so
+                // every waiting handler sees its channel close and answers 500.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    scheduler::run(&m, &s, rx)
+                }));
+                if r.is_err() {
+                    eprintln!("error: the engine thread panicked");
+                }
+                s.running.store(0, Ordering::Relaxed);
+                s.queued.store(0, Ordering::Relaxed);
+                s.dead.send_replace(true);
+            })?;
         Ok(Engine { tx, shared, model })
     }
 
@@ -271,12 +285,17 @@ impl Engine {
 
     /// KV blocks a request reserves.
     pub fn blocks_for(&self, prompt: usize, max_tokens: usize) -> usize {
-        (prompt + max_tokens).min(self.shared.cfg.ctx_size).div_ceil(BLOCK_TOKENS)
+        (prompt + max_tokens)
+            .min(self.shared.cfg.ctx_size)
+            .div_ceil(BLOCK_TOKENS)
     }
 
     /// Submits one request (see [`Engine::submit_many`]).
     pub fn submit(&self, req: GenRequest) -> Result<Ticket, SubmitError> {
-        Ok(self.submit_many(vec![req])?.pop().expect("one request, one ticket"))
+        Ok(self
+            .submit_many(vec![req])?
+            .pop()
+            .expect("one request, one ticket"))
     }
 
     /// Submits requests that are admitted to the queue together or not at all (the `n` choices
@@ -287,7 +306,9 @@ impl Engine {
             return Err(SubmitError::Unavailable("the engine is not running".into()));
         }
         if sh.is_draining() {
-            return Err(SubmitError::Unavailable("the server is shutting down".into()));
+            return Err(SubmitError::Unavailable(
+                "the server is shutting down".into(),
+            ));
         }
         for r in &reqs {
             let need = self.blocks_for(r.prompt.len(), r.max_tokens);
@@ -311,12 +332,21 @@ impl Engine {
             let (out, events) = tmpsc::unbounded_channel();
             let cancel = Arc::new(AtomicBool::new(false));
             let blocks = self.blocks_for(req.prompt.len(), req.max_tokens);
-            let p = Pending { req, out, cancel: cancel.clone(), arrived: now, blocks };
+            let p = Pending {
+                req,
+                out,
+                cancel: cancel.clone(),
+                arrived: now,
+                blocks,
+            };
             if self.tx.send(Cmd::Submit(Box::new(p))).is_err() {
                 sh.queued.fetch_sub(n - tickets.len(), Ordering::SeqCst);
                 return Err(SubmitError::Unavailable("the engine is not running".into()));
             }
-            tickets.push(Ticket { events, _cancel: CancelOnDrop(cancel) });
+            tickets.push(Ticket {
+                events,
+                _cancel: CancelOnDrop(cancel),
+            });
         }
         Ok(tickets)
     }

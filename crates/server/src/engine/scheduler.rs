@@ -89,7 +89,9 @@ impl<'m> Seq<'m> {
         let m = &sh.metrics;
         m.completion_tokens.fetch_add(1, Ordering::Relaxed);
         match self.last_token_at {
-            None => m.ttft.observe(now.duration_since(self.p.arrived).as_secs_f64()),
+            None => m
+                .ttft
+                .observe(now.duration_since(self.p.arrived).as_secs_f64()),
             Some(t) => m.itl.observe(now.duration_since(t).as_secs_f64()),
         }
         self.last_token_at = Some(now);
@@ -131,7 +133,11 @@ impl<'m> Seq<'m> {
     }
 
     fn emit(&mut self, text: String) {
-        let ev = Event::Delta { text, ids: std::mem::take(&mut self.ids), logprobs: std::mem::take(&mut self.lps) };
+        let ev = Event::Delta {
+            text,
+            ids: std::mem::take(&mut self.ids),
+            logprobs: std::mem::take(&mut self.lps),
+        };
         self.send(ev);
     }
 
@@ -157,20 +163,42 @@ impl<'m> Seq<'m> {
             }
         }
         sh.metrics.count_finished(reason.as_str());
-        let ev = Event::Done { finish: reason, prompt_tokens: self.p.req.prompt.len(), completion_tokens: self.generated };
+        let ev = Event::Done {
+            finish: reason,
+            prompt_tokens: self.p.req.prompt.len(),
+            completion_tokens: self.generated,
+        };
         self.send(ev);
     }
 }
 
 /// log-softmax of `logits` at `id`, and the `k` most likely tokens (best first, ties by id).
 pub(super) fn logprobs(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
-    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().filter(|v| !v.is_nan()).map(|&v| f64::from(v - max).exp()).sum();
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| f64::from(v - max).exp())
+        .sum();
     let lse = max as f64 + sum.ln();
-    let lp = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { (f64::from(v) - lse) as f32 };
+    let lp = |v: f32| {
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            (f64::from(v) - lse) as f32
+        }
+    };
     let mut top: Vec<(u32, f32)> = Vec::new();
     if k > 0 {
-        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, lp(v))).collect();
+        let mut all: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (i as u32, lp(v)))
+            .collect();
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         let k = k.min(all.len());
         if k < all.len() {
@@ -180,7 +208,13 @@ pub(super) fn logprobs(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
         all.sort_unstable_by(order);
         top = all;
     }
-    TokenLogprob { id, logprob: logits.get(id as usize).map_or(f32::NEG_INFINITY, |&v| lp(v)), top }
+    TokenLogprob {
+        id,
+        logprob: logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&v| lp(v)),
+        top,
+    }
 }
 
 /// The engine loop; returns on `Cmd::Stop` or when every handle is gone.
@@ -208,19 +242,31 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 Cmd::AbortAll(why) => {
                     for p in waiting.drain(..) {
                         sh.queued.fetch_sub(1, Ordering::SeqCst);
-                        let _ = p.out.send(Event::Error { status: 503, message: why.clone() });
+                        let _ = p.out.send(Event::Error {
+                            status: 503,
+                            message: why.clone(),
+                        });
                     }
                     for mut s in running.drain(..) {
-                        s.send(Event::Error { status: 503, message: why.clone() });
+                        s.send(Event::Error {
+                            status: 503,
+                            message: why.clone(),
+                        });
                         free_blocks += s.p.blocks;
                     }
                 }
                 Cmd::Stop => {
                     for p in waiting.drain(..) {
-                        let _ = p.out.send(Event::Error { status: 503, message: "the server is shutting down".into() });
+                        let _ = p.out.send(Event::Error {
+                            status: 503,
+                            message: "the server is shutting down".into(),
+                        });
                     }
                     for mut s in running.drain(..) {
-                        s.send(Event::Error { status: 503, message: "the server is shutting down".into() });
+                        s.send(Event::Error {
+                            status: 503,
+                            message: "the server is shutting down".into(),
+                        });
                     }
                     return;
                 }
@@ -240,7 +286,10 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 sh.queued.fetch_sub(1, Ordering::SeqCst);
                 sh.metrics.count_finished("timeout");
                 let message = "the request timed out waiting for a free slot".to_string();
-                let _ = p.out.send(Event::Error { status: 503, message });
+                let _ = p.out.send(Event::Error {
+                    status: 503,
+                    message,
+                });
                 return false;
             }
             true
@@ -264,12 +313,21 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
             let p = waiting.pop_front().expect("front exists");
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             if p.req.prompt.is_empty() || p.req.prompt.len() > cfg.ctx_size {
-                let message = format!("the prompt has {} tokens; 1 to {} are allowed", p.req.prompt.len(), cfg.ctx_size);
-                let _ = p.out.send(Event::Error { status: 400, message });
+                let message = format!(
+                    "the prompt has {} tokens; 1 to {} are allowed",
+                    p.req.prompt.len(),
+                    cfg.ctx_size
+                );
+                let _ = p.out.send(Event::Error {
+                    status: 400,
+                    message,
+                });
                 continue;
             }
             free_blocks -= p.blocks;
-            sh.metrics.prompt_tokens.fetch_add(p.req.prompt.len() as u64, Ordering::Relaxed);
+            sh.metrics
+                .prompt_tokens
+                .fetch_add(p.req.prompt.len() as u64, Ordering::Relaxed);
             running.push(Seq::new(p, model, cfg.ctx_size));
         }
         publish(&running, free_blocks, sh);
@@ -304,17 +362,29 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 }
                 let n = plan[pi].1;
                 pi += 1;
-                let Seq { cache, pos, next, p, .. } = s;
+                let Seq {
+                    cache,
+                    pos,
+                    next,
+                    p,
+                    ..
+                } = s;
                 let tokens: &[u32] = match next {
                     Some(t) => std::slice::from_ref(t),
                     None => &p.req.prompt[*pos..*pos + n],
                 };
-                items.push(BatchItem { cache, pos0: *pos, tokens });
+                items.push(BatchItem {
+                    cache,
+                    pos0: *pos,
+                    tokens,
+                });
             }
             model.step_batch(&mut items)
         };
         sh.metrics.steps.fetch_add(1, Ordering::Relaxed);
-        sh.metrics.step_tokens.fetch_add(fed as u64, Ordering::Relaxed);
+        sh.metrics
+            .step_tokens
+            .fetch_add(fed as u64, Ordering::Relaxed);
         sh.beat();
 
         // 5. Sample.
@@ -336,13 +406,20 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 eprintln!("error: forward step failed: {e}");
                 for (i, _) in &plan {
                     let s = &mut running[*i];
-                    s.send(Event::Error { status: 500, message: format!("the forward pass failed: {e}") });
+                    s.send(Event::Error {
+                        status: 500,
+                        message: format!("the forward pass failed: {e}"),
+                    });
                     sh.metrics.count_finished("error");
                     s.done = Some(FinishReason::Cancelled);
                 }
             }
         }
-        sh.metrics.rate.lock().unwrap_or_else(|e| e.into_inner()).add(now, sampled);
+        sh.metrics
+            .rate
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add(now, sampled);
         retire(&mut running, &mut free_blocks, sh);
         publish(&running, free_blocks, sh);
         if !cfg.step_delay.is_zero() {
@@ -365,7 +442,8 @@ fn retire(running: &mut Vec<Seq<'_>>, free_blocks: &mut usize, sh: &Shared) {
 
 fn publish(running: &[Seq<'_>], free_blocks: usize, sh: &Shared) {
     sh.running.store(running.len(), Ordering::SeqCst);
-    sh.kv_reserved_blocks.store(sh.total_blocks - free_blocks, Ordering::Relaxed);
+    sh.kv_reserved_blocks
+        .store(sh.total_blocks - free_blocks, Ordering::Relaxed);
     let used: usize = running.iter().map(|s| s.cache.bytes()).sum();
     sh.kv_used_bytes.store(used as u64, Ordering::Relaxed);
 }

@@ -49,11 +49,18 @@ struct Job {
 }
 
 pub async fn chat(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
-    chat_inner(st, body).await.unwrap_or_else(IntoResponse::into_response)
+    chat_inner(st, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn completions(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
-    completions_inner(st, body).await.unwrap_or_else(IntoResponse::into_response)
+pub async fn completions(
+    State(st): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    completions_inner(st, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
@@ -64,13 +71,31 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
     let messages = req.messages;
     let prompt = blocking(move || {
         let model = st2.engine.model();
-        encode_chat(model.tokenizer(), &st2.template, &messages, true)
-            .map_err(|e| ApiError::invalid("messages", format!("the chat template could not render these messages: {e}")))
+        encode_chat(model.tokenizer(), &st2.template, &messages, true).map_err(|e| {
+            ApiError::invalid(
+                "messages",
+                format!("the chat template could not render these messages: {e}"),
+            )
+        })
     })
     .await?;
-    let (jobs, prompt_tokens) = submit(&st, &req.common, vec![(prompt, String::new())], req.logprobs)?;
+    let (jobs, prompt_tokens) = submit(
+        &st,
+        &req.common,
+        vec![(prompt, String::new())],
+        req.logprobs,
+    )?;
     let meta = meta(&st, "chatcmpl");
-    respond(&st, Kind::Chat, meta, &req.common, jobs, prompt_tokens, req.logprobs.is_some()).await
+    respond(
+        &st,
+        Kind::Chat,
+        meta,
+        &req.common,
+        jobs,
+        prompt_tokens,
+        req.logprobs.is_some(),
+    )
+    .await
 }
 
 async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
@@ -87,9 +112,18 @@ async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> A
                 let (ids, text) = match p {
                     // A raw completion prompt is the client's whole text: special tokens in it
                     // are meant as such, and BOS is added when the model wants one.
-                    Prompt::Text(t) => (tok.encode(&t, true, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?, t),
+                    Prompt::Text(t) => (
+                        tok.encode(&t, true, true)
+                            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+                        t,
+                    ),
                     Prompt::Tokens(ids) => {
-                        let t = if echo { tok.decode(&ids, false).map_err(|e| ApiError::invalid("prompt", e.to_string()))? } else { String::new() };
+                        let t = if echo {
+                            tok.decode(&ids, false)
+                                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?
+                        } else {
+                            String::new()
+                        };
                         (ids, t)
                     }
                 };
@@ -100,35 +134,67 @@ async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> A
     .await?;
     let (jobs, prompt_tokens) = submit(&st, &req.common, encoded, req.logprobs)?;
     let meta = meta(&st, "cmpl");
-    respond(&st, Kind::Completion, meta, &req.common, jobs, prompt_tokens, req.logprobs.is_some()).await
+    respond(
+        &st,
+        Kind::Completion,
+        meta,
+        &req.common,
+        jobs,
+        prompt_tokens,
+        req.logprobs.is_some(),
+    )
+    .await
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("tokenization failed: {e}")))?
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> ApiResult<T> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenization failed: {e}")))?
 }
 
 fn meta(st: &Shared, prefix: &str) -> RespMeta {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     // Unique per process and unlikely to repeat across restarts; not a secret.
-    let id = format!("{prefix}-{:x}{:06x}", now.as_nanos() & 0xffff_ffff_ffff, n & 0xff_ffff);
-    RespMeta { id, created: now.as_secs(), model: st.cfg.model_id.clone() }
+    let id = format!(
+        "{prefix}-{:x}{:06x}",
+        now.as_nanos() & 0xffff_ffff_ffff,
+        n & 0xff_ffff
+    );
+    RespMeta {
+        id,
+        created: now.as_secs(),
+        model: st.cfg.model_id.clone(),
+    }
 }
 
 /// Checks lengths against the context, builds `n` engine requests per prompt and submits them
 /// together. Returns the jobs (choice index = prompt index * n + j) and the prompt token count
 /// (each prompt counted once, as OpenAI's usage does).
-fn submit(st: &Shared, c: &Common, prompts: Vec<(Vec<u32>, String)>, logprobs: Option<usize>) -> ApiResult<(Vec<Job>, usize)> {
+fn submit(
+    st: &Shared,
+    c: &Common,
+    prompts: Vec<(Vec<u32>, String)>,
+    logprobs: Option<usize>,
+) -> ApiResult<(Vec<Job>, usize)> {
     let ctx = st.cfg.engine.ctx_size;
-    let deadline = (!st.cfg.request_timeout.is_zero()).then(|| Instant::now() + st.cfg.request_timeout);
+    let deadline =
+        (!st.cfg.request_timeout.is_zero()).then(|| Instant::now() + st.cfg.request_timeout);
     let mut reqs = Vec::new();
     let mut echoes = Vec::new();
     let mut prompt_tokens = 0;
     for (ids, echo) in prompts {
         let p = ids.len();
         if p == 0 {
-            return Err(ApiError::invalid("prompt", "the prompt is empty (no tokens to generate from)"));
+            return Err(ApiError::invalid(
+                "prompt",
+                "the prompt is empty (no tokens to generate from)",
+            ));
         }
         let too_long = |total: usize, detail: String| {
             ApiError::invalid(
@@ -138,10 +204,18 @@ fn submit(st: &Shared, c: &Common, prompts: Vec<(Vec<u32>, String)>, logprobs: O
             .with_code("context_length_exceeded")
         };
         if p >= ctx {
-            return Err(too_long(p + 1, format!("{p} in the messages, at least 1 in the completion")));
+            return Err(too_long(
+                p + 1,
+                format!("{p} in the messages, at least 1 in the completion"),
+            ));
         }
         let max_tokens = match c.max_tokens {
-            Some(m) if p + m > ctx => return Err(too_long(p + m, format!("{p} in the messages, {m} in the completion"))),
+            Some(m) if p + m > ctx => {
+                return Err(too_long(
+                    p + m,
+                    format!("{p} in the messages, {m} in the completion"),
+                ))
+            }
             Some(m) => m,
             None => ctx - p,
         };
@@ -165,9 +239,20 @@ fn submit(st: &Shared, c: &Common, prompts: Vec<(Vec<u32>, String)>, logprobs: O
     let tickets = st.engine.submit_many(reqs).map_err(|e| match e {
         SubmitError::QueueFull(_) => ApiError::busy(e.to_string()),
         SubmitError::Unavailable(m) => ApiError::unavailable(m),
-        SubmitError::TooLarge { .. } => ApiError::invalid("max_tokens", e.to_string()).with_code("context_length_exceeded"),
+        SubmitError::TooLarge { .. } => {
+            ApiError::invalid("max_tokens", e.to_string()).with_code("context_length_exceeded")
+        }
     })?;
-    let jobs = tickets.into_iter().zip(echoes).enumerate().map(|(index, (ticket, echo))| Job { index, ticket, echo }).collect();
+    let jobs = tickets
+        .into_iter()
+        .zip(echoes)
+        .enumerate()
+        .map(|(index, (ticket, echo))| Job {
+            index,
+            ticket,
+            echo,
+        })
+        .collect();
     Ok((jobs, prompt_tokens))
 }
 
@@ -189,7 +274,14 @@ async fn respond(
 ) -> ApiResult<Response> {
     let text_of = text_of(st.engine.model());
     if c.stream {
-        let s = SseState::new(kind, meta, jobs, c.include_usage, prompt_tokens, logprobs.then_some(text_of));
+        let s = SseState::new(
+            kind,
+            meta,
+            jobs,
+            c.include_usage,
+            prompt_tokens,
+            logprobs.then_some(text_of),
+        );
         let body = Body::from_stream(s.into_stream());
         let resp = Response::builder()
             .status(StatusCode::OK)
@@ -228,12 +320,22 @@ async fn collect(mut job: Job) -> ApiResult<(ChoiceOut, Vec<TokenLogprob>, usize
     let mut lps: Vec<TokenLogprob> = Vec::new();
     loop {
         match job.ticket.recv().await {
-            Event::Delta { text: t, logprobs, .. } => {
+            Event::Delta {
+                text: t, logprobs, ..
+            } => {
                 text.push_str(&t);
                 lps.extend(logprobs);
             }
-            Event::Done { finish, completion_tokens, .. } => {
-                let choice = ChoiceOut { index: job.index, text, finish: finish.as_str().to_string() };
+            Event::Done {
+                finish,
+                completion_tokens,
+                ..
+            } => {
+                let choice = ChoiceOut {
+                    index: job.index,
+                    text,
+                    finish: finish.as_str().to_string(),
+                };
                 return Ok((choice, lps, completion_tokens, echo_len));
             }
             Event::Error { status, message } => return Err(ApiError::from_status(status, message)),
@@ -271,7 +373,14 @@ struct SseState {
 }
 
 impl SseState {
-    fn new(kind: Kind, meta: RespMeta, jobs: Vec<Job>, include_usage: bool, prompt_tokens: usize, text_of: Option<TextOf>) -> SseState {
+    fn new(
+        kind: Kind,
+        meta: RespMeta,
+        jobs: Vec<Job>,
+        include_usage: bool,
+        prompt_tokens: usize,
+        text_of: Option<TextOf>,
+    ) -> SseState {
         let mut s = SseState {
             kind,
             meta,
@@ -289,11 +398,21 @@ impl SseState {
             match kind {
                 Kind::Chat => {
                     let delta = json!({"role": "assistant", "content": "", "refusal": null});
-                    s.push_choice(openai::chat_chunk_choice(job.index, delta, Value::Null, None));
+                    s.push_choice(openai::chat_chunk_choice(
+                        job.index,
+                        delta,
+                        Value::Null,
+                        None,
+                    ));
                 }
                 Kind::Completion if !job.echo.is_empty() => {
                     s.offsets[job.index] = job.echo.len();
-                    s.push_choice(openai::completion_chunk_choice(job.index, &job.echo, Value::Null, None));
+                    s.push_choice(openai::completion_chunk_choice(
+                        job.index,
+                        &job.echo,
+                        Value::Null,
+                        None,
+                    ));
                 }
                 Kind::Completion => {}
             }
@@ -321,7 +440,9 @@ impl SseState {
                 let lp = match &self.text_of {
                     Some(f) if !logprobs.is_empty() => match self.kind {
                         Kind::Chat => openai::chat_logprobs(&logprobs, &**f),
-                        Kind::Completion => openai::completion_logprobs(&logprobs, &**f, self.offsets[index]),
+                        Kind::Completion => {
+                            openai::completion_logprobs(&logprobs, &**f, self.offsets[index])
+                        }
                     },
                     _ => Value::Null,
                 };
@@ -330,16 +451,32 @@ impl SseState {
                 }
                 self.offsets[index] += text.len();
                 let choice = match self.kind {
-                    Kind::Chat => openai::chat_chunk_choice(index, json!({"content": text}), lp, None),
+                    Kind::Chat => {
+                        openai::chat_chunk_choice(index, json!({"content": text}), lp, None)
+                    }
                     Kind::Completion => openai::completion_chunk_choice(index, &text, lp, None),
                 };
                 self.push_choice(choice);
             }
-            Event::Done { finish, completion_tokens, .. } => {
+            Event::Done {
+                finish,
+                completion_tokens,
+                ..
+            } => {
                 self.completion_tokens += completion_tokens;
                 let choice = match self.kind {
-                    Kind::Chat => openai::chat_chunk_choice(index, json!({}), Value::Null, Some(finish.as_str())),
-                    Kind::Completion => openai::completion_chunk_choice(index, "", Value::Null, Some(finish.as_str())),
+                    Kind::Chat => openai::chat_chunk_choice(
+                        index,
+                        json!({}),
+                        Value::Null,
+                        Some(finish.as_str()),
+                    ),
+                    Kind::Completion => openai::completion_chunk_choice(
+                        index,
+                        "",
+                        Value::Null,
+                        Some(finish.as_str()),
+                    ),
                 };
                 self.push_choice(choice);
                 self.remaining -= 1;
@@ -377,7 +514,8 @@ impl SseState {
                     Some((i, ev)) => s.handle(i, ev),
                     None => {
                         // Every job ended without Done (engine gone).
-                        let e = ApiError::internal("the engine stopped while generating this response");
+                        let e =
+                            ApiError::internal("the engine stopped while generating this response");
                         s.queue.push_back(openai::sse(&e.body()));
                         s.ended = true;
                     }

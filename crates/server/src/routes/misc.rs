@@ -54,12 +54,24 @@ pub async fn model(State(st): State<Shared>, Path(id): Path<String>) -> ApiResul
 pub async fn health(State(st): State<Shared>) -> Response {
     let sh = st.engine.shared();
     let (status, state, detail) = if sh.is_dead() {
-        (StatusCode::SERVICE_UNAVAILABLE, "error", "the engine is not running".to_string())
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "error",
+            "the engine is not running".to_string(),
+        )
     } else if sh.busy() && sh.since_heartbeat() > st.cfg.stuck_after {
         let secs = sh.since_heartbeat().as_secs();
-        (StatusCode::SERVICE_UNAVAILABLE, "error", format!("the engine has made no progress for {secs} s"))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "error",
+            format!("the engine has made no progress for {secs} s"),
+        )
     } else if sh.is_draining() {
-        (StatusCode::SERVICE_UNAVAILABLE, "draining", "the server is shutting down".to_string())
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "the server is shutting down".to_string(),
+        )
     } else {
         (StatusCode::OK, "ok", String::new())
     };
@@ -71,15 +83,39 @@ pub async fn health(State(st): State<Shared>) -> Response {
 pub async fn metrics(State(st): State<Shared>) -> Response {
     let sh = st.engine.shared();
     let text = sh.metrics.render(&sh.gauges());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
-pub async fn tokenize(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Value>> {
+pub async fn tokenize(
+    State(st): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
     let v = json_body(body, st.cfg.max_body_bytes)?;
-    let m = v.as_object().ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
+    let m = v
+        .as_object()
+        .ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
     for k in m.keys() {
-        if !["content", "prompt", "messages", "add_special", "with_pieces", "model"].contains(&k.as_str()) {
-            return Err(ApiError::invalid(k, format!("Unrecognized request argument supplied: {k}")));
+        if ![
+            "content",
+            "prompt",
+            "messages",
+            "add_special",
+            "with_pieces",
+            "model",
+        ]
+        .contains(&k.as_str())
+        {
+            return Err(ApiError::invalid(
+                k,
+                format!("Unrecognized request argument supplied: {k}"),
+            ));
         }
     }
     st.check_model(m.get("model").and_then(Value::as_str))?;
@@ -94,16 +130,19 @@ pub async fn tokenize(State(st): State<Shared>, body: Result<Bytes, BytesRejecti
     let tok = model.tokenizer();
     let ids = if let Some(msgs) = m.get("messages") {
         let req = openai::parse_chat(&json!({"messages": msgs}), st.limits())?;
-        encode_chat(tok, &st.template, &req.messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?
+        encode_chat(tok, &st.template, &req.messages, true)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?
     } else {
         let text = match m.get("content").or_else(|| m.get("prompt")) {
             Some(Value::String(s)) => s,
             Some(_) => return Err(ApiError::wrong_type("content", "a string")),
             None => return Err(ApiError::missing("content")),
         };
-        tok.encode(text, add_special, true).map_err(|e| ApiError::invalid("content", e.to_string()))?
+        tok.encode(text, add_special, true)
+            .map_err(|e| ApiError::invalid("content", e.to_string()))?
     };
-    let mut out = json!({"tokens": ids, "count": ids.len(), "max_model_len": st.cfg.engine.ctx_size});
+    let mut out =
+        json!({"tokens": ids, "count": ids.len(), "max_model_len": st.cfg.engine.ctx_size});
     if with_pieces {
         let pieces: Vec<Value> = ids
             .iter()
@@ -114,25 +153,45 @@ pub async fn tokenize(State(st): State<Shared>, body: Result<Bytes, BytesRejecti
     Ok(Json(out))
 }
 
-pub async fn detokenize(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Value>> {
+pub async fn detokenize(
+    State(st): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
     let v = json_body(body, st.cfg.max_body_bytes)?;
-    let m = v.as_object().ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
+    let m = v
+        .as_object()
+        .ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
     for k in m.keys() {
         if !["tokens", "model"].contains(&k.as_str()) {
-            return Err(ApiError::invalid(k, format!("Unrecognized request argument supplied: {k}")));
+            return Err(ApiError::invalid(
+                k,
+                format!("Unrecognized request argument supplied: {k}"),
+            ));
         }
     }
     let arr = m.get("tokens").ok_or_else(|| ApiError::missing("tokens"))?;
-    let arr = arr.as_array().ok_or_else(|| ApiError::wrong_type("tokens", "a list of token ids"))?;
+    let arr = arr
+        .as_array()
+        .ok_or_else(|| ApiError::wrong_type("tokens", "a list of token ids"))?;
     let vocab = st.engine.model().vocab_size();
     let mut ids = Vec::with_capacity(arr.len());
     for x in arr {
-        let id = x.as_u64().ok_or_else(|| ApiError::wrong_type("tokens", "a list of token ids"))?;
+        let id = x
+            .as_u64()
+            .ok_or_else(|| ApiError::wrong_type("tokens", "a list of token ids"))?;
         if id as usize >= vocab {
-            return Err(ApiError::invalid("tokens", format!("token id {id} is outside the vocabulary of {vocab}")));
+            return Err(ApiError::invalid(
+                "tokens",
+                format!("token id {id} is outside the vocabulary of {vocab}"),
+            ));
         }
         ids.push(id as u32);
     }
-    let text = st.engine.model().tokenizer().decode(&ids, false).map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
+    let text = st
+        .engine
+        .model()
+        .tokenizer()
+        .decode(&ids, false)
+        .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
     Ok(Json(json!({"content": text})))
 }

@@ -49,21 +49,31 @@ impl AppState {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        Ok(AppState { engine, cfg, template, created })
+        Ok(AppState {
+            engine,
+            cfg,
+            template,
+            created,
+        })
     }
 
     pub fn limits(&self) -> Limits {
-        Limits { ctx_size: self.cfg.engine.ctx_size, vocab: self.engine.model().vocab_size() }
+        Limits {
+            ctx_size: self.cfg.engine.ctx_size,
+            vocab: self.engine.model().vocab_size(),
+        }
     }
 
     /// 404 unless `model` is absent (or empty) or names the served model.
     pub fn check_model(&self, model: Option<&str>) -> ApiResult<()> {
         match model {
-            Some(m) if !m.is_empty() && m != self.cfg.model_id => Err(ApiError::not_found(format!(
-                "The model '{m}' does not exist: this server serves '{}' (see /v1/models)",
-                self.cfg.model_id
-            ))
-            .with_code("model_not_found")),
+            Some(m) if !m.is_empty() && m != self.cfg.model_id => {
+                Err(ApiError::not_found(format!(
+                    "The model '{m}' does not exist: this server serves '{}' (see /v1/models)",
+                    self.cfg.model_id
+                ))
+                .with_code("model_not_found"))
+            }
             _ => Ok(()),
         }
     }
@@ -97,22 +107,37 @@ pub fn router(state: Shared) -> Router {
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::not_found(format!("no route for {} {}", req.method(), req.uri().path()))
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.uri().path()
+    ))
 }
 
 async fn method_not_allowed(req: Request) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
-        format!("method {} is not allowed on {}", req.method(), req.uri().path()),
+        format!(
+            "method {} is not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ),
     )
 }
 
 /// Counts requests by route template and status.
 async fn count(State(st): State<Shared>, req: Request, next: Next) -> Response {
-    let route = req.extensions().get::<MatchedPath>().map_or("other", |m| m.as_str()).to_string();
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("other", |m| m.as_str())
+        .to_string();
     let resp = next.run(req).await;
-    st.engine.shared().metrics.count_request(&route, resp.status().as_u16());
+    st.engine
+        .shared()
+        .metrics
+        .count_request(&route, resp.status().as_u16());
     resp
 }
 
@@ -123,7 +148,10 @@ async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
             .map(str::trim);
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
@@ -147,16 +175,37 @@ async fn cors(State(st): State<Shared>, req: Request, next: Next) -> Response {
     let origins = &st.cfg.cors_origins;
     let origin = req.headers().get(header::ORIGIN).cloned();
     let any = origins.iter().any(|o| o == "*");
-    let allowed = origin.as_ref().filter(|o| any || origins.iter().any(|a| o.as_bytes() == a.as_bytes())).cloned();
-    let Some(origin) = allowed else { return next.run(req).await };
-    let allow = if any { HeaderValue::from_static("*") } else { origin };
-    let preflight = req.method() == Method::OPTIONS && req.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    let allowed = origin
+        .as_ref()
+        .filter(|o| any || origins.iter().any(|a| o.as_bytes() == a.as_bytes()))
+        .cloned();
+    let Some(origin) = allowed else {
+        return next.run(req).await;
+    };
+    let allow = if any {
+        HeaderValue::from_static("*")
+    } else {
+        origin
+    };
+    let preflight = req.method() == Method::OPTIONS
+        && req
+            .headers()
+            .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
     let mut resp = if preflight {
         let mut r = StatusCode::NO_CONTENT.into_response();
         let h = r.headers_mut();
-        h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
-        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("authorization, content-type"));
-        h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static("authorization, content-type"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("600"),
+        );
         r
     } else {
         next.run(req).await
@@ -176,8 +225,10 @@ pub fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> ApiResult
             ApiError::invalid("body", format!("could not read the request body: {r}"))
         }
     })?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::invalid("body", format!("the request body is not valid JSON: {e}")).with_code("invalid_json"))
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::invalid("body", format!("the request body is not valid JSON: {e}"))
+            .with_code("invalid_json")
+    })
 }
 
 #[cfg(test)]

@@ -21,7 +21,8 @@ pub fn tiny_path() -> PathBuf {
 /// 256 positions): real code paths, milliseconds per step.
 pub fn tiny() -> Arc<Model> {
     static M: OnceLock<Arc<Model>> = OnceLock::new();
-    M.get_or_init(|| Arc::new(Model::load(&tiny_path()).expect("tiny model"))).clone()
+    M.get_or_init(|| Arc::new(Model::load(&tiny_path()).expect("tiny model")))
+        .clone()
 }
 
 /// SmolLM2-135M-Instruct when `HF2Q_TEST_SMOLLM2_GGUF` names it; prints "skipped" otherwise.
@@ -39,7 +40,14 @@ pub fn cfg() -> ServerConfig {
     ServerConfig {
         port: 0,
         model_id: "tiny".into(),
-        engine: EngineConfig { ctx_size: 256, kv_mem_bytes: 64 << 20, max_seqs: 16, max_queue: 64, max_batch_tokens: 256, ..Default::default() },
+        engine: EngineConfig {
+            ctx_size: 256,
+            kv_mem_bytes: 64 << 20,
+            max_seqs: 16,
+            max_queue: 64,
+            max_batch_tokens: 256,
+            ..Default::default()
+        },
         ..Default::default()
     }
 }
@@ -56,23 +64,36 @@ pub struct Resp {
 
 impl Resp {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
     }
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).to_string()
     }
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
 }
 
-fn request_bytes(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> Vec<u8> {
+fn request_bytes(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Vec<u8> {
     let mut r = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (k, v) in headers {
         r.push_str(&format!("{k}: {v}\r\n"));
     }
     if let Some(b) = body {
-        r.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", b.len()));
+        r.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
     }
     r.push_str("\r\n");
     let mut bytes = r.into_bytes();
@@ -90,13 +111,25 @@ pub struct Open {
     chunked: bool,
 }
 
-pub async fn open(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> Open {
+pub async fn open(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Open {
     let mut s = TcpStream::connect(addr).await.expect("connect");
-    s.write_all(&request_bytes(addr, method, path, headers, body)).await.expect("write");
+    s.write_all(&request_bytes(addr, method, path, headers, body))
+        .await
+        .expect("write");
     let mut reader = BufReader::new(s);
     let mut line = String::new();
     reader.read_line(&mut line).await.expect("status line");
-    let status: u16 = line.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {line:?}"));
     let mut headers = Vec::new();
     loop {
         line.clear();
@@ -109,8 +142,15 @@ pub async fn open(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, 
             headers.push((k.trim().to_string(), v.trim().to_string()));
         }
     }
-    let chunked = headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
-    Open { status, headers, reader, chunked }
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    Open {
+        status,
+        headers,
+        reader,
+        chunked,
+    }
 }
 
 impl Open {
@@ -138,11 +178,21 @@ impl Open {
         while let Some(b) = self.next().await {
             body.extend(b);
         }
-        Resp { status: self.status, headers: self.headers, body }
+        Resp {
+            status: self.status,
+            headers: self.headers,
+            body,
+        }
     }
 }
 
-pub async fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> Resp {
+pub async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Resp {
     open(addr, method, path, headers, body).await.body().await
 }
 
@@ -152,7 +202,10 @@ pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
 
 /// `data:` payloads of an SSE body, in order.
 pub fn sse_data(body: &str) -> Vec<String> {
-    body.split("\n\n").filter_map(|f| f.strip_prefix("data: ")).map(str::to_string).collect()
+    body.split("\n\n")
+        .filter_map(|f| f.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
 }
 
 /// The text of a streamed chat (all `delta.content`) or completion (all `text`).
@@ -164,7 +217,10 @@ pub fn streamed_text(body: &str) -> String {
         }
         let v: Value = serde_json::from_str(&d).unwrap_or_else(|e| panic!("{e}: {d}"));
         for c in v["choices"].as_array().into_iter().flatten() {
-            if let Some(t) = c["delta"]["content"].as_str().or_else(|| c["text"].as_str()) {
+            if let Some(t) = c["delta"]["content"]
+                .as_str()
+                .or_else(|| c["text"].as_str())
+            {
                 out.push_str(t);
             }
         }

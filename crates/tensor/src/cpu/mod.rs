@@ -30,13 +30,21 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    pub const FAST: CpuBackend = CpuBackend { matmul: MatmulPath::Fast };
-    pub const REFERENCE: CpuBackend = CpuBackend { matmul: MatmulPath::Reference };
+    pub const FAST: CpuBackend = CpuBackend {
+        matmul: MatmulPath::Fast,
+    };
+    pub const REFERENCE: CpuBackend = CpuBackend {
+        matmul: MatmulPath::Reference,
+    };
 }
 
 fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
     if a.shape() != b.shape() {
-        return Err(Error::Shape(format!("{op}: shapes {:?} and {:?} differ", a.shape(), b.shape())));
+        return Err(Error::Shape(format!(
+            "{op}: shapes {:?} and {:?} differ",
+            a.shape(),
+            b.shape()
+        )));
     }
     Ok(())
 }
@@ -57,7 +65,10 @@ impl Backend for CpuBackend {
         let mut out = vec![0f32; ids.len() * d];
         for (row, &id) in out.chunks_mut(d.max(1)).zip(ids) {
             if id as usize >= table.rows {
-                return Err(Error::Shape(format!("token id {id} is outside the vocabulary of {}", table.rows)));
+                return Err(Error::Shape(format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    table.rows
+                )));
             }
             table.dequantize_row(id as usize, row)?;
             if scale != 1.0 {
@@ -70,7 +81,10 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, offset: f32) -> Result<Tensor> {
         let (_, c) = x.dims2();
         if w.len() != c {
-            return Err(Error::Shape(format!("rms_norm: weight has {} values, rows have {c}", w.len())));
+            return Err(Error::Shape(format!(
+                "rms_norm: weight has {} values, rows have {c}",
+                w.len()
+            )));
         }
         let mut out = x.clone();
         out.data_mut().par_chunks_mut(c).for_each(|row| {
@@ -86,7 +100,10 @@ impl Backend for CpuBackend {
     fn linear(&self, x: &Tensor, w: &QTensor, bias: Option<&[f32]>) -> Result<Tensor> {
         let (t, c) = x.dims2();
         if c != w.cols {
-            return Err(Error::Shape(format!("linear '{}': input has {c} features, weight takes {}", w.name, w.cols)));
+            return Err(Error::Shape(format!(
+                "linear '{}': input has {c} features, weight takes {}",
+                w.name, w.cols
+            )));
         }
         let mut out = vec![0f32; t * w.rows];
         match self.matmul {
@@ -95,9 +112,15 @@ impl Backend for CpuBackend {
         }
         if let Some(b) = bias {
             if b.len() != w.rows {
-                return Err(Error::Shape(format!("linear '{}': bias has {} values, {} rows", w.name, b.len(), w.rows)));
+                return Err(Error::Shape(format!(
+                    "linear '{}': bias has {} values, {} rows",
+                    w.name,
+                    b.len(),
+                    w.rows
+                )));
             }
-            out.chunks_mut(w.rows).for_each(|r| r.iter_mut().zip(b).for_each(|(o, bi)| *o += bi));
+            out.chunks_mut(w.rows)
+                .for_each(|r| r.iter_mut().zip(b).for_each(|(o, bi)| *o += bi));
         }
         Tensor::new(&[t, w.rows], out)
     }
@@ -105,45 +128,70 @@ impl Backend for CpuBackend {
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {
         let (t, width) = x.dims2();
         if n_heads == 0 || width % n_heads != 0 {
-            return Err(Error::Shape(format!("rope: width {width} is not {n_heads} heads")));
+            return Err(Error::Shape(format!(
+                "rope: width {width} is not {n_heads} heads"
+            )));
         }
         let dh = width / n_heads;
         if p.dims > dh || p.dims % 2 != 0 {
-            return Err(Error::Shape(format!("rope: {} rotated dims for head width {dh}", p.dims)));
+            return Err(Error::Shape(format!(
+                "rope: {} rotated dims for head width {dh}",
+                p.dims
+            )));
         }
         let inv = p.inv_freqs();
         let half = p.dims / 2;
-        x.data_mut().par_chunks_mut(width).enumerate().for_each(|(ti, row)| {
-            let pos = (pos0 + ti) as f32 / p.linear_scale;
-            let cs: Vec<(f32, f32)> = inv.iter().map(|f| {
-                let a = pos * f;
-                (a.cos(), a.sin())
-            }).collect();
-            for head in row.chunks_mut(dh) {
-                for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (a, b) = match p.style {
-                        RopeStyle::Neox => (i, i + half),
-                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * c - x1 * s;
-                    head[b] = x0 * s + x1 * c;
+        x.data_mut()
+            .par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(ti, row)| {
+                let pos = (pos0 + ti) as f32 / p.linear_scale;
+                let cs: Vec<(f32, f32)> = inv
+                    .iter()
+                    .map(|f| {
+                        let a = pos * f;
+                        (a.cos(), a.sin())
+                    })
+                    .collect();
+                for head in row.chunks_mut(dh) {
+                    for (i, &(c, s)) in cs.iter().enumerate() {
+                        let (a, b) = match p.style {
+                            RopeStyle::Neox => (i, i + half),
+                            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        };
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0 * c - x1 * s;
+                        head[b] = x0 * s + x1 * c;
+                    }
                 }
-            }
-        });
+            });
         let _ = t;
         Ok(())
     }
 
-    fn attention(&self, q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
+    fn attention(
+        &self,
+        q: &Tensor,
+        cache: &LayerCache<'_>,
+        pos0: usize,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
         let (t, width) = q.dims2();
         let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
         if width != h * dh || hkv == 0 || h % hkv != 0 {
-            return Err(Error::Shape(format!("attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)")));
+            return Err(Error::Shape(format!(
+                "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
+            )));
         }
         let total = pos0 + t;
-        if total > cache.capacity || cache.k.len() < hkv * cache.capacity * dh || cache.v.len() < hkv * cache.capacity * dh {
-            return Err(Error::Shape(format!("attention: {total} positions exceed the cache capacity {}", cache.capacity)));
+        if total > cache.capacity
+            || cache.k.len() < hkv * cache.capacity * dh
+            || cache.v.len() < hkv * cache.capacity * dh
+        {
+            return Err(Error::Shape(format!(
+                "attention: {total} positions exceed the cache capacity {}",
+                cache.capacity
+            )));
         }
         let group = h / hkv;
         let mut out = vec![0f32; t * width];
@@ -181,19 +229,32 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         same_shape(gate, up, "silu_mul")?;
-        let d: Vec<f32> = gate.data().iter().zip(up.data()).map(|(g, u)| silu(*g) * u).collect();
+        let d: Vec<f32> = gate
+            .data()
+            .iter()
+            .zip(up.data())
+            .map(|(g, u)| silu(*g) * u)
+            .collect();
         Tensor::new(gate.shape(), d)
     }
 
     fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         same_shape(gate, up, "gelu_tanh_mul")?;
-        let d: Vec<f32> = gate.data().iter().zip(up.data()).map(|(g, u)| gelu_tanh(*g) * u).collect();
+        let d: Vec<f32> = gate
+            .data()
+            .iter()
+            .zip(up.data())
+            .map(|(g, u)| gelu_tanh(*g) * u)
+            .collect();
         Tensor::new(gate.shape(), d)
     }
 
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         same_shape(x, y, "add")?;
-        x.data_mut().iter_mut().zip(y.data()).for_each(|(a, b)| *a += b);
+        x.data_mut()
+            .iter_mut()
+            .zip(y.data())
+            .for_each(|(a, b)| *a += b);
         Ok(())
     }
 }
@@ -214,11 +275,21 @@ mod tests {
             xp[2 * i] = x[i];
             xp[2 * i + 1] = x[i + dh / 2];
         }
-        let mk = |style| RopeParams { style, theta: 10000.0, dims: dh, freq_factors: None, linear_scale: 1.0 };
+        let mk = |style| RopeParams {
+            style,
+            theta: 10000.0,
+            dims: dh,
+            freq_factors: None,
+            linear_scale: 1.0,
+        };
         let mut a = Tensor::new(&[1, dh], x.clone()).unwrap();
         let mut b = Tensor::new(&[1, dh], xp).unwrap();
-        CpuBackend::REFERENCE.rope(&mut a, 1, 7, &mk(RopeStyle::Neox)).unwrap();
-        CpuBackend::REFERENCE.rope(&mut b, 1, 7, &mk(RopeStyle::Interleaved)).unwrap();
+        CpuBackend::REFERENCE
+            .rope(&mut a, 1, 7, &mk(RopeStyle::Neox))
+            .unwrap();
+        CpuBackend::REFERENCE
+            .rope(&mut b, 1, 7, &mk(RopeStyle::Interleaved))
+            .unwrap();
         for i in 0..dh / 2 {
             assert!((a.data()[i] - b.data()[2 * i]).abs() < 1e-6);
             assert!((a.data()[i + dh / 2] - b.data()[2 * i + 1]).abs() < 1e-6);
@@ -227,10 +298,20 @@ mod tests {
 
     #[test]
     fn attention_single_key_returns_value() {
-        let p = AttentionParams { n_heads: 2, n_kv_heads: 1, head_dim: 2, scale: 1.0, window: None };
+        let p = AttentionParams {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 2,
+            scale: 1.0,
+            window: None,
+        };
         let k = vec![1.0, 0.0, 0.0, 0.0];
         let v = vec![3.0, 4.0, 0.0, 0.0];
-        let cache = LayerCache { k: &k, v: &v, capacity: 2 };
+        let cache = LayerCache {
+            k: &k,
+            v: &v,
+            capacity: 2,
+        };
         let q = Tensor::new(&[1, 4], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
         let o = CpuBackend::REFERENCE.attention(&q, &cache, 0, &p).unwrap();
         assert_eq!(o.data(), &[3.0, 4.0, 3.0, 4.0]);

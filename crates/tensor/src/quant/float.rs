@@ -93,7 +93,7 @@ mod tests {
         assert_eq!(f32_to_bf16_bits(f32::from_bits(0x7f80_0001)), 0x7fc0);
         assert_eq!(f32_to_bf16_bits(f32::INFINITY), 0x7f80);
         assert_eq!(f32_to_bf16_bits(f32::MAX), 0x7f80); // rounds up to inf, as ggml does
-        // A subnormal is kept (no flush to zero).
+                                                        // A subnormal is kept (no flush to zero).
         assert_eq!(f32_to_bf16_bits(f32::from_bits(0x0001_0000)), 0x0001);
     }
 

@@ -25,7 +25,10 @@ use crate::{Error, GgmlType, Result};
 
 mod search;
 
-use search::{make_q3_quants, make_qkx_quants, make_qp_quants, make_qx_quants, nearest_int, Search, GROUP_MAX_EPS};
+use search::{
+    make_q3_quants, make_qkx_quants, make_qp_quants, make_qx_quants, nearest_int, Search,
+    GROUP_MAX_EPS,
+};
 
 /// Rounds to half and back, as `GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(x))`.
 #[inline]
@@ -47,7 +50,8 @@ fn put_u16(b: &mut [u8], off: usize, h: u16) {
 fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8]) {
     for j in (0..QK_K).step_by(128) {
         for i in 0..32 {
-            qs[j / 4 + i] = l[j + i] | (l[j + i + 32] << 2) | (l[j + i + 64] << 4) | (l[j + i + 96] << 6);
+            qs[j / 4 + i] =
+                l[j + i] | (l[j + i + 32] << 2) | (l[j + i + 64] << 4) | (l[j + i + 96] << 6);
         }
     }
 }
@@ -71,7 +75,10 @@ fn get_scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -229,7 +236,8 @@ fn q6_k_finish(x: &[f32], l: &mut [i8; QK_K], scales: &[f32; 16], b: &mut [u8]) 
             let q = |k: usize| l[j + i + k] as u8;
             ql[64 * c + i] = (q(0) & 0xf) | ((q(64) & 0xf) << 4);
             ql[64 * c + i + 32] = (q(32) & 0xf) | ((q(96) & 0xf) << 4);
-            qh[32 * c + i] = (q(0) >> 4) | ((q(32) >> 4) << 2) | ((q(64) >> 4) << 4) | ((q(96) >> 4) << 6);
+            qh[32 * c + i] =
+                (q(0) >> 4) | ((q(32) >> 4) << 2) | ((q(64) >> 4) << 4) | ((q(96) >> 4) << 6);
         }
     }
 }
@@ -246,13 +254,26 @@ pub(crate) fn quantize_q2_k(src: &[f32], dst: &mut [u8]) {
         let mut weights = [0f32; 16];
         let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
         let (mut max_scale, mut max_min) = (0f32, 0f32);
-        let s = Search { rmin: -0.5, rdelta: 0.1, nstep: 15, use_mad: true };
+        let s = Search {
+            rmin: -0.5,
+            rdelta: 0.1,
+            nstep: 15,
+            use_mad: true,
+        };
         for j in 0..16 {
             let xs = &x[16 * j..16 * j + 16];
             for (w, &xi) in weights.iter_mut().zip(xs) {
                 *w = xi.abs();
             }
-            (scales[j], mins[j]) = make_qkx_quants(3, xs, Some(&weights), &mut l[16 * j..16 * j + 16], &mut laux, s, false);
+            (scales[j], mins[j]) = make_qkx_quants(
+                3,
+                xs,
+                Some(&weights),
+                &mut l[16 * j..16 * j + 16],
+                &mut laux,
+                s,
+                false,
+            );
             if scales[j] > max_scale {
                 max_scale = scales[j];
             }
@@ -289,7 +310,12 @@ pub(crate) fn quantize_q3_k(src: &[f32], dst: &mut [u8]) {
         let mut scales = [0f32; 16];
         let (mut max_scale, mut amax) = (0f32, 0f32);
         for j in 0..16 {
-            scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16], true);
+            scales[j] = make_q3_quants(
+                4,
+                &x[16 * j..16 * j + 16],
+                &mut l[16 * j..16 * j + 16],
+                true,
+            );
             if scales[j].abs() > amax {
                 amax = scales[j].abs();
                 max_scale = scales[j];
@@ -329,7 +355,15 @@ fn q45_k_ref_scales(x: &[f32], l: &mut [u8; QK_K], nmax: i32, s: Search, b: &mut
         for (w, &xi) in weights.iter_mut().zip(xs) {
             *w = av_x + xi.abs();
         }
-        (scales[j], mins[j]) = make_qkx_quants(nmax, xs, Some(&weights), &mut l[32 * j..32 * j + 32], &mut laux, s, false);
+        (scales[j], mins[j]) = make_qkx_quants(
+            nmax,
+            xs,
+            Some(&weights),
+            &mut l[32 * j..32 * j + 32],
+            &mut laux,
+            s,
+            false,
+        );
         if scales[j] > max_scale {
             max_scale = scales[j];
         }
@@ -337,7 +371,11 @@ fn q45_k_ref_scales(x: &[f32], l: &mut [u8; QK_K], nmax: i32, s: Search, b: &mut
             max_min = mins[j];
         }
     }
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let (mut ls, mut lm) = ([0u8; 8], [0u8; 8]);
     for j in 0..8 {
@@ -350,7 +388,12 @@ fn q45_k_ref_scales(x: &[f32], l: &mut [u8; QK_K], nmax: i32, s: Search, b: &mut
 }
 
 pub(crate) fn quantize_q4_k(src: &[f32], dst: &mut [u8]) {
-    let s = Search { rmin: -1.0, rdelta: 0.1, nstep: 20, use_mad: false };
+    let s = Search {
+        rmin: -1.0,
+        rdelta: 0.1,
+        nstep: 20,
+        use_mad: false,
+    };
     for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(144)) {
         let mut l = [0u8; QK_K];
         q45_k_ref_scales(x, &mut l, 15, s, b);
@@ -360,7 +403,12 @@ pub(crate) fn quantize_q4_k(src: &[f32], dst: &mut [u8]) {
 }
 
 pub(crate) fn quantize_q5_k(src: &[f32], dst: &mut [u8]) {
-    let s = Search { rmin: -0.5, rdelta: 0.1, nstep: 15, use_mad: false };
+    let s = Search {
+        rmin: -0.5,
+        rdelta: 0.1,
+        nstep: 15,
+        use_mad: false,
+    };
     for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(176)) {
         let mut l = [0u8; QK_K];
         q45_k_ref_scales(x, &mut l, 31, s, b);
@@ -375,7 +423,13 @@ pub(crate) fn quantize_q6_k(src: &[f32], dst: &mut [u8]) {
         let mut l = [0i8; QK_K];
         let mut scales = [0f32; 16];
         for ib in 0..16 {
-            scales[ib] = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16], 1, None);
+            scales[ib] = make_qx_quants(
+                32,
+                &x[16 * ib..16 * ib + 16],
+                &mut l[16 * ib..16 * ib + 16],
+                1,
+                None,
+            );
         }
         q6_k_finish(x, &mut l, &scales, b);
     }
@@ -401,7 +455,10 @@ pub(crate) fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
             b[4 + j] = nearest_int(iscale * x[j]).min(127) as i8 as u8;
         }
         for j in 0..16 {
-            let sum: i32 = b[4 + 16 * j..4 + 16 * j + 16].iter().map(|&q| q as i8 as i32).sum();
+            let sum: i32 = b[4 + 16 * j..4 + 16 * j + 16]
+                .iter()
+                .map(|&q| q as i8 as i32)
+                .sum();
             b[260 + 2 * j..262 + 2 * j].copy_from_slice(&(sum as i16).to_le_bytes());
         }
         b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
@@ -414,8 +471,17 @@ pub(crate) fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
 // ---------------------------------------------------------------------------------------------
 
 fn q2_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
-    let s = Search { rmin: -0.9, rdelta: 0.05, nstep: 36, use_mad: false };
-    for ((x, qw), b) in x_row.chunks_exact(QK_K).zip(qw_row.chunks_exact(QK_K)).zip(dst.chunks_exact_mut(84)) {
+    let s = Search {
+        rmin: -0.9,
+        rdelta: 0.05,
+        nstep: 36,
+        use_mad: false,
+    };
+    for ((x, qw), b) in x_row
+        .chunks_exact(QK_K)
+        .zip(qw_row.chunks_exact(QK_K))
+        .zip(dst.chunks_exact_mut(84))
+    {
         let mut l = [0u8; QK_K];
         let mut laux = [0u8; 16];
         let mut weight = [0f32; 16];
@@ -433,7 +499,15 @@ fn q2_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
             for &w in &weight {
                 sw[j] += w;
             }
-            (scales[j], mins[j]) = make_qkx_quants(3, &x[16 * j..16 * j + 16], Some(&weight), &mut l[16 * j..16 * j + 16], &mut laux, s, true);
+            (scales[j], mins[j]) = make_qkx_quants(
+                3,
+                &x[16 * j..16 * j + 16],
+                Some(&weight),
+                &mut l[16 * j..16 * j + 16],
+                &mut laux,
+                s,
+                true,
+            );
         }
         let (mut ls, mut lm) = ([0u8; 16], [0u8; 16]);
         let dm = make_qp_quants(15, &scales, &mut ls, &sw);
@@ -448,7 +522,11 @@ fn q2_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
 }
 
 fn q3_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
-    for ((x, qw), b) in x_row.chunks_exact(QK_K).zip(qw_row.chunks_exact(QK_K)).zip(dst.chunks_exact_mut(110)) {
+    for ((x, qw), b) in x_row
+        .chunks_exact(QK_K)
+        .zip(qw_row.chunks_exact(QK_K))
+        .zip(dst.chunks_exact_mut(110))
+    {
         let mut l = [0i8; QK_K];
         let mut weight = [0f32; 16];
         let (mut scales, mut sw) = ([0f32; 16], [0f32; 16]);
@@ -467,7 +545,13 @@ fn q3_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
                 sumw += w;
             }
             sw[j] = sumw;
-            scales[j] = make_qx_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16], 1, Some(&weight));
+            scales[j] = make_qx_quants(
+                4,
+                &x[16 * j..16 * j + 16],
+                &mut l[16 * j..16 * j + 16],
+                1,
+                Some(&weight),
+            );
         }
         let mut ls8 = [0i8; 16];
         let d_block = make_qx_quants(32, &scales, &mut ls8, 1, Some(&sw));
@@ -480,7 +564,12 @@ fn q3_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
 
 /// Q4_K / Q5_K `_impl` scale search (shared; they differ in nmax).
 fn q45_k_impl_scales(x: &[f32], qw: &[f32], l: &mut [u8; QK_K], nmax: i32, b: &mut [u8]) {
-    let s = Search { rmin: -0.9, rdelta: 0.05, nstep: 36, use_mad: false };
+    let s = Search {
+        rmin: -0.9,
+        rdelta: 0.05,
+        nstep: 36,
+        use_mad: false,
+    };
     let mut laux = [0u8; 32];
     let mut weights = [0f32; 32];
     let (mut scales, mut mins, mut sw) = ([0f32; 8], [0f32; 8], [0f32; 8]);
@@ -499,7 +588,15 @@ fn q45_k_impl_scales(x: &[f32], qw: &[f32], l: &mut [u8; QK_K], nmax: i32, b: &m
             sumw += w;
         }
         sw[j] = sumw;
-        (scales[j], mins[j]) = make_qkx_quants(nmax, &x[32 * j..32 * j + 32], Some(&weights), &mut l[32 * j..32 * j + 32], &mut laux, s, true);
+        (scales[j], mins[j]) = make_qkx_quants(
+            nmax,
+            &x[32 * j..32 * j + 32],
+            Some(&weights),
+            &mut l[32 * j..32 * j + 32],
+            &mut laux,
+            s,
+            true,
+        );
     }
     let (mut ls, mut lm) = ([0u8; 8], [0u8; 8]);
     let d_block = make_qp_quants(63, &scales, &mut ls, &sw);
@@ -507,7 +604,9 @@ fn q45_k_impl_scales(x: &[f32], qw: &[f32], l: &mut [u8; QK_K], nmax: i32, b: &m
     // Q5_K clamps to 63 here and Q4_K does not; make_qp_quants never exceeds 63 except through
     // uint8 wrap-around of a negative value, which the clamp then maps to 63.
     if nmax == 31 {
-        ls.iter_mut().chain(lm.iter_mut()).for_each(|v| *v = (*v).min(63));
+        ls.iter_mut()
+            .chain(lm.iter_mut())
+            .for_each(|v| *v = (*v).min(63));
     }
     pack_scale_min_k4(&ls, &lm, &mut b[4..16]);
     put_u16(b, 0, f32_to_f16_bits(d_block));
@@ -515,7 +614,11 @@ fn q45_k_impl_scales(x: &[f32], qw: &[f32], l: &mut [u8; QK_K], nmax: i32, b: &m
 }
 
 fn q4_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
-    for ((x, qw), b) in x_row.chunks_exact(QK_K).zip(qw_row.chunks_exact(QK_K)).zip(dst.chunks_exact_mut(144)) {
+    for ((x, qw), b) in x_row
+        .chunks_exact(QK_K)
+        .zip(qw_row.chunks_exact(QK_K))
+        .zip(dst.chunks_exact_mut(144))
+    {
         let mut l = [0u8; QK_K];
         q45_k_impl_scales(x, qw, &mut l, 15, b);
         q45_k_requantize(x, &mut l, b, 15);
@@ -524,7 +627,11 @@ fn q4_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
 }
 
 fn q5_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
-    for ((x, qw), b) in x_row.chunks_exact(QK_K).zip(qw_row.chunks_exact(QK_K)).zip(dst.chunks_exact_mut(176)) {
+    for ((x, qw), b) in x_row
+        .chunks_exact(QK_K)
+        .zip(qw_row.chunks_exact(QK_K))
+        .zip(dst.chunks_exact_mut(176))
+    {
         let mut l = [0u8; QK_K];
         q45_k_impl_scales(x, qw, &mut l, 31, b);
         q45_k_requantize(x, &mut l, b, 31);
@@ -534,7 +641,11 @@ fn q5_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
 }
 
 fn q6_k_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8]) {
-    for ((x, qw), b) in x_row.chunks_exact(QK_K).zip(qw_row.chunks_exact(QK_K)).zip(dst.chunks_exact_mut(210)) {
+    for ((x, qw), b) in x_row
+        .chunks_exact(QK_K)
+        .zip(qw_row.chunks_exact(QK_K))
+        .zip(dst.chunks_exact_mut(210))
+    {
         let mut l = [0i8; QK_K];
         let mut scales = [0f32; 16];
         for ib in 0..16 {
@@ -562,7 +673,11 @@ fn legacy_weights(xb: &[f32], qw: &[f32], sigma2: f32) -> [f32; 32] {
 fn q4_0_q5_0_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8], five: bool) {
     let sigma2 = row_sigma2(x_row);
     let bs = if five { 22 } else { 18 };
-    for ((xb, qw), b) in x_row.chunks_exact(32).zip(qw_row.chunks_exact(32)).zip(dst.chunks_exact_mut(bs)) {
+    for ((xb, qw), b) in x_row
+        .chunks_exact(32)
+        .zip(qw_row.chunks_exact(32))
+        .zip(dst.chunks_exact_mut(bs))
+    {
         let weight = legacy_weights(xb, qw, sigma2);
         let mut l = [0i8; 32];
         let d = make_qx_quants(if five { 16 } else { 8 }, xb, &mut l, 1, Some(&weight));
@@ -585,11 +700,28 @@ fn q4_0_q5_0_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8], five: bool) {
 fn q4_1_q5_1_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8], five: bool) {
     let sigma2 = row_sigma2(x_row);
     let bs = if five { 24 } else { 20 };
-    let s = Search { rmin: -0.9, rdelta: 0.05, nstep: 36, use_mad: false };
-    for ((xb, qw), b) in x_row.chunks_exact(32).zip(qw_row.chunks_exact(32)).zip(dst.chunks_exact_mut(bs)) {
+    let s = Search {
+        rmin: -0.9,
+        rdelta: 0.05,
+        nstep: 36,
+        use_mad: false,
+    };
+    for ((xb, qw), b) in x_row
+        .chunks_exact(32)
+        .zip(qw_row.chunks_exact(32))
+        .zip(dst.chunks_exact_mut(bs))
+    {
         let weight = legacy_weights(xb, qw, sigma2);
         let (mut l, mut laux) = ([0u8; 32], [0u8; 32]);
-        let (d, min) = make_qkx_quants(if five { 31 } else { 15 }, xb, Some(&weight), &mut l, &mut laux, s, true);
+        let (d, min) = make_qkx_quants(
+            if five { 31 } else { 15 },
+            xb,
+            Some(&weight),
+            &mut l,
+            &mut laux,
+            s,
+            true,
+        );
         put_u16(b, 0, f32_to_f16_bits(d));
         put_u16(b, 2, f32_to_f16_bits(-min));
         let qs_off = if five { 8 } else { 4 };
@@ -616,14 +748,24 @@ fn q4_1_q5_1_impl(x_row: &[f32], qw_row: &[f32], dst: &mut [u8], five: bool) {
 pub fn quantize_weighted(ty: GgmlType, src: &[f32], dst: &mut [u8], weights: &[f32]) -> Result<()> {
     let n = weights.len();
     if n == 0 || !src.len().is_multiple_of(n) {
-        return Err(Error::Shape(format!("{} values are not whole rows of {n} (the importance weights' length)", src.len())));
+        return Err(Error::Shape(format!(
+            "{} values are not whole rows of {n} (the importance weights' length)",
+            src.len()
+        )));
     }
     let row_bytes = ty.row_bytes(n).ok_or_else(|| {
-        Error::Shape(format!("a row of {n} is not a whole number of {ty} blocks ({} each)", ty.block_size()))
+        Error::Shape(format!(
+            "a row of {n} is not a whole number of {ty} blocks ({} each)",
+            ty.block_size()
+        ))
     })?;
     let rows = src.len() / n;
     if dst.len() != rows * row_bytes {
-        return Err(Error::Shape(format!("{} bytes of room given, {} needed for {rows} rows of {n} {ty}", dst.len(), rows * row_bytes)));
+        return Err(Error::Shape(format!(
+            "{} bytes of room given, {} needed for {rows} rows of {n} {ty}",
+            dst.len(),
+            rows * row_bytes
+        )));
     }
     let f: fn(&[f32], &[f32], &mut [u8]) = match ty {
         GgmlType::Q2_K => q2_k_impl,
@@ -683,7 +825,11 @@ mod tests {
             crate::quant::quantize(ty, &x, &mut q).unwrap();
             let mut y = vec![0f32; x.len()];
             crate::quant::dequantize(ty, &q, &mut y).unwrap();
-            let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let worst = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             // Tolerances: about one quantization step over a range of 4 at each bit width (4/3 at
             // 2 bits, 4/7 at 3 bits, ...), halved from 4 bits on where the min/scale search pays.
             assert!(worst < tol, "{ty}: worst error {worst}");

@@ -263,7 +263,9 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|i| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let u = ((s >> 40) as f32) / (1u64 << 24) as f32 - 0.5; // [-0.5, 0.5)
                 let scale = [1.0f32, 1e-3, 30.0, 0.07][(i / QK) % 4];
                 if i % 17 == 0 {
@@ -294,11 +296,19 @@ mod tests {
         quant(&x, &mut q);
         let mut y = vec![0f32; x.len()];
         deq(&q, &mut y);
-        for (bi, ((xb, yb), qb)) in x.chunks(QK).zip(y.chunks(QK)).zip(q.chunks(type_size)).enumerate() {
+        for (bi, ((xb, yb), qb)) in x
+            .chunks(QK)
+            .zip(y.chunks(QK))
+            .zip(q.chunks(type_size))
+            .enumerate()
+        {
             let (d, m) = scale_at(qb);
             let t = tol(d, m);
             for (a, b) in xb.iter().zip(yb) {
-                assert!((a - b).abs() <= t, "block {bi}: {a} -> {b}, step {d}, tolerance {t}");
+                assert!(
+                    (a - b).abs() <= t,
+                    "block {bi}: {a} -> {b}, step {d}, tolerance {t}"
+                );
             }
         }
     }
@@ -310,17 +320,35 @@ mod tests {
 
     #[test]
     fn q8_0_round_trip_within_half_a_step() {
-        check(quantize_q8_0, dequantize_q8_0, 34, |d, _| d.abs() * 0.5 + 127.0 * f16_slop(d), |b| (half_at(b, 0), 0.0));
+        check(
+            quantize_q8_0,
+            dequantize_q8_0,
+            34,
+            |d, _| d.abs() * 0.5 + 127.0 * f16_slop(d),
+            |b| (half_at(b, 0), 0.0),
+        );
     }
 
     #[test]
     fn q4_0_round_trip_within_one_step() {
-        check(quantize_q4_0, dequantize_q4_0, 18, |d, _| d.abs() + 8.0 * f16_slop(d), |b| (half_at(b, 0), 0.0));
+        check(
+            quantize_q4_0,
+            dequantize_q4_0,
+            18,
+            |d, _| d.abs() + 8.0 * f16_slop(d),
+            |b| (half_at(b, 0), 0.0),
+        );
     }
 
     #[test]
     fn q5_0_round_trip_within_one_step() {
-        check(quantize_q5_0, dequantize_q5_0, 22, |d, _| d.abs() + 16.0 * f16_slop(d), |b| (half_at(b, 0), 0.0));
+        check(
+            quantize_q5_0,
+            dequantize_q5_0,
+            22,
+            |d, _| d.abs() + 16.0 * f16_slop(d),
+            |b| (half_at(b, 0), 0.0),
+        );
     }
 
     #[test]
@@ -349,7 +377,11 @@ mod tests {
     fn zero_block_quantizes_to_zero_scale_and_back_to_zeros() {
         let x = [0f32; QK];
         for (quant, deq, ts) in [
-            (quantize_q4_0 as fn(&[f32], &mut [u8]), dequantize_q4_0 as fn(&[u8], &mut [f32]), 18),
+            (
+                quantize_q4_0 as fn(&[f32], &mut [u8]),
+                dequantize_q4_0 as fn(&[u8], &mut [f32]),
+                18,
+            ),
             (quantize_q4_1, dequantize_q4_1, 20),
             (quantize_q5_0, dequantize_q5_0, 22),
             (quantize_q5_1, dequantize_q5_1, 24),
@@ -373,7 +405,10 @@ mod tests {
         let mut q = [0u8; 22];
         quantize_q5_0(&x, &mut q);
         assert_eq!(half_at(&q, 0), 1.0);
-        assert_eq!(u32::from_le_bytes([q[2], q[3], q[4], q[5]]), (1 << 3) | (1 << 20));
+        assert_eq!(
+            u32::from_le_bytes([q[2], q[3], q[4], q[5]]),
+            (1 << 3) | (1 << 20)
+        );
         let mut y = [0f32; QK];
         dequantize_q5_0(&q, &mut y);
         assert_eq!(y, x);

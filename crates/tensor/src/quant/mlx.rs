@@ -32,10 +32,16 @@ impl AffineParams {
     /// Checks the pair is one MLX supports.
     pub fn validate(self) -> Result<()> {
         if !matches!(self.bits, 2 | 3 | 4 | 5 | 6 | 8) {
-            return Err(Error::Msg(format!("MLX affine: {} bits is not one of 2, 3, 4, 5, 6, 8", self.bits)));
+            return Err(Error::Msg(format!(
+                "MLX affine: {} bits is not one of 2, 3, 4, 5, 6, 8",
+                self.bits
+            )));
         }
         if !matches!(self.group_size, 32 | 64 | 128) {
-            return Err(Error::Msg(format!("MLX affine: group size {} is not one of 32, 64, 128", self.group_size)));
+            return Err(Error::Msg(format!(
+                "MLX affine: group size {} is not one of 32, 64, 128",
+                self.group_size
+            )));
         }
         Ok(())
     }
@@ -47,16 +53,30 @@ impl AffineParams {
 }
 
 /// Checks every length of one row of `n` elements; returns the number of groups.
-fn check_row(p: AffineParams, n: usize, packed: usize, scales: usize, biases: usize) -> Result<usize> {
+fn check_row(
+    p: AffineParams,
+    n: usize,
+    packed: usize,
+    scales: usize,
+    biases: usize,
+) -> Result<usize> {
     p.validate()?;
     if n % p.group_size != 0 {
-        return Err(Error::Shape(format!("MLX affine: row of {n} is not a whole number of groups of {}", p.group_size)));
+        return Err(Error::Shape(format!(
+            "MLX affine: row of {n} is not a whole number of groups of {}",
+            p.group_size
+        )));
     }
     let groups = n / p.group_size;
     // n is a multiple of 32, so n * bits / 8 is a whole number of uint32 words.
-    let need = p.packed_bytes(n).ok_or_else(|| Error::Shape(format!("MLX affine: row of {n} overflows")))?;
+    let need = p
+        .packed_bytes(n)
+        .ok_or_else(|| Error::Shape(format!("MLX affine: row of {n} overflows")))?;
     if packed != need {
-        return Err(Error::Shape(format!("MLX affine: {packed} packed bytes given, {need} needed for {n} elements at {} bits", p.bits)));
+        return Err(Error::Shape(format!(
+            "MLX affine: {packed} packed bytes given, {need} needed for {n} elements at {} bits",
+            p.bits
+        )));
     }
     if scales != groups || biases != groups {
         return Err(Error::Shape(format!(
@@ -94,7 +114,13 @@ fn put_bits(b: &mut [u8], off: usize, bits: u32, q: u8) {
 /// (`dst.len() * bits / 8` bytes), `scales`/`biases` one value per group (`dst.len() / group_size`).
 /// Element = scale * q + bias, a multiply then an add in f32 as `mx.dequantize` does on the CPU
 /// for f32 scales (bit-identical to it).
-pub fn dequantize_affine(p: AffineParams, packed: &[u8], scales: &[f32], biases: &[f32], dst: &mut [f32]) -> Result<()> {
+pub fn dequantize_affine(
+    p: AffineParams,
+    packed: &[u8],
+    scales: &[f32],
+    biases: &[f32],
+    dst: &mut [f32],
+) -> Result<()> {
     check_row(p, dst.len(), packed.len(), scales.len(), biases.len())?;
     let bits = p.bits;
     for (g, yg) in dst.chunks_exact_mut(p.group_size).enumerate() {
@@ -126,7 +152,13 @@ pub fn quantize_affine(
     scales_out: &mut [f32],
     biases_out: &mut [f32],
 ) -> Result<()> {
-    check_row(p, src.len(), packed_out.len(), scales_out.len(), biases_out.len())?;
+    check_row(
+        p,
+        src.len(),
+        packed_out.len(),
+        scales_out.len(),
+        biases_out.len(),
+    )?;
     let bits = p.bits;
     let n_bins = ((1u32 << bits) - 1) as f32;
     let eps = 1e-7f32;
@@ -171,9 +203,12 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|i| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let u = ((s >> 40) as f32) / (1u64 << 24) as f32 - 0.5;
-                u * [1.0f32, 1e-3, 30.0, 0.07][(i / 32) % 4] + [0.0f32, 0.0, 5.0, -0.2][(i / 64) % 4]
+                u * [1.0f32, 1e-3, 30.0, 0.07][(i / 32) % 4]
+                    + [0.0f32, 0.0, 5.0, -0.2][(i / 64) % 4]
             })
             .collect()
     }
@@ -183,12 +218,18 @@ mod tests {
         for bits in ALL_BITS {
             let n = 64;
             let mut b = vec![0u8; n * bits as usize / 8];
-            let qs: Vec<u8> = (0..n).map(|i| ((i * 37 + 11) % (1 << bits)) as u8).collect();
+            let qs: Vec<u8> = (0..n)
+                .map(|i| ((i * 37 + 11) % (1 << bits)) as u8)
+                .collect();
             for (i, &q) in qs.iter().enumerate() {
                 put_bits(&mut b, i * bits as usize, bits, q);
             }
             for (i, &q) in qs.iter().enumerate() {
-                assert_eq!(get_bits(&b, i * bits as usize, bits), q, "bits {bits} element {i}");
+                assert_eq!(
+                    get_bits(&b, i * bits as usize, bits),
+                    q,
+                    "bits {bits} element {i}"
+                );
             }
         }
     }
@@ -208,7 +249,10 @@ mod tests {
     fn round_trip_error_is_at_most_one_step() {
         for bits in ALL_BITS {
             for gs in [32usize, 64, 128] {
-                let p = AffineParams { bits, group_size: gs };
+                let p = AffineParams {
+                    bits,
+                    group_size: gs,
+                };
                 let x = data(512, bits as u64 * 1000 + gs as u64);
                 let g = x.len() / gs;
                 let mut packed = vec![0u8; p.packed_bytes(x.len()).unwrap()];
@@ -222,7 +266,11 @@ mod tests {
                     let gi = i / gs;
                     let mag = b[gi].abs() + s[gi].abs() * ((1u32 << bits) as f32);
                     let tol = s[gi].abs() * 1.0001 + mag * 4.0 * f32::EPSILON;
-                    assert!((a - r).abs() <= tol, "bits {bits} gs {gs} [{i}]: {a} -> {r}, scale {}", s[gi]);
+                    assert!(
+                        (a - r).abs() <= tol,
+                        "bits {bits} gs {gs} [{i}]: {a} -> {r}, scale {}",
+                        s[gi]
+                    );
                 }
             }
         }
@@ -231,7 +279,10 @@ mod tests {
     #[test]
     fn zero_and_constant_groups_are_exact() {
         for bits in ALL_BITS {
-            let p = AffineParams { bits, group_size: 32 };
+            let p = AffineParams {
+                bits,
+                group_size: 32,
+            };
             let mut x = vec![0f32; 32];
             x.extend(std::iter::repeat_n(-2.75f32, 32));
             x.extend(std::iter::repeat_n(1e-9f32, 32));
@@ -248,7 +299,10 @@ mod tests {
 
     #[test]
     fn every_length_is_checked() {
-        let p = AffineParams { bits: 4, group_size: 32 };
+        let p = AffineParams {
+            bits: 4,
+            group_size: 32,
+        };
         let mut dst = vec![0f32; 64];
         let (s, b) = ([1f32; 2], [0f32; 2]);
         assert!(dequantize_affine(p, &[0u8; 32], &s, &b, &mut dst).is_ok());
@@ -257,8 +311,28 @@ mod tests {
         assert!(dequantize_affine(p, &[0u8; 32], &s[..1], &b, &mut dst).is_err());
         assert!(dequantize_affine(p, &[0u8; 32], &s, &b[..1], &mut dst).is_err());
         assert!(dequantize_affine(p, &[0u8; 16], &s[..1], &b[..1], &mut dst[..33]).is_err());
-        assert!(dequantize_affine(AffineParams { bits: 7, group_size: 32 }, &[0u8; 56], &s, &b, &mut dst).is_err());
-        assert!(dequantize_affine(AffineParams { bits: 4, group_size: 16 }, &[0u8; 32], &[1.0; 4], &[0.0; 4], &mut dst).is_err());
+        assert!(dequantize_affine(
+            AffineParams {
+                bits: 7,
+                group_size: 32
+            },
+            &[0u8; 56],
+            &s,
+            &b,
+            &mut dst
+        )
+        .is_err());
+        assert!(dequantize_affine(
+            AffineParams {
+                bits: 4,
+                group_size: 16
+            },
+            &[0u8; 32],
+            &[1.0; 4],
+            &[0.0; 4],
+            &mut dst
+        )
+        .is_err());
         let (mut s2, mut b2) = ([0f32; 2], [0f32; 1]);
         assert!(quantize_affine(p, &dst, &mut [0u8; 32], &mut s2, &mut b2).is_err());
     }

@@ -25,13 +25,19 @@ pub mod mlx;
 use crate::{Error, GgmlType, Result};
 
 fn unsupported(ty: GgmlType) -> Error {
-    Error::UnsupportedType { ty: ty.to_string(), tensor: String::new() }
+    Error::UnsupportedType {
+        ty: ty.to_string(),
+        tensor: String::new(),
+    }
 }
 
 /// Bytes for `n` elements of `ty`, or a shape error naming the problem.
 fn bytes_for(ty: GgmlType, n: usize) -> Result<usize> {
     ty.row_bytes(n).ok_or_else(|| {
-        Error::Shape(format!("{n} elements is not a whole number of {ty} blocks ({} each)", ty.block_size()))
+        Error::Shape(format!(
+            "{n} elements is not a whole number of {ty} blocks ({} each)",
+            ty.block_size()
+        ))
     })
 }
 
@@ -40,7 +46,13 @@ fn bytes_for(ty: GgmlType, n: usize) -> Result<usize> {
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     let need = bytes_for(ty, dst.len())?;
     if src.len() != need {
-        return Err(Error::Shape(format!("{} bytes given, {} needed for {} {} elements", src.len(), need, dst.len(), ty)));
+        return Err(Error::Shape(format!(
+            "{} bytes given, {} needed for {} {} elements",
+            src.len(),
+            need,
+            dst.len(),
+            ty
+        )));
     }
     // From here on every function below gets whole blocks on both sides.
     match ty {
@@ -133,12 +145,27 @@ mod tests {
     fn lengths_are_checked_not_trusted() {
         let mut dst = vec![0f32; 32];
         // One byte short, one byte over, not a whole block.
-        assert!(matches!(dequantize(GgmlType::Q4_0, &[0u8; 17], &mut dst), Err(Error::Shape(_))));
-        assert!(matches!(dequantize(GgmlType::Q4_0, &[0u8; 19], &mut dst), Err(Error::Shape(_))));
-        assert!(matches!(dequantize(GgmlType::Q4_K, &[0u8; 144], &mut dst), Err(Error::Shape(_))));
+        assert!(matches!(
+            dequantize(GgmlType::Q4_0, &[0u8; 17], &mut dst),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::Q4_0, &[0u8; 19], &mut dst),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::Q4_K, &[0u8; 144], &mut dst),
+            Err(Error::Shape(_))
+        ));
         let mut q = vec![0u8; 33];
-        assert!(matches!(quantize(GgmlType::Q8_0, &dst, &mut q), Err(Error::Shape(_))));
-        assert!(matches!(quantize(GgmlType::Q8_0, &dst[..31], &mut q), Err(Error::Shape(_))));
+        assert!(matches!(
+            quantize(GgmlType::Q8_0, &dst, &mut q),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            quantize(GgmlType::Q8_0, &dst[..31], &mut q),
+            Err(Error::Shape(_))
+        ));
         // Empty rows are fine.
         assert!(dequantize(GgmlType::Q6_K, &[], &mut []).is_ok());
         assert!(quantize(GgmlType::Q4_1, &[], &mut []).is_ok());

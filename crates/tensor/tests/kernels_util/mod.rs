@@ -14,7 +14,10 @@ impl Rng {
         Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d)
     }
     pub fn u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let x = self.0;
         (x ^ (x >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9) ^ (x >> 32)
     }
@@ -53,16 +56,34 @@ impl Kind {
         }
     }
     pub fn is_float(&self) -> bool {
-        matches!(self, Kind::Ggml(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
+        matches!(
+            self,
+            Kind::Ggml(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+        )
     }
 }
 
 /// Every type the kernels cover, as the contract tests enumerate them.
 pub fn all_kinds() -> Vec<Kind> {
     use GgmlType::*;
-    let mut v: Vec<Kind> =
-        [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K].into_iter().map(Kind::Ggml).collect();
-    for (bits, group) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128), (2, 64), (3, 32), (5, 64), (6, 32)] {
+    let mut v: Vec<Kind> = [
+        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+    ]
+    .into_iter()
+    .map(Kind::Ggml)
+    .collect();
+    for (bits, group) in [
+        (4, 32),
+        (4, 64),
+        (4, 128),
+        (8, 32),
+        (8, 64),
+        (8, 128),
+        (2, 64),
+        (3, 32),
+        (5, 64),
+        (6, 32),
+    ] {
         v.push(Kind::Mlx { bits, group });
     }
     v
@@ -125,7 +146,10 @@ pub fn make_weight(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> QTens
             QTensor::ggml("w", ty, rows, cols, Bytes::from_vec(b)).unwrap()
         }
         Kind::Mlx { bits, group } => {
-            let p = AffineParams { bits, group_size: group };
+            let p = AffineParams {
+                bits,
+                group_size: group,
+            };
             let w = weight_values(rows, cols, rng);
             let rb = p.packed_bytes(cols).unwrap();
             let g = cols / group;

@@ -54,7 +54,11 @@ unsafe fn qtile<const NR: usize, const NT: usize, const WIDE: bool>(p: &QTile) {
         let mut w = [vdupq_n_s8(0); NR];
         for r in 0..NR {
             let u = vld1q_u8(p.codes.add(r * k + kk));
-            w[r] = if WIDE { vreinterpretq_s8_u8(veorq_u8(u, vdupq_n_u8(0x80))) } else { vreinterpretq_s8_u8(u) };
+            w[r] = if WIDE {
+                vreinterpretq_s8_u8(veorq_u8(u, vdupq_n_u8(0x80)))
+            } else {
+                vreinterpretq_s8_u8(u)
+            };
         }
         for t in 0..NT {
             let x = vld1q_s8(p.qx.add(t * k + kk));

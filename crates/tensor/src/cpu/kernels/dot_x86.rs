@@ -98,7 +98,11 @@ pub(crate) unsafe fn fdot512(a: *const f32, b: *const f32, n: usize) -> f32 {
     }
     if i < n {
         let m = ((1u32 << (n - i)) - 1) as __mmask16;
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a.add(i)), _mm512_maskz_loadu_ps(m, b.add(i)), acc);
+        acc = _mm512_fmadd_ps(
+            _mm512_maskz_loadu_ps(m, a.add(i)),
+            _mm512_maskz_loadu_ps(m, b.add(i)),
+            acc,
+        );
     }
     _mm512_reduce_add_ps(acc)
 }
@@ -106,7 +110,13 @@ pub(crate) unsafe fn fdot512(a: *const f32, b: *const f32, n: usize) -> f32 {
 /// One step of 64 elements (or 32 with `mb`/`mf` masking the upper half off).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn step512<const NR: usize, const NT: usize>(p: &QTile, kk: usize, mb: __mmask64, mf: __mmask16, acc: &mut [[__m512; NT]; NR]) {
+unsafe fn step512<const NR: usize, const NT: usize>(
+    p: &QTile,
+    kk: usize,
+    mb: __mmask64,
+    mf: __mmask16,
+    acc: &mut [[__m512; NT]; NR],
+) {
     let (k, g, j) = (p.k, p.k / 16, kk / 16);
     let mut w = [_mm512_setzero_si512(); NR];
     let mut s = [_mm512_setzero_ps(); NR];
@@ -208,7 +218,10 @@ pub(crate) unsafe fn fdot256(a: *const f32, b: *const f32, n: usize) -> f32 {
 #[target_feature(enable = "avx2")]
 unsafe fn spread2(v: *const f32) -> __m256 {
     let pair = _mm_castpd_ps(_mm_load_sd(v as *const f64));
-    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0))
+    _mm256_permutevar8x32_ps(
+        _mm256_castps128_ps256(pair),
+        _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
+    )
 }
 
 #[inline]
@@ -242,7 +255,8 @@ unsafe fn qtile256<const NR: usize, const NT: usize, const WIDE: bool>(p: &QTile
                     _mm256_maddubs_epi16(w[r], x)
                 };
                 let dot = _mm256_madd_epi16(prod, ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s[r], d), acc[r][t]);
+                acc[r][t] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s[r], d), acc[r][t]);
             }
         }
         kk += 32;

@@ -65,7 +65,12 @@ unsafe fn load16<const TY: u8>(row: *const u8, i: usize, m: __mmask16) -> __m512
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn fstep512<const TY: u8, const NR: usize, const NT: usize>(p: &FTile, i: usize, m: __mmask16, acc: &mut [[__m512; NT]; NR]) {
+unsafe fn fstep512<const TY: u8, const NR: usize, const NT: usize>(
+    p: &FTile,
+    i: usize,
+    m: __mmask16,
+    acc: &mut [[__m512; NT]; NR],
+) {
     let mut w = [_mm512_setzero_ps(); NR];
     for r in 0..NR {
         w[r] = load16::<TY>(p.w.add(r * p.row_bytes), i, m);
@@ -126,7 +131,9 @@ unsafe fn load8<const TY: u8>(row: *const u8, i: usize) -> __m256 {
 unsafe fn load1<const TY: u8>(row: *const u8, i: usize) -> f32 {
     match TY {
         F32 => (row.add(4 * i) as *const f32).read_unaligned(),
-        F16 => crate::quant::float::f16_bits_to_f32((row.add(2 * i) as *const u16).read_unaligned()),
+        F16 => {
+            crate::quant::float::f16_bits_to_f32((row.add(2 * i) as *const u16).read_unaligned())
+        }
         _ => f32::from_bits(((row.add(2 * i) as *const u16).read_unaligned() as u32) << 16),
     }
 }

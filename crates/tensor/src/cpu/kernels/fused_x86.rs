@@ -49,8 +49,21 @@ const fn qs_at(f: u8) -> usize {
 /// The CPU must have AVX-512 F/BW/VL/VNNI; `act` must hold one row of `w.cols` values; `out`
 /// must cover index `r1 - 1`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn matvec_avx512(w: &WView<'_>, r0: usize, r1: usize, act: &ActQ8, out: *mut f32) -> bool {
-    let WView::Ggml { ty, data, row_bytes } = *w else { return false };
+pub(crate) unsafe fn matvec_avx512(
+    w: &WView<'_>,
+    r0: usize,
+    r1: usize,
+    act: &ActQ8,
+    out: *mut f32,
+) -> bool {
+    let WView::Ggml {
+        ty,
+        data,
+        row_bytes,
+    } = *w
+    else {
+        return false;
+    };
     let p = data.as_ptr();
     match ty {
         GgmlType::Q4_0 => rows::<Q4_0>(p, row_bytes, r0, r1, act, out),
@@ -65,7 +78,14 @@ pub(crate) unsafe fn matvec_avx512(w: &WView<'_>, r0: usize, r1: usize, act: &Ac
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows<const F: u8>(p: *const u8, row_bytes: usize, r0: usize, r1: usize, act: &ActQ8, out: *mut f32) {
+unsafe fn rows<const F: u8>(
+    p: *const u8,
+    row_bytes: usize,
+    r0: usize,
+    r1: usize,
+    act: &ActQ8,
+    out: *mut f32,
+) {
     let nb = act.k / 32;
     for r in r0..r1 {
         *out.add(r) = row::<F>(p.add(r * row_bytes), nb, act);
@@ -87,7 +107,10 @@ unsafe fn codes2<const F: u8>(p0: *const u8, p1: *const u8) -> __m512i {
     if F == Q8_0 {
         let a = _mm256_loadu_si256(p0.add(2) as *const __m256i);
         let b = _mm256_loadu_si256(p1.add(2) as *const __m256i);
-        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1), _mm512_set1_epi8(-128));
+        return _mm512_xor_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1),
+            _mm512_set1_epi8(-128),
+        );
     }
     let qs = qs_at(F);
     let a = _mm_loadu_si128(p0.add(qs) as *const __m128i);
@@ -95,8 +118,14 @@ unsafe fn codes2<const F: u8>(p0: *const u8, p1: *const u8) -> __m512i {
     let ab = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
     // 128-bit lanes [a, a, b, b]; lanes 1 and 3 shifted down a nibble: [lo a, hi a, lo b, hi b],
     // which is element order (byte j holds elements j and j + 16).
-    let z = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(ab));
-    let z = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xff00_ff00, z, 4), _mm512_set1_epi8(0x0f));
+    let z = _mm512_permutexvar_epi64(
+        _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0),
+        _mm512_castsi256_si512(ab),
+    );
+    let z = _mm512_and_si512(
+        _mm512_mask_srli_epi16(z, 0xff00_ff00, z, 4),
+        _mm512_set1_epi8(0x0f),
+    );
     if F == Q5_0 || F == Q5_1 {
         // qh bit j is the fifth bit of element j.
         let h = if F == Q5_0 { 2 } else { 4 };
@@ -133,7 +162,11 @@ unsafe fn row<const F: u8>(p: *const u8, nb: usize, act: &ActQ8) -> f32 {
         let x = _mm512_loadu_si512(qx.add(32 * b) as *const __m512i);
         let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, x);
         let (d0, d1) = (half(p0), half(p1));
-        let s = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d0 * *dx.add(2 * b)), _mm512_set1_ps(d1 * *dx.add(2 * b + 2)));
+        let s = _mm512_mask_blend_ps(
+            0xff00,
+            _mm512_set1_ps(d0 * *dx.add(2 * b)),
+            _mm512_set1_ps(d1 * *dx.add(2 * b + 2)),
+        );
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
         off += offset::<F>(p0, d0) * *sx.add(b) + offset::<F>(p1, d1) * *sx.add(b + 1);
         b += 2;
@@ -145,7 +178,11 @@ unsafe fn row<const F: u8>(p: *const u8, nb: usize, act: &ActQ8) -> f32 {
         let x = _mm512_maskz_loadu_epi8(0xffff_ffff, qx.add(32 * b));
         let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, x);
         let d0 = half(p0);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d0 * *dx.add(2 * b)), acc);
+        acc = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(dot),
+            _mm512_set1_ps(d0 * *dx.add(2 * b)),
+            acc,
+        );
         off += offset::<F>(p0, d0) * *sx.add(b);
     }
     _mm512_reduce_add_ps(acc) + off

@@ -26,7 +26,13 @@ const NT: usize = 8;
 
 /// Whether the weight's scales and offsets are constant over each 32 elements.
 fn per32(w: &WView<'_>) -> bool {
-    !matches!(w, WView::Ggml { ty: GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q6_K, .. })
+    !matches!(
+        w,
+        WView::Ggml {
+            ty: GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q6_K,
+            ..
+        }
+    )
 }
 
 /// # Safety
@@ -47,18 +53,30 @@ pub(crate) unsafe fn gemm_panel_avx512(p: &PanelArgs<'_>, s: &mut Scratch) {
     for row in 0..ROWS {
         for q in 0..k / 4 {
             s.icodes[q * ROWS + row] = if row < n {
-                u32::from_le_bytes(s.codes[row * k + 4 * q..row * k + 4 * q + 4].try_into().expect("4 bytes"))
+                u32::from_le_bytes(
+                    s.codes[row * k + 4 * q..row * k + 4 * q + 4]
+                        .try_into()
+                        .expect("4 bytes"),
+                )
             } else {
                 0
             };
         }
         for j in 0..g {
-            let (a, c) = if row < n { (s.a[row * g + j], s.c[row * g + j]) } else { (0.0, 0.0) };
+            let (a, c) = if row < n {
+                (s.a[row * g + j], s.c[row * g + j])
+            } else {
+                (0.0, 0.0)
+            };
             s.ia[j * ROWS + row] = a;
             s.ic[j * ROWS + row] = c;
         }
     }
-    let mask: __mmask16 = if n >= ROWS { !0 } else { ((1u32 << n) - 1) as __mmask16 };
+    let mask: __mmask16 = if n >= ROWS {
+        !0
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    };
     let g32 = per32(p.w);
     let mut t0 = 0;
     while t0 < t {
@@ -145,7 +163,11 @@ unsafe fn tile<const N: usize, const G32: bool>(p: &Gemm) {
             }
             let d = _mm512_set1_ps(*p.dx.add(t * g + j));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(a, d), acc[t]);
-            let sx = if G32 { *p.sx32.add(t * (k / 32) + e / 32) } else { *p.sx.add(t * g + j) };
+            let sx = if G32 {
+                *p.sx32.add(t * (k / 32) + e / 32)
+            } else {
+                *p.sx.add(t * g + j)
+            };
             acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx), acc[t]);
         }
         e += step;

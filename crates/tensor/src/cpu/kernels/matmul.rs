@@ -100,7 +100,10 @@ thread_local! {
 /// Runs `f` on this thread's reusable buffer, or on a fresh one if the buffer is already in use
 /// (a `linear` nested inside another on the same thread, e.g. from a task rayon ran while this
 /// thread waited): never a `RefCell` panic.
-fn with_reused<B: Default + 'static, R>(key: &'static std::thread::LocalKey<RefCell<B>>, f: impl FnOnce(&mut B) -> R) -> R {
+fn with_reused<B: Default + 'static, R>(
+    key: &'static std::thread::LocalKey<RefCell<B>>,
+    f: impl FnOnce(&mut B) -> R,
+) -> R {
     key.with(|cell| match cell.try_borrow_mut() {
         Ok(mut b) => f(&mut b),
         Err(_) => f(&mut B::default()),
@@ -137,7 +140,10 @@ fn tasks(r: usize, unit: usize, t: usize) -> Vec<(usize, usize)> {
     let threads = rayon::current_num_threads().max(1);
     let min_rows = if t < 16 { 32 } else { unit };
     let per = r.div_ceil(threads * 4).max(min_rows).div_ceil(unit) * unit;
-    (0..r).step_by(per).map(|r0| (r0, (r0 + per).min(r))).collect()
+    (0..r)
+        .step_by(per)
+        .map(|r0| (r0, (r0 + per).min(r)))
+        .collect()
 }
 
 /// Runs `f` on every task: on the calling thread when there is one task or one thread (a
@@ -238,7 +244,11 @@ pub(crate) fn run(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -
     let kern = kernels(isa);
     let (r, k) = (w.rows, w.cols);
     let outp = OutPtr(out.as_mut_ptr());
-    if let WeightData::Ggml { ty: ty @ (GgmlType::F32 | GgmlType::F16 | GgmlType::BF16), data } = &w.data {
+    if let WeightData::Ggml {
+        ty: ty @ (GgmlType::F32 | GgmlType::F16 | GgmlType::BF16),
+        data,
+    } = &w.data
+    {
         let row_bytes = ty.row_bytes(k).expect("float rows always fit");
         let data = data.as_slice();
         let (nr, nt) = (kern.nr, kern.nt);
@@ -264,9 +274,15 @@ pub(crate) fn run(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -
         });
         return Ok(());
     }
-    let wv = WView::new(w).ok_or_else(|| Error::UnsupportedType { ty: w.type_name(), tensor: w.name.clone() })?;
+    let wv = WView::new(w).ok_or_else(|| Error::UnsupportedType {
+        ty: w.type_name(),
+        tensor: w.name.clone(),
+    })?;
     if k % q8act::QA != 0 {
-        return Err(Error::Shape(format!("linear '{}': {k} columns is not a multiple of 32", w.name)));
+        return Err(Error::Shape(format!(
+            "linear '{}': {k} columns is not a multiple of 32",
+            w.name
+        )));
     }
     with_reused(&ACT, |act: &mut ActQ8| {
         act.reshape(t, k);
@@ -294,7 +310,14 @@ pub(crate) fn run(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -
             with_reused(&SCRATCH, |s: &mut Scratch| {
                 s.reserve(p, k);
                 for pr0 in (r0..r1).step_by(p) {
-                    let args = PanelArgs { w: &wv, r0: pr0, n: p.min(r1 - pr0), act, out: outp.get(), ldo: r };
+                    let args = PanelArgs {
+                        w: &wv,
+                        r0: pr0,
+                        n: p.min(r1 - pr0),
+                        act,
+                        out: outp.get(),
+                        ldo: r,
+                    };
                     // SAFETY: rows pr0..pr0+n are inside the weight (checked lengths) and this
                     // task's own output columns; the ISA was checked available by the caller.
                     unsafe { panel(&args, s) };

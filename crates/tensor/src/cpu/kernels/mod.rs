@@ -26,10 +26,8 @@
 //!
 //! Not here: attention, norms and the rest of the op set (they stay in `cpu/mod.rs`).
 
-pub mod q8act;
-pub mod unpack;
-pub mod scalar;
-mod matmul;
+#[cfg(target_arch = "aarch64")]
+mod dot_neon;
 #[cfg(target_arch = "x86_64")]
 mod dot_x86;
 #[cfg(target_arch = "x86_64")]
@@ -38,8 +36,10 @@ mod float_x86;
 mod fused_x86;
 #[cfg(target_arch = "x86_64")]
 mod gemm_x86;
-#[cfg(target_arch = "aarch64")]
-mod dot_neon;
+mod matmul;
+pub mod q8act;
+pub mod scalar;
+pub mod unpack;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -68,7 +68,9 @@ impl Isa {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => {
@@ -89,7 +91,10 @@ impl Isa {
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
-            [Isa::Avx512Vnni, Isa::Avx2, Isa::Neon].into_iter().find(|i| i.is_available()).unwrap_or(Isa::Scalar)
+            [Isa::Avx512Vnni, Isa::Avx2, Isa::Neon]
+                .into_iter()
+                .find(|i| i.is_available())
+                .unwrap_or(Isa::Scalar)
         })
     }
 
@@ -136,7 +141,10 @@ pub fn set_isa_override(isa: Option<Isa>) -> Result<()> {
 /// The level [`linear`] uses now: the override if one is set, else [`Isa::best`].
 pub fn active_isa() -> Isa {
     let c = OVERRIDE.load(Ordering::Relaxed);
-    Isa::ALL.into_iter().find(|i| i.code() == c).unwrap_or_else(Isa::best)
+    Isa::ALL
+        .into_iter()
+        .find(|i| i.code() == c)
+        .unwrap_or_else(Isa::best)
 }
 
 /// `out (T, R) = x (T, C) · Wᵀ` with the fastest kernels this CPU has (see the module header).
@@ -172,7 +180,12 @@ pub fn linear_with(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) 
 /// The kernels read weights through raw pointers: re-check that the stored lengths match the
 /// shape (`QTensor`'s constructors do, but its fields are public).
 fn check_storage(w: &QTensor) -> Result<()> {
-    let bad = || Error::Shape(format!("tensor '{}': stored data does not match its {}x{} shape", w.name, w.rows, w.cols));
+    let bad = || {
+        Error::Shape(format!(
+            "tensor '{}': stored data does not match its {}x{} shape",
+            w.name, w.rows, w.cols
+        ))
+    };
     match &w.data {
         crate::WeightData::Ggml { ty, data } => {
             let rb = ty.row_bytes(w.cols).ok_or_else(bad)?;
@@ -180,11 +193,26 @@ fn check_storage(w: &QTensor) -> Result<()> {
                 return Err(bad());
             }
         }
-        crate::WeightData::Affine { params, packed, scales, biases } => {
+        crate::WeightData::Affine {
+            params,
+            packed,
+            scales,
+            biases,
+        } => {
             params.validate()?;
-            let groups = w.rows.checked_mul(w.cols / params.group_size).ok_or_else(bad)?;
-            let bytes = w.rows.checked_mul(w.cols * params.bits as usize / 8).ok_or_else(bad)?;
-            if !w.cols.is_multiple_of(params.group_size) || packed.len() != bytes || scales.len() != groups || biases.len() != groups {
+            let groups = w
+                .rows
+                .checked_mul(w.cols / params.group_size)
+                .ok_or_else(bad)?;
+            let bytes = w
+                .rows
+                .checked_mul(w.cols * params.bits as usize / 8)
+                .ok_or_else(bad)?;
+            if !w.cols.is_multiple_of(params.group_size)
+                || packed.len() != bytes
+                || scales.len() != groups
+                || biases.len() != groups
+            {
                 return Err(bad());
             }
         }

@@ -54,7 +54,11 @@ impl ActQ8 {
     /// Quantized row `ti`: (q, dx per 16, dx * Σq per 16).
     pub fn row(&self, ti: usize) -> (&[i8], &[f32], &[f32]) {
         let (k, g) = (self.k, self.k / 16);
-        (&self.qx[ti * k..(ti + 1) * k], &self.dx[ti * g..(ti + 1) * g], &self.sx[ti * g..(ti + 1) * g])
+        (
+            &self.qx[ti * k..(ti + 1) * k],
+            &self.dx[ti * g..(ti + 1) * g],
+            &self.sx[ti * g..(ti + 1) * g],
+        )
     }
 }
 
@@ -62,7 +66,11 @@ impl ActQ8 {
 /// Written as plain loops that the compiler vectorises for the ISA of the caller it is inlined into.
 #[inline(always)]
 pub fn quantize_row(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
-    let blocks = x.chunks_exact(QA).zip(qx.chunks_exact_mut(QA)).zip(dx.chunks_exact_mut(2)).zip(sx.chunks_exact_mut(2));
+    let blocks = x
+        .chunks_exact(QA)
+        .zip(qx.chunks_exact_mut(QA))
+        .zip(dx.chunks_exact_mut(2))
+        .zip(sx.chunks_exact_mut(2));
     for (((xb, qb), db), sb) in blocks {
         let xb: &[f32; QA] = xb.try_into().expect("exact chunk");
         let qb: &mut [i8; QA] = qb.try_into().expect("exact chunk");
@@ -105,14 +113,27 @@ pub unsafe fn quantize_rows(x: &[f32], a: &mut ActQ8, row_fn: QuantRowFn) {
     let dx = &mut a.dx[..t * g];
     let sx = &mut a.sx[..t * g];
     if t >= 16 {
-        let rows = x.par_chunks(k).zip(qx.par_chunks_mut(k)).zip(dx.par_chunks_mut(g)).zip(sx.par_chunks_mut(g));
-        rows.with_min_len(4).for_each(|(((xr, q), d), s)| row_fn(xr, q, d, s));
+        let rows = x
+            .par_chunks(k)
+            .zip(qx.par_chunks_mut(k))
+            .zip(dx.par_chunks_mut(g))
+            .zip(sx.par_chunks_mut(g));
+        rows.with_min_len(4)
+            .for_each(|(((xr, q), d), s)| row_fn(xr, q, d, s));
     } else {
-        for (((xr, q), d), s) in x.chunks(k).zip(qx.chunks_mut(k)).zip(dx.chunks_mut(g)).zip(sx.chunks_mut(g)) {
+        for (((xr, q), d), s) in x
+            .chunks(k)
+            .zip(qx.chunks_mut(k))
+            .zip(dx.chunks_mut(g))
+            .zip(sx.chunks_mut(g))
+        {
             row_fn(xr, q, d, s);
         }
     }
-    for (s32, s16) in a.sx32[..t * k / 32].iter_mut().zip(a.sx[..t * g].chunks_exact(2)) {
+    for (s32, s16) in a.sx32[..t * k / 32]
+        .iter_mut()
+        .zip(a.sx[..t * g].chunks_exact(2))
+    {
         *s32 = s16[0] + s16[1];
     }
 }
@@ -145,7 +166,9 @@ mod tests {
 
     #[test]
     fn rounding_error_is_at_most_half_a_step() {
-        let x: Vec<f32> = (0..96).map(|i| ((i * 7919) % 101) as f32 * 0.37 - 17.0 + if i == 40 { 300.0 } else { 0.0 }).collect();
+        let x: Vec<f32> = (0..96)
+            .map(|i| ((i * 7919) % 101) as f32 * 0.37 - 17.0 + if i == 40 { 300.0 } else { 0.0 })
+            .collect();
         let (mut q, mut d, mut s) = (vec![0i8; 96], vec![0f32; 6], vec![0f32; 6]);
         quantize_row_scalar(&x, &mut q, &mut d, &mut s);
         for (b, xb) in x.chunks(32).enumerate() {
@@ -155,7 +178,10 @@ mod tests {
                 assert!((v - y).abs() <= amax / 254.0 * 1.0001, "{v} -> {y}");
             }
             for h in 0..2 {
-                let sum: i32 = q[32 * b + 16 * h..32 * b + 16 * h + 16].iter().map(|&v| v as i32).sum();
+                let sum: i32 = q[32 * b + 16 * h..32 * b + 16 * h + 16]
+                    .iter()
+                    .map(|&v| v as i32)
+                    .sum();
                 assert_eq!(s[2 * b + h], d[2 * b + h] * sum as f32);
             }
         }

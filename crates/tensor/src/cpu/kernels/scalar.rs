@@ -51,7 +51,9 @@ fn felem(ty: GgmlType, row: *const u8, i: usize) -> f32 {
     unsafe {
         match ty {
             GgmlType::F32 => f32::from_le_bytes(*(row.add(4 * i) as *const [u8; 4])),
-            GgmlType::F16 => f16_bits_to_f32(u16::from_le_bytes(*(row.add(2 * i) as *const [u8; 2]))),
+            GgmlType::F16 => {
+                f16_bits_to_f32(u16::from_le_bytes(*(row.add(2 * i) as *const [u8; 2])))
+            }
             _ => bf16_bits_to_f32(u16::from_le_bytes(*(row.add(2 * i) as *const [u8; 2]))),
         }
     }

@@ -32,15 +32,30 @@ pub fn h2f(lo: u8, hi: u8) -> f32 {
     let em = h & 0x7fff;
     // Shifting exponent+mantissa into f32 position and multiplying by 2^112 rebiases the
     // exponent (15 -> 127) and handles subnormals exactly; inf/NaN keep an all-ones exponent.
-    let v = if em >= 0x7c00 { f32::from_bits((em << 13) | 0x7f80_0000) } else { f32::from_bits(em << 13) * f32::from_bits(0x7780_0000) };
+    let v = if em >= 0x7c00 {
+        f32::from_bits((em << 13) | 0x7f80_0000)
+    } else {
+        f32::from_bits(em << 13) * f32::from_bits(0x7780_0000)
+    };
     f32::from_bits(v.to_bits() | sign)
 }
 
 /// A quantized weight as the engines read it. Built once per call.
 #[derive(Clone, Copy, Debug)]
 pub enum WView<'a> {
-    Ggml { ty: GgmlType, data: &'a [u8], row_bytes: usize },
-    Affine { p: AffineParams, packed: &'a [u8], row_bytes: usize, scales: &'a [f32], biases: &'a [f32], groups: usize },
+    Ggml {
+        ty: GgmlType,
+        data: &'a [u8],
+        row_bytes: usize,
+    },
+    Affine {
+        p: AffineParams,
+        packed: &'a [u8],
+        row_bytes: usize,
+        scales: &'a [f32],
+        biases: &'a [f32],
+        groups: usize,
+    },
 }
 
 impl<'a> WView<'a> {
@@ -50,13 +65,25 @@ impl<'a> WView<'a> {
         match &w.data {
             WeightData::Ggml { ty, data } => {
                 use GgmlType::*;
-                if !matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K) {
+                if !matches!(
+                    ty,
+                    Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K
+                ) {
                     return None;
                 }
                 let row_bytes = ty.row_bytes(w.cols)?;
-                Some(WView::Ggml { ty: *ty, data: data.as_slice(), row_bytes })
+                Some(WView::Ggml {
+                    ty: *ty,
+                    data: data.as_slice(),
+                    row_bytes,
+                })
             }
-            WeightData::Affine { params, packed, scales, biases } => Some(WView::Affine {
+            WeightData::Affine {
+                params,
+                packed,
+                scales,
+                biases,
+            } => Some(WView::Affine {
                 p: *params,
                 packed: packed.as_slice(),
                 row_bytes: w.cols * params.bits as usize / 8,
@@ -79,7 +106,11 @@ impl<'a> WView<'a> {
     #[inline(always)]
     pub fn unpack_row(&self, r: usize, codes: &mut [u8], a: &mut [f32], c: &mut [f32]) {
         match *self {
-            WView::Ggml { ty, data, row_bytes } => {
+            WView::Ggml {
+                ty,
+                data,
+                row_bytes,
+            } => {
                 let src = &data[r * row_bytes..(r + 1) * row_bytes];
                 match ty {
                     GgmlType::Q4_0 => q4_0(src, codes, a, c),
@@ -96,9 +127,19 @@ impl<'a> WView<'a> {
                     _ => unreachable!("WView::new admits only the types above"),
                 }
             }
-            WView::Affine { p, packed, row_bytes, scales, biases, groups } => {
+            WView::Affine {
+                p,
+                packed,
+                row_bytes,
+                scales,
+                biases,
+                groups,
+            } => {
                 let src = &packed[r * row_bytes..(r + 1) * row_bytes];
-                let (s, b) = (&scales[r * groups..(r + 1) * groups], &biases[r * groups..(r + 1) * groups]);
+                let (s, b) = (
+                    &scales[r * groups..(r + 1) * groups],
+                    &biases[r * groups..(r + 1) * groups],
+                );
                 affine(p, src, s, b, codes, a, c)
             }
         }
@@ -253,7 +294,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -322,7 +366,15 @@ fn q6_k(src: &[u8], codes: &mut [u8], a: &mut [f32], c: &mut [f32]) {
 }
 
 #[inline(always)]
-fn affine(p: AffineParams, src: &[u8], s: &[f32], bias: &[f32], codes: &mut [u8], a: &mut [f32], c: &mut [f32]) {
+fn affine(
+    p: AffineParams,
+    src: &[u8],
+    s: &[f32],
+    bias: &[f32],
+    codes: &mut [u8],
+    a: &mut [f32],
+    c: &mut [f32],
+) {
     match p.bits {
         4 => {
             for (u, &byte) in codes.chunks_exact_mut(2).zip(src) {
@@ -346,7 +398,11 @@ fn affine(p: AffineParams, src: &[u8], s: &[f32], bias: &[f32], codes: &mut [u8]
         }
     }
     let per = p.group_size / 16;
-    for (g, (ag, cg)) in a.chunks_exact_mut(per).zip(c.chunks_exact_mut(per)).enumerate() {
+    for (g, (ag, cg)) in a
+        .chunks_exact_mut(per)
+        .zip(c.chunks_exact_mut(per))
+        .enumerate()
+    {
         ag.fill(s[g]);
         cg.fill(bias[g]);
     }
@@ -354,10 +410,23 @@ fn affine(p: AffineParams, src: &[u8], s: &[f32], bias: &[f32], codes: &mut [u8]
 
 /// Runs `unpack_row` for rows `r0..r0 + n` into row-major scratch (`codes` n*C, `a`/`c` n*C/16).
 #[inline(always)]
-pub fn unpack_rows(w: &WView<'_>, r0: usize, n: usize, k: usize, codes: &mut [u8], a: &mut [f32], c: &mut [f32]) {
+pub fn unpack_rows(
+    w: &WView<'_>,
+    r0: usize,
+    n: usize,
+    k: usize,
+    codes: &mut [u8],
+    a: &mut [f32],
+    c: &mut [f32],
+) {
     let g = k / 16;
     for i in 0..n {
-        w.unpack_row(r0 + i, &mut codes[i * k..(i + 1) * k], &mut a[i * g..(i + 1) * g], &mut c[i * g..(i + 1) * g]);
+        w.unpack_row(
+            r0 + i,
+            &mut codes[i * k..(i + 1) * k],
+            &mut a[i * g..(i + 1) * g],
+            &mut c[i * g..(i + 1) * g],
+        );
     }
 }
 
@@ -370,7 +439,10 @@ mod tests {
         for h in 0..=u16::MAX {
             let want = half::f16::from_bits(h).to_f32();
             let got = h2f(h as u8, (h >> 8) as u8);
-            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{h:#06x}: {got} vs {want}");
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{h:#06x}: {got} vs {want}"
+            );
         }
     }
 }

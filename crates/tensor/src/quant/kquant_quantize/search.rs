@@ -20,7 +20,13 @@ pub(super) fn nearest_int(fval: f32) -> i32 {
 
 /// `make_qx_quants`: symmetric quantization to `-nmax..nmax-1` (stored + nmax in `l`), with an
 /// rmse-weighted scale search. `qw` None and `rmse_type == 1` weights by x².
-pub(super) fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8], rmse_type: i32, qw: Option<&[f32]>) -> f32 {
+pub(super) fn make_qx_quants(
+    nmax: i32,
+    x: &[f32],
+    l: &mut [i8],
+    rmse_type: i32,
+    qw: Option<&[f32]>,
+) -> f32 {
     let n = x.len();
     let mut max = 0f32;
     let mut amax = 0f32;
@@ -71,7 +77,11 @@ pub(super) fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8], rmse_type: i32,
     }
     let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
     if return_early {
-        return if suml2 > 0.0 { 0.5 * (scale + 1.0 / iscale) } else { 1.0 / iscale };
+        return if suml2 > 0.0 {
+            0.5 * (scale + 1.0 / iscale)
+        } else {
+            1.0 / iscale
+        };
     }
     let mut best = scale * sumlx;
     for is in -9..=9 {
