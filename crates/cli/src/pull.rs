@@ -220,30 +220,10 @@ pub fn resolve_local(p: &Path) -> Result<PathBuf> {
     Ok(p.to_path_buf())
 }
 
-/// `models--ORG--NAME/` -> `snapshots/<rev>/`: the revision `refs/main` names when that
-/// snapshot exists, else the most recently modified snapshot.
+/// `models--ORG--NAME/` -> `snapshots/<rev>/` (the models crate's resolver, which the loader
+/// uses too).
 pub fn resolve_hf_cache(dir: &Path) -> Result<PathBuf> {
-    let snaps = dir.join("snapshots");
-    if let Ok(rev) = fs::read_to_string(dir.join("refs").join("main")) {
-        let rev = rev.trim();
-        let valid = !rev.is_empty() && !rev.contains(['/', '\\']) && rev != "." && rev != "..";
-        if valid && snaps.join(rev).is_dir() {
-            return Ok(snaps.join(rev));
-        }
-    }
-    let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
-    for e in fs::read_dir(&snaps).with_context(|| format!("reading {}", snaps.display()))? {
-        let e = e?;
-        if !e.path().is_dir() {
-            continue;
-        }
-        let t = e.metadata()?.modified().unwrap_or(std::time::UNIX_EPOCH);
-        if best.as_ref().is_none_or(|(bt, _)| t > *bt) {
-            best = Some((t, e.path()));
-        }
-    }
-    best.map(|(_, p)| p)
-        .ok_or_else(|| anyhow!("{} has no snapshot folders", snaps.display()))
+    Ok(hf2q_models::source::resolve_hf_cache(dir)?)
 }
 
 /// Fetches, unpacks and verifies a built-in model; returns its cached path.

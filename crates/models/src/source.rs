@@ -52,9 +52,11 @@ pub fn resolve_hf_cache(path: &Path) -> Result<PathBuf> {
         return Ok(path.to_path_buf());
     }
     if let Ok(rev) = std::fs::read_to_string(path.join("refs").join("main")) {
-        let p = snaps.join(rev.trim());
-        if p.is_dir() {
-            return Ok(p);
+        // A revision is one folder name: never let the file steer the path elsewhere.
+        let rev = rev.trim();
+        let valid = !rev.is_empty() && !rev.contains(['/', '\\']) && rev != "." && rev != "..";
+        if valid && snaps.join(rev).is_dir() {
+            return Ok(snaps.join(rev));
         }
     }
     let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
@@ -195,7 +197,7 @@ impl WeightSource {
                             "'{sname}' is MLX-quantized but config.json has no quantization block"
                         ))
                     })?;
-                    return self.mlx_matrix(st, q, prefixes, stem, &sname);
+                    return self.mlx_matrix(st, q, stem, &sname);
                 }
                 let name = Self::st_name(st, prefixes, hf)
                     .ok_or_else(|| Error::MissingTensor(hf.to_string()))?;
@@ -229,7 +231,6 @@ impl WeightSource {
         &self,
         st: &ShardedSafeTensors,
         q: &Value,
-        prefixes: &[String],
         stem: &str,
         scales_name: &str,
     ) -> Result<QTensor> {
@@ -299,7 +300,6 @@ impl WeightSource {
                 )));
             }
         }
-        let _ = prefixes;
         Ok(QTensor::affine(
             &wname,
             AffineParams {

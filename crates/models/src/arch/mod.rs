@@ -5,7 +5,7 @@ pub mod gemma3;
 pub mod llama;
 
 use hf2q_tensor::cpu::CpuBackend;
-use hf2q_tensor::op::{RopeParams, RopeStyle};
+use hf2q_tensor::op::RopeParams;
 use hf2q_tensor::Tensor;
 
 use crate::config::{Arch, ModelConfig};
@@ -54,7 +54,6 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
             )));
         }
     }
-    let _ = RopeStyle::Neox;
     (0..cfg.n_layers)
         .map(|i| -> Result<Box<dyn Block>> {
             let rope = rope_for_layer(cfg, i, ff.clone());

@@ -126,7 +126,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {
-        let (t, width) = x.dims2();
+        let (_, width) = x.dims2();
         if n_heads == 0 || width % n_heads != 0 {
             return Err(Error::Shape(format!(
                 "rope: width {width} is not {n_heads} heads"
@@ -165,7 +165,6 @@ impl Backend for CpuBackend {
                     }
                 }
             });
-        let _ = t;
         Ok(())
     }
 
