@@ -61,18 +61,40 @@ pub struct SampleArgs {
     /// Context size in tokens: prompt plus reply must fit [default: the model's, at most 4096].
     #[arg(short = 'c', long, value_name = "N")]
     pub ctx_size: Option<usize>,
-    /// Use the SIMD matmul kernels (8-bit activation blocks): several times faster, but not yet
-    /// within the accuracy gate of the reference path on every model (see BENCHMARKS.md).
-    #[arg(long)]
-    pub fast: bool,
+    /// Matmul kernels for quantized weights.
+    #[arg(long, value_enum, value_name = "PATH", default_value_t = MatmulChoice::Fast)]
+    pub matmul: MatmulChoice,
+}
+
+/// `--matmul`: which CPU matmul path runs the quantized weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MatmulChoice {
+    /// SIMD kernels, activations as two 8-bit parts (16-bit precision): within 1e-6 mean KL of
+    /// the reference on every tested model.
+    #[default]
+    Fast,
+    /// SIMD kernels, 8-bit activations as llama.cpp computes them: faster prefill, less exact
+    /// (mean KL about 3e-3 against the reference on SmolLM2).
+    Fast8,
+    /// The scalar f32 reference (dequantize a row, f32 dot): slow; matches transformers.
+    Reference,
+}
+
+impl MatmulChoice {
+    pub fn path(self) -> hf2q_tensor::cpu::MatmulPath {
+        use hf2q_tensor::cpu::MatmulPath;
+        match self {
+            MatmulChoice::Fast => MatmulPath::Fast,
+            MatmulChoice::Fast8 => MatmulPath::Fast8,
+            MatmulChoice::Reference => MatmulPath::Reference,
+        }
+    }
 }
 
 impl SampleArgs {
     /// Applies the matmul-path choice to a loaded model.
     pub fn configure(&self, model: &mut Model) {
-        if self.fast {
-            model.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
-        }
+        model.set_matmul_path(self.matmul.path());
     }
 }
 

@@ -64,10 +64,9 @@ pub struct ServeArgs {
     /// /health answers 503 when the engine has work but has not finished a step for SECS.
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub stuck_after: f64,
-    /// Use the SIMD matmul kernels (8-bit activation blocks): several times faster, but not yet
-    /// within the accuracy gate of the reference path on every model (see BENCHMARKS.md).
-    #[arg(long)]
-    pub fast: bool,
+    /// Matmul kernels for quantized weights.
+    #[arg(long, value_enum, value_name = "PATH", default_value_t = args::MatmulChoice::Fast)]
+    pub matmul: args::MatmulChoice,
 }
 
 /// `512M`, `4G`, `1.5GiB`, `1000000` (bytes) -> bytes.
@@ -151,9 +150,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     };
     cfg.validate()?;
     let (path, mut model) = args::load_model(Some(&arg))?;
-    if a.fast {
-        model.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
-    }
+    model.set_matmul_path(a.matmul.path());
     let trained = model.context_length();
     cfg.engine.ctx_size = match a.ctx_size {
         Some(n) => {

@@ -272,24 +272,23 @@ fn batched_step_equals_separate_sequences() {
     }
 }
 
-/// The fast CPU path (SIMD kernels, 8-bit activation blocks) against the reference path on the
-/// golden texts: teacher-forced argmax agreement >= 98/100 and mean KL(reference || fast) <= 1e-3
-/// (the gate every fast path, CPU or GPU, must meet). Not met yet (Gemma 3 measures 92/100 and
-/// KL 1.4e-2 with 8-bit activations), so it runs on request: `cargo test -- --ignored`.
+/// The fast CPU path (SIMD kernels, activations in two 8-bit parts) against the reference path
+/// on the golden texts: teacher-forced argmax agreement >= 98/100 and mean KL(reference || fast)
+/// <= 1e-3, the gate every fast path (CPU or GPU) must meet. Measured: 100/100 on all three,
+/// mean KL 8e-8 (SmolLM2), 1.4e-7 (Gemma 3), 1.2e-8 (Qwen2.5).
 #[test]
-#[ignore = "target gate of the CPU speed work, not met yet; see BENCHMARKS.md"]
 fn fast_path_gate() {
-    fast_path_check(&["smollm2", "gemma3", "qwen25"], 98, 1e-3);
+    fast_path_check(&["smollm2", "gemma3", "qwen25"], MatmulPath::Fast, 98, 1e-3);
 }
 
-/// Keeps the opt-in fast path from getting worse where it is close: SmolLM2 measures 99/100 and
-/// mean KL 3.0e-3.
+/// The 8-bit-activation path (`--matmul fast8`, llama.cpp's rounding) is below the gate by
+/// design; this keeps it from getting worse: SmolLM2 measures 99/100 and mean KL 3.0e-3.
 #[test]
-fn fast_path_regression_smollm2() {
-    fast_path_check(&["smollm2"], 98, 5e-3);
+fn fast8_path_regression_smollm2() {
+    fast_path_check(&["smollm2"], MatmulPath::Fast8, 98, 5e-3);
 }
 
-fn fast_path_check(names: &[&str], min_agree: usize, max_kl: f64) {
+fn fast_path_check(names: &[&str], path: MatmulPath, min_agree: usize, max_kl: f64) {
     for (name, var) in [
         ("smollm2", "HF2Q_TEST_SMOLLM2_GGUF"),
         ("gemma3", "HF2Q_TEST_GEMMA3_GGUF"),
@@ -304,7 +303,7 @@ fn fast_path_check(names: &[&str], min_agree: usize, max_kl: f64) {
         let g = load_json(&fixtures().join(format!("goldens/{name}.json")));
         let ids = ids_of(&g["ids"]);
         let want = model.session(ids.len()).forward_all(&ids).unwrap();
-        model.set_matmul_path(MatmulPath::Fast);
+        model.set_matmul_path(path);
         let got = model.session(ids.len()).forward_all(&ids).unwrap();
         let first = ids.len() - 100;
         let (mut agree, mut kl_sum) = (0usize, 0f64);
@@ -316,12 +315,12 @@ fn fast_path_check(names: &[&str], min_agree: usize, max_kl: f64) {
             kl_sum += kl(p, q);
         }
         let kl_mean = kl_sum / 100.0;
-        eprintln!("{name}: fast vs reference argmax {agree}/100, mean KL {kl_mean:.2e}");
+        eprintln!("{name}: {path:?} vs reference argmax {agree}/100, mean KL {kl_mean:.2e}");
         assert!(
             agree >= min_agree,
-            "{name}: fast path argmax agreement {agree}/100"
+            "{name}: {path:?} argmax agreement {agree}/100"
         );
-        assert!(kl_mean <= max_kl, "{name}: fast path mean KL {kl_mean}");
+        assert!(kl_mean <= max_kl, "{name}: {path:?} mean KL {kl_mean}");
     }
 }
 

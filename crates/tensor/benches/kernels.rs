@@ -86,7 +86,7 @@ fn bench_t(c: &mut Criterion, t: usize) {
             let id = format!("{}/{r}x{k}", kind.name());
             group.bench_function(BenchmarkId::new("fast", &id), |b| {
                 let w = lazy.get().clone();
-                b.iter(|| kernels::linear(&w, &x, t, &mut out).unwrap())
+                b.iter(|| kernels::linear(&w, &x, t, &mut out, kernels::ActBits::Split16).unwrap())
             });
             if t == 1 || (r, k) == (576, 576) {
                 group.bench_function(BenchmarkId::new("reference", &id), |b| {

@@ -18,7 +18,7 @@
 
 mod kernels_util;
 
-use hf2q_tensor::cpu::kernels::{self, q8act, Isa};
+use hf2q_tensor::cpu::kernels::{self, q8act, ActBits, Isa};
 use hf2q_tensor::GgmlType;
 use kernels_util::{all_kinds, make_weight, make_x, Kind, Rng};
 
@@ -37,32 +37,54 @@ fn cols_for(kind: Kind) -> Vec<usize> {
 }
 
 /// Quantized activation values `dx * q` as the kernels see them.
-fn quantized_x(x: &[f32], t: usize, k: usize) -> Vec<f32> {
+/// The activations as the engines see them after quantization with `bits`.
+fn quantized_x(x: &[f32], k: usize, bits: ActBits) -> Vec<f32> {
     let (mut q, mut d, mut s) = (vec![0i8; k], vec![0f32; k / 16], vec![0f32; k / 16]);
-    let mut out = Vec::with_capacity(t * k);
+    let (mut l, mut dl, mut sl) = (vec![0i8; k], vec![0f32; k / 16], vec![0f32; k / 16]);
+    let mut out = Vec::with_capacity(x.len());
     for row in x.chunks(k) {
-        q8act::quantize_row_scalar(row, &mut q, &mut d, &mut s);
-        out.extend(q.iter().enumerate().map(|(i, &v)| d[i / 16] * v as f32));
+        match bits {
+            ActBits::Q8 => {
+                q8act::quantize_row_scalar(row, &mut q, &mut d, &mut s);
+                out.extend(q.iter().enumerate().map(|(i, &v)| d[i / 16] * v as f32));
+            }
+            ActBits::Split16 => {
+                q8act::quantize_row_split_scalar(
+                    row, &mut q, &mut d, &mut s, &mut l, &mut dl, &mut sl,
+                );
+                out.extend((0..k).map(|i| d[i / 16] * q[i] as f32 + dl[i / 16] * l[i] as f32));
+            }
+        }
     }
     out
 }
 
-fn check(kind: Kind, isa: Isa, rows: usize, k: usize, t: usize, seed: u64) {
+/// Largest activation rounding error per unit of a block's max |x| (see `q8act`): half a step
+/// of 1/127 for one 8-bit part; for two parts the remainder is rounded to 1/256 of a step, and
+/// the clamp of a remainder of exactly +-128/256 to 127 makes the worst case a full 1/256 step.
+fn act_bound(bits: ActBits) -> f64 {
+    match bits {
+        ActBits::Q8 => 1.0 / 254.0,
+        ActBits::Split16 => 1.0 / (127.0 * 256.0),
+    }
+}
+
+fn check(kind: Kind, isa: Isa, bits: ActBits, rows: usize, k: usize, t: usize, seed: u64) {
     let mut rng = Rng::new(seed);
     let w = make_weight(kind, rows, k, &mut rng);
     let x = make_x(t, k, &mut rng);
     let mut want = vec![0f32; t * rows];
     w.matmul(&x, t, &mut want).unwrap();
     let mut got = vec![f32::NAN; t * rows];
-    kernels::linear_with(isa, &w, &x, t, &mut got).unwrap();
+    kernels::linear_with(isa, bits, &w, &x, t, &mut got).unwrap();
     let wd = w.to_f32().unwrap();
     let xq = if kind.is_float() {
         x.clone()
     } else {
-        quantized_x(&x, t, k)
+        quantized_x(&x, k, bits)
     };
     let f32_slack = 1e-5 + (k / 16) as f64 * 2f64.powi(-22);
-    let ctx = format!("{} on {isa}, {rows}x{k}, T={t}", kind.name());
+    let ctx = format!("{} on {isa} ({bits:?}), {rows}x{k}, T={t}", kind.name());
     for ti in 0..t {
         let xr = &x[ti * k..(ti + 1) * k];
         let xqr = &xq[ti * k..(ti + 1) * k];
@@ -78,7 +100,7 @@ fn check(kind: Kind, isa: Isa, rows: usize, k: usize, t: usize, seed: u64) {
                 exact_q += wi * xqr[i] as f64;
                 l1 += (wi * xr[i] as f64).abs();
                 l1q += (wi * xqr[i] as f64).abs();
-                bound += wi.abs() * amax[i / 32] / 254.0;
+                bound += wi.abs() * amax[i / 32] * act_bound(bits);
             }
             let (g, wv) = (got[ti * rows + r] as f64, want[ti * rows + r] as f64);
             if kind.is_float() {
@@ -109,8 +131,10 @@ fn check_kind(kind: Kind) {
     for isa in Isa::available() {
         for k in cols_for(kind) {
             for (rows, t) in [(1, 1), (5, 2), (37, 7), (67, 1), (150, 33), (3, 33)] {
-                seed += 1;
-                check(kind, isa, rows, k, t, seed);
+                for bits in [ActBits::Q8, ActBits::Split16] {
+                    seed += 1;
+                    check(kind, isa, bits, rows, k, t, seed);
+                }
             }
         }
     }
@@ -164,7 +188,9 @@ fn dispatch_uses_an_available_isa_and_override_is_checked() {
         assert!(kernels::set_isa_override(Some(i)).is_err());
         let mut rng = Rng::new(9);
         let w = make_weight(Kind::Ggml(GgmlType::Q4_0), 4, 32, &mut rng);
-        assert!(kernels::linear_with(i, &w, &[0.0; 32], 1, &mut [0.0; 4]).is_err());
+        assert!(
+            kernels::linear_with(i, ActBits::Split16, &w, &[0.0; 32], 1, &mut [0.0; 4]).is_err()
+        );
     }
     // The override is process-wide; this test only checks it is accepted and cleared.
     kernels::set_isa_override(Some(Isa::Scalar)).unwrap();
@@ -179,12 +205,12 @@ fn shapes_are_checked_and_zeros_give_zeros() {
     for isa in Isa::available() {
         let w = make_weight(Kind::Ggml(GgmlType::Q4_K), 3, 256, &mut rng);
         let mut out = vec![1f32; 6];
-        assert!(kernels::linear_with(isa, &w, &[0.0; 511], 2, &mut out).is_err());
-        assert!(kernels::linear_with(isa, &w, &[0.0; 512], 2, &mut out[..5]).is_err());
-        kernels::linear_with(isa, &w, &[0.0; 512], 2, &mut out).unwrap();
+        assert!(kernels::linear_with(isa, ActBits::Q8, &w, &[0.0; 511], 2, &mut out).is_err());
+        assert!(kernels::linear_with(isa, ActBits::Q8, &w, &[0.0; 512], 2, &mut out[..5]).is_err());
+        kernels::linear_with(isa, ActBits::Q8, &w, &[0.0; 512], 2, &mut out).unwrap();
         assert!(out.iter().all(|v| *v == 0.0), "{isa}: {out:?}");
         // T = 0 is an empty product.
-        kernels::linear_with(isa, &w, &[], 0, &mut []).unwrap();
+        kernels::linear_with(isa, ActBits::Q8, &w, &[], 0, &mut []).unwrap();
     }
 }
 
@@ -194,6 +220,6 @@ fn inconsistent_storage_is_an_error_not_a_wild_read() {
     let mut w = make_weight(Kind::Ggml(GgmlType::Q4_0), 4, 64, &mut rng);
     w.rows = 5; // fields are public: the kernels must not trust them
     for isa in Isa::available() {
-        assert!(kernels::linear_with(isa, &w, &[0.0; 64], 1, &mut [0.0; 5]).is_err());
+        assert!(kernels::linear_with(isa, ActBits::Q8, &w, &[0.0; 64], 1, &mut [0.0; 5]).is_err());
     }
 }

@@ -19,6 +19,7 @@ use super::{q8act, scalar};
 
 pub(crate) const NEON: Kernels = Kernels {
     quantize_row: q8act::quantize_row_scalar,
+    quantize_row_split: q8act::quantize_row_split_scalar,
     panel: panel_neon,
     ftile: scalar::ftile,
     matvec: None,

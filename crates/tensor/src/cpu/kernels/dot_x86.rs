@@ -24,6 +24,7 @@ use super::q8act;
 
 pub(crate) const AVX512: Kernels = Kernels {
     quantize_row: q8act::x86::quantize_row_avx512,
+    quantize_row_split: q8act::x86::quantize_row_split_avx512,
     panel: panel_avx512,
     ftile: float_x86::ftile_avx512,
     matvec: Some(super::fused_x86::matvec_avx512),
@@ -34,6 +35,7 @@ pub(crate) const AVX512: Kernels = Kernels {
 
 pub(crate) const AVX2: Kernels = Kernels {
     quantize_row: q8act::x86::quantize_row_avx2,
+    quantize_row_split: q8act::x86::quantize_row_split_avx2,
     panel: panel_avx2,
     ftile: float_x86::ftile_avx2,
     matvec: None,

@@ -42,8 +42,9 @@ const fn qs_at(f: u8) -> usize {
     }
 }
 
-/// Rows `r0..r1` of `w` against the single activation row of `act`, into `out[r]`. Returns
-/// false (doing nothing) when the weight is not one of the fused formats.
+/// Rows `r0..r1` of `w` against the single activation row of `act` (`split`: the two rows of a
+/// two-part activation, summed), into `out[r]`. Returns false (doing nothing) when the weight
+/// is not one of the fused formats.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL/VNNI; `act` must hold one row of `w.cols` values; `out`
@@ -54,6 +55,7 @@ pub(crate) unsafe fn matvec_avx512(
     r0: usize,
     r1: usize,
     act: &ActQ8,
+    split: bool,
     out: *mut f32,
 ) -> bool {
     let WView::Ggml {
@@ -66,11 +68,11 @@ pub(crate) unsafe fn matvec_avx512(
     };
     let p = data.as_ptr();
     match ty {
-        GgmlType::Q4_0 => rows::<Q4_0>(p, row_bytes, r0, r1, act, out),
-        GgmlType::Q4_1 => rows::<Q4_1>(p, row_bytes, r0, r1, act, out),
-        GgmlType::Q5_0 => rows::<Q5_0>(p, row_bytes, r0, r1, act, out),
-        GgmlType::Q5_1 => rows::<Q5_1>(p, row_bytes, r0, r1, act, out),
-        GgmlType::Q8_0 => rows::<Q8_0>(p, row_bytes, r0, r1, act, out),
+        GgmlType::Q4_0 => rows::<Q4_0>(p, row_bytes, r0, r1, act, split, out),
+        GgmlType::Q4_1 => rows::<Q4_1>(p, row_bytes, r0, r1, act, split, out),
+        GgmlType::Q5_0 => rows::<Q5_0>(p, row_bytes, r0, r1, act, split, out),
+        GgmlType::Q5_1 => rows::<Q5_1>(p, row_bytes, r0, r1, act, split, out),
+        GgmlType::Q8_0 => rows::<Q8_0>(p, row_bytes, r0, r1, act, split, out),
         _ => return false,
     }
     true
@@ -84,11 +86,17 @@ unsafe fn rows<const F: u8>(
     r0: usize,
     r1: usize,
     act: &ActQ8,
+    split: bool,
     out: *mut f32,
 ) {
     let nb = act.k / 32;
     for r in r0..r1 {
-        *out.add(r) = row::<F>(p.add(r * row_bytes), nb, act);
+        let pr = p.add(r * row_bytes);
+        *out.add(r) = if split {
+            row::<F, true>(pr, nb, act)
+        } else {
+            row::<F, false>(pr, nb, act)
+        };
     }
 }
 
@@ -148,27 +156,45 @@ unsafe fn offset<const F: u8>(p: *const u8, d: f32) -> f32 {
     }
 }
 
+/// One row's dot with the activation row (`SPLIT`: with the two-part activation, whose second
+/// part is row 1 of `act` at scale `dx / 256`; the two integer dots combine exactly as
+/// `256 * hi + lo`, at most 4 * 255 * 127 * 257 < 2^31 per lane).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn row<const F: u8>(p: *const u8, nb: usize, act: &ActQ8) -> f32 {
+unsafe fn row<const F: u8, const SPLIT: bool>(p: *const u8, nb: usize, act: &ActQ8) -> f32 {
     let bs = block_bytes(F);
     let (qx, dx, sx) = (act.qx.as_ptr(), act.dx.as_ptr(), act.sx32.as_ptr());
+    let (k, g) = (act.k, act.k / 16);
+    // With SPLIT the scale is the second part's (dx / 256, exact in f32).
+    let dsc = if SPLIT { dx.add(g) } else { dx };
     let mut acc = _mm512_setzero_ps();
     let mut off = 0f32;
     let mut b = 0;
+    let sxb = |b: usize| {
+        if SPLIT {
+            *sx.add(b) + *sx.add(nb + b)
+        } else {
+            *sx.add(b)
+        }
+    };
     while b + 2 <= nb {
         let (p0, p1) = (p.add(b * bs), p.add((b + 1) * bs));
         let z = codes2::<F>(p0, p1);
         let x = _mm512_loadu_si512(qx.add(32 * b) as *const __m512i);
-        let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, x);
+        let mut dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, x);
+        if SPLIT {
+            let xl = _mm512_loadu_si512(qx.add(k + 32 * b) as *const __m512i);
+            let lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, xl);
+            dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), lo);
+        }
         let (d0, d1) = (half(p0), half(p1));
         let s = _mm512_mask_blend_ps(
             0xff00,
-            _mm512_set1_ps(d0 * *dx.add(2 * b)),
-            _mm512_set1_ps(d1 * *dx.add(2 * b + 2)),
+            _mm512_set1_ps(d0 * *dsc.add(2 * b)),
+            _mm512_set1_ps(d1 * *dsc.add(2 * b + 2)),
         );
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
-        off += offset::<F>(p0, d0) * *sx.add(b) + offset::<F>(p1, d1) * *sx.add(b + 1);
+        off += offset::<F>(p0, d0) * sxb(b) + offset::<F>(p1, d1) * sxb(b + 1);
         b += 2;
     }
     if b < nb {
@@ -176,14 +202,19 @@ unsafe fn row<const F: u8>(p: *const u8, nb: usize, act: &ActQ8) -> f32 {
         let p0 = p.add(b * bs);
         let z = codes2::<F>(p0, p0);
         let x = _mm512_maskz_loadu_epi8(0xffff_ffff, qx.add(32 * b));
-        let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, x);
+        let mut dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, x);
+        if SPLIT {
+            let xl = _mm512_maskz_loadu_epi8(0xffff_ffff, qx.add(k + 32 * b));
+            let lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, xl);
+            dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), lo);
+        }
         let d0 = half(p0);
         acc = _mm512_fmadd_ps(
             _mm512_cvtepi32_ps(dot),
-            _mm512_set1_ps(d0 * *dx.add(2 * b)),
+            _mm512_set1_ps(d0 * *dsc.add(2 * b)),
             acc,
         );
-        off += offset::<F>(p0, d0) * *sx.add(b);
+        off += offset::<F>(p0, d0) * sxb(b);
     }
     _mm512_reduce_add_ps(acc) + off
 }

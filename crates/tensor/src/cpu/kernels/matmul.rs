@@ -23,7 +23,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::q8act::{self, ActQ8};
+use super::q8act::{self, ActBits, ActQ8};
 use super::unpack::{unpack_rows, WView};
 use super::{scalar, Isa};
 use crate::{Error, GgmlType, QTensor, Result, WeightData};
@@ -63,7 +63,7 @@ pub struct FTile {
 pub type QTileFn = unsafe fn(usize, usize, &QTile);
 pub type FTileFn = unsafe fn(usize, usize, &FTile);
 pub type PanelFn = unsafe fn(&PanelArgs<'_>, &mut Scratch);
-pub type MatvecFn = unsafe fn(&WView<'_>, usize, usize, &ActQ8, *mut f32) -> bool;
+pub type MatvecFn = unsafe fn(&WView<'_>, usize, usize, &ActQ8, bool, *mut f32) -> bool;
 
 /// Decoded weight panel of one worker.
 #[derive(Default)]
@@ -95,6 +95,7 @@ impl Scratch {
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
     static ACT: RefCell<ActQ8> = RefCell::new(ActQ8::default());
+    static SPLIT_OUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` on this thread's reusable buffer, or on a fresh one if the buffer is already in use
@@ -160,6 +161,7 @@ fn for_each_task(tasks: Vec<(usize, usize)>, f: impl Fn((usize, usize)) + Send +
 /// The per-ISA pieces the driver needs (each ISA module defines one as a const).
 pub(crate) struct Kernels {
     pub quantize_row: q8act::QuantRowFn,
+    pub quantize_row_split: q8act::SplitRowFn,
     /// Decodes a panel and runs the tiles over it: the ISA's `#[target_feature]` wrapper of
     /// [`quant_panel`].
     pub panel: PanelFn,
@@ -230,6 +232,7 @@ fn kernels(isa: Isa) -> Kernels {
         Isa::Neon => super::dot_neon::NEON,
         _ => Kernels {
             quantize_row: q8act::quantize_row_scalar,
+            quantize_row_split: q8act::quantize_row_split_scalar,
             panel: scalar_panel,
             ftile: scalar::ftile,
             matvec: None,
@@ -240,7 +243,14 @@ fn kernels(isa: Isa) -> Kernels {
     }
 }
 
-pub(crate) fn run(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
+pub(crate) fn run(
+    isa: Isa,
+    bits: ActBits,
+    w: &QTensor,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+) -> Result<()> {
     let kern = kernels(isa);
     let (r, k) = (w.rows, w.cols);
     let outp = OutPtr(out.as_mut_ptr());
@@ -284,46 +294,86 @@ pub(crate) fn run(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -
             w.name
         )));
     }
-    with_reused(&ACT, |act: &mut ActQ8| {
-        act.reshape(t, k);
-        // SAFETY: the ISA was checked available by the caller.
-        unsafe { q8act::quantize_rows(x, act, kern.quantize_row) };
-        let act = &*act;
-        if let (1, Some(mv)) = (t, kern.matvec) {
-            let handled = std::sync::atomic::AtomicBool::new(true);
-            for_each_task(tasks(r, 16, t), |(r0, r1)| {
-                // SAFETY: rows r0..r1 are inside the weight and are this task's own outputs; the
-                // ISA was checked available by the caller.
-                if !unsafe { mv(&wv, r0, r1, act, outp.get()) } {
-                    handled.store(false, std::sync::atomic::Ordering::Relaxed);
-                }
-            });
-            if handled.into_inner() {
+    with_reused(&ACT, |act: &mut ActQ8| match bits {
+        ActBits::Q8 => {
+            act.reshape(t, k);
+            // SAFETY: the ISA was checked available by the caller.
+            unsafe { q8act::quantize_rows(x, act, kern.quantize_row) };
+            quant_matmul(&kern, &wv, r, act, outp);
+        }
+        ActBits::Split16 => {
+            // 2T rows: the first parts, then the remainders; out = first + remainder.
+            act.reshape(2 * t, k);
+            // SAFETY: the ISA was checked available by the caller.
+            unsafe { q8act::quantize_rows_split(x, act, kern.quantize_row_split) };
+            if t == 1 && fused_matvec(&kern, &wv, r, act, true, outp) {
                 return;
             }
-        }
-        let (panel, p) = match kern.gemm {
-            Some(gemm) if t >= 16 => gemm,
-            _ => (kern.panel, panel_rows(t, kern.nr)),
-        };
-        for_each_task(tasks(r, p, t), |(r0, r1)| {
-            with_reused(&SCRATCH, |s: &mut Scratch| {
-                s.reserve(p, k);
-                for pr0 in (r0..r1).step_by(p) {
-                    let args = PanelArgs {
-                        w: &wv,
-                        r0: pr0,
-                        n: p.min(r1 - pr0),
-                        act,
-                        out: outp.get(),
-                        ldo: r,
-                    };
-                    // SAFETY: rows pr0..pr0+n are inside the weight (checked lengths) and this
-                    // task's own output columns; the ISA was checked available by the caller.
-                    unsafe { panel(&args, s) };
+            with_reused(&SPLIT_OUT, |tmp: &mut Vec<f32>| {
+                if tmp.len() < 2 * t * r {
+                    tmp.resize(2 * t * r, 0.0);
+                }
+                quant_matmul(&kern, &wv, r, act, OutPtr(tmp.as_mut_ptr()));
+                let (hi, lo) = tmp[..2 * t * r].split_at(t * r);
+                for ((o, h), l) in out.iter_mut().zip(hi).zip(lo) {
+                    *o = h + l;
                 }
             });
-        });
+        }
     });
     Ok(())
+}
+
+/// The ISA's fused T = 1 kernel over all rows, if it has one for this format (`split`: `act`
+/// is one two-part row, see `q8act::quantize_row_split`). False if nothing was done.
+fn fused_matvec(
+    kern: &Kernels,
+    wv: &WView<'_>,
+    r: usize,
+    act: &ActQ8,
+    split: bool,
+    outp: OutPtr,
+) -> bool {
+    let Some(mv) = kern.matvec else {
+        return false;
+    };
+    let handled = std::sync::atomic::AtomicBool::new(true);
+    for_each_task(tasks(r, 16, 1), |(r0, r1)| {
+        // SAFETY: rows r0..r1 are inside the weight and are this task's own outputs; the ISA
+        // was checked available by the caller.
+        if !unsafe { mv(wv, r0, r1, act, split, outp.get()) } {
+            handled.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    handled.into_inner()
+}
+
+/// The quantized product of every row of `act` with `w`, into `outp` (act.t, R).
+fn quant_matmul(kern: &Kernels, wv: &WView<'_>, r: usize, act: &ActQ8, outp: OutPtr) {
+    let (k, t) = (act.k, act.t);
+    if t == 1 && fused_matvec(kern, wv, r, act, false, outp) {
+        return;
+    }
+    let (panel, p) = match kern.gemm {
+        Some(gemm) if t >= 16 => gemm,
+        _ => (kern.panel, panel_rows(t, kern.nr)),
+    };
+    for_each_task(tasks(r, p, t), |(r0, r1)| {
+        with_reused(&SCRATCH, |s: &mut Scratch| {
+            s.reserve(p, k);
+            for pr0 in (r0..r1).step_by(p) {
+                let args = PanelArgs {
+                    w: wv,
+                    r0: pr0,
+                    n: p.min(r1 - pr0),
+                    act,
+                    out: outp.get(),
+                    ldo: r,
+                };
+                // SAFETY: rows pr0..pr0+n are inside the weight (checked lengths) and this
+                // task's own output columns; the ISA was checked available by the caller.
+                unsafe { (panel)(&args, s) };
+            }
+        });
+    });
 }

@@ -4,7 +4,10 @@
 //!
 //! How it works (the same for every quantized type, llama.cpp's idea in a uniform form):
 //! - The activation rows are quantized once per call to 8-bit blocks of 32 ([`q8act`]: one f32
-//!   scale per 32 values, like ggml's Q8_0, plus the block sums the offsets need).
+//!   scale per 32 values, like ggml's Q8_0, plus the block sums the offsets need). By default
+//!   ([`ActBits::Split16`]) each row is quantized in two 8-bit parts, `dx * (q + l / 256)`, and
+//!   the engines multiply the 2T rows (first parts, then remainders) and add the halves: 16-bit
+//!   accuracy from 8-bit multiplies. [`ActBits::Q8`] keeps one part (llama.cpp's rounding).
 //! - A tile of weight rows is decoded ([`unpack`]) into unsigned 8-bit codes `u` with, per 16
 //!   elements, a scale `a` and an offset `c`, so that the weight is `a * u + c`. Every ggml block
 //!   format and MLX affine fits this form (Q4_0: `a = d`, `c = -8d`; Q4_K: `a = d * sc`,
@@ -38,6 +41,7 @@ mod fused_x86;
 mod gemm_x86;
 mod matmul;
 pub mod q8act;
+pub use q8act::ActBits;
 pub mod scalar;
 pub mod unpack;
 
@@ -148,14 +152,21 @@ pub fn active_isa() -> Isa {
 }
 
 /// `out (T, R) = x (T, C) · Wᵀ` with the fastest kernels this CPU has (see the module header).
-/// Quantized weights compute against 8-bit activations (error bound in `q8act`); float weights
-/// in f32.
-pub fn linear(w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
-    linear_with(active_isa(), w, x, t, out)
+/// Quantized weights compute against activations quantized as `bits` says (error bounds in
+/// `q8act`); float weights in f32.
+pub fn linear(w: &QTensor, x: &[f32], t: usize, out: &mut [f32], bits: ActBits) -> Result<()> {
+    linear_with(active_isa(), bits, w, x, t, out)
 }
 
 /// [`linear`] on one ISA level; errors if this CPU cannot run it.
-pub fn linear_with(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
+pub fn linear_with(
+    isa: Isa,
+    bits: ActBits,
+    w: &QTensor,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+) -> Result<()> {
     if !isa.is_available() {
         return Err(Error::Msg(format!("this CPU cannot run the {isa} kernels")));
     }
@@ -174,7 +185,7 @@ pub fn linear_with(isa: Isa, w: &QTensor, x: &[f32], t: usize, out: &mut [f32]) 
     if t == 0 || r == 0 {
         return Ok(());
     }
-    matmul::run(isa, w, x, t, out)
+    matmul::run(isa, bits, w, x, t, out)
 }
 
 /// The kernels read weights through raw pointers: re-check that the stored lengths match the
