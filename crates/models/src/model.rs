@@ -1,13 +1,14 @@
 //! `Model`: a loaded checkpoint (any format) with its config, weights, tokenizer and template;
 //! `Session`: one sequence's KV cache and position over a borrowed model.
 //!
-//! The forward here is the reference path: f32 activations, weights dequantized a row at a time
-//! inside the matmul, f32 accumulation.
+//! Every op goes through the model's backend (`hf2q_tensor::op::Backend`); on the CPU the matmul
+//! path is chosen with [`Model::set_matmul_path`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use hf2q_tensor::cpu::{CpuBackend, MatmulPath};
+use hf2q_tensor::cpu::{CpuBackend, LinearObserver, MatmulPath};
 use hf2q_tensor::io::gguf::GgufFile;
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
@@ -254,10 +255,16 @@ impl Model {
             chat_template: self.template.is_some(),
         }
     }
-    /// Chooses the matmul path: `Fast` (default, SIMD kernels with 8-bit activations) or
-    /// `Reference` (f32 activations over dequantized rows; what golden parity is measured on).
+    /// Chooses the CPU matmul path: `Reference` (the default here: f32 activations over
+    /// dequantized rows, what golden parity is measured on), `Fast` (SIMD kernels, activations in
+    /// two 8-bit parts; within the end-to-end gate) or `Fast8` (one 8-bit part, as llama.cpp).
     pub fn set_matmul_path(&mut self, path: MatmulPath) {
-        self.backend = CpuBackend { matmul: path };
+        self.backend.matmul = path;
+    }
+    /// Sets (or clears) the observer that sees the input of every matmul, e.g. an
+    /// importance-matrix collector.
+    pub fn set_linear_observer(&mut self, observer: Option<Arc<dyn LinearObserver>>) {
+        self.backend.observer = observer;
     }
     pub fn matmul_path(&self) -> MatmulPath {
         self.backend.matmul
@@ -300,7 +307,7 @@ impl Model {
     /// for every matmul, attention runs per sequence over its own cache. Returns the normed
     /// hidden states `(ΣT, D)`.
     fn hidden_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Tensor> {
-        let be = self.backend;
+        let be = self.be();
         let mut ids = Vec::new();
         for it in items.iter() {
             if it.tokens.is_empty() {
@@ -335,7 +342,7 @@ impl Model {
                     r
                 })
                 .collect();
-            block.forward(&be, &mut x, &mut seqs)?;
+            block.forward(be, &mut x, &mut seqs)?;
         }
         Ok(be.rms_norm(
             &x,
@@ -351,28 +358,39 @@ impl Model {
         if items.is_empty() {
             return Ok(Vec::new());
         }
+        let be = self.be();
         let h = self.hidden_batch(items)?;
-        let d = h.dims2().1;
-        let mut last = Vec::with_capacity(items.len() * d);
-        let mut end = 0;
-        for it in items.iter() {
-            end += it.tokens.len();
-            last.extend_from_slice(h.row(end - 1));
-        }
-        let l = self.logits(&Tensor::new(&[items.len(), d], last)?)?;
+        let total = h.dims2().0;
+        // The last row of each sequence.
+        let last = if items.len() == 1 && items[0].tokens.len() == total {
+            be.rows(&h, total - 1, 1)?
+        } else {
+            let mut end = 0;
+            let mut rows = Vec::with_capacity(items.len());
+            for it in items.iter() {
+                end += it.tokens.len();
+                rows.push(be.rows(&h, end - 1, 1)?);
+            }
+            be.concat_rows(&rows)?
+        };
+        let l = be.to_host(&self.logits(&last)?)?;
         let v = l.dims2().1;
         Ok(l.into_data().chunks(v).map(<[f32]>::to_vec).collect())
     }
 
     /// `h (T, D)` -> logits `(T, V)`.
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        let mut l = self.backend.linear(h, &self.lm_head, None)?;
+        let be = self.be();
+        let mut l = be.linear(h, &self.lm_head, None)?;
         if let Some(cap) = self.config.final_logit_softcap {
-            l.data_mut()
-                .iter_mut()
-                .for_each(|v| *v = (*v / cap).tanh() * cap);
+            be.softcap(&mut l, cap)?;
         }
         Ok(l)
+    }
+
+    /// The backend every op of this model runs on.
+    fn be(&self) -> &dyn Backend {
+        &self.backend
     }
 }
 
@@ -432,7 +450,7 @@ impl<'m> Session<'m> {
             tokens,
         }];
         let h = self.model.hidden_batch(&mut item)?;
-        let l = self.model.logits(&h)?;
+        let l = self.model.be().to_host(&self.model.logits(&h)?)?;
         self.pos += tokens.len();
         Ok(l)
     }

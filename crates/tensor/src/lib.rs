@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod dtype;
 pub mod error;
 pub mod io;
+pub mod kv;
 pub mod op;
 pub mod quant;
 pub mod storage;

@@ -4,6 +4,7 @@
 //! Shapes (letters used throughout): T tokens in this call, D model width, H query heads,
 //! Hkv key/value heads, Dh head width, R/C a weight's output/input features, S cached positions.
 
+use crate::kv::KvStore;
 use crate::{QTensor, Result, Tensor};
 
 /// How RoPE pairs the dimensions of a head.
@@ -61,7 +62,7 @@ pub struct LayerCache<'a> {
     pub capacity: usize,
 }
 
-pub trait Backend {
+pub trait Backend: Send + Sync {
     /// Rows of an embedding table `(V, D)` for `ids` -> `(T, D)`, times `scale`.
     fn embedding(&self, table: &QTensor, ids: &[u32], scale: f32) -> Result<Tensor>;
     /// RMSNorm over the last dim: `x / rms(x) * (w + offset)`.
@@ -70,19 +71,31 @@ pub trait Backend {
     fn linear(&self, x: &Tensor, w: &QTensor, bias: Option<&[f32]>) -> Result<Tensor>;
     /// Rotates `x (T, nh, Dh)` in place at absolute positions `pos0..pos0+T`.
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()>;
+    /// Writes `k`, `v` `(T, Hkv*Dh)` into one layer's cache at positions `pos0..pos0+T`; errors
+    /// past `limit` positions.
+    fn kv_write(
+        &self,
+        kv: &mut KvStore,
+        k: &Tensor,
+        v: &Tensor,
+        pos0: usize,
+        limit: usize,
+    ) -> Result<()>;
     /// Causal attention of `q (T, H*Dh)` at positions `pos0..pos0+T` over a cache holding positions
     /// `0..pos0+T` -> `(T, H*Dh)`.
-    fn attention(
-        &self,
-        q: &Tensor,
-        cache: &LayerCache<'_>,
-        pos0: usize,
-        p: &AttentionParams,
-    ) -> Result<Tensor>;
+    fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor>;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
     /// `gelu_tanh(gate) * up`.
     fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()>;
+    /// `x = tanh(x / cap) * cap` (Gemma's final-logit soft cap).
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()>;
+    /// Rows `start..start+len` of `x` viewed as `(rows, last_dim)`, as a new `(len, last_dim)`.
+    fn rows(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor>;
+    /// The rows of `parts` one after another (all with the same last dim).
+    fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor>;
+    /// A host copy of `x` (`x` itself, cloned, on the CPU).
+    fn to_host(&self, x: &Tensor) -> Result<Tensor>;
 }

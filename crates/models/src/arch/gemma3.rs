@@ -3,7 +3,6 @@
 //! GELU-tanh MLP, sliding-window local layers with their own RoPE base.
 //! Reference: transformers' `modeling_gemma3.py` (`Gemma3DecoderLayer`).
 
-use hf2q_tensor::cpu::CpuBackend;
 use hf2q_tensor::op::{Backend, RopeParams};
 use hf2q_tensor::Tensor;
 
@@ -54,7 +53,7 @@ impl Gemma3Block {
 }
 
 impl Block for Gemma3Block {
-    fn forward(&self, be: &CpuBackend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
+    fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let h = be.rms_norm(x, &self.input_norm, self.eps, self.offset)?;
         let a = self.attn.forward(be, &h, seqs)?;
         let a = be.rms_norm(&a, &self.post_attn_norm, self.eps, self.offset)?;

@@ -2,7 +2,6 @@
 //! both handled by `Attention` from the config): pre-norm attention and pre-norm SiLU MLP.
 //! Reference: transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`.
 
-use hf2q_tensor::cpu::CpuBackend;
 use hf2q_tensor::op::{Backend, RopeParams};
 use hf2q_tensor::Tensor;
 
@@ -47,7 +46,7 @@ impl LlamaBlock {
 }
 
 impl Block for LlamaBlock {
-    fn forward(&self, be: &CpuBackend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
+    fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let h = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
         let a = self.attn.forward(be, &h, seqs)?;
         be.add_assign(x, &a)?;

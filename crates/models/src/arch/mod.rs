@@ -4,8 +4,7 @@
 pub mod gemma3;
 pub mod llama;
 
-use hf2q_tensor::cpu::CpuBackend;
-use hf2q_tensor::op::RopeParams;
+use hf2q_tensor::op::{Backend, RopeParams};
 use hf2q_tensor::Tensor;
 
 use crate::config::{Arch, ModelConfig};
@@ -15,7 +14,7 @@ use crate::Result;
 
 /// One decoder layer: updates the residual stream `x (ΣT, D)` of a batch of sequences in place.
 pub trait Block: Send + Sync {
-    fn forward(&self, be: &CpuBackend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()>;
+    fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()>;
 }
 
 /// RoPE of layer `i`: local layers of Gemma 3 use their own base and no scaling.

@@ -1,7 +1,6 @@
 //! Self-attention with grouped KV heads, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3,
 //! Gemma 3), RoPE, optional sliding window, writing into the layer's KV cache.
 
-use hf2q_tensor::cpu::CpuBackend;
 use hf2q_tensor::op::{AttentionParams, Backend, RopeParams};
 use hf2q_tensor::Tensor;
 
@@ -67,7 +66,7 @@ impl Attention {
 
     fn head_norm(
         &self,
-        be: &CpuBackend,
+        be: &dyn Backend,
         x: Tensor,
         w: &Option<Vec<f32>>,
         heads: usize,
@@ -81,31 +80,37 @@ impl Attention {
 
     /// `x (ΣT, D)`: the rows of every sequence in `seqs` -> `(ΣT, D)`. Projections run once over
     /// the whole batch; norms, RoPE, cache writes and attention run per sequence.
-    pub fn forward(&self, be: &CpuBackend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
+    pub fn forward(&self, be: &dyn Backend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
         let p = &self.params;
         let q = self.q.forward(be, x)?;
         let k = self.k.forward(be, x)?;
         let v = self.v.forward(be, x)?;
-        let (qw, kw) = (q.dims2().1, k.dims2().1);
-        let mut out = vec![0f32; q.len()];
+        let qw = q.dims2().1;
+        // One sequence covering the batch (decode of one stream, any prefill): no row copies.
+        let whole = seqs.len() == 1 && seqs[0].start == 0 && seqs[0].len == x.dims2().0;
+        let mut parts = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
-            let rows = |t: &Tensor, w: usize| {
-                Tensor::new(
-                    &[s.len, w],
-                    t.data()[s.start * w..(s.start + s.len) * w].to_vec(),
-                )
+            let rows = |t: &Tensor| -> Result<Tensor> {
+                if whole {
+                    Ok(t.clone())
+                } else {
+                    Ok(be.rows(t, s.start, s.len)?)
+                }
             };
-            let qs = self.head_norm(be, rows(&q, qw)?, &self.q_norm, p.n_heads)?;
-            let ks = self.head_norm(be, rows(&k, kw)?, &self.k_norm, p.n_kv_heads)?;
-            let vs = rows(&v, kw)?;
-            let (mut qs, mut ks) = (qs, ks);
+            let mut qs = self.head_norm(be, rows(&q)?, &self.q_norm, p.n_heads)?;
+            let mut ks = self.head_norm(be, rows(&k)?, &self.k_norm, p.n_kv_heads)?;
+            let vs = rows(&v)?;
             be.rope(&mut qs, p.n_heads, s.pos0, &self.rope)?;
             be.rope(&mut ks, p.n_kv_heads, s.pos0, &self.rope)?;
-            s.kv.write(&ks, &vs, s.pos0, s.limit)?;
-            let a = be.attention(&qs, &s.kv.view(), s.pos0, p)?;
-            out[s.start * qw..(s.start + s.len) * qw].copy_from_slice(a.data());
+            be.kv_write(s.kv, &ks, &vs, s.pos0, s.limit)?;
+            parts.push(be.attend(&qs, s.kv, s.pos0, p)?);
         }
-        let a = Tensor::new(&[x.dims2().0, qw], out)?;
+        let a = if whole {
+            parts.pop().expect("one sequence")
+        } else {
+            be.concat_rows(&parts)?
+        };
+        let a = a.reshape(&[x.dims2().0, qw])?;
         self.o.forward(be, &a)
     }
 }

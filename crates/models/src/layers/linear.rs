@@ -1,6 +1,5 @@
 //! `Linear`: `y = x Wᵀ (+ b)`. Dense, quantized and (later) LoRA weights differ only in here.
 
-use hf2q_tensor::cpu::CpuBackend;
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
 
@@ -26,7 +25,7 @@ impl Linear {
         Ok(Linear { w, b })
     }
     /// `x (T, C) -> (T, R)`.
-    pub fn forward(&self, be: &CpuBackend, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
         Ok(be.linear(x, &self.w, self.b.as_deref())?)
     }
 }

@@ -1,6 +1,5 @@
 //! Gated MLP: `down(act(gate(x)) * up(x))`, SiLU (Llama, Qwen) or GELU-tanh (Gemma).
 
-use hf2q_tensor::cpu::CpuBackend;
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::Tensor;
 
@@ -29,7 +28,7 @@ impl Mlp {
         })
     }
     /// `x (T, D) -> (T, D)`.
-    pub fn forward(&self, be: &CpuBackend, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
         let g = self.gate.forward(be, x)?;
         let u = self.up.forward(be, x)?;
         let h = match self.act {

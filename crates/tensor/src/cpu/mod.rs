@@ -7,6 +7,7 @@ pub mod kernels;
 
 use kernels::ActBits;
 
+use crate::kv::KvStore;
 use crate::op::{AttentionParams, Backend, LayerCache, RopeParams, RopeStyle};
 use crate::weight::dot;
 use crate::{Error, QTensor, Result, Tensor};
@@ -43,6 +44,65 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
+    /// Causal attention over a host cache view (the reference of every device's `attend`).
+    pub fn attention(
+        &self,
+        q: &Tensor,
+        cache: &LayerCache<'_>,
+        pos0: usize,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        let (t, width) = q.dims2();
+        let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+        if width != h * dh || hkv == 0 || h % hkv != 0 {
+            return Err(Error::Shape(format!(
+                "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
+            )));
+        }
+        let total = pos0 + t;
+        if total > cache.capacity
+            || cache.k.len() < hkv * cache.capacity * dh
+            || cache.v.len() < hkv * cache.capacity * dh
+        {
+            return Err(Error::Shape(format!(
+                "attention: {total} positions exceed the cache capacity {}",
+                cache.capacity
+            )));
+        }
+        let group = h / hkv;
+        let mut out = vec![0f32; t * width];
+        // One task per (token, head): scores over the visible keys, softmax in f32, weighted sum.
+        out.par_chunks_mut(dh).enumerate().for_each(|(idx, o)| {
+            let (ti, hi) = (idx / h, idx % h);
+            let qpos = pos0 + ti;
+            let kvh = hi / group;
+            let lo = match p.window {
+                Some(w) => (qpos + 1).saturating_sub(w),
+                None => 0,
+            };
+            let qv = &q.data()[ti * width + hi * dh..ti * width + (hi + 1) * dh];
+            let kbase = kvh * cache.capacity * dh;
+            let mut scores: Vec<f32> = (lo..=qpos)
+                .map(|j| dot(qv, &cache.k[kbase + j * dh..kbase + (j + 1) * dh]) * p.scale)
+                .collect();
+            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - m).exp();
+                sum += *s;
+            }
+            o.iter_mut().for_each(|v| *v = 0.0);
+            for (s, j) in scores.iter().zip(lo..=qpos) {
+                let w = s / sum;
+                let vr = &cache.v[kbase + j * dh..kbase + (j + 1) * dh];
+                for (ov, vv) in o.iter_mut().zip(vr) {
+                    *ov += w * vv;
+                }
+            }
+        });
+        Tensor::new(&[t, width], out)
+    }
+
     pub const FAST: CpuBackend = CpuBackend {
         matmul: MatmulPath::Fast,
         observer: None,
@@ -187,62 +247,29 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention(
+    fn kv_write(
         &self,
-        q: &Tensor,
-        cache: &LayerCache<'_>,
+        kv: &mut KvStore,
+        k: &Tensor,
+        v: &Tensor,
         pos0: usize,
-        p: &AttentionParams,
-    ) -> Result<Tensor> {
-        let (t, width) = q.dims2();
-        let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
-        if width != h * dh || hkv == 0 || h % hkv != 0 {
-            return Err(Error::Shape(format!(
-                "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
-            )));
+        limit: usize,
+    ) -> Result<()> {
+        match kv {
+            KvStore::Host(h) => h.write(k, v, pos0, limit),
+            _ => Err(Error::Msg(
+                "the CPU backend was given a device KV cache".into(),
+            )),
         }
-        let total = pos0 + t;
-        if total > cache.capacity
-            || cache.k.len() < hkv * cache.capacity * dh
-            || cache.v.len() < hkv * cache.capacity * dh
-        {
-            return Err(Error::Shape(format!(
-                "attention: {total} positions exceed the cache capacity {}",
-                cache.capacity
-            )));
+    }
+
+    fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
+        match kv {
+            KvStore::Host(h) => self.attention(q, &h.view(), pos0, p),
+            _ => Err(Error::Msg(
+                "the CPU backend was given a device KV cache".into(),
+            )),
         }
-        let group = h / hkv;
-        let mut out = vec![0f32; t * width];
-        // One task per (token, head): scores over the visible keys, softmax in f32, weighted sum.
-        out.par_chunks_mut(dh).enumerate().for_each(|(idx, o)| {
-            let (ti, hi) = (idx / h, idx % h);
-            let qpos = pos0 + ti;
-            let kvh = hi / group;
-            let lo = match p.window {
-                Some(w) => (qpos + 1).saturating_sub(w),
-                None => 0,
-            };
-            let qv = &q.data()[ti * width + hi * dh..ti * width + (hi + 1) * dh];
-            let kbase = kvh * cache.capacity * dh;
-            let mut scores: Vec<f32> = (lo..=qpos)
-                .map(|j| dot(qv, &cache.k[kbase + j * dh..kbase + (j + 1) * dh]) * p.scale)
-                .collect();
-            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - m).exp();
-                sum += *s;
-            }
-            o.iter_mut().for_each(|v| *v = 0.0);
-            for (s, j) in scores.iter().zip(lo..=qpos) {
-                let w = s / sum;
-                let vr = &cache.v[kbase + j * dh..kbase + (j + 1) * dh];
-                for (ov, vv) in o.iter_mut().zip(vr) {
-                    *ov += w * vv;
-                }
-            }
-        });
-        Tensor::new(&[t, width], out)
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
@@ -274,6 +301,43 @@ impl Backend for CpuBackend {
             .zip(y.data())
             .for_each(|(a, b)| *a += b);
         Ok(())
+    }
+
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        x.data_mut()
+            .iter_mut()
+            .for_each(|v| *v = (*v / cap).tanh() * cap);
+        Ok(())
+    }
+
+    fn rows(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
+        let (r, c) = x.dims2();
+        if start + len > r {
+            return Err(Error::Shape(format!(
+                "rows {start}..{} of a tensor of {r} rows",
+                start + len
+            )));
+        }
+        Tensor::new(&[len, c], x.data()[start * c..(start + len) * c].to_vec())
+    }
+
+    fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let c = parts.first().map_or(0, |p| p.dims2().1);
+        let mut out = Vec::with_capacity(parts.iter().map(Tensor::len).sum());
+        for p in parts {
+            if p.dims2().1 != c {
+                return Err(Error::Shape(format!(
+                    "concat_rows: rows of {} and {c} values",
+                    p.dims2().1
+                )));
+            }
+            out.extend_from_slice(p.data());
+        }
+        Tensor::new(&[out.len() / c.max(1), c], out)
+    }
+
+    fn to_host(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.clone())
     }
 }
 
