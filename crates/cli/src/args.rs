@@ -61,9 +61,56 @@ pub struct SampleArgs {
     /// Context size in tokens: prompt plus reply must fit [default: the model's, at most 4096].
     #[arg(short = 'c', long, value_name = "N")]
     pub ctx_size: Option<usize>,
-    /// Matmul kernels for quantized weights.
+    /// Matmul kernels for quantized weights (CPU).
     #[arg(long, value_enum, value_name = "PATH", default_value_t = MatmulChoice::Fast)]
     pub matmul: MatmulChoice,
+    /// Where to run: `auto` uses the first NVIDIA GPU when there is one, else the CPU.
+    #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+}
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// The GPU when one works, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    /// The first NVIDIA GPU (an error when there is none).
+    Cuda,
+}
+
+/// Opens the device `choice` asks for: `None` means the CPU.
+pub fn open_device(
+    choice: DeviceChoice,
+) -> Result<Option<std::sync::Arc<hf2q_tensor::cuda_backend::CudaBackend>>> {
+    use hf2q_tensor::cuda::{CudaDev, KvDtype};
+    use hf2q_tensor::cuda_backend::CudaBackend;
+    if choice == DeviceChoice::Cpu {
+        return Ok(None);
+    }
+    match CudaDev::open(0) {
+        Ok(Some(dev)) => {
+            let info = dev.info();
+            eprintln!(
+                "device: {} (compute capability {}.{})",
+                info.name, info.compute_capability.0, info.compute_capability.1
+            );
+            Ok(Some(std::sync::Arc::new(CudaBackend::new(
+                dev,
+                KvDtype::F16,
+            )?)))
+        }
+        Ok(None) if choice == DeviceChoice::Cuda => {
+            bail!("--device cuda: no NVIDIA GPU or CUDA driver found")
+        }
+        Ok(None) => Ok(None),
+        Err(e) if choice == DeviceChoice::Cuda => Err(e.into()),
+        Err(e) => {
+            eprintln!("warning: the GPU could not be used ({e}); running on the CPU");
+            Ok(None)
+        }
+    }
 }
 
 /// `--matmul`: which CPU matmul path runs the quantized weights.
@@ -92,9 +139,11 @@ impl MatmulChoice {
 }
 
 impl SampleArgs {
-    /// Applies the matmul-path choice to a loaded model.
-    pub fn configure(&self, model: &mut Model) {
+    /// Applies the device and matmul-path choices to a loaded model.
+    pub fn configure(&self, model: &mut Model) -> Result<()> {
         model.set_matmul_path(self.matmul.path());
+        model.set_cuda(open_device(self.device)?);
+        Ok(())
     }
 }
 

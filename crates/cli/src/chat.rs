@@ -160,7 +160,7 @@ impl Conversation<'_> {
 pub fn chat(a: ChatArgs) -> Result<()> {
     let params = a.sample.params(a.max_tokens)?;
     let (path, mut model) = args::load_model(a.model.as_deref())?;
-    a.sample.configure(&mut model);
+    a.sample.configure(&mut model)?;
     let ctx = a.sample.context(&model)?;
     if model.chat_template().is_none() {
         eprintln!("note: this model has no chat template; using a generic one");

@@ -2,14 +2,17 @@
 //! the argument grammar (clap derive, which is also the `--help` text) and error reporting.
 
 mod args;
+mod bench;
 mod chat;
 mod convert;
+mod imatrix;
 mod inspect;
 mod perplexity;
 mod pull;
 mod quantize;
 mod run;
 mod serve;
+mod synth;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -74,6 +77,17 @@ conversation), /help lists commands, /quit or Ctrl-D exits. Ctrl-C during a repl
     /// Quantize a model: llama.cpp presets (Q4_K_M, Q8_0, ...) into GGUF, or MLX affine (mlx4).
     #[command(after_help = MODEL_FORMS)]
     Quantize(quantize::QuantizeArgs),
+    /// Compute an importance matrix over a text (as llama-imatrix) for quantize --imatrix.
+    #[command(
+        long_about = "Compute an importance matrix as llama.cpp's llama-imatrix does: the text is \
+tokenized and cut into chunks of --ctx tokens, the model runs over each chunk, and for every matmul \
+weight of the blocks the sum of squared activations feeding each input column is accumulated with \
+the number of rows. The result is written in llama.cpp's GGUF imatrix format, readable by \
+`hf2q quantize --imatrix` (GGUF k-quants and MLX affine) and by llama-quantize. The running \
+perplexity of the chunks is printed on stderr.",
+        after_help = MODEL_FORMS
+    )]
+    Imatrix(imatrix::ImatrixArgs),
     /// Convert between GGUF, Hugging Face safetensors and MLX folders.
     #[command(after_help = MODEL_FORMS)]
     Convert(convert::ConvertArgs),
@@ -89,6 +103,27 @@ SIGTERM or Ctrl-C lets running requests finish, then exits.",
         after_help = MODEL_FORMS
     )]
     Serve(serve::ServeArgs),
+    /// Measure prompt-processing (ppN) and generation (tgN) speed, as llama-bench does.
+    #[command(
+        long_about = "Measure speed as llama-bench does: ppN prefills N random tokens into an empty \
+cache in one forward, tgN decodes N random tokens one at a time from an empty cache. Each test \
+runs once untimed, then -r times; tokens per second are reported as mean ± standard deviation, \
+for each thread count (-t) and model. Also reports the peak resident memory, the model's file size \
+and the KV cache's bytes. A markdown table on stdout, or one JSON object per test per line with \
+--json; progress on stderr.",
+        after_help = MODEL_FORMS
+    )]
+    Bench(bench::BenchArgs),
+    /// Write a random-weight GGUF at a real model's shape (Llama 3.x, Qwen3, SmolLM2) with a real
+    /// tokenizer, for speed and memory tests.
+    #[command(
+        long_about = "Write a GGUF file with the architecture metadata, tensor names, sizes and \
+per-tensor types a real model would have (llama.cpp's converter keys and quantization rules), a \
+real tokenizer copied from --vocab-from (padded to the shape's vocabulary), and random weights \
+(std about 0.02; norms 1.0). Quantized blocks are written directly, on all cores, streamed to the \
+file: an 8B model takes seconds. llama.cpp and hf2q load the result."
+    )]
+    Synth(synth::SynthArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -148,9 +183,12 @@ fn main() -> ExitCode {
         Cmd::Chat(a) => chat::chat(a),
         Cmd::Inspect(a) => inspect::inspect(a),
         Cmd::Quantize(a) => quantize::run(a),
+        Cmd::Imatrix(a) => imatrix::run(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Perplexity(a) => perplexity::run(a),
         Cmd::Serve(a) => serve::serve(a),
+        Cmd::Bench(a) => bench::run(a),
+        Cmd::Synth(a) => synth::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -57,7 +57,9 @@ pub struct QuantizeArgs {
     /// MLX group size when --type does not name one.
     #[arg(long, value_name = "G")]
     pub group_size: Option<usize>,
-    /// Importance matrix (llama.cpp's GGUF imatrix format) weighting the rounding error.
+    /// Importance matrix (llama.cpp's GGUF imatrix format, e.g. from `hf2q imatrix`) weighting
+    /// the rounding error: GGUF types use llama-quantize's importance-weighted quantizers, MLX
+    /// types choose each group's scale and bias to minimise the weighted error (same layout).
     #[arg(long, value_name = "FILE")]
     pub imatrix: Option<PathBuf>,
     /// Every weight gets the preset's base type (no per-tensor rules), as llama-quantize --pure.
@@ -164,8 +166,6 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     let mut target = QuantTarget::parse(&ty, a.group_size)?;
     if let QuantTarget::Gguf(GgufRecipe { pure, .. }) = &mut target {
         *pure |= a.pure;
-    } else if a.imatrix.is_some() {
-        bail!("--imatrix applies to GGUF types only");
     }
     let overrides = Overrides {
         output: parse_type(&a.output_tensor_type)?,

@@ -61,7 +61,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let (path, mut model) = args::load_model(a.model.as_deref())?;
-    a.sample.configure(&mut model);
+    a.sample.configure(&mut model)?;
     let ctx = a.sample.context(&model)?;
     let tok = model.tokenizer();
     let ids = if a.raw {

@@ -64,9 +64,12 @@ pub struct ServeArgs {
     /// /health answers 503 when the engine has work but has not finished a step for SECS.
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub stuck_after: f64,
-    /// Matmul kernels for quantized weights.
+    /// Matmul kernels for quantized weights (CPU).
     #[arg(long, value_enum, value_name = "PATH", default_value_t = args::MatmulChoice::Fast)]
     pub matmul: args::MatmulChoice,
+    /// Where to run: `auto` uses the first NVIDIA GPU when there is one, else the CPU.
+    #[arg(long, value_enum, value_name = "DEVICE", default_value_t = args::DeviceChoice::Auto)]
+    pub device: args::DeviceChoice,
 }
 
 /// `512M`, `4G`, `1.5GiB`, `1000000` (bytes) -> bytes.
@@ -151,6 +154,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     cfg.validate()?;
     let (path, mut model) = args::load_model(Some(&arg))?;
     model.set_matmul_path(a.matmul.path());
+    model.set_cuda(args::open_device(a.device)?);
     let trained = model.context_length();
     cfg.engine.ctx_size = match a.ctx_size {
         Some(n) => {

@@ -127,13 +127,13 @@ fn validate(c: &ModelConfig) -> Result<()> {
             return Err(bad(format!("{k} = {v} is out of range")));
         }
     }
-    if c.n_heads % c.n_kv_heads != 0 {
+    if !c.n_heads.is_multiple_of(c.n_kv_heads) {
         return Err(bad(format!(
             "{} heads is not a multiple of {} kv heads",
             c.n_heads, c.n_kv_heads
         )));
     }
-    if c.head_dim % 2 != 0 {
+    if !c.head_dim.is_multiple_of(2) {
         return Err(bad(format!("head_dim {} is odd", c.head_dim)));
     }
     if c.sliding_layers.len() != c.n_layers {

@@ -16,6 +16,9 @@ pub struct SeqRef<'a> {
 
 pub struct KvCache {
     pub layers: Vec<KvStore>,
+    /// The captured one-token decode step over these layers (GPU only): it refers to this
+    /// cache's device buffers, so it lives and dies with them.
+    pub graph: Option<hf2q_tensor::cuda_backend::StepGraph>,
     /// Most positions this cache may hold.
     pub limit: usize,
 }
@@ -26,6 +29,7 @@ impl KvCache {
             layers: (0..n_layers)
                 .map(|_| KvStore::new(n_kv_heads, head_dim))
                 .collect(),
+            graph: None,
             limit,
         }
     }

@@ -16,6 +16,7 @@ pub mod quantize;
 pub mod sampler;
 pub mod source;
 pub mod stop;
+pub mod synth;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use hf2q_tensor::cpu::{CpuBackend, LinearObserver, MatmulPath};
+use hf2q_tensor::cuda_backend::CudaBackend;
 use hf2q_tensor::io::gguf::GgufFile;
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
@@ -21,6 +22,7 @@ use crate::kv_cache::{KvCache, SeqRef};
 use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use hf2q_tensor::kv::KvStore;
 
 /// What `hf2q inspect` prints (also as JSON).
 #[derive(Clone, Debug, Serialize)]
@@ -70,6 +72,9 @@ pub struct Model {
     /// (V, D); the embedding table when tied.
     lm_head: QTensor,
     backend: CpuBackend,
+    /// Set: every op runs on this GPU instead of `backend`.
+    cuda: Option<Arc<CudaBackend>>,
+    cuda_graphs: bool,
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -207,6 +212,8 @@ impl Model {
             final_norm,
             lm_head,
             backend: CpuBackend::default(),
+            cuda: None,
+            cuda_graphs: true,
         })
     }
 
@@ -265,6 +272,15 @@ impl Model {
     /// importance-matrix collector.
     pub fn set_linear_observer(&mut self, observer: Option<Arc<dyn LinearObserver>>) {
         self.backend.observer = observer;
+    }
+    /// Runs every op on a GPU from now on (weights are uploaded as they are first used), or back
+    /// on the CPU with `None`. Caches made before keep their device: make new ones.
+    pub fn set_cuda(&mut self, cuda: Option<Arc<CudaBackend>>) {
+        self.cuda = cuda;
+    }
+    /// The GPU this model runs on, if any.
+    pub fn cuda(&self) -> Option<&Arc<CudaBackend>> {
+        self.cuda.as_ref()
     }
     pub fn matmul_path(&self) -> MatmulPath {
         self.backend.matmul
@@ -388,9 +404,64 @@ impl Model {
         Ok(l)
     }
 
+    /// Enables (default) or disables CUDA-graph decode ([`Session::decode`] on a GPU).
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.cuda_graphs = on;
+    }
+
+    /// One-token decode of one sequence as a replayed CUDA graph: `None` when this model does
+    /// not run that way (CPU, graphs off, soft-capped logits) or the cache is not ready for a
+    /// capture yet (not every layer on the device: the first step runs eagerly).
+    fn decode_graph(
+        &self,
+        cache: &mut KvCache,
+        pos0: usize,
+        token: u32,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(cuda) = self.cuda.as_ref().filter(|_| self.cuda_graphs) else {
+            return Ok(None);
+        };
+        if self.config.final_logit_softcap.is_some()
+            || cache
+                .layers
+                .iter()
+                .any(|l| !matches!(l, KvStore::Device(_)))
+        {
+            return Ok(None);
+        }
+        if pos0 + 1 > cache.limit {
+            return Err(Error::Msg(format!(
+                "context full: {} tokens exceed the context size {}",
+                pos0 + 1,
+                cache.limit
+            )));
+        }
+        let mut graph = match cache.graph.take() {
+            Some(g) => g,
+            None => {
+                let vocab = self.lm_head.rows;
+                cuda.capture(&[token], pos0, vocab, || {
+                    let mut item = [BatchItem {
+                        cache: &mut *cache,
+                        pos0,
+                        tokens: &[token],
+                    }];
+                    let h = self.hidden_batch(&mut item)?;
+                    self.logits(&h)
+                })?
+            }
+        };
+        let out = cuda.replay(&mut graph, &[token], pos0);
+        cache.graph = Some(graph);
+        Ok(Some(out?.into_data()))
+    }
+
     /// The backend every op of this model runs on.
     fn be(&self) -> &dyn Backend {
-        &self.backend
+        match &self.cuda {
+            Some(c) => &**c,
+            None => &self.backend,
+        }
     }
 }
 
@@ -438,8 +509,13 @@ impl<'m> Session<'m> {
         self.pos += tokens.len();
         Ok(l.pop().expect("one sequence in, one row out"))
     }
-    /// Feeds one token and returns its logits `(V)`.
+    /// Feeds one token and returns its logits `(V)`. On a GPU, after the first step, this is
+    /// one replay of a captured CUDA graph.
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        if let Some(l) = self.model.decode_graph(&mut self.cache, self.pos, token)? {
+            self.pos += 1;
+            return Ok(l);
+        }
         self.prefill(&[token])
     }
     /// Feeds `tokens` and returns the logits of every position `(T, V)` (teacher forcing).

@@ -367,7 +367,7 @@ impl WeightSource {
             WeightSource::St { st, quant, .. } => {
                 let mut out = Vec::new();
                 for name in st.names() {
-                    let Some((_, info)) = st.get(&name) else {
+                    let Some((_, info)) = st.get(name) else {
                         continue;
                     };
                     if name.ends_with(".scales")
@@ -378,7 +378,7 @@ impl WeightSource {
                         continue;
                     }
                     let n: u64 = info.shape.iter().map(|&d| d as u64).product();
-                    let stem = name.strip_suffix(".weight").unwrap_or(&name);
+                    let stem = name.strip_suffix(".weight").unwrap_or(name);
                     if let (Some(q), true) = (quant, st.get(&format!("{stem}.scales")).is_some()) {
                         let over = q.get(stem);
                         let bits = over

@@ -8,6 +8,8 @@
 //! - [`tensor`] + [`op`] + [`cpu`]: activations, the closed op set and its CPU reference backend.
 
 pub mod cpu;
+pub mod cuda;
+pub mod cuda_backend;
 pub mod dtype;
 pub mod error;
 pub mod io;

@@ -98,7 +98,9 @@ impl QTensor {
                 params.bits, params.group_size
             )));
         }
-        if cols % params.group_size != 0 || (cols * params.bits as usize) % 32 != 0 {
+        if !cols.is_multiple_of(params.group_size)
+            || !(cols * params.bits as usize).is_multiple_of(32)
+        {
             return Err(bad(format!(
                 "{cols} columns do not fit group {} at {} bits",
                 params.group_size, params.bits

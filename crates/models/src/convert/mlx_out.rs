@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use hf2q_tensor::io::safetensors::StDtype;
-use hf2q_tensor::quant::mlx::{quantize_affine, AffineParams};
+use hf2q_tensor::quant::mlx::{quantize_affine, quantize_affine_weighted, AffineParams};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
@@ -26,6 +26,7 @@ use super::hf_out::{
 };
 use super::source::{Layout, SourceModel};
 use super::{finish_dir, json_text, start_dir, write_text, Progress};
+use crate::quantize::imatrix::Imatrix;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -53,6 +54,16 @@ pub fn quantize_matrix(
     x: &[f32],
     cols: usize,
 ) -> Result<(Vec<u8>, Vec<f32>, Vec<f32>)> {
+    quantize_matrix_weighted(p, x, cols, None)
+}
+
+/// [`quantize_matrix`] with optional importance weights, one per column.
+pub fn quantize_matrix_weighted(
+    p: AffineParams,
+    x: &[f32],
+    cols: usize,
+    weights: Option<&[f32]>,
+) -> Result<(Vec<u8>, Vec<f32>, Vec<f32>)> {
     let rows = x.len() / cols;
     let pb = cols * p.bits as usize / 8;
     let g = cols / p.group_size;
@@ -64,7 +75,10 @@ pub fn quantize_matrix(
         .zip(scales.par_chunks_mut(g))
         .zip(biases.par_chunks_mut(g))
         .zip(x.par_chunks(cols))
-        .try_for_each(|(((pk, s), b), row)| quantize_affine(p, row, pk, s, b))?;
+        .try_for_each(|(((pk, s), b), row)| match weights {
+            Some(w) => quantize_affine_weighted(p, row, w, pk, s, b),
+            None => quantize_affine(p, row, pk, s, b),
+        })?;
     Ok((packed, scales, biases))
 }
 
@@ -73,6 +87,18 @@ pub fn write_mlx(
     src: &SourceModel,
     out: &Path,
     opts: &MlxOptions,
+    progress: &dyn Progress,
+) -> Result<WriteReport> {
+    write_mlx_weighted(src, out, opts, None, progress)
+}
+
+/// [`write_mlx`] with an importance matrix: a weight whose entry (by GGUF name) has one value
+/// per column is quantized with those importance weights; the layout is the same.
+pub fn write_mlx_weighted(
+    src: &SourceModel,
+    out: &Path,
+    opts: &MlxOptions,
+    imatrix: Option<&Imatrix>,
     progress: &dyn Progress,
 ) -> Result<WriteReport> {
     opts.params.validate()?;
@@ -115,7 +141,11 @@ pub fn write_mlx(
             let recipe = recipe.filter(|p| t.cols().is_multiple_of(p.group_size));
             match (recipe, stem) {
                 (Some(p), Some(stem)) => {
-                    let (packed, scales, biases) = quantize_matrix(p, &x, t.cols())?;
+                    let weights = imatrix
+                        .and_then(|m| m.get(&t.gguf))
+                        .filter(|w| w.len() == t.cols());
+                    let (packed, scales, biases) =
+                        quantize_matrix_weighted(p, &x, t.cols(), weights)?;
                     let (r, c) = (t.rows(), t.cols());
                     let nbytes = packed.len();
                     shards.add(

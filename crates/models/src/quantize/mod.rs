@@ -4,11 +4,13 @@
 //! - [`presets`]: what `--type` names (llama.cpp file types, pure single types, MLX recipes).
 //! - [`rules`]: llama.cpp's per-tensor type rules (`llama_tensor_get_type`).
 //! - [`imatrix`]: llama.cpp's GGUF importance-matrix format.
+//! - [`collect`]: computing an importance matrix by running a model over a text.
 //! - [`mixed`]: per-group types chosen by measured KL under a bits-per-weight budget.
 //!
 //! The bytes themselves come from `hf2q_tensor::quant` (ggml's quantizers, byte for byte) and are
 //! written by `crate::convert`.
 
+pub mod collect;
 pub mod imatrix;
 pub mod mixed;
 pub mod presets;
@@ -20,7 +22,7 @@ use hf2q_tensor::GgmlType;
 
 use crate::config::Arch;
 use crate::convert::gguf_out::{metadata_from_gguf, write_gguf, GgufPlanEntry, WriteReport};
-use crate::convert::source::{SourceModel, Stored};
+use crate::convert::source::{SourceModel, SrcTensor, Stored};
 use crate::convert::{gguf_meta, mlx_out, Progress};
 use crate::{Error, Result};
 use imatrix::Imatrix;
@@ -162,7 +164,25 @@ pub fn quantize(
             })
         }
         QuantTarget::Mlx(MlxRecipe { params }) => {
-            let written = mlx_out::write_mlx(
+            let imatrix = opts.imatrix.as_ref();
+            // The tensors mlx_out quantizes: 2-D weights whose rows are whole groups.
+            let quantized = |t: &&SrcTensor| {
+                t.shape.len() == 2
+                    && t.hf.ends_with(".weight")
+                    && t.cols().is_multiple_of(params.group_size)
+            };
+            let imatrix_used = match imatrix {
+                Some(m) => {
+                    check_imatrix_entries(src.tensors.iter().filter(quantized), m)?;
+                    src.tensors
+                        .iter()
+                        .filter(quantized)
+                        .filter(|t| m.get(&t.gguf).is_some_and(|w| w.len() == t.cols()))
+                        .count()
+                }
+                None => 0,
+            };
+            let written = mlx_out::write_mlx_weighted(
                 src,
                 out,
                 &mlx_out::MlxOptions {
@@ -170,13 +190,14 @@ pub fn quantize(
                     overrides: Default::default(),
                     dtype: None,
                 },
+                imatrix,
                 progress,
             )?;
             Ok(QuantizeReport {
                 written,
                 fallbacks: Vec::new(),
                 requantized,
-                imatrix_used: 0,
+                imatrix_used,
             })
         }
     }
@@ -185,8 +206,14 @@ pub fn quantize(
 /// llama.cpp refuses an imatrix entry whose length disagrees with its tensor (except for the
 /// token embeddings, which no matmul reads): a sign the imatrix belongs to another model.
 fn check_imatrix(src: &SourceModel, plan: &[GgufPlanEntry], m: &Imatrix) -> Result<()> {
-    for e in plan {
-        let t = &src.tensors[e.src];
+    check_imatrix_entries(plan.iter().map(|e| &src.tensors[e.src]), m)
+}
+
+fn check_imatrix_entries<'a>(
+    tensors: impl Iterator<Item = &'a SrcTensor>,
+    m: &Imatrix,
+) -> Result<()> {
+    for t in tensors {
         if let Some(w) = m.get(&t.gguf) {
             if w.len() != t.cols() && t.gguf != "token_embd.weight" {
                 return Err(Error::Msg(format!(

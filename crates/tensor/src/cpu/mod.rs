@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+mod attention;
 pub mod kernels;
 
 use kernels::ActBits;
@@ -44,8 +45,23 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// Causal attention over a host cache view (the reference of every device's `attend`).
+    /// Causal attention over a host cache view: the tiled kernel (`attention.rs`) on the fast
+    /// paths, the scalar reference of every device's `attend` on the reference path.
     pub fn attention(
+        &self,
+        q: &Tensor,
+        cache: &LayerCache<'_>,
+        pos0: usize,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        match self.matmul {
+            MatmulPath::Reference => self.attention_reference(q, cache, pos0, p),
+            MatmulPath::Fast | MatmulPath::Fast8 => attention::attention(q, cache, pos0, p),
+        }
+    }
+
+    /// The scalar reference attention.
+    pub fn attention_reference(
         &self,
         q: &Tensor,
         cache: &LayerCache<'_>,
@@ -212,7 +228,7 @@ impl Backend for CpuBackend {
             )));
         }
         let dh = width / n_heads;
-        if p.dims > dh || p.dims % 2 != 0 {
+        if p.dims > dh || !p.dims.is_multiple_of(2) {
             return Err(Error::Shape(format!(
                 "rope: {} rotated dims for head width {dh}",
                 p.dims

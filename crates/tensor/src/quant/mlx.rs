@@ -16,6 +16,9 @@
 //! here; an mlx-lm checkpoint stores them in the model's dtype (usually bf16), and the caller
 //! converts.
 //!
+//! [`quantize_affine_weighted`] is hf2q's own (mlx has no importance matrices): the same layout,
+//! but each group's scale and bias chosen to minimise an importance-weighted squared error.
+//!
 //! Not here: MLX's other modes (mxfp4, nvfp4, mxfp8).
 
 use crate::{Error, Result};
@@ -61,7 +64,7 @@ fn check_row(
     biases: usize,
 ) -> Result<usize> {
     p.validate()?;
-    if n % p.group_size != 0 {
+    if !n.is_multiple_of(p.group_size) {
         return Err(Error::Shape(format!(
             "MLX affine: row of {n} is not a whole number of groups of {}",
             p.group_size
@@ -161,32 +164,184 @@ pub fn quantize_affine(
     )?;
     let bits = p.bits;
     let n_bins = ((1u32 << bits) - 1) as f32;
-    let eps = 1e-7f32;
     packed_out.fill(0);
     for (g, x) in src.chunks_exact(p.group_size).enumerate() {
-        // std::max / std::min starting from -inf / +inf (NaN input is skipped, as there).
-        let (mut w_min, mut w_max) = (f32::INFINITY, f32::NEG_INFINITY);
-        for &v in x {
-            w_max = w_max.max(v);
-            w_min = w_min.min(v);
+        let (scale, bias) = plain_params(x, n_bins);
+        put_group(packed_out, g * p.group_size, bits, x, scale, bias, n_bins);
+        scales_out[g] = scale;
+        biases_out[g] = bias;
+    }
+    Ok(())
+}
+
+/// mlx's scale and bias of one group (see [`quantize_affine`]).
+fn plain_params(x: &[f32], n_bins: f32) -> (f32, f32) {
+    let eps = 1e-7f32;
+    // std::max / std::min starting from -inf / +inf (NaN input is skipped, as there).
+    let (mut w_min, mut w_max) = (f32::INFINITY, f32::NEG_INFINITY);
+    for &v in x {
+        w_max = w_max.max(v);
+        w_min = w_min.min(v);
+    }
+    let mask = w_min.abs() > w_max.abs();
+    let mut scale = ((w_max - w_min) / n_bins).max(eps);
+    if !mask {
+        scale = -scale;
+    }
+    let edge = if mask { w_min } else { w_max };
+    let q0 = (edge / scale).round_ties_even();
+    let mut bias = 0.0f32;
+    if q0 != 0.0 {
+        scale = edge / q0;
+        bias = edge;
+    }
+    (scale, bias)
+}
+
+/// The grid index of `v` for `(scale, bias)`, as mlx rounds it.
+#[inline]
+fn grid_index(v: f32, scale: f32, bias: f32, n_bins: f32) -> f32 {
+    ((v - bias) / scale).round_ties_even().clamp(0.0, n_bins)
+}
+
+/// Packs one group starting at element `base` of the row.
+fn put_group(
+    packed: &mut [u8],
+    base: usize,
+    bits: u32,
+    x: &[f32],
+    scale: f32,
+    bias: f32,
+    n_bins: f32,
+) {
+    for (k, &v) in x.iter().enumerate() {
+        let q = grid_index(v, scale, bias, n_bins);
+        put_bits(packed, (base + k) * bits as usize, bits, q as u8);
+    }
+}
+
+/// Σ w_j (x_j - (scale q_j + bias))² with `q_j` rounded from `(scale, bias)` as stored.
+fn weighted_error(x: &[f32], w: &[f32], scale: f32, bias: f32, n_bins: f32) -> f64 {
+    x.iter()
+        .zip(w)
+        .map(|(&v, &wi)| {
+            let d = (grid_index(v, scale, bias, n_bins) * scale + bias - v) as f64;
+            wi as f64 * d * d
+        })
+        .sum()
+}
+
+/// Weighted least squares for `x ~= scale * q + bias` with the grid indices `q` fixed; `None`
+/// when the indices do not determine a scale (all equal) or the fit is not finite.
+fn fit(x: &[f32], w: &[f32], q: impl Fn(usize) -> f32) -> Option<(f32, f32)> {
+    let (mut sw, mut sq, mut sqq, mut sx, mut sqx) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    for (j, (&v, &wi)) in x.iter().zip(w).enumerate() {
+        let (wi, qj, v) = (wi as f64, q(j) as f64, v as f64);
+        sw += wi;
+        sq += wi * qj;
+        sqq += wi * qj * qj;
+        sx += wi * v;
+        sqx += wi * qj * v;
+    }
+    let det = sw * sqq - sq * sq;
+    if det <= 1e-12 * sw * sqq {
+        return None;
+    }
+    let scale = ((sw * sqx - sq * sx) / det) as f32;
+    let bias = ((sqq * sx - sq * sqx) / det) as f32;
+    (scale.is_finite() && bias.is_finite() && scale != 0.0).then_some((scale, bias))
+}
+
+/// Candidate grids: the group's range spread over `n_bins + STEP * k` steps, `k` in `-N..=N`
+/// (as ggml's `make_qkx2_quants` searches), each refitted by weighted least squares.
+const SEARCH_STEP: f32 = 0.1;
+const SEARCH_N: i32 = 10;
+
+/// Scale and bias of one group minimising Σ w_j (x_j - dequant(q_j))²: mlx's own choice is the
+/// first candidate, so the result is never worse than it under the weights.
+fn weighted_params(x: &[f32], w: &[f32], n_bins: f32) -> (f32, f32) {
+    let plain = plain_params(x, n_bins);
+    let sw: f32 = w.iter().sum();
+    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+    for &v in x {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    // Nothing weighted, a constant group or non-finite input: mlx's choice.
+    let usable = |v: f32| v.is_finite() && v > 0.0;
+    if !usable(sw) || !usable(hi - lo) {
+        return plain;
+    }
+    let mut best = plain;
+    let mut best_err = weighted_error(x, w, plain.0, plain.1, n_bins);
+    let mut consider = |cand: (f32, f32), best: &mut (f32, f32)| {
+        let e = weighted_error(x, w, cand.0, cand.1, n_bins);
+        if e < best_err {
+            best_err = e;
+            *best = cand;
         }
-        let mask = w_min.abs() > w_max.abs();
-        let mut scale = ((w_max - w_min) / n_bins).max(eps);
-        if !mask {
-            scale = -scale;
+    };
+    for k in -SEARCH_N..=SEARCH_N {
+        let iscale = (n_bins + SEARCH_STEP * k as f32) / (hi - lo);
+        let q = |j: usize| ((x[j] - lo) * iscale).round_ties_even().clamp(0.0, n_bins);
+        if let Some(c) = fit(x, w, q) {
+            consider(c, &mut best);
         }
-        let edge = if mask { w_min } else { w_max };
-        let q0 = (edge / scale).round_ties_even();
-        let mut bias = 0.0f32;
-        if q0 != 0.0 {
-            scale = edge / q0;
-            bias = edge;
+    }
+    // Alternate: indices from the best grid, refit, a few times while it improves.
+    for _ in 0..3 {
+        let (s, b) = best;
+        match fit(x, w, |j| grid_index(x[j], s, b, n_bins)) {
+            Some(c) if c != best => consider(c, &mut best),
+            _ => break,
         }
-        let base = g * p.group_size;
-        for (k, &v) in x.iter().enumerate() {
-            let q = ((v - bias) / scale).round_ties_even().clamp(0.0, n_bins);
-            put_bits(packed_out, (base + k) * bits as usize, bits, q as u8);
+        if best == (s, b) {
+            break;
         }
+    }
+    best
+}
+
+/// Quantizes one row into mlx's layout (as [`quantize_affine`]) with importance weights:
+/// `weights[j] >= 0` says how much the error of element `j` counts (an importance matrix's
+/// mean squared activation of input column `j`). Each group gets the scale and bias that
+/// minimise Σ_j weights_j (x_j - (scale q_j + bias))² over a search of candidate grids around
+/// the group's min/max, each refitted by weighted least squares; mlx's own min/max choice is a
+/// candidate, so the weighted error is never larger than [`quantize_affine`]'s. Elements are
+/// rounded to the nearest grid point as mlx rounds them; a group whose weights are all zero
+/// gets mlx's choice.
+pub fn quantize_affine_weighted(
+    p: AffineParams,
+    src: &[f32],
+    weights: &[f32],
+    packed_out: &mut [u8],
+    scales_out: &mut [f32],
+    biases_out: &mut [f32],
+) -> Result<()> {
+    check_row(
+        p,
+        src.len(),
+        packed_out.len(),
+        scales_out.len(),
+        biases_out.len(),
+    )?;
+    if weights.len() != src.len() {
+        return Err(Error::Shape(format!(
+            "MLX affine: {} importance weights for a row of {}",
+            weights.len(),
+            src.len()
+        )));
+    }
+    let bits = p.bits;
+    let n_bins = ((1u32 << bits) - 1) as f32;
+    packed_out.fill(0);
+    for (g, (x, w)) in src
+        .chunks_exact(p.group_size)
+        .zip(weights.chunks_exact(p.group_size))
+        .enumerate()
+    {
+        let (scale, bias) = weighted_params(x, w, n_bins);
+        put_group(packed_out, g * p.group_size, bits, x, scale, bias, n_bins);
         scales_out[g] = scale;
         biases_out[g] = bias;
     }
@@ -335,5 +490,82 @@ mod tests {
         .is_err());
         let (mut s2, mut b2) = ([0f32; 2], [0f32; 1]);
         assert!(quantize_affine(p, &dst, &mut [0u8; 32], &mut s2, &mut b2).is_err());
+    }
+
+    /// Σ w (x - y)² over a row.
+    fn werr(x: &[f32], y: &[f32], w: &[f32]) -> f64 {
+        x.iter()
+            .zip(y)
+            .zip(w)
+            .map(|((a, b), wi)| *wi as f64 * ((a - b) as f64).powi(2))
+            .sum()
+    }
+
+    fn round_trip(
+        p: AffineParams,
+        x: &[f32],
+        w: Option<&[f32]>,
+    ) -> (Vec<u8>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let g = x.len() / p.group_size;
+        let mut packed = vec![0u8; p.packed_bytes(x.len()).unwrap()];
+        let (mut s, mut b) = (vec![0f32; g], vec![0f32; g]);
+        match w {
+            Some(w) => quantize_affine_weighted(p, x, w, &mut packed, &mut s, &mut b).unwrap(),
+            None => quantize_affine(p, x, &mut packed, &mut s, &mut b).unwrap(),
+        }
+        let mut y = vec![0f32; x.len()];
+        dequantize_affine(p, &packed, &s, &b, &mut y).unwrap();
+        (packed, s, b, y)
+    }
+
+    #[test]
+    fn importance_weights_lower_the_weighted_error() {
+        for bits in [2u32, 3, 4, 8] {
+            for gs in [32usize, 64, 128] {
+                let p = AffineParams {
+                    bits,
+                    group_size: gs,
+                };
+                let n = 1024;
+                let x = data(n, 7 + bits as u64 * 31 + gs as u64);
+                // Skewed importance, as activations are: a few columns dominate.
+                let w: Vec<f32> = (0..n)
+                    .map(|j| match (j * 7919) % 97 {
+                        0..=2 => 100.0,
+                        3..=20 => 1.0,
+                        _ => 0.01,
+                    })
+                    .collect();
+                let (.., plain) = round_trip(p, &x, None);
+                let (.., weighted) = round_trip(p, &x, Some(&w));
+                let (ep, ew) = (werr(&x, &plain, &w), werr(&x, &weighted, &w));
+                assert!(
+                    ew < 0.9 * ep,
+                    "bits {bits} gs {gs}: weighted {ew} vs plain {ep}"
+                );
+                // Uniform weights: never worse than mlx's min/max in plain squared error.
+                let ones = vec![1f32; n];
+                let (.., u) = round_trip(p, &x, Some(&ones));
+                assert!(werr(&x, &u, &ones) <= werr(&x, &plain, &ones) * (1.0 + 1e-6));
+            }
+        }
+    }
+
+    #[test]
+    fn zero_importance_falls_back_to_mlx_bit_for_bit() {
+        let p = AffineParams {
+            bits: 4,
+            group_size: 64,
+        };
+        let x = data(256, 5);
+        let zeros = vec![0f32; 256];
+        let a = round_trip(p, &x, None);
+        let b = round_trip(p, &x, Some(&zeros));
+        assert_eq!((a.0, a.1, a.2), (b.0, b.1, b.2));
+        let mut packed = vec![0u8; 128];
+        let (mut s, mut bi) = (vec![0f32; 4], vec![0f32; 4]);
+        assert!(
+            quantize_affine_weighted(p, &x, &zeros[..255], &mut packed, &mut s, &mut bi).is_err()
+        );
     }
 }

@@ -270,6 +270,8 @@ pub fn quantize_row_split_scalar(
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
+    use super::QA;
+
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -289,7 +291,7 @@ pub(crate) mod x86 {
     /// # Safety
     /// The CPU must have AVX-512 F/BW/VL.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
     pub unsafe fn quantize_row_split_avx512(
         x: &[f32],
         qx: &mut [i8],
@@ -299,7 +301,52 @@ pub(crate) mod x86 {
         dl: &mut [f32],
         sl: &mut [f32],
     ) {
-        super::quantize_row_split(x, qx, dx, sx, ql, dl, sl)
+        use std::arch::x86_64::*;
+        // The same arithmetic as `quantize_row_split`, element for element (no fused
+        // multiply-adds, ties to even), so every ISA quantizes to the same bytes; written out
+        // because the generic loop does not vectorise (this runs once per row per matmul).
+        let n = x.len() / QA;
+        debug_assert!(qx.len() >= n * QA && ql.len() >= n * QA && dx.len() >= 2 * n);
+        const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        let (lo, hi) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
+        let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+        for b in 0..n {
+            let p = x.as_ptr().add(b * QA);
+            let v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+            let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[0]), abs_mask));
+            let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[1]), abs_mask));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+            let d = amax / 127.0;
+            let id = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let d2 = d * (1.0 / 256.0);
+            for h in 0..2 {
+                let xs = _mm512_mul_ps(v[h], id);
+                let qf = _mm512_roundscale_ps::<RNE>(xs);
+                let q = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(qf), lo), hi);
+                let r = _mm512_mul_ps(
+                    _mm512_sub_ps(xs, _mm512_cvtepi32_ps(q)),
+                    _mm512_set1_ps(256.0),
+                );
+                let l = _mm512_min_epi32(
+                    _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_roundscale_ps::<RNE>(r)), lo),
+                    hi,
+                );
+                let at = b * QA + 16 * h;
+                _mm_storeu_si128(
+                    qx.as_mut_ptr().add(at) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(q),
+                );
+                _mm_storeu_si128(
+                    ql.as_mut_ptr().add(at) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(l),
+                );
+                let g = 2 * b + h;
+                dx[g] = d;
+                sx[g] = d * _mm512_reduce_add_epi32(q) as f32;
+                dl[g] = d2;
+                sl[g] = d2 * _mm512_reduce_add_epi32(l) as f32;
+            }
+        }
     }
 
     /// # Safety
@@ -345,5 +392,43 @@ mod tests {
         let (mut q, mut d, mut s) = (vec![1i8; 32], vec![1f32; 2], vec![1f32; 2]);
         quantize_row_scalar(&[0.0; 32], &mut q, &mut d, &mut s);
         assert!(q.iter().all(|&v| v == 0) && d == [0.0, 0.0] && s == [0.0, 0.0]);
+    }
+
+    /// The AVX-512 split quantizer writes the same bytes and scales as the portable one.
+    #[allow(clippy::type_complexity)]
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn split_avx512_equals_scalar() {
+        if !crate::cpu::kernels::Isa::Avx512Vnni.is_available() {
+            eprintln!("skipped: no AVX-512");
+            return;
+        }
+        let mut seed = 0x1234_5678u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let k = 32 * 9;
+        let mut x: Vec<f32> = (0..k).map(|_| (next() * 2.0 - 1.0) as f32).collect();
+        x[5] = 300.0; // an outlier
+        x[40..72].iter_mut().for_each(|v| *v = 0.0); // an all-zero block
+        x[100] = -1e-30; // a tiny block max
+        x[96..128].iter_mut().for_each(|v| *v *= 1e-30);
+        let run =
+            |f: &dyn Fn(&mut [i8], &mut [f32], &mut [f32], &mut [i8], &mut [f32], &mut [f32])| {
+                let (mut q, mut d, mut s) = (vec![0i8; k], vec![0f32; k / 16], vec![0f32; k / 16]);
+                let (mut l, mut dl, mut sl) =
+                    (vec![0i8; k], vec![0f32; k / 16], vec![0f32; k / 16]);
+                f(&mut q, &mut d, &mut s, &mut l, &mut dl, &mut sl);
+                (q, d, s, l, dl, sl)
+            };
+        let want = run(&|q, d, s, l, dl, sl| quantize_row_split_scalar(&x, q, d, s, l, dl, sl));
+        // SAFETY: AVX-512 checked above.
+        let got = run(&|q, d, s, l, dl, sl| unsafe {
+            x86::quantize_row_split_avx512(&x, q, d, s, l, dl, sl)
+        });
+        assert_eq!(want, got);
     }
 }

@@ -1,0 +1,314 @@
+// Causal grouped-query attention over a KV cache laid out (Hkv, S_cap, Dh), f16 or f32.
+//
+// Query t sits at position pos0 + t and sees cached keys j <= pos0 + t, and with a window W only
+// those with pos0 + t - j < W. pos0 is read from device memory (graph replay at new positions).
+//
+// * Decode (one query): split-K ("flash decoding"). Block (kv head, split, head chunk) walks one
+//   slice of the visible keys for up to eight query heads sharing that kv head: each warp takes
+//   every fourth key, one lane per DPL dims, keeps a running max / sum / weighted V sum per head
+//   (online softmax), the four warps merge in shared memory and write one partial (max, sum,
+//   o[Dh]) per head and split. A second kernel merges the splits. The split count is fixed at
+//   launch from the capacity, so a graph stays valid as the position moves.
+// * Prefill: flash-attention style. Block (16 queries, head); K/V tiles of 32 keys go through
+//   shared memory as f32, each warp owns two queries: lane j scores key j of the tile, the warp
+//   updates its online softmax and accumulates P·V with each lane owning dims lane + 32 i. Memory
+//   is O(tile), never O(T * S). CUDA cores in f32, not tensor cores.
+#include "common.cuh"
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+template <int N>
+__device__ __forceinline__ void load_row(const u16* p, float* o) {
+    if (N == 2) {
+        const u32 a = *(const u32*)p;
+        o[0] = h2f((u16)(a & 0xffffu));
+        o[1] = h2f((u16)(a >> 16));
+    } else if (N == 4) {
+        const uint2 a = *(const uint2*)p;
+        const u32 w[2] = {a.x, a.y};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            o[2 * i] = h2f((u16)(w[i] & 0xffffu));
+            o[2 * i + 1] = h2f((u16)(w[i] >> 16));
+        }
+    } else {
+        const uint4 a = *(const uint4*)p;
+        const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            o[2 * i] = h2f((u16)(w[i] & 0xffffu));
+            o[2 * i + 1] = h2f((u16)(w[i] >> 16));
+        }
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void load_row(const float* p, float* o) {
+    if (N == 2) {
+        const float2 a = *(const float2*)p;
+        o[0] = a.x;
+        o[1] = a.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N / 4; i++) {
+            const float4 a = ((const float4*)p)[i];
+            o[4 * i] = a.x;
+            o[4 * i + 1] = a.y;
+            o[4 * i + 2] = a.z;
+            o[4 * i + 3] = a.w;
+        }
+    }
+}
+
+__device__ __forceinline__ float kv_f32(u16 v) { return h2f(v); }
+__device__ __forceinline__ float kv_f32(float v) { return v; }
+
+#define AD_WARPS 4
+#define AD_MAXG 8
+
+// Visible key range [lo, total) of the query at position qpos.
+__device__ __forceinline__ void visible_range(int qpos, int cap, int window, int& lo, int& total) {
+    total = min(qpos + 1, cap);
+    lo = window > 0 ? max(0, qpos + 1 - window) : 0;
+}
+
+template <int DPL, typename KV>
+__device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
+                                                 const KV* __restrict__ kc,
+                                                 const KV* __restrict__ vc,
+                                                 const i32* __restrict__ pos0p,
+                                                 float* __restrict__ part, int H, int hkv, int dh,
+                                                 int cap, float scale, int window, int nsplit) {
+    __shared__ float sm_m[AD_WARPS][AD_MAXG], sm_l[AD_WARPS][AD_MAXG];
+    __shared__ float sm_acc[AD_WARPS][AD_MAXG][DPL * 32];
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int G = H / hkv, hc0 = blockIdx.z * AD_MAXG;
+    const int ng = min(AD_MAXG, G - hc0), h0 = kvh * G + hc0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int dbase = lane * DPL;
+    const bool lane_on = dbase < dh;
+
+    int lo, total;
+    visible_range(*pos0p, cap, window, lo, total);
+    const int n = max(total - lo, 0), per = (n + nsplit - 1) / nsplit;
+    const int s0 = lo + split * per, s1 = min(s0 + per, total);
+
+    float qr[AD_MAXG][DPL], m[AD_MAXG], l[AD_MAXG], acc[AD_MAXG][DPL];
+#pragma unroll
+    for (int hh = 0; hh < AD_MAXG; hh++) {
+        m[hh] = NEG_INF;
+        l[hh] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) {
+            acc[hh][i] = 0.0f;
+            qr[hh][i] = (hh < ng && lane_on) ? q[(i64)(h0 + hh) * dh + dbase + i] : 0.0f;
+        }
+    }
+    const KV* kbase = kc + (i64)kvh * cap * dh + dbase;
+    const KV* vbase = vc + (i64)kvh * cap * dh + dbase;
+    for (int j = s0 + warp; j < s1; j += AD_WARPS) {
+        float kr[DPL], vr[DPL];
+        if (lane_on) {
+            load_row<DPL>(kbase + (i64)j * dh, kr);
+            load_row<DPL>(vbase + (i64)j * dh, vr);
+        } else {
+#pragma unroll
+            for (int i = 0; i < DPL; i++) kr[i] = vr[i] = 0.0f;
+        }
+#pragma unroll
+        for (int hh = 0; hh < AD_MAXG; hh++) {
+            if (hh < ng) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < DPL; i++) s += qr[hh][i] * kr[i];
+                s = warp_sum(s) * scale;
+                const float mn = fmaxf(m[hh], s);
+                const float corr = expf(m[hh] - mn), p = expf(s - mn);
+                l[hh] = l[hh] * corr + p;
+#pragma unroll
+                for (int i = 0; i < DPL; i++) acc[hh][i] = acc[hh][i] * corr + p * vr[i];
+                m[hh] = mn;
+            }
+        }
+    }
+#pragma unroll
+    for (int hh = 0; hh < AD_MAXG; hh++) {
+        if (hh < ng) {
+            if (lane == 0) {
+                sm_m[warp][hh] = m[hh];
+                sm_l[warp][hh] = l[hh];
+            }
+#pragma unroll
+            for (int i = 0; i < DPL; i++) sm_acc[warp][hh][dbase + i] = acc[hh][i];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ng * dh; idx += AD_WARPS * 32) {
+        const int hh = idx / dh, d = idx % dh;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < AD_WARPS; w++) M = fmaxf(M, sm_m[w][hh]);
+        float L = 0.0f, O = 0.0f;
+        if (M != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < AD_WARPS; w++) {
+                const float e = expf(sm_m[w][hh] - M);
+                L += sm_l[w][hh] * e;
+                O += sm_acc[w][hh][d] * e;
+            }
+        }
+        float* pr = part + ((i64)(h0 + hh) * nsplit + split) * (dh + 2);
+        if (d == 0) {
+            pr[0] = M;
+            pr[1] = L;
+        }
+        pr[2 + d] = O;
+    }
+}
+
+// Merges the nsplit partials of each head: out[h] = sum_s O_s e^(M_s - M) / sum_s L_s e^(M_s - M).
+extern "C" __global__ void attn_decode_combine(const float* __restrict__ part,
+                                               float* __restrict__ out, int dh, int nsplit) {
+    const int h = blockIdx.x;
+    const float* ph = part + (i64)h * nsplit * (dh + 2);
+    float M = NEG_INF;
+    for (int s = 0; s < nsplit; s++) M = fmaxf(M, ph[(i64)s * (dh + 2)]);
+    for (int d = threadIdx.x; d < dh; d += blockDim.x) {
+        float L = 0.0f, O = 0.0f;
+        if (M != NEG_INF) {
+            for (int s = 0; s < nsplit; s++) {
+                const float* pr = ph + (i64)s * (dh + 2);
+                const float e = expf(pr[0] - M);
+                L += pr[1] * e;
+                O += pr[2 + d] * e;
+            }
+        }
+        out[(i64)h * dh + d] = L > 0.0f ? O / L : 0.0f;
+    }
+}
+
+#define AP_BQ 16
+#define AP_BK 32
+#define AP_WARPS 8
+
+// Dynamic shared memory: Qs[16][dh], Ks[32][dh + 1] (padded: lane j reads row j, conflict-free),
+// Vs[32][dh], all f32.
+template <int DPL, typename KV>
+__device__ __forceinline__ void attn_prefill_impl(const float* __restrict__ q,
+                                                  const KV* __restrict__ kc,
+                                                  const KV* __restrict__ vc,
+                                                  const i32* __restrict__ pos0p,
+                                                  float* __restrict__ out, int T, int H, int hkv,
+                                                  int dh, int cap, float scale, int window) {
+    extern __shared__ float smem[];
+    float* Qs = smem;
+    float* Ks = Qs + AP_BQ * dh;
+    float* Vs = Ks + AP_BK * (dh + 1);
+    const int h = blockIdx.y, kvh = h / (H / hkv), qt0 = blockIdx.x * AP_BQ;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pos0 = *pos0p;
+    const i64 qstride = (i64)H * dh;
+
+    for (int idx = threadIdx.x; idx < AP_BQ * dh; idx += AP_WARPS * 32) {
+        const int i = idx / dh, d = idx % dh;
+        Qs[idx] = qt0 + i < T ? q[(i64)(qt0 + i) * qstride + (i64)h * dh + d] : 0.0f;
+    }
+    const int qlast = min(qt0 + AP_BQ, T) - 1;
+    int kbeg, kend, unused;
+    visible_range(pos0 + qt0, cap, window, kbeg, unused);
+    kend = min(pos0 + qlast + 1, cap);
+
+    float m[2], l[2], acc[2][DPL];
+    int qpos[2];
+    bool valid[2];
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+        const int qi = warp * 2 + a;
+        valid[a] = qt0 + qi < T;
+        qpos[a] = pos0 + qt0 + qi;
+        m[a] = NEG_INF;
+        l[a] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) acc[a][i] = 0.0f;
+    }
+    const KV* kb = kc + (i64)kvh * cap * dh;
+    const KV* vb = vc + (i64)kvh * cap * dh;
+    const float* q0 = Qs + (warp * 2) * dh;
+    const float* q1 = q0 + dh;
+
+    for (int kt = kbeg; kt < kend; kt += AP_BK) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < AP_BK * dh; idx += AP_WARPS * 32) {
+            const int j = idx / dh, d = idx % dh;
+            const bool in = kt + j < kend;
+            Ks[j * (dh + 1) + d] = in ? kv_f32(kb[(i64)(kt + j) * dh + d]) : 0.0f;
+            Vs[j * dh + d] = in ? kv_f32(vb[(i64)(kt + j) * dh + d]) : 0.0f;
+        }
+        __syncthreads();
+        const int j = kt + lane;
+        const float* kr = Ks + lane * (dh + 1);
+        float s[2] = {0.0f, 0.0f};
+        for (int d = 0; d < dh; d++) {
+            const float kv = kr[d];
+            s[0] += q0[d] * kv;
+            s[1] += q1[d] * kv;
+        }
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            const bool vis = valid[a] && j < kend && j <= qpos[a] &&
+                             (window <= 0 || qpos[a] - j < window);
+            const float sa = vis ? s[a] * scale : NEG_INF;
+            const float mn = fmaxf(m[a], warp_max(sa));
+            if (mn == NEG_INF) continue;  // nothing visible yet for this query (warp-uniform)
+            const float p = vis ? expf(sa - mn) : 0.0f;
+            const float corr = expf(m[a] - mn);
+            l[a] = l[a] * corr + warp_sum(p);
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[a][i] *= corr;
+            for (int jj = 0; jj < AP_BK; jj++) {
+                const float pj = __shfl_sync(FULL_MASK, p, jj);
+                if (pj != 0.0f) {
+                    const float* vr = Vs + jj * dh;
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) {
+                        const int d = lane + 32 * i;
+                        if (d < dh) acc[a][i] += pj * vr[d];
+                    }
+                }
+            }
+            m[a] = mn;
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+        if (!valid[a]) continue;
+        const int qi = warp * 2 + a;
+        float* o = out + (i64)(qt0 + qi) * qstride + (i64)h * dh;
+        const float inv = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) {
+            const int d = lane + 32 * i;
+            if (d < dh) o[d] = acc[a][i] * inv;
+        }
+    }
+}
+
+#define HF2Q_ATTN_KERNELS(KVN, KV, DPL)                                                         \
+    extern "C" __global__ void __launch_bounds__(AD_WARPS * 32) attn_decode_##KVN##_##DPL(     \
+        const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* part, int H,      \
+        int hkv, int dh, int cap, float scale, int window, int nsplit) {                       \
+        attn_decode_impl<DPL, KV>(q, kc, vc, pos0p, part, H, hkv, dh, cap, scale, window,      \
+                                  nsplit);                                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(AP_WARPS * 32) attn_prefill_##KVN##_##DPL(    \
+        const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* out, int T,       \
+        int H, int hkv, int dh, int cap, float scale, int window) {                            \
+        attn_prefill_impl<DPL, KV>(q, kc, vc, pos0p, out, T, H, hkv, dh, cap, scale, window);  \
+    }
+
+HF2Q_ATTN_KERNELS(f16, u16, 2)
+HF2Q_ATTN_KERNELS(f16, u16, 4)
+HF2Q_ATTN_KERNELS(f16, u16, 8)
+HF2Q_ATTN_KERNELS(f32, float, 2)
+HF2Q_ATTN_KERNELS(f32, float, 4)
+HF2Q_ATTN_KERNELS(f32, float, 8)

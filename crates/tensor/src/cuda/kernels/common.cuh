@@ -1,0 +1,70 @@
+// Shared device helpers for every hf2q kernel file.
+//
+// NVRTC compiles these sources without the CUDA toolkit's headers, so nothing here includes a
+// system header: integer types are spelled out and half-precision conversions use PTX `cvt`
+// directly (bit patterns travel as unsigned short).
+#pragma once
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Two floats to a packed f16x2 word (low half = a), round to nearest even.
+__device__ __forceinline__ u32 pack_h2(float a, float b) {
+    return (u32)f2h(a) | ((u32)f2h(b) << 16);
+}
+
+// Exact int -> float for |n| < 2^22 on the full-rate ALUs: the bits 0x4B400000 + n are the float
+// 1.5 * 2^23 + n (unit last place), so subtracting 1.5 * 2^23 leaves n exactly. A plain (float)n
+// goes through the conversion unit, a quarter of the FMA rate, which bounds the dequantizing
+// kernels (one conversion per weight) well below the memory bandwidth.
+__device__ __forceinline__ float i2f(int n) {
+    return __int_as_float(0x4B400000 + n) - 12582912.0f;
+}
+
+// The float 2^23 + (byte k of w), built with one byte permute: the bytes (b_k, 0, 0, 0x4B) are
+// the bits of 2^23 + b_k. Subtracting a constant then gives the small integer exactly, at one
+// permute and one add per element instead of shift, mask and convert.
+__device__ __forceinline__ float byte_magic(u32 w, int k) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | (u32)k));
+}
+#define MAGIC 8388608.0f
+
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// A 2-byte-aligned little-endian u16 / u32 load. ggml blocks are packed structs of 18, 22, 84 ...
+// bytes, so inside a tensor only 2-byte alignment of their fields is guaranteed.
+__device__ __forceinline__ u32 ld_u16(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ u32 ld_u32_a2(const u8* p) {
+    return (u32)(*(const u16*)p) | ((u32)(*(const u16*)(p + 2)) << 16);
+}

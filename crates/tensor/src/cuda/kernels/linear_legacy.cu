@@ -1,0 +1,11 @@
+// Linear / embedding kernels for the 32-element ggml formats and dense weights.
+#include "linear.cuh"
+
+HF2Q_LINEAR_KERNELS(q4_0, FQ4_0)
+HF2Q_LINEAR_KERNELS(q4_1, FQ4_1)
+HF2Q_LINEAR_KERNELS(q5_0, FQ5_0)
+HF2Q_LINEAR_KERNELS(q5_1, FQ5_1)
+HF2Q_LINEAR_KERNELS(q8_0, FQ8_0)
+HF2Q_LINEAR_KERNELS(f32, FF32)
+HF2Q_LINEAR_KERNELS(f16, FF16)
+HF2Q_LINEAR_KERNELS(bf16, FBF16)

@@ -1,0 +1,410 @@
+// One device dequantizer per weight format, over the stored bytes unchanged.
+//
+// Every format is a struct with one function,
+//     deq8<AL>(w, rp, row, g, v): v[0..8] = elements 8g .. 8g+8 of row `row` (whose bytes start
+//     at rp = row_ptr(w, row), computed once by the caller),
+// so every kernel (matrix-vector, tiled matrix product, embedding gather) is a template over the
+// format and never knows a block layout. Eight consecutive elements always share one scale in
+// every format here (the smallest scale group is 16), so a call decodes one scale and eight
+// quants.
+//
+// The float operations follow the CPU reference (`quant/*.rs`, itself ggml's scalar code)
+// operation for operation, with `__fmul_rn`/`__fadd_rn` where the reference multiplies then adds,
+// so the compiler cannot fuse them: dequantized values are bit-identical to the CPU's.
+#pragma once
+#include "common.cuh"
+
+// A weight as the kernels see it. `data` holds R rows of `row_bytes` bytes: ggml blocks, dense
+// values, or MLX packed words. `scales`/`biases` (f32, R * cols / group_size) are for MLX affine
+// only. Mirrors `WeightArgs` on the host (same field order, #[repr(C)]).
+struct WRef {
+    const u8* data;
+    const float* scales;
+    const float* biases;
+    i64 row_bytes;
+    i32 cols;
+    i32 group_size;
+};
+
+__device__ __forceinline__ const u8* row_ptr(const WRef& w, int row) {
+    return w.data + (i64)row * w.row_bytes;
+}
+
+// Byte i (0..7) of the little-endian pair of words (lo, hi).
+__device__ __forceinline__ u32 byte_of(u32 lo, u32 hi, int i) {
+    return ((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xffu;
+}
+
+// ---------------------------------------------------------------------------------------------
+// ggml legacy formats, 32 elements per block. Element e of a block: byte (e & 15) of qs, low
+// nibble for e < 16, high nibble otherwise; the fifth bit (Q5_*) is bit e of qh. A group of eight
+// (p = g & 3) is bytes 8*(p&1) .. +8, nibble (p >> 1).
+// ---------------------------------------------------------------------------------------------
+
+struct FQ4_0 {  // { half d; u8 qs[16]; } x = d * (q - 8)
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 2) * 18;
+        const int p = g & 3, sh = (p >> 1) * 4;
+        const float d = h2f(ld_u16(b));
+        const u8* q = b + 2 + (p & 1) * 8;
+        const u32 q0 = (ld_u32_a2(q) >> sh) & 0x0F0F0F0Fu, q1 = (ld_u32_a2(q + 4) >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 8.0f), d);
+            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 8.0f), d);
+        }
+    }
+};
+
+struct FQ4_1 {  // { half d; half m; u8 qs[16]; } x = d * q + m
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 2) * 20;
+        const int p = g & 3, sh = (p >> 1) * 4;
+        const float d = h2f(ld_u16(b)), m = h2f(ld_u16(b + 2));
+        const u8* q = b + 4 + (p & 1) * 8;
+        const u32 q0 = (ld_u32_a2(q) >> sh) & 0x0F0F0F0Fu, q1 = (ld_u32_a2(q + 4) >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fadd_rn(__fmul_rn(byte_magic(q0, i) - MAGIC, d), m);
+            v[i + 4] = __fadd_rn(__fmul_rn(byte_magic(q1, i) - MAGIC, d), m);
+        }
+    }
+};
+
+struct FQ5_0 {  // { half d; u32 qh; u8 qs[16]; } x = d * (q - 16)
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 2) * 22;
+        const int p = g & 3, sh = (p >> 1) * 4;
+        const float d = h2f(ld_u16(b));
+        const u32 qh = ld_u32_a2(b + 2);
+        const u8* q = b + 6 + (p & 1) * 8;
+        const u32 q0 = ld_u32_a2(q), q1 = ld_u32_a2(q + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = 8 * p + i;
+            const int n = (int)(((byte_of(q0, q1, i) >> sh) & 15u) | (((qh >> e) & 1u) << 4));
+            v[i] = __fmul_rn(i2f(n - 16), d);
+        }
+    }
+};
+
+struct FQ5_1 {  // { half d; half m; u32 qh; u8 qs[16]; } x = d * q + m
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 2) * 24;
+        const int p = g & 3, sh = (p >> 1) * 4;
+        const float d = h2f(ld_u16(b)), m = h2f(ld_u16(b + 2));
+        const u32 qh = ld_u32_a2(b + 4);
+        const u8* q = b + 8 + (p & 1) * 8;
+        const u32 q0 = ld_u32_a2(q), q1 = ld_u32_a2(q + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = 8 * p + i;
+            const u32 n = ((byte_of(q0, q1, i) >> sh) & 15u) | (((qh >> e) & 1u) << 4);
+            v[i] = __fadd_rn(__fmul_rn(i2f((int)n), d), m);
+        }
+    }
+};
+
+struct FQ8_0 {  // { half d; i8 qs[32]; } x = q * d
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 2) * 34;
+        const float d = h2f(ld_u16(b));
+        const u8* q = b + 2 + (g & 3) * 8;
+        // Flipping the sign bit maps int8 q to the byte q + 128.
+        const u32 q0 = ld_u32_a2(q) ^ 0x80808080u, q1 = ld_u32_a2(q + 4) ^ 0x80808080u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 128.0f), d);
+            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 128.0f), d);
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// k-quants, 256-element super-blocks; `kb` the super-block, `e0` the group's first element in it.
+// ---------------------------------------------------------------------------------------------
+
+// Q2_K { u8 scales[16]; u8 qs[64]; half d; half dmin; } (84 bytes). Per 128 elements (n), four
+// 2-bit planes (shift 0,2,4,6) of 32 bytes, each plane two 16-element sub-blocks with a 4-bit scale
+// and 4-bit min: x = d*sc * q - dmin*m.
+struct FQ2_K {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 5) * 84;
+        const int e0 = (g & 31) * 8;
+        const int n = e0 >> 7, r = e0 & 127, si = r >> 5, half = (r >> 4) & 1, l0 = r & 15;
+        const u32 sc = b[n * 8 + si * 2 + half];
+        const float d = h2f(ld_u16(b + 80)), dmin = h2f(ld_u16(b + 82));
+        const float dl = __fmul_rn(d, i2f((int)(sc & 15u))), ml = __fmul_rn(dmin, i2f((int)(sc >> 4)));
+        const u8* q = b + 16 + n * 32 + half * 16 + l0;
+        const u32 q0 = ld_u32_a2(q), q1 = ld_u32_a2(q + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float x = i2f((int)((byte_of(q0, q1, i) >> (2 * si)) & 3u));
+            v[i] = __fsub_rn(__fmul_rn(dl, x), ml);
+        }
+    }
+};
+
+// Q3_K { u8 hmask[32]; u8 qs[64]; u8 scales[12]; half d; } (110 bytes). Layout of q as Q2_K;
+// the third bit is hmask[l] bit (4n + plane), *clear* meaning -4; 16 six-bit signed scales.
+struct FQ3_K {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 5) * 110;
+        const int e0 = (g & 31) * 8;
+        const int n = e0 >> 7, r = e0 & 127, si = r >> 5, half = (r >> 4) & 1;
+        const int l = half * 16 + (r & 15);
+        const int is = n * 8 + si * 2 + half;
+        const u8* sc = b + 96;
+        const u32 lo = is < 8 ? (sc[is] & 15u) : (sc[is - 8] >> 4);
+        const u32 hi = (sc[8 + (is & 3)] >> (2 * (is >> 2))) & 3u;
+        const int s = (int)(lo | (hi << 4)) - 32;
+        const float dl = __fmul_rn(h2f(ld_u16(b + 108)), i2f(s));
+        const u8* q = b + 32 + n * 32 + l;
+        const u32 q0 = ld_u32_a2(q), q1 = ld_u32_a2(q + 4);
+        const u32 h0 = ld_u32_a2(b + l), h1 = ld_u32_a2(b + l + 4);
+        const int mbit = n * 4 + si;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int low = (int)((byte_of(q0, q1, i) >> (2 * si)) & 3u);
+            const int sub = ((byte_of(h0, h1, i) >> mbit) & 1u) ? 0 : 4;
+            v[i] = __fmul_rn(dl, i2f(low - sub));
+        }
+    }
+};
+
+// The 6-bit scale and min of sub-block j (0..7) of Q4_K / Q5_K (ggml's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, u32& sc, u32& m) {
+    if (j < 4) {
+        sc = q[j] & 63u;
+        m = q[j + 4] & 63u;
+    } else {
+        sc = (q[j + 4] & 15u) | ((u32)(q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((u32)(q[j] >> 6) << 4);
+    }
+}
+
+// Q4_K { half d; half dmin; u8 scales[12]; u8 qs[128]; } (144 bytes). Per 64 elements (c),
+// 32 bytes: low nibbles are elements 0..32 (sub-block 2c), high nibbles 32..64 (sub-block 2c+1).
+struct FQ4_K {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 5) * 144;
+        const int e0 = (g & 31) * 8;
+        const int c = e0 >> 6, hi = (e0 >> 5) & 1, l0 = e0 & 31;
+        u32 sc, m;
+        scale_min_k4(2 * c + hi, b + 4, sc, m);
+        const float d1 = __fmul_rn(h2f(ld_u16(b)), i2f((int)sc));
+        const float m1 = __fmul_rn(h2f(ld_u16(b + 2)), i2f((int)m));
+        const u8* q = b + 16 + c * 32 + l0;
+        const u32 q0 = (ld_u32_a2(q) >> (4 * hi)) & 0x0F0F0F0Fu;
+        const u32 q1 = (ld_u32_a2(q + 4) >> (4 * hi)) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fsub_rn(__fmul_rn(d1, byte_magic(q0, i) - MAGIC), m1);
+            v[i + 4] = __fsub_rn(__fmul_rn(d1, byte_magic(q1, i) - MAGIC), m1);
+        }
+    }
+};
+
+// Q5_K { half d; half dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]; } (176 bytes). Q4_K plus a
+// fifth bit: qh[l] bit 2c (low nibbles) or 2c+1 (high nibbles).
+struct FQ5_K {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 5) * 176;
+        const int e0 = (g & 31) * 8;
+        const int c = e0 >> 6, hi = (e0 >> 5) & 1, l0 = e0 & 31;
+        u32 sc, m;
+        scale_min_k4(2 * c + hi, b + 4, sc, m);
+        const float d1 = __fmul_rn(h2f(ld_u16(b)), i2f((int)sc));
+        const float m1 = __fmul_rn(h2f(ld_u16(b + 2)), i2f((int)m));
+        const u8* q = b + 48 + c * 32 + l0;
+        const u32 q0 = ld_u32_a2(q), q1 = ld_u32_a2(q + 4);
+        const u32 h0 = ld_u32_a2(b + 16 + l0), h1 = ld_u32_a2(b + 16 + l0 + 4);
+        const int hb = 2 * c + hi;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const u32 x = ((byte_of(q0, q1, i) >> (4 * hi)) & 15u) +
+                          (((byte_of(h0, h1, i) >> hb) & 1u) << 4);
+            v[i] = __fsub_rn(__fmul_rn(d1, i2f((int)x)), m1);
+        }
+    }
+};
+
+// Q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; half d; } (210 bytes). Per 128 elements (n) and
+// quarter (0..3) of 32: low 4 bits from ql[64n + 32*(quarter&1) + l] (nibble quarter>>1), high 2
+// bits from qh[32n + l] bits 2*quarter; x = d * scale * (q - 32).
+struct FQ6_K {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 5) * 210;
+        const int e0 = (g & 31) * 8;
+        const int n = e0 >> 7, quarter = (e0 >> 5) & 3, l0 = e0 & 31;
+        const float d = h2f(ld_u16(b + 208));
+        const float s = i2f((int)(i8)b[192 + n * 8 + (l0 >> 4) + 2 * quarter]);
+        const float ds = __fmul_rn(d, s);
+        const u8* ql = b + 64 * n + 32 * (quarter & 1) + l0;
+        const u8* qh = b + 128 + 32 * n + l0;
+        const u32 q0 = ld_u32_a2(ql), q1 = ld_u32_a2(ql + 4);
+        const u32 h0 = ld_u32_a2(qh), h1 = ld_u32_a2(qh + 4);
+        const int sh = 4 * (quarter >> 1);
+        const u32 n0 = ((q0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> (2 * quarter)) & 0x03030303u) << 4);
+        const u32 n1 = ((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(ds, byte_magic(n0, i) - (MAGIC + 32.0f));
+            v[i + 4] = __fmul_rn(ds, byte_magic(n1, i) - (MAGIC + 32.0f));
+        }
+    }
+};
+
+// Q8_K { f32 d; i8 qs[256]; i16 bsums[16]; } (292 bytes): x = d * q.
+struct FQ8_K {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 5) * 292;
+        const float d = __uint_as_float(ld_u32_a2(b));
+        const u8* q = b + 4 + (g & 31) * 8;
+        const u32 q0 = ld_u32_a2(q) ^ 0x80808080u, q1 = ld_u32_a2(q + 4) ^ 0x80808080u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(d, byte_magic(q0, i) - (MAGIC + 128.0f));
+            v[i + 4] = __fmul_rn(d, byte_magic(q1, i) - (MAGIC + 128.0f));
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Dense rows. Any column count: with AL (the caller checked cols % 8 == 0) every group is one
+// aligned 16/32-byte load, otherwise elements are read one by one and the tail of the last group
+// is zero. AL is a template parameter so that the kernels' inner loops have no branch on it
+// (a branch there keeps the compiler from issuing several groups' loads before the first use).
+// ---------------------------------------------------------------------------------------------
+
+struct FF32 {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const float* p = (const float*)rp + 8 * g;
+        if (AL) {
+            const float4 a = ((const float4*)p)[0], c = ((const float4*)p)[1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+            v[4] = c.x; v[5] = c.y; v[6] = c.z; v[7] = c.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = (8 * g + i < w.cols) ? p[i] : 0.0f;
+        }
+    }
+};
+
+struct FF16 {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u16* p = (const u16*)rp + 8 * g;
+        if (AL) {
+            const uint4 a = *(const uint4*)p;
+            const u32 words[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[2 * i] = h2f((u16)(words[i] & 0xffffu));
+                v[2 * i + 1] = h2f((u16)(words[i] >> 16));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = (8 * g + i < w.cols) ? h2f(p[i]) : 0.0f;
+        }
+    }
+};
+
+struct FBF16 {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u16* p = (const u16*)rp + 8 * g;
+        if (AL) {
+            const uint4 a = *(const uint4*)p;
+            const u32 words[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[2 * i] = __uint_as_float(words[i] << 16);
+                v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = (8 * g + i < w.cols) ? bf2f(p[i]) : 0.0f;
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// MLX affine: element k of a row at bit offset k*BITS of the row's little-endian packed words;
+// x = q * scale + bias per group of `group_size` (32, 64 or 128). Eight elements are exactly BITS
+// bytes, at byte offset 8*g*BITS/8 = g*BITS of the row.
+// ---------------------------------------------------------------------------------------------
+
+template <int BITS>
+struct FMlx {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* p = rp + g * BITS;
+        u64 bits;
+        if (BITS == 4) {
+            bits = *(const u32*)p;  // rows are C/2 bytes, C a multiple of 32: 4-byte aligned
+        } else if (BITS == 8) {
+            const uint2 a = *(const uint2*)p;  // 8-byte aligned likewise
+            bits = (u64)a.x | ((u64)a.y << 32);
+        } else if (BITS == 2) {
+            bits = *(const u16*)p;
+        } else {
+            bits = 0;
+#pragma unroll
+            for (int k = 0; k < BITS; k++) bits |= (u64)p[k] << (8 * k);
+        }
+        const int groups = w.cols / w.group_size;
+        const int gi = row * groups + (8 * g) / w.group_size;
+        const float s = w.scales[gi], bias = w.biases[gi];
+        if (BITS == 4) {
+            // Even elements are the low nibbles of the four bytes, odd ones the high nibbles.
+            const u32 lo = (u32)bits & 0x0F0F0F0Fu, hi = ((u32)bits >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[2 * i] = __fadd_rn(__fmul_rn(byte_magic(lo, i) - MAGIC, s), bias);
+                v[2 * i + 1] = __fadd_rn(__fmul_rn(byte_magic(hi, i) - MAGIC, s), bias);
+            }
+            return;
+        }
+        if (BITS == 8) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[i] = __fadd_rn(__fmul_rn(byte_magic((u32)bits, i) - MAGIC, s), bias);
+                v[i + 4] = __fadd_rn(__fmul_rn(byte_magic((u32)(bits >> 32), i) - MAGIC, s), bias);
+            }
+            return;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float q = i2f((int)((bits >> (BITS * i)) & ((1u << BITS) - 1u)));
+            v[i] = __fadd_rn(__fmul_rn(q, s), bias);
+        }
+    }
+};

@@ -1,0 +1,363 @@
+//! The CUDA device layer: one GPU, one stream, and a kernel for every op of [`crate::op`].
+//!
+//! Everything runs on the CUDA driver API and NVRTC, both loaded at run time (`dlopen`), so the
+//! crate builds and its CPU path runs on machines with no CUDA toolkit or driver; there
+//! [`CudaDev::open`] answers `Ok(None)`.
+//!
+//! # Model
+//!
+//! - [`CudaDev`] owns a context, one non-default stream (so that it can be captured into a graph)
+//!   and the compiled kernels. Every op is a method that *enqueues* work on that stream and
+//!   returns at once; results are visible to the host after [`CudaDev::synchronize`] (or a
+//!   download, which synchronizes).
+//! - Activations are plain device buffers (`cudarc`'s [`CudaSlice`] / [`CudaView`], anything
+//!   implementing [`DevicePtr`] / [`DevicePtrMut`]) of f32, row-major, with the shapes of
+//!   [`crate::op`]; token ids are u32; positions are a one-element i32 buffer read *by the
+//!   kernels*, so a captured graph replays at whatever position that word holds.
+//! - Weights are [`DeviceWeight`]s: a [`QTensor`](crate::QTensor)'s stored bytes copied unchanged
+//!   (ggml blocks, dense f32/f16/bf16, or MLX packed words plus f32 scales and biases). Kernels
+//!   dequantize on the fly (`kernels/quant.cuh`).
+//! - The KV cache of a layer is a [`DeviceKvCache`], `(Hkv, S_cap, Dh)` as on the CPU, stored as
+//!   f16 by default ([`KvDtype`]).
+//!
+//! # Kernels
+//!
+//! The `.cu` sources in `kernels/` are embedded in the binary, compiled by NVRTC for the GPU's own
+//! architecture (`sm_XY`) when the device is opened, and the cubins cached on disk (see
+//! [`kernel_cache_dir`]), keyed by a hash of the sources, options, driver/NVRTC versions and
+//! architecture; a cache entry that fails its checksum or does not load is recompiled.
+//!
+//! # Graphs
+//!
+//! [`CudaDev::begin_capture`] / [`CudaDev::end_capture`] record the ops enqueued in between into
+//! a [`DeviceGraph`] that [`DeviceGraph::launch`] replays. While capturing: do not allocate,
+//! free (drop) or copy from the host on this device, and keep every buffer the graph uses alive
+//! as long as the graph; update position words *before* launching the graph.
+
+mod compile;
+mod ops;
+mod weight;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, DriverError};
+pub use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+    ValidAsZeroBits,
+};
+
+pub use compile::{compile_all_for, compile_for, kernel_cache_dir, nvrtc_available};
+pub use ops::{DeviceKvCache, KvDtype, RopeTable, MAX_HEAD_DIM};
+pub use weight::DeviceWeight;
+
+use crate::{Error, Result};
+
+/// A CUDA failure as a crate error, naming what was being done.
+pub(crate) fn cuda_err(what: impl std::fmt::Display) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::Msg(format!("cuda: {what}: {e}"))
+}
+
+/// What the device is.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// (major, minor), e.g. (9, 0) for Hopper.
+    pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
+    pub total_memory: usize,
+    pub multiprocessors: u32,
+    /// The driver's CUDA version, e.g. 13000 for 13.0.
+    pub driver_version: i32,
+}
+
+/// The kernel sources, one NVRTC program each (compiled in parallel on first open).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Program {
+    Elementwise,
+    Attention,
+    LinearLegacy,
+    LinearKquant,
+    LinearMlx,
+}
+
+impl Program {
+    const ALL: [Program; 5] = [
+        Program::Elementwise,
+        Program::Attention,
+        Program::LinearLegacy,
+        Program::LinearKquant,
+        Program::LinearMlx,
+    ];
+}
+
+/// One GPU: context, stream, kernels. Cheap to share (`Arc`); ops may be called from any thread
+/// (the context is bound on each call), but the stream orders them, so one thread at a time
+/// should drive it.
+pub struct CudaDev {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    modules: HashMap<Program, Arc<CudaModule>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl std::fmt::Debug for CudaDev {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDev").field("info", &self.info).finish()
+    }
+}
+
+/// Whether the CUDA driver library can be loaded at all (no driver: no GPU to use).
+pub fn driver_library_present() -> bool {
+    // SAFETY: only tries to dlopen the library names; calls nothing in it.
+    unsafe { sys::is_culib_present() }
+}
+
+impl CudaDev {
+    /// Opens GPU `ordinal` and compiles (or loads from the cache) every kernel.
+    ///
+    /// `Ok(None)`: no CUDA driver library, no GPU, or fewer GPUs than `ordinal + 1`. `Err`: a GPU
+    /// is there but could not be used (driver error, NVRTC missing with nothing cached, a kernel
+    /// that does not compile). Never panics: a panic inside the bindings (for example a driver
+    /// too old to have a symbol) is caught and returned as an error.
+    pub fn open(ordinal: usize) -> Result<Option<Arc<CudaDev>>> {
+        Self::open_with_cache(ordinal, default_cache_dir())
+    }
+
+    /// [`CudaDev::open`] with an explicit kernel cache folder (`None`: no cache, always
+    /// compile).
+    pub fn open_with_cache(ordinal: usize, cache: Option<PathBuf>) -> Result<Option<Arc<CudaDev>>> {
+        if !driver_library_present() {
+            return Ok(None);
+        }
+        match std::panic::catch_unwind(|| Self::open_inner(ordinal, cache.as_deref())) {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| p.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown panic");
+                Err(Error::Msg(format!("cuda: opening device {ordinal}: {msg}")))
+            }
+        }
+    }
+
+    fn open_inner(ordinal: usize, cache: Option<&std::path::Path>) -> Result<Option<Arc<CudaDev>>> {
+        use cudarc::driver::result;
+        if let Err(e) = result::init() {
+            // No device, or only the toolkit's stub library, or a driver with no usable device:
+            // the CPU path is the answer.
+            if matches!(
+                e.0,
+                sys::CUresult::CUDA_ERROR_NO_DEVICE
+                    | sys::CUresult::CUDA_ERROR_STUB_LIBRARY
+                    | sys::CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+                    | sys::CUresult::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE
+                    | sys::CUresult::CUDA_ERROR_NOT_INITIALIZED
+            ) {
+                return Ok(None);
+            }
+            return Err(cuda_err("initialising the driver")(e));
+        }
+        let count = result::device::get_count().map_err(cuda_err("counting devices"))?;
+        if ordinal >= count.max(0) as usize {
+            return Ok(None);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("creating a context"))?;
+        // One stream does all the work, so cudarc's cross-stream event bookkeeping is not needed
+        // (and its events would get in the way of graph capture).
+        // SAFETY: every buffer this device uses is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        let mut driver_version = 0i32;
+        // SAFETY: writes one int.
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .map_err(cuda_err("reading the driver version"))?;
+        let attr = |a| {
+            ctx.attribute(a)
+                .map_err(cuda_err("reading a device attribute"))
+        };
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().map_err(cuda_err("reading the device name"))?,
+            compute_capability: (
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            total_memory: ctx
+                .total_mem()
+                .map_err(cuda_err("reading the memory size"))?,
+            multiprocessors: attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )? as u32,
+            driver_version,
+        };
+        let modules = compile::load_all(&ctx, &info, cache)?;
+        Ok(Some(Arc::new(CudaDev {
+            ctx,
+            stream,
+            info,
+            modules,
+            functions: Mutex::new(HashMap::new()),
+        })))
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The stream every op is enqueued on (for the caller's own copies and kernels).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(cuda_err("reading free memory"))
+    }
+
+    /// Waits for everything enqueued so far; reports an error raised by any of it.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda_err("synchronizing"))
+    }
+
+    /// Compiles one CUDA source with NVRTC for this device (no cache) and returns the cubin.
+    /// `name` is the file name NVRTC reports errors against (`name(line): error: ...`); the
+    /// headers of `kernels/` (`common.cuh`, `quant.cuh`, `linear.cuh`) can be included.
+    pub fn compile(&self, name: &str, source: &str) -> Result<Vec<u8>> {
+        compile::compile(name, source, &compile::arch_option(&self.info))
+    }
+
+    /// A zero-filled device buffer of `n` elements.
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros(n.max(1))
+            .map_err(cuda_err(format_args!("allocating {n} elements")))
+    }
+
+    /// A device buffer holding `data`.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        if data.is_empty() {
+            return Err(Error::Shape("cuda: cannot upload an empty buffer".into()));
+        }
+        self.stream
+            .clone_htod(data)
+            .map_err(cuda_err(format_args!("uploading {} elements", data.len())))
+    }
+
+    /// Copies `data` into the start of `dst` (asynchronously on the stream; `data` may be reused
+    /// as soon as this returns).
+    pub fn write<T: DeviceRepr>(&self, dst: &mut impl DevicePtrMut<T>, data: &[T]) -> Result<()> {
+        if data.len() > dst.len() {
+            return Err(Error::Shape(format!(
+                "cuda: writing {} elements into a buffer of {}",
+                data.len(),
+                dst.len()
+            )));
+        }
+        self.stream
+            .memcpy_htod(data, dst)
+            .map_err(cuda_err("copying to the device"))
+    }
+
+    /// Waits for the stream, then copies a whole device buffer to the host.
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &impl DevicePtr<T>,
+    ) -> Result<Vec<T>> {
+        self.synchronize()?;
+        let v = self
+            .stream
+            .clone_dtoh(src)
+            .map_err(cuda_err("copying to the host"))?;
+        self.synchronize()?;
+        Ok(v)
+    }
+
+    /// Starts recording the ops enqueued on this device's stream (by this thread) into a graph.
+    pub fn begin_capture(&self) -> Result<()> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda_err("beginning stream capture"))
+    }
+
+    /// Ends the capture begun by [`CudaDev::begin_capture`] and instantiates the graph.
+    pub fn end_capture(&self) -> Result<DeviceGraph> {
+        let g = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(cuda_err("ending stream capture"))?
+            .ok_or_else(|| Error::Msg("cuda: the captured graph is empty".into()))?;
+        Ok(DeviceGraph { graph: g })
+    }
+
+    /// The kernel `name` of `program`, looked up once and cached.
+    pub(crate) fn function(&self, program: Program, name: &str) -> Result<CudaFunction> {
+        let mut map = self
+            .functions
+            .lock()
+            .map_err(|_| Error::Msg("cuda: kernel table lock poisoned".into()))?;
+        if let Some(f) = map.get(name) {
+            return Ok(f.clone());
+        }
+        let module = self
+            .modules
+            .get(&program)
+            .ok_or_else(|| Error::Msg(format!("cuda: no module for {program:?}")))?;
+        let f = module
+            .load_function(name)
+            .map_err(cuda_err(format_args!("loading kernel {name}")))?;
+        if name.starts_with("attn_prefill") {
+            // Q, K and V tiles for Dh = 256 take about 82 KB of shared memory, above the 48 KB
+            // a kernel gets without asking.
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                ops::PREFILL_MAX_SMEM as i32,
+            )
+            .map_err(cuda_err(format_args!(
+                "raising the shared memory of {name}"
+            )))?;
+        }
+        map.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context"))
+    }
+}
+
+/// A captured, instantiated sequence of ops; [`DeviceGraph::launch`] replays it on the stream it
+/// was captured from. Not thread-safe (the driver's rule for graphs): launch from one thread.
+pub struct DeviceGraph {
+    graph: cudarc::driver::CudaGraph,
+}
+
+impl DeviceGraph {
+    /// Enqueues one replay.
+    pub fn launch(&self) -> Result<()> {
+        self.graph.launch().map_err(cuda_err("launching a graph"))
+    }
+}
+
+/// The cache folder for compiled kernels: `$HF2Q_HOME/cuda-kernels`, else
+/// `$XDG_CACHE_HOME/hf2q/cuda-kernels`, else `~/.cache/hf2q/cuda-kernels`.
+pub(crate) fn default_cache_dir() -> Option<PathBuf> {
+    let nonempty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(h) = nonempty("HF2Q_HOME") {
+        return Some(PathBuf::from(h).join("cuda-kernels"));
+    }
+    if let Some(x) = nonempty("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(x).join("hf2q").join("cuda-kernels"));
+    }
+    nonempty("HOME").map(|h| PathBuf::from(h).join(".cache/hf2q/cuda-kernels"))
+}

@@ -1,0 +1,570 @@
+//! The ops: Rust launchers for the kernels in `kernels/`, one method of [`CudaDev`] each.
+//!
+//! Every method checks its shapes against the buffers it is given (sizes are explicit, so
+//! buffers may be larger than one call needs, e.g. preallocated for the longest prompt),
+//! enqueues its kernels on the device's stream and returns without waiting. Positions are a
+//! device i32 (`pos0`), read by the kernels at run time.
+
+use std::ffi::c_void;
+
+use cudarc::driver::{result as cu, CudaSlice, DevicePtr, DevicePtrMut};
+
+use super::weight::{mv_kernel, DeviceWeight, EMBED_KERNEL, GEMM_KERNEL};
+use super::{cuda_err, CudaDev, Program};
+use crate::op::{AttentionParams, RopeParams, RopeStyle};
+use crate::{Error, Result};
+
+/// Shared memory of the prefill attention kernel at Dh = 256: Q (16 x Dh), K (32 x (Dh + 1)) and
+/// V (32 x Dh) tiles in f32.
+pub(crate) const PREFILL_MAX_SMEM: usize = prefill_smem(256);
+
+const fn prefill_smem(dh: usize) -> usize {
+    (16 * dh + 32 * (dh + 1) + 32 * dh) * 4
+}
+
+/// Largest head width the attention kernels take.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Enqueues `func` with the given arguments, each a local of exactly the kernel parameter's C
+/// type (u64 for pointers, i32, i64, f32, or `WeightArgs`).
+macro_rules! launch {
+    ($dev:expr, $func:expr, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
+        let mut params: Vec<*mut c_void> = vec![$(&$arg as *const _ as *mut c_void),*];
+        // SAFETY: the argument list matches the kernel's parameter list (types and order are
+        // kept in step with the .cu source), every pointer is a live device allocation whose size
+        // the caller checked, and `params` outlives the call.
+        unsafe {
+            cu::launch_kernel(
+                $func.cu_function(),
+                $grid,
+                $block,
+                $smem as u32,
+                $dev.stream().cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(cuda_err(format_args!("launching {}", stringify!($func))))
+    }};
+}
+
+fn shape(msg: String) -> Error {
+    Error::Shape(format!("cuda: {msg}"))
+}
+
+fn need(what: &str, have: usize, want: usize) -> Result<()> {
+    if have < want {
+        return Err(shape(format!(
+            "{what} holds {have} elements, {want} needed"
+        )));
+    }
+    Ok(())
+}
+
+fn to_i32(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| shape(format!("{what} = {v} does not fit 32 bits")))
+}
+
+fn blocks(n: usize, per: usize) -> Result<u32> {
+    u32::try_from(n.div_ceil(per)).map_err(|_| shape(format!("{n} elements is too many")))
+}
+
+/// Element type of a KV cache on the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    /// Half precision: half the memory and bandwidth; values rounded once on write.
+    #[default]
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    fn size(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+    fn suffix(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        }
+    }
+}
+
+/// The key and value cache of one layer: two `(Hkv, S_cap, Dh)` arrays, a head's positions
+/// contiguous (the CPU layout, [`crate::op::LayerCache`]).
+pub struct DeviceKvCache {
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
+    dtype: KvDtype,
+    n_kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+}
+
+impl DeviceKvCache {
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// S_cap: positions the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Both arrays as f32 on the host (waits for the stream), for tests and inspection.
+    pub fn to_host(&self, dev: &CudaDev) -> Result<(Vec<f32>, Vec<f32>)> {
+        let conv = |b: &CudaSlice<u8>| -> Result<Vec<f32>> {
+            let raw = dev.download(b)?;
+            Ok(match self.dtype {
+                KvDtype::F16 => raw
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                KvDtype::F32 => raw
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            })
+        };
+        Ok((conv(&self.k)?, conv(&self.v)?))
+    }
+}
+
+/// RoPE settings with the inverse frequencies resident on the device (computed once on the host
+/// by [`RopeParams::inv_freqs`]).
+pub struct RopeTable {
+    inv_freq: CudaSlice<f32>,
+    style: RopeStyle,
+    dims: usize,
+    linear_scale: f32,
+}
+
+impl CudaDev {
+    fn ptr<T>(&self, b: &impl DevicePtr<T>) -> u64 {
+        b.device_ptr(self.stream()).0
+    }
+    fn ptr_mut<T>(&self, b: &mut impl DevicePtrMut<T>) -> u64 {
+        b.device_ptr_mut(self.stream()).0
+    }
+
+    /// Rows `ids[0..t]` of `table` (dequantized) times `scale` -> `out (t, C)`. An id outside the
+    /// table yields a row of NaN (ids live on the device; the host cannot check them).
+    pub fn embedding(
+        &self,
+        table: &DeviceWeight,
+        ids: &impl DevicePtr<u32>,
+        t: usize,
+        scale: f32,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        need("embedding ids", ids.len(), t)?;
+        need("embedding output", out.len(), t * table.cols)?;
+        if t == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = &table.kernels[EMBED_KERNEL];
+        let w = table.args(self);
+        let (idp, op) = (self.ptr(ids), self.ptr_mut(out));
+        let (ti, vocab) = (to_i32("tokens", t)?, to_i32("vocabulary", table.rows)?);
+        let grid = blocks(t * table.cols.div_ceil(8), 256)?;
+        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; w, idp, op, ti, vocab, scale)
+    }
+
+    /// `out (t, R) = x (t, C) · Wᵀ (+ bias)`. t <= 8 runs the matrix-vector kernels (weights read
+    /// once for all t tokens), larger t the tiled tensor-core kernel (f16 operands, f32 sums).
+    pub fn linear(
+        &self,
+        x: &impl DevicePtr<f32>,
+        t: usize,
+        w: &DeviceWeight,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        need(&format!("linear '{}' input", w.name), x.len(), t * w.cols)?;
+        need(
+            &format!("linear '{}' output", w.name),
+            out.len(),
+            t * w.rows,
+        )?;
+        if let Some(b) = bias {
+            need(&format!("linear '{}' bias", w.name), b.len(), w.rows)?;
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let (xp, bp, op) = (
+            self.ptr(x),
+            bias.map_or(0, |b| self.ptr(b)),
+            self.ptr_mut(out),
+        );
+        let wa = w.args(self);
+        let (rows, ti) = (to_i32("rows", w.rows)?, to_i32("tokens", t)?);
+        if t <= 8 {
+            let nt = t.next_power_of_two();
+            let f = &w.kernels[mv_kernel(nt)];
+            // Four warps per block, each on 1, 2 or 4 rows (`MvShape` in linear.cuh), with ks
+            // warps sharing a row when there are too few rows to fill the GPU: the smallest ks
+            // giving about eight blocks per multiprocessor, while each lane keeps at least one
+            // full unrolled iteration (64 groups of eight per lane-row) of work.
+            let rows_per_warp = match nt {
+                1 => 1,
+                2 | 4 => 2,
+                _ => 4,
+            };
+            let groups = w.cols.div_ceil(8);
+            let want = 8 * self.info().multiprocessors as usize;
+            let mut ks = 1usize;
+            while ks < 4
+                && w.rows.div_ceil(4 * rows_per_warp / ks) < want
+                && groups >= 2 * ks * 32 * (8 / rows_per_warp)
+            {
+                ks *= 2;
+            }
+            let grid = blocks(w.rows, 4 * rows_per_warp / ks)?;
+            let ksi = ks as i32;
+            launch!(self, f, (grid, 1, 1), (128, 1, 1), 0; wa, xp, bp, op, rows, ti, ksi)
+        } else {
+            let f = &w.kernels[GEMM_KERNEL];
+            // 64 tokens x 128 rows per block of eight warps (linear.cuh).
+            let (gx, gy) = (blocks(w.rows, 128)?, blocks(t, 64)?);
+            if gy > 65535 {
+                return Err(shape(format!("linear: {t} tokens in one call is too many")));
+            }
+            launch!(self, f, (gx, gy, 1), (256, 1, 1), 0; wa, xp, bp, op, rows, ti)
+        }
+    }
+
+    /// RMSNorm of `rows` rows of `cols`: `out = x / rms(x) * (w + offset)`; `w` holds `cols`
+    /// values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        x: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<f32>,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+        offset: f32,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        need("rms_norm input", x.len(), rows * cols)?;
+        need("rms_norm weight", w.len(), cols)?;
+        need("rms_norm output", out.len(), rows * cols)?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "rms_norm")?;
+        let (xp, wp, op) = (self.ptr(x), self.ptr(w), self.ptr_mut(out));
+        let c = to_i32("columns", cols)?;
+        let grid = u32::try_from(rows).map_err(|_| shape(format!("{rows} rows")))?;
+        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, wp, op, c, eps, offset)
+    }
+
+    /// Uploads the inverse frequencies of `p` for [`CudaDev::rope`].
+    pub fn rope_table(&self, p: &RopeParams) -> Result<RopeTable> {
+        if p.dims == 0 || !p.dims.is_multiple_of(2) {
+            return Err(shape(format!("rope: {} rotated dims", p.dims)));
+        }
+        if let Some(ff) = &p.freq_factors {
+            need("rope frequency factors", ff.len(), p.dims / 2)?;
+        }
+        if p.linear_scale.is_nan() || p.linear_scale <= 0.0 {
+            return Err(shape(format!("rope: linear scale {}", p.linear_scale)));
+        }
+        self.bind()?;
+        Ok(RopeTable {
+            inv_freq: self.upload(&p.inv_freqs())?,
+            style: p.style,
+            dims: p.dims,
+            linear_scale: p.linear_scale,
+        })
+    }
+
+    /// Rotates `x (t, n_heads, head_dim)` in place at positions `pos0[0] + i`.
+    pub fn rope(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        t: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: &impl DevicePtr<i32>,
+        table: &RopeTable,
+    ) -> Result<()> {
+        need("rope input", x.len(), t * n_heads * head_dim)?;
+        need("rope position", pos0.len(), 1)?;
+        if table.dims > head_dim {
+            return Err(shape(format!(
+                "rope: {} rotated dims for head width {head_dim}",
+                table.dims
+            )));
+        }
+        let half = table.dims / 2;
+        if t == 0 || n_heads == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "rope")?;
+        let (xp, fp, pp) = (self.ptr_mut(x), self.ptr(&table.inv_freq), self.ptr(pos0));
+        let (ti, nh, dh, hi) = (
+            to_i32("tokens", t)?,
+            to_i32("heads", n_heads)?,
+            to_i32("head width", head_dim)?,
+            half as i32,
+        );
+        let neox = i32::from(table.style == RopeStyle::Neox);
+        let scale = table.linear_scale;
+        let grid = blocks(t * n_heads * half, 256)?;
+        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, fp, pp, ti, nh, dh, hi, neox, scale)
+    }
+
+    /// A zeroed KV cache for one layer.
+    pub fn alloc_kv_cache(
+        &self,
+        n_kv_heads: usize,
+        capacity: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> Result<DeviceKvCache> {
+        let n = n_kv_heads
+            .checked_mul(capacity)
+            .and_then(|v| v.checked_mul(head_dim))
+            .and_then(|v| v.checked_mul(dtype.size()))
+            .filter(|&n| n > 0)
+            .ok_or_else(|| shape(format!("kv cache {n_kv_heads}x{capacity}x{head_dim}")))?;
+        self.bind()?;
+        Ok(DeviceKvCache {
+            k: self.alloc(n)?,
+            v: self.alloc(n)?,
+            dtype,
+            n_kv_heads,
+            head_dim,
+            capacity,
+        })
+    }
+
+    /// Writes `k, v (t, Hkv*Dh)` at positions `pos0[0] .. pos0[0] + t`. Positions at or beyond
+    /// the capacity are dropped by the kernel (it never writes out of bounds); keeping within
+    /// the capacity is the caller's job.
+    pub fn kv_write(
+        &self,
+        cache: &mut DeviceKvCache,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        t: usize,
+        pos0: &impl DevicePtr<i32>,
+    ) -> Result<()> {
+        let width = cache.n_kv_heads * cache.head_dim;
+        need("kv_write keys", k.len(), t * width)?;
+        need("kv_write values", v.len(), t * width)?;
+        need("kv_write position", pos0.len(), 1)?;
+        if t == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let name = format!("kv_write_{}", cache.dtype.suffix());
+        let f = self.function(Program::Elementwise, &name)?;
+        let (kp, vp, pp) = (self.ptr(k), self.ptr(v), self.ptr(pos0));
+        let (kcp, vcp) = (
+            cache.k.device_ptr_mut(self.stream()).0,
+            cache.v.device_ptr_mut(self.stream()).0,
+        );
+        let (ti, hkv, dh, cap) = (
+            to_i32("tokens", t)?,
+            cache.n_kv_heads as i32,
+            cache.head_dim as i32,
+            to_i32("capacity", cache.capacity)?,
+        );
+        let grid = blocks(t * width, 256)?;
+        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; kp, vp, kcp, vcp, pp, ti, hkv, dh, cap)
+    }
+
+    /// Number of key splits the decode kernel uses for a cache of `capacity` positions: about
+    /// four blocks per multiprocessor (each block walks its keys one after another, so more
+    /// blocks means more keys in flight), each split at least 64 positions of the capacity.
+    /// Fixed by the capacity (not the current length) so captured graphs stay valid.
+    fn decode_splits(&self, n_kv_heads: usize, capacity: usize) -> usize {
+        let by_len = capacity.div_ceil(64);
+        let by_sm = (4 * self.info().multiprocessors as usize).div_ceil(n_kv_heads.max(1));
+        by_len.min(by_sm).clamp(1, 256)
+    }
+
+    /// f32 elements of scratch [`CudaDev::attention`] needs for one-token decode over a cache of
+    /// `capacity` positions (prefill needs none).
+    pub fn attention_scratch_len(&self, p: &AttentionParams, capacity: usize) -> usize {
+        p.n_heads * self.decode_splits(p.n_kv_heads, capacity) * (p.head_dim + 2)
+    }
+
+    /// Causal attention of `q (t, H*Dh)` at positions `pos0[0] ..` over the cache (positions
+    /// `0 .. pos0[0] + t` must have been written) -> `out (t, H*Dh)`. One token: split-K decode
+    /// (needs `scratch` of [`CudaDev::attention_scratch_len`]); more: tiled flash attention.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: &impl DevicePtr<f32>,
+        t: usize,
+        cache: &DeviceKvCache,
+        pos0: &impl DevicePtr<i32>,
+        p: &AttentionParams,
+        scratch: &mut impl DevicePtrMut<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+        if hkv == 0 || !h.is_multiple_of(hkv) || hkv != cache.n_kv_heads || dh != cache.head_dim {
+            return Err(shape(format!(
+                "attention: {h} heads over {hkv} kv heads of {dh}, cache has {} of {}",
+                cache.n_kv_heads, cache.head_dim
+            )));
+        }
+        if dh == 0 || !dh.is_multiple_of(8) || dh > MAX_HEAD_DIM {
+            return Err(shape(format!(
+                "attention: head width {dh} (a multiple of 8 up to {MAX_HEAD_DIM})"
+            )));
+        }
+        if p.window == Some(0) {
+            return Err(shape("attention: a window of 0 sees no key".into()));
+        }
+        need("attention queries", q.len(), t * h * dh)?;
+        need("attention output", out.len(), t * h * dh)?;
+        need("attention position", pos0.len(), 1)?;
+        if t == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let dpl = if dh <= 64 {
+            2
+        } else if dh <= 128 {
+            4
+        } else {
+            8
+        };
+        let kv = cache.dtype.suffix();
+        let (qp, pp, op) = (self.ptr(q), self.ptr(pos0), self.ptr_mut(out));
+        let (kcp, vcp) = (
+            cache.k.device_ptr(self.stream()).0,
+            cache.v.device_ptr(self.stream()).0,
+        );
+        let (hi, hkvi, dhi) = (to_i32("heads", h)?, hkv as i32, dh as i32);
+        let cap = to_i32("capacity", cache.capacity)?;
+        let scale = p.scale;
+        let window = match p.window {
+            Some(w) => to_i32("window", w)?,
+            None => 0,
+        };
+        if t == 1 {
+            let splits = self.decode_splits(hkv, cache.capacity);
+            need("attention scratch", scratch.len(), h * splits * (dh + 2))?;
+            let sp = self.ptr_mut(scratch);
+            let ns = splits as i32;
+            let f = self.function(Program::Attention, &format!("attn_decode_{kv}_{dpl}"))?;
+            let chunks = (h / hkv).div_ceil(8) as u32;
+            launch!(self, f, (hkv as u32, ns as u32, chunks), (128, 1, 1), 0;
+                qp, kcp, vcp, pp, sp, hi, hkvi, dhi, cap, scale, window, ns)?;
+            let c = self.function(Program::Attention, "attn_decode_combine")?;
+            let threads = dh.next_multiple_of(32) as u32;
+            launch!(self, c, (h as u32, 1, 1), (threads, 1, 1), 0; sp, op, dhi, ns)
+        } else {
+            let f = self.function(Program::Attention, &format!("attn_prefill_{kv}_{dpl}"))?;
+            let ti = to_i32("tokens", t)?;
+            let smem = prefill_smem(dh);
+            launch!(self, f, (blocks(t, 16)?, h as u32, 1), (256, 1, 1), smem;
+                qp, kcp, vcp, pp, op, ti, hi, hkvi, dhi, cap, scale, window)
+        }
+    }
+
+    fn elementwise2(
+        &self,
+        name: &str,
+        a: &impl DevicePtr<f32>,
+        b: &impl DevicePtr<f32>,
+        n: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        need(name, a.len(), n)?;
+        need(name, b.len(), n)?;
+        need(name, out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, name)?;
+        let (ap, bp, op) = (self.ptr(a), self.ptr(b), self.ptr_mut(out));
+        let ni = n as i64;
+        launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; ap, bp, op, ni)
+    }
+
+    /// `out[i] = silu(gate[i]) * up[i]` for `n` elements.
+    pub fn silu_mul(
+        &self,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        n: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        self.elementwise2("silu_mul", gate, up, n, out)
+    }
+
+    /// `out[i] = gelu_tanh(gate[i]) * up[i]` for `n` elements.
+    pub fn gelu_tanh_mul(
+        &self,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        n: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        self.elementwise2("gelu_tanh_mul", gate, up, n, out)
+    }
+
+    /// `x[i] += y[i]` for `n` elements.
+    pub fn add_assign(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        y: &impl DevicePtr<f32>,
+        n: usize,
+    ) -> Result<()> {
+        need("add_assign target", x.len(), n)?;
+        need("add_assign operand", y.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "add_assign")?;
+        let (xp, yp) = (self.ptr_mut(x), self.ptr(y));
+        let ni = n as i64;
+        launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; xp, yp, ni)
+    }
+
+    /// Greedy sampling: `out[r]` = index of the largest of `logits (rows, cols)` row r (first on
+    /// ties, NaN ignored, 0 for a row of NaN — the CPU sampler's rule).
+    pub fn argmax(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        rows: usize,
+        cols: usize,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        need("argmax input", logits.len(), rows * cols)?;
+        need("argmax output", out.len(), rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        if cols == 0 {
+            return Err(shape("argmax over empty rows".into()));
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "argmax_rows")?;
+        let (lp, op) = (self.ptr(logits), self.ptr_mut(out));
+        let c = to_i32("columns", cols)?;
+        let grid = u32::try_from(rows).map_err(|_| shape(format!("{rows} rows")))?;
+        launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, op, c)
+    }
+}

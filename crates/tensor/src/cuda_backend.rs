@@ -1,0 +1,589 @@
+//! `CudaBackend`: the [`Backend`] op set on one GPU, over the kernels of [`crate::cuda`]. The
+//! model code is the same as on the CPU; only where tensors live changes.
+//!
+//! - Activations are device [`Tensor`]s: each op allocates its output on the device's stream
+//!   (stream-ordered allocation) and the tensor keeps the buffer alive ([`DeviceSpan::owner`]).
+//!   A clone of a device tensor shares its buffer.
+//! - Weights stay `QTensor`s in the model; the first op that uses one uploads its stored bytes
+//!   once ([`crate::cuda::DeviceWeight`]) and keeps them, keyed by the address of the mapped
+//!   bytes (stable for the life of the model). Norm weights, biases and RoPE tables likewise.
+//! - KV caches start as empty host stores ([`KvStore::new`]); the first `kv_write` replaces one
+//!   with a device cache of the full session limit (f16 by default).
+//! - Positions: the kernels read `pos0` from a device word, which this backend writes before
+//!   each op that needs it (eager mode). Token ids are uploaded per call.
+//!
+//! - Decode as one CUDA graph ([`CudaBackend::capture`]): token ids and `pos0` are read from
+//!   device words that the host writes before each replay; while capturing, ops write neither
+//!   (the kernels read them at replay time) and every temporary is a stream-ordered allocation
+//!   made and freed inside the graph, so one launch replays the whole step. The output is copied
+//!   into a buffer that outlives the graph.
+//!
+//! Not here yet: GPU sampling (the logits row comes back to the host).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
+
+use crate::cuda::{CudaDev, DeviceKvCache, DeviceWeight, KvDtype, RopeTable};
+use crate::kv::{check_fits, DeviceKv, KvStore};
+use crate::op::{AttentionParams, Backend, RopeParams};
+use crate::tensor::DeviceSpan;
+use crate::{Error, QTensor, Result, Tensor};
+
+/// Uploaded f32 vectors (norm weights, biases) by host address and length.
+type VectorCache = HashMap<(usize, usize), Arc<CudaSlice<f32>>>;
+
+/// The GPU backend (see the module header).
+pub struct CudaBackend {
+    dev: Arc<CudaDev>,
+    kv_dtype: KvDtype,
+    weights: Mutex<HashMap<(usize, usize), Arc<DeviceWeight>>>,
+    vectors: Mutex<VectorCache>,
+    ropes: Mutex<HashMap<Vec<u32>, Arc<RopeTable>>>,
+    /// The `pos0` word the kernels read.
+    pos: Mutex<CudaSlice<i32>>,
+    /// Token ids of the step (grows outside captures).
+    ids: Mutex<CudaSlice<u32>>,
+    /// While a graph is being captured: inputs are not written by the ops.
+    capturing: std::sync::atomic::AtomicBool,
+}
+
+/// A captured decode step: replay with [`CudaBackend::replay`].
+pub struct StepGraph {
+    graph: crate::cuda::DeviceGraph,
+    out: CudaSlice<f32>,
+    shape: Vec<usize>,
+    tokens: usize,
+}
+
+// SAFETY: a graph is only launched through `&mut StepGraph` (one thread at a time), which is
+// what the driver requires; the buffers it refers to are owned by the backend or the caches the
+// graph was captured with.
+unsafe impl Send for StepGraph {}
+unsafe impl Sync for StepGraph {}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StepGraph({} tokens -> {:?})", self.tokens, self.shape)
+    }
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", self.dev.info())
+            .field("kv_dtype", &self.kv_dtype)
+            .finish()
+    }
+}
+
+/// A device buffer seen through its raw address, so that ops can read and write tensors that
+/// share a buffer. Sound because one stream orders every access (event tracking is off).
+struct Raw<'s> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: &'s Arc<CudaStream>,
+}
+
+impl DeviceSlice<f32> for Raw<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl DevicePtr<f32> for Raw<'_> {
+    fn device_ptr<'a>(&'a self, _: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl DevicePtrMut<f32> for Raw<'_> {
+    fn device_ptr_mut<'a>(&'a mut self, _: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+/// The device KV cache as a [`KvStore`] payload.
+struct Kv(DeviceKvCache);
+
+impl DeviceKv for Kv {
+    fn bytes(&self) -> usize {
+        let size = match self.0.dtype() {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        };
+        2 * self.0.n_kv_heads() * self.0.capacity() * self.0.head_dim() * size
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl CudaBackend {
+    pub fn new(dev: Arc<CudaDev>, kv_dtype: KvDtype) -> Result<CudaBackend> {
+        let pos = dev.alloc::<i32>(1)?;
+        let ids = dev.alloc::<u32>(256)?;
+        Ok(CudaBackend {
+            dev,
+            kv_dtype,
+            weights: Mutex::new(HashMap::new()),
+            vectors: Mutex::new(HashMap::new()),
+            ropes: Mutex::new(HashMap::new()),
+            pos: Mutex::new(pos),
+            ids: Mutex::new(ids),
+            capturing: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    pub fn device(&self) -> &Arc<CudaDev> {
+        &self.dev
+    }
+
+    /// A new device tensor of `shape` (zero-filled).
+    fn alloc(&self, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let buf: CudaSlice<f32> = self.dev.alloc(n)?;
+        let (ptr, _) = buf.device_ptr(self.dev.stream());
+        Tensor::on_device(
+            shape,
+            DeviceSpan {
+                ptr,
+                len: n,
+                owner: Arc::new(buf),
+            },
+        )
+    }
+
+    /// `x` as a device buffer view; host tensors are an error (model code keeps activations
+    /// where the backend put them).
+    fn raw<'s>(&'s self, x: &Tensor, what: &str) -> Result<Raw<'s>> {
+        let span = x.device_span().ok_or_else(|| {
+            Error::Msg(format!(
+                "cuda {what}: the input is a host tensor (expected a device tensor)"
+            ))
+        })?;
+        Ok(Raw {
+            ptr: span.ptr,
+            len: span.len,
+            stream: self.dev.stream(),
+        })
+    }
+
+    fn weight(&self, w: &QTensor) -> Result<Arc<DeviceWeight>> {
+        let key = weight_key(w);
+        if let Some(d) = lock(&self.weights).get(&key) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(self.dev.upload_weight(w)?);
+        lock(&self.weights).insert(key, d.clone());
+        Ok(d)
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<Arc<CudaSlice<f32>>> {
+        let key = (v.as_ptr() as usize, v.len());
+        if let Some(d) = lock(&self.vectors).get(&key) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(self.dev.upload(v)?);
+        lock(&self.vectors).insert(key, d.clone());
+        Ok(d)
+    }
+
+    fn rope_table(&self, p: &RopeParams) -> Result<Arc<RopeTable>> {
+        let mut key = vec![
+            p.style as u32,
+            p.theta.to_bits(),
+            p.dims as u32,
+            p.linear_scale.to_bits(),
+        ];
+        if let Some(ff) = &p.freq_factors {
+            key.extend(ff.iter().map(|f| f.to_bits()));
+        }
+        if let Some(t) = lock(&self.ropes).get(&key) {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(self.dev.rope_table(p)?);
+        lock(&self.ropes).insert(key, t.clone());
+        Ok(t)
+    }
+
+    fn capturing(&self) -> bool {
+        self.capturing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Writes `pos0` into the device word the kernels read (not while capturing: then the host
+    /// writes it before each replay), and returns the word.
+    fn set_pos(&self, pos0: usize) -> Result<std::sync::MutexGuard<'_, CudaSlice<i32>>> {
+        let v = i32::try_from(pos0)
+            .map_err(|_| Error::Shape(format!("cuda: position {pos0} does not fit 32 bits")))?;
+        let mut g = lock(&self.pos);
+        if !self.capturing() {
+            self.dev.write(&mut *g, &[v])?;
+        }
+        Ok(g)
+    }
+
+    /// Writes the step's inputs (token ids, `pos0`) into their device words.
+    fn write_inputs(&self, ids: &[u32], pos0: usize) -> Result<()> {
+        let mut g = lock(&self.ids);
+        if g.len() < ids.len() {
+            *g = self.dev.alloc::<u32>(ids.len().next_power_of_two())?;
+        }
+        self.dev.write(&mut *g, ids)?;
+        drop(g);
+        let v = i32::try_from(pos0)
+            .map_err(|_| Error::Shape(format!("cuda: position {pos0} does not fit 32 bits")))?;
+        self.dev.write(&mut *lock(&self.pos), &[v])
+    }
+
+    /// Captures one step as a graph: `step` enqueues the ops of a forward of `ids` at `pos0`
+    /// (every weight, norm and cache it touches must already be on the device: run one eager
+    /// step first) and returns its output, `out_len` values, which the graph copies into a
+    /// buffer of its own. Capturing runs nothing: replay the graph for this step's result.
+    pub fn capture<E: From<Error>>(
+        &self,
+        ids: &[u32],
+        pos0: usize,
+        out_len: usize,
+        step: impl FnOnce() -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<StepGraph, E> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.write_inputs(ids, pos0)?;
+        let mut out = self.dev.alloc::<f32>(out_len)?;
+        self.dev.synchronize()?;
+        self.dev.begin_capture()?;
+        self.capturing.store(true, Relaxed);
+        let recorded = (|| -> std::result::Result<Vec<usize>, E> {
+            let y = step()?;
+            if y.len() != out_len {
+                return Err(Error::Shape(format!(
+                    "cuda capture: the step returned {} values, {out_len} expected",
+                    y.len()
+                ))
+                .into());
+            }
+            let src = self.raw(&y, "capture")?;
+            self.dev
+                .stream()
+                .memcpy_dtod(&src, &mut out)
+                .map_err(|e| Error::Msg(format!("cuda: copying the step's output: {e}")))?;
+            Ok(y.shape().to_vec())
+        })();
+        self.capturing.store(false, Relaxed);
+        // End the capture whatever happened, so the stream is usable again.
+        let graph = self.dev.end_capture();
+        let shape = recorded?;
+        Ok(StepGraph {
+            graph: graph?,
+            out,
+            shape,
+            tokens: ids.len(),
+        })
+    }
+
+    /// Runs a captured step for `ids` at `pos0` and returns its output on the host.
+    pub fn replay(&self, g: &mut StepGraph, ids: &[u32], pos0: usize) -> Result<Tensor> {
+        if ids.len() != g.tokens {
+            return Err(Error::Shape(format!(
+                "cuda replay: the graph takes {} tokens, {} given",
+                g.tokens,
+                ids.len()
+            )));
+        }
+        self.write_inputs(ids, pos0)?;
+        g.graph.launch()?;
+        let data = self.dev.download(&g.out)?;
+        Tensor::new(&g.shape, data)
+    }
+
+    /// A device copy of a host tensor (tests, and host inputs at the model's edge).
+    pub fn upload(&self, x: &Tensor) -> Result<Tensor> {
+        let out = self.alloc(x.shape())?;
+        if !x.is_empty() {
+            let mut r = self.raw(&out, "upload")?;
+            self.dev.write(&mut r, x.data())?;
+        }
+        Ok(out)
+    }
+}
+
+/// Weights are keyed by the address and length of their stored bytes (mapped file or owned
+/// buffer; stable while the model lives) — two tensors never share both.
+fn weight_key(w: &QTensor) -> (usize, usize) {
+    match &w.data {
+        crate::WeightData::Ggml { data, .. } => (data.as_slice().as_ptr() as usize, data.len()),
+        crate::WeightData::Affine { packed, .. } => {
+            (packed.as_slice().as_ptr() as usize, packed.len())
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    fn embedding(&self, table: &QTensor, ids: &[u32], scale: f32) -> Result<Tensor> {
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
+            return Err(Error::Shape(format!(
+                "embedding: token id {bad} is outside the table of {} rows",
+                table.rows
+            )));
+        }
+        let w = self.weight(table)?;
+        let out = self.alloc(&[ids.len(), table.cols])?;
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        if !self.capturing() {
+            let mut g = lock(&self.ids);
+            if g.len() < ids.len() {
+                *g = self.dev.alloc::<u32>(ids.len().next_power_of_two())?;
+            }
+            self.dev.write(&mut *g, ids)?;
+        }
+        let dids = lock(&self.ids);
+        let mut o = self.raw(&out, "embedding")?;
+        self.dev.embedding(&w, &*dids, ids.len(), scale, &mut o)?;
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, offset: f32) -> Result<Tensor> {
+        let (rows, cols) = x.dims2();
+        if w.len() != cols {
+            return Err(Error::Shape(format!(
+                "rms_norm: weight of {} for rows of {cols}",
+                w.len()
+            )));
+        }
+        let wd = self.vector(w)?;
+        let out = self.alloc(x.shape())?;
+        let xi = self.raw(x, "rms_norm")?;
+        let mut o = self.raw(&out, "rms_norm")?;
+        self.dev
+            .rms_norm(&xi, &*wd, rows, cols, eps, offset, &mut o)?;
+        Ok(out)
+    }
+
+    fn linear(&self, x: &Tensor, w: &QTensor, bias: Option<&[f32]>) -> Result<Tensor> {
+        let (t, c) = x.dims2();
+        if c != w.cols {
+            return Err(Error::Shape(format!(
+                "linear '{}': input has {c} features, weight takes {}",
+                w.name, w.cols
+            )));
+        }
+        let wd = self.weight(w)?;
+        let b = bias.map(|b| self.vector(b)).transpose()?;
+        let out = self.alloc(&[t, w.rows])?;
+        let xi = self.raw(x, "linear")?;
+        let mut o = self.raw(&out, "linear")?;
+        self.dev.linear(&xi, t, &wd, b.as_deref(), &mut o)?;
+        Ok(out)
+    }
+
+    fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {
+        let (t, width) = x.dims2();
+        if n_heads == 0 || width % n_heads != 0 {
+            return Err(Error::Shape(format!(
+                "rope: width {width} is not {n_heads} heads"
+            )));
+        }
+        let table = self.rope_table(p)?;
+        let pos = self.set_pos(pos0)?;
+        let mut xi = self.raw(x, "rope")?;
+        self.dev
+            .rope(&mut xi, t, n_heads, width / n_heads, &*pos, &table)
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut KvStore,
+        k: &Tensor,
+        v: &Tensor,
+        pos0: usize,
+        limit: usize,
+    ) -> Result<()> {
+        let (t, _) = k.dims2();
+        check_fits(pos0, t, limit)?;
+        if let KvStore::Host(h) = kv {
+            if h.capacity() > 0 {
+                return Err(Error::Msg(
+                    "cuda kv_write: this cache already holds positions on the host".into(),
+                ));
+            }
+            let cache =
+                self.dev
+                    .alloc_kv_cache(h.n_kv_heads(), limit, h.head_dim(), self.kv_dtype)?;
+            *kv = KvStore::Device(Box::new(Kv(cache)));
+        }
+        let KvStore::Device(d) = kv else {
+            unreachable!("replaced above")
+        };
+        let cache = &mut d
+            .as_any_mut()
+            .downcast_mut::<Kv>()
+            .ok_or_else(|| Error::Msg("cuda kv_write: another device's cache".into()))?
+            .0;
+        let pos = self.set_pos(pos0)?;
+        let (ki, vi) = (self.raw(k, "kv_write")?, self.raw(v, "kv_write")?);
+        self.dev.kv_write(cache, &ki, &vi, t, &*pos)
+    }
+
+    fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
+        let KvStore::Device(d) = kv else {
+            return Err(Error::Msg(
+                "cuda attention: the cache is not on the device (write it first)".into(),
+            ));
+        };
+        let cache = &d
+            .as_any()
+            .downcast_ref::<Kv>()
+            .ok_or_else(|| Error::Msg("cuda attention: another device's cache".into()))?
+            .0;
+        let (t, _) = q.dims2();
+        if pos0 + t > cache.capacity() {
+            return Err(Error::Shape(format!(
+                "attention: {} positions exceed the cache capacity {}",
+                pos0 + t,
+                cache.capacity()
+            )));
+        }
+        let scratch = self.alloc(&[self.dev.attention_scratch_len(p, cache.capacity()).max(1)])?;
+        let out = self.alloc(q.shape())?;
+        let pos = self.set_pos(pos0)?;
+        let qi = self.raw(q, "attention")?;
+        let mut s = self.raw(&scratch, "attention")?;
+        let mut o = self.raw(&out, "attention")?;
+        self.dev
+            .attention(&qi, t, cache, &*pos, p, &mut s, &mut o)?;
+        Ok(out)
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        same_shape(gate, up, "silu_mul")?;
+        let out = self.alloc(gate.shape())?;
+        let (g, u) = (self.raw(gate, "silu_mul")?, self.raw(up, "silu_mul")?);
+        let mut o = self.raw(&out, "silu_mul")?;
+        self.dev.silu_mul(&g, &u, gate.len(), &mut o)?;
+        Ok(out)
+    }
+
+    fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        same_shape(gate, up, "gelu_tanh_mul")?;
+        let out = self.alloc(gate.shape())?;
+        let (g, u) = (self.raw(gate, "gelu")?, self.raw(up, "gelu")?);
+        let mut o = self.raw(&out, "gelu")?;
+        self.dev.gelu_tanh_mul(&g, &u, gate.len(), &mut o)?;
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        same_shape(x, y, "add")?;
+        let n = x.len();
+        let mut xi = self.raw(x, "add")?;
+        let yi = self.raw(y, "add")?;
+        self.dev.add_assign(&mut xi, &yi, n)
+    }
+
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        // Rare (final logits of some families): a host round trip.
+        let mut h = self.to_host(x)?;
+        h.data_mut()
+            .iter_mut()
+            .for_each(|v| *v = (*v / cap).tanh() * cap);
+        *x = self.upload(&h)?;
+        Ok(())
+    }
+
+    fn rows(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
+        let (r, c) = x.dims2();
+        if start + len > r {
+            return Err(Error::Shape(format!(
+                "rows {start}..{} of a tensor of {r} rows",
+                start + len
+            )));
+        }
+        let out = self.alloc(&[len, c])?;
+        if len * c > 0 {
+            let xi = self.raw(x, "rows")?;
+            let src = Raw {
+                ptr: xi.ptr + (start * c * 4) as u64,
+                len: len * c,
+                stream: self.dev.stream(),
+            };
+            let mut o = self.raw(&out, "rows")?;
+            self.dev
+                .stream()
+                .memcpy_dtod(&src, &mut o)
+                .map_err(|e| Error::Msg(format!("cuda: copying rows: {e}")))?;
+        }
+        Ok(out)
+    }
+
+    fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let c = parts.first().map_or(0, |p| p.dims2().1);
+        let total: usize = parts.iter().map(|p| p.dims2().0).sum();
+        let out = self.alloc(&[total, c])?;
+        let o = self.raw(&out, "concat_rows")?;
+        let mut at = 0usize;
+        for p in parts {
+            let (r, pc) = p.dims2();
+            if pc != c {
+                return Err(Error::Shape(format!(
+                    "concat_rows: rows of {pc} and {c} values"
+                )));
+            }
+            if r * c > 0 {
+                let src = self.raw(p, "concat_rows")?;
+                let mut dst = Raw {
+                    ptr: o.ptr + (at * c * 4) as u64,
+                    len: r * c,
+                    stream: self.dev.stream(),
+                };
+                self.dev
+                    .stream()
+                    .memcpy_dtod(&src, &mut dst)
+                    .map_err(|e| Error::Msg(format!("cuda: copying rows: {e}")))?;
+            }
+            at += r;
+        }
+        Ok(out)
+    }
+
+    fn to_host(&self, x: &Tensor) -> Result<Tensor> {
+        if x.is_host() {
+            return Ok(x.clone());
+        }
+        if x.is_empty() {
+            return Tensor::new(x.shape(), Vec::new());
+        }
+        let xi = self.raw(x, "to_host")?;
+        let data = self
+            .dev
+            .stream()
+            .clone_dtoh(&xi)
+            .map_err(|e| Error::Msg(format!("cuda: copying to the host: {e}")))?;
+        Tensor::new(x.shape(), data)
+    }
+}
+
+fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::Shape(format!(
+            "{op}: shapes {:?} and {:?} differ",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}
