@@ -29,7 +29,7 @@ use cudarc::driver::{
 
 use crate::cuda::{CudaDev, DeviceKvCache, DeviceWeight, KvDtype, RopeTable};
 use crate::kv::{check_fits, DeviceKv, KvStore};
-use crate::op::{AttentionParams, Backend, RopeParams};
+use crate::op::{same_shape, AttentionParams, Backend, RopeParams};
 use crate::tensor::DeviceSpan;
 use crate::{Error, QTensor, Result, Tensor};
 
@@ -575,15 +575,4 @@ impl Backend for CudaBackend {
             .map_err(|e| Error::Msg(format!("cuda: copying to the host: {e}")))?;
         Tensor::new(x.shape(), data)
     }
-}
-
-fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
-    if a.shape() != b.shape() {
-        return Err(Error::Shape(format!(
-            "{op}: shapes {:?} and {:?} differ",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
 }

@@ -99,3 +99,43 @@ pub trait Backend: Send + Sync {
     /// A host copy of `x` (`x` itself, cloned, on the CPU).
     fn to_host(&self, x: &Tensor) -> Result<Tensor>;
 }
+
+/// Checks an attention call's shapes against its cache (shared by every backend): `q` is
+/// `(T, H*Dh)`, heads divide into kv groups, and positions `0..pos0+T` fit the cache. Returns T.
+pub fn check_attention(
+    q: &Tensor,
+    cache: &LayerCache<'_>,
+    pos0: usize,
+    p: &AttentionParams,
+) -> Result<usize> {
+    let (t, width) = q.dims2();
+    let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+    if width != h * dh || hkv == 0 || h % hkv != 0 || dh == 0 {
+        return Err(crate::Error::Shape(format!(
+            "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
+        )));
+    }
+    let total = pos0 + t;
+    if total > cache.capacity
+        || cache.k.len() < hkv * cache.capacity * dh
+        || cache.v.len() < hkv * cache.capacity * dh
+    {
+        return Err(crate::Error::Shape(format!(
+            "attention: {total} positions exceed the cache capacity {}",
+            cache.capacity
+        )));
+    }
+    Ok(t)
+}
+
+/// Element-wise ops need equal shapes (shared by every backend).
+pub fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(crate::Error::Shape(format!(
+            "{op}: shapes {:?} and {:?} differ",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}

@@ -19,7 +19,7 @@
 use rayon::prelude::*;
 
 use crate::op::{AttentionParams, LayerCache};
-use crate::{Error, Result, Tensor};
+use crate::{Result, Tensor};
 
 /// Query rows per tile.
 const QT: usize = 8;
@@ -122,23 +122,10 @@ pub fn attention(
     pos0: usize,
     p: &AttentionParams,
 ) -> Result<Tensor> {
-    let (t, width) = q.dims2();
+    let t = crate::op::check_attention(q, cache, pos0, p)?;
     let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
-    if width != h * dh || hkv == 0 || h % hkv != 0 || dh == 0 {
-        return Err(Error::Shape(format!(
-            "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
-        )));
-    }
+    let width = h * dh;
     let total = pos0 + t;
-    if total > cache.capacity
-        || cache.k.len() < hkv * cache.capacity * dh
-        || cache.v.len() < hkv * cache.capacity * dh
-    {
-        return Err(Error::Shape(format!(
-            "attention: {total} positions exceed the cache capacity {}",
-            cache.capacity
-        )));
-    }
     let group = h / hkv;
     let qd = q.data();
     // Kᵀ of each kv head over the keys any row of this call sees: (Dh, S) with S = pos0 + T.

@@ -9,7 +9,7 @@ pub mod kernels;
 use kernels::ActBits;
 
 use crate::kv::KvStore;
-use crate::op::{AttentionParams, Backend, LayerCache, RopeParams, RopeStyle};
+use crate::op::{same_shape, AttentionParams, Backend, LayerCache, RopeParams, RopeStyle};
 use crate::weight::dot;
 use crate::{Error, QTensor, Result, Tensor};
 
@@ -68,23 +68,9 @@ impl CpuBackend {
         pos0: usize,
         p: &AttentionParams,
     ) -> Result<Tensor> {
-        let (t, width) = q.dims2();
+        let t = crate::op::check_attention(q, cache, pos0, p)?;
         let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
-        if width != h * dh || hkv == 0 || h % hkv != 0 {
-            return Err(Error::Shape(format!(
-                "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
-            )));
-        }
-        let total = pos0 + t;
-        if total > cache.capacity
-            || cache.k.len() < hkv * cache.capacity * dh
-            || cache.v.len() < hkv * cache.capacity * dh
-        {
-            return Err(Error::Shape(format!(
-                "attention: {total} positions exceed the cache capacity {}",
-                cache.capacity
-            )));
-        }
+        let width = h * dh;
         let group = h / hkv;
         let mut out = vec![0f32; t * width];
         // One task per (token, head): scores over the visible keys, softmax in f32, weighted sum.
@@ -127,17 +113,6 @@ impl CpuBackend {
         matmul: MatmulPath::Reference,
         observer: None,
     };
-}
-
-fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
-    if a.shape() != b.shape() {
-        return Err(Error::Shape(format!(
-            "{op}: shapes {:?} and {:?} differ",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
 }
 
 pub fn silu(x: f32) -> f32 {
