@@ -421,6 +421,13 @@ impl Model {
         let Some(cuda) = self.cuda.as_ref().filter(|_| self.cuda_graphs) else {
             return Ok(None);
         };
+        // A replay reads the id on the device, past every host check: check it here.
+        if token as usize >= self.embed.rows {
+            return Err(Error::Msg(format!(
+                "token id {token} is outside the vocabulary of {} tokens",
+                self.embed.rows
+            )));
+        }
         if self.config.final_logit_softcap.is_some()
             || cache
                 .layers
