@@ -162,12 +162,6 @@ fn open_backend<'m>(model: &'m Model, ctx: usize) -> Result<Box<dyn BenchBackend
     }))
 }
 
-/// Bytes of weights one decode step reads (every tensor once): the model file's tensor data,
-/// which the file size approximates within its metadata.
-fn weight_bytes(info: &ModelInfo) -> u64 {
-    info.file_bytes
-}
-
 /// Device-to-device copy bandwidth measured on the H200 (read + write), the decode ceiling.
 const H200_COPY_BYTES_PER_S: f64 = 4.24e12;
 
@@ -432,8 +426,10 @@ fn bench_model(
             let rss = peak_rss_bytes();
             // Decode on a GPU: the share of the bandwidth floor (every weight byte read once per
             // token at the measured copy bandwidth) that was reached.
-            let floor_pct = (device == "cuda" && matches!(test, Test::Gen(_)))
-                .then(|| 100.0 * mean / (H200_COPY_BYTES_PER_S / weight_bytes(&info) as f64));
+            let floor_pct = (device == "cuda" && matches!(test, Test::Gen(_))).then(
+                || // Bytes read per token: every weight once, which the file size approximates.
+                100.0 * mean / (H200_COPY_BYTES_PER_S / info.file_bytes as f64),
+            );
             if let Some(p) = floor_pct {
                 eprintln!("bench: {} = {p:.1}% of the bandwidth floor", test.name());
             }

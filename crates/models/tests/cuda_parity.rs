@@ -161,6 +161,7 @@ fn tiny_models_match_cpu_reference() {
         let mut m = Model::load(&tiny(name)).unwrap();
         let (agree, kl) = compare(&mut m, &gpu, 40);
         eprintln!("{name}: GPU vs CPU reference argmax {agree}/40, mean KL {kl:.2e}");
+        // The gate's 98 % on 40 positions (random tiny models have near-ties: one may flip).
         assert!(agree >= 39, "{name}: argmax {agree}/40");
         assert!(kl <= 1e-3, "{name}: mean KL {kl}");
         decode_consistency(&mut m, &gpu);

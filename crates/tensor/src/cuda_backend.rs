@@ -44,11 +44,18 @@ pub struct CudaBackend {
     vectors: Mutex<VectorCache>,
     ropes: Mutex<HashMap<Vec<u32>, Arc<RopeTable>>>,
     /// The `pos0` word the kernels read.
-    pos: Mutex<CudaSlice<i32>>,
+    pos: Mutex<PosWord>,
     /// Token ids of the step (grows outside captures).
     ids: Mutex<CudaSlice<u32>>,
     /// While a graph is being captured: inputs are not written by the ops.
     capturing: std::sync::atomic::AtomicBool,
+}
+
+/// The device `pos0` word and the value last written to it: the ops of one step all ask for the
+/// same position (RoPE, cache write, attention in every layer), so only a change is copied.
+struct PosWord {
+    buf: CudaSlice<i32>,
+    last: Option<i32>,
 }
 
 /// A captured decode step: replay with [`CudaBackend::replay`].
@@ -142,7 +149,10 @@ impl CudaBackend {
             weights: Mutex::new(HashMap::new()),
             vectors: Mutex::new(HashMap::new()),
             ropes: Mutex::new(HashMap::new()),
-            pos: Mutex::new(pos),
+            pos: Mutex::new(PosWord {
+                buf: pos,
+                last: None,
+            }),
             ids: Mutex::new(ids),
             capturing: std::sync::atomic::AtomicBool::new(false),
         })
@@ -226,27 +236,37 @@ impl CudaBackend {
 
     /// Writes `pos0` into the device word the kernels read (not while capturing: then the host
     /// writes it before each replay), and returns the word.
-    fn set_pos(&self, pos0: usize) -> Result<std::sync::MutexGuard<'_, CudaSlice<i32>>> {
-        let v = i32::try_from(pos0)
-            .map_err(|_| Error::Shape(format!("cuda: position {pos0} does not fit 32 bits")))?;
+    fn set_pos(&self, pos0: usize) -> Result<std::sync::MutexGuard<'_, PosWord>> {
         let mut g = lock(&self.pos);
         if !self.capturing() {
-            self.dev.write(&mut *g, &[v])?;
+            self.write_pos(&mut g, pos0)?;
         }
         Ok(g)
     }
 
-    /// Writes the step's inputs (token ids, `pos0`) into their device words.
-    fn write_inputs(&self, ids: &[u32], pos0: usize) -> Result<()> {
+    fn write_pos(&self, w: &mut PosWord, pos0: usize) -> Result<()> {
+        let v = i32::try_from(pos0)
+            .map_err(|_| Error::Shape(format!("cuda: position {pos0} does not fit 32 bits")))?;
+        if w.last != Some(v) {
+            self.dev.write(&mut w.buf, &[v])?;
+            w.last = Some(v);
+        }
+        Ok(())
+    }
+
+    /// Copies token ids into the device word the embedding reads (grown as needed).
+    fn write_ids(&self, ids: &[u32]) -> Result<()> {
         let mut g = lock(&self.ids);
         if g.len() < ids.len() {
             *g = self.dev.alloc::<u32>(ids.len().next_power_of_two())?;
         }
-        self.dev.write(&mut *g, ids)?;
-        drop(g);
-        let v = i32::try_from(pos0)
-            .map_err(|_| Error::Shape(format!("cuda: position {pos0} does not fit 32 bits")))?;
-        self.dev.write(&mut *lock(&self.pos), &[v])
+        self.dev.write(&mut *g, ids)
+    }
+
+    /// Writes the step's inputs (token ids, `pos0`) into their device words.
+    fn write_inputs(&self, ids: &[u32], pos0: usize) -> Result<()> {
+        self.write_ids(ids)?;
+        self.write_pos(&mut lock(&self.pos), pos0)
     }
 
     /// Captures one step as a graph: `step` enqueues the ops of a forward of `ids` at `pos0`
@@ -345,11 +365,7 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         if !self.capturing() {
-            let mut g = lock(&self.ids);
-            if g.len() < ids.len() {
-                *g = self.dev.alloc::<u32>(ids.len().next_power_of_two())?;
-            }
-            self.dev.write(&mut *g, ids)?;
+            self.write_ids(ids)?;
         }
         let dids = lock(&self.ids);
         let mut o = self.raw(&out, "embedding")?;
@@ -402,7 +418,7 @@ impl Backend for CudaBackend {
         let pos = self.set_pos(pos0)?;
         let mut xi = self.raw(x, "rope")?;
         self.dev
-            .rope(&mut xi, t, n_heads, width / n_heads, &*pos, &table)
+            .rope(&mut xi, t, n_heads, width / n_heads, &pos.buf, &table)
     }
 
     fn kv_write(
@@ -436,7 +452,7 @@ impl Backend for CudaBackend {
             .0;
         let pos = self.set_pos(pos0)?;
         let (ki, vi) = (self.raw(k, "kv_write")?, self.raw(v, "kv_write")?);
-        self.dev.kv_write(cache, &ki, &vi, t, &*pos)
+        self.dev.kv_write(cache, &ki, &vi, t, &pos.buf)
     }
 
     fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
@@ -465,7 +481,7 @@ impl Backend for CudaBackend {
         let mut s = self.raw(&scratch, "attention")?;
         let mut o = self.raw(&out, "attention")?;
         self.dev
-            .attention(&qi, t, cache, &*pos, p, &mut s, &mut o)?;
+            .attention(&qi, t, cache, &pos.buf, p, &mut s, &mut o)?;
         Ok(out)
     }
 

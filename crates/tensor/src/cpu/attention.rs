@@ -208,37 +208,29 @@ fn tile_dispatch(
     tile_rows(qd, kv, pos0, p, g, r0, n, tile)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_avx512(
-    qd: &[f32],
-    kv: &Keys<'_>,
-    pos0: usize,
-    p: &AttentionParams,
-    g: usize,
-    r0: usize,
-    n: usize,
-    tile: &mut Tile,
-) -> Vec<f32> {
-    tile_rows(qd, kv, pos0, p, g, r0, n, tile)
+/// `tile_rows` compiled with the named target features (the same body, vectorised for them).
+macro_rules! tile_for_isa {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name(
+            qd: &[f32],
+            kv: &Keys<'_>,
+            pos0: usize,
+            p: &AttentionParams,
+            g: usize,
+            r0: usize,
+            n: usize,
+            tile: &mut Tile,
+        ) -> Vec<f32> {
+            tile_rows(qd, kv, pos0, p, g, r0, n, tile)
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_avx2(
-    qd: &[f32],
-    kv: &Keys<'_>,
-    pos0: usize,
-    p: &AttentionParams,
-    g: usize,
-    r0: usize,
-    n: usize,
-    tile: &mut Tile,
-) -> Vec<f32> {
-    tile_rows(qd, kv, pos0, p, g, r0, n, tile)
-}
+tile_for_isa!(tile_avx512, "avx512f,avx512bw,avx512vl,avx2,fma");
+tile_for_isa!(tile_avx2, "avx2,fma");
 
 /// One tile: rows `r0..r0+n` of kv head `g` -> their outputs `(n, Dh)`.
 #[inline(always)]
