@@ -61,15 +61,15 @@ grep -E "argmax|graphs=|test result|panicked" "$OUT_DIR/cuda_parity.log"
 echo "== GPU benchmarks"
 {
     echo
-    echo "| model | pp512 t/s | tg128 t/s | tg128 % of bandwidth floor |"
-    echo "|---|---|---|---|"
+    echo "| model | pp512 t/s | tg128 t/s | tg128 % of bandwidth floor | per token: launches, graph replays (nodes), syncs |"
+    echo "|---|---|---|---|---|"
 } >>"$SUMMARY"
 for m in $MODELS; do
     f=$(file_of "$m")
     [ -f "$f" ] || continue
-    if ! "$BIN/hf2q" bench "$f" --device cuda -p 512 -n 128 -r "$REPS" -t 1 --json \
+    if ! "$BIN/hf2q" bench "$f" --device cuda -p 512 -n 128 -r "$REPS" -t 1 --json --stats \
         >"$WORK/bench.json" 2>>"$OUT_DIR/bench.log"; then
-        echo "| ${m%%:*} ${m##*:} | FAIL (bench.log) | | |" >>"$SUMMARY"
+        echo "| ${m%%:*} ${m##*:} | FAIL (bench.log) | | | |" >>"$SUMMARY"
         status=1
         continue
     fi
@@ -81,7 +81,8 @@ get = lambda t: next((r for r in rows if r["test"] == t), None)
 pp, tg = get("pp512"), get("tg128")
 fmt = lambda r: "%.1f ± %.1f" % (r["tokens_per_second"], r["stddev"]) if r else "-"
 pct = "%.1f%%" % tg["bandwidth_floor_pct"] if tg and tg.get("bandwidth_floor_pct") else "-"
-print("| %s | %s | %s | %s |" % (sys.argv[2], fmt(pp), fmt(tg), pct))
+st = "%.1f, %.1f (%s), %.1f" % (tg["launches_per_token"], tg["graph_launches_per_token"], tg.get("graph_nodes"), tg["syncs_per_token"]) if tg and "launches_per_token" in tg else "-"
+print("| %s | %s | %s | %s | %s |" % (sys.argv[2], fmt(pp), fmt(tg), pct, st))
 ' "$WORK/bench.json" "${m%%:*} ${m##*:}" >>"$SUMMARY"
 done
 echo

@@ -20,6 +20,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use hf2q_models::{Model, ModelInfo, Session};
+use hf2q_tensor::cuda::DeviceCounters;
 use serde_json::json;
 
 use crate::args::{DeviceChoice, MatmulChoice};
@@ -71,6 +72,11 @@ pub struct BenchArgs {
     /// Print one JSON object per test per line instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// GPU: also report, per generated token, the kernels launched one by one, the graph
+    /// replays, the nodes of the replayed graph and the host synchronisations (JSON fields
+    /// `launches_per_token`, `graph_launches_per_token`, `graph_nodes`, `syncs_per_token`).
+    #[arg(long)]
+    pub stats: bool,
     /// Matmul kernels for quantized weights, as `hf2q run --matmul` [default: what `run` uses].
     #[arg(long, value_enum, value_name = "PATH", conflicts_with_all = ["fast", "reference"])]
     pub matmul: Option<MatmulChoice>,
@@ -122,6 +128,10 @@ pub trait BenchBackend: Send {
     fn kv_cache_bytes(&self) -> u64;
     /// "cpu", "cuda", ...
     fn device(&self) -> &'static str;
+    /// GPU: the device's running totals of launches and synchronisations.
+    fn counters(&self) -> Option<DeviceCounters>;
+    /// GPU: nodes of the captured decode graph (after a decoded token).
+    fn graph_nodes(&self) -> Option<usize>;
 }
 
 /// A [`Session`] of the model, on whatever device the model runs on.
@@ -136,7 +146,9 @@ impl BenchBackend for SessionBackend<'_> {
         Ok(())
     }
     fn decode(&mut self, id: u32) -> Result<()> {
-        self.session.decode(id)?;
+        // As generation decodes greedily: on a GPU the argmax runs on the device and only the
+        // token id comes back.
+        self.session.decode_greedy(id)?;
         Ok(())
     }
     fn reset(&mut self) {
@@ -147,6 +159,12 @@ impl BenchBackend for SessionBackend<'_> {
     }
     fn device(&self) -> &'static str {
         self.device
+    }
+    fn counters(&self) -> Option<DeviceCounters> {
+        self.session.model().cuda().map(|c| c.device().counters())
+    }
+    fn graph_nodes(&self) -> Option<usize> {
+        self.session.graph_nodes()
     }
 }
 
@@ -171,6 +189,9 @@ struct Measured {
     samples: Vec<f64>,
     samples_ns: Vec<u128>,
     kv_cache_bytes: u64,
+    /// GPU: launches and synchronisations over the timed repetitions.
+    counters: Option<DeviceCounters>,
+    graph_nodes: Option<usize>,
 }
 
 fn run_test(b: &mut dyn BenchBackend, test: Test, ids: &[u32], reps: usize) -> Result<Measured> {
@@ -188,6 +209,7 @@ fn run_test(b: &mut dyn BenchBackend, test: Test, ids: &[u32], reps: usize) -> R
         Ok(t0.elapsed())
     };
     once(b).context("warm-up run")?;
+    let before = b.counters();
     let mut samples = Vec::with_capacity(reps);
     let mut samples_ns = Vec::with_capacity(reps);
     for _ in 0..reps {
@@ -195,10 +217,13 @@ fn run_test(b: &mut dyn BenchBackend, test: Test, ids: &[u32], reps: usize) -> R
         samples_ns.push(dt.as_nanos());
         samples.push(ids.len() as f64 / dt.as_secs_f64().max(1e-12));
     }
+    let counters = b.counters().zip(before).map(|(a, z)| a - z);
     Ok(Measured {
         samples,
         samples_ns,
         kv_cache_bytes: b.kv_cache_bytes(),
+        counters,
+        graph_nodes: b.graph_nodes(),
     })
 }
 
@@ -433,12 +458,41 @@ fn bench_model(
             if let Some(p) = floor_pct {
                 eprintln!("bench: {} = {p:.1}% of the bandwidth floor", test.name());
             }
+            // Per token (tg) or per prompt (pp), over the timed repetitions.
+            let per = (a.repetitions
+                * if matches!(test, Test::Gen(_)) {
+                    test.tokens()
+                } else {
+                    1
+                }) as f64;
+            let stats = m.counters.filter(|_| a.stats).map(|c| {
+                (
+                    c.launches as f64 / per,
+                    c.graph_launches as f64 / per,
+                    c.syncs as f64 / per,
+                )
+            });
+            if let Some((l, g, s)) = stats {
+                let unit = if matches!(test, Test::Gen(_)) {
+                    "token"
+                } else {
+                    "prompt"
+                };
+                eprintln!(
+                    "bench: {} per {unit}: {l:.1} kernel launches, {g:.1} graph replays{}, {s:.1} host synchronisations",
+                    test.name(),
+                    match (m.graph_nodes, matches!(test, Test::Gen(_))) {
+                        (Some(n), true) => format!(" (graph of {n} nodes)"),
+                        _ => String::new(),
+                    }
+                );
+            }
             if a.json {
                 let (n_prompt, n_gen) = match test {
                     Test::Prompt(n) => (n, 0),
                     Test::Gen(n) => (0, n),
                 };
-                let v = json!({
+                let mut v = json!({
                     "model": path.display().to_string(),
                     "model_type": label,
                     "model_size": info.file_bytes,
@@ -459,6 +513,12 @@ fn bench_model(
                     "seed": a.seed,
                     "bandwidth_floor_pct": floor_pct,
                 });
+                if let Some((l, g, s)) = stats {
+                    v["launches_per_token"] = json!(l);
+                    v["graph_launches_per_token"] = json!(g);
+                    v["syncs_per_token"] = json!(s);
+                    v["graph_nodes"] = json!(m.graph_nodes);
+                }
                 writeln!(out, "{}", serde_json::to_string(&v)?)?;
             } else {
                 writeln!(

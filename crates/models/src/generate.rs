@@ -107,6 +107,17 @@ pub trait LogitsSource {
     fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
     /// Feeds one token; returns its logits.
     fn decode(&mut self, token: u32) -> Result<Vec<f32>>;
+    /// Feeds one token and draws the next with `sampler` (a source may do this without handing
+    /// the logits over, e.g. on the GPU).
+    fn decode_sampled(
+        &mut self,
+        token: u32,
+        sampler: &mut Sampler,
+        history: &[u32],
+    ) -> Result<u32> {
+        let mut logits = self.decode(token)?;
+        Ok(sampler.sample(&mut logits, history))
+    }
     /// Tokens in the cache.
     fn pos(&self) -> usize;
     /// Most tokens the cache can hold.
@@ -119,6 +130,14 @@ impl LogitsSource for Session<'_> {
     }
     fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
         Session::decode(self, token)
+    }
+    fn decode_sampled(
+        &mut self,
+        token: u32,
+        sampler: &mut Sampler,
+        history: &[u32],
+    ) -> Result<u32> {
+        Session::decode_sampled(self, token, sampler, history)
     }
     fn pos(&self) -> usize {
         Session::pos(self)
@@ -195,9 +214,14 @@ pub fn generate_with(
     let mut history: Vec<u32> = prompt[prompt.len().saturating_sub(keep)..].to_vec();
     let mut tokens = Vec::new();
     let mut finish = FinishReason::Length;
+    // After the first token the source draws (on a GPU without the logits crossing to the host).
+    let mut picked: Option<u32> = None;
 
     while tokens.len() < params.max_tokens {
-        let id = sampler.sample(&mut logits, &history);
+        let id = match picked.take() {
+            Some(id) => id,
+            None => sampler.sample(&mut logits, &history),
+        };
         tokens.push(id);
         if keep > 0 {
             // Bounded history: drop the older half when it grows past 2 * keep.
@@ -225,7 +249,7 @@ pub fn generate_with(
             finish = FinishReason::Length;
             break;
         }
-        logits = src.decode(id)?;
+        picked = Some(src.decode_sampled(id, &mut sampler, &history)?);
     }
     if finish != FinishReason::Cancelled && stop.matched().is_none() {
         // Text still pending in the detokenizer, then in the stop matcher. A stop string may

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use hf2q_tensor::cpu::{CpuBackend, LinearObserver, MatmulPath};
-use hf2q_tensor::cuda_backend::CudaBackend;
+use hf2q_tensor::cuda::SampleArgs;
+use hf2q_tensor::cuda_backend::{CudaBackend, StepOutput};
 use hf2q_tensor::io::gguf::GgufFile;
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
@@ -411,13 +412,16 @@ impl Model {
 
     /// One-token decode of one sequence as a replayed CUDA graph: `None` when this model does
     /// not run that way (CPU, graphs off, soft-capped logits) or the cache is not ready for a
-    /// capture yet (not every layer on the device: the first step runs eagerly).
+    /// capture yet (not every layer on the device: the first step runs eagerly). With
+    /// [`StepMode::Argmax`] or [`StepMode::Sample`] the graph ends in picking the token on the
+    /// device and only its id comes back.
     fn decode_graph(
         &self,
         cache: &mut KvCache,
         pos0: usize,
         token: u32,
-    ) -> Result<Option<Vec<f32>>> {
+        mode: StepMode,
+    ) -> Result<Option<StepOut>> {
         let Some(cuda) = self.cuda.as_ref().filter(|_| self.cuda_graphs) else {
             return Ok(None);
         };
@@ -443,11 +447,17 @@ impl Model {
                 cache.limit
             )));
         }
-        let mut graph = match cache.graph.take() {
+        // A graph of another kind (logits, argmax, sampling) is dropped and captured again.
+        let kind = match mode {
+            StepMode::Logits => StepOutput::Logits,
+            StepMode::Argmax => StepOutput::Argmax,
+            StepMode::Sample(_) => StepOutput::Sample,
+        };
+        let mut graph = match cache.graph.take().filter(|g| g.output() == kind) {
             Some(g) => g,
             None => {
                 let vocab = self.lm_head.rows;
-                cuda.capture(&[token], pos0, vocab, || {
+                cuda.capture(&[token], pos0, vocab, kind, || {
                     let mut item = [BatchItem {
                         cache: &mut *cache,
                         pos0,
@@ -458,9 +468,19 @@ impl Model {
                 })?
             }
         };
-        let out = cuda.replay(&mut graph, &[token], pos0);
+        let out = match mode {
+            StepMode::Logits => cuda
+                .replay(&mut graph, &[token], pos0)
+                .map(|l| StepOut::Logits(l.into_data())),
+            StepMode::Argmax => cuda
+                .replay_pick(&mut graph, &[token], pos0, None)
+                .map(|ids| StepOut::Token(ids[0])),
+            StepMode::Sample(a) => cuda
+                .replay_pick(&mut graph, &[token], pos0, Some(a))
+                .map(|ids| StepOut::Token(ids[0])),
+        };
         cache.graph = Some(graph);
-        Ok(Some(out?.into_data()))
+        Ok(Some(out?))
     }
 
     /// The backend every op of this model runs on.
@@ -470,6 +490,20 @@ impl Model {
             None => &self.backend,
         }
     }
+}
+
+/// What a decode graph ends in (see [`StepOutput`]), with the sampling settings of this step.
+#[derive(Clone, Copy, Debug)]
+enum StepMode {
+    Logits,
+    Argmax,
+    Sample(SampleArgs),
+}
+
+/// What a replayed decode graph returns.
+enum StepOut {
+    Logits(Vec<f32>),
+    Token(u32),
 }
 
 /// One sequence's part of a batched step ([`Model::step_batch`]).
@@ -519,11 +553,68 @@ impl<'m> Session<'m> {
     /// Feeds one token and returns its logits `(V)`. On a GPU, after the first step, this is
     /// one replay of a captured CUDA graph.
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
-        if let Some(l) = self.model.decode_graph(&mut self.cache, self.pos, token)? {
-            self.pos += 1;
-            return Ok(l);
+        match self
+            .model
+            .decode_graph(&mut self.cache, self.pos, token, StepMode::Logits)?
+        {
+            Some(StepOut::Logits(l)) => {
+                self.pos += 1;
+                Ok(l)
+            }
+            _ => self.prefill(&[token]),
         }
-        self.prefill(&[token])
+    }
+    /// Feeds one token and returns the most likely next token (the first of equal logits, as
+    /// [`crate::sampler::argmax`]). On a GPU, after the first step, the argmax runs inside the
+    /// replayed graph and only the token id crosses to the host.
+    pub fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        match self
+            .model
+            .decode_graph(&mut self.cache, self.pos, token, StepMode::Argmax)?
+        {
+            Some(StepOut::Token(id)) => {
+                self.pos += 1;
+                Ok(id)
+            }
+            _ => Ok(crate::sampler::argmax(&self.prefill(&[token])?)),
+        }
+    }
+    /// Feeds one token and draws the next with `sampler` (`history`: the tokens its penalties
+    /// look at). On a GPU, when the sampler's settings allow it (top-k of at most
+    /// [`hf2q_tensor::cuda::SAMPLE_MAX_K`], no bias, no penalties), the draw runs inside the
+    /// replayed graph with the sampler's own uniform number, so only the token id crosses; the
+    /// host draw would pick the same token from the same logits.
+    pub fn decode_sampled(
+        &mut self,
+        token: u32,
+        sampler: &mut crate::sampler::Sampler,
+        history: &[u32],
+    ) -> Result<u32> {
+        if sampler.config().is_plain_greedy() {
+            return self.decode_greedy(token);
+        }
+        if self.model.cuda.is_some() {
+            if let Some(args) = sampler.device_args() {
+                if let Some(StepOut::Token(id)) = self.model.decode_graph(
+                    &mut self.cache,
+                    self.pos,
+                    token,
+                    StepMode::Sample(args),
+                )? {
+                    sampler.device_drew();
+                    self.pos += 1;
+                    return Ok(id);
+                }
+            }
+        }
+        // The host draw (it uses the uniform number already drawn above, if any).
+        let mut logits = self.decode(token)?;
+        Ok(sampler.sample(&mut logits, history))
+    }
+    /// The captured decode graph's node count (GPU, after the first decoded token), for
+    /// `--stats`.
+    pub fn graph_nodes(&self) -> Option<usize> {
+        self.cache.graph.as_ref().map(|g| g.node_count())
     }
     /// Feeds `tokens` and returns the logits of every position `(T, V)` (teacher forcing).
     pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Tensor> {

@@ -89,6 +89,12 @@ impl SamplerConfig {
         }
     }
 
+    /// Greedy with nothing that changes the logits first (no bias, no penalties): the token is
+    /// the argmax of the raw logits, whoever computes it.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature <= 0.0 && self.logit_bias.is_empty() && !self.penalties_active()
+    }
+
     /// Checks every value is in its documented range (finite, non-negative, ...).
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str, v: f32, range: &str| {
@@ -192,6 +198,8 @@ pub struct Sampler {
     rng: Rng,
     /// Surviving `(id, logit)` candidates of the current step; capacity = vocabulary.
     cand: Vec<(u32, f32)>,
+    /// This step's uniform number, drawn by [`Sampler::device_args`] and not yet used.
+    pending_u: Option<f64>,
     /// Scratch for counting recent tokens; capacity = `penalty_last_n`.
     recent: Vec<u32>,
 }
@@ -203,6 +211,7 @@ impl Sampler {
         let recent = Vec::with_capacity(cfg.penalty_last_n.min(1 << 16));
         Sampler {
             rng: Rng::new(seed),
+            pending_u: None,
             seed,
             cand: Vec::with_capacity(vocab),
             recent,
@@ -223,6 +232,42 @@ impl Sampler {
     /// generated), of which the last `penalty_last_n` are penalised. `logits` is modified in
     /// place (bias and penalties). NaN logits are treated as `-inf`.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        let id = self.sample_inner(logits, history);
+        self.pending_u = None;
+        id
+    }
+
+    /// The settings for drawing this step on a device ([`hf2q_tensor::cuda::SampleArgs`]), or
+    /// `None` when the draw needs the logits on the host (greedy, a logit bias, penalties, no
+    /// top-k or one above the device's limit). Draws the step's uniform number as the host draw
+    /// would; if the device does not draw after all, the next [`Sampler::sample`] uses it, so
+    /// the sequence of draws is the same either way.
+    pub fn device_args(&mut self) -> Option<hf2q_tensor::cuda::SampleArgs> {
+        let c = &self.cfg;
+        if !(c.temperature > 0.0)
+            || c.top_k == 0
+            || c.top_k > hf2q_tensor::cuda::SAMPLE_MAX_K
+            || !c.logit_bias.is_empty()
+            || c.penalties_active()
+        {
+            return None;
+        }
+        let u = *self.pending_u.get_or_insert_with(|| self.rng.next_f64());
+        Some(hf2q_tensor::cuda::SampleArgs {
+            u,
+            top_p: c.top_p,
+            min_p: c.min_p,
+            temperature: c.temperature,
+            top_k: c.top_k as i32,
+        })
+    }
+
+    /// The device drew this step's token with the number from [`Sampler::device_args`].
+    pub fn device_drew(&mut self) {
+        self.pending_u = None;
+    }
+
+    fn sample_inner(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         if logits.is_empty() {
             return 0;
         }
@@ -343,7 +388,7 @@ impl Sampler {
             c.1 = ((c.1 - max) * inv_t).exp();
             total += f64::from(c.1);
         }
-        let u = self.rng.next_f64() * total;
+        let u = self.pending_u.take().unwrap_or_else(|| self.rng.next_f64()) * total;
         let mut cum = 0.0f64;
         for c in &self.cand {
             cum += f64::from(c.1);

@@ -71,17 +71,36 @@ fn ids(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// GPU vs CPU reference on `n` teacher-forced positions; returns (agreements, mean KL).
-fn compare(model: &mut Model, gpu: &Arc<CudaBackend>, n: usize) -> (usize, f64) {
+/// GPU vs CPU reference on `n` teacher-forced positions; returns (agreements, mean KL) of the
+/// GPU's prefill (one forward of all positions: the tiled kernels) and of its decode (one token
+/// at a time after the first: the one-token kernels, fused ops and the captured graph).
+fn compare(model: &mut Model, gpu: &Arc<CudaBackend>, n: usize) -> [(usize, f64); 2] {
     let toks = ids(n, model.vocab_size().min(32000));
     model.set_cuda(None);
     model.set_matmul_path(MatmulPath::Reference);
     let want = model.session(n).forward_all(&toks).unwrap();
     model.set_cuda(Some(gpu.clone()));
     let got = model.session(n).forward_all(&toks).unwrap();
+    let prefill = agreement(&want, |i| got.row(i).to_vec(), n);
+    let mut s = model.session(n);
+    let mut rows = vec![s.prefill(&toks[..1]).unwrap()];
+    for &t in &toks[1..] {
+        rows.push(s.decode(t).unwrap());
+    }
+    let decode = agreement(&want, |i| rows[i].clone(), n);
+    [prefill, decode]
+}
+
+/// Argmax agreements and mean KL of `got(i)` against the rows of `want`.
+fn agreement(
+    want: &hf2q_tensor::Tensor,
+    got: impl Fn(usize) -> Vec<f32>,
+    n: usize,
+) -> (usize, f64) {
     let (mut agree, mut kl_sum) = (0, 0f64);
     for i in 0..n {
-        let (p, q) = (want.row(i), got.row(i));
+        let q = got(i);
+        let (p, q) = (want.row(i), &q[..]);
         assert!(
             q.iter().all(|v| v.is_finite()),
             "non-finite GPU logits at {i}"
@@ -119,6 +138,32 @@ fn decode_consistency(model: &mut Model, gpu: &Arc<CudaBackend>) {
     for (i, (e, g)) in eager.iter().zip(&graphed).enumerate() {
         let d = e.iter().zip(g).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(d <= 1e-4, "graph vs eager decode, step {i}: max |diff| {d}");
+    }
+    // Sampled decode on the device (the draw inside the graph) equals the host sampler drawing
+    // from the same step's logits with the same seed.
+    let cfg = hf2q_models::sampler::SamplerConfig {
+        seed: Some(11),
+        ..Default::default()
+    };
+    let mut dev_sampler = hf2q_models::sampler::Sampler::new(cfg.clone(), model.vocab_size());
+    let mut host_sampler = hf2q_models::sampler::Sampler::new(cfg, model.vocab_size());
+    let mut s = model.session(64);
+    s.prefill(&toks[..10]).unwrap();
+    for (i, &t) in toks[10..].iter().enumerate() {
+        let id = s.decode_sampled(t, &mut dev_sampler, &[]).unwrap();
+        let want = host_sampler.sample(&mut graphed[i].clone(), &[]);
+        assert_eq!(id, want, "sampled decode step {i}");
+    }
+    // Greedy decode returns only the token: the argmax of the same step's logits.
+    let mut s = model.session(64);
+    s.prefill(&toks[..10]).unwrap();
+    for (i, &t) in toks[10..].iter().enumerate() {
+        let id = s.decode_greedy(t).unwrap();
+        assert_eq!(
+            id,
+            hf2q_models::sampler::argmax(&graphed[i]),
+            "greedy decode step {i}"
+        );
     }
     let last = graphed.last().unwrap().clone();
     let d = full
@@ -159,11 +204,15 @@ fn tiny_models_match_cpu_reference() {
     let Some(gpu) = gpu() else { return };
     for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
         let mut m = Model::load(&tiny(name)).unwrap();
-        let (agree, kl) = compare(&mut m, &gpu, 40);
-        eprintln!("{name}: GPU vs CPU reference argmax {agree}/40, mean KL {kl:.2e}");
-        // The gate's 98 % on 40 positions (random tiny models have near-ties: one may flip).
-        assert!(agree >= 39, "{name}: argmax {agree}/40");
-        assert!(kl <= 1e-3, "{name}: mean KL {kl}");
+        for ((agree, kl), path) in compare(&mut m, &gpu, 40)
+            .into_iter()
+            .zip(["prefill", "decode"])
+        {
+            eprintln!("{name} {path}: GPU vs CPU reference argmax {agree}/40, mean KL {kl:.2e}");
+            // The gate's 98 % on 40 positions (random tiny models have near-ties: one may flip).
+            assert!(agree >= 39, "{name} {path}: argmax {agree}/40");
+            assert!(kl <= 1e-3, "{name} {path}: mean KL {kl}");
+        }
         decode_consistency(&mut m, &gpu);
     }
 }
@@ -181,10 +230,14 @@ fn real_models_meet_the_gate() {
         let Ok(p) = std::env::var(var) else { continue };
         any = true;
         let mut m = Model::load(Path::new(&p)).unwrap();
-        let (agree, kl) = compare(&mut m, &gpu, 100);
-        eprintln!("{var}: GPU vs CPU reference argmax {agree}/100, mean KL {kl:.2e}");
-        assert!(agree >= 98, "{var}: argmax {agree}/100");
-        assert!(kl <= 1e-3, "{var}: mean KL {kl}");
+        for ((agree, kl), path) in compare(&mut m, &gpu, 100)
+            .into_iter()
+            .zip(["prefill", "decode"])
+        {
+            eprintln!("{var} {path}: GPU vs CPU reference argmax {agree}/100, mean KL {kl:.2e}");
+            assert!(agree >= 98, "{var} {path}: argmax {agree}/100");
+            assert!(kl <= 1e-3, "{var} {path}: mean KL {kl}");
+        }
         decode_consistency(&mut m, &gpu);
         decode_speed(&mut m, &gpu);
     }
@@ -209,4 +262,57 @@ fn decode_speed(model: &mut Model, gpu: &Arc<CudaBackend>) {
         let dt = t0.elapsed().as_secs_f64();
         eprintln!("decode, graphs={graphs}: {:.1} tokens/s", 128.0 / dt);
     }
+}
+
+/// The device sampler (`sample_topk`) draws what the host sampler draws from the same logits
+/// with the same uniform number: top-k from 1 to the device limit, top-p, min-p, temperatures,
+/// ties and NaN in the logits. Both use f32 exp and f64 sums in the same order; a token may only
+/// differ where the uniform number falls within rounding of a bucket edge (never seen: the test
+/// allows one in 300).
+#[test]
+fn device_sampling_matches_the_host_sampler() {
+    use hf2q_models::sampler::{Sampler, SamplerConfig};
+    use hf2q_tensor::cuda::SampleArgs;
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = hf2q_models::sampler::Rng::new(7);
+    let mut mismatches = 0;
+    let cases = 300;
+    for case in 0..cases {
+        let v = [7usize, 1000, 32000, 128256][case % 4];
+        let scale = [0.5f32, 2.0, 8.0][case % 3];
+        let mut logits: Vec<f32> = (0..v)
+            .map(|_| ((rng.next_f64() as f32) * 2.0 - 1.0) * scale)
+            .collect();
+        if case % 5 == 0 {
+            // Ties at the top and a NaN.
+            let m = logits.iter().cloned().fold(f32::MIN, f32::max);
+            for i in (0..v).step_by(v / 5 + 1) {
+                logits[i] = m;
+            }
+            logits[v / 2] = f32::NAN;
+        }
+        let cfg = SamplerConfig {
+            temperature: [0.3f32, 0.8, 1.5][case % 3],
+            top_k: [1usize, 5, 40, 1024, 300][case % 5],
+            top_p: [1.0f32, 0.9, 0.5, 0.95][case % 4],
+            min_p: [0.0f32, 0.05][case % 2],
+            seed: Some(case as u64),
+            ..SamplerConfig::default()
+        };
+        let mut s = Sampler::new(cfg, v);
+        let args: SampleArgs = s.device_args().expect("settings the device takes");
+        let want = s.sample(&mut logits.clone(), &[]);
+        let ld = dev.upload(&logits).unwrap();
+        let ad = dev.upload(&[args]).unwrap();
+        let mut out = dev.upload(&[u32::MAX]).unwrap();
+        dev.sample(&ld, 1, v, &ad, &mut out).unwrap();
+        let got = dev.download(&out).unwrap()[0];
+        if got != want {
+            mismatches += 1;
+            eprintln!("case {case} (V {v}, {args:?}): device {got}, host {want}");
+        }
+    }
+    eprintln!("device vs host sampler: {mismatches} of {cases} draws differ");
+    assert!(mismatches <= 1, "{mismatches} of {cases} draws differ");
 }

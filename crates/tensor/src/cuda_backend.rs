@@ -5,8 +5,9 @@
 //!   (stream-ordered allocation) and the tensor keeps the buffer alive ([`DeviceSpan::owner`]).
 //!   A clone of a device tensor shares its buffer.
 //! - Weights stay `QTensor`s in the model; the first op that uses one uploads its stored bytes
-//!   once ([`crate::cuda::DeviceWeight`]) and keeps them, keyed by the address of the mapped
-//!   bytes (stable for the life of the model). Norm weights, biases and RoPE tables likewise.
+//!   once ([`crate::cuda::DeviceWeight`]) and keeps them, keyed by the address of the stored
+//!   bytes (which the cache keeps alive, so the key stays unique across models). Norm weights,
+//!   biases (checked against their values on each hit) and RoPE tables likewise.
 //! - KV caches start as empty host stores ([`KvStore::new`]); the first `kv_write` replaces one
 //!   with a device cache of the full session limit (f16 by default).
 //! - Positions: the kernels read `pos0` from a device word, which this backend writes before
@@ -18,7 +19,10 @@
 //!   made and freed inside the graph, so one launch replays the whole step. The output is copied
 //!   into a buffer that outlives the graph.
 //!
-//! Not here yet: GPU sampling (the logits row comes back to the host).
+//! - Token picking on the device: the captured graph can end in an argmax or a top-k sampling
+//!   draw ([`StepOutput`]), so a replay returns one token id per row
+//!   ([`CudaBackend::replay_pick`]).
+//! - While capturing, activations come from one arena (`Arena`): the graph holds kernels only.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,20 +31,31 @@ use cudarc::driver::{
     sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
-use crate::cuda::{CudaDev, DeviceKvCache, DeviceWeight, KvDtype, RopeTable};
+use crate::cuda::{
+    CudaDev, DeviceKvCache, DevicePtrMutF32, DeviceWeight, KvDtype, RopeTable, SampleArgs,
+};
 use crate::kv::{check_fits, DeviceKv, KvStore};
-use crate::op::{same_shape, AttentionParams, Backend, RopeParams};
+use crate::op::{
+    linear_add_composed, linear_gated_composed, linear_many_composed, same_shape, AttentionParams,
+    Backend, GateAct, RopeParams,
+};
 use crate::tensor::DeviceSpan;
 use crate::{Error, QTensor, Result, Tensor};
 
-/// Uploaded f32 vectors (norm weights, biases) by host address and length.
-type VectorCache = HashMap<(usize, usize), Arc<CudaSlice<f32>>>;
+/// Uploaded f32 vectors (norm weights, biases) by host address and length, with the values they
+/// had (a hit is checked against them: a freed vector's address may come back with new values).
+type VectorCache = HashMap<(usize, usize), (Vec<f32>, Arc<CudaSlice<f32>>)>;
+
+/// Uploaded weights by the address and length of their stored bytes, each with a handle on
+/// those bytes: while the entry lives the host memory cannot be freed, so its address cannot be
+/// reused by another weight (a model loaded after another one was dropped).
+type WeightCache = HashMap<(usize, usize), (crate::Bytes, Arc<DeviceWeight>)>;
 
 /// The GPU backend (see the module header).
 pub struct CudaBackend {
     dev: Arc<CudaDev>,
     kv_dtype: KvDtype,
-    weights: Mutex<HashMap<(usize, usize), Arc<DeviceWeight>>>,
+    weights: Mutex<WeightCache>,
     vectors: Mutex<VectorCache>,
     ropes: Mutex<HashMap<Vec<u32>, Arc<RopeTable>>>,
     /// The `pos0` word the kernels read.
@@ -49,6 +64,24 @@ pub struct CudaBackend {
     ids: Mutex<CudaSlice<u32>>,
     /// While a graph is being captured: inputs are not written by the ops.
     capturing: std::sync::atomic::AtomicBool,
+    /// Where the activations of a captured step live (see [`Arena`]).
+    arena: Mutex<Arena>,
+}
+
+/// One buffer shared by every captured step: while capturing, each op's output is the next
+/// piece of it, so a replay reads and writes the same addresses every step and the graph holds
+/// only kernels (no allocation, zero-fill or free nodes). Steps never overlap (one stream), and
+/// nothing outlives a step but the KV caches and the graph's own output buffer, which are not
+/// in the arena, so all graphs can share it. Sized by the capture itself: one that does not fit
+/// takes stream-ordered allocations for the rest, records how much it needed, and is captured
+/// again after the arena grows.
+struct Arena {
+    buf: Option<Arc<CudaSlice<u8>>>,
+    base: u64,
+    size: usize,
+    used: usize,
+    /// Bytes the current capture asked for in all.
+    wanted: usize,
 }
 
 /// The device `pos0` word and the value last written to it: the ops of one step all ask for the
@@ -58,12 +91,43 @@ struct PosWord {
     last: Option<i32>,
 }
 
-/// A captured decode step: replay with [`CudaBackend::replay`].
+/// What a captured step ends in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOutput {
+    /// The output rows (logits) come back to the host.
+    Logits,
+    /// The argmax of each row is taken on the device; only token ids come back.
+    Argmax,
+    /// Each row is sampled on the device (settings written before each replay); only token ids
+    /// come back.
+    Sample,
+}
+
+/// A captured decode step: replay with [`CudaBackend::replay`] (logits) or
+/// [`CudaBackend::replay_pick`] (token ids).
 pub struct StepGraph {
     graph: crate::cuda::DeviceGraph,
     out: CudaSlice<f32>,
+    kind: StepOutput,
+    /// Argmax / Sample graphs: the token picked from each output row inside the graph.
+    ids: Option<CudaSlice<u32>>,
+    /// Sample graphs: the settings the sampling kernel reads.
+    sample_args: Option<CudaSlice<SampleArgs>>,
+    /// The arena the graph's activations live in (kept alive while the graph is).
+    _arena: Option<Arc<CudaSlice<u8>>>,
     shape: Vec<usize>,
     tokens: usize,
+}
+
+impl StepGraph {
+    /// What this graph ends in.
+    pub fn output(&self) -> StepOutput {
+        self.kind
+    }
+    /// Nodes of the captured graph (kernels, copies, allocations): the work of one replay.
+    pub fn node_count(&self) -> usize {
+        self.graph.node_count()
+    }
 }
 
 // SAFETY: a graph is only launched through `&mut StepGraph` (one thread at a time), which is
@@ -155,6 +219,13 @@ impl CudaBackend {
             }),
             ids: Mutex::new(ids),
             capturing: std::sync::atomic::AtomicBool::new(false),
+            arena: Mutex::new(Arena {
+                buf: None,
+                base: 0,
+                size: 0,
+                used: 0,
+                wanted: 0,
+            }),
         })
     }
 
@@ -162,9 +233,29 @@ impl CudaBackend {
         &self.dev
     }
 
-    /// A new device tensor of `shape` (zero-filled).
+    /// A new device tensor of `shape`: zero-filled, or while capturing the next piece of the
+    /// arena (uninitialised: every op writes all of its output).
     fn alloc(&self, shape: &[usize]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
+        if self.capturing() {
+            let mut a = lock(&self.arena);
+            let bytes = (n.max(1) * 4).next_multiple_of(256);
+            a.wanted += bytes;
+            if a.used + bytes <= a.size {
+                if let Some(buf) = a.buf.clone() {
+                    let ptr = a.base + a.used as u64;
+                    a.used += bytes;
+                    return Tensor::on_device(
+                        shape,
+                        DeviceSpan {
+                            ptr,
+                            len: n,
+                            owner: buf,
+                        },
+                    );
+                }
+            }
+        }
         let buf: CudaSlice<f32> = self.dev.alloc(n)?;
         let (ptr, _) = buf.device_ptr(self.dev.stream());
         Tensor::on_device(
@@ -193,22 +284,24 @@ impl CudaBackend {
     }
 
     fn weight(&self, w: &QTensor) -> Result<Arc<DeviceWeight>> {
-        let key = weight_key(w);
-        if let Some(d) = lock(&self.weights).get(&key) {
+        let (key, bytes) = weight_key(w);
+        if let Some((_, d)) = lock(&self.weights).get(&key) {
             return Ok(d.clone());
         }
         let d = Arc::new(self.dev.upload_weight(w)?);
-        lock(&self.weights).insert(key, d.clone());
+        lock(&self.weights).insert(key, (bytes.clone(), d.clone()));
         Ok(d)
     }
 
     fn vector(&self, v: &[f32]) -> Result<Arc<CudaSlice<f32>>> {
         let key = (v.as_ptr() as usize, v.len());
-        if let Some(d) = lock(&self.vectors).get(&key) {
-            return Ok(d.clone());
+        if let Some((host, d)) = lock(&self.vectors).get(&key) {
+            if host.as_slice() == v {
+                return Ok(d.clone());
+            }
         }
         let d = Arc::new(self.dev.upload(v)?);
-        lock(&self.vectors).insert(key, d.clone());
+        lock(&self.vectors).insert(key, (v.to_vec(), d.clone()));
         Ok(d)
     }
 
@@ -272,17 +365,65 @@ impl CudaBackend {
     /// Captures one step as a graph: `step` enqueues the ops of a forward of `ids` at `pos0`
     /// (every weight, norm and cache it touches must already be on the device: run one eager
     /// step first) and returns its output, `out_len` values, which the graph copies into a
-    /// buffer of its own. Capturing runs nothing: replay the graph for this step's result.
+    /// buffer of its own. With [`StepOutput::Argmax`] or [`StepOutput::Sample`] the graph also
+    /// picks a token from each output row (a logits row per token) on the device, so that a
+    /// replay returns only token ids. Capturing runs nothing: replay the graph for this step's
+    /// result.
     pub fn capture<E: From<Error>>(
         &self,
         ids: &[u32],
         pos0: usize,
         out_len: usize,
-        step: impl FnOnce() -> std::result::Result<Tensor, E>,
+        kind: StepOutput,
+        mut step: impl FnMut() -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<StepGraph, E> {
+        let g = self.capture_once(ids, pos0, out_len, kind, &mut step)?;
+        let (wanted, size) = {
+            let a = lock(&self.arena);
+            (a.wanted, a.size)
+        };
+        if wanted <= size {
+            return Ok(g);
+        }
+        // The step did not fit the arena: grow it (nothing else uses it now) and capture again.
+        drop(g);
+        self.dev.synchronize()?;
+        let buf = self.dev.alloc::<u8>(wanted)?;
+        {
+            let mut a = lock(&self.arena);
+            a.base = buf.device_ptr(self.dev.stream()).0;
+            a.buf = Some(Arc::new(buf));
+            a.size = wanted;
+        }
+        self.capture_once(ids, pos0, out_len, kind, &mut step)
+    }
+
+    fn capture_once<E: From<Error>>(
+        &self,
+        ids: &[u32],
+        pos0: usize,
+        out_len: usize,
+        kind: StepOutput,
+        step: &mut impl FnMut() -> std::result::Result<Tensor, E>,
     ) -> std::result::Result<StepGraph, E> {
         use std::sync::atomic::Ordering::Relaxed;
         self.write_inputs(ids, pos0)?;
+        {
+            let mut a = lock(&self.arena);
+            a.used = 0;
+            a.wanted = 0;
+        }
         let mut out = self.dev.alloc::<f32>(out_len)?;
+        let mut picked = if kind == StepOutput::Logits {
+            None
+        } else {
+            Some(self.dev.alloc::<u32>(ids.len().max(1))?)
+        };
+        let sample_args = if kind == StepOutput::Sample {
+            Some(self.dev.alloc::<SampleArgs>(1)?)
+        } else {
+            None
+        };
         self.dev.synchronize()?;
         self.dev.begin_capture()?;
         self.capturing.store(true, Relaxed);
@@ -300,6 +441,20 @@ impl CudaBackend {
                 .stream()
                 .memcpy_dtod(&src, &mut out)
                 .map_err(|e| Error::Msg(format!("cuda: copying the step's output: {e}")))?;
+            if let Some(p) = picked.as_mut() {
+                let (rows, cols) = y.dims2();
+                if rows != ids.len() {
+                    return Err(Error::Shape(format!(
+                        "cuda capture: {rows} output rows for {} tokens",
+                        ids.len()
+                    ))
+                    .into());
+                }
+                match &sample_args {
+                    Some(a) => self.dev.sample(&src, rows, cols, a, p)?,
+                    None => self.dev.argmax(&src, rows, cols, p)?,
+                }
+            }
             Ok(y.shape().to_vec())
         })();
         self.capturing.store(false, Relaxed);
@@ -309,6 +464,10 @@ impl CudaBackend {
         Ok(StepGraph {
             graph: graph?,
             out,
+            _arena: lock(&self.arena).buf.clone(),
+            kind,
+            ids: picked,
+            sample_args,
             shape,
             tokens: ids.len(),
         })
@@ -324,9 +483,54 @@ impl CudaBackend {
             )));
         }
         self.write_inputs(ids, pos0)?;
-        g.graph.launch()?;
-        let data = self.dev.download(&g.out)?;
+        self.dev.launch_graph(&g.graph)?;
+        let data = self.dev.read(&g.out)?;
         Tensor::new(&g.shape, data)
+    }
+
+    /// Runs a graph that picks tokens ([`StepOutput::Argmax`], or [`StepOutput::Sample`] with
+    /// `sample` settings) for `ids` at `pos0` and returns the token picked from each row: the
+    /// only data that crosses to the host.
+    pub fn replay_pick(
+        &self,
+        g: &mut StepGraph,
+        ids: &[u32],
+        pos0: usize,
+        sample: Option<SampleArgs>,
+    ) -> Result<Vec<u32>> {
+        if ids.len() != g.tokens {
+            return Err(Error::Shape(format!(
+                "cuda replay: the graph takes {} tokens, {} given",
+                g.tokens,
+                ids.len()
+            )));
+        }
+        let Some(picked) = g.ids.as_ref() else {
+            return Err(Error::Msg("cuda replay: this graph returns logits".into()));
+        };
+        match (g.sample_args.as_mut(), sample) {
+            (Some(buf), Some(a)) => {
+                if !(a.temperature > 0.0)
+                    || a.top_k < 1
+                    || a.top_k as usize > crate::cuda::SAMPLE_MAX_K
+                    || !(0.0..1.0).contains(&a.u)
+                {
+                    return Err(Error::Msg(format!(
+                        "cuda sampling: settings out of range: {a:?}"
+                    )));
+                }
+                self.dev.write(buf, &[a])?
+            }
+            (None, None) => {}
+            _ => {
+                return Err(Error::Msg(
+                    "cuda replay: sampling settings do not match the graph".into(),
+                ))
+            }
+        }
+        self.write_inputs(ids, pos0)?;
+        self.dev.launch_graph(&g.graph)?;
+        self.dev.read(picked)
     }
 
     /// A device copy of a host tensor (tests, and host inputs at the model's edge).
@@ -341,14 +545,13 @@ impl CudaBackend {
 }
 
 /// Weights are keyed by the address and length of their stored bytes (mapped file or owned
-/// buffer; stable while the model lives) — two tensors never share both.
-fn weight_key(w: &QTensor) -> (usize, usize) {
-    match &w.data {
-        crate::WeightData::Ggml { data, .. } => (data.as_slice().as_ptr() as usize, data.len()),
-        crate::WeightData::Affine { packed, .. } => {
-            (packed.as_slice().as_ptr() as usize, packed.len())
-        }
-    }
+/// buffer), which the cache keeps alive — two live tensors never share both.
+fn weight_key(w: &QTensor) -> ((usize, usize), &crate::Bytes) {
+    let b = match &w.data {
+        crate::WeightData::Ggml { data, .. } => data,
+        crate::WeightData::Affine { packed, .. } => packed,
+    };
+    ((b.as_slice().as_ptr() as usize, b.len()), b)
 }
 
 impl Backend for CudaBackend {
@@ -576,6 +779,135 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn rope_store(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        n_heads: usize,
+        n_kv_heads: usize,
+        kv: &mut KvStore,
+        pos0: usize,
+        limit: usize,
+        p: &RopeParams,
+    ) -> Result<()> {
+        let (t, qw) = q.dims2();
+        let fused = match kv {
+            KvStore::Device(d) => d.as_any().downcast_ref::<Kv>().is_some_and(|c| {
+                c.0.n_kv_heads() == n_kv_heads
+                    && n_heads > 0
+                    && qw == n_heads * c.0.head_dim()
+                    && k.dims2() == (t, n_kv_heads * c.0.head_dim())
+            }),
+            KvStore::Host(_) => false,
+        };
+        if !fused {
+            // The first write (the cache moves to the device there) and odd shapes.
+            self.rope(q, n_heads, pos0, p)?;
+            self.rope(k, n_kv_heads, pos0, p)?;
+            return self.kv_write(kv, k, v, pos0, limit);
+        }
+        check_fits(pos0, t, limit)?;
+        let KvStore::Device(d) = kv else {
+            unreachable!("checked above")
+        };
+        let cache = &mut d
+            .as_any_mut()
+            .downcast_mut::<Kv>()
+            .expect("checked above")
+            .0;
+        let table = self.rope_table(p)?;
+        let pos = self.set_pos(pos0)?;
+        let mut qi = self.raw(q, "rope")?;
+        let (ki, vi) = (self.raw(k, "kv_write")?, self.raw(v, "kv_write")?);
+        self.dev
+            .rope_store(&mut qi, &ki, &vi, t, n_heads, cache, &pos.buf, &table)
+    }
+
+    fn linear_many(&self, x: &Tensor, ws: &[(&QTensor, Option<&[f32]>)]) -> Result<Vec<Tensor>> {
+        let (t, c) = x.dims2();
+        let dws = ws
+            .iter()
+            .map(|(w, _)| self.weight(w))
+            .collect::<Result<Vec<_>>>()?;
+        let fused = t == 1
+            && (1..=3).contains(&ws.len())
+            && dws
+                .iter()
+                .all(|d| self.dev.has_fast_matvec(d) && d.cols == c && d.kind() == dws[0].kind())
+            && self.raw(x, "linear")?.ptr % 16 == 0;
+        if !fused {
+            return linear_many_composed(self, x, ws);
+        }
+        let biases = ws
+            .iter()
+            .map(|(_, b)| b.map(|b| self.vector(b)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        let outs = dws
+            .iter()
+            .map(|d| self.alloc(&[1, d.rows]))
+            .collect::<Result<Vec<_>>>()?;
+        let mut raws = outs
+            .iter()
+            .map(|o| self.raw(o, "linear"))
+            .collect::<Result<Vec<_>>>()?;
+        let xi = self.raw(x, "linear")?;
+        let mut jobs: Vec<(
+            &DeviceWeight,
+            Option<&CudaSlice<f32>>,
+            &mut dyn DevicePtrMutF32,
+        )> = dws
+            .iter()
+            .zip(&biases)
+            .zip(raws.iter_mut())
+            .map(|((d, b), r)| (&**d, b.as_deref(), r as &mut dyn DevicePtrMutF32))
+            .collect();
+        self.dev.linear_many(&xi, &mut jobs)?;
+        Ok(outs)
+    }
+
+    fn linear_add(&self, x: &Tensor, w: &QTensor, residual: &mut Tensor) -> Result<()> {
+        let (t, c) = x.dims2();
+        let d = self.weight(w)?;
+        if t != 1
+            || c != w.cols
+            || residual.len() != w.rows
+            || !self.dev.has_fast_matvec(&d)
+            || self.raw(x, "linear")?.ptr % 16 != 0
+        {
+            return linear_add_composed(self, x, w, residual);
+        }
+        let xi = self.raw(x, "linear")?;
+        let mut r = self.raw(residual, "linear")?;
+        self.dev.linear_add(&xi, &d, &mut r)
+    }
+
+    fn linear_gated(
+        &self,
+        x: &Tensor,
+        gate: &QTensor,
+        up: &QTensor,
+        act: GateAct,
+    ) -> Result<Tensor> {
+        let (t, c) = x.dims2();
+        let (g, u) = (self.weight(gate)?, self.weight(up)?);
+        if t != 1
+            || c != gate.cols
+            || !self.dev.has_fast_matvec(&g)
+            || g.kind() != u.kind()
+            || (g.rows, g.cols) != (u.rows, u.cols)
+            || self.raw(x, "linear")?.ptr % 16 != 0
+        {
+            return linear_gated_composed(self, x, gate, up, act);
+        }
+        let out = self.alloc(&[1, g.rows])?;
+        let xi = self.raw(x, "linear")?;
+        let mut o = self.raw(&out, "linear")?;
+        self.dev
+            .linear_gated(&xi, &g, &u, act == GateAct::GeluTanh, &mut o)?;
+        Ok(out)
+    }
+
     fn to_host(&self, x: &Tensor) -> Result<Tensor> {
         if x.is_host() {
             return Ok(x.clone());
@@ -584,11 +916,7 @@ impl Backend for CudaBackend {
             return Tensor::new(x.shape(), Vec::new());
         }
         let xi = self.raw(x, "to_host")?;
-        let data = self
-            .dev
-            .stream()
-            .clone_dtoh(&xi)
-            .map_err(|e| Error::Msg(format!("cuda: copying to the host: {e}")))?;
+        let data = self.dev.read(&xi)?;
         Tensor::new(x.shape(), data)
     }
 }

@@ -98,6 +98,92 @@ pub trait Backend: Send + Sync {
     fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor>;
     /// A host copy of `x` (`x` itself, cloned, on the CPU).
     fn to_host(&self, x: &Tensor) -> Result<Tensor>;
+
+    // Fused forms of common sequences. The defaults compose the ops above; a backend overrides
+    // them where one kernel does the work of several (the GPU at decode), with the same result
+    // up to f32 rounding.
+
+    /// `[x · W_iᵀ (+ b_i)]` for several matrices sharing the input (q, k and v).
+    fn linear_many(&self, x: &Tensor, ws: &[(&QTensor, Option<&[f32]>)]) -> Result<Vec<Tensor>> {
+        linear_many_composed(self, x, ws)
+    }
+    /// `residual += x · Wᵀ` (an output projection added to the residual stream).
+    fn linear_add(&self, x: &Tensor, w: &QTensor, residual: &mut Tensor) -> Result<()> {
+        linear_add_composed(self, x, w, residual)
+    }
+    /// RoPE on `q (T, H*Dh)` in place and on `k (T, Hkv*Dh)`, then the rotated keys and `v` into
+    /// one layer's cache at `pos0..pos0+T` (the steps between the projections and attention).
+    /// `k` may be left rotated or not.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        n_heads: usize,
+        n_kv_heads: usize,
+        kv: &mut KvStore,
+        pos0: usize,
+        limit: usize,
+        p: &RopeParams,
+    ) -> Result<()> {
+        self.rope(q, n_heads, pos0, p)?;
+        self.rope(k, n_kv_heads, pos0, p)?;
+        self.kv_write(kv, k, v, pos0, limit)
+    }
+    /// `act(x · Gᵀ) * (x · Uᵀ)`: the first half of a gated MLP.
+    fn linear_gated(
+        &self,
+        x: &Tensor,
+        gate: &QTensor,
+        up: &QTensor,
+        act: GateAct,
+    ) -> Result<Tensor> {
+        linear_gated_composed(self, x, gate, up, act)
+    }
+}
+
+/// The activation of a gated MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateAct {
+    Silu,
+    GeluTanh,
+}
+
+/// [`Backend::linear_many`] from single products.
+pub fn linear_many_composed<B: Backend + ?Sized>(
+    be: &B,
+    x: &Tensor,
+    ws: &[(&QTensor, Option<&[f32]>)],
+) -> Result<Vec<Tensor>> {
+    ws.iter().map(|(w, b)| be.linear(x, w, *b)).collect()
+}
+
+/// [`Backend::linear_add`] as a product and an add.
+pub fn linear_add_composed<B: Backend + ?Sized>(
+    be: &B,
+    x: &Tensor,
+    w: &QTensor,
+    residual: &mut Tensor,
+) -> Result<()> {
+    let y = be.linear(x, w, None)?;
+    be.add_assign(residual, &y)
+}
+
+/// [`Backend::linear_gated`] as two products and the activation.
+pub fn linear_gated_composed<B: Backend + ?Sized>(
+    be: &B,
+    x: &Tensor,
+    gate: &QTensor,
+    up: &QTensor,
+    act: GateAct,
+) -> Result<Tensor> {
+    let g = be.linear(x, gate, None)?;
+    let u = be.linear(x, up, None)?;
+    match act {
+        GateAct::Silu => be.silu_mul(&g, &u),
+        GateAct::GeluTanh => be.gelu_tanh_mul(&g, &u),
+    }
 }
 
 /// Checks an attention call's shapes against its cache (shared by every backend): `q` is

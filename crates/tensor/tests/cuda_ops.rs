@@ -327,6 +327,109 @@ fn linear_every_format_decode_and_prefill() {
     run_linear(&dev, &mut rng, Fmt::Mlx(4, 64), 333, 1024, 130, false);
 }
 
+/// The one-token kernels of matvec.cuh (split Q4_0 / Q8_0, Q4_K, padded Q6_K, and dense rows
+/// whose width is a multiple of 32) and the fusions built on them, through the backend: q/k/v in
+/// one launch (with a bias), a product added to a residual, gate and up with the activation.
+/// Widths from one block per row (most lanes idle) to 4096 (four warps per row group), rows from
+/// 1 to 600 (edge row groups).
+#[test]
+fn fast_matvec_and_fusions() {
+    use hf2q_tensor::cuda_backend::CudaBackend;
+    use hf2q_tensor::op::GateAct;
+    let Some(dev) = device() else { return };
+    let cpu = &CpuBackend::REFERENCE;
+    let mut rng = Rng::new("fast_matvec");
+    let fmts = [
+        Fmt::Ggml(GgmlType::Q4_0),
+        Fmt::Ggml(GgmlType::Q8_0),
+        Fmt::Ggml(GgmlType::Q4_K),
+        Fmt::Ggml(GgmlType::Q6_K),
+        Fmt::Ggml(GgmlType::F16),
+        Fmt::Ggml(GgmlType::BF16),
+        Fmt::Ggml(GgmlType::F32),
+    ];
+    // f32 sums in another order than the reference (two chains per block, the block scale
+    // applied to the block's sum, fused multiply-adds): well under 1e-5 of sum |w x|.
+    let tol = |mag: &[f32]| {
+        let m = mag.to_vec();
+        move |i: usize| 1e-5 * m[i] + 1e-5
+    };
+    for f in fmts {
+        let shapes = match f {
+            Fmt::Ggml(t) if t.block_size() == 256 => {
+                [(256, 3), (768, 131), (2304, 600), (4096, 67), (4096, 1)]
+            }
+            _ => [(32, 3), (96, 131), (2080, 600), (4096, 67), (4096, 1)],
+        };
+        for (cols, rows) in shapes {
+            // A backend per case: it keys uploaded weights and biases by host address, and a
+            // dropped case's buffers may come back at the same address.
+            let be = CudaBackend::new(dev.clone(), KvDtype::F16).unwrap();
+            let x = rng.vec(cols, 2.0);
+            let xt = Tensor::new(&[1, cols], x.clone()).unwrap();
+            let xd = be.upload(&xt).unwrap();
+            let ws: Vec<QTensor> = (0..3)
+                .map(|i| make_weight(&mut rng, f, rows + 7 * i, cols))
+                .collect();
+            let bias = rng.vec(rows + 7, 1.0);
+            // q, k, v: one launch, the second with a bias.
+            let outs = be
+                .linear_many(
+                    &xd,
+                    &[(&ws[0], None), (&ws[1], Some(&bias)), (&ws[2], None)],
+                )
+                .unwrap();
+            for (i, o) in outs.iter().enumerate() {
+                let b = (i == 1).then_some(&bias[..]);
+                let (want, mag) = reference_linear(&ws[i], &x, 1, b);
+                let got = be.to_host(o).unwrap();
+                check(
+                    &format!("linear_many[{i}] {f:?} {}x{cols}", ws[i].rows),
+                    got.data(),
+                    &want,
+                    tol(&mag),
+                );
+            }
+            // residual += x W^T
+            let res = rng.vec(rows, 3.0);
+            let mut rd = be
+                .upload(&Tensor::new(&[1, rows], res.clone()).unwrap())
+                .unwrap();
+            be.linear_add(&xd, &ws[0], &mut rd).unwrap();
+            let (y, mag) = reference_linear(&ws[0], &x, 1, None);
+            let want: Vec<f32> = res.iter().zip(&y).map(|(a, b)| a + b).collect();
+            check(
+                &format!("linear_add {f:?} {rows}x{cols}"),
+                be.to_host(&rd).unwrap().data(),
+                &want,
+                tol(&mag),
+            );
+            // act(x G^T) * (x U^T)
+            let up = make_weight(&mut rng, f, rows, cols);
+            for act in [GateAct::Silu, GateAct::GeluTanh] {
+                let got = be.linear_gated(&xd, &ws[0], &up, act).unwrap();
+                let want = cpu.linear_gated(&xt, &ws[0], &up, act).unwrap();
+                let (g, gm) = reference_linear(&ws[0], &x, 1, None);
+                let (u, um) = reference_linear(&up, &x, 1, None);
+                // An error e_g in the gate moves act(g) * u by at most ~1.1 |u| e_g (both
+                // activations' slopes stay under 1.13), an error e_u by |act(g)| e_u.
+                let bound: Vec<f32> = (0..rows)
+                    .map(|i| {
+                        let (eg, eu) = (1e-5 * gm[i] + 1e-5, 1e-5 * um[i] + 1e-5);
+                        1.2 * u[i].abs() * eg + (g[i].abs() + 0.3) * eu + 1e-6
+                    })
+                    .collect();
+                check(
+                    &format!("linear_gated {act:?} {f:?} {rows}x{cols}"),
+                    be.to_host(&got).unwrap().data(),
+                    want.data(),
+                    |i| bound[i],
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn rms_norm_matches() {
     let Some(dev) = device() else { return };
@@ -394,6 +497,79 @@ fn rope_both_styles() {
             want.data(),
             |_| 2e-6 * m,
         );
+    }
+}
+
+/// The fused RoPE + cache write gives what rope, rope and kv_write give one after the other
+/// (the same arithmetic), for both styles, partial rotary, both cache types, and
+/// positions past the capacity dropped.
+#[test]
+fn rope_store_equals_the_three_ops() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new("rope_store");
+    for (style, dh, dims, nh, hkv, t, pos0, cap, dtype) in [
+        (
+            RopeStyle::Neox,
+            64,
+            64,
+            4,
+            2,
+            1,
+            17usize,
+            64usize,
+            KvDtype::F16,
+        ),
+        (
+            RopeStyle::Interleaved,
+            128,
+            64,
+            6,
+            2,
+            9,
+            3,
+            40,
+            KvDtype::F32,
+        ),
+        (RopeStyle::Neox, 128, 96, 8, 8, 5, 60, 62, KvDtype::F16),
+    ] {
+        let p = RopeParams {
+            style,
+            theta: 10000.0,
+            dims,
+            freq_factors: None,
+            linear_scale: 1.0,
+        };
+        let table = dev.rope_table(&p).unwrap();
+        let pos = dev.upload(&[pos0 as i32]).unwrap();
+        let (q, k, v) = (
+            rng.vec(t * nh * dh, 2.0),
+            rng.vec(t * hkv * dh, 2.0),
+            rng.vec(t * hkv * dh, 2.0),
+        );
+        let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
+        // Three ops.
+        let mut q1 = dev.upload(&q).unwrap();
+        let mut k1 = dev.upload(&k).unwrap();
+        let mut c1 = dev.alloc_kv_cache(hkv, cap, dh, dtype).unwrap();
+        dev.rope(&mut q1, t, nh, dh, &pos, &table).unwrap();
+        dev.rope(&mut k1, t, hkv, dh, &pos, &table).unwrap();
+        dev.kv_write(&mut c1, &k1, &vd, t, &pos).unwrap();
+        // One.
+        let mut q2 = dev.upload(&q).unwrap();
+        let mut c2 = dev.alloc_kv_cache(hkv, cap, dh, dtype).unwrap();
+        dev.rope_store(&mut q2, &kd, &vd, t, nh, &mut c2, &pos, &table)
+            .unwrap();
+        let what = format!("rope_store {style:?} dh {dh} dims {dims} T={t} pos0 {pos0} cap {cap}");
+        // Same expressions as the separate kernels; allow for the compiler fusing a product
+        // differently (an ulp of f32, then possibly an ulp of the f16 cache).
+        let (g, w) = (dev.download(&q2).unwrap(), dev.download(&q1).unwrap());
+        let m = max_abs(&w);
+        check(&format!("{what}: q"), &g, &w, |_| 2e-6 * m);
+        let ((gk, gv), (wk, wv)) = (c2.to_host(&dev).unwrap(), c1.to_host(&dev).unwrap());
+        let tol = if dtype == KvDtype::F16 { 1e-3 } else { 2e-6 } * max_abs(&wk);
+        check(&format!("{what}: cached k"), &gk, &wk, |_| tol);
+        check(&format!("{what}: cached v"), &gv, &wv, |_| 0.0);
+        assert_eq!(dev.download(&kd).unwrap(), k, "{what}: k is left as it was");
     }
 }
 
@@ -979,6 +1155,8 @@ fn bench_ops() {
     let fmts = [
         Fmt::Ggml(GgmlType::Q4_0),
         Fmt::Ggml(GgmlType::Q8_0),
+        Fmt::Ggml(GgmlType::Q4_K),
+        Fmt::Ggml(GgmlType::Q6_K),
         Fmt::Ggml(GgmlType::F16),
         Fmt::Ggml(GgmlType::Q4_K),
         Fmt::Ggml(GgmlType::Q6_K),

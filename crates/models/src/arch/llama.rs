@@ -48,11 +48,8 @@ impl LlamaBlock {
 impl Block for LlamaBlock {
     fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let h = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
-        let a = self.attn.forward(be, &h, seqs)?;
-        be.add_assign(x, &a)?;
+        self.attn.forward_add(be, &h, seqs, x)?;
         let h = be.rms_norm(x, &self.mlp_norm, self.eps, 0.0)?;
-        let m = self.mlp.forward(be, &h)?;
-        be.add_assign(x, &m)?;
-        Ok(())
+        self.mlp.forward_add(be, &h, x)
     }
 }

@@ -81,10 +81,40 @@ impl Attention {
     /// `x (ΣT, D)`: the rows of every sequence in `seqs` -> `(ΣT, D)`. Projections run once over
     /// the whole batch; norms, RoPE, cache writes and attention run per sequence.
     pub fn forward(&self, be: &dyn Backend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
+        let a = self.heads(be, x, seqs)?;
+        self.o.forward(be, &a)
+    }
+
+    /// `residual += forward(x, seqs)`.
+    pub fn forward_add(
+        &self,
+        be: &dyn Backend,
+        x: &Tensor,
+        seqs: &mut [SeqRef<'_>],
+        residual: &mut Tensor,
+    ) -> Result<()> {
+        let a = self.heads(be, x, seqs)?;
+        self.o.forward_add(be, &a, residual)
+    }
+
+    /// Everything before the output projection: `(ΣT, D) -> (ΣT, H*Dh)`.
+    fn heads(&self, be: &dyn Backend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
         let p = &self.params;
-        let q = self.q.forward(be, x)?;
-        let k = self.k.forward(be, x)?;
-        let v = self.v.forward(be, x)?;
+        let mut qkv = be
+            .linear_many(
+                x,
+                &[
+                    (&self.q.w, self.q.b.as_deref()),
+                    (&self.k.w, self.k.b.as_deref()),
+                    (&self.v.w, self.v.b.as_deref()),
+                ],
+            )?
+            .into_iter();
+        let (Some(q), Some(k), Some(v)) = (qkv.next(), qkv.next(), qkv.next()) else {
+            return Err(crate::Error::Msg(
+                "linear_many returned fewer than 3 outputs".into(),
+            ));
+        };
         let qw = q.dims2().1;
         // One sequence covering the batch (decode of one stream, any prefill): no row copies.
         let whole = seqs.len() == 1 && seqs[0].start == 0 && seqs[0].len == x.dims2().0;
@@ -100,9 +130,17 @@ impl Attention {
             let mut qs = self.head_norm(be, rows(&q)?, &self.q_norm, p.n_heads)?;
             let mut ks = self.head_norm(be, rows(&k)?, &self.k_norm, p.n_kv_heads)?;
             let vs = rows(&v)?;
-            be.rope(&mut qs, p.n_heads, s.pos0, &self.rope)?;
-            be.rope(&mut ks, p.n_kv_heads, s.pos0, &self.rope)?;
-            be.kv_write(s.kv, &ks, &vs, s.pos0, s.limit)?;
+            be.rope_store(
+                &mut qs,
+                &mut ks,
+                &vs,
+                p.n_heads,
+                p.n_kv_heads,
+                s.kv,
+                s.pos0,
+                s.limit,
+                &self.rope,
+            )?;
             parts.push(be.attend(&qs, s.kv, s.pos0, p)?);
         }
         let a = if whole {
@@ -110,7 +148,6 @@ impl Attention {
         } else {
             be.concat_rows(&parts)?
         };
-        let a = a.reshape(&[x.dims2().0, qw])?;
-        self.o.forward(be, &a)
+        Ok(a.reshape(&[x.dims2().0, qw])?)
     }
 }

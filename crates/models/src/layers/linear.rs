@@ -28,4 +28,12 @@ impl Linear {
     pub fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
         Ok(be.linear(x, &self.w, self.b.as_deref())?)
     }
+    /// `residual (T, R) += forward(x)`.
+    pub fn forward_add(&self, be: &dyn Backend, x: &Tensor, residual: &mut Tensor) -> Result<()> {
+        if self.b.is_some() {
+            let y = self.forward(be, x)?;
+            return Ok(be.add_assign(residual, &y)?);
+        }
+        Ok(be.linear_add(x, &self.w, residual)?)
+    }
 }

@@ -1,6 +1,6 @@
 //! Gated MLP: `down(act(gate(x)) * up(x))`, SiLU (Llama, Qwen) or GELU-tanh (Gemma).
 
-use hf2q_tensor::op::Backend;
+use hf2q_tensor::op::{Backend, GateAct};
 use hf2q_tensor::Tensor;
 
 use crate::config::Activation;
@@ -27,14 +27,30 @@ impl Mlp {
             act,
         })
     }
+    /// `act(gate(x)) * up(x)`, `(T, D) -> (T, F)`.
+    fn hidden(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
+        let act = match self.act {
+            Activation::Silu => GateAct::Silu,
+            Activation::GeluTanh => GateAct::GeluTanh,
+        };
+        if self.gate.b.is_some() || self.up.b.is_some() {
+            let g = self.gate.forward(be, x)?;
+            let u = self.up.forward(be, x)?;
+            return Ok(match act {
+                GateAct::Silu => be.silu_mul(&g, &u)?,
+                GateAct::GeluTanh => be.gelu_tanh_mul(&g, &u)?,
+            });
+        }
+        Ok(be.linear_gated(x, &self.gate.w, &self.up.w, act)?)
+    }
     /// `x (T, D) -> (T, D)`.
     pub fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate.forward(be, x)?;
-        let u = self.up.forward(be, x)?;
-        let h = match self.act {
-            Activation::Silu => be.silu_mul(&g, &u)?,
-            Activation::GeluTanh => be.gelu_tanh_mul(&g, &u)?,
-        };
+        let h = self.hidden(be, x)?;
         self.down.forward(be, &h)
+    }
+    /// `residual += forward(x)`.
+    pub fn forward_add(&self, be: &dyn Backend, x: &Tensor, residual: &mut Tensor) -> Result<()> {
+        let h = self.hidden(be, x)?;
+        self.down.forward_add(be, &h, residual)
     }
 }

@@ -49,7 +49,9 @@ pub use cudarc::driver::{
 };
 
 pub use compile::{compile_all_for, compile_for, kernel_cache_dir, nvrtc_available};
-pub use ops::{DeviceKvCache, KvDtype, RopeTable, MAX_HEAD_DIM};
+pub use ops::{
+    DeviceKvCache, DevicePtrMutF32, KvDtype, RopeTable, SampleArgs, MAX_HEAD_DIM, SAMPLE_MAX_K,
+};
 pub use weight::DeviceWeight;
 
 use crate::{Error, Result};
@@ -102,6 +104,35 @@ pub struct CudaDev {
     info: DeviceInfo,
     modules: HashMap<Program, Arc<CudaModule>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    counters: Counters,
+}
+
+/// Running totals of what the host asked of the device (`--stats`).
+#[derive(Debug, Default)]
+struct Counters {
+    launches: std::sync::atomic::AtomicU64,
+    graph_launches: std::sync::atomic::AtomicU64,
+    syncs: std::sync::atomic::AtomicU64,
+}
+
+/// A snapshot of [`CudaDev::counters`]: kernels launched one by one, graph replays, and host
+/// waits for the device (stream synchronisations and copies to the host).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    pub launches: u64,
+    pub graph_launches: u64,
+    pub syncs: u64,
+}
+
+impl std::ops::Sub for DeviceCounters {
+    type Output = DeviceCounters;
+    fn sub(self, o: DeviceCounters) -> DeviceCounters {
+        DeviceCounters {
+            launches: self.launches - o.launches,
+            graph_launches: self.graph_launches - o.graph_launches,
+            syncs: self.syncs - o.syncs,
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaDev {
@@ -204,6 +235,7 @@ impl CudaDev {
             info,
             modules,
             functions: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
         })))
     }
 
@@ -225,7 +257,43 @@ impl CudaDev {
 
     /// Waits for everything enqueued so far; reports an error raised by any of it.
     pub fn synchronize(&self) -> Result<()> {
+        self.count_sync();
         self.stream.synchronize().map_err(cuda_err("synchronizing"))
+    }
+
+    /// The totals so far (subtract two snapshots for a span of work).
+    pub fn counters(&self) -> DeviceCounters {
+        use std::sync::atomic::Ordering::Relaxed;
+        DeviceCounters {
+            launches: self.counters.launches.load(Relaxed),
+            graph_launches: self.counters.graph_launches.load(Relaxed),
+            syncs: self.counters.syncs.load(Relaxed),
+        }
+    }
+    pub(crate) fn count_launch(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counters.launches.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn count_graph_launch(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counters.graph_launches.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn count_sync(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counters.syncs.fetch_add(1, Relaxed);
+    }
+
+    /// Copies `src` to the host and waits for it: one synchronisation.
+    pub fn read<T: DeviceRepr + Default + Clone>(&self, src: &impl DevicePtr<T>) -> Result<Vec<T>> {
+        self.count_sync();
+        let mut v = vec![T::default(); src.len()];
+        self.stream
+            .memcpy_dtoh(src, &mut v)
+            .map_err(cuda_err("copying to the host"))?;
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronizing"))?;
+        Ok(v)
     }
 
     /// Compiles one CUDA source with NVRTC for this device (no cache) and returns the cubin.
@@ -298,6 +366,12 @@ impl CudaDev {
         Ok(DeviceGraph { graph: g })
     }
 
+    /// Enqueues one replay of `g`.
+    pub fn launch_graph(&self, g: &DeviceGraph) -> Result<()> {
+        self.count_graph_launch();
+        g.launch()
+    }
+
     /// The kernel `name` of `program`, looked up once and cached.
     pub(crate) fn function(&self, program: Program, name: &str) -> Result<CudaFunction> {
         let mut map = self
@@ -343,6 +417,19 @@ pub struct DeviceGraph {
 }
 
 impl DeviceGraph {
+    /// Nodes in the graph (kernels, copies, allocations).
+    pub fn node_count(&self) -> usize {
+        let mut n: usize = 0;
+        // SAFETY: the graph handle is alive while `self` is; a null node array asks for the count.
+        let r =
+            unsafe { sys::cuGraphGetNodes(self.graph.cu_graph(), std::ptr::null_mut(), &mut n) };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            n
+        } else {
+            0
+        }
+    }
+
     /// Enqueues one replay.
     pub fn launch(&self) -> Result<()> {
         self.graph.launch().map_err(cuda_err("launching a graph"))

@@ -9,7 +9,9 @@ use std::ffi::c_void;
 
 use cudarc::driver::{result as cu, CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::weight::{mv_kernel, DeviceWeight, EMBED_KERNEL, GEMM_KERNEL};
+use cudarc::driver::DeviceRepr;
+
+use super::weight::{mv_kernel, DeviceWeight, WeightArgs, EMBED_KERNEL, GEMM_KERNEL};
 use super::{cuda_err, CudaDev, Program};
 use crate::op::{AttentionParams, RopeParams, RopeStyle};
 use crate::{Error, Result};
@@ -22,6 +24,81 @@ const fn prefill_smem(dh: usize) -> usize {
     (16 * dh + 32 * (dh + 1) + 32 * dh) * 4
 }
 
+/// Rows per row group of a format's plain `mvf` and gated `mvg` kernels (`RPW` and `GNR` in
+/// matvec.cuh, chosen by measurement).
+fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
+    match kind {
+        "q8_0s" => (4, 2),
+        "q4_k" | "q6_kp" => (2, 1),
+        _ => (2, 2),
+    }
+}
+
+/// One matrix of a fused one-token launch; mirrors `struct MvJob` in `kernels/matvec.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct MvJob {
+    w: WeightArgs,
+    bias: u64,
+    out: u64,
+    rows: i32,
+    cta0: i32,
+    ks: i32,
+    pad: i32,
+}
+
+/// Mirrors `struct MvJobs` in `kernels/matvec.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct MvJobs {
+    j: [MvJob; 3],
+    n: i32,
+    accumulate: i32,
+}
+
+// SAFETY: plain #[repr(C)] structs of integers with the layout of the device structs.
+unsafe impl DeviceRepr for MvJob {}
+unsafe impl DeviceRepr for MvJobs {}
+
+/// Settings of one draw of the device sampler (`sample_topk` in elementwise.cu, the CPU
+/// sampler's top-k, top-p, min-p, temperature and draw): mirrors `struct SampleArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SampleArgs {
+    /// Uniform in `[0, 1)`: the draw.
+    pub u: f64,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// > 0.
+    pub temperature: f32,
+    /// `1..=SAMPLE_MAX_K`.
+    pub top_k: i32,
+}
+
+// SAFETY: a plain #[repr(C)] struct of numbers with the layout of the device struct.
+unsafe impl DeviceRepr for SampleArgs {}
+unsafe impl cudarc::driver::ValidAsZeroBits for SampleArgs {}
+
+/// Most candidates the device sampler keeps (`SAMPLE_MAX_K`): larger top-k (or none) samples on
+/// the host.
+pub const SAMPLE_MAX_K: usize = 1024;
+
+/// An f32 output buffer of a multi-output launch, as a trait object (the outputs of one
+/// [`CudaDev::linear_many`] call may be different buffer types).
+pub trait DevicePtrMutF32 {
+    fn len_f32(&self) -> usize;
+    fn ptr_f32(&mut self, dev: &CudaDev) -> u64;
+}
+
+impl<T: DevicePtrMut<f32>> DevicePtrMutF32 for T {
+    fn len_f32(&self) -> usize {
+        self.len()
+    }
+    fn ptr_f32(&mut self, dev: &CudaDev) -> u64 {
+        self.device_ptr_mut(dev.stream()).0
+    }
+}
+
 /// Largest head width the attention kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -30,6 +107,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 macro_rules! launch {
     ($dev:expr, $func:expr, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
         let mut params: Vec<*mut c_void> = vec![$(&$arg as *const _ as *mut c_void),*];
+        $dev.count_launch();
         // SAFETY: the argument list matches the kernel's parameter list (types and order are
         // kept in step with the .cu source), every pointer is a live device allocation whose size
         // the caller checked, and `params` outlives the call.
@@ -206,6 +284,10 @@ impl CudaDev {
             bias.map_or(0, |b| self.ptr(b)),
             self.ptr_mut(out),
         );
+        if t == 1 && w.fast.is_some() && xp % 16 == 0 {
+            let out_p = self.ptr_mut(out);
+            return self.launch_mvf(&[(w, bias, out_p)], xp, false);
+        }
         let wa = w.args(self);
         let (rows, ti) = (to_i32("rows", w.rows)?, to_i32("tokens", t)?);
         if t <= 8 {
@@ -241,6 +323,177 @@ impl CudaDev {
             }
             launch!(self, f, (gx, gy, 1), (256, 1, 1), 0; wa, xp, bp, op, rows, ti)
         }
+    }
+
+    /// Whether one-token products with `w` run the kernels of `matvec.cuh` (and so can be fused:
+    /// [`CudaDev::linear_many`], [`CudaDev::linear_gated`]).
+    pub fn has_fast_matvec(&self, w: &DeviceWeight) -> bool {
+        w.fast.is_some()
+    }
+
+    /// Warps sharing one row group in the `matvec.cuh` kernels: more when the matrix has too
+    /// few rows to give every multiprocessor about four blocks, while each lane keeps at least
+    /// two blocks of 32 columns.
+    fn mv_split(&self, rows: usize, cols: usize, rows_per_group: usize) -> usize {
+        let want = 4 * self.info().multiprocessors as usize;
+        let nb = cols / 32;
+        let mut ks = 1usize;
+        while ks < 4 && rows.div_ceil(rows_per_group * (4 / ks)) < want && nb >= 64 * ks {
+            ks *= 2;
+        }
+        ks
+    }
+
+    /// One launch of `mvf_KIND` over up to three matrices sharing the one-token input `x`
+    /// (which must all have the same fast format); each output is stored, or added to when
+    /// `accumulate`.
+    fn launch_mvf(
+        &self,
+        jobs: &[(&DeviceWeight, Option<&CudaSlice<f32>>, u64)],
+        xp: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        let first = jobs
+            .first()
+            .ok_or_else(|| shape("matvec: no matrices".into()))?
+            .0;
+        if jobs.len() > 3 {
+            return Err(shape(format!(
+                "matvec: {} matrices in one launch",
+                jobs.len()
+            )));
+        }
+        let (f, _) = first
+            .fast
+            .as_ref()
+            .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", first.name)))?;
+        let empty = MvJob {
+            w: first.args(self),
+            bias: 0,
+            out: 0,
+            rows: 0,
+            cta0: i32::MAX,
+            ks: 1,
+            pad: 0,
+        };
+        let mut mj = MvJobs {
+            j: [empty; 3],
+            n: jobs.len() as i32,
+            accumulate: i32::from(accumulate),
+        };
+        let mut ctas = 0usize;
+        for (i, (w, bias, out)) in jobs.iter().enumerate() {
+            if w.kind != first.kind || w.cols != first.cols {
+                return Err(shape(format!(
+                    "matvec: '{}' and '{}' cannot share one launch",
+                    first.name, w.name
+                )));
+            }
+            let rpw = mvf_rows_per_group(w.kind).0;
+            let ks = self.mv_split(w.rows, w.cols, rpw);
+            mj.j[i] = MvJob {
+                w: w.args(self),
+                bias: bias.map_or(0, |b| self.ptr(b)),
+                out: *out,
+                rows: to_i32("rows", w.rows)?,
+                cta0: to_i32("blocks", ctas)?,
+                ks: ks as i32,
+                pad: 0,
+            };
+            ctas += w.rows.div_ceil(rpw * 4 / ks);
+        }
+        if xp % 16 != 0 {
+            return Err(shape("matvec: the input is not 16-byte aligned".into()));
+        }
+        let grid = u32::try_from(ctas).map_err(|_| shape(format!("{ctas} blocks")))?;
+        launch!(self, f, (grid, 1, 1), (128, 1, 1), 0; mj, xp)
+    }
+
+    /// `outs[i] (1, R_i) = x (1, C) · W_iᵀ (+ b_i)` for up to three matrices of one fast format
+    /// (q, k and v) in one launch.
+    pub fn linear_many(
+        &self,
+        x: &impl DevicePtr<f32>,
+        jobs: &mut [(
+            &DeviceWeight,
+            Option<&CudaSlice<f32>>,
+            &mut dyn DevicePtrMutF32,
+        )],
+    ) -> Result<()> {
+        let mut launch = Vec::with_capacity(jobs.len());
+        for (w, b, out) in jobs.iter_mut() {
+            need(&format!("linear '{}' input", w.name), x.len(), w.cols)?;
+            need(
+                &format!("linear '{}' output", w.name),
+                out.len_f32(),
+                w.rows,
+            )?;
+            if let Some(b) = b {
+                need(&format!("linear '{}' bias", w.name), b.len(), w.rows)?;
+            }
+            launch.push((*w, *b, out.ptr_f32(self)));
+        }
+        self.bind()?;
+        self.launch_mvf(&launch, self.ptr(x), false)
+    }
+
+    /// `residual (1, R) += x (1, C) · Wᵀ` in one launch (fast formats).
+    pub fn linear_add(
+        &self,
+        x: &impl DevicePtr<f32>,
+        w: &DeviceWeight,
+        residual: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        need(&format!("linear '{}' input", w.name), x.len(), w.cols)?;
+        need(
+            &format!("linear '{}' output", w.name),
+            residual.len(),
+            w.rows,
+        )?;
+        self.bind()?;
+        let (xp, op) = (self.ptr(x), self.ptr_mut(residual));
+        self.launch_mvf(&[(w, None, op)], xp, true)
+    }
+
+    /// `out (1, R) = act(x · Gᵀ) * (x · Uᵀ)`, act SiLU (`gelu` false) or GELU-tanh, in one launch
+    /// (gate and up of one fast format).
+    pub fn linear_gated(
+        &self,
+        x: &impl DevicePtr<f32>,
+        gate: &DeviceWeight,
+        up: &DeviceWeight,
+        gelu: bool,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        if gate.kind != up.kind || gate.rows != up.rows || gate.cols != up.cols {
+            return Err(shape(format!(
+                "gated linear: '{}' and '{}' differ in format or shape",
+                gate.name, up.name
+            )));
+        }
+        need(&format!("linear '{}' input", gate.name), x.len(), gate.cols)?;
+        need(
+            &format!("linear '{}' output", gate.name),
+            out.len(),
+            gate.rows,
+        )?;
+        let (_, f) = gate
+            .fast
+            .as_ref()
+            .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", gate.name)))?;
+        self.bind()?;
+        let (gw, uw) = (gate.args(self), up.args(self));
+        let (xp, op) = (self.ptr(x), self.ptr_mut(out));
+        if xp % 16 != 0 {
+            return Err(shape("matvec: the input is not 16-byte aligned".into()));
+        }
+        let rows = to_i32("rows", gate.rows)?;
+        let act = i32::from(gelu);
+        let nr = mvf_rows_per_group(gate.kind).1;
+        let ks = self.mv_split(gate.rows, gate.cols, nr);
+        let ksi = ks as i32;
+        let grid = blocks(gate.rows, nr * 4 / ks)?;
+        launch!(self, f, (grid, 1, 1), (128, 1, 1), 0; gw, uw, xp, op, rows, act, ksi)
     }
 
     /// RMSNorm of `rows` rows of `cols`: `out = x / rms(x) * (w + offset)`; `w` holds `cols`
@@ -355,6 +608,60 @@ impl CudaDev {
     /// Writes `k, v (t, Hkv*Dh)` at positions `pos0[0] .. pos0[0] + t`. Positions at or beyond
     /// the capacity are dropped by the kernel (it never writes out of bounds); keeping within
     /// the capacity is the caller's job.
+    /// RoPE on `q (t, n_heads * Dh)` in place, and the rotated `k` with `v` (t, Hkv * Dh) into
+    /// the cache at `pos0..`, in one kernel (`rope`, `rope` and `kv_write` in a row; `k` is not
+    /// changed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_store(
+        &self,
+        q: &mut impl DevicePtrMut<f32>,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        t: usize,
+        n_heads: usize,
+        cache: &mut DeviceKvCache,
+        pos0: &impl DevicePtr<i32>,
+        table: &RopeTable,
+    ) -> Result<()> {
+        let dh = cache.head_dim;
+        let width = cache.n_kv_heads * dh;
+        need("rope_store queries", q.len(), t * n_heads * dh)?;
+        need("rope_store keys", k.len(), t * width)?;
+        need("rope_store values", v.len(), t * width)?;
+        need("rope_store position", pos0.len(), 1)?;
+        if table.dims > dh || dh % 2 != 0 {
+            return Err(shape(format!(
+                "rope: {} rotated dims for head width {dh}",
+                table.dims
+            )));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let name = format!("rope_store_{}", cache.dtype.suffix());
+        let f = self.function(Program::Elementwise, &name)?;
+        let (qp, kp, vp) = (self.ptr_mut(q), self.ptr(k), self.ptr(v));
+        let (kcp, vcp) = (
+            cache.k.device_ptr_mut(self.stream()).0,
+            cache.v.device_ptr_mut(self.stream()).0,
+        );
+        let (fp, pp) = (self.ptr(&table.inv_freq), self.ptr(pos0));
+        let (ti, nh, hkv, dhi, half) = (
+            to_i32("tokens", t)?,
+            to_i32("heads", n_heads)?,
+            cache.n_kv_heads as i32,
+            dh as i32,
+            (table.dims / 2) as i32,
+        );
+        let neox = i32::from(table.style == RopeStyle::Neox);
+        let scale = table.linear_scale;
+        let cap = to_i32("capacity", cache.capacity)?;
+        let grid = blocks(t * (n_heads + cache.n_kv_heads) * (dh / 2), 256)?;
+        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0;
+            qp, kp, vp, kcp, vcp, fp, pp, ti, nh, hkv, dhi, half, neox, scale, cap)
+    }
+
     pub fn kv_write(
         &self,
         cache: &mut DeviceKvCache,
@@ -541,6 +848,34 @@ impl CudaDev {
         let (xp, yp) = (self.ptr_mut(x), self.ptr(y));
         let ni = n as i64;
         launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; xp, yp, ni)
+    }
+
+    /// Sampling: `out[r]` = the token drawn from row r of `logits (rows, cols)` with the
+    /// settings in `args` (a device buffer, so a captured graph reads new settings and a new
+    /// uniform number each replay).
+    pub fn sample(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        rows: usize,
+        cols: usize,
+        args: &CudaSlice<SampleArgs>,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        need("sample input", logits.len(), rows * cols)?;
+        need("sample output", out.len(), rows)?;
+        need("sample settings", args.len(), 1)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        if cols == 0 {
+            return Err(shape("sampling from empty rows".into()));
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "sample_topk")?;
+        let (lp, ap, op) = (self.ptr(logits), self.ptr(args), self.ptr_mut(out));
+        let c = to_i32("columns", cols)?;
+        let grid = u32::try_from(rows).map_err(|_| shape(format!("{rows} rows")))?;
+        launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, c, ap, op)
     }
 
     /// Greedy sampling: `out[r]` = index of the largest of `logits (rows, cols)` row r (first on

@@ -1,9 +1,12 @@
 //! `DeviceWeight`: a [`QTensor`] resident on the GPU, in its stored form.
 //!
-//! The bytes are copied unchanged: ggml blocks (packed structs of 18, 20, ..., 292 bytes, so only
-//! 2-byte alignment inside a row is assumed by the kernels), dense f32/f16/bf16 rows, or MLX
-//! packed words with their f32 scales and biases. One kernel set per format dequantizes on the
-//! fly (`kernels/quant.cuh`); the format picks the kernel names.
+//! Most formats are copied unchanged: ggml blocks (packed structs of 18, 20, ..., 292 bytes, so
+//! only 2-byte alignment inside a row is assumed by the kernels), dense f32/f16/bf16 rows, or MLX
+//! packed words with their f32 scales and biases. Q4_0 and Q8_0 are split at upload (all quants,
+//! 16-byte aligned, then all scales: [`split_blocks`]) and Q6_K's 210-byte super-blocks are
+//! padded to 224 ([`pad_blocks`]), so that one lane reads its block with aligned wide loads in
+//! the decode kernels (`kernels/matvec.cuh`). One kernel set per
+//! format dequantizes on the fly (`kernels/quant.cuh`); the format picks the kernel names.
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr};
 
@@ -38,8 +41,39 @@ pub struct DeviceWeight {
     /// MLX affine only: (R, C / group) scales and biases.
     affine: Option<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
     row_bytes: usize,
+    /// Split formats: byte offset of the scale array in `data`.
+    scales_at: Option<usize>,
     /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed.
     pub(crate) kernels: Vec<CudaFunction>,
+    /// The one-token kernels of `kernels/matvec.cuh` (plain/fused `mvf`, gated `mvg`), for the
+    /// formats that have them when the columns are a multiple of 32.
+    pub(crate) fast: Option<(CudaFunction, CudaFunction)>,
+}
+
+/// Copies blocks of `block` bytes into slots of `stride` bytes (zero-padded), so that every
+/// block starts 8-byte aligned: Q6_K's 210-byte super-blocks in 224-byte slots (`q6_kp`).
+pub(crate) fn pad_blocks(data: &[u8], block: usize, stride: usize) -> Vec<u8> {
+    let n = data.len() / block;
+    let mut out = vec![0u8; n * stride];
+    for (src, dst) in data.chunks_exact(block).zip(out.chunks_exact_mut(stride)) {
+        dst[..block].copy_from_slice(src);
+    }
+    out
+}
+
+/// Rearranges ggml blocks of `block` bytes (a 2-byte f16 scale, then `block - 2` quant bytes)
+/// into all quants (block after block) followed by all scales, so that every block's quants are
+/// aligned for 16-byte loads: the device layout of the `q4_0s` / `q8_0s` kernels.
+pub(crate) fn split_blocks(data: &[u8], block: usize) -> Vec<u8> {
+    let n = data.len() / block;
+    let q = block - 2;
+    let mut out = vec![0u8; n * block];
+    let (qs, ds) = out.split_at_mut(n * q);
+    for (i, b) in data.chunks_exact(block).enumerate() {
+        ds[2 * i..2 * i + 2].copy_from_slice(&b[..2]);
+        qs[q * i..q * (i + 1)].copy_from_slice(&b[2..]);
+    }
+    out
 }
 
 /// Index into [`DeviceWeight::kernels`] of the matrix-vector kernel for up to `nt` tokens
@@ -116,12 +150,14 @@ impl DeviceWeight {
     pub(crate) fn args(&self, dev: &CudaDev) -> WeightArgs {
         let s = dev.stream();
         let ptr = |b: &CudaSlice<f32>| b.device_ptr(s).0;
-        let (scales, biases, group) = match &self.affine {
-            Some((sc, bi, g)) => (ptr(sc), ptr(bi), *g),
-            None => (0, 0, 0),
+        let data = self.data.device_ptr(s).0;
+        let (scales, biases, group) = match (&self.affine, self.scales_at) {
+            (Some((sc, bi, g)), _) => (ptr(sc), ptr(bi), *g),
+            (None, Some(at)) => (data + at as u64, 0, 0),
+            (None, None) => (0, 0, 0),
         };
         WeightArgs {
-            data: self.data.device_ptr(s).0,
+            data,
             scales,
             biases,
             row_bytes: self.row_bytes as i64,
@@ -152,13 +188,32 @@ impl CudaDev {
             ty: w.type_name(),
             tensor: w.name.clone(),
         };
+        let mut scales_at = None;
         let (kind, program, data, affine, row_bytes) = match &w.data {
             WeightData::Ggml { ty, data } => {
                 let (kind, program) = ggml_kind(*ty).ok_or_else(unsupported)?;
                 let rb = ty
                     .row_bytes(w.cols)
                     .ok_or_else(|| Error::Shape(format!("cuda: weight '{}' rows", w.name)))?;
-                (kind, program, self.upload(data.as_slice())?, None, rb)
+                let split = match ty {
+                    GgmlType::Q4_0 => Some(("q4_0s", 18)),
+                    GgmlType::Q8_0 => Some(("q8_0s", 34)),
+                    _ => None,
+                };
+                match split {
+                    _ if *ty == GgmlType::Q6_K && data.len() == w.rows * rb => {
+                        let bytes = pad_blocks(data.as_slice(), 210, 224);
+                        ("q6_kp", program, self.upload(&bytes)?, None, rb / 210 * 224)
+                    }
+                    Some((skind, block)) if data.len() == w.rows * rb => {
+                        let q = block - 2;
+                        let blocks = data.len() / block;
+                        scales_at = Some(blocks * q);
+                        let bytes = split_blocks(data.as_slice(), block);
+                        (skind, program, self.upload(&bytes)?, None, rb / block * q)
+                    }
+                    _ => (kind, program, self.upload(data.as_slice())?, None, rb),
+                }
             }
             WeightData::Affine {
                 params,
@@ -186,8 +241,22 @@ impl CudaDev {
             .iter()
             .map(|k| self.function(program, &format!("{k}_{kind}")))
             .collect::<Result<Vec<_>>>()?;
+        let fast = if w.cols % 32 == 0
+            && matches!(
+                kind,
+                "q4_0s" | "q8_0s" | "q4_k" | "q6_kp" | "f16" | "bf16" | "f32"
+            ) {
+            Some((
+                self.function(program, &format!("mvf_{kind}"))?,
+                self.function(program, &format!("mvg_{kind}"))?,
+            ))
+        } else {
+            None
+        };
         Ok(DeviceWeight {
             kernels,
+            fast,
+            scales_at,
             name: w.name.clone(),
             rows: w.rows,
             cols: w.cols,
@@ -196,5 +265,31 @@ impl CudaDev {
             affine,
             row_bytes,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_and_padded_layouts_keep_every_byte() {
+        let data: Vec<u8> = (0..18 * 5).map(|i| (i * 7 % 251) as u8).collect();
+        let s = split_blocks(&data, 18);
+        for (i, b) in data.chunks_exact(18).enumerate() {
+            assert_eq!(&s[16 * i..16 * (i + 1)], &b[2..], "quants of block {i}");
+            assert_eq!(
+                &s[80 + 2 * i..80 + 2 * i + 2],
+                &b[..2],
+                "scale of block {i}"
+            );
+        }
+        let data: Vec<u8> = (0..210 * 3).map(|i| (i % 253) as u8 + 1).collect();
+        let p = pad_blocks(&data, 210, 224);
+        assert_eq!(p.len(), 224 * 3);
+        for (i, b) in data.chunks_exact(210).enumerate() {
+            assert_eq!(&p[224 * i..224 * i + 210], b);
+            assert!(p[224 * i + 210..224 * (i + 1)].iter().all(|&v| v == 0));
+        }
     }
 }

@@ -68,3 +68,12 @@ __device__ __forceinline__ u32 ld_u16(const u8* p) { return *(const u16*)p; }
 __device__ __forceinline__ u32 ld_u32_a2(const u8* p) {
     return (u32)(*(const u16*)p) | ((u32)(*(const u16*)(p + 2)) << 16);
 }
+
+// The gated-MLP activations, shared by the element-wise kernels and the fused matrix-vector
+// kernels so both give the same bits. SiLU: g * sigmoid(g). GELU with the tanh approximation (as
+// the CPU reference and PyTorch's approximate="tanh").
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
+__device__ __forceinline__ float gelu_tanh_f(float g) {
+    const float k = 0.7978846f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.0f + tanhf(k));
+}

@@ -49,8 +49,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
                                     float* __restrict__ out, i64 n) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
+    out[i] = silu_f(gate[i]) * up[i];
 }
 
 // GELU, tanh approximation (as the CPU reference and PyTorch's approximate="tanh").
@@ -59,9 +58,7 @@ extern "C" __global__ void gelu_tanh_mul(const float* __restrict__ gate,
                                          i64 n) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float g = gate[i];
-    const float k = 0.7978846f * (g + 0.044715f * g * g * g);
-    out[i] = 0.5f * g * (1.0f + tanhf(k)) * up[i];
+    out[i] = gelu_tanh_f(gate[i]) * up[i];
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, i64 n) {
@@ -103,6 +100,68 @@ extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* k
                                         const i32* pos0p, int T, int hkv, int dh, int cap) {
     kv_write_impl<float>(k, v, kc, vc, pos0p, T, hkv, dh, cap);
 }
+
+// The three steps before attention in one kernel: RoPE on q (T, nh, dh) in place, RoPE on
+// k (T, hkv, dh) into the cache (k itself is left as it was), v into the cache. One thread per
+// (token, head of q or of k/v, pair of elements); the same angles and arithmetic as `rope`.
+// Pairs past the rotated ones (partial rotary) carry k's other elements; positions at or past
+// the capacity are dropped.
+template <typename KV>
+__device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const float* __restrict__ k,
+                                                const float* __restrict__ v, KV* __restrict__ kc,
+                                                KV* __restrict__ vc,
+                                                const float* __restrict__ inv_freq,
+                                                const i32* __restrict__ pos0p, int T, int nh,
+                                                int hkv, int dh, int half, int neox,
+                                                float linear_scale, int cap) {
+    const int pairs = dh >> 1, slots = nh + hkv;
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)T * slots * pairs) return;
+    const int j = (int)(idx % pairs);
+    const i64 ts = idx / pairs;
+    const int slot = (int)(ts % slots), t = (int)(ts / slots);
+    const int pos = *pos0p + t;
+    float s = 0.0f, c = 1.0f;
+    if (j < half) sincosf((float)pos / linear_scale * inv_freq[j], &s, &c);
+    const int a = neox ? j : 2 * j, b = neox ? j + half : 2 * j + 1;
+    if (slot < nh) {
+        if (j < half) {
+            float* head = q + ((i64)t * nh + slot) * dh;
+            const float x0 = head[a], x1 = head[b];
+            head[a] = x0 * c - x1 * s;
+            head[b] = x0 * s + x1 * c;
+        }
+        return;
+    }
+    const int h = slot - nh;
+    if (pos < 0 || pos >= cap) return;
+    const float* kh = k + ((i64)t * hkv + h) * dh;
+    const float* vh = v + ((i64)t * hkv + h) * dh;
+    const i64 dst = ((i64)h * cap + pos) * dh;
+    if (j < half) {
+        const float x0 = kh[a], x1 = kh[b];
+        kc[dst + a] = to_kv<KV>(x0 * c - x1 * s);
+        kc[dst + b] = to_kv<KV>(x0 * s + x1 * c);
+    } else {
+        const int e = 2 * j;  // past the 2 * half rotated elements
+        kc[dst + e] = to_kv<KV>(kh[e]);
+        kc[dst + e + 1] = to_kv<KV>(kh[e + 1]);
+    }
+    vc[dst + 2 * j] = to_kv<KV>(vh[2 * j]);
+    vc[dst + 2 * j + 1] = to_kv<KV>(vh[2 * j + 1]);
+}
+
+#define HF2Q_ROPE_STORE(NAME, KV)                                                              \
+    extern "C" __global__ void rope_store_##NAME(float* q, const float* k, const float* v,    \
+                                                 KV* kc, KV* vc, const float* inv_freq,        \
+                                                 const i32* pos0p, int T, int nh, int hkv,     \
+                                                 int dh, int half, int neox,                   \
+                                                 float linear_scale, int cap) {                \
+        rope_store_impl<KV>(q, k, v, kc, vc, inv_freq, pos0p, T, nh, hkv, dh, half, neox,      \
+                            linear_scale, cap);                                                \
+    }
+HF2Q_ROPE_STORE(f16, u16)
+HF2Q_ROPE_STORE(f32, float)
 
 #define ARGMAX_THREADS 1024
 
@@ -149,4 +208,183 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
             }
         out[blockIdx.x] = bi < 0 ? 0u : (u32)bi;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling on the device (top-k, then top-p, min-p, temperature, one draw), the CPU sampler's
+// steps in its order and arithmetic (`hf2q_models::sampler`), so that with the same uniform
+// number both pick the same token (up to the last bit of expf in a cumulative sum at a bucket
+// edge). One block of SAMPLE_THREADS threads per row.
+// ---------------------------------------------------------------------------------------------
+
+#define SAMPLE_THREADS 1024
+#define SAMPLE_MAX_K 1024
+
+// Mirrors `SampleArgs` on the host (#[repr(C)]): written before each replay of a graph.
+struct SampleArgs {
+    double u;  // uniform in [0, 1)
+    float top_p, min_p, temperature;
+    i32 top_k;  // 1 ..= SAMPLE_MAX_K
+};
+
+// Order-preserving key of a logit (NaN as -inf, the CPU's rule): larger value, larger key.
+__device__ __forceinline__ u32 sample_key(float v) {
+    if (v != v) v = -__int_as_float(0x7f800000);
+    const u32 b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_topk(const float* __restrict__ logits, int V, const SampleArgs* __restrict__ args,
+                u32* __restrict__ out) {
+    __shared__ u32 hist[256];
+    __shared__ u32 s_prefix, s_need, s_n, s_eq;
+    __shared__ u32 ck[SAMPLE_MAX_K];  // candidate keys
+    __shared__ u32 ci[SAMPLE_MAX_K];  // candidate ids
+    const int tid = threadIdx.x;
+    const float* x = logits + (i64)blockIdx.x * V;
+    const SampleArgs a = *args;
+    const u32 k = (u32)min(max(a.top_k, 1), min(V, SAMPLE_MAX_K));
+
+    // 1. Radix select of the k-th largest key, eight bits at a time from the top.
+    u32 prefix = 0, mask = 0, need = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += SAMPLE_THREADS) hist[i] = 0;
+        __syncthreads();
+        for (int i = tid; i < V; i += SAMPLE_THREADS) {
+            const u32 key = sample_key(x[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            u32 cum = 0;
+            int b = 255;
+            for (; b > 0; b--) {
+                if (cum + hist[b] >= need) break;
+                cum += hist[b];
+            }
+            s_prefix = prefix | ((u32)b << shift);
+            s_need = need - cum;
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        need = s_need;
+        mask |= 255u << shift;
+    }
+    // prefix: the k-th largest key; `need` of the keys equal to it are taken (smallest ids).
+
+    // 2. Candidates: every key above the threshold, and the first `need` equal ones.
+    if (tid == 0) {
+        s_n = 0;
+        s_eq = 0;
+    }
+    __syncthreads();
+    for (int i = tid; i < V; i += SAMPLE_THREADS) {
+        const u32 key = sample_key(x[i]);
+        if (key > prefix) {
+            const u32 p = atomicAdd(&s_n, 1u);
+            ck[p] = key;
+            ci[p] = (u32)i;
+        } else if (key == prefix) {
+            atomicAdd(&s_eq, 1u);
+        }
+    }
+    __syncthreads();
+    if (s_eq <= need) {
+        // Every equal key is in (the usual case: one).
+        for (int i = tid; i < V; i += SAMPLE_THREADS) {
+            if (sample_key(x[i]) == prefix) {
+                const u32 p = atomicAdd(&s_n, 1u);
+                ck[p] = prefix;
+                ci[p] = (u32)i;
+            }
+        }
+    } else if (tid == 0) {
+        // Ties past the k-th place: the smallest ids, in order (rare; one thread).
+        u32 p = s_n;
+        for (int i = 0; i < V && p < k; i++)
+            if (sample_key(x[i]) == prefix) {
+                ck[p] = prefix;
+                ci[p] = (u32)i;
+                p++;
+            }
+        s_n = p;
+    }
+    __syncthreads();
+    const u32 n = s_n;  // == k
+
+    // 3. Sort by (key descending, id ascending): bitonic over the next power of two.
+    u32 m = 1;
+    while (m < n) m <<= 1;
+    for (u32 i = n + tid; i < m; i += SAMPLE_THREADS) {
+        ck[i] = 0;  // below every real key
+        ci[i] = 0xffffffffu;
+    }
+    __syncthreads();
+    for (u32 size = 2; size <= m; size <<= 1) {
+        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
+            for (u32 i = tid; i < m; i += SAMPLE_THREADS) {
+                const u32 j = i ^ stride;
+                if (j > i) {
+                    // "before(a, b)": a sorts first.
+                    const bool ij = ck[i] > ck[j] || (ck[i] == ck[j] && ci[i] < ci[j]);
+                    const bool up = (i & size) == 0;
+                    if (up ? !ij : ij) {
+                        const u32 tk = ck[i], ti = ci[i];
+                        ck[i] = ck[j];
+                        ci[i] = ci[j];
+                        ck[j] = tk;
+                        ci[j] = ti;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+
+    // 4. top-p, min-p, temperature and the draw, sequentially as the CPU does.
+    if (tid != 0) return;
+    u32 keep = n;
+    const float top = key_value(ck[0]);
+    if (a.top_p < 1.0f && keep > 1) {
+        double total = 0.0;
+        for (u32 i = 0; i < keep; i++) total += (double)expf(key_value(ck[i]) - top);
+        double cum = 0.0;
+        for (u32 i = 0; i < keep; i++) {
+            cum += (double)expf(key_value(ck[i]) - top) / total;
+            if (cum >= (double)a.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if (a.min_p > 0.0f && keep > 1) {
+        const float threshold = top + logf(a.min_p);
+        u32 c = 0;
+        while (c < keep && key_value(ck[c]) >= threshold) c++;
+        keep = max(c, 1u);
+    }
+    if (top == -__int_as_float(0x7f800000)) {
+        out[blockIdx.x] = ci[0];
+        return;
+    }
+    const float inv_t = 1.0f / a.temperature;
+    double total = 0.0;
+    for (u32 i = 0; i < keep; i++) total += (double)expf((key_value(ck[i]) - top) * inv_t);
+    const double u = a.u * total;
+    double cum = 0.0;
+    u32 last = ci[0];
+    for (u32 i = 0; i < keep; i++) {
+        const float p = expf((key_value(ck[i]) - top) * inv_t);
+        cum += (double)p;
+        if (u < cum) {
+            out[blockIdx.x] = ci[i];
+            return;
+        }
+        if (p > 0.0f) last = ci[i];
+    }
+    out[blockIdx.x] = last;
 }

@@ -130,6 +130,42 @@ struct FQ8_0 {  // { half d; i8 qs[32]; } x = q * d
     }
 };
 
+// The split layouts made at upload for Q4_0 and Q8_0 (weight.rs): the quants of every block of
+// the matrix, block after block (16 or 32 bytes, 16-byte aligned), then the f16 scales, one per
+// block, at `scales` (read as u16). `rp` is the row's first quant byte (row_bytes = quant bytes
+// per row). Same values as FQ4_0 / FQ8_0; matvec.cuh reads these layouts a block per lane.
+struct FQ4_0S {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
+        const float d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
+        const u32 q0 = (q.x >> sh) & 0x0F0F0F0Fu, q1 = (q.y >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 8.0f), d);
+            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 8.0f), d);
+        }
+    }
+};
+
+struct FQ8_0S {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const int b = g >> 2;
+        const float d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
+        const u32 q0 = q.x ^ 0x80808080u, q1 = q.y ^ 0x80808080u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 128.0f), d);
+            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 128.0f), d);
+        }
+    }
+};
+
 // ---------------------------------------------------------------------------------------------
 // k-quants, 256-element super-blocks; `kb` the super-block, `e0` the group's first element in it.
 // ---------------------------------------------------------------------------------------------
@@ -250,11 +286,13 @@ struct FQ5_K {
 // Q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; half d; } (210 bytes). Per 128 elements (n) and
 // quarter (0..3) of 32: low 4 bits from ql[64n + 32*(quarter&1) + l] (nibble quarter>>1), high 2
 // bits from qh[32n + l] bits 2*quarter; x = d * scale * (q - 32).
-struct FQ6_K {
+// STRIDE: 210 as stored, 224 as padded at upload for the one-token kernels (matvec.cuh).
+template <int STRIDE>
+struct FQ6_Kt {
     template <bool AL = true>
     static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
                                                 float* v) {
-        const u8* b = rp + (g >> 5) * 210;
+        const u8* b = rp + (g >> 5) * STRIDE;
         const int e0 = (g & 31) * 8;
         const int n = e0 >> 7, quarter = (e0 >> 5) & 3, l0 = e0 & 31;
         const float d = h2f(ld_u16(b + 208));
@@ -274,6 +312,9 @@ struct FQ6_K {
         }
     }
 };
+
+typedef FQ6_Kt<210> FQ6_K;
+typedef FQ6_Kt<224> FQ6_KP;
 
 // Q8_K { f32 d; i8 qs[256]; i16 bsums[16]; } (292 bytes): x = d * q.
 struct FQ8_K {

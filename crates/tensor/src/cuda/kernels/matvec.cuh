@@ -1,0 +1,455 @@
+// Matrix-vector products for one token, the hot loop of a decode step, for the formats whose
+// device layout lets one lane read a whole 32-element block with wide aligned loads:
+// Q4_0 and Q8_0 in the split layout made at upload (quant.cuh: all quants of the matrix
+// block after block, then all scales), Q4_K as stored, Q6_K padded to 224-byte super-blocks,
+// and dense f16 / bf16 / f32 rows.
+//
+//   lane <-> unit: lane l of a warp takes units l, l + 32 ks, ... of its rows (a quarter of a
+//   32-element block, or a whole 256-element super-block's 32-element share for the k-quants),
+//   loads the unit's activations once into registers and dots them with the unit of each of the
+//   warp's rows, so every activation load feeds several rows and a warp's loads of weights and
+//   of activations are contiguous pieces.
+//
+// Quants are turned into exact floats with one byte permute and one subtraction (byte_magic),
+// then multiplied and added in f32; the block's scale multiplies the block's sum. Each block
+// has two accumulator chains (its low and high sixteen elements) for instruction-level
+// parallelism. The same kernels fuse what follows a projection in a decode step:
+//   * mvf: up to three matrices sharing the input (q, k and v) in one launch; the result is
+//     stored, or added to the output (the residual stream) when `accumulate` is set;
+//   * mvg: the gate and up projections of a gated MLP, writing act(gate) * up.
+// Needs cols % 32 == 0 (the host checks and otherwise uses linear.cuh).
+#pragma once
+#include "common.cuh"
+#include "quant.cuh"
+
+#define MVF_WARPS 4
+
+// Each format is a struct with
+//     N: activations per unit of work (one lane's share of a block);
+//     load_x(x, u, xr): the N activations that unit u pairs with, into registers;
+//     XA prep(xr): per-unit values of those activations shared by every row (sums, for formats
+//         with a per-block offset);
+//     dot(w, row, u, xr, xa): the dot product of unit u of row `row` with them.
+// The 32-element formats use quads (pairs for Q4_0): four lanes per block, lane q of the quad
+// taking elements 4q .. 4q + 4 and 16 + 4q .. 16 + 4q + 4 (the low and high nibbles of one
+// 4-byte word in ggml's order). A warp's loads of activations and of quants are then contiguous
+// pieces (eight blocks per instruction), the block's scale one broadcast load per quad.
+// Weight loads that bypass L1 allocation: the weights are read once, and the activations, which
+// every row re-reads, should keep the L1 to themselves.
+__device__ __forceinline__ u32 ld_stream_u32(const void* p) {
+    u32 v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+struct NoAux {
+    struct XA {};
+    static __device__ __forceinline__ XA prep(const float* xr) { return XA{}; }
+};
+
+// The activations of quad lane u: x[32 b + 4 q .. + 4] and x[32 b + 16 + 4 q .. + 4].
+__device__ __forceinline__ void load_x_quad(const float* __restrict__ x, int u, float* xr) {
+    const float* p = x + 32 * (u >> 2) + 4 * (u & 3);
+    const float4 a = *(const float4*)p, c = *(const float4*)(p + 16);
+    xr[0] = a.x;
+    xr[1] = a.y;
+    xr[2] = a.z;
+    xr[3] = a.w;
+    xr[4] = c.x;
+    xr[5] = c.y;
+    xr[6] = c.z;
+    xr[7] = c.w;
+}
+
+struct Quad : NoAux {
+    static constexpr int N = 8, RPW = 2, GNR = 2;
+    static __device__ __forceinline__ void load_x(const float* __restrict__ x, int u, float* xr) {
+        load_x_quad(x, u, xr);
+    }
+};
+
+// sum_j (byte j of lo - off) * xr[j] + (byte j of hi - off) * xr[4 + j], two chains.
+__device__ __forceinline__ float dot_bytes8(u32 lo, u32 hi, float off, const float* xr) {
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        s0 = fmaf(byte_magic(lo, j) - (MAGIC + off), xr[j], s0);
+        s1 = fmaf(byte_magic(hi, j) - (MAGIC + off), xr[4 + j], s1);
+    }
+    return s0 + s1;
+}
+
+// Split Q4_0: quants (16 bytes per block, ggml order: element i in the low nibble of byte i,
+// element i + 16 in the high nibble) at data + 16 blk, the f16 scale at scales[blk],
+// blk = row * nb + b. Pairs rather than quads: two lanes per block, lane p taking bytes
+// 8p .. 8p + 8, i.e. elements 8p .. 8p + 8 and 16 + 8p .. 16 + 8p + 8 (eight bytes per lane and
+// load, as the Q8_0 quads read; four bytes per lane measured at half the bandwidth).
+struct DQ4_0S : NoAux {
+    static constexpr int N = 16, RPW = 2, GNR = 2;
+    static __device__ __forceinline__ void load_x(const float* __restrict__ x, int u, float* xr) {
+        const float* p = x + 32 * (u >> 1) + 8 * (u & 1);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float4 a = *(const float4*)(p + 16 * h), c = *(const float4*)(p + 16 * h + 4);
+            xr[8 * h] = a.x;
+            xr[8 * h + 1] = a.y;
+            xr[8 * h + 2] = a.z;
+            xr[8 * h + 3] = a.w;
+            xr[8 * h + 4] = c.x;
+            xr[8 * h + 5] = c.y;
+            xr[8 * h + 6] = c.z;
+            xr[8 * h + 7] = c.w;
+        }
+    }
+    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
+                                               XA) {
+        const i64 blk = (i64)row * (w.cols >> 5) + (u >> 1);
+        const uint2 q = ld_stream_u2((const uint2*)w.data + 2 * blk + (u & 1));
+        const float d = h2f(((const u16*)w.scales)[blk]);
+        // Word k of the pair holds elements 8p + 4k .. + 4 (low) and 16 + 8p + 4k .. (high).
+        float s0 = 0.0f, s1 = 0.0f;
+        const u32 ws[2] = {q.x, q.y};
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const u32 lo = ws[k] & 0x0F0F0F0Fu, hi = (ws[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s0 = fmaf(byte_magic(lo, j) - (MAGIC + 8.0f), xr[4 * k + j], s0);
+                s1 = fmaf(byte_magic(hi, j) - (MAGIC + 8.0f), xr[8 + 4 * k + j], s1);
+            }
+        }
+        return (s0 + s1) * d;
+    }
+};
+
+// Split Q8_0: 32 int8 quants in order at data + 32 blk, the f16 scale at scales[blk]. Flipping
+// the sign bit maps int8 q to the byte q + 128.
+struct DQ8_0S : Quad {
+    static constexpr int RPW = 4;
+    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
+                                               XA) {
+        const i64 blk = (i64)row * (w.cols >> 5) + (u >> 2);
+        const u32* q = (const u32*)w.data + 8 * blk + (u & 3);
+        const float d = h2f(((const u16*)w.scales)[blk]);
+        return dot_bytes8(ld_stream_u32(q) ^ 0x80808080u, ld_stream_u32(q + 4) ^ 0x80808080u,
+                          128.0f, xr) *
+               d;
+    }
+};
+
+// Dense rows of `row_bytes` (16-byte aligned when cols % 32 == 0: the allocation is).
+struct DF16 : Quad {
+    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
+                                               XA) {
+        const u16* p = (const u16*)row_ptr(w, row) + 32 * (u >> 2) + 4 * (u & 3);
+        const uint2 a = ld_stream_u2(p), c = ld_stream_u2(p + 16);
+        const u32 ws[4] = {a.x, a.y, c.x, c.y};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            s0 = fmaf(h2f((u16)(ws[k] & 0xffffu)), xr[2 * k], s0);
+            s1 = fmaf(h2f((u16)(ws[k] >> 16)), xr[2 * k + 1], s1);
+        }
+        return s0 + s1;
+    }
+};
+
+struct DBF16 : Quad {
+    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
+                                               XA) {
+        const u16* p = (const u16*)row_ptr(w, row) + 32 * (u >> 2) + 4 * (u & 3);
+        const uint2 a = *(const uint2*)p, c = *(const uint2*)(p + 16);
+        const u32 ws[4] = {a.x, a.y, c.x, c.y};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            s0 = fmaf(__uint_as_float(ws[k] << 16), xr[2 * k], s0);
+            s1 = fmaf(__uint_as_float(ws[k] & 0xffff0000u), xr[2 * k + 1], s1);
+        }
+        return s0 + s1;
+    }
+};
+
+struct DF32 : Quad {
+    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
+                                               XA) {
+        const float* p = (const float*)row_ptr(w, row) + 32 * (u >> 2) + 4 * (u & 3);
+        const float4 a = *(const float4*)p, c = *(const float4*)(p + 16);
+        float s0 = a.x * xr[0], s1 = c.x * xr[4];
+        s0 = fmaf(a.y, xr[1], s0);
+        s1 = fmaf(c.y, xr[5], s1);
+        s0 = fmaf(a.z, xr[2], s0);
+        s1 = fmaf(c.z, xr[6], s1);
+        s0 = fmaf(a.w, xr[3], s0);
+        s1 = fmaf(c.w, xr[7], s1);
+        return s0 + s1;
+    }
+};
+
+// Q4_K as stored ({ half d; half dmin; u8 scales[12]; u8 qs[128]; }, 144 bytes, so every
+// super-block and its quants are 16-byte aligned). x = d sc q - dmin m per 32-element
+// sub-block, so a unit's dot is d sc sum(q x) - dmin m sum(x): the sums of x are shared by all
+// rows.
+__device__ __forceinline__ u32 byte12(uint4 h, int k) {  // byte k of the 12 scale bytes
+    const u32 w = k < 4 ? h.y : (k < 8 ? h.z : h.w);
+    return (w >> (8 * (k & 3))) & 0xffu;
+}
+__device__ __forceinline__ void scale_min_k4_reg(int j, uint4 h, float& sc, float& m) {
+    if (j < 4) {
+        sc = (float)(byte12(h, j) & 63u);
+        m = (float)(byte12(h, j + 4) & 63u);
+    } else {
+        sc = (float)((byte12(h, j + 4) & 15u) | ((byte12(h, j - 4) >> 6) << 4));
+        m = (float)((byte12(h, j + 4) >> 4) | ((byte12(h, j) >> 6) << 4));
+    }
+}
+
+struct DQ4_K {
+    static constexpr int N = 32, RPW = 2, GNR = 1;
+    struct XA {
+        float lo, hi;
+    };
+    // Unit b: super-block b / 8, quant bytes 16 (b % 8) .. + 16 of its 128, i.e. sixteen
+    // elements of sub-block 2c (low nibbles) and the same sixteen of sub-block 2c + 1 (high
+    // nibbles), c = (b % 8) / 2. (Quads over this layout measured slower: each lane then decodes
+    // two 6-bit scales per eight weights.)
+    static __device__ __forceinline__ void load_x(const float* __restrict__ x, int b, float* xr) {
+        const float4* p = (const float4*)(x + 256 * (b >> 3) + 64 * ((b >> 1) & 3) + 16 * (b & 1));
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float4 v = p[i], u = p[i + 8];
+            xr[4 * i] = v.x;
+            xr[4 * i + 1] = v.y;
+            xr[4 * i + 2] = v.z;
+            xr[4 * i + 3] = v.w;
+            xr[16 + 4 * i] = u.x;
+            xr[16 + 4 * i + 1] = u.y;
+            xr[16 + 4 * i + 2] = u.z;
+            xr[16 + 4 * i + 3] = u.w;
+        }
+    }
+    static __device__ __forceinline__ XA prep(const float* xr) {
+        XA a = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            a.lo += xr[i];
+            a.hi += xr[16 + i];
+        }
+        return a;
+    }
+    static __device__ __forceinline__ float dot(const WRef& w, int row, int b, const float* xr,
+                                               XA xa) {
+        const u8* sb = row_ptr(w, row) + 144 * (b >> 3);
+        const int c = (b >> 1) & 3;
+        const uint4 h = *(const uint4*)sb;
+        const uint4 q = *(const uint4*)(sb + 16 + 32 * c + 16 * (b & 1));
+        const u32 ws[4] = {q.x, q.y, q.z, q.w};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 lo = ws[k] & 0x0F0F0F0Fu, hi = (ws[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s0 = fmaf(byte_magic(lo, j) - MAGIC, xr[4 * k + j], s0);
+                s1 = fmaf(byte_magic(hi, j) - MAGIC, xr[16 + 4 * k + j], s1);
+            }
+        }
+        float sc0, m0, sc1, m1;
+        scale_min_k4_reg(2 * c, h, sc0, m0);
+        scale_min_k4_reg(2 * c + 1, h, sc1, m1);
+        const float d = h2f((u16)(h.x & 0xffffu)), dmin = h2f((u16)(h.x >> 16));
+        return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xa.lo + m1 * xa.hi);
+    }
+};
+
+// Q6_K padded at upload to 224-byte super-blocks (the 210 stored bytes, then zeros: weight.rs)
+// so that its pieces are 8-byte aligned: ql[128] at 0, qh[64] at 128, scales[16] at 192, d at
+// 208. Lane-block b: super-block b / 8, half n = (b / 4) % 2, the eight columns l0 = 8 (b % 4)
+// .. + 8 of all four quarters (element 128 n + 32 quarter + l), i.e. one 8-byte piece of each
+// ql row and of qh. x = d sc q - 32 d sc.
+struct DQ6_KP {
+    static constexpr int N = 32, RPW = 2, GNR = 1;
+    struct XA {};
+    static __device__ __forceinline__ void load_x(const float* __restrict__ x, int b, float* xr) {
+        const float* p = x + 256 * (b >> 3) + 128 * ((b >> 2) & 1) + 8 * (b & 3);
+#pragma unroll
+        for (int qq = 0; qq < 4; qq++) {
+            const float4 v = *(const float4*)(p + 32 * qq), u = *(const float4*)(p + 32 * qq + 4);
+            xr[8 * qq] = v.x;
+            xr[8 * qq + 1] = v.y;
+            xr[8 * qq + 2] = v.z;
+            xr[8 * qq + 3] = v.w;
+            xr[8 * qq + 4] = u.x;
+            xr[8 * qq + 5] = u.y;
+            xr[8 * qq + 6] = u.z;
+            xr[8 * qq + 7] = u.w;
+        }
+    }
+    static __device__ __forceinline__ XA prep(const float* xr) { return XA{}; }
+    static __device__ __forceinline__ float dot(const WRef& w, int row, int b, const float* xr,
+                                                 XA) {
+        const u8* sb = row_ptr(w, row) + 224 * (b >> 3);
+        const int n = (b >> 2) & 1, l0 = 8 * (b & 3);
+        const uint2 qa = *(const uint2*)(sb + 64 * n + l0);       // quarters 0 (lo), 2 (hi)
+        const uint2 qb = *(const uint2*)(sb + 64 * n + 32 + l0);  // quarters 1 (lo), 3 (hi)
+        const uint2 qh = *(const uint2*)(sb + 128 + 32 * n + l0);
+        const uint2 sc = *(const uint2*)(sb + 192 + 8 * n);
+        const float d = h2f(*(const u16*)(sb + 208));
+        const int sb16 = l0 >> 4;  // which of the two 16-column scale groups
+        float tot = 0.0f;
+#pragma unroll
+        for (int qq = 0; qq < 4; qq++) {
+            const uint2 ql = (qq & 1) ? qb : qa;
+            const int sh = 4 * (qq >> 1);
+            const u32 n0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * qq)) & 0x03030303u) << 4);
+            const u32 n1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * qq)) & 0x03030303u) << 4);
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s = fmaf(byte_magic(n0, j) - (MAGIC + 32.0f), xr[8 * qq + j], s);
+                s = fmaf(byte_magic(n1, j) - (MAGIC + 32.0f), xr[8 * qq + 4 + j], s);
+            }
+            const int k = sb16 + 2 * qq;  // scale index within sc[8n .. 8n + 8]
+            const u32 word = k < 4 ? sc.x : sc.y;
+            const float scale = (float)(i8)((word >> (8 * (k & 3))) & 0xffu);
+            tot = fmaf(scale, s, tot);
+        }
+        return d * tot;
+    }
+};
+
+// One matrix of a fused launch; mirrors `MvJob` on the host (#[repr(C)], same order).
+struct MvJob {
+    WRef w;
+    const float* bias;  // may be null
+    float* out;
+    i32 rows;
+    i32 cta0;  // first block (CTA) of this job in the grid
+    i32 ks;    // warps sharing one row group (splitting its blocks)
+    i32 pad;
+};
+
+struct MvJobs {
+    MvJob j[3];
+    i32 n;
+    i32 accumulate;  // out += result instead of out = result
+};
+
+// The warps of a CTA form MVF_WARPS / ks row groups of ks warps; a group's warps split the
+// units of its NR rows, their sums meet in shared memory. NW matrices (1, or 2 for gate and up) are read at the same rows.
+template <class F, int NR, int NW>
+__device__ __forceinline__ void mvf_rows(const WRef& w0, const WRef& w1,
+                                         const float* __restrict__ x, int rows, int row0,
+                                         int ks, float (*red)[MVF_WARPS][4]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kpart = warp % ks;
+    int rr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) rr[r] = min(row0 + r, rows - 1);  // edge rows not written
+    float acc[NW][NR];
+#pragma unroll
+    for (int m = 0; m < NW; m++)
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[m][r] = 0.0f;
+    // Units of F::N activations per row; lane l of warp k takes units l + 32 k, + 32 ks, ...
+    // Unrolled so that several units' loads are in flight: four for the small units, two for
+    // the 32-element ones (registers).
+    const int nu = w0.cols / F::N, S = 32 * ks;
+    auto step = [&](int u) {
+        float xr[F::N];
+        F::load_x(x, u, xr);
+        const typename F::XA xa = F::prep(xr);
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            acc[0][r] += F::dot(w0, rr[r], u, xr, xa);
+            if (NW > 1) acc[NW - 1][r] += F::dot(w1, rr[r], u, xr, xa);
+        }
+    };
+    if (F::N <= 16) {
+#pragma unroll 4
+        for (int u = lane + 32 * kpart; u < nu; u += S) step(u);
+    } else {
+#pragma unroll 2
+        for (int u = lane + 32 * kpart; u < nu; u += S) step(u);
+    }
+#pragma unroll
+    for (int m = 0; m < NW; m++)
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const float s = warp_sum(acc[m][r]);
+            if (lane == 0) red[m][warp][r] = s;
+        }
+}
+
+// Sum of the ks partial sums of row r of matrix m (fixed order).
+__device__ __forceinline__ float mvf_total(float (*red)[MVF_WARPS][4], int m, int warp, int ks,
+                                           int r) {
+    float s = 0.0f;
+    for (int k = 0; k < ks; k++) s += red[m][warp + k][r];
+    return s;
+}
+
+// Rows per row group: each activation load feeds RPW rows of the plain kernel and GNR rows of
+// each matrix of the gated one (the activations' traffic through L1 limited Q4_0 at two rows
+// of one matrix: ~70% of L1 throughput, ~20% of DRAM's). Chosen per format by measurement
+// (cuda/NOTES.md); the host mirrors them (`mvf_rows_per_group` in ops.rs).
+template <class F>
+struct Rpw {
+    static constexpr int V = F::RPW;
+};
+
+template <class F>
+__device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __restrict__ x) {
+    constexpr int MVF_RPW = Rpw<F>::V;
+    __shared__ float red[1][MVF_WARPS][4];
+    int ji = 0;
+    if (jobs.n > 1 && (int)blockIdx.x >= jobs.j[1].cta0) ji = 1;
+    if (jobs.n > 2 && (int)blockIdx.x >= jobs.j[2].cta0) ji = 2;
+    const MvJob& J = jobs.j[ji];
+    const int ks = J.ks, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rg = warp / ks, kpart = warp % ks;
+    const int row0 = (((int)blockIdx.x - J.cta0) * (MVF_WARPS / ks) + rg) * MVF_RPW;
+    if (row0 < J.rows) mvf_rows<F, MVF_RPW, 1>(J.w, J.w, x, J.rows, row0, ks, red);
+    __syncthreads();
+    if (kpart == 0 && row0 < J.rows && lane < MVF_RPW) {
+        const int row = row0 + lane;
+        if (row < J.rows) {
+            const float s = mvf_total(red, 0, warp, ks, lane) + (J.bias ? J.bias[row] : 0.0f);
+            if (jobs.accumulate)
+                J.out[row] += s;
+            else
+                J.out[row] = s;
+        }
+    }
+}
+
+// out[r] = act(gate[r] . x) * (up[r] . x); act 0 = SiLU, 1 = GELU (tanh).
+template <class F>
+__device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float* __restrict__ x,
+                                         float* __restrict__ out, int rows, int act, int ks) {
+    __shared__ float red[2][MVF_WARPS][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rg = warp / ks, kpart = warp % ks;
+    constexpr int NR = F::GNR;
+    const int row0 = ((int)blockIdx.x * (MVF_WARPS / ks) + rg) * NR;
+    if (row0 < rows) mvf_rows<F, NR, 2>(g, u, x, rows, row0, ks, red);
+    __syncthreads();
+    if (kpart == 0 && row0 < rows && lane < NR && row0 + lane < rows) {
+        const float gs = mvf_total(red, 0, warp, ks, lane), us = mvf_total(red, 1, warp, ks, lane);
+        out[row0 + lane] = (act == 0 ? silu_f(gs) : gelu_tanh_f(gs)) * us;
+    }
+}
+
+#define HF2Q_MATVEC_FAST(NAME, DOT)                                                             \
+    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+        mvf_##NAME(MvJobs jobs, const float* x) {                                              \
+        mvf_impl<DOT>(jobs, x);                                                                \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+        mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks) {      \
+        mvg_impl<DOT>(g, u, x, o, rows, act, ks);                                              \
+    }
