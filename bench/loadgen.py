@@ -252,10 +252,13 @@ def summarize(concurrency, results, wall):
 
 def prefill_rate(client, model, n_tokens, repeats):
     """Prompt tokens per second for an `n_tokens` prompt (pp512 when n = 512): a completion of
-    one token, timed to its first chunk. The best of `repeats`."""
+    one token, timed to its first chunk. The best of `repeats`. Every try starts with a
+    different token, so a server's prefix cache cannot serve any of it."""
     best = float("inf")
-    for _ in range(repeats):
-        body = {"model": model, "prompt": [100 + (i * 7) % 1000 for i in range(n_tokens)], "max_tokens": 1,
+    for rep in range(repeats):
+        prompt = [100 + (i * 7 + 13 * rep) % 1000 for i in range(n_tokens)]
+        prompt[0] = 2000 + rep
+        body = {"model": model, "prompt": prompt, "max_tokens": 1,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         t0 = time.perf_counter()
         c = client.conn()

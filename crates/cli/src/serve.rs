@@ -64,6 +64,12 @@ pub struct ServeArgs {
     /// /health answers 503 when the engine has work but has not finished a step for SECS.
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub stuck_after: f64,
+    /// Do not keep finished requests' KV caches for reuse. By default a request whose prompt
+    /// starts with tokens already computed (a chat's earlier turns, a shared system prompt)
+    /// copies their keys and values instead of prefilling them; kept caches use --kv-mem that no
+    /// request needs and are evicted when one does. CPU only (a GPU keeps nothing).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     /// Matmul kernels for quantized weights (CPU).
     #[arg(long, value_enum, value_name = "PATH", default_value_t = args::MatmulChoice::Fast)]
     pub matmul: args::MatmulChoice,
@@ -149,6 +155,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             max_queue: a.max_queue,
             max_batch_tokens: a.max_batch_tokens,
             step_delay: Duration::ZERO,
+            prefix_cache: !a.no_prefix_cache,
         },
     };
     cfg.validate()?;
@@ -178,12 +185,13 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         );
     }
     eprintln!(
-        "serving {} as '{}': context {} tokens, KV memory {} MiB, up to {} sequences per batch",
+        "serving {} as '{}': context {} tokens, KV memory {} MiB, up to {} sequences per batch, prefix cache {}",
         path.display(),
         cfg.model_id,
         cfg.engine.ctx_size,
         kv_mem >> 20,
-        cfg.engine.max_seqs
+        cfg.engine.max_seqs,
+        if cfg.engine.prefix_cache { "on" } else { "off" }
     );
     hf2q_server::run(model, cfg)?;
     eprintln!("stopped");

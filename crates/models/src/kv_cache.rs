@@ -4,6 +4,8 @@
 
 use hf2q_tensor::kv::KvStore;
 
+use crate::{Error, Result};
+
 /// One sequence's rows inside a batched forward, for one layer: rows `start..start+len` of the
 /// batch activation are this sequence's tokens at positions `pos0..pos0+len`.
 pub struct SeqRef<'a> {
@@ -35,5 +37,42 @@ impl KvCache {
     }
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(KvStore::bytes).sum()
+    }
+
+    /// Whether every layer lives on the host (so [`KvCache::prefix`] can copy it). A device
+    /// cache, or one with a captured decode graph, is not.
+    pub fn is_host(&self) -> bool {
+        self.graph.is_none() && self.layers.iter().all(|l| matches!(l, KvStore::Host(_)))
+    }
+
+    /// A new host cache of at most `limit` positions holding a copy of this cache's first
+    /// `len` positions (their keys and values are final: attention at a position only reads
+    /// positions before it), so a sequence whose tokens start with the same `len` tokens can
+    /// skip computing them. `limit == len` gives a compact copy. Host caches only.
+    pub fn prefix(&self, len: usize, limit: usize) -> Result<KvCache> {
+        if !self.is_host() {
+            return Err(Error::Msg(
+                "only host KV caches can be copied (this one is on a device)".into(),
+            ));
+        }
+        if len > self.limit || len > limit {
+            return Err(Error::Msg(format!(
+                "kv prefix: {len} positions from a cache of limit {} into one of limit {limit}",
+                self.limit
+            )));
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                KvStore::Host(h) => Ok(KvStore::Host(h.prefix(len, limit)?)),
+                KvStore::Device(_) => Err(Error::Msg("device KV cache".into())),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache {
+            layers,
+            graph: None,
+            limit,
+        })
     }
 }

@@ -101,6 +101,11 @@ impl RateMeter {
 pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
+    /// Admitted requests looked up in the prefix cache, those that reused a cached prefix, and
+    /// the prompt tokens that were therefore not prefilled.
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
+    pub prompt_tokens_cached: AtomicU64,
     /// Forward steps run by the engine and tokens fed through them (batch size = ratio).
     pub steps: AtomicU64,
     pub step_tokens: AtomicU64,
@@ -118,6 +123,9 @@ impl Default for Metrics {
         Metrics {
             prompt_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
+            prefix_cache_queries: AtomicU64::new(0),
+            prefix_cache_hits: AtomicU64::new(0),
+            prompt_tokens_cached: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             step_tokens: AtomicU64::new(0),
             ttft: Histogram::default(),
@@ -137,6 +145,9 @@ pub struct Gauges {
     pub kv_reserved_bytes: u64,
     pub kv_used_bytes: u64,
     pub kv_capacity_bytes: u64,
+    /// KV memory held by the prefix cache (evicted when admission needs it).
+    pub prefix_cache_bytes: u64,
+    pub prefix_cache_entries: usize,
     pub up: bool,
 }
 
@@ -196,8 +207,26 @@ impl Metrics {
         counter(
             &mut out,
             "hf2q_prompt_tokens_total",
-            "Prompt tokens prefilled.",
+            "Prompt tokens of admitted requests (cached ones included).",
             ld(&self.prompt_tokens),
+        );
+        counter(
+            &mut out,
+            "hf2q_prompt_tokens_cached_total",
+            "Prompt tokens whose KV came from the prefix cache instead of being prefilled.",
+            ld(&self.prompt_tokens_cached),
+        );
+        counter(
+            &mut out,
+            "hf2q_prefix_cache_queries_total",
+            "Admitted requests looked up in the prefix cache.",
+            ld(&self.prefix_cache_queries),
+        );
+        counter(
+            &mut out,
+            "hf2q_prefix_cache_hits_total",
+            "Admitted requests that reused a cached prompt prefix.",
+            ld(&self.prefix_cache_hits),
         );
         counter(
             &mut out,
@@ -252,6 +281,18 @@ impl Metrics {
             "hf2q_kv_capacity_bytes",
             "KV cache memory cap (--kv-mem).",
             g.kv_capacity_bytes as f64,
+        );
+        gauge(
+            &mut out,
+            "hf2q_prefix_cache_bytes",
+            "KV cache memory held by cached prefixes of finished requests (evictable).",
+            g.prefix_cache_bytes as f64,
+        );
+        gauge(
+            &mut out,
+            "hf2q_prefix_cache_entries",
+            "Finished requests' KV caches kept for prefix reuse.",
+            g.prefix_cache_entries as f64,
         );
         let rate = self
             .rate
@@ -328,6 +369,9 @@ mod tests {
             "hf2q_queue_depth 3",
             "hf2q_up 1",
             "hf2q_time_to_first_token_seconds_count 0",
+            "hf2q_prefix_cache_hits_total 0",
+            "hf2q_prompt_tokens_cached_total 0",
+            "hf2q_prefix_cache_bytes 0",
         ] {
             assert!(s.contains(name), "{name} missing in\n{s}");
         }

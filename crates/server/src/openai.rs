@@ -589,8 +589,11 @@ pub struct ChoiceOut {
     pub finish: String,
 }
 
-pub fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// The `usage` object; `cached` is how many prompt tokens came from the prefix cache (OpenAI's
+/// `prompt_tokens_details.cached_tokens`).
+pub fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 /// Chat `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}`.
@@ -956,8 +959,9 @@ mod tests {
              \"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
         );
         assert_eq!(sse(&c), want);
-        let u = chat_chunk(&meta, None, Some(usage(3, 4)));
+        let u = chat_chunk(&meta, None, Some(usage(3, 4, 2)));
         assert_eq!(u["choices"], json!([]));
         assert_eq!(u["usage"]["total_tokens"], 7);
+        assert_eq!(u["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
     }
 }

@@ -67,11 +67,17 @@ impl HostKv {
         self.capacity
     }
 
+    /// The capacity a cache that must hold `need` positions grows to under `limit`: the next
+    /// power of two, at least 256, at most the limit (or `need` if that is larger).
+    fn grown_capacity(need: usize, limit: usize) -> usize {
+        need.next_power_of_two().max(256).min(limit.max(need))
+    }
+
     fn grow(&mut self, need: usize, limit: usize) {
         if need <= self.capacity {
             return;
         }
-        let cap = need.next_power_of_two().max(256).min(limit.max(need));
+        let cap = Self::grown_capacity(need, limit);
         let (h, d) = (self.n_kv_heads, self.head_dim);
         let relayout = |old: &[f32], old_cap: usize| {
             let mut n = vec![0f32; h * cap * d];
@@ -114,6 +120,38 @@ impl HostKv {
         Ok(())
     }
 
+    /// A new cache holding a copy of this cache's first `len` positions, with the capacity that
+    /// writing `len` positions under `limit` would have grown it to (so `limit == len` gives a
+    /// compact copy of exactly `len` positions). Prefix caching uses it to start a sequence from
+    /// another one's keys and values without recomputing them, and to shrink a finished
+    /// sequence's cache to what it holds.
+    pub fn prefix(&self, len: usize, limit: usize) -> Result<HostKv> {
+        if len > self.capacity || len > limit {
+            return Err(Error::Msg(format!(
+                "kv prefix: {len} positions from a cache of {} (limit {limit})",
+                self.capacity
+            )));
+        }
+        let mut out = HostKv::new(self.n_kv_heads, self.head_dim);
+        if len == 0 {
+            return Ok(out);
+        }
+        let cap = Self::grown_capacity(len, limit);
+        let (h, d, old) = (self.n_kv_heads, self.head_dim, self.capacity);
+        let copy = |src: &[f32]| {
+            let mut n = vec![0f32; h * cap * d];
+            for hi in 0..h {
+                n[hi * cap * d..hi * cap * d + len * d]
+                    .copy_from_slice(&src[hi * old * d..hi * old * d + len * d]);
+            }
+            n
+        };
+        out.k = copy(&self.k);
+        out.v = copy(&self.v);
+        out.capacity = cap;
+        Ok(out)
+    }
+
     pub fn view(&self) -> LayerCache<'_> {
         LayerCache {
             k: &self.k,
@@ -136,4 +174,44 @@ pub fn check_fits(pos0: usize, t: usize, limit: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(t: usize, w: usize, base: f32) -> Tensor {
+        let d: Vec<f32> = (0..t * w).map(|i| base + i as f32).collect();
+        Tensor::new(&[t, w], d).unwrap()
+    }
+
+    #[test]
+    fn prefix_copies_the_first_positions() {
+        let (h, d) = (2, 3);
+        let mut kv = HostKv::new(h, d);
+        kv.write(&rows(5, h * d, 0.0), &rows(5, h * d, 100.0), 0, 1000)
+            .unwrap();
+        assert_eq!(kv.capacity(), 256);
+        // A compact copy of 3 positions, then one grown for a larger limit.
+        for (limit, cap) in [(3, 3), (1000, 256)] {
+            let p = kv.prefix(3, limit).unwrap();
+            assert_eq!(p.capacity(), cap);
+            let (a, b) = (kv.view(), p.view());
+            for hi in 0..h {
+                for pos in 0..3 {
+                    let (s, t) = (hi * 256 * d + pos * d, hi * cap * d + pos * d);
+                    assert_eq!(a.k[s..s + d], b.k[t..t + d]);
+                    assert_eq!(a.v[s..s + d], b.v[t..t + d]);
+                }
+            }
+        }
+        // Writing after the prefix continues the sequence.
+        let mut p = kv.prefix(3, 8).unwrap();
+        p.write(&rows(2, h * d, 7.0), &rows(2, h * d, 9.0), 3, 8)
+            .unwrap();
+        assert_eq!(p.capacity(), 8);
+        assert!(kv.prefix(300, 1000).is_err());
+        assert!(kv.prefix(4, 3).is_err());
+        assert_eq!(kv.prefix(0, 10).unwrap().bytes(), 0);
+    }
 }

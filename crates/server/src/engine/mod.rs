@@ -18,9 +18,18 @@
 //! flags before every step, so a request is dropped whether it is queued, prefilling or
 //! decoding, and its blocks are freed at once.
 //!
+//! Prefix caching ([`prefix`], on unless `--no-prefix-cache`): a finished sequence's cache is
+//! kept with the tokens it holds, and a new request whose prompt starts with the same tokens
+//! (a multi-turn chat re-sending its history, a shared system prompt) copies those keys and
+//! values instead of prefilling them; running sequences' caches serve as sources too. Kept
+//! caches count against the same KV budget and are evicted least recently used first whenever
+//! admission needs their blocks, so caching never makes a request wait. Host (CPU) caches only:
+//! with a device backend nothing is kept.
+//!
 //! What it is not: paged attention (the KV layout belongs to `hf2q_models::kv_cache` and is
-//! contiguous per sequence), preemption, or prefix caching.
+//! contiguous per sequence, so a reused prefix is copied, not shared), or preemption.
 
+mod prefix;
 mod scheduler;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -54,6 +63,9 @@ pub struct EngineConfig {
     /// Sleep after each step. Zero in production; tests and demos use it to make generation
     /// slow enough to observe (stop buttons, disconnects).
     pub step_delay: Duration,
+    /// Keep finished sequences' KV caches and start new requests from the longest cached
+    /// prefix of their prompt (see the module docs).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +77,7 @@ impl Default for EngineConfig {
             max_queue: 256,
             max_batch_tokens: 256,
             step_delay: Duration::ZERO,
+            prefix_cache: true,
         }
     }
 }
@@ -108,6 +121,8 @@ pub enum Event {
     Done {
         finish: FinishReason,
         prompt_tokens: usize,
+        /// Prompt tokens whose keys and values came from the prefix cache (not prefilled).
+        cached_tokens: usize,
         completion_tokens: usize,
     },
     /// The sequence failed; nothing follows. `status` is the HTTP status that fits.
@@ -136,6 +151,9 @@ pub struct Shared {
     pub running: AtomicUsize,
     pub kv_reserved_blocks: AtomicUsize,
     pub kv_used_bytes: AtomicU64,
+    /// KV memory held by the prefix cache (evictable; not in `kv_reserved_blocks`).
+    pub prefix_cache_bytes: AtomicU64,
+    pub prefix_cache_entries: AtomicUsize,
     /// Milliseconds since `started` when the engine loop last made progress.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -175,6 +193,8 @@ impl Shared {
             kv_reserved_bytes: blocks * block_bytes,
             kv_used_bytes: self.kv_used_bytes.load(Ordering::Relaxed),
             kv_capacity_bytes: self.total_blocks as u64 * block_bytes,
+            prefix_cache_bytes: self.prefix_cache_bytes.load(Ordering::Relaxed),
+            prefix_cache_entries: self.prefix_cache_entries.load(Ordering::Relaxed),
             up: !self.is_dead(),
         }
     }
@@ -248,6 +268,8 @@ impl Engine {
             running: AtomicUsize::new(0),
             kv_reserved_blocks: AtomicUsize::new(0),
             kv_used_bytes: AtomicU64::new(0),
+            prefix_cache_bytes: AtomicU64::new(0),
+            prefix_cache_entries: AtomicUsize::new(0),
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
             draining: AtomicBool::new(false),

@@ -4,10 +4,14 @@
 //! 1. take new commands (blocking only when there is no work);
 //! 2. drop cancelled requests (queued or running) and enforce deadlines;
 //! 3. admit queued requests in arrival order while a slot and their KV blocks are free (FIFO:
-//!    a large request at the head is not overtaken, so it cannot starve);
+//!    a large request at the head is not overtaken, so it cannot starve); blocks held by the
+//!    prefix cache count as free (least recently used entries are evicted as needed), and a
+//!    new sequence starts from the longest cached prefix of its prompt ([`super::prefix`]);
 //! 4. build the batch under the token budget: every decoding sequence's one token first, then
 //!    chunks of prompts being prefilled (oldest first) with what budget is left;
-//! 5. one `Model::step_batch`; sample for every sequence whose prompt is complete.
+//! 5. one `Model::step_batch`; sample for every sequence whose prompt is complete;
+//! 6. retire finished sequences: their blocks return to the budget and their caches (compacted)
+//!    to the prefix cache.
 //!
 //! The sampling, stop-string and streaming-text logic is `hf2q_models::generate`'s, applied per
 //! sequence (that module's loop is single-sequence; its pieces are reused here).
@@ -24,7 +28,8 @@ use hf2q_models::stop::StopMatcher;
 use hf2q_models::tokenizer::DecodeStream;
 use hf2q_models::{BatchItem, Model};
 
-use super::{Cmd, Event, Pending, Shared, TokenLogprob};
+use super::prefix::{common_prefix, usable, PrefixPool, MIN_REUSE};
+use super::{Cmd, Event, Pending, Shared, TokenLogprob, BLOCK_TOKENS};
 
 /// One admitted sequence.
 struct Seq<'m> {
@@ -32,6 +37,14 @@ struct Seq<'m> {
     cache: KvCache,
     /// Tokens in the cache.
     pos: usize,
+    /// The tokens whose keys and values are in the cache: `tokens[..pos]` (the prompt, then
+    /// every sampled token once it has been fed).
+    tokens: Vec<u32>,
+    /// Prompt tokens whose keys and values were copied from the prefix cache.
+    cached: usize,
+    /// False once a forward step failed for this sequence: its cache may hold partial rows, so
+    /// it is not offered to the prefix cache.
+    poolable: bool,
     /// The sampled token to feed next (decode phase); `None` while prefilling.
     next: Option<u32>,
     sampler: Sampler,
@@ -48,14 +61,22 @@ struct Seq<'m> {
     done: Option<FinishReason>,
 }
 
+/// Most positions a request's cache may hold (what its reserved blocks cover).
+fn cache_limit(p: &Pending, ctx: usize) -> usize {
+    (p.req.prompt.len() + p.req.max_tokens).min(ctx).max(1)
+}
+
 impl<'m> Seq<'m> {
-    fn new(p: Pending, model: &'m Model, ctx: usize) -> Seq<'m> {
-        let limit = (p.req.prompt.len() + p.req.max_tokens).min(ctx).max(1);
+    /// A sequence starting from `cache`, which already holds the first `cached` prompt tokens.
+    fn new(p: Pending, model: &'m Model, cache: KvCache, cached: usize) -> Seq<'m> {
         let keep = p.req.sampler.penalty_last_n;
         let history = p.req.prompt[p.req.prompt.len().saturating_sub(keep)..].to_vec();
         Seq {
-            cache: model.new_cache(limit),
-            pos: 0,
+            cache,
+            pos: cached,
+            tokens: p.req.prompt.clone(),
+            cached,
+            poolable: true,
             next: None,
             sampler: Sampler::new(p.req.sampler.clone(), model.vocab_size()),
             stop: StopMatcher::new(&p.req.stop),
@@ -166,6 +187,7 @@ impl<'m> Seq<'m> {
         let ev = Event::Done {
             finish: reason,
             prompt_tokens: self.p.req.prompt.len(),
+            cached_tokens: self.cached,
             completion_tokens: self.generated,
         };
         self.send(ev);
@@ -223,7 +245,9 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
     let cfg = sh.cfg.clone();
     let mut waiting: VecDeque<Pending> = VecDeque::new();
     let mut running: Vec<Seq<'_>> = Vec::new();
+    // Blocks neither reserved by a running sequence nor held by the prefix cache.
     let mut free_blocks = sh.total_blocks;
+    let mut pool = PrefixPool::default();
     loop {
         sh.beat();
         // 1. Commands; block only when idle (with a timeout, to keep the heartbeat fresh).
@@ -302,12 +326,12 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 s.done = Some(FinishReason::Length);
             }
         }
-        retire(&mut running, &mut free_blocks, sh);
+        retire(&mut running, &mut free_blocks, &mut pool, sh);
 
-        // 3. Admission, in arrival order.
+        // 3. Admission, in arrival order. The prefix cache's blocks are free for the taking.
         while running.len() < cfg.max_seqs {
             let Some(front) = waiting.front() else { break };
-            if front.blocks > free_blocks {
+            if front.blocks > free_blocks + pool.blocks() {
                 break;
             }
             let p = waiting.pop_front().expect("front exists");
@@ -324,13 +348,14 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 });
                 continue;
             }
+            let (cache, cached) = start_cache(model, &p, &mut pool, &running, &mut free_blocks, sh);
             free_blocks -= p.blocks;
             sh.metrics
                 .prompt_tokens
                 .fetch_add(p.req.prompt.len() as u64, Ordering::Relaxed);
-            running.push(Seq::new(p, model, cfg.ctx_size));
+            running.push(Seq::new(p, model, cache, cached));
         }
-        publish(&running, free_blocks, sh);
+        publish(&running, free_blocks, &pool, sh);
         if running.is_empty() {
             continue;
         }
@@ -395,7 +420,11 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 for ((i, n), l) in plan.iter().zip(logits) {
                     let s = &mut running[*i];
                     s.pos += n;
-                    let decoding = s.next.take().is_some();
+                    let fed = s.next.take();
+                    let decoding = fed.is_some();
+                    if let Some(t) = fed {
+                        s.tokens.push(t);
+                    }
                     if decoding || s.pos == s.p.req.prompt.len() {
                         s.sample(l, &eog, sh, now);
                         sampled += 1;
@@ -411,6 +440,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                         message: format!("the forward pass failed: {e}"),
                     });
                     sh.metrics.count_finished("error");
+                    s.poolable = false;
                     s.done = Some(FinishReason::Cancelled);
                 }
             }
@@ -420,32 +450,147 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add(now, sampled);
-        retire(&mut running, &mut free_blocks, sh);
-        publish(&running, free_blocks, sh);
+        retire(&mut running, &mut free_blocks, &mut pool, sh);
+        publish(&running, free_blocks, &pool, sh);
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
         }
     }
 }
 
-/// Finishes and removes sequences whose `done` is set, returning their blocks.
-fn retire(running: &mut Vec<Seq<'_>>, free_blocks: &mut usize, sh: &Shared) {
+/// Finishes and removes sequences whose `done` is set, returning their blocks; their caches go
+/// to the prefix cache.
+fn retire(running: &mut Vec<Seq<'_>>, free_blocks: &mut usize, pool: &mut PrefixPool, sh: &Shared) {
     running.retain_mut(|s| match s.done {
         Some(reason) => {
             s.finish(reason, sh);
             *free_blocks += s.p.blocks;
+            if sh.cfg.prefix_cache && s.poolable {
+                offer(s, free_blocks, pool, sh);
+            }
             false
         }
         None => true,
     });
 }
 
-fn publish(running: &[Seq<'_>], free_blocks: usize, sh: &Shared) {
+/// Gives a finished sequence's cache to the prefix cache, compacted to the positions it holds
+/// (a cache grows by doubling, so it usually has room to spare). Its blocks come out of
+/// `free_blocks`, to which the sequence's reservation (never fewer blocks) was just returned.
+/// Device caches, and caches too short to be worth reusing, are simply dropped.
+fn offer(s: &mut Seq<'_>, free_blocks: &mut usize, pool: &mut PrefixPool, sh: &Shared) {
+    let pos = s.pos;
+    if pos < MIN_REUSE || !s.cache.is_host() || sh.bytes_per_token == 0 {
+        return;
+    }
+    let cap = s.cache.bytes() / sh.bytes_per_token as usize;
+    let cache = if cap.div_ceil(BLOCK_TOKENS) > pos.div_ceil(BLOCK_TOKENS) {
+        match s.cache.prefix(pos, pos) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("warning: a finished sequence's KV cache could not be kept: {e}");
+                return;
+            }
+        }
+    } else {
+        std::mem::replace(&mut s.cache, KvCache::new(0, 0, 0, 0))
+    };
+    let blocks = (cache.bytes() / sh.bytes_per_token as usize).div_ceil(BLOCK_TOKENS);
+    if blocks > *free_blocks {
+        // Cannot happen (the entry is never larger than the reservation just returned); keep
+        // the accounting exact rather than trust that.
+        return;
+    }
+    *free_blocks -= blocks;
+    s.tokens.truncate(pos);
+    *free_blocks += pool.insert(std::mem::take(&mut s.tokens), cache, blocks);
+}
+
+/// The cache a newly admitted request starts with and how many of its prompt tokens it already
+/// holds (copied from the longest usable match among the prefix cache and the running
+/// sequences). Also makes room for the request's blocks in `free_blocks`, evicting pooled
+/// prefixes least recently used first and the match's source last; the caller checked that
+/// the free and pooled blocks together suffice.
+fn start_cache(
+    model: &Model,
+    p: &Pending,
+    pool: &mut PrefixPool,
+    running: &[Seq<'_>],
+    free_blocks: &mut usize,
+    sh: &Shared,
+) -> (KvCache, usize) {
+    /// Where the reused rows come from.
+    enum Src {
+        Pool(u64),
+        Running(usize),
+    }
+    let prompt = &p.req.prompt;
+    let limit = cache_limit(p, sh.cfg.ctx_size);
+    let mut best: Option<(Src, usize)> = None;
+    if sh.cfg.prefix_cache {
+        sh.metrics
+            .prefix_cache_queries
+            .fetch_add(1, Ordering::Relaxed);
+        best = pool.best(prompt).map(|(id, n)| (Src::Pool(id), n));
+        for (i, s) in running.iter().enumerate() {
+            let n = usable(common_prefix(&s.tokens[..s.pos], prompt), prompt.len());
+            if n > best.as_ref().map_or(0, |b| b.1) && s.cache.is_host() {
+                best = Some((Src::Running(i), n));
+            }
+        }
+    }
+    let keep = match best {
+        Some((Src::Pool(id), _)) => Some(id),
+        _ => None,
+    };
+    pool.evict(p.blocks, free_blocks, keep);
+    let mut taken = None;
+    if *free_blocks < p.blocks {
+        // Only the source is left to evict: take it out, copy from it, then drop it.
+        if let Some(e) = keep.and_then(|id| pool.take(id)) {
+            *free_blocks += e.blocks;
+            taken = Some(e);
+        }
+    }
+    let Some((src, n)) = best else {
+        return (model.new_cache(limit), 0);
+    };
+    let from = match (&src, &taken) {
+        (_, Some(e)) => Some(&e.cache),
+        (Src::Pool(id), None) => pool.get(*id).map(|e| &e.cache),
+        (Src::Running(i), None) => running.get(*i).map(|s| &s.cache),
+    };
+    let copied = from.map(|c| c.prefix(n, limit));
+    match copied {
+        Some(Ok(cache)) => {
+            if let (Src::Pool(id), None) = (&src, &taken) {
+                pool.touch(*id);
+            }
+            let m = &sh.metrics;
+            m.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
+            m.prompt_tokens_cached
+                .fetch_add(n as u64, Ordering::Relaxed);
+            (cache, n)
+        }
+        Some(Err(e)) => {
+            eprintln!("warning: a cached prefix could not be copied (prefilling instead): {e}");
+            (model.new_cache(limit), 0)
+        }
+        None => (model.new_cache(limit), 0),
+    }
+}
+
+fn publish(running: &[Seq<'_>], free_blocks: usize, pool: &PrefixPool, sh: &Shared) {
     sh.running.store(running.len(), Ordering::SeqCst);
-    sh.kv_reserved_blocks
-        .store(sh.total_blocks - free_blocks, Ordering::Relaxed);
+    sh.kv_reserved_blocks.store(
+        sh.total_blocks - free_blocks - pool.blocks(),
+        Ordering::Relaxed,
+    );
     let used: usize = running.iter().map(|s| s.cache.bytes()).sum();
     sh.kv_used_bytes.store(used as u64, Ordering::Relaxed);
+    sh.prefix_cache_bytes
+        .store(pool.bytes() as u64, Ordering::Relaxed);
+    sh.prefix_cache_entries.store(pool.len(), Ordering::Relaxed);
 }
 
 #[cfg(test)]

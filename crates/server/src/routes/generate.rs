@@ -43,6 +43,8 @@ enum Kind {
 /// One choice being generated.
 struct Job {
     index: usize,
+    /// Index of the prompt this choice continues (`n` choices share one).
+    prompt: usize,
     ticket: Ticket,
     /// Text shown before the generated text (`echo`).
     echo: String,
@@ -249,6 +251,7 @@ fn submit(
         .enumerate()
         .map(|(index, (ticket, echo))| Job {
             index,
+            prompt: index / c.n.max(1),
             ticket,
             echo,
         })
@@ -292,12 +295,15 @@ async fn respond(
             .map_err(|e| ApiError::internal(e.to_string()))?;
         return Ok(resp);
     }
+    let prompts: Vec<usize> = jobs.iter().map(|j| j.prompt).collect();
     let results = futures_util::future::join_all(jobs.into_iter().map(collect)).await;
     let mut choices = Vec::new();
     let mut completion_tokens = 0;
-    for r in results {
-        let (choice, lps, n, echo_len) = r?;
+    let mut cached = CachedTokens::default();
+    for (r, prompt) in results.into_iter().zip(prompts) {
+        let (choice, lps, n, echo_len, c) = r?;
         completion_tokens += n;
+        cached.add(prompt, c);
         let lp = match kind {
             _ if !logprobs => Value::Null,
             Kind::Chat => openai::chat_logprobs(&lps, &*text_of),
@@ -305,7 +311,7 @@ async fn respond(
         };
         choices.push((choice, lp));
     }
-    let usage = openai::usage(prompt_tokens, completion_tokens);
+    let usage = openai::usage(prompt_tokens, completion_tokens, cached.total());
     let body = match kind {
         Kind::Chat => openai::chat_response(&meta, choices, usage),
         Kind::Completion => openai::completion_response(&meta, choices, usage),
@@ -313,8 +319,29 @@ async fn respond(
     Ok(axum::Json(body).into_response())
 }
 
-/// Waits for one choice to finish: (choice, logprobs, completion tokens, echoed prompt length).
-async fn collect(mut job: Job) -> ApiResult<(ChoiceOut, Vec<TokenLogprob>, usize, usize)> {
+/// Prompt tokens served from the prefix cache, per prompt: the usage counts each prompt once
+/// (as its `prompt_tokens` does), with the most any of its choices reused.
+#[derive(Default)]
+struct CachedTokens(Vec<usize>);
+
+impl CachedTokens {
+    fn add(&mut self, prompt: usize, cached: usize) {
+        if self.0.len() <= prompt {
+            self.0.resize(prompt + 1, 0);
+        }
+        self.0[prompt] = self.0[prompt].max(cached);
+    }
+    fn total(&self) -> usize {
+        self.0.iter().sum()
+    }
+}
+
+/// One finished choice: (choice, logprobs, completion tokens, echoed prompt length, prompt
+/// tokens served from the prefix cache).
+type Collected = (ChoiceOut, Vec<TokenLogprob>, usize, usize, usize);
+
+/// Waits for one choice to finish.
+async fn collect(mut job: Job) -> ApiResult<Collected> {
     let mut text = std::mem::take(&mut job.echo);
     let echo_len = text.len();
     let mut lps: Vec<TokenLogprob> = Vec::new();
@@ -329,6 +356,7 @@ async fn collect(mut job: Job) -> ApiResult<(ChoiceOut, Vec<TokenLogprob>, usize
             Event::Done {
                 finish,
                 completion_tokens,
+                cached_tokens,
                 ..
             } => {
                 let choice = ChoiceOut {
@@ -336,7 +364,7 @@ async fn collect(mut job: Job) -> ApiResult<(ChoiceOut, Vec<TokenLogprob>, usize
                     text,
                     finish: finish.as_str().to_string(),
                 };
-                return Ok((choice, lps, completion_tokens, echo_len));
+                return Ok((choice, lps, completion_tokens, echo_len, cached_tokens));
             }
             Event::Error { status, message } => return Err(ApiError::from_status(status, message)),
         }
@@ -364,6 +392,9 @@ struct SseState {
     include_usage: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Per choice, its prompt's index; and the prompt tokens served from the prefix cache.
+    prompt_of: Vec<usize>,
+    cached: CachedTokens,
     remaining: usize,
     /// Present when the client asked for log-probabilities.
     text_of: Option<TextOf>,
@@ -389,6 +420,8 @@ impl SseState {
             include_usage,
             prompt_tokens,
             completion_tokens: 0,
+            prompt_of: jobs.iter().map(|j| j.prompt).collect(),
+            cached: CachedTokens::default(),
             remaining: jobs.len(),
             text_of,
             offsets: vec![0; jobs.len()],
@@ -461,9 +494,12 @@ impl SseState {
             Event::Done {
                 finish,
                 completion_tokens,
+                cached_tokens,
                 ..
             } => {
                 self.completion_tokens += completion_tokens;
+                let prompt = self.prompt_of.get(index).copied().unwrap_or(0);
+                self.cached.add(prompt, cached_tokens);
                 let choice = match self.kind {
                     Kind::Chat => openai::chat_chunk_choice(
                         index,
@@ -482,7 +518,11 @@ impl SseState {
                 self.remaining -= 1;
                 if self.remaining == 0 {
                     if self.include_usage {
-                        let u = openai::usage(self.prompt_tokens, self.completion_tokens);
+                        let u = openai::usage(
+                            self.prompt_tokens,
+                            self.completion_tokens,
+                            self.cached.total(),
+                        );
                         let chunk = match self.kind {
                             Kind::Chat => openai::chat_chunk(&self.meta, None, Some(u)),
                             Kind::Completion => openai::completion_chunk(&self.meta, None, Some(u)),

@@ -1,0 +1,313 @@
+//! Prefix caching on a real server over loopback, with the tiny random Llama (f32 weights, so
+//! every path is batch-invariant and greedy outputs must match exactly): a request served from
+//! a cached prefix answers what it answers with caching off, the reuse is visible in the usage
+//! and the metrics (so a cache that silently does nothing fails), a tight KV budget evicts
+//! cached prefixes instead of refusing or stalling requests, and cancellation still frees blocks.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use hf2q_server::{ServerConfig, ServerHandle};
+use serde_json::{json, Value};
+
+use common::*;
+
+/// The tiny model's KV bytes per token: 2 layers x 2 KV heads x 16 dims x (K, V) x f32.
+const BYTES_PER_TOKEN: u64 = 2 * 2 * 16 * 2 * 4;
+const BLOCK: usize = hf2q_server::engine::BLOCK_TOKENS;
+
+fn prefix_cfg(on: bool) -> ServerConfig {
+    let mut c = cfg();
+    c.engine.prefix_cache = on;
+    c
+}
+
+fn hits(h: &ServerHandle) -> u64 {
+    h.engine
+        .shared()
+        .metrics
+        .prefix_cache_hits
+        .load(Ordering::Relaxed)
+}
+
+/// Waits until the prefix cache holds `n` entries.
+async fn entries(h: &ServerHandle, n: usize) -> bool {
+    wait_until(Duration::from_secs(3), || {
+        h.engine.shared().gauges().prefix_cache_entries == n
+    })
+    .await
+}
+
+fn cached_of(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+}
+
+fn chat(messages: Value, max_tokens: usize) -> Value {
+    json!({"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true, "logprobs": true, "top_logprobs": 3})
+}
+
+/// Asserts that two answers are the same: text, and log-probabilities to the last bit (a
+/// reused row that differs from a recomputed one moves them even where greedy text does not
+/// change).
+fn same(a: &Value, b: &Value, what: &str) {
+    assert_eq!(text_of(a), text_of(b), "{what}: text");
+    let (la, lb) = (&a["choices"][0]["logprobs"], &b["choices"][0]["logprobs"]);
+    assert!(!la.is_null(), "{what}: no logprobs in {a}");
+    assert_eq!(la, lb, "{what}: log-probabilities");
+}
+
+fn text_of(v: &Value) -> String {
+    let c = &v["choices"][0];
+    c["message"]["content"]
+        .as_str()
+        .or_else(|| c["text"].as_str())
+        .unwrap_or_else(|| panic!("no text in {v}"))
+        .to_string()
+}
+
+async fn ok(h: &ServerHandle, path: &str, body: &Value) -> Value {
+    let r = post(h.addr, path, body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+const SYSTEM: &str = "You are a terse assistant. Answer in one line.";
+
+#[tokio::test]
+async fn multi_turn_follow_up_reuses_the_history_and_answers_the_same() {
+    let on = start(tiny(), prefix_cfg(true)).await;
+    let off = start(tiny(), prefix_cfg(false)).await;
+    let first = json!([{"role": "system", "content": SYSTEM},
+                       {"role": "user", "content": "Tell me about cats."}]);
+    let t1 = ok(&on, "/v1/chat/completions", &chat(first.clone(), 24)).await;
+    let t1_off = ok(&off, "/v1/chat/completions", &chat(first, 24)).await;
+    same(&t1, &t1_off, "first turn");
+    assert_eq!(cached_of(&t1), 0, "nothing to reuse yet");
+    let reply = text_of(&t1);
+    let follow = json!([{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "Tell me about cats."},
+                        {"role": "assistant", "content": reply},
+                        {"role": "user", "content": "And dogs?"}]);
+    let t2 = ok(&on, "/v1/chat/completions", &chat(follow.clone(), 24)).await;
+    let t2_off = ok(&off, "/v1/chat/completions", &chat(follow, 24)).await;
+    same(&t2, &t2_off, "follow-up");
+    // The whole first prompt (and the part of the reply that tokenizes the same) was reused.
+    let p1 = t1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = cached_of(&t2);
+    assert!(
+        cached >= p1 && cached < t2["usage"]["prompt_tokens"].as_u64().unwrap(),
+        "cached {cached}, first prompt {p1}: {t2}"
+    );
+    assert_eq!(hits(&on), 1);
+    assert_eq!(cached_of(&t2_off), 0);
+    assert_eq!(hits(&off), 0);
+    let m = on
+        .engine
+        .shared()
+        .metrics
+        .prompt_tokens_cached
+        .load(Ordering::Relaxed);
+    assert_eq!(m, cached);
+}
+
+#[tokio::test]
+async fn requests_sharing_a_system_prompt_reuse_it() {
+    let on = start(tiny(), prefix_cfg(true)).await;
+    let off = start(tiny(), prefix_cfg(false)).await;
+    let ask = |q: &str| {
+        chat(
+            json!([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]),
+            16,
+        )
+    };
+    // The system part of the prompt, "<s>system: SYSTEM</s><s>user: ", at one token per byte
+    // ("<s>" and "</s>" are one token each).
+    let shared = format!("<s>system: {SYSTEM}</s><s>user: ").len() as u64 - 7;
+    for (i, q) in ["What is rust?", "Name a river.", "Why is the sky blue?"]
+        .iter()
+        .enumerate()
+    {
+        let a = ok(&on, "/v1/chat/completions", &ask(q)).await;
+        let b = ok(&off, "/v1/chat/completions", &ask(q)).await;
+        same(&a, &b, &format!("question {i}"));
+        if i > 0 {
+            assert!(cached_of(&a) >= shared, "question {i}: {a}");
+        }
+    }
+    assert_eq!(hits(&on), 2);
+    // The metrics page shows it.
+    let page = http(on.addr, "GET", "/metrics", &[], None).await.text();
+    assert!(page.contains("hf2q_prefix_cache_hits_total 2"), "{page}");
+    assert!(page.contains("hf2q_prefix_cache_queries_total 3"), "{page}");
+    assert!(page.contains("hf2q_prefix_cache_bytes "), "{page}");
+    // The engine publishes its gauges just after the last answer was sent.
+    assert!(entries(&on, 3).await);
+}
+
+/// A request arriving while another with the same start is still generating copies the running
+/// sequence's rows (nothing is pooled yet), and both answers are unchanged.
+#[tokio::test]
+async fn a_running_sequence_serves_as_a_source() {
+    let mut c = prefix_cfg(true);
+    c.engine.step_delay = Duration::from_millis(10);
+    let on = start(tiny(), c).await;
+    let off = start(tiny(), prefix_cfg(false)).await;
+    let msgs =
+        |q: &str| json!([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]);
+    let mut long = chat(msgs("Write a long story."), 60);
+    long["stream"] = json!(true);
+    let mut s = open(
+        on.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&long.to_string()),
+    )
+    .await;
+    assert_eq!(s.status, 200);
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.extend(s.next().await.expect("frames"));
+    }
+    let b = ok(&on, "/v1/chat/completions", &chat(msgs("Hi."), 8)).await;
+    assert!(cached_of(&b) >= BLOCK as u64, "{b}");
+    // The source was the running sequence: it still runs, and only B's cache got pooled.
+    // (The gauges are published just after B's answer was sent.)
+    assert!(entries(&on, 1).await);
+    let g = on.engine.shared().gauges();
+    assert_eq!(g.running, 1, "{g:?}");
+    let b_off = ok(&off, "/v1/chat/completions", &chat(msgs("Hi."), 8)).await;
+    same(&b, &b_off, "B");
+    // The source is unaffected.
+    seen.extend(s.body().await.body);
+    let all = String::from_utf8_lossy(&seen).to_string();
+    assert!(all.ends_with("data: [DONE]\n\n"), "{all}");
+    let want = ok(
+        &off,
+        "/v1/chat/completions",
+        &chat(msgs("Write a long story."), 60),
+    )
+    .await;
+    assert_eq!(streamed_text(&all), text_of(&want));
+}
+
+/// A server whose KV memory holds exactly `blocks` blocks.
+fn tight(blocks: usize, on: bool) -> ServerConfig {
+    let mut c = prefix_cfg(on);
+    c.engine.kv_mem_bytes = blocks as u64 * BLOCK as u64 * BYTES_PER_TOKEN;
+    c
+}
+
+fn completion(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true, "logprobs": 3})
+}
+
+/// 40 token ids that start differently for each `seed`.
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..40).map(|i| 32 + (seed * 7 + i * 3) % 90).collect()
+}
+
+#[tokio::test]
+async fn tight_kv_memory_evicts_cached_prefixes_instead_of_refusing() {
+    // 16 blocks = 256 positions: four 64-token requests at a time, or one of 256.
+    let on = start(tiny(), tight(16, true)).await;
+    let off = start(tiny(), tight(16, false)).await;
+    let cap = on.engine.shared().gauges().kv_capacity_bytes;
+    assert_eq!(cap, 16 * BLOCK as u64 * BYTES_PER_TOKEN);
+    for seed in 0..8 {
+        ok(&on, "/v1/completions", &completion(&prompt(seed), 24)).await;
+        let g = on.engine.shared().gauges();
+        assert!(g.prefix_cache_bytes + g.kv_reserved_bytes <= cap, "{g:?}");
+        // 40 + 23 fed tokens: 4 blocks per entry, so at most 4 fit.
+        assert!(g.prefix_cache_entries <= 4, "{g:?}");
+    }
+    assert!(entries(&on, 4).await);
+    // Eight at once: they run four by four, all complete.
+    let mut tasks = Vec::new();
+    for seed in 10..18 {
+        let addr = on.addr;
+        tasks.push(tokio::spawn(async move {
+            post(addr, "/v1/completions", &completion(&prompt(seed), 24)).await
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().status, 200);
+    }
+    // Which of those are still cached depends on their arrival order; this one is, now.
+    ok(&on, "/v1/completions", &completion(&prompt(17), 24)).await;
+    // A request needing the whole budget, whose prompt extends a cached one: every other entry
+    // is evicted, then its source too (after its rows are copied).
+    let mut p = prompt(17);
+    p.extend([40, 41, 42, 43, 44, 45, 46, 47, 48, 49]);
+    let max = 256 - p.len();
+    let big = tokio::time::timeout(
+        Duration::from_secs(20),
+        ok(&on, "/v1/completions", &completion(&p, max)),
+    )
+    .await
+    .expect("the big request was admitted");
+    assert!(cached_of(&big) >= 40, "{}", big["usage"]);
+    let big_off = ok(&off, "/v1/completions", &completion(&p, max)).await;
+    same(&big, &big_off, "big");
+    assert!(
+        entries(&on, 1).await,
+        "only the big request's cache is left"
+    );
+    let g = on.engine.shared().gauges();
+    assert_eq!(g.kv_reserved_bytes, 0);
+    assert!(g.prefix_cache_bytes <= cap);
+}
+
+#[tokio::test]
+async fn cancellation_frees_blocks_with_prefix_caching_on() {
+    let mut c = tight(16, true);
+    c.engine.step_delay = Duration::from_millis(10);
+    let h = start(tiny(), c).await;
+    let p = prompt(3);
+    let mut body = completion(&p, 200);
+    body["stream"] = json!(true);
+    let mut s = open(
+        h.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        Some(&body.to_string()),
+    )
+    .await;
+    assert_eq!(s.status, 200);
+    for _ in 0..3 {
+        s.next().await.expect("frames");
+    }
+    assert_eq!(h.engine.shared().gauges().running, 1);
+    drop(s);
+    assert!(
+        wait_until(Duration::from_secs(3), || {
+            let g = h.engine.shared().gauges();
+            g.running == 0 && g.kv_reserved_bytes == 0
+        })
+        .await,
+        "the cancelled request's blocks were not freed"
+    );
+    assert_eq!(h.engine.shared().metrics.finished("cancelled"), 1);
+    // The whole budget is available again: a request needing all of it runs.
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        ok(&h, "/v1/completions", &completion(&prompt(9), 256 - 40)),
+    )
+    .await
+    .expect("admitted");
+    assert_eq!(r["usage"]["completion_tokens"], 256 - 40);
+    assert!(
+        wait_until(Duration::from_secs(3), || {
+            let g = h.engine.shared().gauges();
+            (g.running, g.kv_reserved_bytes) == (0, 0)
+        })
+        .await
+    );
+}
