@@ -1,6 +1,6 @@
 //! Contract: every fast matmul kernel (each ISA level this CPU runs, scalar included) against the
 //! reference `QTensor::matmul`, for every weight type, on random data with awkward shapes (odd
-//! row counts, T = 1, 2, 7, 33, C a multiple of the block but not of 256 where the format
+//! row counts, T = 1, 2, 3, 7, 8, 9, 17, 33, 40, C a multiple of the block but not of 256 where the format
 //! allows, and a final 32-element half step).
 //!
 //! Two checks per output, both with their bound derived below:
@@ -130,7 +130,21 @@ fn check_kind(kind: Kind) {
     let mut seed = 1;
     for isa in Isa::available() {
         for k in cols_for(kind) {
-            for (rows, t) in [(1, 1), (5, 2), (37, 7), (67, 1), (150, 33), (3, 33)] {
+            // T around the GEMM's 8-token tiles (3, 8, 9, 17, 40) and rows not a multiple of
+            // its 16-row panels (17, 31, 49) as well.
+            for (rows, t) in [
+                (1, 1),
+                (5, 2),
+                (37, 7),
+                (67, 1),
+                (150, 33),
+                (3, 33),
+                (17, 3),
+                (16, 8),
+                (33, 9),
+                (31, 17),
+                (49, 40),
+            ] {
                 for bits in [ActBits::Q8, ActBits::Split16] {
                     seed += 1;
                     check(kind, isa, bits, rows, k, t, seed);
@@ -221,5 +235,32 @@ fn inconsistent_storage_is_an_error_not_a_wild_read() {
     w.rows = 5; // fields are public: the kernels must not trust them
     for isa in Isa::available() {
         assert!(kernels::linear_with(isa, ActBits::Q8, &w, &[0.0; 64], 1, &mut [0.0; 5]).is_err());
+    }
+}
+
+/// The kernels keep the last quantized input of each thread and skip quantizing it again when
+/// the next call's input is the same: runs of calls with one input, then one differing in a
+/// single value, over several weights, must equal fresh calls on a new thread (bit for bit).
+#[test]
+fn repeated_inputs_give_the_results_of_fresh_calls() {
+    let mut rng = Rng::new(99);
+    let (k, t) = (96, 3);
+    let w1 = make_weight(Kind::Ggml(GgmlType::Q4_1), 20, k, &mut rng);
+    let w2 = make_weight(Kind::Ggml(GgmlType::Q8_0), 33, k, &mut rng);
+    let x1 = make_x(t, k, &mut rng);
+    let mut x2 = x1.clone();
+    x2[k + 5] += 1e-3;
+    let run = |w: &hf2q_tensor::QTensor, x: &[f32], bits: ActBits| {
+        let mut o = vec![0f32; t * w.rows];
+        kernels::linear(w, x, t, &mut o, bits).unwrap();
+        o
+    };
+    let fresh = |w: &hf2q_tensor::QTensor, x: &[f32], bits: ActBits| {
+        std::thread::scope(|s| s.spawn(|| run(w, x, bits)).join().unwrap())
+    };
+    for bits in [ActBits::Split16, ActBits::Q8] {
+        for (w, x) in [(&w1, &x1), (&w2, &x1), (&w2, &x2), (&w1, &x2), (&w1, &x1)] {
+            assert_eq!(run(w, x, bits), fresh(w, x, bits), "{bits:?}");
+        }
     }
 }

@@ -15,7 +15,9 @@
 //! to the largest shape seen and are then reused: no allocation per call in steady state.
 //!
 //! ISA tables may replace two steps: a fused `matvec` for T = 1 (no panel, no scratch) and a
-//! `gemm` panel function for T >= 16 (AVX-512: 16-row interleaved panels, `gemm_x86.rs`).
+//! `gemm` panel function for T >= 2 (AVX-512: 16-row interleaved panels, `gemm_x86.rs`), which
+//! also takes two-part activations as T pairs and adds the parts in its integer sums (no
+//! temporary 2T-row output and no second pass).
 //!
 //! Float weights (F32/F16/BF16) skip decoding: the engine converts rows on the fly.
 
@@ -185,6 +187,10 @@ pub struct PanelArgs<'a> {
     pub out: *mut f32,
     /// R (the output row stride).
     pub ldo: usize,
+    /// `act` holds two-part rows (T first parts, then T remainders) and `out` T rows, each the
+    /// sum of both parts' products (only the ISA `gemm` panels take this).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub split: bool,
 }
 
 /// The generic panel loop; each ISA instantiates it inside a `#[target_feature]` function so
@@ -296,17 +302,28 @@ pub(crate) fn run(
     }
     with_reused(&ACT, |act: &mut ActQ8| match bits {
         ActBits::Q8 => {
-            act.reshape(t, k);
-            // SAFETY: the ISA was checked available by the caller.
-            unsafe { q8act::quantize_rows(x, act, kern.quantize_row) };
+            if !act.holds(isa, bits, x, t) {
+                act.reshape(t, k);
+                // SAFETY: the ISA was checked available by the caller.
+                unsafe { q8act::quantize_rows(x, act, kern.quantize_row) };
+                act.remember(isa, bits, x, t);
+            }
             quant_matmul(&kern, &wv, r, act, outp);
         }
         ActBits::Split16 => {
             // 2T rows: the first parts, then the remainders; out = first + remainder.
-            act.reshape(2 * t, k);
-            // SAFETY: the ISA was checked available by the caller.
-            unsafe { q8act::quantize_rows_split(x, act, kern.quantize_row_split) };
+            if !act.holds(isa, bits, x, t) {
+                act.reshape(2 * t, k);
+                // SAFETY: the ISA was checked available by the caller.
+                unsafe { q8act::quantize_rows_split(x, act, kern.quantize_row_split) };
+                act.remember(isa, bits, x, t);
+            }
             if t == 1 && fused_matvec(&kern, &wv, r, act, true, outp) {
+                return;
+            }
+            if let Some(gemm) = kern.gemm.filter(|_| gemm_pays(&wv, 2 * t)) {
+                // The GEMM adds the two parts in its integer sums: no second pass.
+                gemm_matmul(gemm, &wv, r, act, true, outp);
                 return;
             }
             with_reused(&SPLIT_OUT, |tmp: &mut Vec<f32>| {
@@ -350,14 +367,55 @@ fn fused_matvec(
 
 /// The quantized product of every row of `act` with `w`, into `outp` (act.t, R).
 fn quant_matmul(kern: &Kernels, wv: &WView<'_>, r: usize, act: &ActQ8, outp: OutPtr) {
-    let (k, t) = (act.k, act.t);
+    let t = act.t;
     if t == 1 && fused_matvec(kern, wv, r, act, false, outp) {
         return;
     }
-    let (panel, p) = match kern.gemm {
-        Some(gemm) if t >= 16 => gemm,
-        _ => (kern.panel, panel_rows(t, kern.nr)),
-    };
+    if let Some(gemm) = kern.gemm.filter(|_| gemm_pays(wv, t)) {
+        gemm_matmul(gemm, wv, r, act, false, outp);
+        return;
+    }
+    panels(kern.panel, panel_rows(t, kern.nr), wv, r, act, false, outp);
+}
+
+/// Whether the ISA's GEMM panel beats its small tiles for `rows` activation rows (both parts
+/// of split rows counted): the 32-element ggml blocks are laid out for it straight from their
+/// bytes, cheap enough from 2 rows; other formats are decoded and then transposed, which pays
+/// from 16 (at 2 rows, one decode step, it costs a fifth of Q4_K_M's decode speed).
+fn gemm_pays(wv: &WView<'_>, rows: usize) -> bool {
+    let direct = matches!(
+        wv,
+        WView::Ggml {
+            ty: GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0,
+            ..
+        }
+    );
+    rows >= if direct { 2 } else { 16 }
+}
+
+/// The ISA's GEMM panels over all rows (`split`: see [`PanelArgs::split`]).
+fn gemm_matmul(
+    gemm: (PanelFn, usize),
+    wv: &WView<'_>,
+    r: usize,
+    act: &ActQ8,
+    split: bool,
+    outp: OutPtr,
+) {
+    panels(gemm.0, gemm.1, wv, r, act, split, outp);
+}
+
+/// `panel` over all rows in panels of `p` rows, tasks over rayon.
+fn panels(
+    panel: PanelFn,
+    p: usize,
+    wv: &WView<'_>,
+    r: usize,
+    act: &ActQ8,
+    split: bool,
+    outp: OutPtr,
+) {
+    let (k, t) = (act.k, act.t);
     for_each_task(tasks(r, p, t), |(r0, r1)| {
         with_reused(&SCRATCH, |s: &mut Scratch| {
             s.reserve(p, k);
@@ -369,6 +427,7 @@ fn quant_matmul(kern: &Kernels, wv: &WView<'_>, r: usize, act: &ActQ8, outp: Out
                     act,
                     out: outp.get(),
                     ldo: r,
+                    split,
                 };
                 // SAFETY: rows pr0..pr0+n are inside the weight (checked lengths) and this
                 // task's own output columns; the ISA was checked available by the caller.

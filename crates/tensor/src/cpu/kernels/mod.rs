@@ -19,8 +19,10 @@
 //!   weight block once per call; rayon splits the output rows.
 //! - Two AVX-512 VNNI specialisations on top: at T = 1 the 32-element ggml blocks are decoded in
 //!   registers and dotted without scratch (`fused_x86.rs`: the decode is the whole cost of a
-//!   matvec); at T >= 16 a 16-row panel is laid out row-interleaved so one `vpdpbusd` serves 16
-//!   rows and the f32 work per multiply-add drops 5x (`gemm_x86.rs`).
+//!   matvec); at T >= 2 a 16-row panel is laid out row-interleaved (the 32-element ggml blocks
+//!   straight from the mapped bytes) so one `vpdpbusd` serves 16 rows and the f32 work per
+//!   multiply-add drops 5x, and the two activation parts meet in one integer sum
+//!   (`gemm_x86.rs`).
 //!
 //! F32 / F16 / BF16 weights take an f32 FMA path (converted on the fly), no activation rounding.
 //!

@@ -31,7 +31,18 @@ pub struct ActQ8 {
     pub sx: Vec<f32>,
     /// (T, C/32): `dx * Σ q` over each 32-block (for the fused 32-block kernels).
     pub sx32: Vec<f32>,
+    /// Two-part rows only ([`quantize_rows_split`]), for the T/2 pairs (row t and its remainder,
+    /// row T/2 + t): `sx` and `sx32` of both parts added, (T/2, C/16) and (T/2, C/32).
+    pub sxp: Vec<f32>,
+    pub sxp32: Vec<f32>,
+    /// The input these rows were quantized from, and how (see [`ActQ8::holds`]).
+    src: Vec<f32>,
+    src_for: Option<(super::Isa, ActBits, usize)>,
 }
+
+/// Largest input (values) [`ActQ8::remember`] keeps a copy of: the copy and the comparison must
+/// stay cheap next to the quantization they save.
+const REMEMBER_MAX: usize = 1 << 15;
 
 impl ActQ8 {
     /// Resizes for `t` rows of `k` (grows the buffers, never shrinks them, so a reused `ActQ8`
@@ -48,6 +59,33 @@ impl ActQ8 {
             self.dx.resize(n / 16, 0.0);
             self.sx.resize(n / 16, 0.0);
             self.sx32.resize(n / 32, 0.0);
+            self.sxp.resize(n / 32, 0.0);
+            self.sxp32.resize(n / 64, 0.0);
+        }
+    }
+
+    /// Whether this already holds `x` (T rows) quantized on `isa` with `bits`: the same input,
+    /// bit for bit, as the last [`ActQ8::remember`]. Several matmuls read one input (the q, k
+    /// and v projections; gate and up), and each would quantize it again.
+    pub fn holds(&self, isa: super::Isa, bits: ActBits, x: &[f32], t: usize) -> bool {
+        self.src_for == Some((isa, bits, t))
+            && self.src.len() == x.len()
+            && self
+                .src
+                .iter()
+                .zip(x)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+    }
+
+    /// Records that this now holds `x` quantized as given (small inputs only; otherwise it
+    /// forgets, so a later [`ActQ8::holds`] is false).
+    pub fn remember(&mut self, isa: super::Isa, bits: ActBits, x: &[f32], t: usize) {
+        self.src.clear();
+        if x.len() <= REMEMBER_MAX {
+            self.src.extend_from_slice(x);
+            self.src_for = Some((isa, bits, t));
+        } else {
+            self.src_for = None;
         }
     }
 
@@ -205,6 +243,15 @@ pub unsafe fn quantize_rows_split(x: &[f32], a: &mut ActQ8, row_fn: SplitRowFn) 
         }
     }
     finish_sx32(a);
+    let (g, g2) = (k / 16, k / 32);
+    let (h, l) = a.sx[..2 * t * g].split_at(t * g);
+    for ((p, h), l) in a.sxp[..t * g].iter_mut().zip(h).zip(l) {
+        *p = h + l;
+    }
+    let (h, l) = a.sx32[..2 * t * g2].split_at(t * g2);
+    for ((p, h), l) in a.sxp32[..t * g2].iter_mut().zip(h).zip(l) {
+        *p = h + l;
+    }
 }
 
 fn finish_sx32(a: &mut ActQ8) {
