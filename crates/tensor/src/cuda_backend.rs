@@ -36,8 +36,8 @@ use crate::cuda::{
 };
 use crate::kv::{check_fits, DeviceKv, KvStore};
 use crate::op::{
-    linear_add_composed, linear_gated_composed, linear_many_composed, same_shape, AttentionParams,
-    Backend, GateAct, RopeParams,
+    linear_add_composed, linear_gated_composed, linear_many_composed, rope_store_composed,
+    same_shape, AttentionParams, Backend, GateAct, RopeParams,
 };
 use crate::tensor::DeviceSpan;
 use crate::{Error, QTensor, Result, Tensor};
@@ -803,9 +803,8 @@ impl Backend for CudaBackend {
         };
         if !fused {
             // The first write (the cache moves to the device there) and odd shapes.
-            self.rope(q, n_heads, pos0, p)?;
-            self.rope(k, n_kv_heads, pos0, p)?;
-            return self.kv_write(kv, k, v, pos0, limit);
+            let (heads, at) = ((n_heads, n_kv_heads), (pos0, limit));
+            return rope_store_composed(self, q, k, v, heads, kv, at, p);
         }
         check_fits(pos0, t, limit)?;
         let KvStore::Device(d) = kv else {

@@ -127,9 +127,7 @@ pub trait Backend: Send + Sync {
         limit: usize,
         p: &RopeParams,
     ) -> Result<()> {
-        self.rope(q, n_heads, pos0, p)?;
-        self.rope(k, n_kv_heads, pos0, p)?;
-        self.kv_write(kv, k, v, pos0, limit)
+        rope_store_composed(self, q, k, v, (n_heads, n_kv_heads), kv, (pos0, limit), p)
     }
     /// `act(x · Gᵀ) * (x · Uᵀ)`: the first half of a gated MLP.
     fn linear_gated(
@@ -148,6 +146,24 @@ pub trait Backend: Send + Sync {
 pub enum GateAct {
     Silu,
     GeluTanh,
+}
+
+/// [`Backend::rope_store`] as two RoPEs and a cache write (`heads`: q's and k's head counts,
+/// `at`: `pos0` and the position limit).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store_composed<B: Backend + ?Sized>(
+    be: &B,
+    q: &mut Tensor,
+    k: &mut Tensor,
+    v: &Tensor,
+    heads: (usize, usize),
+    kv: &mut KvStore,
+    at: (usize, usize),
+    p: &RopeParams,
+) -> Result<()> {
+    be.rope(q, heads.0, at.0, p)?;
+    be.rope(k, heads.1, at.0, p)?;
+    be.kv_write(kv, k, v, at.0, at.1)
 }
 
 /// [`Backend::linear_many`] from single products.

@@ -37,32 +37,7 @@ pub(crate) const ROWS: usize = 16;
 /// Tokens per tile (accumulators kept in registers).
 const NT: usize = 8;
 
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q5_0: u8 = 2;
-const Q5_1: u8 = 3;
-const Q8_0: u8 = 4;
-
-/// Bytes per block.
-const fn block_bytes(f: u8) -> usize {
-    match f {
-        Q4_0 => 18,
-        Q4_1 => 20,
-        Q5_0 => 22,
-        Q5_1 => 24,
-        _ => 34,
-    }
-}
-
-/// Offset of the packed quants in a block.
-const fn qs_at(f: u8) -> usize {
-    match f {
-        Q4_0 | Q8_0 => 2,
-        Q4_1 => 4,
-        Q5_0 => 6,
-        _ => 8,
-    }
-}
+use super::legacy::{block_bytes, qs_at, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 /// Whether the weight's scales and offsets are constant over each 32 elements.
 fn per32(w: &WView<'_>) -> bool {

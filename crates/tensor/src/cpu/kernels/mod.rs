@@ -41,6 +41,36 @@ mod float_x86;
 mod fused_x86;
 #[cfg(target_arch = "x86_64")]
 mod gemm_x86;
+/// The 32-element ggml formats as the x86 kernels number them (fused decode and GEMM panels).
+#[cfg(target_arch = "x86_64")]
+mod legacy {
+    pub(super) const Q4_0: u8 = 0;
+    pub(super) const Q4_1: u8 = 1;
+    pub(super) const Q5_0: u8 = 2;
+    pub(super) const Q5_1: u8 = 3;
+    pub(super) const Q8_0: u8 = 4;
+
+    /// Bytes per block.
+    pub(super) const fn block_bytes(f: u8) -> usize {
+        match f {
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            _ => 34,
+        }
+    }
+
+    /// Offset of the packed quants in a block.
+    pub(super) const fn qs_at(f: u8) -> usize {
+        match f {
+            Q4_0 | Q8_0 => 2,
+            Q4_1 => 4,
+            Q5_0 => 6,
+            _ => 8,
+        }
+    }
+}
 mod matmul;
 pub mod q8act;
 pub use q8act::ActBits;

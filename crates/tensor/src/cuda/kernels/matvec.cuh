@@ -52,18 +52,20 @@ struct NoAux {
     static __device__ __forceinline__ XA prep(const float* xr) { return XA{}; }
 };
 
-// The activations of quad lane u: x[32 b + 4 q .. + 4] and x[32 b + 16 + 4 q .. + 4].
-__device__ __forceinline__ void load_x_quad(const float* __restrict__ x, int u, float* xr) {
-    const float* p = x + 32 * (u >> 2) + 4 * (u & 3);
-    const float4 a = *(const float4*)p, c = *(const float4*)(p + 16);
+// xr[0..4] = p[0..4] (16-byte aligned).
+__device__ __forceinline__ void ld4(const float* __restrict__ p, float* xr) {
+    const float4 a = *(const float4*)p;
     xr[0] = a.x;
     xr[1] = a.y;
     xr[2] = a.z;
     xr[3] = a.w;
-    xr[4] = c.x;
-    xr[5] = c.y;
-    xr[6] = c.z;
-    xr[7] = c.w;
+}
+
+// The activations of quad lane u: x[32 b + 4 q .. + 4] and x[32 b + 16 + 4 q .. + 4].
+__device__ __forceinline__ void load_x_quad(const float* __restrict__ x, int u, float* xr) {
+    const float* p = x + 32 * (u >> 2) + 4 * (u & 3);
+    ld4(p, xr);
+    ld4(p + 16, xr + 4);
 }
 
 struct Quad : NoAux {
@@ -94,17 +96,7 @@ struct DQ4_0S : NoAux {
     static __device__ __forceinline__ void load_x(const float* __restrict__ x, int u, float* xr) {
         const float* p = x + 32 * (u >> 1) + 8 * (u & 1);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float4 a = *(const float4*)(p + 16 * h), c = *(const float4*)(p + 16 * h + 4);
-            xr[8 * h] = a.x;
-            xr[8 * h + 1] = a.y;
-            xr[8 * h + 2] = a.z;
-            xr[8 * h + 3] = a.w;
-            xr[8 * h + 4] = c.x;
-            xr[8 * h + 5] = c.y;
-            xr[8 * h + 6] = c.z;
-            xr[8 * h + 7] = c.w;
-        }
+        for (int h = 0; h < 4; h++) ld4(p + 16 * (h >> 1) + 4 * (h & 1), xr + 4 * h);
     }
     static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
                                                XA) {
@@ -219,18 +211,11 @@ struct DQ4_K {
     // nibbles), c = (b % 8) / 2. (Quads over this layout measured slower: each lane then decodes
     // two 6-bit scales per eight weights.)
     static __device__ __forceinline__ void load_x(const float* __restrict__ x, int b, float* xr) {
-        const float4* p = (const float4*)(x + 256 * (b >> 3) + 64 * ((b >> 1) & 3) + 16 * (b & 1));
+        const float* p = x + 256 * (b >> 3) + 64 * ((b >> 1) & 3) + 16 * (b & 1);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const float4 v = p[i], u = p[i + 8];
-            xr[4 * i] = v.x;
-            xr[4 * i + 1] = v.y;
-            xr[4 * i + 2] = v.z;
-            xr[4 * i + 3] = v.w;
-            xr[16 + 4 * i] = u.x;
-            xr[16 + 4 * i + 1] = u.y;
-            xr[16 + 4 * i + 2] = u.z;
-            xr[16 + 4 * i + 3] = u.w;
+            ld4(p + 4 * i, xr + 4 * i);
+            ld4(p + 32 + 4 * i, xr + 16 + 4 * i);
         }
     }
     static __device__ __forceinline__ XA prep(const float* xr) {
@@ -278,17 +263,7 @@ struct DQ6_KP {
     static __device__ __forceinline__ void load_x(const float* __restrict__ x, int b, float* xr) {
         const float* p = x + 256 * (b >> 3) + 128 * ((b >> 2) & 1) + 8 * (b & 3);
 #pragma unroll
-        for (int qq = 0; qq < 4; qq++) {
-            const float4 v = *(const float4*)(p + 32 * qq), u = *(const float4*)(p + 32 * qq + 4);
-            xr[8 * qq] = v.x;
-            xr[8 * qq + 1] = v.y;
-            xr[8 * qq + 2] = v.z;
-            xr[8 * qq + 3] = v.w;
-            xr[8 * qq + 4] = u.x;
-            xr[8 * qq + 5] = u.y;
-            xr[8 * qq + 6] = u.z;
-            xr[8 * qq + 7] = u.w;
-        }
+        for (int h = 0; h < 8; h++) ld4(p + 32 * (h >> 1) + 4 * (h & 1), xr + 4 * h);
     }
     static __device__ __forceinline__ XA prep(const float* xr) { return XA{}; }
     static __device__ __forceinline__ float dot(const WRef& w, int row, int b, const float* xr,
