@@ -461,17 +461,25 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
 /// Finishes and removes sequences whose `done` is set, returning their blocks; their caches go
 /// to the prefix cache.
 fn retire(running: &mut Vec<Seq<'_>>, free_blocks: &mut usize, pool: &mut PrefixPool, sh: &Shared) {
-    running.retain_mut(|s| match s.done {
-        Some(reason) => {
-            s.finish(reason, sh);
-            *free_blocks += s.p.blocks;
-            if sh.cfg.prefix_cache && s.poolable {
-                offer(s, free_blocks, pool, sh);
-            }
-            false
+    let (finished, still): (Vec<Seq<'_>>, Vec<Seq<'_>>) = std::mem::take(running)
+        .into_iter()
+        .partition(|s| s.done.is_some());
+    *running = still;
+    if finished.is_empty() {
+        return;
+    }
+    // The gauges first: a client that has its answer must also see its slot free (/metrics).
+    for s in &finished {
+        *free_blocks += s.p.blocks;
+    }
+    publish(running, *free_blocks, pool, sh);
+    for mut s in finished {
+        let reason = s.done.expect("partitioned on done");
+        s.finish(reason, sh);
+        if sh.cfg.prefix_cache && s.poolable {
+            offer(&mut s, free_blocks, pool, sh);
         }
-        None => true,
-    });
+    }
 }
 
 /// Gives a finished sequence's cache to the prefix cache, compacted to the positions it holds
