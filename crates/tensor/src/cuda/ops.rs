@@ -29,7 +29,8 @@ const fn prefill_smem(dh: usize) -> usize {
 fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
     match kind {
         "q8_0s" => (4, 2),
-        "q4_k" | "q6_kp" => (2, 1),
+        "q4_k" => (4, 2),
+        "q6_kp" => (2, 1),
         _ => (2, 2),
     }
 }

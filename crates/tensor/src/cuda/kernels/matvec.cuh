@@ -202,7 +202,7 @@ __device__ __forceinline__ void scale_min_k4_reg(int j, uint4 h, float& sc, floa
 }
 
 struct DQ4_K {
-    static constexpr int N = 32, RPW = 2, GNR = 1;
+    static constexpr int N = 32, RPW = 4, GNR = 2;
     struct XA {
         float lo, hi;
     };
