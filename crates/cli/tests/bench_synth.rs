@@ -5,49 +5,15 @@
 //! gguf==0.19.0, see `scripts/fixtures/gguf_py_summary.py`) gguf-py must read a synthesized file
 //! as hf2q does.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output};
+
+use common::{fails_with, fixture, hf2q, s, stderr, stdout};
 
 use hf2q_tensor::io::gguf::GgufFile;
 use serde_json::Value;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/tests/fixtures/tiny")
-        .join(name)
-}
-
-fn hf2q(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hf2q"))
-        .args(args)
-        // Never touch the user's model cache.
-        .env(
-            "HF2Q_HOME",
-            std::env::temp_dir().join("hf2q-bench-synth-test-home"),
-        )
-        .output()
-        .unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-/// Asserts a clean failure: non-zero exit, `want` in the message, no panic.
-fn fails_with(o: &Output, want: &str) {
-    let e = stderr(o);
-    assert!(!o.status.success(), "expected failure:\n{e}");
-    assert!(e.contains(want), "expected '{want}' in:\n{e}");
-    assert!(!e.contains("panicked"), "panic:\n{e}");
-}
 
 fn json_lines(o: &Output) -> Vec<Value> {
     stdout(o)

@@ -2,35 +2,16 @@
 //! `hf2q quantize --imatrix` uses (GGUF and MLX), prints JSON when asked, and refuses bad
 //! requests with a clear message and a failing exit status, without panicking.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn tiny() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama")
-}
+use std::path::Path;
 
-fn hf2q(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hf2q"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{fails_with, hf2q, stderr, tiny};
 
 const TEXT: &str = "Importance matrices weigh each input column of a weight by the mean square of \
 the activations that reach it. Columns that carry large activations matter more when the weight \
 is rounded, so a quantizer spends its precision there. This text only needs to be long enough \
 for a few chunks of sixteen tokens each.";
-
-fn fails_with(o: &Output, what: &str) {
-    let e = stderr(o);
-    assert!(!o.status.success(), "succeeded: {e}");
-    assert!(e.contains(what), "expected '{what}' in: {e}");
-    assert!(!e.contains("panicked"), "{e}");
-}
 
 #[test]
 fn imatrix_then_quantize_with_it() {

@@ -2,23 +2,9 @@
 //! checkpoint: they write what they say, print JSON when asked, and refuse bad requests with a
 //! clear message and a failing exit status (leaving no output behind).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn tiny() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama")
-}
-
-fn hf2q(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hf2q"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{hf2q, stderr, tiny};
 
 #[test]
 fn quantize_convert_perplexity_round() {

@@ -6,9 +6,12 @@
 //! `HF2Q_TEST_{SMOLLM2,GEMMA3,QWEN25}_GGUF` or `HF2Q_TEST_CUDA_GGUF` (a synthesized model at a
 //! real shape). Without a GPU every test prints "skipped: no CUDA device" and passes.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use common::{argmax, kl};
 use hf2q_models::model::BatchItem;
 use hf2q_models::Model;
 use hf2q_tensor::cpu::MatmulPath;
@@ -30,32 +33,6 @@ fn tiny(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/tiny")
         .join(name)
-}
-
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0
-}
-
-/// KL(softmax(p) || softmax(q)) in f64.
-fn kl(p: &[f32], q: &[f32]) -> f64 {
-    let lse = |v: &[f32]| {
-        let m = v.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-        m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
-    };
-    let (lp, lq) = (lse(p), lse(q));
-    p.iter()
-        .zip(q)
-        .map(|(&a, &b)| {
-            let la = a as f64 - lp;
-            la.exp() * (la - (b as f64 - lq))
-        })
-        .sum()
 }
 
 /// Token ids for a test text: a deterministic walk over the vocabulary.

@@ -10,8 +10,11 @@
 //!   family's options (llama3 rope scaling, qkv bias, q/k norm, sliding window, sandwich norms).
 //! - Cache consistency: full-prefill logits equal token-by-token decode logits.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{argmax, kl};
 use hf2q_models::Model;
 use hf2q_tensor::cpu::MatmulPath;
 use serde_json::Value;
@@ -49,16 +52,6 @@ fn model_from_env(var: &str) -> Option<Model> {
 fn reference(mut m: Model) -> Model {
     m.set_matmul_path(MatmulPath::Reference);
     m
-}
-
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0
 }
 
 /// Teacher-forced comparison with the golden top-20; returns (agreements, steps, max abs error).
@@ -323,20 +316,4 @@ fn fast_path_check(names: &[&str], path: MatmulPath, min_agree: usize, max_kl: f
         );
         assert!(kl_mean <= max_kl, "{name}: {path:?} mean KL {kl_mean}");
     }
-}
-
-/// KL(softmax(p) || softmax(q)) in f64.
-fn kl(p: &[f32], q: &[f32]) -> f64 {
-    let lse = |v: &[f32]| {
-        let m = v.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-        m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
-    };
-    let (lp, lq) = (lse(p), lse(q));
-    p.iter()
-        .zip(q)
-        .map(|(&a, &b)| {
-            let la = a as f64 - lp;
-            la.exp() * (la - (b as f64 - lq))
-        })
-        .sum()
 }

@@ -36,8 +36,8 @@ use crate::cuda::{
 };
 use crate::kv::{check_fits, DeviceKv, KvStore};
 use crate::op::{
-    linear_add_composed, linear_gated_composed, linear_many_composed, rope_store_composed,
-    same_shape, AttentionParams, Backend, GateAct, RopeParams,
+    check_rows, linear_add_composed, linear_gated_composed, linear_many_composed,
+    rope_store_composed, same_shape, AttentionParams, Backend, GateAct, RopeParams,
 };
 use crate::tensor::DeviceSpan;
 use crate::{Error, QTensor, Result, Tensor};
@@ -717,21 +717,13 @@ impl Backend for CudaBackend {
     fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
         // Rare (final logits of some families): a host round trip.
         let mut h = self.to_host(x)?;
-        h.data_mut()
-            .iter_mut()
-            .for_each(|v| *v = (*v / cap).tanh() * cap);
+        crate::cpu::CpuBackend::REFERENCE.softcap(&mut h, cap)?;
         *x = self.upload(&h)?;
         Ok(())
     }
 
     fn rows(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
-        let (r, c) = x.dims2();
-        if start + len > r {
-            return Err(Error::Shape(format!(
-                "rows {start}..{} of a tensor of {r} rows",
-                start + len
-            )));
-        }
+        let c = check_rows(x, start, len)?;
         let out = self.alloc(&[len, c])?;
         if len * c > 0 {
             let xi = self.raw(x, "rows")?;

@@ -141,6 +141,19 @@ pub trait Backend: Send + Sync {
     }
 }
 
+/// Checks that rows `start..start+len` exist in `x` viewed as `(rows, last_dim)` (every
+/// backend's `rows`); returns the row width.
+pub fn check_rows(x: &Tensor, start: usize, len: usize) -> Result<usize> {
+    let (r, c) = x.dims2();
+    if start.checked_add(len).is_none_or(|end| end > r) {
+        return Err(crate::Error::Shape(format!(
+            "rows {start}..{} of a tensor of {r} rows",
+            start.saturating_add(len)
+        )));
+    }
+    Ok(c)
+}
+
 /// The activation of a gated MLP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GateAct {

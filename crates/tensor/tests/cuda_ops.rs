@@ -372,13 +372,17 @@ fn fast_matvec_and_fusions() {
                 .map(|i| make_weight(&mut rng, f, rows + 7 * i, cols))
                 .collect();
             let bias = rng.vec(rows + 7, 1.0);
+            // One launch per fused call: the fast kernels ran, not the composed fallback.
+            let launches = || dev.counters().launches;
             // q, k, v: one launch, the second with a bias.
+            let l0 = launches();
             let outs = be
                 .linear_many(
                     &xd,
                     &[(&ws[0], None), (&ws[1], Some(&bias)), (&ws[2], None)],
                 )
                 .unwrap();
+            assert_eq!(launches() - l0, 1, "linear_many {f:?}: one launch");
             for (i, o) in outs.iter().enumerate() {
                 let b = (i == 1).then_some(&bias[..]);
                 let (want, mag) = reference_linear(&ws[i], &x, 1, b);
@@ -395,7 +399,9 @@ fn fast_matvec_and_fusions() {
             let mut rd = be
                 .upload(&Tensor::new(&[1, rows], res.clone()).unwrap())
                 .unwrap();
+            let l0 = launches();
             be.linear_add(&xd, &ws[0], &mut rd).unwrap();
+            assert_eq!(launches() - l0, 1, "linear_add {f:?}: one launch");
             let (y, mag) = reference_linear(&ws[0], &x, 1, None);
             let want: Vec<f32> = res.iter().zip(&y).map(|(a, b)| a + b).collect();
             check(
@@ -407,7 +413,9 @@ fn fast_matvec_and_fusions() {
             // act(x G^T) * (x U^T)
             let up = make_weight(&mut rng, f, rows, cols);
             for act in [GateAct::Silu, GateAct::GeluTanh] {
+                let l0 = launches();
                 let got = be.linear_gated(&xd, &ws[0], &up, act).unwrap();
+                assert_eq!(launches() - l0, 1, "linear_gated {f:?}: one launch");
                 let want = cpu.linear_gated(&xt, &ws[0], &up, act).unwrap();
                 let (g, gm) = reference_linear(&ws[0], &x, 1, None);
                 let (u, um) = reference_linear(&up, &x, 1, None);

@@ -9,7 +9,9 @@ pub mod kernels;
 use kernels::ActBits;
 
 use crate::kv::KvStore;
-use crate::op::{same_shape, AttentionParams, Backend, LayerCache, RopeParams, RopeStyle};
+use crate::op::{
+    check_rows, same_shape, AttentionParams, Backend, LayerCache, RopeParams, RopeStyle,
+};
 use crate::weight::dot;
 use crate::{Error, QTensor, Result, Tensor};
 
@@ -307,13 +309,7 @@ impl Backend for CpuBackend {
     }
 
     fn rows(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
-        let (r, c) = x.dims2();
-        if start + len > r {
-            return Err(Error::Shape(format!(
-                "rows {start}..{} of a tensor of {r} rows",
-                start + len
-            )));
-        }
+        let c = check_rows(x, start, len)?;
         Tensor::new(&[len, c], x.data()[start * c..(start + len) * c].to_vec())
     }
 

@@ -851,6 +851,31 @@ impl CudaDev {
         launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; xp, yp, ni)
     }
 
+    /// The shared checks of the one-token-per-row kernels (argmax, sampling): sizes, at least one
+    /// column; `None` for no rows. Returns the input and output pointers, the column count and
+    /// the grid (one block per row).
+    fn row_picks(
+        &self,
+        what: &str,
+        logits: &impl DevicePtr<f32>,
+        rows: usize,
+        cols: usize,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<Option<(u64, u64, i32, u32)>> {
+        need(&format!("{what} input"), logits.len(), rows * cols)?;
+        need(&format!("{what} output"), out.len(), rows)?;
+        if rows == 0 {
+            return Ok(None);
+        }
+        if cols == 0 {
+            return Err(shape(format!("{what} over empty rows")));
+        }
+        self.bind()?;
+        let c = to_i32("columns", cols)?;
+        let grid = u32::try_from(rows).map_err(|_| shape(format!("{rows} rows")))?;
+        Ok(Some((self.ptr(logits), self.ptr_mut(out), c, grid)))
+    }
+
     /// Sampling: `out[r]` = the token drawn from row r of `logits (rows, cols)` with the
     /// settings in `args` (a device buffer, so a captured graph reads new settings and a new
     /// uniform number each replay).
@@ -862,20 +887,12 @@ impl CudaDev {
         args: &CudaSlice<SampleArgs>,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
-        need("sample input", logits.len(), rows * cols)?;
-        need("sample output", out.len(), rows)?;
         need("sample settings", args.len(), 1)?;
-        if rows == 0 {
+        let Some((lp, op, c, grid)) = self.row_picks("sample", logits, rows, cols, out)? else {
             return Ok(());
-        }
-        if cols == 0 {
-            return Err(shape("sampling from empty rows".into()));
-        }
-        self.bind()?;
+        };
         let f = self.function(Program::Elementwise, "sample_topk")?;
-        let (lp, ap, op) = (self.ptr(logits), self.ptr(args), self.ptr_mut(out));
-        let c = to_i32("columns", cols)?;
-        let grid = u32::try_from(rows).map_err(|_| shape(format!("{rows} rows")))?;
+        let ap = self.ptr(args);
         launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, c, ap, op)
     }
 
@@ -888,19 +905,10 @@ impl CudaDev {
         cols: usize,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
-        need("argmax input", logits.len(), rows * cols)?;
-        need("argmax output", out.len(), rows)?;
-        if rows == 0 {
+        let Some((lp, op, c, grid)) = self.row_picks("argmax", logits, rows, cols, out)? else {
             return Ok(());
-        }
-        if cols == 0 {
-            return Err(shape("argmax over empty rows".into()));
-        }
-        self.bind()?;
+        };
         let f = self.function(Program::Elementwise, "argmax_rows")?;
-        let (lp, op) = (self.ptr(logits), self.ptr_mut(out));
-        let c = to_i32("columns", cols)?;
-        let grid = u32::try_from(rows).map_err(|_| shape(format!("{rows} rows")))?;
         launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, op, c)
     }
 }

@@ -41,6 +41,16 @@ __device__ __forceinline__ u32 byte_of(u32 lo, u32 hi, int i) {
 // (p = g & 3) is bytes 8*(p&1) .. +8, nibble (p >> 1).
 // ---------------------------------------------------------------------------------------------
 
+// v[i] = (byte i of q0 - off) * d and v[4 + i] = (byte i of q1 - off) * d, rounded as the CPU
+// reference's multiply (the subtraction is exact).
+__device__ __forceinline__ void deq_bytes8(u32 q0, u32 q1, float off, float d, float* v) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + off), d);
+        v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + off), d);
+    }
+}
+
 struct FQ4_0 {  // { half d; u8 qs[16]; } x = d * (q - 8)
     template <bool AL = true>
     static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
@@ -50,11 +60,7 @@ struct FQ4_0 {  // { half d; u8 qs[16]; } x = d * (q - 8)
         const float d = h2f(ld_u16(b));
         const u8* q = b + 2 + (p & 1) * 8;
         const u32 q0 = (ld_u32_a2(q) >> sh) & 0x0F0F0F0Fu, q1 = (ld_u32_a2(q + 4) >> sh) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 8.0f), d);
-            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 8.0f), d);
-        }
+        deq_bytes8(q0, q1, 8.0f, d, v);
     }
 };
 
@@ -122,11 +128,7 @@ struct FQ8_0 {  // { half d; i8 qs[32]; } x = q * d
         const u8* q = b + 2 + (g & 3) * 8;
         // Flipping the sign bit maps int8 q to the byte q + 128.
         const u32 q0 = ld_u32_a2(q) ^ 0x80808080u, q1 = ld_u32_a2(q + 4) ^ 0x80808080u;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 128.0f), d);
-            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 128.0f), d);
-        }
+        deq_bytes8(q0, q1, 128.0f, d, v);
     }
 };
 
@@ -142,11 +144,7 @@ struct FQ4_0S {
         const float d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
         const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
         const u32 q0 = (q.x >> sh) & 0x0F0F0F0Fu, q1 = (q.y >> sh) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 8.0f), d);
-            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 8.0f), d);
-        }
+        deq_bytes8(q0, q1, 8.0f, d, v);
     }
 };
 
@@ -158,11 +156,7 @@ struct FQ8_0S {
         const float d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
         const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
         const u32 q0 = q.x ^ 0x80808080u, q1 = q.y ^ 0x80808080u;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fmul_rn(byte_magic(q0, i) - (MAGIC + 128.0f), d);
-            v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + 128.0f), d);
-        }
+        deq_bytes8(q0, q1, 128.0f, d, v);
     }
 };
 
@@ -305,11 +299,7 @@ struct FQ6_Kt {
         const int sh = 4 * (quarter >> 1);
         const u32 n0 = ((q0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> (2 * quarter)) & 0x03030303u) << 4);
         const u32 n1 = ((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fmul_rn(ds, byte_magic(n0, i) - (MAGIC + 32.0f));
-            v[i + 4] = __fmul_rn(ds, byte_magic(n1, i) - (MAGIC + 32.0f));
-        }
+        deq_bytes8(n0, n1, 32.0f, ds, v);
     }
 };
 
@@ -325,11 +315,7 @@ struct FQ8_K {
         const float d = __uint_as_float(ld_u32_a2(b));
         const u8* q = b + 4 + (g & 31) * 8;
         const u32 q0 = ld_u32_a2(q) ^ 0x80808080u, q1 = ld_u32_a2(q + 4) ^ 0x80808080u;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fmul_rn(d, byte_magic(q0, i) - (MAGIC + 128.0f));
-            v[i + 4] = __fmul_rn(d, byte_magic(q1, i) - (MAGIC + 128.0f));
-        }
+        deq_bytes8(q0, q1, 128.0f, d, v);
     }
 };
 
