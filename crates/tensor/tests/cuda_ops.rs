@@ -285,21 +285,37 @@ fn run_linear(
     let bias = with_bias.then(|| rng.vec(rows, 1.0));
     let xd = dev.upload(&x).unwrap();
     let bd = bias.as_ref().map(|b| dev.upload(b).unwrap());
-    let mut out = poisoned(dev, t * rows);
-    dev.linear(&xd, t, &dw, bd.as_ref(), &mut out).unwrap();
-    let got = dev.download(&out).unwrap();
     let (want, mag) = reference_linear(&w, &x, t, bias.as_deref());
     // t <= 8: f32 products and sums in another order than the reference (and fused on the
-    // device): well under 1e-5 of Σ|w x| for these lengths. t > 8: tensor cores on f16-rounded operands (each product off
-    // by at most ~2 * 2^-11 relative) with f32 sums: 1e-3 of Σ|w x| bounds it.
+    // device): well under 1e-5 of Σ|w x| for these lengths. t > 8: tensor cores on f16-rounded
+    // operands (each product off by at most ~2 * 2^-11 relative) with f32 sums, in our tiled
+    // kernel or in cuBLAS (same operand rounding): 1e-3 of Σ|w x| bounds it.
     let rel = if t <= 8 { 1e-5 } else { 1.2e-3 };
-    let path = if t <= 8 { "matvec" } else { "tiled" };
-    check(
-        &format!("linear {f:?} {rows}x{cols} T={t} bias={with_bias} ({path})"),
-        &got,
-        &want,
-        |i| rel * mag[i] + if t <= 8 { 1e-5 } else { 1e-4 },
-    );
+    let gemms: &[cuda::PrefillGemm] = if t <= 8 {
+        &[cuda::PrefillGemm::Auto]
+    } else {
+        &[cuda::PrefillGemm::Tiled, cuda::PrefillGemm::Auto]
+    };
+    for &g in gemms {
+        dev.set_prefill_gemm(g);
+        let mut out = poisoned(dev, t * rows);
+        dev.linear(&xd, t, &dw, bd.as_ref(), &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        let path = if t <= 8 {
+            "matvec"
+        } else if g == cuda::PrefillGemm::Tiled {
+            "tiled"
+        } else {
+            "auto"
+        };
+        check(
+            &format!("linear {f:?} {rows}x{cols} T={t} bias={with_bias} ({path})"),
+            &got,
+            &want,
+            |i| rel * mag[i] + if t <= 8 { 1e-5 } else { 1e-4 },
+        );
+    }
+    dev.set_prefill_gemm(cuda::PrefillGemm::Auto);
 }
 
 #[test]
@@ -325,6 +341,19 @@ fn linear_every_format_decode_and_prefill() {
         true,
     );
     run_linear(&dev, &mut rng, Fmt::Mlx(4, 64), 333, 1024, 130, false);
+    // The cuBLAS path in several weight chunks (the last one short), with a bias.
+    println!("cuBLAS present: {}", dev.blas_available());
+    dev.set_blas_chunk(64 * 1024);
+    run_linear(
+        &dev,
+        &mut rng,
+        Fmt::Ggml(GgmlType::Q8_0),
+        700,
+        256,
+        70,
+        true,
+    );
+    dev.set_blas_chunk(0);
 }
 
 /// The one-token kernels of matvec.cuh (split Q4_0 / Q8_0, Q4_K, padded Q6_K, and dense rows
@@ -755,7 +784,17 @@ fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
         .unwrap();
     // Outputs are convex combinations of |v| <= 1: f32 softmax and sums in another order (split
     // partials, online rescaling) stay within a few 1e-6; 2e-5 leaves room for long rows.
-    let path = if c.t == 1 { "decode" } else { "prefill" };
+    // The tensor-core prefill (f16 cache, Dh 64 or 128) rounds q·scale and the probabilities to
+    // f16 (2^-11 relative each): scores of |q·k|·scale up to ~3 here move by ~1e-3, and so do
+    // the weights of the v rows; 4e-3 bounds the output.
+    let tc = c.t > 1 && c.dtype == KvDtype::F16 && (c.dh == 64 || c.dh == 128);
+    let path = if c.t == 1 {
+        "decode"
+    } else if tc {
+        "prefill, tensor cores"
+    } else {
+        "prefill"
+    };
     check(
         &format!(
             "attention {path} H={} Hkv={} Dh={} cap={} pos0={} T={} window={:?} {:?}",
@@ -763,7 +802,7 @@ fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
         ),
         &got,
         want.data(),
-        |_| 2e-5,
+        |_| if tc { 4e-3 } else { 2e-5 },
     );
 }
 
@@ -787,6 +826,12 @@ fn kv_write_and_attention() {
         (8, 1, 256, 1024, 0, 300, Some(64), f16),
         (16, 2, 128, 2048, 500, 257, None, f16),
         (4, 1, 96, 512, 3, 37, Some(20), f16),
+        // Tensor-core prefill: several query and key tiles, a window cutting tiles, a chunk
+        // after a history, a full 64-query tile.
+        (8, 2, 64, 1024, 100, 200, Some(77), f16),
+        (32, 8, 128, 600, 0, 512, None, f16),
+        (8, 8, 64, 256, 0, 64, None, f16),
+        (4, 2, 128, 300, 250, 50, Some(100), f16),
     ];
     for (h, hkv, dh, cap, pos0, t, window, dtype) in cases {
         run_attention(
@@ -1202,22 +1247,34 @@ fn bench_ops() {
         }
     }
 
-    // Tiled (prefill) matmul.
+    // Prefill products: our tiled kernel against the cuBLAS path (`prefill_gemm`), by T.
+    println!("cuBLAS present: {}", dev.blas_available());
     for f in [
         Fmt::Ggml(GgmlType::Q4_K),
+        Fmt::Ggml(GgmlType::Q4_0),
         Fmt::Ggml(GgmlType::Q8_0),
         Fmt::Ggml(GgmlType::F16),
     ] {
-        let (rows, cols, t) = (4096, 4096, 512);
+        let (rows, cols) = (4096, 4096);
         let w = dev.upload_weight(&big_weight(f, rows, cols)).unwrap();
-        let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
-        let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
-        let ms = time_ms(&dev, 20, |_| dev.linear(&x, t, &w, None, &mut out).unwrap());
-        let tflops = 2.0 * (rows * cols * t) as f64 / (ms as f64 * 1e9);
-        table.push(format!(
-            "gemm {:?} R={rows} C={cols} T={t}: {:.3} ms, {tflops:.1} TFLOP/s",
-            f, ms
-        ));
+        for t in [16usize, 32, 64, 128, 512] {
+            let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
+            let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
+            let mut cells = Vec::new();
+            for g in [cuda::PrefillGemm::Tiled, cuda::PrefillGemm::Auto] {
+                dev.set_prefill_gemm(g);
+                let ms =
+                    time_eager_ms(&dev, 20, |_| dev.linear(&x, t, &w, None, &mut out).unwrap());
+                let tflops = 2.0 * (rows * cols * t) as f64 / (ms as f64 * 1e9);
+                cells.push(format!("{g:?} {:.3} ms {tflops:.1} TFLOP/s", ms));
+            }
+            dev.set_prefill_gemm(cuda::PrefillGemm::Auto);
+            table.push(format!(
+                "gemm {:?} R={rows} C={cols} T={t}: {}",
+                f,
+                cells.join(", ")
+            ));
+        }
     }
 
     // Attention: decode over a long cache, and a prefill.
@@ -1250,19 +1307,36 @@ fn bench_ops() {
             bytes as f64 / (ms as f64 * 1e6)
         ));
     }
-    for t in [512usize, 2048] {
-        let q = dev.upload(&rng.vec(t * h * dh, 1.0)).unwrap();
-        let mut out: CudaSlice<f32> = dev.alloc(t * h * dh).unwrap();
-        let ms = time_ms(&dev, 10, |_| {
-            dev.attention(&q, t, &cache, &zero, &p, &mut scratch, &mut out)
-                .unwrap()
-        });
-        let flops = 4.0 * (h * dh) as f64 * (t * (t + 1) / 2) as f64;
-        table.push(format!(
-            "attention prefill H={h} Hkv={hkv} Dh={dh} T={t}: {:.3} ms, {:.1} TFLOP/s",
-            ms,
-            flops / (ms as f64 * 1e9)
-        ));
+    let mut pre = vec![(p, cache, scratch)];
+    {
+        // The 1B shape: Dh = 64.
+        let p1 = AttentionParams {
+            head_dim: 64,
+            scale: 0.125,
+            ..p
+        };
+        let mut c1 = dev.alloc_kv_cache(hkv, cap, 64, KvDtype::F16).unwrap();
+        let kv = dev.upload(&rng.vec(cap * hkv * 64, 1.0)).unwrap();
+        dev.kv_write(&mut c1, &kv, &kv, cap, &zero).unwrap();
+        let s1: CudaSlice<f32> = dev.alloc(1).unwrap();
+        pre.push((p1, c1, s1));
+    }
+    for (p, cache, scratch) in pre.iter_mut() {
+        let dh = p.head_dim;
+        for t in [512usize, 2048] {
+            let q = dev.upload(&rng.vec(t * h * dh, 1.0)).unwrap();
+            let mut out: CudaSlice<f32> = dev.alloc(t * h * dh).unwrap();
+            let ms = time_ms(&dev, 10, |_| {
+                dev.attention(&q, t, cache, &zero, p, scratch, &mut out)
+                    .unwrap()
+            });
+            let flops = 4.0 * (h * dh) as f64 * (t * (t + 1) / 2) as f64;
+            table.push(format!(
+                "attention prefill H={h} Hkv={hkv} Dh={dh} T={t}: {:.3} ms, {:.1} TFLOP/s",
+                ms,
+                flops / (ms as f64 * 1e9)
+            ));
+        }
     }
 
     // A small decode step: eager launches against one graph replay.

@@ -34,6 +34,7 @@
 //! free (drop) or copy from the host on this device, and keep every buffer the graph uses alive
 //! as long as the graph; update position words *before* launching the graph.
 
+mod blas;
 mod compile;
 mod ops;
 mod weight;
@@ -48,6 +49,7 @@ pub use cudarc::driver::{
     ValidAsZeroBits,
 };
 
+pub use blas::PrefillGemm;
 pub use compile::{compile_all_for, compile_for, kernel_cache_dir, nvrtc_available};
 pub use ops::{
     DeviceKvCache, DevicePtrMutF32, KvDtype, RopeTable, SampleArgs, MAX_HEAD_DIM, SAMPLE_MAX_K,
@@ -105,6 +107,12 @@ pub struct CudaDev {
     modules: HashMap<Program, Arc<CudaModule>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     counters: Counters,
+    /// cuBLAS for prefill products, started on first use (`blas.rs`).
+    blas: Mutex<blas::BlasSlot>,
+    /// A [`PrefillGemm`] as its discriminant.
+    gemm: std::sync::atomic::AtomicU8,
+    /// Test override of the cuBLAS weight chunk (0: the default).
+    blas_chunk: std::sync::atomic::AtomicUsize,
 }
 
 /// Running totals of what the host asked of the device (`--stats`).
@@ -236,6 +244,15 @@ impl CudaDev {
             modules,
             functions: Mutex::new(HashMap::new()),
             counters: Counters::default(),
+            blas: Mutex::new(blas::BlasSlot::Untried),
+            blas_chunk: std::sync::atomic::AtomicUsize::new(0),
+            gemm: std::sync::atomic::AtomicU8::new(if std::env::var("HF2Q_CUDA_GEMM")
+                .is_ok_and(|v| v == "tiled")
+            {
+                PrefillGemm::Tiled
+            } else {
+                PrefillGemm::Auto
+            } as u8),
         })))
     }
 

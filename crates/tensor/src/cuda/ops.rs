@@ -125,6 +125,7 @@ macro_rules! launch {
         .map_err(cuda_err(format_args!("launching {}", stringify!($func))))
     }};
 }
+pub(crate) use launch;
 
 fn shape(msg: String) -> Error {
     Error::Shape(format!("cuda: {msg}"))
@@ -316,6 +317,9 @@ impl CudaDev {
             let ksi = ks as i32;
             launch!(self, f, (grid, 1, 1), (128, 1, 1), 0; wa, xp, bp, op, rows, ti, ksi)
         } else {
+            if self.blas_linear(xp, t, w, bp, op)? {
+                return Ok(());
+            }
             let f = &w.kernels[GEMM_KERNEL];
             // 64 tokens x 128 rows per block of eight warps (linear.cuh).
             let (gx, gy) = (blocks(w.rows, 128)?, blocks(t, 64)?);
@@ -780,6 +784,17 @@ impl CudaDev {
             let c = self.function(Program::Attention, "attn_decode_combine")?;
             let threads = dh.next_multiple_of(32) as u32;
             launch!(self, c, (h as u32, 1, 1), (threads, 1, 1), 0; sp, op, dhi, ns)
+        } else if cache.dtype == KvDtype::F16
+            && (dh == 64 || dh == 128)
+            && qp % 16 == 0
+            && op % 8 == 0
+        {
+            // Tensor cores (attention.cu `attn_fa_impl`): 64 queries of one head per block.
+            let f = self.function(Program::Attention, &format!("attn_prefill_tc_{dh}"))?;
+            let ti = to_i32("tokens", t)?;
+            let smem = 3 * 64 * (dh + 8) * 2;
+            launch!(self, f, (blocks(t, 64)?, h as u32, 1), (128, 1, 1), smem;
+                qp, kcp, vcp, pp, op, ti, hi, hkvi, cap, scale, window)
         } else {
             let f = self.function(Program::Attention, &format!("attn_prefill_{kv}_{dpl}"))?;
             let ti = to_i32("tokens", t)?;

@@ -43,7 +43,7 @@ pub struct DeviceWeight {
     row_bytes: usize,
     /// Split formats: byte offset of the scale array in `data`.
     scales_at: Option<usize>,
-    /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed.
+    /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed, deqh.
     pub(crate) kernels: Vec<CudaFunction>,
     /// The one-token kernels of `kernels/matvec.cuh` (plain/fused `mvf`, gated `mvg`), for the
     /// formats that have them when the columns are a multiple of 32.
@@ -88,6 +88,7 @@ pub(crate) fn mv_kernel(nt: usize) -> usize {
 }
 pub(crate) const GEMM_KERNEL: usize = 4;
 pub(crate) const EMBED_KERNEL: usize = 5;
+pub(crate) const DEQH_KERNEL: usize = 6;
 
 impl std::fmt::Debug for DeviceWeight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -237,7 +238,7 @@ impl CudaDev {
                 )
             }
         };
-        let kernels = ["mv1", "mv2", "mv4", "mv8", "gemm", "embed"]
+        let kernels = ["mv1", "mv2", "mv4", "mv8", "gemm", "embed", "deqh"]
             .iter()
             .map(|k| self.function(program, &format!("{k}_{kind}")))
             .collect::<Result<Vec<_>>>()?;

@@ -293,6 +293,198 @@ __device__ __forceinline__ void attn_prefill_impl(const float* __restrict__ q,
     }
 }
 
+// Prefill on tensor cores (f16 cache, Dh = 64 or 128), flash-attention 2 style. Block (64
+// queries, head), four warps of 16 queries; K/V tiles of 64 keys in shared memory as f16.
+// S = Q·Kᵀ and O += P·V run as mma.sync m16n8k16 with f32 accumulators; the scores stay in
+// registers (their accumulator layout is the A-operand layout of the P·V product), the online
+// softmax runs on them in base 2 (q pre-scaled by scale·log2 e), and a row's running sum is kept
+// per lane and reduced over its four lanes once at the end. Rounding: q and p to f16 (relative
+// 2^-11 each), sums in f32.
+#define FA_BQ 64
+#define FA_BK 64
+#define FA_WARPS 4
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8 x 8 f16 matrices, transposed on the way: lanes 8i .. 8i + 7 name the rows of matrix i.
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+template <int DH>
+__device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
+                                             const u16* __restrict__ kc,
+                                             const u16* __restrict__ vc,
+                                             const i32* __restrict__ pos0p,
+                                             float* __restrict__ out, int T, int H, int hkv,
+                                             int cap, float scale, int window) {
+    // Row pitch in halves: 16-byte aligned rows, and the eight rows one fragment load or
+    // ldmatrix touches start in eight different bank groups.
+    constexpr int P = DH + 8, KS = DH / 16, NT = FA_BK / 8, DT = DH / 8;
+    extern __shared__ __align__(16) u16 fsm[];
+    u16* Qs = fsm;
+    u16* Ks = Qs + FA_BQ * P;
+    u16* Vs = Ks + FA_BK * P;
+    const int h = blockIdx.y, kvh = h / (H / hkv), qt0 = blockIdx.x * FA_BQ;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int pos0 = *pos0p;
+    const i64 qstride = (i64)H * DH;
+    const float qscale = scale * 1.44269504f;
+
+    for (int idx = tid; idx < FA_BQ * DH / 4; idx += FA_WARPS * 32) {
+        const int i = idx / (DH / 4), d = (idx % (DH / 4)) * 4;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (qt0 + i < T) a = *(const float4*)(q + (i64)(qt0 + i) * qstride + (i64)h * DH + d);
+        *(uint2*)&Qs[i * P + d] = make_uint2(pack_h2(a.x * qscale, a.y * qscale),
+                                             pack_h2(a.z * qscale, a.w * qscale));
+    }
+    const int qlast = min(qt0 + FA_BQ, T) - 1;
+    int kbeg, unused;
+    visible_range(pos0 + qt0, cap, window, kbeg, unused);
+    const int kend = min(pos0 + qlast + 1, cap);
+    __syncthreads();
+
+    u32 qa[KS][4];
+    const int r0 = warp * 16 + g;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        const int col = ks * 16 + 2 * c;
+        qa[ks][0] = *(const u32*)&Qs[r0 * P + col];
+        qa[ks][1] = *(const u32*)&Qs[(r0 + 8) * P + col];
+        qa[ks][2] = *(const u32*)&Qs[r0 * P + col + 8];
+        qa[ks][3] = *(const u32*)&Qs[(r0 + 8) * P + col + 8];
+    }
+    // This lane's two query rows (g and g + 8 of the warp's 16).
+    const int qp[2] = {pos0 + qt0 + r0, pos0 + qt0 + r0 + 8};
+    const bool qv[2] = {qt0 + r0 < T, qt0 + r0 + 8 < T};
+    // Keys past this warp's last query are masked for all of its rows.
+    const int wlast = pos0 + min(qt0 + warp * 16 + 15, T - 1);
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    const u16* kb = kc + (i64)kvh * cap * DH;
+    const u16* vb = vc + (i64)kvh * cap * DH;
+
+    for (int kt = kbeg; kt < kend; kt += FA_BK) {
+        __syncthreads();
+        for (int idx = tid; idx < FA_BK * DH / 8; idx += FA_WARPS * 32) {
+            const int j = idx / (DH / 8), d = (idx % (DH / 8)) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
+            if (kt + j < kend) {
+                kv = *(const uint4*)(kb + (i64)(kt + j) * DH + d);
+                vv = *(const uint4*)(vb + (i64)(kt + j) * DH + d);
+            }
+            *(uint4*)&Ks[j * P + d] = kv;
+            *(uint4*)&Vs[j * P + d] = vv;
+        }
+        __syncthreads();
+        if (kt > wlast || qt0 + warp * 16 >= T) continue;  // warp-uniform: nothing visible
+
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const u16* kr = Ks + (nt * 8 + g) * P + ks * 16 + 2 * c;
+                const u32 b[2] = {*(const u32*)kr, *(const u32*)(kr + 8)};
+                mma_16816(s[nt], qa[ks], b);
+            }
+        }
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int j = kt + nt * 8 + 2 * c + (e & 1), r = e >> 1;
+                const bool vis = qv[r] && j < kend && j <= qp[r] &&
+                                 (window <= 0 || qp[r] - j < window);
+                s[nt][e] = vis ? s[nt][e] : NEG_INF;
+                mx[r] = fmaxf(mx[r], s[nt][e]);
+            }
+        float corr[2], base[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+            const float mn = fmaxf(m[r], mx[r]);
+            // Nothing visible to this row yet: subtract 0 (every p is 0, and so is corr).
+            base[r] = mn == NEG_INF ? 0.f : mn;
+            corr[r] = fast_exp2(m[r] - base[r]);
+            m[r] = mn;
+            l[r] *= corr[r];
+        }
+#pragma unroll
+        for (int i = 0; i < DT; i++) {
+            o[i][0] *= corr[0];
+            o[i][1] *= corr[0];
+            o[i][2] *= corr[1];
+            o[i][3] *= corr[1];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                s[nt][e] = fast_exp2(s[nt][e] - base[e >> 1]);
+                l[e >> 1] += s[nt][e];
+            }
+#pragma unroll
+        for (int kk = 0; kk < FA_BK / 16; kk++) {
+            const u32 pa[4] = {pack_h2(s[2 * kk][0], s[2 * kk][1]),
+                               pack_h2(s[2 * kk][2], s[2 * kk][3]),
+                               pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            // Lane l names row l % 8 of matrix l / 8: keys kk*16 + (0 | 8) + l % 8, dims
+            // dt*16 + (0 | 8): the B operands of dim tiles 2 dt and 2 dt + 1.
+            const u16* vrow = Vs + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * P +
+                              (lane >> 4) * 8;
+#pragma unroll
+            for (int dt = 0; dt < DT / 2; dt++) {
+                u32 b0[2], b1[2];
+                ldsm_x4_t(smem_addr(vrow + dt * 16), b0[0], b0[1], b1[0], b1[1]);
+                mma_16816(o[2 * dt], pa, b0);
+                mma_16816(o[2 * dt + 1], pa, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+        if (!qv[r]) continue;
+        const float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;
+        float* orow = out + (i64)(qt0 + r0 + 8 * r) * qstride + (i64)h * DH + 2 * c;
+#pragma unroll
+        for (int i = 0; i < DT; i++)
+            *(float2*)(orow + i * 8) = make_float2(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    attn_prefill_tc_64(const float* q, const u16* kc, const u16* vc, const i32* pos0p, float* out,
+                       int T, int H, int hkv, int cap, float scale, int window) {
+    attn_fa_impl<64>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    attn_prefill_tc_128(const float* q, const u16* kc, const u16* vc, const i32* pos0p,
+                        float* out, int T, int H, int hkv, int cap, float scale, int window) {
+    attn_fa_impl<128>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
+}
+
 #define HF2Q_ATTN_KERNELS(KVN, KV, DPL)                                                         \
     extern "C" __global__ void __launch_bounds__(AD_WARPS * 32) attn_decode_##KVN##_##DPL(     \
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* part, int H,      \

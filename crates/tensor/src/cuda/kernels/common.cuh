@@ -77,3 +77,13 @@ __device__ __forceinline__ float gelu_tanh_f(float g) {
     const float k = 0.7978846f * (g + 0.044715f * g * g * g);
     return 0.5f * g * (1.0f + tanhf(k));
 }
+
+// D (16 x 8, f32) += A (16 x 16, f16, row-major) · B (16 x 8, f16, column-major): one warp, the
+// fragment layouts of the PTX ISA (a: 4 words, b: 2 words, c/d: 4 floats per lane).
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}

@@ -66,6 +66,24 @@ extern "C" __global__ void add_assign(float* __restrict__ x, const float* __rest
     if (i < n) x[i] += y[i];
 }
 
+// Activations to f16 (round to nearest even) for the cuBLAS prefill product, four per thread.
+extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
+    const i64 i = 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 3 < n) {
+        const float4 a = *(const float4*)(x + i);
+        *(uint2*)(out + i) = make_uint2(pack_h2(a.x, a.y), pack_h2(a.z, a.w));
+    } else {
+        for (i64 j = i; j < n; j++) out[j] = f2h(x[j]);
+    }
+}
+
+// out (T, R) += bias (R) on every row.
+extern "C" __global__ void add_bias_rows(float* __restrict__ out, const float* __restrict__ bias,
+                                         i64 n, int R) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] += bias[i % R];
+}
+
 // k, v (T, hkv*dh) into caches (hkv, cap, dh) at positions pos0 + t; positions at or past the
 // capacity are dropped (never written out of bounds).
 template <typename KV>

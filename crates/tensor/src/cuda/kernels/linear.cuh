@@ -149,13 +149,6 @@ __device__ __forceinline__ void matvec_impl(const WRef w, const float* __restric
 // stores and puts the eight rows a fragment load touches in eight different bank groups.
 #define GM_PITCH 40
 
-__device__ __forceinline__ void mma_16816(float* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // One K step of tiles in registers, as f16 pairs: 64 x 32 activations (two float4 per thread)
 // and 128 rows x 32 weights (two groups of eight per thread).
@@ -319,8 +312,24 @@ __device__ __forceinline__ void embed_impl(const WRef w, const u32* __restrict__
     }
 }
 
+// Rows row0 .. row0 + n of the weight as f16, row-major and C wide (C % 8 == 0): the operand of
+// the cuBLAS prefill product. One thread per group of eight; the same dequantizer and f16
+// rounding as the tiled kernel's shared-memory tiles.
+template <class F>
+__device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out, int row0, int n) {
+    const int ng = w.cols >> 3;
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)n * ng) return;
+    const int r = (int)(idx / ng), g = (int)(idx % ng), row = row0 + r;
+    float v[8];
+    F::template deq8<true>(w, row_ptr(w, row), row, g, v);
+    *(uint4*)(out + (i64)r * w.cols + 8 * g) = make_uint4(
+        pack_h2(v[0], v[1]), pack_h2(v[2], v[3]), pack_h2(v[4], v[5]), pack_h2(v[6], v[7]));
+}
+
 // The kernels of one format: mv{1,2,4,8}_NAME (matrix-vector for up to that many tokens),
-// gemm_NAME (tiled, any T) and embed_NAME. The host looks them up by these names.
+// gemm_NAME (tiled, any T), embed_NAME and deqh_NAME (rows to f16). The host looks them up by
+// these names.
 #define HF2Q_LINEAR_KERNELS(NAME, FMT)                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         mv1_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,         \
@@ -349,4 +358,8 @@ __device__ __forceinline__ void embed_impl(const WRef w, const u32* __restrict__
     extern "C" __global__ void __launch_bounds__(256)                                          \
         embed_##NAME(WRef w, const u32* ids, float* o, int T, int vocab, float scale) {        \
         embed_impl<FMT>(w, ids, o, T, vocab, scale);                                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        deqh_##NAME(WRef w, u16* o, int row0, int n) {                                         \
+        deqh_impl<FMT>(w, o, row0, n);                                                         \
     }

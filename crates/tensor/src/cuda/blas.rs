@@ -1,0 +1,262 @@
+//! Prefill products through cuBLAS, loaded at run time like the driver (`dlopen`; absent
+//! library: our tiled kernel does the work, nothing fails).
+//!
+//! `out (T, R) = x (T, C) · Wᵀ` for prefill-sized T: the activations are rounded to f16 once,
+//! the weight is dequantized to f16 rows (dense f16 weights are used as they are) in chunks of
+//! at most [`WBUF_ELEMS`] elements, and cuBLAS multiplies with f32 accumulation into the f32
+//! output. The operands carry the same f16 rounding as the tiled kernel's shared-memory tiles,
+//! so both paths have the same error budget; cuBLAS's Hopper kernels (wgmma, TMA) are what our
+//! `mma.sync` tiles do not yet reach.
+//!
+//! Not used while a graph is being captured (the scratch may have to grow) nor for small T,
+//! where dequantizing the whole weight costs more than the tiled kernel's on-the-fly reads.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+
+use cudarc::cublas::{result as bres, sys as bsys, CudaBlas};
+use cudarc::driver::{result as cu, sys, CudaSlice, DevicePtr};
+
+use super::ops::launch;
+use super::weight::DEQH_KERNEL;
+use super::{cuda_err, CudaDev, DeviceWeight, Program};
+use crate::{Error, Result};
+
+/// Largest dequantized weight chunk, in f16 elements (64 MiB): an 8B model's biggest matrices
+/// (14336 x 4096) take two chunks; a vocabulary-sized output matrix takes several.
+const WBUF_ELEMS: usize = 32 << 20;
+
+/// cuBLAS's scratch (its guide asks 32 MiB on Hopper); given up front so it never allocates.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Which kernel multiplies prefill-sized batches (more than 8 tokens).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillGemm {
+    /// cuBLAS where the library is present and the shape allows it, else our tiled kernel.
+    Auto,
+    /// Always our tiled kernel (`kernels/linear.cuh`).
+    Tiled,
+}
+
+/// The cuBLAS state of a device, made on first use.
+pub(crate) enum BlasSlot {
+    Untried,
+    /// The library is not there (or would not start): the tiled kernel does the work.
+    Missing,
+    Ready(Box<BlasState>),
+}
+
+pub(crate) struct BlasState {
+    blas: CudaBlas,
+    _workspace: CudaSlice<u8>,
+    wbuf: Option<CudaSlice<u16>>,
+    xbuf: Option<CudaSlice<u16>>,
+}
+
+/// Fewest tokens for which the cuBLAS path beats the tiled kernel: dense f16 weights need no
+/// conversion; the others are dequantized whole (an extra write and read of 2 bytes per weight),
+/// which only pays off once enough tokens share it. Measured on the H200 (bench_ops
+/// `prefill_gemm`).
+fn min_tokens(kind: &str) -> usize {
+    if kind == "f16" {
+        16
+    } else {
+        64
+    }
+}
+
+fn blas_err(what: &str) -> impl FnOnce(bres::CublasError) -> Error + '_ {
+    move |e| Error::Msg(format!("cublas: {what}: {e:?}"))
+}
+
+fn grow(dev: &CudaDev, buf: &mut Option<CudaSlice<u16>>, n: usize) -> Result<u64> {
+    if buf.as_ref().is_none_or(|b| b.len() < n) {
+        *buf = None; // free the old one first
+        *buf = Some(dev.alloc::<u16>(n)?);
+    }
+    let b = buf.as_ref().expect("just allocated");
+    Ok(b.device_ptr(dev.stream()).0)
+}
+
+impl CudaDev {
+    /// Picks the prefill product kernel (the default is [`PrefillGemm::Auto`], or `Tiled` when
+    /// the environment sets `HF2Q_CUDA_GEMM=tiled`).
+    pub fn set_prefill_gemm(&self, g: PrefillGemm) {
+        self.gemm.store(g as u8, Ordering::Relaxed);
+    }
+
+    /// Caps the dequantized weight chunk at `elems` f16 elements (0: the default), so that
+    /// tests can run the chunked path on small matrices.
+    #[doc(hidden)]
+    pub fn set_blas_chunk(&self, elems: usize) {
+        self.blas_chunk.store(elems, Ordering::Relaxed);
+    }
+
+    pub fn prefill_gemm(&self) -> PrefillGemm {
+        match self.gemm.load(Ordering::Relaxed) {
+            x if x == PrefillGemm::Tiled as u8 => PrefillGemm::Tiled,
+            _ => PrefillGemm::Auto,
+        }
+    }
+
+    /// Whether cuBLAS is loaded and working on this device (tries to start it).
+    pub fn blas_available(&self) -> bool {
+        let Ok(mut slot) = self.blas.lock() else {
+            return false;
+        };
+        self.start_blas(&mut slot);
+        matches!(*slot, BlasSlot::Ready(_))
+    }
+
+    fn start_blas(&self, slot: &mut BlasSlot) {
+        if !matches!(slot, BlasSlot::Untried) {
+            return;
+        }
+        *slot = BlasSlot::Missing;
+        // SAFETY: only probes for the library file.
+        if !unsafe { bsys::is_culib_present() } {
+            return;
+        }
+        let Ok(blas) = CudaBlas::new(self.stream.clone()) else {
+            return;
+        };
+        let Ok(ws) = self.alloc::<u8>(WORKSPACE_BYTES) else {
+            return;
+        };
+        let wp = ws.device_ptr(self.stream()).0;
+        // SAFETY: a live handle and a live device buffer of that many bytes, kept as long as the
+        // handle (both in `BlasState`).
+        let st = unsafe {
+            bsys::cublasSetWorkspace_v2(*blas.handle(), wp as *mut c_void, WORKSPACE_BYTES)
+        };
+        if st != bsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return;
+        }
+        *slot = BlasSlot::Ready(Box::new(BlasState {
+            blas,
+            _workspace: ws,
+            wbuf: None,
+            xbuf: None,
+        }));
+    }
+
+    fn capturing(&self) -> Result<bool> {
+        let s = self
+            .stream
+            .capture_status()
+            .map_err(cuda_err("reading the capture status"))?;
+        Ok(s != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// `out (t, R) = x (t, C) · Wᵀ (+ bias)` through cuBLAS; `Ok(false)` (nothing enqueued) when
+    /// this path does not apply and the caller should use its own kernel. Pointers are device
+    /// addresses whose sizes the caller checked.
+    pub(crate) fn blas_linear(
+        &self,
+        xp: u64,
+        t: usize,
+        w: &DeviceWeight,
+        bias: u64,
+        op: u64,
+    ) -> Result<bool> {
+        if self.prefill_gemm() == PrefillGemm::Tiled
+            || t < min_tokens(w.kind)
+            || !w.cols.is_multiple_of(8)
+            || xp % 16 != 0
+            || w.kernels.len() <= DEQH_KERNEL
+            || self.capturing()?
+        {
+            return Ok(false);
+        }
+        let mut slot = self
+            .blas
+            .lock()
+            .map_err(|_| Error::Msg("cuda: cuBLAS lock poisoned".into()))?;
+        self.start_blas(&mut slot);
+        let BlasSlot::Ready(st) = &mut *slot else {
+            return Ok(false);
+        };
+        let (rows, cols) = (w.rows, w.cols);
+        let (ri, ci, ti) = (
+            rows as i32,
+            cols as i32,
+            i32::try_from(t).map_err(|_| {
+                Error::Shape(format!("cuda: {t} tokens in one product is too many"))
+            })?,
+        );
+        let n = (t * cols) as i64;
+        let xh = grow(self, &mut st.xbuf, t * cols)?;
+        let f = self.function(Program::Elementwise, "to_f16")?;
+        let grid = u32::try_from((t * cols).div_ceil(4 * 256))
+            .map_err(|_| Error::Shape("cuda: product input too large".into()))?;
+        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, xh, n)?;
+        let dense = w.kind == "f16";
+        let chunk = if dense {
+            rows
+        } else {
+            let cap = match self.blas_chunk.load(Ordering::Relaxed) {
+                0 => WBUF_ELEMS,
+                n => n,
+            };
+            (cap / cols).clamp(1, rows)
+        };
+        let wa = w.args(self);
+        let wh = if dense {
+            0
+        } else {
+            grow(self, &mut st.wbuf, chunk * cols)?
+        };
+        let deqh = &w.kernels[DEQH_KERNEL];
+        let handle = *st.blas.handle();
+        let (one, zero) = (1.0f32, 0.0f32);
+        for r0 in (0..rows).step_by(chunk) {
+            let nr = chunk.min(rows - r0);
+            let a = if dense {
+                wa.data + (r0 * cols * 2) as u64
+            } else {
+                let (r0i, nri) = (r0 as i32, nr as i32);
+                let grid = u32::try_from((nr * cols / 8).div_ceil(256))
+                    .map_err(|_| Error::Shape("cuda: weight chunk too large".into()))?;
+                launch!(self, deqh, (grid, 1, 1), (256, 1, 1), 0; wa, wh, r0i, nri)?;
+                wh
+            };
+            self.count_launch();
+            // Column-major view: out is (R, t) with leading dimension R, W is (C, R) read
+            // transposed, x is (C, t); this chunk writes rows r0 .. r0 + nr of every token.
+            // SAFETY: a live handle on this device's stream; a, xh and out hold nr x C, t x C
+            // and t x R elements (checked by the caller and sized above).
+            unsafe {
+                bres::gemm_ex(
+                    handle,
+                    bsys::cublasOperation_t::CUBLAS_OP_T,
+                    bsys::cublasOperation_t::CUBLAS_OP_N,
+                    nr as i32,
+                    ti,
+                    ci,
+                    &one as *const f32 as *const c_void,
+                    a as *const c_void,
+                    bsys::cudaDataType_t::CUDA_R_16F,
+                    ci,
+                    xh as *const c_void,
+                    bsys::cudaDataType_t::CUDA_R_16F,
+                    ci,
+                    &zero as *const f32 as *const c_void,
+                    (op + (r0 * 4) as u64) as *mut c_void,
+                    bsys::cudaDataType_t::CUDA_R_32F,
+                    ri,
+                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(blas_err(&format!("product with '{}'", w.name)))?;
+        }
+        if bias != 0 {
+            let f = self.function(Program::Elementwise, "add_bias_rows")?;
+            let n = (t * rows) as i64;
+            let grid = u32::try_from((t * rows).div_ceil(256))
+                .map_err(|_| Error::Shape("cuda: product output too large".into()))?;
+            launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; op, bias, n, ri)?;
+        }
+        Ok(true)
+    }
+}
