@@ -15,7 +15,7 @@ use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 
 use cudarc::cublas::{result as bres, sys as bsys, CudaBlas};
-use cudarc::driver::{result as cu, sys, CudaSlice, DevicePtr};
+use cudarc::driver::{sys, CudaSlice, DevicePtr};
 
 use super::ops::launch;
 use super::weight::DEQH_KERNEL;
@@ -162,7 +162,7 @@ impl CudaDev {
         if self.prefill_gemm() == PrefillGemm::Tiled
             || t < min_tokens(w.kind)
             || !w.cols.is_multiple_of(8)
-            || xp % 16 != 0
+            || !xp.is_multiple_of(16)
             || w.kernels.len() <= DEQH_KERNEL
             || self.capturing()?
         {

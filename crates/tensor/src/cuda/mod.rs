@@ -111,6 +111,9 @@ pub struct CudaDev {
     blas: Mutex<blas::BlasSlot>,
     /// A [`PrefillGemm`] as its discriminant.
     gemm: std::sync::atomic::AtomicU8,
+    /// Kernels launched with programmatic dependent launch (Hopper and later; off with
+    /// `HF2Q_CUDA_PDL=0`).
+    pdl: bool,
     /// Test override of the cuBLAS weight chunk (0: the default).
     blas_chunk: std::sync::atomic::AtomicUsize,
 }
@@ -237,6 +240,8 @@ impl CudaDev {
             driver_version,
         };
         let modules = compile::load_all(&ctx, &info, cache)?;
+        let pdl = info.compute_capability.0 >= 9
+            && std::env::var("HF2Q_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Some(Arc::new(CudaDev {
             ctx,
             stream,
@@ -245,6 +250,7 @@ impl CudaDev {
             functions: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             blas: Mutex::new(blas::BlasSlot::Untried),
+            pdl,
             blas_chunk: std::sync::atomic::AtomicUsize::new(0),
             gemm: std::sync::atomic::AtomicU8::new(if std::env::var("HF2Q_CUDA_GEMM")
                 .is_ok_and(|v| v == "tiled")
@@ -418,6 +424,42 @@ impl CudaDev {
         }
         map.insert(name.to_string(), f.clone());
         Ok(f)
+    }
+
+    /// Enqueues kernel `f` on the stream, with programmatic dependent launch when it is on
+    /// (see `pdl_wait` in `kernels/common.cuh`: every kernel waits for its predecessor before
+    /// touching memory, so the overlap is only launch latency).
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameter list and point at live values; every device
+    /// pointer among them must be valid for what the kernel accesses.
+    pub(crate) unsafe fn launch_raw(
+        &self,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> std::result::Result<(), DriverError> {
+        // SAFETY: a plain C struct of integers and a union; all zero is a valid value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: the caller's contract; `cfg` and `attr` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
     }
 
     pub(crate) fn bind(&self) -> Result<()> {

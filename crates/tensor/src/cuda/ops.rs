@@ -7,7 +7,7 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::{result as cu, CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use cudarc::driver::DeviceRepr;
 
@@ -113,14 +113,7 @@ macro_rules! launch {
         // kept in step with the .cu source), every pointer is a live device allocation whose size
         // the caller checked, and `params` outlives the call.
         unsafe {
-            cu::launch_kernel(
-                $func.cu_function(),
-                $grid,
-                $block,
-                $smem as u32,
-                $dev.stream().cu_stream(),
-                &mut params,
-            )
+            $dev.launch_raw($func.cu_function(), $grid, $block, $smem as u32, &mut params)
         }
         .map_err(cuda_err(format_args!("launching {}", stringify!($func))))
     }};

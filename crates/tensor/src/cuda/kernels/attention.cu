@@ -169,6 +169,7 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
 // Merges the nsplit partials of each head: out[h] = sum_s O_s e^(M_s - M) / sum_s L_s e^(M_s - M).
 extern "C" __global__ void attn_decode_combine(const float* __restrict__ part,
                                                float* __restrict__ out, int dh, int nsplit) {
+    pdl_wait();
     const int h = blockIdx.x;
     const float* ph = part + (i64)h * nsplit * (dh + 2);
     float M = NEG_INF;
@@ -477,24 +478,28 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attn_prefill_tc_64(const float* q, const u16* kc, const u16* vc, const i32* pos0p, float* out,
                        int T, int H, int hkv, int cap, float scale, int window) {
+    pdl_wait();
     attn_fa_impl<64>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attn_prefill_tc_128(const float* q, const u16* kc, const u16* vc, const i32* pos0p,
                         float* out, int T, int H, int hkv, int cap, float scale, int window) {
+    pdl_wait();
     attn_fa_impl<128>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
 }
 
-#define HF2Q_ATTN_KERNELS(KVN, KV, DPL)                                                         \
+#define HF2Q_ATTN_KERNELS(KVN, KV, DPL)                                                        \
     extern "C" __global__ void __launch_bounds__(AD_WARPS * 32) attn_decode_##KVN##_##DPL(     \
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* part, int H,      \
         int hkv, int dh, int cap, float scale, int window, int nsplit) {                       \
+        pdl_wait();                                                                            \
         attn_decode_impl<DPL, KV>(q, kc, vc, pos0p, part, H, hkv, dh, cap, scale, window,      \
                                   nsplit);                                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(AP_WARPS * 32) attn_prefill_##KVN##_##DPL(    \
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* out, int T,       \
         int H, int hkv, int dh, int cap, float scale, int window) {                            \
+        pdl_wait();                                                                            \
         attn_prefill_impl<DPL, KV>(q, kc, vc, pos0p, out, T, H, hkv, dh, cap, scale, window);  \
     }
 

@@ -10,6 +10,7 @@
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
              int C, float eps, float offset) {
+    pdl_wait();
     __shared__ float red[NORM_THREADS / 32];
     const float* xr = x + (i64)blockIdx.x * C;
     float* orow = out + (i64)blockIdx.x * C;
@@ -30,6 +31,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ inv_freq,
                                 const i32* __restrict__ pos0p, int T, int nh, int dh, int half,
                                 int neox, float linear_scale) {
+    pdl_wait();
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)T * nh * half) return;
     const int i = (int)(idx % half);
@@ -47,6 +49,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
 
 extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float* __restrict__ up,
                                     float* __restrict__ out, i64 n) {
+    pdl_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     out[i] = silu_f(gate[i]) * up[i];
@@ -56,18 +59,21 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
 extern "C" __global__ void gelu_tanh_mul(const float* __restrict__ gate,
                                          const float* __restrict__ up, float* __restrict__ out,
                                          i64 n) {
+    pdl_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     out[i] = gelu_tanh_f(gate[i]) * up[i];
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, i64 n) {
+    pdl_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 // Activations to f16 (round to nearest even) for the cuBLAS prefill product, four per thread.
 extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
+    pdl_wait();
     const i64 i = 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x);
     if (i + 3 < n) {
         const float4 a = *(const float4*)(x + i);
@@ -80,6 +86,7 @@ extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__
 // out (T, R) += bias (R) on every row.
 extern "C" __global__ void add_bias_rows(float* __restrict__ out, const float* __restrict__ bias,
                                          i64 n, int R) {
+    pdl_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] += bias[i % R];
 }
@@ -112,10 +119,12 @@ __device__ __forceinline__ void kv_write_impl(const float* __restrict__ k,
 
 extern "C" __global__ void kv_write_f16(const float* k, const float* v, u16* kc, u16* vc,
                                         const i32* pos0p, int T, int hkv, int dh, int cap) {
+    pdl_wait();
     kv_write_impl<u16>(k, v, kc, vc, pos0p, T, hkv, dh, cap);
 }
 extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* kc, float* vc,
                                         const i32* pos0p, int T, int hkv, int dh, int cap) {
+    pdl_wait();
     kv_write_impl<float>(k, v, kc, vc, pos0p, T, hkv, dh, cap);
 }
 
@@ -170,11 +179,12 @@ __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const flo
 }
 
 #define HF2Q_ROPE_STORE(NAME, KV)                                                              \
-    extern "C" __global__ void rope_store_##NAME(float* q, const float* k, const float* v,    \
+    extern "C" __global__ void rope_store_##NAME(float* q, const float* k, const float* v,     \
                                                  KV* kc, KV* vc, const float* inv_freq,        \
                                                  const i32* pos0p, int T, int nh, int hkv,     \
                                                  int dh, int half, int neox,                   \
                                                  float linear_scale, int cap) {                \
+        pdl_wait();                                                                            \
         rope_store_impl<KV>(q, k, v, kc, vc, inv_freq, pos0p, T, nh, hkv, dh, half, neox,      \
                             linear_scale, cap);                                                \
     }
@@ -192,6 +202,7 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     argmax_rows(const float* __restrict__ x, u32* __restrict__ out, int C) {
+    pdl_wait();
     __shared__ float sv[ARGMAX_THREADS / 32];
     __shared__ int si[ARGMAX_THREADS / 32];
     const float* xr = x + (i64)blockIdx.x * C;
@@ -258,6 +269,7 @@ __device__ __forceinline__ float key_value(u32 k) {
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_topk(const float* __restrict__ logits, int V, const SampleArgs* __restrict__ args,
                 u32* __restrict__ out) {
+    pdl_wait();
     __shared__ u32 hist[256];
     __shared__ u32 s_prefix, s_need, s_n, s_eq;
     __shared__ u32 ck[SAMPLE_MAX_K];  // candidate keys

@@ -332,34 +332,41 @@ __device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out, i
 // these names.
 #define HF2Q_LINEAR_KERNELS(NAME, FMT)                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-        mv1_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,         \
+        mv1_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,          \
                    int ks) {                                                                   \
+        pdl_wait();                                                                            \
         matvec_impl<FMT, 1>(w, x, b, o, rows, T, ks);                                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-        mv2_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,         \
+        mv2_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,          \
                    int ks) {                                                                   \
+        pdl_wait();                                                                            \
         matvec_impl<FMT, 2>(w, x, b, o, rows, T, ks);                                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-        mv4_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,         \
+        mv4_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,          \
                    int ks) {                                                                   \
+        pdl_wait();                                                                            \
         matvec_impl<FMT, 4>(w, x, b, o, rows, T, ks);                                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-        mv8_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,         \
+        mv8_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,          \
                    int ks) {                                                                   \
+        pdl_wait();                                                                            \
         matvec_impl<FMT, 8>(w, x, b, o, rows, T, ks);                                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GM_THREADS)                                   \
         gemm_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T) {       \
+        pdl_wait();                                                                            \
         gemm_impl<FMT>(w, x, b, o, rows, T);                                                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                          \
         embed_##NAME(WRef w, const u32* ids, float* o, int T, int vocab, float scale) {        \
+        pdl_wait();                                                                            \
         embed_impl<FMT>(w, ids, o, T, vocab, scale);                                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                          \
         deqh_##NAME(WRef w, u16* o, int row0, int n) {                                         \
+        pdl_wait();                                                                            \
         deqh_impl<FMT>(w, o, row0, n);                                                         \
     }

@@ -421,10 +421,12 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
 
 #define HF2Q_MATVEC_FAST(NAME, DOT)                                                             \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
-        mvf_##NAME(MvJobs jobs, const float* x) {                                              \
-        mvf_impl<DOT>(jobs, x);                                                                \
-    }                                                                                          \
+        mvf_##NAME(MvJobs jobs, const float* x) {                                               \
+        pdl_wait();                                                                             \
+        mvf_impl<DOT>(jobs, x);                                                                 \
+    }                                                                                           \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
-        mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks) {      \
-        mvg_impl<DOT>(g, u, x, o, rows, act, ks);                                              \
+        mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks) {       \
+        pdl_wait();                                                                             \
+        mvg_impl<DOT>(g, u, x, o, rows, act, ks);                                               \
     }
