@@ -682,6 +682,33 @@ fn argmax_rows_follow_the_sampler_rule() {
     assert_eq!(got, want);
     assert_eq!(&want[1..5], &[100, 7777, 0, 0]);
     println!("  argmax {rows}x{cols}: {got:?}");
+    // Widths that are not a multiple of four (the element-wise path), one with a tie.
+    for cols in [1001usize, 7] {
+        let mut x = rng.vec(3 * cols, 10.0);
+        x[cols + 2] = 11.0;
+        x[cols + cols - 1] = 11.0;
+        let want: Vec<u32> = x.chunks(cols).map(argmax_ref).collect();
+        let xd = dev.upload(&x).unwrap();
+        let mut out = dev.upload(&[u32::MAX; 3]).unwrap();
+        dev.argmax(&xd, 3, cols, &mut out).unwrap();
+        assert_eq!(dev.download(&out).unwrap(), want, "argmax 3x{cols}");
+    }
+    // More rows than one launch takes (partials for 64 rows), with -0 before +0 (a tie).
+    let (rows, cols) = (70, 1000);
+    let mut x = rng.vec(rows * cols, 10.0);
+    x[5 * cols + 10] = 20.0;
+    x[5 * cols + 20] = 20.0;
+    for v in &mut x[69 * cols..] {
+        *v = -1.0;
+    }
+    x[69 * cols + 3] = -0.0;
+    x[69 * cols + 4] = 0.0;
+    let want: Vec<u32> = x.chunks(cols).map(argmax_ref).collect();
+    assert_eq!((want[5], want[69]), (10, 3));
+    let xd = dev.upload(&x).unwrap();
+    let mut out = dev.upload(&vec![u32::MAX; rows]).unwrap();
+    dev.argmax(&xd, rows, cols, &mut out).unwrap();
+    assert_eq!(dev.download(&out).unwrap(), want, "argmax {rows}x{cols}");
 }
 
 /// The CPU sampler's greedy rule (first on ties, NaN ignored, 0 when nothing found).

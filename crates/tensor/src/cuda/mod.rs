@@ -114,6 +114,11 @@ pub struct CudaDev {
     /// Kernels launched with programmatic dependent launch (Hopper and later; off with
     /// `HF2Q_CUDA_PDL=0`).
     pdl: bool,
+    /// Zeroed completion counters of the kernels whose last block finishes the work
+    /// (`ops::COUNTERS`).
+    done_counters: CudaSlice<u32>,
+    /// The argmax kernel's per-block keys (`ops::ARGMAX_ROWS * ops::ARGMAX_BLOCKS`).
+    argmax_part: CudaSlice<u64>,
     /// Test override of the cuBLAS weight chunk (0: the default).
     blas_chunk: std::sync::atomic::AtomicUsize,
 }
@@ -240,6 +245,12 @@ impl CudaDev {
             driver_version,
         };
         let modules = compile::load_all(&ctx, &info, cache)?;
+        let done_counters = stream
+            .alloc_zeros::<u32>(ops::COUNTERS)
+            .map_err(cuda_err("allocating completion counters"))?;
+        let argmax_part = stream
+            .alloc_zeros::<u64>(ops::ARGMAX_ROWS * ops::ARGMAX_BLOCKS)
+            .map_err(cuda_err("allocating argmax partials"))?;
         let pdl = info.compute_capability.0 >= 9
             && std::env::var("HF2Q_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Some(Arc::new(CudaDev {
@@ -251,6 +262,8 @@ impl CudaDev {
             counters: Counters::default(),
             blas: Mutex::new(blas::BlasSlot::Untried),
             pdl,
+            done_counters,
+            argmax_part,
             blas_chunk: std::sync::atomic::AtomicUsize::new(0),
             gemm: std::sync::atomic::AtomicU8::new(if std::env::var("HF2Q_CUDA_GEMM")
                 .is_ok_and(|v| v == "tiled")

@@ -20,6 +20,16 @@ use crate::{Error, Result};
 /// V (32 x Dh) tiles in f32.
 pub(crate) const PREFILL_MAX_SMEM: usize = prefill_smem(256);
 
+/// Completion counters of the kernels whose last block finishes the work (one-token attention:
+/// one per kv head and head chunk; argmax: one per row), allocated zeroed with the device; every kernel leaves them
+/// at zero (kernels never overlap: each waits for its predecessor).
+pub(crate) const COUNTERS: usize = 4096;
+
+/// Blocks per row of the argmax kernel (`ARGMAX_BLOCKS` in elementwise.cu) and rows per launch
+/// (the partials buffer holds `ARGMAX_ROWS * ARGMAX_BLOCKS` keys).
+pub(crate) const ARGMAX_BLOCKS: usize = 128;
+pub(crate) const ARGMAX_ROWS: usize = 64;
+
 const fn prefill_smem(dh: usize) -> usize {
     (16 * dh + 32 * (dh + 1) + 32 * dh) * 4
 }
@@ -772,15 +782,21 @@ impl CudaDev {
             let ns = splits as i32;
             let f = self.function(Program::Attention, &format!("attn_decode_{kv}_{dpl}"))?;
             let chunks = (h / hkv).div_ceil(8) as u32;
+            // The splits are merged by the last block of each (kv head, chunk) to finish, which
+            // counts on the device's counters.
+            if hkv * chunks as usize > COUNTERS {
+                return Err(shape(format!(
+                    "attention: {hkv} kv heads of {} query heads each is more than {COUNTERS} head groups",
+                    h / hkv
+                )));
+            }
+            let cp = self.done_counters.device_ptr(self.stream()).0;
             launch!(self, f, (hkv as u32, ns as u32, chunks), (128, 1, 1), 0;
-                qp, kcp, vcp, pp, sp, hi, hkvi, dhi, cap, scale, window, ns)?;
-            let c = self.function(Program::Attention, "attn_decode_combine")?;
-            let threads = dh.next_multiple_of(32) as u32;
-            launch!(self, c, (h as u32, 1, 1), (threads, 1, 1), 0; sp, op, dhi, ns)
+                qp, kcp, vcp, pp, sp, hi, hkvi, dhi, cap, scale, window, ns, op, cp)
         } else if cache.dtype == KvDtype::F16
             && (dh == 64 || dh == 128)
-            && qp % 16 == 0
-            && op % 8 == 0
+            && qp.is_multiple_of(16)
+            && op.is_multiple_of(8)
         {
             // Tensor cores (attention.cu `attn_fa_impl`): 64 queries of one head per block.
             let f = self.function(Program::Attention, &format!("attn_prefill_tc_{dh}"))?;
@@ -917,6 +933,16 @@ impl CudaDev {
             return Ok(());
         };
         let f = self.function(Program::Elementwise, "argmax_rows")?;
-        launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, op, c)
+        let (pp, cp) = (
+            self.argmax_part.device_ptr(self.stream()).0,
+            self.done_counters.device_ptr(self.stream()).0,
+        );
+        // ARGMAX_BLOCKS blocks per row, at most ARGMAX_ROWS rows per launch (the partials).
+        for r0 in (0..grid).step_by(ARGMAX_ROWS) {
+            let n = (grid - r0).min(ARGMAX_ROWS as u32);
+            let (lr, or) = (lp + 4 * r0 as u64 * c as u64, op + 4 * r0 as u64);
+            launch!(self, f, (ARGMAX_BLOCKS as u32, n, 1), (256, 1, 1), 0; lr, or, c, pp, cp)?;
+        }
+        Ok(())
     }
 }

@@ -7,8 +7,10 @@
 //   slice of the visible keys for up to eight query heads sharing that kv head: each warp takes
 //   every fourth key, one lane per DPL dims, keeps a running max / sum / weighted V sum per head
 //   (online softmax), the four warps merge in shared memory and write one partial (max, sum,
-//   o[Dh]) per head and split. A second kernel merges the splits. The split count is fixed at
-//   launch from the capacity, so a graph stays valid as the position moves.
+//   o[Dh]) per head and split; the last block of a kv head to finish (a counter in device
+//   memory, reset by that block) merges the splits.
+//   The split count is fixed at launch from the capacity, so a graph stays valid as the
+//   position moves.
 // * Prefill: flash-attention style. Block (16 queries, head); K/V tiles of 32 keys go through
 //   shared memory as f32, each warp owns two queries: lane j scores key j of the tile, the warp
 //   updates its online softmax and accumulates P·V with each lane owning dims lane + 32 i. Memory
@@ -72,13 +74,36 @@ __device__ __forceinline__ void visible_range(int qpos, int cap, int window, int
     lo = window > 0 ? max(0, qpos + 1 - window) : 0;
 }
 
+// out[d] for d = t0, t0 + nt, ... of one head from its nsplit partials (max, sum, o[dh]):
+// sum_s O_s e^(M_s - M) / sum_s L_s e^(M_s - M).
+__device__ __forceinline__ void merge_splits(const float* ph, float* oh, int dh, int nsplit,
+                                             int t0, int nt) {
+    float M = NEG_INF;
+#pragma unroll 8
+    for (int s = 0; s < nsplit; s++) M = fmaxf(M, ph[(i64)s * (dh + 2)]);
+    for (int d = t0; d < dh; d += nt) {
+        float L = 0.0f, O = 0.0f;
+        if (M != NEG_INF) {
+#pragma unroll 4
+            for (int s = 0; s < nsplit; s++) {
+                const float* pr = ph + (i64)s * (dh + 2);
+                const float e = expf(pr[0] - M);
+                L += pr[1] * e;
+                O += pr[2 + d] * e;
+            }
+        }
+        oh[d] = L > 0.0f ? O / L : 0.0f;
+    }
+}
+
 template <int DPL, typename KV>
 __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
                                                  const KV* __restrict__ kc,
                                                  const KV* __restrict__ vc,
                                                  const i32* __restrict__ pos0p,
                                                  float* __restrict__ part, int H, int hkv, int dh,
-                                                 int cap, float scale, int window, int nsplit) {
+                                                 int cap, float scale, int window, int nsplit,
+                                                 float* __restrict__ out, u32* counters) {
     __shared__ float sm_m[AD_WARPS][AD_MAXG], sm_l[AD_WARPS][AD_MAXG];
     __shared__ float sm_acc[AD_WARPS][AD_MAXG][DPL * 32];
     const int kvh = blockIdx.x, split = blockIdx.y;
@@ -164,28 +189,22 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
         }
         pr[2 + d] = O;
     }
-}
-
-// Merges the nsplit partials of each head: out[h] = sum_s O_s e^(M_s - M) / sum_s L_s e^(M_s - M).
-extern "C" __global__ void attn_decode_combine(const float* __restrict__ part,
-                                               float* __restrict__ out, int dh, int nsplit) {
-    pdl_wait();
-    const int h = blockIdx.x;
-    const float* ph = part + (i64)h * nsplit * (dh + 2);
-    float M = NEG_INF;
-    for (int s = 0; s < nsplit; s++) M = fmaxf(M, ph[(i64)s * (dh + 2)]);
-    for (int d = threadIdx.x; d < dh; d += blockDim.x) {
-        float L = 0.0f, O = 0.0f;
-        if (M != NEG_INF) {
-            for (int s = 0; s < nsplit; s++) {
-                const float* pr = ph + (i64)s * (dh + 2);
-                const float e = expf(pr[0] - M);
-                L += pr[1] * e;
-                O += pr[2 + d] * e;
-            }
-        }
-        out[(i64)h * dh + d] = L > 0.0f ? O / L : 0.0f;
-    }
+    // The last block of this (kv head, head chunk) to finish merges its heads' splits, so no
+    // second kernel is needed: every block makes its partials visible, then counts itself in.
+    // Plain loads of the other blocks' partials are safe after the fence that follows the
+    // counter (their writes were fenced before counting; nothing read those lines earlier).
+    __shared__ u32 sm_last;
+    const int slot = kvh * gridDim.z + blockIdx.z;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) sm_last = atomicAdd(counters + slot, 1u) == (u32)(nsplit - 1);
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();
+    for (int hh = warp; hh < ng; hh += AD_WARPS)
+        merge_splits(part + (i64)(h0 + hh) * nsplit * (dh + 2), out + (i64)(h0 + hh) * dh, dh,
+                     nsplit, lane, 32);
+    if (threadIdx.x == 0) counters[slot] = 0;  // ready for the next call (or graph replay)
 }
 
 #define AP_BQ 16
@@ -491,10 +510,11 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
 #define HF2Q_ATTN_KERNELS(KVN, KV, DPL)                                                        \
     extern "C" __global__ void __launch_bounds__(AD_WARPS * 32) attn_decode_##KVN##_##DPL(     \
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* part, int H,      \
-        int hkv, int dh, int cap, float scale, int window, int nsplit) {                       \
+        int hkv, int dh, int cap, float scale, int window, int nsplit, float* out,             \
+        u32* counters) {                                                                       \
         pdl_wait();                                                                            \
         attn_decode_impl<DPL, KV>(q, kc, vc, pos0p, part, H, hkv, dh, cap, scale, window,      \
-                                  nsplit);                                                     \
+                                  nsplit, out, counters);                                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(AP_WARPS * 32) attn_prefill_##KVN##_##DPL(    \
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* out, int T,       \

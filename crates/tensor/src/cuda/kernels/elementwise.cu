@@ -191,51 +191,83 @@ __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const flo
 HF2Q_ROPE_STORE(f16, u16)
 HF2Q_ROPE_STORE(f32, float)
 
-#define ARGMAX_THREADS 1024
+#define ARGMAX_THREADS 256
+#define ARGMAX_BLOCKS 128
 
 // Index of the largest value of each row: first index on ties, NaN ignored, 0 for a row of NaN
-// (the CPU sampler's rule). One block per row.
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    // bi == -1: nothing found yet.
-    return bi < 0 || v > bv || (v == bv && i < bi);
+// (the CPU sampler's rule). ARGMAX_BLOCKS blocks per row each reduce a slice to one key, the
+// last block of the row to finish reduces the keys (a vocabulary-sized row is read by the whole
+// GPU, not by one multiprocessor). A key orders (value, -index): the value's bits made
+// monotonic in the high word, the bitwise complement of the index in the low word; 0 is "no
+// value" (below every real one).
+__device__ __forceinline__ u64 argmax_key(float v, int i) {
+    if (v == 0.0f) v = 0.0f;  // -0 equals +0: the index decides, as on the CPU
+    const u32 b = __float_as_uint(v);
+    const u32 k = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)k << 32) | (u64)(~(u32)i);
 }
 
-extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
-    argmax_rows(const float* __restrict__ x, u32* __restrict__ out, int C) {
-    pdl_wait();
-    __shared__ float sv[ARGMAX_THREADS / 32];
-    __shared__ int si[ARGMAX_THREADS / 32];
-    const float* xr = x + (i64)blockIdx.x * C;
-    float bv = -__int_as_float(0x7f800000);
-    int bi = -1;
-    for (int i = threadIdx.x; i < C; i += ARGMAX_THREADS) {
-        const float v = xr[i];
-        if (v == v && better(v, i, bv, bi)) {
-            bv = v;
-            bi = i;
-        }
-    }
+__device__ __forceinline__ u64 block_max_u64(u64 k, u64* red) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (oi >= 0 && better(ov, oi, bv, bi)) {
-            bv = ov;
-            bi = oi;
+        const u64 ok = __shfl_xor_sync(FULL_MASK, k, o);
+        k = ok > k ? ok : k;
+    }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = k;
+    __syncthreads();
+    k = 0;
+#pragma unroll
+    for (int w = 0; w < ARGMAX_THREADS / 32; w++) k = red[w] > k ? red[w] : k;
+    return k;
+}
+
+// Grid (ARGMAX_BLOCKS, rows); `part` holds rows x ARGMAX_BLOCKS keys, `counters` one zeroed
+// word per row (left at zero).
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_rows(const float* __restrict__ x, u32* __restrict__ out, int C, u64* part,
+                u32* counters) {
+    pdl_wait();
+    __shared__ u64 red[ARGMAX_THREADS / 32];
+    __shared__ u32 last;
+    const int row = blockIdx.y;
+    const float* xr = x + (i64)row * C;
+    // Slices of whole float4s when the row allows it.
+    const bool vec = (C & 3) == 0 && ((u64)xr & 15) == 0;
+    const int per = vec ? ((C >> 2) + ARGMAX_BLOCKS - 1) / ARGMAX_BLOCKS * 4
+                        : (C + ARGMAX_BLOCKS - 1) / ARGMAX_BLOCKS;
+    const int e0 = blockIdx.x * per, e1 = min(e0 + per, C);
+    u64 k = 0;
+    if (vec) {
+        for (int e = e0 + 4 * threadIdx.x; e < e1; e += 4 * ARGMAX_THREADS) {
+            const float4 v = *(const float4*)(xr + e);
+            const float w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const u64 kj = w[j] == w[j] ? argmax_key(w[j], e + j) : 0;
+                k = kj > k ? kj : k;
+            }
+        }
+    } else {
+        for (int e = e0 + threadIdx.x; e < e1; e += ARGMAX_THREADS) {
+            const float v = xr[e];
+            const u64 kj = v == v ? argmax_key(v, e) : 0;
+            k = kj > k ? kj : k;
         }
     }
-    if ((threadIdx.x & 31) == 0) {
-        sv[threadIdx.x >> 5] = bv;
-        si[threadIdx.x >> 5] = bi;
-    }
+    k = block_max_u64(k, red);
+    if (threadIdx.x == 0) part[(i64)row * ARGMAX_BLOCKS + blockIdx.x] = k;
+    __threadfence();
     __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + row, 1u) == ARGMAX_BLOCKS - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    k = threadIdx.x < ARGMAX_BLOCKS ? part[(i64)row * ARGMAX_BLOCKS + threadIdx.x] : 0;
+    __syncthreads();  // red is reused
+    k = block_max_u64(k, red);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < ARGMAX_THREADS / 32; w++)
-            if (si[w] >= 0 && better(sv[w], si[w], bv, bi)) {
-                bv = sv[w];
-                bi = si[w];
-            }
-        out[blockIdx.x] = bi < 0 ? 0u : (u32)bi;
+        out[row] = k == 0 ? 0u : ~(u32)(k & 0xffffffffu);
+        counters[row] = 0;  // ready for the next call (or graph replay)
     }
 }
 
