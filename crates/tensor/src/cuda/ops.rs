@@ -410,7 +410,7 @@ impl CudaDev {
             };
             ctas += w.rows.div_ceil(rpw * 4 / ks);
         }
-        if xp % 16 != 0 {
+        if !xp.is_multiple_of(16) {
             return Err(shape("matvec: the input is not 16-byte aligned".into()));
         }
         let grid = u32::try_from(ctas).map_err(|_| shape(format!("{ctas} blocks")))?;
@@ -637,7 +637,7 @@ impl CudaDev {
         need("rope_store keys", k.len(), t * width)?;
         need("rope_store values", v.len(), t * width)?;
         need("rope_store position", pos0.len(), 1)?;
-        if table.dims > dh || dh % 2 != 0 {
+        if table.dims > dh || !dh.is_multiple_of(2) {
             return Err(shape(format!(
                 "rope: {} rotated dims for head width {dh}",
                 table.dims
