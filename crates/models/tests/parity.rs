@@ -315,5 +315,28 @@ fn fast_path_check(names: &[&str], path: MatmulPath, min_agree: usize, max_kl: f
             "{name}: {path:?} argmax agreement {agree}/100"
         );
         assert!(kl_mean <= max_kl, "{name}: {path:?} mean KL {kl_mean}");
+        // The same 100 positions decoded one token at a time (the one-token kernels and the
+        // decode attention), after a prefill of the rest on the same path.
+        let mut s = model.session(ids.len());
+        s.prefill(&ids[..first]).unwrap();
+        let (mut agree, mut kl_sum) = (0usize, 0f64);
+        for pos in first..ids.len() {
+            let q = s.prefill(&ids[pos..pos + 1]).unwrap();
+            let p = want.row(pos);
+            if argmax(p) == argmax(&q) {
+                agree += 1;
+            }
+            kl_sum += kl(p, &q);
+        }
+        let kl_mean = kl_sum / 100.0;
+        eprintln!("{name}: {path:?} decode vs reference argmax {agree}/100, mean KL {kl_mean:.2e}");
+        assert!(
+            agree >= min_agree,
+            "{name}: {path:?} decode argmax agreement {agree}/100"
+        );
+        assert!(
+            kl_mean <= max_kl,
+            "{name}: {path:?} decode mean KL {kl_mean}"
+        );
     }
 }

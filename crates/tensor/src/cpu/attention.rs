@@ -231,6 +231,9 @@ pub fn attention(
     p: &AttentionParams,
 ) -> Result<Tensor> {
     let t = crate::op::check_attention(q, cache, pos0, p)?;
+    if t == 1 {
+        return decode(q, cache, pos0, p);
+    }
     let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
     let width = h * dh;
     let total = pos0 + t;
@@ -290,6 +293,177 @@ pub fn attention(
         }
     }
     Tensor::new(&[t, width], out)
+}
+
+thread_local! {
+    /// Scores of one decode head (grows to the longest context seen, then is reused).
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Attention of one token (decode): each query head reads its kv head's key rows directly
+/// (two passes: scores, then the weighted sum of values). The tiled path would transpose every
+/// visible key of every kv head for this one row, which cost more than the attention itself.
+/// Already checked by the caller: `q` is one row, the cache holds `pos0 + 1` positions.
+fn decode(q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
+    let (h, dh) = (p.n_heads, p.head_dim);
+    let group = h / p.n_kv_heads;
+    let lo = match p.window {
+        Some(w) => (pos0 + 1).saturating_sub(w),
+        None => 0,
+    };
+    let mut out = vec![0f32; h * dh];
+    let run = |hi: usize, o: &mut [f32]| {
+        let base = (hi / group) * cache.capacity * dh;
+        let keys = &cache.k[base + lo * dh..base + (pos0 + 1) * dh];
+        let vals = &cache.v[base + lo * dh..base + (pos0 + 1) * dh];
+        let qh = &q.data()[hi * dh..(hi + 1) * dh];
+        let mut with = |s: &mut Vec<f32>| decode_dispatch(qh, keys, vals, p.scale, s, o);
+        SCORES.with(|c| match c.try_borrow_mut() {
+            Ok(mut s) => with(&mut s),
+            Err(_) => with(&mut Vec::new()),
+        });
+    };
+    // A head is about 4 * S * Dh flops: hand heads to other threads only when that outweighs
+    // waking them.
+    if rayon::current_num_threads() > 1 && h * (pos0 + 1 - lo) * dh >= 1 << 16 {
+        out.par_chunks_mut(dh)
+            .enumerate()
+            .for_each(|(hi, o)| run(hi, o));
+    } else {
+        out.chunks_mut(dh)
+            .enumerate()
+            .for_each(|(hi, o)| run(hi, o));
+    }
+    Tensor::new(&[1, h * dh], out)
+}
+
+/// [`decode_head`] compiled for the best vector unit this CPU has.
+fn decode_dispatch(q: &[f32], k: &[f32], v: &[f32], scale: f32, s: &mut Vec<f32>, o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::kernels::Isa;
+        if Isa::best() == Isa::Avx512Vnni {
+            // SAFETY: the CPU has AVX-512 F (checked by `Isa::best`).
+            return unsafe { decode_avx512(q, k, v, scale, s, o) };
+        }
+        if Isa::best() == Isa::Avx2 {
+            // SAFETY: the CPU has AVX2 and FMA (checked by `Isa::best`).
+            return unsafe { decode_avx2(q, k, v, scale, s, o) };
+        }
+    }
+    decode_head::<false>(q, k, v, scale, s, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn decode_avx512(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scale: f32,
+    s: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    decode_head::<true>(q, k, v, scale, s, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scale: f32,
+    s: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    decode_head::<false>(q, k, v, scale, s, o)
+}
+
+/// One query head `q (Dh)` over key and value rows `k`, `v` (n, Dh) -> `o (Dh)`: scores,
+/// softmax (with [`exp_fast`]), weighted sum. `s` is scratch. `V512`: called from an AVX-512
+/// function (the dot products use its vectors directly).
+#[inline(always)]
+fn decode_head<const V512: bool>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scale: f32,
+    s: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    let dh = q.len();
+    let n = k.len() / dh;
+    if n == 0 {
+        // No visible key (a zero-width window): the reference's empty sum.
+        o.fill(0.0);
+        return;
+    }
+    // Plain loops, no closures: a closure is compiled without the caller's target features,
+    // and its `mul_add` would become a library call.
+    s.clear();
+    s.resize(n, 0.0);
+    let mut m = f32::NEG_INFINITY;
+    for (e, kr) in s.iter_mut().zip(k.chunks_exact(dh)) {
+        #[cfg(target_arch = "x86_64")]
+        if V512 {
+            // SAFETY: V512 is only set by `decode_avx512`, which runs where AVX-512 F is.
+            *e = unsafe { x512::dot(q, kr) } * scale;
+            m = m.max(*e);
+            continue;
+        }
+        *e = dot16(q, kr) * scale;
+        m = m.max(*e);
+    }
+    let mut lanes = [0f32; 16];
+    let mut chunks = s.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for (u, e) in c.iter_mut().enumerate() {
+            *e = exp_fast(*e - m);
+            lanes[u] += *e;
+        }
+    }
+    let mut l = sum16(&lanes);
+    for e in chunks.into_remainder() {
+        *e = exp_fast(*e - m);
+        l += *e;
+    }
+    o.fill(0.0);
+    accumulate(o, &s[..n], v);
+    let inv = 1.0 / l;
+    for x in o.iter_mut() {
+        *x *= inv;
+    }
+}
+
+/// `Σ a[i] * b[i]` in 16 interleaved partial sums (one vector of multiply-adds).
+#[inline(always)]
+fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let mut tail = 0f32;
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        tail = x.mul_add(*y, tail);
+    }
+    for (x, y) in ca.zip(cb) {
+        let x: &[f32; 16] = x.try_into().expect("a chunk of 16");
+        let y: &[f32; 16] = y.try_into().expect("a chunk of 16");
+        for u in 0..16 {
+            lanes[u] = x[u].mul_add(y[u], lanes[u]);
+        }
+    }
+    sum16(&lanes) + tail
+}
+
+/// The sum of 16 values, by halving.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn sum16(v: &[f32; 16]) -> f32 {
+    let mut h = [0f32; 8];
+    for u in 0..8 {
+        h[u] = v[u] + v[u + 8];
+    }
+    (h[0] + h[4]) + (h[1] + h[5]) + ((h[2] + h[6]) + (h[3] + h[7]))
 }
 
 /// [`tile_rows`] compiled for the best vector unit this CPU has (the loops are written to
@@ -465,6 +639,47 @@ mod x512 {
 
     use super::KB;
 
+    /// `Σ a[i] * b[i]` over the shorter length: 16 lanes of multiply-adds in two chains.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= n {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), s0);
+            s1 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(pa.add(i + 16)),
+                _mm512_loadu_ps(pb.add(i + 16)),
+                s1,
+            );
+            i += 32;
+        }
+        if i < n {
+            // The last 1..31 values under masks (no read past either slice).
+            let m0 = (n - i).min(16);
+            let k0: __mmask16 = ((1u32 << m0) - 1) as __mmask16;
+            s0 = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(k0, pa.add(i)),
+                _mm512_maskz_loadu_ps(k0, pb.add(i)),
+                s0,
+            );
+            if n - i > 16 {
+                let k1: __mmask16 = ((1u32 << (n - i - 16)) - 1) as __mmask16;
+                s1 = _mm512_fmadd_ps(
+                    _mm512_maskz_loadu_ps(k1, pa.add(i + 16)),
+                    _mm512_maskz_loadu_ps(k1, pb.add(i + 16)),
+                    s1,
+                );
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
+    }
+
     /// [`super::scores`] for a whole block of `KB` keys from `a`: two sums of 32 lanes (even and
     /// odd `d`) so that the multiply-adds are not one chain of their latency.
     ///
@@ -570,6 +785,9 @@ mod x512 {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(target_arch = "x86_64")]
+    use super::decode_avx512;
+    use super::decode_head;
     use super::exp_fast;
 
     #[test]
@@ -603,5 +821,69 @@ mod tests {
             x += 0.0137;
         }
         assert_eq!(exp_fast(f32::NEG_INFINITY.max(-1e30)), exp_fast(-87.0));
+    }
+
+    /// The decode head (portable and AVX-512 forms) against a plain f64 softmax-weighted sum,
+    /// for head widths with and without a partial 16/32-lane tail and contexts of 1..=40 keys.
+    /// Allowed: 1e-5 relative to Σ p |v| (the f32 sums and `exp_fast`'s 5e-7 relative error).
+    #[test]
+    fn decode_head_matches_f64() {
+        let mut seed = 0x1234_5678_9abc_def1u64;
+        let mut f = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        };
+        let mut s = Vec::new();
+        // No visible key: zeros, as the reference's empty sum.
+        let mut o = vec![f32::NAN; 8];
+        decode_head::<false>(&[1.0; 8], &[], &[], 1.0, &mut s, &mut o);
+        assert_eq!(o, [0.0; 8]);
+        for dh in [8, 16, 40, 64, 100] {
+            for n in [1, 2, 17, 40] {
+                let q: Vec<f32> = (0..dh).map(|_| 2.0 * f()).collect();
+                let k: Vec<f32> = (0..n * dh).map(|_| 2.0 * f()).collect();
+                let v: Vec<f32> = (0..n * dh).map(|_| f()).collect();
+                let scale = 1.0 / (dh as f32).sqrt();
+                let sc: Vec<f64> = k
+                    .chunks(dh)
+                    .map(|kr| {
+                        q.iter()
+                            .zip(kr)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = p.iter().sum();
+                let mut forms: Vec<(&str, Vec<f32>)> = Vec::new();
+                let mut o = vec![f32::NAN; dh];
+                decode_head::<false>(&q, &k, &v, scale, &mut s, &mut o);
+                forms.push(("portable", o.clone()));
+                #[cfg(target_arch = "x86_64")]
+                if super::super::kernels::Isa::Avx512Vnni.is_available() {
+                    // SAFETY: AVX-512 F checked just above.
+                    unsafe { decode_avx512(&q, &k, &v, scale, &mut s, &mut o) };
+                    forms.push(("avx512", o.clone()));
+                }
+                for (name, o) in forms {
+                    for c in 0..dh {
+                        let want: f64 =
+                            (0..n).map(|j| p[j] / l * v[j * dh + c] as f64).sum::<f64>();
+                        let mag: f64 = (0..n)
+                            .map(|j| p[j] / l * (v[j * dh + c] as f64).abs())
+                            .sum::<f64>();
+                        assert!(
+                            (o[c] as f64 - want).abs() <= 1e-5 * mag + 1e-30,
+                            "{name} dh={dh} n={n} c={c}: {} vs {want}",
+                            o[c]
+                        );
+                    }
+                }
+            }
+        }
     }
 }

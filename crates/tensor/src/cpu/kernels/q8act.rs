@@ -31,6 +31,9 @@ pub struct ActQ8 {
     pub sx: Vec<f32>,
     /// (T, C/32): `dx * Σ q` over each 32-block (for the fused 32-block kernels).
     pub sx32: Vec<f32>,
+    /// (T, C/32): the scale of each 32-block (`dx` without the repeat, for the T = 1 kernels,
+    /// which read the scales of 16 blocks as one vector).
+    pub dx32: Vec<f32>,
     /// Two-part rows only ([`quantize_rows_split`]), for the T/2 pairs (row t and its remainder,
     /// row T/2 + t): `sx` and `sx32` of both parts added, (T/2, C/16) and (T/2, C/32).
     pub sxp: Vec<f32>,
@@ -59,6 +62,7 @@ impl ActQ8 {
             self.dx.resize(n / 16, 0.0);
             self.sx.resize(n / 16, 0.0);
             self.sx32.resize(n / 32, 0.0);
+            self.dx32.resize(n / 32, 0.0);
             self.sxp.resize(n / 32, 0.0);
             self.sxp32.resize(n / 64, 0.0);
         }
@@ -262,6 +266,12 @@ fn finish_sx32(a: &mut ActQ8) {
         .zip(a.sx[..t * g].chunks_exact(2))
     {
         *s32 = s16[0] + s16[1];
+    }
+    for (d32, d16) in a.dx32[..t * k / 32]
+        .iter_mut()
+        .zip(a.dx[..t * g].chunks_exact(2))
+    {
+        *d32 = d16[0];
     }
 }
 
