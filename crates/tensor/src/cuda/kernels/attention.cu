@@ -11,10 +11,11 @@
 //   memory, reset by that block) merges the splits.
 //   The split count is fixed at launch from the capacity, so a graph stays valid as the
 //   position moves.
-// * Prefill: flash-attention style. Block (16 queries, head); K/V tiles of 32 keys go through
-//   shared memory as f32, each warp owns two queries: lane j scores key j of the tile, the warp
-//   updates its online softmax and accumulates P·V with each lane owning dims lane + 32 i. Memory
-//   is O(tile), never O(T * S). CUDA cores in f32, not tensor cores.
+// * Prefill with an f16 cache and Dh 64 or 128: tensor cores (`attn_fa_impl`, below).
+// * Other prefills: flash-attention style. Block (16 queries, head); K/V tiles of 32 keys go
+//   through shared memory as f32, each warp owns two queries: lane j scores key j of the tile,
+//   the warp updates its online softmax and accumulates P·V with each lane owning dims
+//   lane + 32 i. Memory is O(tile), never O(T * S). CUDA cores in f32.
 #include "common.cuh"
 
 #define NEG_INF (-__int_as_float(0x7f800000))
