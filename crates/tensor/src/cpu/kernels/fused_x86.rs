@@ -149,21 +149,25 @@ unsafe fn codes2<const F: u8>(p0: *const u8, p1: *const u8) -> __m512i {
     z
 }
 
-/// Lane indices that spread the scales of blocks `2j` and `2j + 1` (of an 8-block chunk) over
-/// the two halves of a pair's dot vector.
-static PAIR_IDX: [[u32; 16]; 4] = {
+/// Lane indices of a 16-lane dot vector, for four steps: lane `l` of step `j` takes scale
+/// `per_step * j + l / lanes` (each scale covers `lanes` consecutive lanes).
+const fn lane_scales(per_step: usize, lanes: usize) -> [[u32; 16]; 4] {
     let mut t = [[0u32; 16]; 4];
     let mut j = 0;
     while j < 4 {
         let mut l = 0;
         while l < 16 {
-            t[j][l] = (2 * j + l / 8) as u32;
+            t[j][l] = (per_step * j + l / lanes) as u32;
             l += 1;
         }
         j += 1;
     }
     t
-};
+}
+
+/// Lane indices that spread the scales of blocks `2j` and `2j + 1` (of an 8-block chunk) over
+/// the two halves of a pair's dot vector.
+static PAIR_IDX: [[u32; 16]; 4] = lane_scales(2, 8);
 
 /// One row's dot with the activation row (`SPLIT`: with the two-part activation, whose second
 /// part is row 1 of `act` at scale `dx / 256`; the two integer dots combine exactly as
@@ -366,19 +370,7 @@ unsafe fn row_q4_k<const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 {
 
 /// Lane indices spreading a Q6_K super-block's 16 sub-block scales over the dot lanes of its
 /// four 64-element steps: step `st` covers sub-blocks `4 st ..= 4 st + 3`, four lanes each.
-static Q6K_IDX: [[u32; 16]; 4] = {
-    let mut t = [[0u32; 16]; 4];
-    let mut st = 0;
-    while st < 4 {
-        let mut l = 0;
-        while l < 16 {
-            t[st][l] = (4 * st + l / 4) as u32;
-            l += 1;
-        }
-        st += 1;
-    }
-    t
-};
+static Q6K_IDX: [[u32; 16]; 4] = lane_scales(4, 4);
 
 /// One Q6_K row (210-byte super-blocks: 128 bytes of low nibbles, 64 of high bit pairs, 16
 /// signed scales, `d`) dotted with the activation row; `SPLIT` as in [`row`]. Codes are the
