@@ -53,17 +53,11 @@ pub(crate) struct BlasState {
     xbuf: Option<CudaSlice<u16>>,
 }
 
-/// Fewest tokens for which the cuBLAS path beats the tiled kernel: dense f16 weights need no
-/// conversion; the others are dequantized whole (an extra write and read of 2 bytes per weight),
-/// which only pays off once enough tokens share it. Measured on the H200 (bench_ops
-/// `prefill_gemm`).
-fn min_tokens(kind: &str) -> usize {
-    if kind == "f16" {
-        16
-    } else {
-        64
-    }
-}
+/// Fewest tokens for which the cuBLAS path is used: every batch past the matrix-vector kernels'
+/// range (T <= 8). Dequantizing the whole weight costs a write and a read of 2 bytes per weight,
+/// yet from T = 16 on that is several times faster than our tiled kernel on the H200 (bench_ops
+/// `gemm` rows, cuda/NOTES.md).
+const MIN_TOKENS: usize = 9;
 
 fn blas_err(what: &str) -> impl FnOnce(bres::CublasError) -> Error + '_ {
     move |e| Error::Msg(format!("cublas: {what}: {e:?}"))
@@ -160,7 +154,7 @@ impl CudaDev {
         op: u64,
     ) -> Result<bool> {
         if self.prefill_gemm() == PrefillGemm::Tiled
-            || t < min_tokens(w.kind)
+            || t < MIN_TOKENS
             || !w.cols.is_multiple_of(8)
             || !xp.is_multiple_of(16)
             || w.kernels.len() <= DEQH_KERNEL
