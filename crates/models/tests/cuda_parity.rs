@@ -206,7 +206,7 @@ fn real_models_meet_the_gate() {
     ] {
         let Ok(p) = std::env::var(var) else { continue };
         any = true;
-        let mut m = Model::load(Path::new(&p)).unwrap();
+        let mut m = Model::load(Path::new(&p)).unwrap_or_else(|e| panic!("{var}={p}: {e}"));
         for ((agree, kl), path) in compare(&mut m, &gpu, 100)
             .into_iter()
             .zip(["prefill", "decode"])
