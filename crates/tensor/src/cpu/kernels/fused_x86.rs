@@ -169,6 +169,53 @@ const fn lane_scales(per_step: usize, lanes: usize) -> [[u32; 16]; 4] {
 /// the two halves of a pair's dot vector.
 static PAIR_IDX: [[u32; 16]; 4] = lane_scales(2, 8);
 
+/// The activation scales and offset sums a fused row reads: per 32-element block (`per16`
+/// false) or per 16 elements. With `SPLIT` the scales are the second part's (row 1 of `act`,
+/// in whose units the combined integer dot is) and the sums both parts'.
+fn act_scales<const SPLIT: bool>(act: &ActQ8, per16: bool) -> (*const f32, *const f32) {
+    let (dx, sx, sxp, n) = if per16 {
+        (&act.dx, &act.sx, &act.sxp, act.k / 16)
+    } else {
+        (&act.dx32, &act.sx32, &act.sxp32, act.k / 32)
+    };
+    if SPLIT {
+        // SAFETY: the second part's row starts n values in (the buffers hold both rows).
+        (unsafe { dx.as_ptr().add(n) }, sxp.as_ptr())
+    } else {
+        (dx.as_ptr(), sx.as_ptr())
+    }
+}
+
+/// The integer dot of 64 codes `z` with the activations at `qx + e` (`SPLIT`: and with the
+/// second part at `qx + k + e`, combined as `256 * hi + lo`); `LOW`: only the low 32 codes'
+/// activations are read (the last, odd block of a row), the upper lanes get zeros.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn dot64<const SPLIT: bool, const LOW: bool>(
+    z: __m512i,
+    qx: *const i8,
+    e: usize,
+    k: usize,
+) -> __m512i {
+    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, load_act::<LOW>(qx.add(e)));
+    if !SPLIT {
+        return dot;
+    }
+    _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), z, load_act::<LOW>(qx.add(k + e)))
+}
+
+/// 64 activation bytes at `p` (`LOW`: only 32, zeros above). A function of its own, not a
+/// closure: a closure would be compiled without the caller's target features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn load_act<const LOW: bool>(p: *const i8) -> __m512i {
+    if LOW {
+        _mm512_maskz_loadu_epi8(0xffff_ffff, p)
+    } else {
+        _mm512_loadu_si512(p as *const __m512i)
+    }
+}
+
 /// One row's dot with the activation row (`SPLIT`: with the two-part activation, whose second
 /// part is row 1 of `act` at scale `dx / 256`; the two integer dots combine exactly as
 /// `256 * hi + lo`, at most 4 * 255 * 127 * 257 < 2^31 per lane).
@@ -184,18 +231,7 @@ unsafe fn row<const F: u8, const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 
     let bs = block_bytes(F);
     let (k, nb) = (act.k, act.k / 32);
     let qx = act.qx.as_ptr();
-    // The combined dot is in units of the second part's scale (dx / 256) when SPLIT.
-    let dxs = if SPLIT {
-        act.dx32.as_ptr().add(nb)
-    } else {
-        act.dx32.as_ptr()
-    };
-    let sxs = if SPLIT {
-        act.sxp32.as_ptr()
-    } else {
-        act.sx32.as_ptr()
-    };
-    let zero = _mm512_setzero_si512();
+    let (dxs, sxs) = act_scales::<SPLIT>(act, false);
     let mut acc = _mm512_setzero_ps();
     let mut off = _mm256_setzero_ps();
     let mut c0 = 0;
@@ -216,12 +252,7 @@ unsafe fn row<const F: u8, const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 
             let p0 = p.add(b * bs);
             prefetch::<F>(p0);
             let z = codes2::<F>(p0, p0.add(bs));
-            let xh = _mm512_loadu_si512(qx.add(32 * b) as *const __m512i);
-            let mut dot = _mm512_dpbusd_epi32(zero, z, xh);
-            if SPLIT {
-                let xl = _mm512_loadu_si512(qx.add(k + 32 * b) as *const __m512i);
-                dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), z, xl);
-            }
+            let dot = dot64::<SPLIT, false>(z, qx, 32 * b, k);
             let idx = _mm512_loadu_si512(PAIR_IDX[j / 2].as_ptr() as *const __m512i);
             let s = _mm512_permutexvar_ps(idx, sc);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
@@ -233,12 +264,7 @@ unsafe fn row<const F: u8, const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 
             let b = c0 + j;
             let p0 = p.add(b * bs);
             let z = codes2::<F>(p0, p0);
-            let xh = _mm512_maskz_loadu_epi8(0xffff_ffff, qx.add(32 * b));
-            let mut dot = _mm512_dpbusd_epi32(zero, z, xh);
-            if SPLIT {
-                let xl = _mm512_maskz_loadu_epi8(0xffff_ffff, qx.add(k + 32 * b));
-                dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), z, xl);
-            }
+            let dot = dot64::<SPLIT, true>(z, qx, 32 * b, k);
             let s = _mm512_permutexvar_ps(_mm512_set1_epi32(j as i32), sc);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
         }
@@ -322,19 +348,9 @@ unsafe fn bytes8_f32(v: u64) -> __m256 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn row_q4_k<const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 {
-    let (k, nb) = (act.k, act.k / 32);
+    let k = act.k;
     let qx = act.qx.as_ptr();
-    let dxs = if SPLIT {
-        act.dx32.as_ptr().add(nb)
-    } else {
-        act.dx32.as_ptr()
-    };
-    let sxs = if SPLIT {
-        act.sxp32.as_ptr()
-    } else {
-        act.sx32.as_ptr()
-    };
-    let zero = _mm512_setzero_si512();
+    let (dxs, sxs) = act_scales::<SPLIT>(act, false);
     let m4 = _mm512_set1_epi8(0x0f);
     let mut acc = _mm512_setzero_ps();
     let mut off = _mm256_setzero_ps();
@@ -354,13 +370,7 @@ unsafe fn row_q4_k<const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 {
                 _mm512_inserti64x4(_mm512_castsi256_si512(y), _mm256_srli_epi16(y, 4), 1),
                 m4,
             );
-            let e = 256 * sb + 64 * ch;
-            let xh = _mm512_loadu_si512(qx.add(e) as *const __m512i);
-            let mut dot = _mm512_dpbusd_epi32(zero, z, xh);
-            if SPLIT {
-                let xl = _mm512_loadu_si512(qx.add(k + e) as *const __m512i);
-                dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), z, xl);
-            }
+            let dot = dot64::<SPLIT, false>(z, qx, 256 * sb + 64 * ch, k);
             let idx = _mm512_loadu_si512(idx.as_ptr() as *const __m512i);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, s), acc);
         }
@@ -380,19 +390,9 @@ static Q6K_IDX: [[u32; 16]; 4] = lane_scales(4, 4);
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn row_q6_k<const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 {
-    let (k, g) = (act.k, act.k / 16);
+    let k = act.k;
     let qx = act.qx.as_ptr();
-    let dxs = if SPLIT {
-        act.dx.as_ptr().add(g)
-    } else {
-        act.dx.as_ptr()
-    };
-    let sxs = if SPLIT {
-        act.sxp.as_ptr()
-    } else {
-        act.sx.as_ptr()
-    };
-    let zero = _mm512_setzero_si512();
+    let (dxs, sxs) = act_scales::<SPLIT>(act, true);
     let (m4, m30) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
     let mut acc = _mm512_setzero_ps();
     let mut off = _mm512_setzero_ps();
@@ -432,13 +432,7 @@ unsafe fn row_q6_k<const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 {
                 _mm512_and_si512(hh, m30),
             );
             for (st, z) in [(2 * n, za), (2 * n + 1, zb)] {
-                let e = 256 * sb + 64 * st;
-                let xh = _mm512_loadu_si512(qx.add(e) as *const __m512i);
-                let mut dot = _mm512_dpbusd_epi32(zero, z, xh);
-                if SPLIT {
-                    let xl = _mm512_loadu_si512(qx.add(k + e) as *const __m512i);
-                    dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), z, xl);
-                }
+                let dot = dot64::<SPLIT, false>(z, qx, 256 * sb + 64 * st, k);
                 let idx = _mm512_loadu_si512(Q6K_IDX[st].as_ptr() as *const __m512i);
                 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, s), acc);
             }
