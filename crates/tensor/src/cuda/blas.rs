@@ -157,7 +157,6 @@ impl CudaDev {
             || t < MIN_TOKENS
             || !w.cols.is_multiple_of(8)
             || !xp.is_multiple_of(16)
-            || w.kernels.len() <= DEQH_KERNEL
             || self.capturing()?
         {
             return Ok(false);

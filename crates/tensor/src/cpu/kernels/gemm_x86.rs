@@ -328,24 +328,8 @@ unsafe fn layout_direct<const F: u8>(
             } else {
                 h1
             };
-            let dw = _mm512_set_epi32(
-                0x0c0c_0c0c,
-                0x0808_0808,
-                0x0404_0404,
-                0,
-                0x0c0c_0c0c,
-                0x0808_0808,
-                0x0404_0404,
-                0,
-                0x0c0c_0c0c,
-                0x0808_0808,
-                0x0404_0404,
-                0,
-                0x0c0c_0c0c,
-                0x0808_0808,
-                0x0404_0404,
-                0,
-            );
+            let dw =
+                _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c_0c0c, 0x0808_0808, 0x0404_0404, 0));
             let sixteen = _mm512_set1_epi8(16);
             for q in 0..8 {
                 let ctrl = _mm512_add_epi8(dw, _mm512_set1_epi8((q / 2) as i8));
