@@ -270,6 +270,28 @@ fn reference_linear(
     (out, mag)
 }
 
+/// Per output row, the most that quantizing `x` in two 8-bit terms per 32 elements
+/// (`matvec_q8.cuh`: each element moves by at most max|x_block| / 64516) can move `x · Wᵀ`:
+/// the sum over blocks of that times sum |w| in the block, with 5 % for the rounding of the
+/// scales and of the remainder.
+fn act8_bound(w: &QTensor, x: &[f32]) -> Vec<f32> {
+    let wf = w.to_f32().unwrap();
+    (0..w.rows)
+        .map(|r| {
+            let wr = &wf[r * w.cols..(r + 1) * w.cols];
+            let s: f32 = x
+                .chunks(32)
+                .zip(wr.chunks(32))
+                .map(|(xb, wb)| {
+                    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    amax / 64516.0 * wb.iter().map(|v| v.abs()).sum::<f32>()
+                })
+                .sum();
+            1.05 * s
+        })
+        .collect()
+}
+
 fn run_linear(
     dev: &CudaDev,
     rng: &mut Rng,
@@ -378,93 +400,118 @@ fn fast_matvec_and_fusions() {
         Fmt::Ggml(GgmlType::F32),
     ];
     // f32 sums in another order than the reference (two chains per block, the block scale
-    // applied to the block's sum, fused multiply-adds): well under 1e-5 of sum |w x|.
-    let tol = |mag: &[f32]| {
-        let m = mag.to_vec();
-        move |i: usize| 1e-5 * m[i] + 1e-5
+    // applied to the block's sum, fused multiply-adds): well under 1e-5 of sum |w x|; with
+    // 8-bit activations, plus the activations' rounding (`act8_bound`).
+    let tol = |mag: &[f32], q8: &[f32]| {
+        let (m, q) = (mag.to_vec(), q8.to_vec());
+        move |i: usize| 1e-5 * m[i] + 1e-5 + q[i]
     };
-    for f in fmts {
-        let shapes = match f {
-            Fmt::Ggml(t) if t.block_size() == 256 => {
-                [(256, 3), (768, 131), (2304, 600), (4096, 67), (4096, 1)]
-            }
-            _ => [(32, 3), (96, 131), (2080, 600), (4096, 67), (4096, 1)],
-        };
-        for (cols, rows) in shapes {
-            // A backend per case: it keys uploaded weights and biases by host address, and a
-            // dropped case's buffers may come back at the same address.
-            let be = CudaBackend::new(dev.clone(), KvDtype::F16).unwrap();
-            let x = rng.vec(cols, 2.0);
-            let xt = Tensor::new(&[1, cols], x.clone()).unwrap();
-            let xd = be.upload(&xt).unwrap();
-            let ws: Vec<QTensor> = (0..3)
-                .map(|i| make_weight(&mut rng, f, rows + 7 * i, cols))
-                .collect();
-            let bias = rng.vec(rows + 7, 1.0);
-            // One launch per fused call: the fast kernels ran, not the composed fallback.
-            let launches = || dev.counters().launches;
-            // q, k, v: one launch, the second with a bias.
-            let l0 = launches();
-            let outs = be
-                .linear_many(
-                    &xd,
-                    &[(&ws[0], None), (&ws[1], Some(&bias)), (&ws[2], None)],
-                )
-                .unwrap();
-            assert_eq!(launches() - l0, 1, "linear_many {f:?}: one launch");
-            for (i, o) in outs.iter().enumerate() {
-                let b = (i == 1).then_some(&bias[..]);
-                let (want, mag) = reference_linear(&ws[i], &x, 1, b);
-                let got = be.to_host(o).unwrap();
-                check(
-                    &format!("linear_many[{i}] {f:?} {}x{cols}", ws[i].rows),
-                    got.data(),
-                    &want,
-                    tol(&mag),
+    // Both kinds of one-token kernel: 8-bit activations (the default for the quantized
+    // formats) and f32 ones.
+    for act8 in [true, false] {
+        dev.set_matvec_int8(if act8 {
+            cuda::MvMode::All
+        } else {
+            cuda::MvMode::Off
+        });
+        for f in fmts {
+            let q8fmt = act8
+                && matches!(
+                    f,
+                    Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
                 );
-            }
-            // residual += x W^T
-            let res = rng.vec(rows, 3.0);
-            let mut rd = be
-                .upload(&Tensor::new(&[1, rows], res.clone()).unwrap())
-                .unwrap();
-            let l0 = launches();
-            be.linear_add(&xd, &ws[0], &mut rd).unwrap();
-            assert_eq!(launches() - l0, 1, "linear_add {f:?}: one launch");
-            let (y, mag) = reference_linear(&ws[0], &x, 1, None);
-            let want: Vec<f32> = res.iter().zip(&y).map(|(a, b)| a + b).collect();
-            check(
-                &format!("linear_add {f:?} {rows}x{cols}"),
-                be.to_host(&rd).unwrap().data(),
-                &want,
-                tol(&mag),
-            );
-            // act(x G^T) * (x U^T)
-            let up = make_weight(&mut rng, f, rows, cols);
-            for act in [GateAct::Silu, GateAct::GeluTanh] {
-                let l0 = launches();
-                let got = be.linear_gated(&xd, &ws[0], &up, act).unwrap();
-                assert_eq!(launches() - l0, 1, "linear_gated {f:?}: one launch");
-                let want = cpu.linear_gated(&xt, &ws[0], &up, act).unwrap();
-                let (g, gm) = reference_linear(&ws[0], &x, 1, None);
-                let (u, um) = reference_linear(&up, &x, 1, None);
-                // An error e_g in the gate moves act(g) * u by at most ~1.1 |u| e_g (both
-                // activations' slopes stay under 1.13), an error e_u by |act(g)| e_u.
-                let bound: Vec<f32> = (0..rows)
-                    .map(|i| {
-                        let (eg, eu) = (1e-5 * gm[i] + 1e-5, 1e-5 * um[i] + 1e-5);
-                        1.2 * u[i].abs() * eg + (g[i].abs() + 0.3) * eu + 1e-6
-                    })
+            let bound8 = |w: &QTensor, x: &[f32]| {
+                if q8fmt {
+                    act8_bound(w, x)
+                } else {
+                    vec![0.0; w.rows]
+                }
+            };
+            let shapes = match f {
+                Fmt::Ggml(t) if t.block_size() == 256 => {
+                    [(256, 3), (768, 131), (2304, 600), (4096, 67), (4096, 1)]
+                }
+                _ => [(32, 3), (96, 131), (2080, 600), (4096, 67), (4096, 1)],
+            };
+            for (cols, rows) in shapes {
+                // A backend per case: it keys uploaded weights and biases by host address, and a
+                // dropped case's buffers may come back at the same address.
+                let be = CudaBackend::new(dev.clone(), KvDtype::F16).unwrap();
+                let x = rng.vec(cols, 2.0);
+                let xt = Tensor::new(&[1, cols], x.clone()).unwrap();
+                let xd = be.upload(&xt).unwrap();
+                let ws: Vec<QTensor> = (0..3)
+                    .map(|i| make_weight(&mut rng, f, rows + 7 * i, cols))
                     .collect();
+                let bias = rng.vec(rows + 7, 1.0);
+                // One launch per fused call: the fast kernels ran, not the composed fallback.
+                let launches = || dev.counters().launches;
+                // q, k, v: one launch, the second with a bias.
+                let l0 = launches();
+                let outs = be
+                    .linear_many(
+                        &xd,
+                        &[(&ws[0], None), (&ws[1], Some(&bias)), (&ws[2], None)],
+                    )
+                    .unwrap();
+                assert_eq!(launches() - l0, 1, "linear_many {f:?}: one launch");
+                for (i, o) in outs.iter().enumerate() {
+                    let b = (i == 1).then_some(&bias[..]);
+                    let (want, mag) = reference_linear(&ws[i], &x, 1, b);
+                    let got = be.to_host(o).unwrap();
+                    check(
+                        &format!("linear_many[{i}] {f:?} {}x{cols} act8 {act8}", ws[i].rows),
+                        got.data(),
+                        &want,
+                        tol(&mag, &bound8(&ws[i], &x)),
+                    );
+                }
+                // residual += x W^T
+                let res = rng.vec(rows, 3.0);
+                let mut rd = be
+                    .upload(&Tensor::new(&[1, rows], res.clone()).unwrap())
+                    .unwrap();
+                let l0 = launches();
+                be.linear_add(&xd, &ws[0], &mut rd).unwrap();
+                assert_eq!(launches() - l0, 1, "linear_add {f:?}: one launch");
+                let (y, mag) = reference_linear(&ws[0], &x, 1, None);
+                let want: Vec<f32> = res.iter().zip(&y).map(|(a, b)| a + b).collect();
                 check(
-                    &format!("linear_gated {act:?} {f:?} {rows}x{cols}"),
-                    be.to_host(&got).unwrap().data(),
-                    want.data(),
-                    |i| bound[i],
+                    &format!("linear_add {f:?} {rows}x{cols} act8 {act8}"),
+                    be.to_host(&rd).unwrap().data(),
+                    &want,
+                    tol(&mag, &bound8(&ws[0], &x)),
                 );
+                // act(x G^T) * (x U^T)
+                let up = make_weight(&mut rng, f, rows, cols);
+                for act in [GateAct::Silu, GateAct::GeluTanh] {
+                    let l0 = launches();
+                    let got = be.linear_gated(&xd, &ws[0], &up, act).unwrap();
+                    assert_eq!(launches() - l0, 1, "linear_gated {f:?}: one launch");
+                    let want = cpu.linear_gated(&xt, &ws[0], &up, act).unwrap();
+                    let (g, gm) = reference_linear(&ws[0], &x, 1, None);
+                    let (u, um) = reference_linear(&up, &x, 1, None);
+                    let (g8, u8b) = (bound8(&ws[0], &x), bound8(&up, &x));
+                    // An error e_g in the gate moves act(g) * u by at most ~1.1 |u| e_g (both
+                    // activations' slopes stay under 1.13), an error e_u by |act(g)| e_u.
+                    let bound: Vec<f32> = (0..rows)
+                        .map(|i| {
+                            let (eg, eu) =
+                                (1e-5 * gm[i] + 1e-5 + g8[i], 1e-5 * um[i] + 1e-5 + u8b[i]);
+                            1.2 * u[i].abs() * eg + (g[i].abs() + 0.3) * eu + 1e-6
+                        })
+                        .collect();
+                    check(
+                        &format!("linear_gated {act:?} {f:?} {rows}x{cols} act8 {act8}"),
+                        be.to_host(&got).unwrap().data(),
+                        want.data(),
+                        |i| bound[i],
+                    );
+                }
             }
         }
     }
+    dev.set_matvec_int8(cuda::MvMode::Auto);
 }
 
 #[test]
@@ -1231,18 +1278,25 @@ fn bench_ops() {
     ));
     drop((src, dst));
 
-    // Matrix-vector: weights cycled over enough copies to defeat the 60 MB L2.
+    // Matrix-vector: weights cycled over enough copies to defeat the 60 MB L2. Shapes of the
+    // 1B (2048 x 8192, 8192 x 2048) and the 8B (the rest).
     let fmts = [
         Fmt::Ggml(GgmlType::Q4_0),
         Fmt::Ggml(GgmlType::Q8_0),
         Fmt::Ggml(GgmlType::Q4_K),
         Fmt::Ggml(GgmlType::Q6_K),
         Fmt::Ggml(GgmlType::F16),
-        Fmt::Ggml(GgmlType::Q4_K),
-        Fmt::Ggml(GgmlType::Q6_K),
         Fmt::Mlx(4, 64),
     ];
-    for (rows, cols) in [(2048, 8192), (8192, 2048), (14336, 4096)] {
+    let shapes = [
+        (2048, 8192),
+        (8192, 2048),
+        (4096, 4096),
+        (6144, 4096),
+        (4096, 14336),
+        (14336, 4096),
+    ];
+    for (rows, cols) in shapes {
         for f in fmts {
             let w = big_weight(f, rows, cols);
             let bytes = w.stored_bytes();
@@ -1254,26 +1308,61 @@ fn bench_ops() {
                 if t > 1 && rows != 8192 {
                     continue;
                 }
-                let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
-                let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
-                let ms = time_ms(&dev, 50, |i| {
-                    dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
-                });
-                let gbs = bytes as f64 / (ms as f64 * 1e6);
-                let eager = time_eager_ms(&dev, 50, |i| {
-                    dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
-                });
-                table.push(format!(
-                    "matvec {:>10} R={rows:>5} C={cols:>5} T={t}: {:7.1} us, {gbs:6.0} GB/s ({:.0}% of copy); eager launches {:.1} us",
-                    w.type_name(),
-                    ms * 1000.0,
-                    100.0 * gbs / copy_gbs,
-                    eager * 1000.0
-                ));
+                // One-token products: f32 or 8-bit activations, with or without the weights'
+                // L2 prefetch before the wait (consecutive replays overlap through it).
+                let quantized = matches!(f, Fmt::Ggml(ty) if ty != GgmlType::F16);
+                let variants: &[(bool, bool)] = if t == 1 && quantized {
+                    &[(false, false), (false, true), (true, false), (true, true)]
+                } else {
+                    &[(true, true)]
+                };
+                for &(act8, pf) in variants {
+                    dev.set_matvec_int8(if act8 {
+                        cuda::MvMode::All
+                    } else {
+                        cuda::MvMode::Off
+                    });
+                    dev.set_matvec_prefetch(if pf {
+                        cuda::MvMode::All
+                    } else {
+                        cuda::MvMode::Off
+                    });
+                    let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
+                    let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
+                    let ms = time_ms(&dev, 50, |i| {
+                        dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
+                    });
+                    let gbs = bytes as f64 / (ms as f64 * 1e6);
+                    let eager = time_eager_ms(&dev, 50, |i| {
+                        dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
+                    });
+                    let tag = if t == 1 {
+                        format!(
+                            " {}{}",
+                            if act8 { "i8" } else { "f32" },
+                            if pf { "+pf" } else { "" }
+                        )
+                    } else {
+                        String::new()
+                    };
+                    table.push(format!(
+                        "matvec {:>10} R={rows:>5} C={cols:>5} T={t}{tag}: {:7.1} us, {gbs:6.0} GB/s ({:.0}% of copy); eager launches {:.1} us",
+                        w.type_name(),
+                        ms * 1000.0,
+                        100.0 * gbs / copy_gbs,
+                        eager * 1000.0
+                    ));
+                }
+                dev.set_matvec_int8(cuda::MvMode::Auto);
+                dev.set_matvec_prefetch(cuda::MvMode::Auto);
             }
         }
     }
 
+    if std::env::var("HF2Q_CUDA_BENCH").is_ok_and(|v| v == "matvec") {
+        println!("{}", table.join("\n"));
+        return;
+    }
     // Prefill products: our tiled kernel against the cuBLAS path (`prefill_gemm`), by T.
     println!("cuBLAS present: {}", dev.blas_available());
     for f in [

@@ -21,11 +21,12 @@ use super::{cuda_err, default_cache_dir, DeviceInfo, Program};
 use crate::{Error, Result};
 
 /// Headers every program may `#include "..."` by these names.
-const HEADERS: [(&str, &str); 4] = [
+const HEADERS: [(&str, &str); 5] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
     ("linear.cuh", include_str!("kernels/linear.cuh")),
     ("matvec.cuh", include_str!("kernels/matvec.cuh")),
+    ("matvec_q8.cuh", include_str!("kernels/matvec_q8.cuh")),
 ];
 
 fn source(p: Program) -> (&'static str, &'static str) {

@@ -52,7 +52,8 @@ pub use cudarc::driver::{
 pub use blas::PrefillGemm;
 pub use compile::{compile_all_for, compile_for, kernel_cache_dir, nvrtc_available};
 pub use ops::{
-    DeviceKvCache, DevicePtrMutF32, KvDtype, RopeTable, SampleArgs, MAX_HEAD_DIM, SAMPLE_MAX_K,
+    DeviceKvCache, DevicePtrMutF32, KvDtype, MvMode, RopeTable, SampleArgs, MAX_HEAD_DIM,
+    SAMPLE_MAX_K,
 };
 pub use weight::DeviceWeight;
 
@@ -97,6 +98,11 @@ impl Program {
     ];
 }
 
+/// Whether an on-by-default switch is not turned off (`NAME=0`) in the environment.
+fn env_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "0")
+}
+
 /// One GPU: context, stream, kernels. Cheap to share (`Arc`); ops may be called from any thread
 /// (the context is bound on each call), but the stream orders them, so one thread at a time
 /// should drive it.
@@ -121,6 +127,10 @@ pub struct CudaDev {
     argmax_part: CudaSlice<u64>,
     /// Test override of the cuBLAS weight chunk (0: the default).
     blas_chunk: std::sync::atomic::AtomicUsize,
+    /// One-token product options, [`MvMode`]s as their discriminants: the weights' L2
+    /// prefetch before waiting for the previous kernel, and 8-bit activations.
+    mv_prefetch: std::sync::atomic::AtomicU8,
+    mv_act8: std::sync::atomic::AtomicU8,
 }
 
 /// Running totals of what the host asked of the device (`--stats`).
@@ -251,8 +261,7 @@ impl CudaDev {
         let argmax_part = stream
             .alloc_zeros::<u64>(ops::ARGMAX_ROWS * ops::ARGMAX_BLOCKS)
             .map_err(cuda_err("allocating argmax partials"))?;
-        let pdl = info.compute_capability.0 >= 9
-            && std::env::var("HF2Q_CUDA_PDL").map_or(true, |v| v != "0");
+        let pdl = info.compute_capability.0 >= 9 && env_on("HF2Q_CUDA_PDL");
         Ok(Some(Arc::new(CudaDev {
             ctx,
             stream,
@@ -265,6 +274,10 @@ impl CudaDev {
             done_counters,
             argmax_part,
             blas_chunk: std::sync::atomic::AtomicUsize::new(0),
+            mv_prefetch: std::sync::atomic::AtomicU8::new(
+                MvMode::from_env("HF2Q_CUDA_PREFETCH") as u8
+            ),
+            mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
             gemm: std::sync::atomic::AtomicU8::new(if std::env::var("HF2Q_CUDA_GEMM")
                 .is_ok_and(|v| v == "tiled")
             {

@@ -34,6 +34,38 @@ const fn prefill_smem(dh: usize) -> usize {
     (16 * dh + 32 * (dh + 1) + 32 * dh) * 4
 }
 
+/// The kernels' flag bit asking for the weights' L2 prefetch (`MV_PREFETCH` in matvec.cuh).
+const MV_PREFETCH: i32 = 1;
+
+/// When a one-token product option applies ([`CudaDev::set_matvec_int8`],
+/// [`CudaDev::set_matvec_prefetch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MvMode {
+    Off = 0,
+    /// Where it measured faster (the default).
+    Auto = 1,
+    /// For every product that can use it (tests, experiments).
+    All = 2,
+}
+
+impl MvMode {
+    fn from_u8(v: u8) -> MvMode {
+        match v {
+            0 => MvMode::Off,
+            2 => MvMode::All,
+            _ => MvMode::Auto,
+        }
+    }
+    /// `NAME=0` off, `NAME=all` everywhere, otherwise automatic.
+    pub(crate) fn from_env(name: &str) -> MvMode {
+        match std::env::var(name).as_deref() {
+            Ok("0") => MvMode::Off,
+            Ok("all") => MvMode::All,
+            _ => MvMode::Auto,
+        }
+    }
+}
+
 /// Rows per row group of a format's plain `mvf` and gated `mvg` kernels (`RPW` and `GNR` in
 /// matvec.cuh, chosen by measurement).
 fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
@@ -65,6 +97,8 @@ struct MvJobs {
     j: [MvJob; 3],
     n: i32,
     accumulate: i32,
+    flags: i32,
+    pad: i32,
 }
 
 // SAFETY: plain #[repr(C)] structs of integers with the layout of the device structs.
@@ -339,6 +373,67 @@ impl CudaDev {
         w.fast.is_some()
     }
 
+    /// Whether one-token products may prefetch their weights to L2 before waiting for the
+    /// previous kernel (`prefetch_l2` in matvec.cuh): `Off` or not (`Auto` and `All` are the
+    /// same). Only the kernel it measured faster for does (Q4_K with f32 activations,
+    /// cuda/NOTES.md); `HF2Q_CUDA_PREFETCH=0` at open turns it off.
+    pub fn set_matvec_prefetch(&self, m: MvMode) {
+        self.mv_prefetch
+            .store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// When one-token products of Q4_0, Q8_0, Q4_K and Q6_K quantize their input to 8 bits per
+    /// 32 elements (two terms) and use integer dot products (`matvec_q8.cuh`) instead of f32
+    /// activations (`matvec.cuh`). `Auto`: Q8_0 and Q4_K matrices of at least 12288 rows and
+    /// 3072-6144 columns (an 8B's gate and up, its output layer), where it measured faster:
+    /// each block quantizes the whole input row first, which wider rows (an 8B's down
+    /// projection) and latency-bound smaller products do not repay, and the second term costs
+    /// Q4_0 what the integer dot saves (cuda/NOTES.md);
+    /// `HF2Q_CUDA_ACT8=0|all` at open.
+    pub fn set_matvec_int8(&self, m: MvMode) {
+        self.mv_act8
+            .store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The one-token kernels for `w` (plain / fused, gated), the kernel flags and the dynamic
+    /// shared memory they take: the 8-bit ones stage the quantized input row there (two terms
+    /// of `cols` bytes and four floats per 32 columns), within the 48 KB a launch gets without
+    /// opting in.
+    fn mv_kernels<'w>(
+        &self,
+        w: &'w DeviceWeight,
+    ) -> Option<(
+        &'w cudarc::driver::CudaFunction,
+        &'w cudarc::driver::CudaFunction,
+        i32,
+        usize,
+    )> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let act8 = MvMode::from_u8(self.mv_act8.load(Relaxed));
+        let pf = MvMode::from_u8(self.mv_prefetch.load(Relaxed));
+        let smem = 2 * w.cols + w.cols / 32 * 16;
+        let q8 = w.fast_q8.as_ref().filter(|_| {
+            smem <= 48 * 1024
+                && match act8 {
+                    MvMode::Off => false,
+                    MvMode::All => true,
+                    MvMode::Auto => {
+                        matches!(w.kind, "q8_0s" | "q4_k")
+                            && w.rows >= 12288
+                            && (3072..=6144).contains(&w.cols)
+                    }
+                }
+        });
+        // Only the kernels that measured faster with it prefetch (`Prefetch` in matvec.cuh);
+        // the others ignore the flag.
+        let flags = if pf == MvMode::Off { 0 } else { MV_PREFETCH };
+        match (q8, &w.fast) {
+            (Some((f, g)), _) => Some((f, g, flags, smem)),
+            (None, Some((f, g))) => Some((f, g, flags, 0)),
+            _ => None,
+        }
+    }
+
     /// Warps sharing one row group in the `matvec.cuh` kernels: more when the matrix has too
     /// few rows to give every multiprocessor about four blocks, while each lane keeps at least
     /// two blocks of 32 columns.
@@ -371,9 +466,8 @@ impl CudaDev {
                 jobs.len()
             )));
         }
-        let (f, _) = first
-            .fast
-            .as_ref()
+        let (f, _, flags, smem) = self
+            .mv_kernels(first)
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", first.name)))?;
         let empty = MvJob {
             w: first.args(self),
@@ -388,6 +482,8 @@ impl CudaDev {
             j: [empty; 3],
             n: jobs.len() as i32,
             accumulate: i32::from(accumulate),
+            flags,
+            pad: 0,
         };
         let mut ctas = 0usize;
         for (i, (w, bias, out)) in jobs.iter().enumerate() {
@@ -414,7 +510,7 @@ impl CudaDev {
             return Err(shape("matvec: the input is not 16-byte aligned".into()));
         }
         let grid = u32::try_from(ctas).map_err(|_| shape(format!("{ctas} blocks")))?;
-        launch!(self, f, (grid, 1, 1), (128, 1, 1), 0; mj, xp)
+        launch!(self, f, (grid, 1, 1), (128, 1, 1), smem; mj, xp)
     }
 
     /// `outs[i] (1, R_i) = x (1, C) · W_iᵀ (+ b_i)` for up to three matrices of one fast format
@@ -485,9 +581,8 @@ impl CudaDev {
             out.len(),
             gate.rows,
         )?;
-        let (_, f) = gate
-            .fast
-            .as_ref()
+        let (_, f, flags, smem) = self
+            .mv_kernels(gate)
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", gate.name)))?;
         self.bind()?;
         let (gw, uw) = (gate.args(self), up.args(self));
@@ -501,7 +596,7 @@ impl CudaDev {
         let ks = self.mv_split(gate.rows, gate.cols, nr);
         let ksi = ks as i32;
         let grid = blocks(gate.rows, nr * 4 / ks)?;
-        launch!(self, f, (grid, 1, 1), (128, 1, 1), 0; gw, uw, xp, op, rows, act, ksi)
+        launch!(self, f, (grid, 1, 1), (128, 1, 1), smem; gw, uw, xp, op, rows, act, ksi, flags)
     }
 
     /// RMSNorm of `rows` rows of `cols`: `out = x / rms(x) * (w + offset)`; `w` holds `cols`

@@ -48,6 +48,9 @@ pub struct DeviceWeight {
     /// The one-token kernels of `kernels/matvec.cuh` (plain/fused `mvf`, gated `mvg`), for the
     /// formats that have them when the columns are a multiple of 32.
     pub(crate) fast: Option<(CudaFunction, CudaFunction)>,
+    /// The same with 8-bit activations (`kernels/matvec_q8.cuh`: `mqf`, `mqg`), for the
+    /// quantized formats among them.
+    pub(crate) fast_q8: Option<(CudaFunction, CudaFunction)>,
 }
 
 /// Copies blocks of `block` bytes into slots of `stride` bytes (zero-padded), so that every
@@ -254,9 +257,18 @@ impl CudaDev {
         } else {
             None
         };
+        let fast_q8 = if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k" | "q6_kp") {
+            Some((
+                self.function(program, &format!("mqf_{kind}"))?,
+                self.function(program, &format!("mqg_{kind}"))?,
+            ))
+        } else {
+            None
+        };
         Ok(DeviceWeight {
             kernels,
             fast,
+            fast_q8,
             scales_at,
             name: w.name.clone(),
             rows: w.rows,

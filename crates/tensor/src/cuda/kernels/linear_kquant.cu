@@ -1,6 +1,7 @@
 // Linear / embedding kernels for the 256-element ggml k-quant formats.
 #include "linear.cuh"
 #include "matvec.cuh"
+#include "matvec_q8.cuh"
 
 HF2Q_LINEAR_KERNELS(q2_k, FQ2_K)
 HF2Q_LINEAR_KERNELS(q3_k, FQ3_K)
@@ -11,3 +12,5 @@ HF2Q_LINEAR_KERNELS(q8_k, FQ8_K)
 HF2Q_LINEAR_KERNELS(q6_kp, FQ6_KP)
 HF2Q_MATVEC_FAST(q4_k, DQ4_K)
 HF2Q_MATVEC_FAST(q6_kp, DQ6_KP)
+HF2Q_MATVEC_Q8(q4_k, EQ4_K)
+HF2Q_MATVEC_Q8(q6_kp, EQ6_KP)

@@ -1,6 +1,7 @@
 // Linear / embedding kernels for the 32-element ggml formats and dense weights.
 #include "linear.cuh"
 #include "matvec.cuh"
+#include "matvec_q8.cuh"
 
 HF2Q_LINEAR_KERNELS(q4_0, FQ4_0)
 HF2Q_LINEAR_KERNELS(q4_1, FQ4_1)
@@ -14,6 +15,8 @@ HF2Q_LINEAR_KERNELS(q4_0s, FQ4_0S)
 HF2Q_LINEAR_KERNELS(q8_0s, FQ8_0S)
 HF2Q_MATVEC_FAST(q4_0s, DQ4_0S)
 HF2Q_MATVEC_FAST(q8_0s, DQ8_0S)
+HF2Q_MATVEC_Q8(q4_0s, EQ4_0S)
+HF2Q_MATVEC_Q8(q8_0s, EQ8_0S)
 HF2Q_MATVEC_FAST(f32, DF32)
 HF2Q_MATVEC_FAST(f16, DF16)
 HF2Q_MATVEC_FAST(bf16, DBF16)

@@ -47,6 +47,49 @@ __device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
     return v;
 }
 
+// Asks the L2 to fetch `bytes` from `p` (the range rounded out to 16 bytes), in 4 KB pieces
+// spread over the block's threads (`cp.async.bulk.prefetch`, Hopper's bulk copy engine: one
+// instruction per piece, nothing waits for it). The one-token kernels call it for their own
+// rows *before* `pdl_wait`: the weights do not depend on the previous kernel, so their stream
+// from memory starts while that kernel is still finishing, instead of after it.
+__device__ __forceinline__ void prefetch_l2(const void* p, i64 bytes) {
+#if __CUDA_ARCH__ >= 900
+    const u64 a = (u64)p & ~(u64)15;
+    const i64 len = (i64)(((u64)p + (u64)bytes + 15) & ~(u64)15) - (i64)a;
+    for (i64 off = (i64)threadIdx.x * 4096; off < len; off += (i64)blockDim.x * 4096) {
+        const u32 n = (u32)(len - off < 4096 ? len - off : 4096);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a + off), "r"(n) : "memory");
+    }
+#endif
+}
+
+// Formats whose device layout is split (all quants of the matrix, then all f16 block scales):
+// their rows' scales are a second range to prefetch.
+template <class F>
+struct SplitScales {
+    static constexpr bool V = false;
+};
+
+// Formats whose one-token kernel prefetches its rows when asked (flag MV_PREFETCH): only the
+// f32-activation Q4_K kernel measured faster with it (cuda/NOTES.md); the others are compiled
+// without the code, which changed their register allocation for the worse.
+template <class F>
+struct Prefetch {
+    static constexpr bool V = false;
+};
+
+// Prefetches rows row0 .. row0 + n (clamped to the matrix) of `w`.
+template <class F>
+__device__ __forceinline__ void prefetch_rows(const WRef& w, int rows, int row0, int n) {
+    n = min(n, rows - row0);
+    if (n <= 0) return;
+    prefetch_l2(row_ptr(w, row0), w.row_bytes * n);
+    if (SplitScales<F>::V) {
+        const i64 sb = 2 * (i64)(w.cols >> 5);
+        prefetch_l2((const u8*)w.scales + sb * row0, sb * n);
+    }
+}
+
 struct NoAux {
     struct XA {};
     static __device__ __forceinline__ XA prep(const float* xr) { return XA{}; }
@@ -132,6 +175,15 @@ struct DQ8_0S : Quad {
                           128.0f, xr) *
                d;
     }
+};
+
+template <>
+struct SplitScales<DQ4_0S> {
+    static constexpr bool V = true;
+};
+template <>
+struct SplitScales<DQ8_0S> {
+    static constexpr bool V = true;
 };
 
 // Dense rows of `row_bytes` (16-byte aligned when cols % 32 == 0: the allocation is).
@@ -252,6 +304,11 @@ struct DQ4_K {
     }
 };
 
+template <>
+struct Prefetch<DQ4_K> {
+    static constexpr bool V = true;
+};
+
 // Q6_K padded at upload to 224-byte super-blocks (the 210 stored bytes, then zeros: weight.rs)
 // so that its pieces are 8-byte aligned: ql[128] at 0, qh[64] at 128, scales[16] at 192, d at
 // 208. Lane-block b: super-block b / 8, half n = (b / 4) % 2, the eight columns l0 = 8 (b % 4)
@@ -313,7 +370,12 @@ struct MvJobs {
     MvJob j[3];
     i32 n;
     i32 accumulate;  // out += result instead of out = result
+    i32 flags;       // MV_PREFETCH
+    i32 pad;
 };
+
+// Flag bits of the one-token kernels.
+#define MV_PREFETCH 1  // prefetch this block's weight rows to L2 before waiting (prefetch_l2)
 
 // The warps of a CTA form MVF_WARPS / ks row groups of ks warps; a group's warps split the
 // units of its NR rows, their sums meet in shared memory. NW matrices (1, or 2 for gate and up) are read at the same rows.
@@ -387,7 +449,11 @@ __device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __rest
     const MvJob& J = jobs.j[ji];
     const int ks = J.ks, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int rg = warp / ks, kpart = warp % ks;
-    const int row0 = (((int)blockIdx.x - J.cta0) * (MVF_WARPS / ks) + rg) * MVF_RPW;
+    const int cta_row0 = ((int)blockIdx.x - J.cta0) * (MVF_WARPS / ks) * MVF_RPW;
+    const int row0 = cta_row0 + rg * MVF_RPW;
+    if (Prefetch<F>::V && (jobs.flags & MV_PREFETCH))
+        prefetch_rows<F>(J.w, J.rows, cta_row0, (MVF_WARPS / ks) * MVF_RPW);
+    pdl_wait();
     if (row0 < J.rows) mvf_rows<F, MVF_RPW, 1>(J.w, J.w, x, J.rows, row0, ks, red);
     __syncthreads();
     if (kpart == 0 && row0 < J.rows && lane < MVF_RPW) {
@@ -405,12 +471,19 @@ __device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __rest
 // out[r] = act(gate[r] . x) * (up[r] . x); act 0 = SiLU, 1 = GELU (tanh).
 template <class F>
 __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float* __restrict__ x,
-                                         float* __restrict__ out, int rows, int act, int ks) {
+                                         float* __restrict__ out, int rows, int act, int ks,
+                                         int flags) {
     __shared__ float red[2][MVF_WARPS][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int rg = warp / ks, kpart = warp % ks;
     constexpr int NR = F::GNR;
-    const int row0 = ((int)blockIdx.x * (MVF_WARPS / ks) + rg) * NR;
+    const int cta_row0 = (int)blockIdx.x * (MVF_WARPS / ks) * NR;
+    const int row0 = cta_row0 + rg * NR;
+    if (Prefetch<F>::V && (flags & MV_PREFETCH)) {
+        prefetch_rows<F>(g, rows, cta_row0, (MVF_WARPS / ks) * NR);
+        prefetch_rows<F>(u, rows, cta_row0, (MVF_WARPS / ks) * NR);
+    }
+    pdl_wait();
     if (row0 < rows) mvf_rows<F, NR, 2>(g, u, x, rows, row0, ks, red);
     __syncthreads();
     if (kpart == 0 && row0 < rows && lane < NR && row0 + lane < rows) {
@@ -419,14 +492,14 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
     }
 }
 
+// Each kernel waits for its predecessor (`pdl_wait`) inside the implementation, after
+// prefetching its weights.
 #define HF2Q_MATVEC_FAST(NAME, DOT)                                                             \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
-        pdl_wait();                                                                             \
         mvf_impl<DOT>(jobs, x);                                                                 \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
-        mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks) {       \
-        pdl_wait();                                                                             \
-        mvg_impl<DOT>(g, u, x, o, rows, act, ks);                                               \
+    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32) mvg_##NAME(                    \
+        WRef g, WRef u, const float* x, float* o, int rows, int act, int ks, int flags) {       \
+        mvg_impl<DOT>(g, u, x, o, rows, act, ks, flags);                                        \
     }
