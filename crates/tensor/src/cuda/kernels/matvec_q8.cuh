@@ -256,6 +256,13 @@ struct EQ6_KP {
     }
 };
 
+// The host picks the grid from one table of rows per group for both kinds of kernel
+// (`mvf_rows_per_group` in ops.rs).
+static_assert(EQ4_0S::RPW == DQ4_0S::RPW && EQ4_0S::GNR == DQ4_0S::GNR, "Q4_0 rows per group");
+static_assert(EQ8_0S::RPW == DQ8_0S::RPW && EQ8_0S::GNR == DQ8_0S::GNR, "Q8_0 rows per group");
+static_assert(EQ4_K::RPW == DQ4_K::RPW && EQ4_K::GNR == DQ4_K::GNR, "Q4_K rows per group");
+static_assert(EQ6_KP::RPW == DQ6_KP::RPW && EQ6_KP::GNR == DQ6_KP::GNR, "Q6_K rows per group");
+
 template <>
 struct SplitScales<EQ4_0S> {
     static constexpr bool V = true;
