@@ -23,7 +23,7 @@ use hf2q_models::{Model, ModelInfo, Session};
 use hf2q_tensor::cuda::DeviceCounters;
 use serde_json::json;
 
-use crate::args::{DeviceChoice, MatmulChoice};
+use crate::args::{DeviceChoice, KvTypeChoice, MatmulChoice};
 use crate::pull;
 
 /// Slack allowed above file + KV cache in the peak-memory target.
@@ -89,6 +89,8 @@ pub struct BenchArgs {
     /// Device to run on.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = crate::args::KV_TYPE_HELP, long_help = crate::args::KV_TYPE_LONG_HELP)]
+    pub kv_type: KvTypeChoice,
     /// Seed of the random token ids.
     #[arg(long, value_name = "N", default_value_t = 42)]
     pub seed: u64,
@@ -415,7 +417,8 @@ fn bench_model(
     let mut model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
     let load_rss = peak_rss_bytes();
     model.set_matmul_path(matmul.path());
-    model.set_cuda(crate::args::open_device(a.device)?);
+    model.set_kv_type(a.kv_type.kv_type());
+    model.set_cuda(crate::args::open_device(a.device, a.kv_type)?);
     let info = model.info();
     let path_name = matmul
         .to_possible_value()
@@ -499,6 +502,7 @@ fn bench_model(
                     "n_params": info.parameters,
                     "backend": device,
                     "path": path_name,
+                    "kv_type": a.kv_type.name(),
                     "threads": t,
                     "test": test.name(),
                     "n_prompt": n_prompt,

@@ -39,6 +39,8 @@ pub struct ImatrixArgs {
     /// Print a summary as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
+    pub kv_type: args::KvTypeChoice,
 }
 
 pub fn run(a: ImatrixArgs) -> Result<()> {
@@ -52,6 +54,7 @@ pub fn run(a: ImatrixArgs) -> Result<()> {
         .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, mut model) = args::load_model(Some(&a.model))?;
     model.set_matmul_path(a.matmul.path());
+    model.set_kv_type(a.kv_type.kv_type());
     let opts = ImatrixOptions {
         ctx: a.ctx,
         max_chunks: a.chunks,

@@ -29,14 +29,21 @@ pub struct PerplexityArgs {
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
+    pub kv_type: args::KvTypeChoice,
 }
 
 pub fn run(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
-    let (_, model) = args::load_model(Some(&a.model))?;
+    let (_, mut model) = args::load_model(Some(&a.model))?;
+    model.set_kv_type(a.kv_type.kv_type());
     let base = match &a.kl_base {
-        Some(b) => Some(args::load_model(Some(b))?.1),
+        Some(b) => {
+            let mut m = args::load_model(Some(b))?.1;
+            m.set_kv_type(a.kv_type.kv_type());
+            Some(m)
+        }
         None => None,
     };
     let t0 = Instant::now();

@@ -58,6 +58,7 @@ fn bench_json_lines_and_table() {
         assert!(v["model"].as_str().unwrap().contains("tiny-llama"), "{v}");
         assert_eq!(v["backend"], "cpu");
         assert!(!v["path"].as_str().unwrap().is_empty());
+        assert_eq!(v["kv_type"], "f16", "the default cache type");
         if cfg!(target_os = "linux") {
             assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0, "{v}");
         }
@@ -86,7 +87,7 @@ fn bench_json_lines_and_table() {
         "bench",
         s(&t),
         "-p",
-        "4",
+        "8",
         "-n",
         "0",
         "-r",
@@ -94,13 +95,23 @@ fn bench_json_lines_and_table() {
         "-t",
         "1",
         "--fast",
+        "--kv-type",
+        "f32",
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let lines = json_lines(&o);
-    assert_eq!(lines.len(), 1);
-    assert_eq!(lines[0]["path"], "fast");
-    assert_eq!(lines[0]["test"], "pp4");
+    let f32_lines = json_lines(&o);
+    assert_eq!(f32_lines.len(), 1);
+    let v = &f32_lines[0];
+    assert_eq!(v["path"], "fast");
+    assert_eq!(v["test"], "pp8");
+    assert_eq!(v["kv_type"], "f32");
+    // The same 8 positions as the f16 run's pp8 above, at twice the bytes.
+    assert_eq!(
+        v["kv_cache_bytes"].as_u64().unwrap(),
+        2 * lines[0]["kv_cache_bytes"].as_u64().unwrap()
+    );
+    fails_with(&hf2q(&["bench", s(&t), "--kv-type", "q8_0"]), "--kv-type");
 }
 
 #[test]

@@ -58,13 +58,26 @@ fn help_for_every_subcommand() {
                 "--system",
                 "--ctx-size",
                 "--json",
+                "--kv-type",
             ],
         ),
         (
             "chat",
-            &["/reset", "/system", "--system", "--temp", "--max-tokens"],
+            &[
+                "/reset",
+                "/system",
+                "--system",
+                "--temp",
+                "--max-tokens",
+                "--kv-type",
+            ],
         ),
         ("inspect", &["--json", "MODEL"]),
+        // Every command that runs a model chooses its KV cache type, and says what it costs.
+        ("bench", &["--kv-type", "halves the cache's memory", "bit"]),
+        ("serve", &["--kv-type", "halves the cache's memory"]),
+        ("perplexity", &["--kv-type"]),
+        ("imatrix", &["--kv-type"]),
     ];
     for (sub, words) in expect {
         let o = run(h.path(), &[sub, "--help"]);

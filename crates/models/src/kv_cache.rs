@@ -1,8 +1,9 @@
-//! Per-sequence key/value cache: one [`KvStore`] per layer (on the host, f32 `(Hkv, S_cap, Dh)`
-//! growing by doubling up to the limit; or on the device, allocated by the backend on first
-//! write).
+//! Per-sequence key/value cache: one [`KvStore`] per layer (on the host, f16 or f32
+//! `(Hkv, S_cap, Dh)` growing by doubling up to the limit; or on the device, allocated by the
+//! backend on first write).
 
 use hf2q_tensor::kv::KvStore;
+pub use hf2q_tensor::kv::KvType;
 
 use crate::{Error, Result};
 
@@ -26,10 +27,17 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize, limit: usize) -> KvCache {
+    /// An empty cache whose host layers store `ty` values (a device backend uses its own type).
+    pub fn new(
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        limit: usize,
+        ty: KvType,
+    ) -> KvCache {
         KvCache {
             layers: (0..n_layers)
-                .map(|_| KvStore::new(n_kv_heads, head_dim))
+                .map(|_| KvStore::new(n_kv_heads, head_dim, ty))
                 .collect(),
             graph: None,
             limit,
@@ -48,7 +56,8 @@ impl KvCache {
     /// A new host cache of at most `limit` positions holding a copy of this cache's first
     /// `len` positions (their keys and values are final: attention at a position only reads
     /// positions before it), so a sequence whose tokens start with the same `len` tokens can
-    /// skip computing them. `limit == len` gives a compact copy. Host caches only.
+    /// skip computing them. `limit == len` gives a compact copy, of the same element type. Host
+    /// caches only.
     pub fn prefix(&self, len: usize, limit: usize) -> Result<KvCache> {
         if !self.is_host() {
             return Err(Error::Msg(

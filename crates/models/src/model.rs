@@ -23,7 +23,7 @@ use crate::kv_cache::{KvCache, SeqRef};
 use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
-use hf2q_tensor::kv::KvStore;
+use hf2q_tensor::kv::{KvStore, KvType};
 
 /// What `hf2q inspect` prints (also as JSON).
 #[derive(Clone, Debug, Serialize)]
@@ -76,6 +76,8 @@ pub struct Model {
     /// Set: every op runs on this GPU instead of `backend`.
     cuda: Option<Arc<CudaBackend>>,
     cuda_graphs: bool,
+    /// What new host KV caches store.
+    kv_type: KvType,
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -215,6 +217,7 @@ impl Model {
             backend: CpuBackend::default(),
             cuda: None,
             cuda_graphs: true,
+            kv_type: KvType::default(),
         })
     }
 
@@ -286,6 +289,15 @@ impl Model {
     pub fn matmul_path(&self) -> MatmulPath {
         self.backend.matmul
     }
+    /// What the host KV caches made from now on store: f16 (the default: half the memory, values
+    /// rounded once when written) or f32 (bit-exact with the reference). A GPU cache's type is
+    /// the [`CudaBackend`]'s.
+    pub fn set_kv_type(&mut self, ty: KvType) {
+        self.kv_type = ty;
+    }
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -317,7 +329,7 @@ impl Model {
             limit
         };
         let c = &self.config;
-        KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit)
+        KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit, self.kv_type)
     }
 
     /// Runs a batch of sequences through the blocks in one forward: their tokens are concatenated

@@ -14,8 +14,9 @@ use serde_json::{json, Value};
 
 use common::*;
 
-/// The tiny model's KV bytes per token: 2 layers x 2 KV heads x 16 dims x (K, V) x f32.
-const BYTES_PER_TOKEN: u64 = 2 * 2 * 16 * 2 * 4;
+/// The tiny model's KV bytes per token: 2 layers x 2 KV heads x 16 dims x (K, V) x f16 (the
+/// default cache type).
+const BYTES_PER_TOKEN: u64 = 2 * 2 * 16 * 2 * 2;
 const BLOCK: usize = hf2q_server::engine::BLOCK_TOKENS;
 
 fn prefix_cfg(on: bool) -> ServerConfig {

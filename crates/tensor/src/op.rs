@@ -55,11 +55,51 @@ pub struct AttentionParams {
 }
 
 /// Key/value cache of one layer, laid out `(Hkv, S_cap, Dh)` so a head's keys are contiguous.
-pub struct LayerCache<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+/// `T` is what the cache stores: f32, or f16 (half the memory; attention widens each row to f32
+/// as it reads it, so only the rounding of the stored values differs).
+pub struct LayerCache<'a, T = f32> {
+    pub k: &'a [T],
+    pub v: &'a [T],
     /// S_cap: capacity in positions (stride between heads).
     pub capacity: usize,
+}
+
+/// An element type a host KV cache stores ([`LayerCache`]): `f32` or `half::f16`. Sealed: the
+/// CPU attention has a kernel for each.
+pub trait KvElem: crate::cpu::KvRead + Copy + Send + Sync + 'static {
+    /// The value as f32 (exact for both types).
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16_bits_to_f32(self.to_bits())
+    }
+}
+
+/// The f32 value of f16 bits, without branches or tables so that loops of it vectorise on any
+/// target: the exponent and mantissa shifted into f32 position and rescaled by 2^112 (exact for
+/// normal and subnormal values alike), infinities and NaNs given the f32 all-ones exponent.
+#[inline(always)]
+pub fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let sign = (h & 0x8000) << 16;
+    let em = h & 0x7fff;
+    let scaled = (f32::from_bits(em << 13) * f32::from_bits(0x7780_0000)).to_bits();
+    let bits = if em >= 0x7c00 {
+        (em << 13) | 0x7f80_0000
+    } else {
+        scaled
+    };
+    f32::from_bits(bits | sign)
 }
 
 pub trait Backend: Send + Sync {
@@ -217,9 +257,9 @@ pub fn linear_gated_composed<B: Backend + ?Sized>(
 
 /// Checks an attention call's shapes against its cache (shared by every backend): `q` is
 /// `(T, H*Dh)`, heads divide into kv groups, and positions `0..pos0+T` fit the cache. Returns T.
-pub fn check_attention(
+pub fn check_attention<T>(
     q: &Tensor,
-    cache: &LayerCache<'_>,
+    cache: &LayerCache<'_, T>,
     pos0: usize,
     p: &AttentionParams,
 ) -> Result<usize> {
@@ -253,4 +293,21 @@ pub fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every f16 bit pattern widens to what `half` gives (NaNs to a NaN).
+    #[test]
+    fn f16_widening_is_exact() {
+        for b in 0..=u16::MAX {
+            let want = half::f16::from_bits(b).to_f32_const();
+            let got = super::f16_bits_to_f32(b);
+            if want.is_nan() {
+                assert!(got.is_nan(), "{b:#06x}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{b:#06x}");
+            }
+        }
+    }
 }

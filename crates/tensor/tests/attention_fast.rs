@@ -1,9 +1,10 @@
 //! The tiled CPU attention of the fast paths against the scalar reference, on random inputs:
 //! decode (T = 1) and prefill shapes, GQA ratios, head widths, sliding windows, caches with
-//! spare capacity.
+//! spare capacity, f32 and f16 caches.
 
+use half::f16;
 use hf2q_tensor::cpu::{CpuBackend, MatmulPath};
-use hf2q_tensor::op::{AttentionParams, LayerCache};
+use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache};
 use hf2q_tensor::Tensor;
 
 struct Rng(u64);
@@ -49,25 +50,57 @@ fn tiled_attention_matches_reference() {
                         v: &v,
                         capacity: cap,
                     };
-                    let want = CpuBackend::REFERENCE.attention(&q, &c, pos0, &p).unwrap();
-                    let got = fast.attention(&q, &c, pos0, &p).unwrap();
-                    let err = want
-                        .data()
-                        .iter()
-                        .zip(got.data())
-                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                    // Outputs are convex combinations of values in [-1, 1]; f32 sums of up to a few
-                    // hundred terms in another order, and a polynomial exp (2e-7 relative).
-                    assert!(
-                        err < 2e-5,
-                        "h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} window={window:?}: max err {err}"
+                    let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
+                    let want32 = check(&fast, &q, &c, pos0, &p, &format!("f32 {what}"));
+                    // The same values in an f16 cache: the kernels read what is stored, so the
+                    // same bound holds against the reference over the f16 cache.
+                    let (kh, vh): (Vec<f16>, Vec<f16>) = (
+                        k.iter().map(|&x| f16::from_f32(x)).collect(),
+                        v.iter().map(|&x| f16::from_f32(x)).collect(),
                     );
+                    let c = LayerCache {
+                        k: &kh,
+                        v: &vh,
+                        capacity: cap,
+                    };
+                    let want16 = check(&fast, &q, &c, pos0, &p, &format!("f16 {what}"));
+                    // And the rounding itself stays small: 2^-12 relative on each key and value
+                    // (|v| <= 1 moves by <= 2.4e-4; a score by about Σ|q·k|·scale·2^-12, a few
+                    // 1e-3 here, and the output by that times its spread): measured at most
+                    // 1.5e-3; 5e-3 still catches a wrong conversion, which moves outputs by 0.1+.
+                    let e = max_err(&want32, &want16);
+                    assert!(e < 5e-3, "{what}: f16 vs f32 cache {e}");
                     cases += 1;
                 }
             }
         }
     }
     assert!(cases > 200);
+}
+
+fn max_err(a: &Tensor, b: &Tensor) -> f32 {
+    a.data()
+        .iter()
+        .zip(b.data())
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// The fast attention against the reference over one cache; returns the reference's output.
+fn check<T: KvElem>(
+    fast: &CpuBackend,
+    q: &Tensor,
+    c: &LayerCache<'_, T>,
+    pos0: usize,
+    p: &AttentionParams,
+    what: &str,
+) -> Tensor {
+    let want = CpuBackend::REFERENCE.attention(q, c, pos0, p).unwrap();
+    let got = fast.attention(q, c, pos0, p).unwrap();
+    let err = max_err(&want, &got);
+    // Outputs are convex combinations of values in [-1, 1]; f32 sums of up to a few hundred
+    // terms in another order, and a polynomial exp (2e-7 relative).
+    assert!(err < 2e-5, "{what}: max err {err}");
+    want
 }
 
 #[test]

@@ -257,8 +257,9 @@ impl Engine {
     /// Starts the engine thread over `model`.
     pub fn start(model: Arc<Model>, cfg: EngineConfig) -> std::io::Result<Engine> {
         let c = &model.config;
+        // Keys and values of every layer, at the model's cache type (the CLI gives a GPU the same).
         let bytes_per_token =
-            (c.n_layers * c.n_kv_heads * c.head_dim * 2 * std::mem::size_of::<f32>()) as u64;
+            (c.n_layers * c.n_kv_heads * c.head_dim * 2 * model.kv_type().bytes()) as u64;
         let block_bytes = (BLOCK_TOKENS as u64 * bytes_per_token).max(1);
         let total_blocks = (cfg.kv_mem_bytes / block_bytes) as usize;
         let (dead, _) = watch::channel(false);

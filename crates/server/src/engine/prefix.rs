@@ -169,7 +169,7 @@ mod tests {
     use super::*;
 
     fn cache() -> KvCache {
-        KvCache::new(1, 1, 1, 64)
+        KvCache::new(1, 1, 1, 64, hf2q_models::kv_cache::KvType::F16)
     }
     fn toks(r: std::ops::Range<u32>) -> Vec<u32> {
         r.collect()

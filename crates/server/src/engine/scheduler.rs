@@ -22,7 +22,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use hf2q_models::generate::FinishReason;
-use hf2q_models::kv_cache::KvCache;
+use hf2q_models::kv_cache::{KvCache, KvType};
 use hf2q_models::sampler::Sampler;
 use hf2q_models::stop::StopMatcher;
 use hf2q_models::tokenizer::DecodeStream;
@@ -501,7 +501,7 @@ fn offer(s: &mut Seq<'_>, free_blocks: &mut usize, pool: &mut PrefixPool, sh: &S
             }
         }
     } else {
-        std::mem::replace(&mut s.cache, KvCache::new(0, 0, 0, 0))
+        std::mem::replace(&mut s.cache, KvCache::new(0, 0, 0, 0, KvType::default()))
     };
     let blocks = (cache.bytes() / sh.bytes_per_token as usize).div_ceil(BLOCK_TOKENS);
     if blocks > *free_blocks {

@@ -15,11 +15,119 @@
 //! rounding of `x * log2 e`, about |x| * 1e-7: far below the rounding of the sums it feeds).
 //! The scalar reference (`CpuBackend::attention` on the reference path) is what this is tested
 //! against (`tests/attention_fast.rs`).
+//!
+//! The cache holds f32 or f16 values ([`KvElem`]). Decode widens f16 rows to f32 where it reads
+//! them, inside the dot products and weighted sums (hardware conversion on x86-64: F16C with
+//! AVX2, `vcvtph2ps` on 512-bit vectors with AVX-512), never copying them out first. Prefill
+//! already copies each kv head's keys (the transpose) and widens them there; it widens the
+//! values once per call too, since every query row of the head reads them (a copy as large as
+//! Kᵀ, for the call only). The arithmetic after the loads is the same for both types.
 
+use half::f16;
 use rayon::prelude::*;
 
-use crate::op::{AttentionParams, LayerCache};
-use crate::{Result, Tensor};
+use super::kernels::Isa;
+use crate::op::{AttentionParams, KvElem, LayerCache};
+use crate::{Error, Result, Tensor};
+
+/// The vector unit a kernel body is compiled for, a const parameter so that each form is
+/// specialised: the portable loops (vectorised by the compiler for whatever the caller enables),
+/// AVX2 + FMA + F16C, or AVX-512 F/BW/VL. A body is only instantiated with `AVX2` or `AVX512`
+/// inside a function compiled with those features, which runs only where the CPU has them.
+const PORTABLE: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const AVX2: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const AVX512: u8 = 2;
+
+/// How the kernels read a cache row of one element type (the sealed part of [`KvElem`]).
+pub trait KvRead: Sized {
+    /// `Σ q[d] * k[d]` over a key row.
+    fn dot<const L: u8>(q: &[f32], k: &[Self]) -> f32;
+    /// `acc += Σ_j p[j] * v[j]` over value rows `v (p.len(), Dh)`, `Dh = acc.len()`.
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[Self]);
+    /// The values themselves when they are f32.
+    fn as_f32(v: &[Self]) -> Option<&[f32]>;
+    /// `out = v` widened to f32 (equal lengths).
+    fn widen<const L: u8>(v: &[Self], out: &mut [f32]);
+}
+
+impl KvRead for f32 {
+    #[inline(always)]
+    fn dot<const L: u8>(q: &[f32], k: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if L == AVX512 {
+            // SAFETY: L is AVX512 only in bodies compiled for AVX-512 F (see `PORTABLE`).
+            return unsafe { x512::dot(q, k) };
+        }
+        dot16(q, k)
+    }
+    #[inline(always)]
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[f32]) {
+        // The portable loop vectorises well for f32 under the caller's features.
+        accumulate(acc, p, v)
+    }
+    #[inline(always)]
+    fn as_f32(v: &[f32]) -> Option<&[f32]> {
+        Some(v)
+    }
+    #[inline(always)]
+    fn widen<const L: u8>(v: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(v)
+    }
+}
+
+impl KvRead for f16 {
+    #[inline(always)]
+    fn dot<const L: u8>(q: &[f32], k: &[f16]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return unsafe { x512::dot_f16(q, k) };
+            }
+            if L == AVX2 {
+                return unsafe { x256::dot_f16(q, k) };
+            }
+        }
+        dot16(q, k)
+    }
+    #[inline(always)]
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[f16]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return unsafe { x512::accumulate_f16(acc, p, v) };
+            }
+            if L == AVX2 {
+                return unsafe { x256::accumulate_f16(acc, p, v) };
+            }
+        }
+        accumulate(acc, p, v)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn widen<const L: u8>(v: &[f16], out: &mut [f32]) {
+        assert_eq!(v.len(), out.len());
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return unsafe { x512::widen_f16(v, out) };
+            }
+            if L == AVX2 {
+                return unsafe { x256::widen_f16(v, out) };
+            }
+        }
+        for (o, x) in out.iter_mut().zip(v) {
+            *o = x.to_f32();
+        }
+    }
+}
 
 /// Query rows per tile.
 const QT: usize = 8;
@@ -55,7 +163,6 @@ pub(crate) fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     let run = |g: &[f32], u: &[f32], o: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
         {
-            use super::kernels::Isa;
             if Isa::best() == Isa::Avx512Vnni {
                 // SAFETY: the CPU has AVX-512 F (checked by `Isa::best`).
                 return unsafe { silu_mul_avx512(g, u, o) };
@@ -183,16 +290,16 @@ fn sum32(v: &[f32; KB]) -> f32 {
 /// `acc += Σ_j p[j] * v[j]` over value rows `v (p.len(), Dh)`; 64 columns at a time stay in
 /// registers across the rows.
 #[inline(always)]
-fn accumulate(acc: &mut [f32], p: &[f32], v: &[f32]) {
+fn accumulate<T: KvElem>(acc: &mut [f32], p: &[f32], v: &[T]) {
     const CH: usize = 64;
     let dh = acc.len();
     let mut c = 0;
     while c + CH <= dh {
         let mut loc: [f32; CH] = acc[c..c + CH].try_into().expect("a chunk");
         for (j, &pj) in p.iter().enumerate() {
-            let vr: &[f32; CH] = v[j * dh + c..j * dh + c + CH].try_into().expect("a chunk");
+            let vr: &[T; CH] = v[j * dh + c..j * dh + c + CH].try_into().expect("a chunk");
             for u in 0..CH {
-                loc[u] = pj.mul_add(vr[u], loc[u]);
+                loc[u] = pj.mul_add(vr[u].to_f32(), loc[u]);
             }
         }
         acc[c..c + CH].copy_from_slice(&loc);
@@ -202,14 +309,14 @@ fn accumulate(acc: &mut [f32], p: &[f32], v: &[f32]) {
         for (j, &pj) in p.iter().enumerate() {
             let vr = &v[j * dh + c..(j + 1) * dh];
             for (av, &vv) in acc[c..].iter_mut().zip(vr) {
-                *av = pj.mul_add(vv, *av);
+                *av = pj.mul_add(vv.to_f32(), *av);
             }
         }
     }
 }
 
 /// One kv head's keys (transposed, `(Dh, S)` in rows `s_all >= S` apart) and values (`(S, Dh)`
-/// rows from position 0).
+/// rows from position 0), in f32.
 struct Keys<'a> {
     kt: &'a [f32],
     s_all: usize,
@@ -224,24 +331,41 @@ struct Tile {
 
 /// Causal attention of `q (T, H*Dh)` at positions `pos0..pos0+T` over `cache` (see
 /// `Backend::attend`), flash style (module header).
-pub fn attention(
+pub fn attention<T: KvElem>(
     q: &Tensor,
-    cache: &LayerCache<'_>,
+    cache: &LayerCache<'_, T>,
     pos0: usize,
     p: &AttentionParams,
 ) -> Result<Tensor> {
+    attention_on(Isa::best(), q, cache, pos0, p)
+}
+
+/// [`attention`] with the kernels of `isa` (x86-64: AVX-512, AVX2; anything else runs the
+/// portable loops), so that tests can hold each form to the others on one machine.
+pub(crate) fn attention_on<T: KvElem>(
+    isa: Isa,
+    q: &Tensor,
+    cache: &LayerCache<'_, T>,
+    pos0: usize,
+    p: &AttentionParams,
+) -> Result<Tensor> {
+    if !isa.is_available() {
+        return Err(Error::Msg(format!(
+            "attention: this CPU cannot run {isa:?} code"
+        )));
+    }
     let t = crate::op::check_attention(q, cache, pos0, p)?;
     if t == 1 {
-        return decode(q, cache, pos0, p);
+        return decode(isa, q, cache, pos0, p);
     }
     let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
     let width = h * dh;
     let total = pos0 + t;
     let group = h / hkv;
     let qd = q.data();
-    // Kᵀ of each kv head over the keys any row of this call sees: (Dh, S) with S = pos0 + T,
-    // rows `s_all` apart: S rounded up to 16 and each row 64-byte aligned, so that the vector
-    // loads of a block of keys do not straddle cache lines.
+    // Kᵀ of each kv head over the keys any row of this call sees, in f32: (Dh, S) with
+    // S = pos0 + T, rows `s_all` apart: S rounded up to 16 and each row 64-byte aligned, so that
+    // the vector loads of a block of keys do not straddle cache lines.
     let s_all = total.div_ceil(16) * 16;
     let kts: Vec<(Vec<f32>, usize)> = (0..hkv)
         .into_par_iter()
@@ -250,13 +374,35 @@ pub fn attention(
             let mut buf = vec![0f32; dh * s_all + 16];
             let off = buf.as_ptr().align_offset(64).min(16);
             let kt = &mut buf[off..off + dh * s_all];
+            let mut row = vec![0f32; dh];
             for j in 0..total {
-                let krow = &cache.k[kbase + j * dh..kbase + (j + 1) * dh];
+                let krow = as_f32(
+                    isa,
+                    &cache.k[kbase + j * dh..kbase + (j + 1) * dh],
+                    &mut row,
+                );
                 for (d, &kv) in krow.iter().enumerate() {
                     kt[d * s_all + j] = kv;
                 }
             }
             (buf, off)
+        })
+        .collect();
+    // Each kv head's values over positions 0..S in f32: an f32 cache's own rows; an f16 cache's
+    // widened once per call, as the keys are above (every query row of the head reads them: once
+    // per call costs less than once per tile or per row, and as much memory as Kᵀ).
+    let vs: Vec<std::borrow::Cow<'_, [f32]>> = (0..hkv)
+        .into_par_iter()
+        .map(|g| {
+            let src = &cache.v[g * cache.capacity * dh..g * cache.capacity * dh + total * dh];
+            match T::as_f32(src) {
+                Some(v) => std::borrow::Cow::Borrowed(v),
+                None => {
+                    let mut buf = vec![0f32; total * dh];
+                    as_f32(isa, src, &mut buf);
+                    std::borrow::Cow::Owned(buf)
+                }
+            }
         })
         .collect();
     // Work items: (kv head, first row of a tile); rows of a kv head are (token, head in group)
@@ -277,9 +423,9 @@ pub fn attention(
                 let kv = Keys {
                     kt: &kts[g].0[kts[g].1..kts[g].1 + dh * s_all],
                     s_all,
-                    v: &cache.v[g * cache.capacity * dh..],
+                    v: &vs[g],
                 };
-                let out = tile_dispatch(qd, &kv, pos0, p, g, r0, n, tile);
+                let out = tile_dispatch(isa, qd, &kv, pos0, p, g, r0, n, tile);
                 (g, r0, out)
             },
         )
@@ -304,7 +450,13 @@ thread_local! {
 /// (two passes: scores, then the weighted sum of values). The tiled path would transpose every
 /// visible key of every kv head for this one row, which cost more than the attention itself.
 /// Already checked by the caller: `q` is one row, the cache holds `pos0 + 1` positions.
-fn decode(q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
+fn decode<T: KvElem>(
+    isa: Isa,
+    q: &Tensor,
+    cache: &LayerCache<'_, T>,
+    pos0: usize,
+    p: &AttentionParams,
+) -> Result<Tensor> {
     let (h, dh) = (p.n_heads, p.head_dim);
     let group = h / p.n_kv_heads;
     let lo = match p.window {
@@ -317,7 +469,7 @@ fn decode(q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) 
         let keys = &cache.k[base + lo * dh..base + (pos0 + 1) * dh];
         let vals = &cache.v[base + lo * dh..base + (pos0 + 1) * dh];
         let qh = &q.data()[hi * dh..(hi + 1) * dh];
-        let mut with = |s: &mut Vec<f32>| decode_dispatch(qh, keys, vals, p.scale, s, o);
+        let mut with = |s: &mut Vec<f32>| decode_dispatch(isa, qh, keys, vals, p.scale, s, o);
         SCORES.with(|c| match c.try_borrow_mut() {
             Ok(mut s) => with(&mut s),
             Err(_) => with(&mut Vec::new()),
@@ -337,57 +489,66 @@ fn decode(q: &Tensor, cache: &LayerCache<'_>, pos0: usize, p: &AttentionParams) 
     Tensor::new(&[1, h * dh], out)
 }
 
-/// [`decode_head`] compiled for the best vector unit this CPU has.
-fn decode_dispatch(q: &[f32], k: &[f32], v: &[f32], scale: f32, s: &mut Vec<f32>, o: &mut [f32]) {
+/// [`decode_head`] compiled for `isa` (available: checked by [`attention_on`]).
+fn decode_dispatch<T: KvElem>(
+    isa: Isa,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    scale: f32,
+    s: &mut Vec<f32>,
+    o: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::kernels::Isa;
-        if Isa::best() == Isa::Avx512Vnni {
-            // SAFETY: the CPU has AVX-512 F (checked by `Isa::best`).
+        if isa == Isa::Avx512Vnni {
+            // SAFETY: the CPU has AVX-512 F/BW/VL, FMA and F16C (`isa` is available).
             return unsafe { decode_avx512(q, k, v, scale, s, o) };
         }
-        if Isa::best() == Isa::Avx2 {
-            // SAFETY: the CPU has AVX2 and FMA (checked by `Isa::best`).
+        if isa == Isa::Avx2 {
+            // SAFETY: the CPU has AVX2, FMA and F16C (`isa` is available).
             return unsafe { decode_avx2(q, k, v, scale, s, o) };
         }
     }
-    decode_head::<false>(q, k, v, scale, s, o)
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    decode_head::<PORTABLE, T>(q, k, v, scale, s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn decode_avx512(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn decode_avx512<T: KvElem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     scale: f32,
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    decode_head::<true>(q, k, v, scale, s, o)
+    decode_head::<AVX512, T>(q, k, v, scale, s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn decode_avx2(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_avx2<T: KvElem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     scale: f32,
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    decode_head::<false>(q, k, v, scale, s, o)
+    decode_head::<AVX2, T>(q, k, v, scale, s, o)
 }
 
 /// One query head `q (Dh)` over key and value rows `k`, `v` (n, Dh) -> `o (Dh)`: scores,
-/// softmax (with [`exp_fast`]), weighted sum. `s` is scratch. `V512`: called from an AVX-512
-/// function (the dot products use its vectors directly).
+/// softmax (with [`exp_fast`]), weighted sum. `s` is scratch. `L`: the vector unit the caller
+/// was compiled for (the dot products and the weighted sum use its vectors directly).
 #[inline(always)]
-fn decode_head<const V512: bool>(
+fn decode_head<const L: u8, T: KvElem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     scale: f32,
     s: &mut Vec<f32>,
     o: &mut [f32],
@@ -405,14 +566,7 @@ fn decode_head<const V512: bool>(
     s.resize(n, 0.0);
     let mut m = f32::NEG_INFINITY;
     for (e, kr) in s.iter_mut().zip(k.chunks_exact(dh)) {
-        #[cfg(target_arch = "x86_64")]
-        if V512 {
-            // SAFETY: V512 is only set by `decode_avx512`, which runs where AVX-512 F is.
-            *e = unsafe { x512::dot(q, kr) } * scale;
-            m = m.max(*e);
-            continue;
-        }
-        *e = dot16(q, kr) * scale;
+        *e = T::dot::<L>(q, kr) * scale;
         m = m.max(*e);
     }
     let mut lanes = [0f32; 16];
@@ -429,7 +583,7 @@ fn decode_head<const V512: bool>(
         l += *e;
     }
     o.fill(0.0);
-    accumulate(o, &s[..n], v);
+    T::accumulate::<L>(o, &s[..n], v);
     let inv = 1.0 / l;
     for x in o.iter_mut() {
         *x *= inv;
@@ -438,18 +592,18 @@ fn decode_head<const V512: bool>(
 
 /// `Σ a[i] * b[i]` in 16 interleaved partial sums (one vector of multiply-adds).
 #[inline(always)]
-fn dot16(a: &[f32], b: &[f32]) -> f32 {
+fn dot16<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let mut tail = 0f32;
     for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        tail = x.mul_add(*y, tail);
+        tail = x.mul_add(y.to_f32(), tail);
     }
     for (x, y) in ca.zip(cb) {
         let x: &[f32; 16] = x.try_into().expect("a chunk of 16");
-        let y: &[f32; 16] = y.try_into().expect("a chunk of 16");
+        let y: &[T; 16] = y.try_into().expect("a chunk of 16");
         for u in 0..16 {
-            lanes[u] = x[u].mul_add(y[u], lanes[u]);
+            lanes[u] = x[u].mul_add(y[u].to_f32(), lanes[u]);
         }
     }
     sum16(&lanes) + tail
@@ -466,10 +620,45 @@ fn sum16(v: &[f32; 16]) -> f32 {
     (h[0] + h[4]) + (h[1] + h[5]) + ((h[2] + h[6]) + (h[3] + h[7]))
 }
 
-/// [`tile_rows`] compiled for the best vector unit this CPU has (the loops are written to
-/// vectorise).
+/// `src` as f32: itself for an f32 cache, else widened into the start of `buf` (at least as
+/// long) with the kernels of `isa` (available: checked by [`attention_on`]).
+fn as_f32<'a, T: KvElem>(isa: Isa, src: &'a [T], buf: &'a mut [f32]) -> &'a [f32] {
+    if let Some(v) = T::as_f32(src) {
+        return v;
+    }
+    let out = &mut buf[..src.len()];
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        unsafe fn avx512<T: KvElem>(src: &[T], out: &mut [f32]) {
+            T::widen::<AVX512>(src, out)
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn avx2<T: KvElem>(src: &[T], out: &mut [f32]) {
+            T::widen::<AVX2>(src, out)
+        }
+        if isa == Isa::Avx512Vnni {
+            // SAFETY: the CPU has AVX-512 F/BW/VL, FMA and F16C (`isa` is available).
+            unsafe { avx512(src, out) };
+            return out;
+        }
+        if isa == Isa::Avx2 {
+            // SAFETY: the CPU has AVX2, FMA and F16C (`isa` is available).
+            unsafe { avx2(src, out) };
+            return out;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    T::widen::<PORTABLE>(src, out);
+    out
+}
+
+/// [`tile_rows`] compiled for `isa` (available: checked by [`attention_on`]; the loops are
+/// written to vectorise).
 #[allow(clippy::too_many_arguments)]
 fn tile_dispatch(
+    isa: Isa,
     qd: &[f32],
     kv: &Keys<'_>,
     pos0: usize,
@@ -481,22 +670,23 @@ fn tile_dispatch(
 ) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::kernels::Isa;
-        if Isa::best() == Isa::Avx512Vnni {
-            // SAFETY: the CPU has AVX-512 F (checked by `Isa::best`).
+        if isa == Isa::Avx512Vnni {
+            // SAFETY: the CPU has AVX-512 F/BW/VL, FMA and F16C (`isa` is available).
             return unsafe { tile_avx512(qd, kv, pos0, p, g, r0, n, tile) };
         }
-        if Isa::best() == Isa::Avx2 {
-            // SAFETY: the CPU has AVX2 and FMA (checked by `Isa::best`).
+        if isa == Isa::Avx2 {
+            // SAFETY: the CPU has AVX2, FMA and F16C (`isa` is available).
             return unsafe { tile_avx2(qd, kv, pos0, p, g, r0, n, tile) };
         }
     }
-    tile_rows::<false>(qd, kv, pos0, p, g, r0, n, tile)
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    tile_rows::<PORTABLE>(qd, kv, pos0, p, g, r0, n, tile)
 }
 
 /// `tile_rows` compiled with the named target features (the same body, vectorised for them).
 macro_rules! tile_for_isa {
-    ($name:ident, $features:literal, $v512:literal) => {
+    ($name:ident, $features:literal, $isa:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
@@ -510,19 +700,24 @@ macro_rules! tile_for_isa {
             n: usize,
             tile: &mut Tile,
         ) -> Vec<f32> {
-            tile_rows::<$v512>(qd, kv, pos0, p, g, r0, n, tile)
+            tile_rows::<$isa>(qd, kv, pos0, p, g, r0, n, tile)
         }
     };
 }
 
-tile_for_isa!(tile_avx512, "avx512f,avx512bw,avx512vl,avx2,fma", true);
-tile_for_isa!(tile_avx2, "avx2,fma", false);
+tile_for_isa!(
+    tile_avx512,
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    AVX512
+);
+tile_for_isa!(tile_avx2, "avx2,fma,f16c", AVX2);
 
-/// One tile: rows `r0..r0+n` of kv head `g` -> their outputs `(n, Dh)`. `V512`: called from
-/// an AVX-512 function, so the score and softmax steps of a block may use [`x512`].
+/// One tile: rows `r0..r0+n` of kv head `g` -> their outputs `(n, Dh)`. `L`: the vector unit
+/// the caller was compiled for; with AVX-512 the score and softmax steps of a block use
+/// [`x512`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-fn tile_rows<const V512: bool>(
+fn tile_rows<const L: u8>(
     qd: &[f32],
     kv: &Keys<'_>,
     pos0: usize,
@@ -573,8 +768,8 @@ fn tile_rows<const V512: bool>(
                 .expect("a block of KB scores");
             let ar = &mut acc[i * dh..(i + 1) * dh];
             #[cfg(target_arch = "x86_64")]
-            if V512 {
-                // SAFETY: V512 is only set by `tile_avx512`, which runs where AVX-512 F is.
+            if L == AVX512 {
+                // SAFETY: L is AVX512 only in `tile_avx512`, which runs where AVX-512 F is.
                 let mnew = unsafe {
                     if w == KB {
                         x512::scores_block(qrow[i], kv.kt, s_all, a, sb);
@@ -637,6 +832,8 @@ fn tile_rows<const V512: bool>(
 mod x512 {
     use std::arch::x86_64::*;
 
+    use half::f16;
+
     use super::KB;
 
     /// `Σ a[i] * b[i]` over the shorter length: 16 lanes of multiply-adds in two chains.
@@ -678,6 +875,125 @@ mod x512 {
             }
         }
         _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
+    }
+
+    /// `n` (at most 16) f16 values from `p` widened to f32, zeros past them; no read past them.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL; `p..p+n` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_f16(p: *const f16, n: usize) -> __m512 {
+        if n >= 16 {
+            return _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+        }
+        let k = ((1u32 << n) - 1) as __mmask16;
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p as *const i16))
+    }
+
+    /// [`dot`] over f16 `b`: each 16 values widened in a register as they are loaded.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= n {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), load_f16(pb.add(i), 16), s0);
+            s1 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(pa.add(i + 16)),
+                load_f16(pb.add(i + 16), 16),
+                s1,
+            );
+            i += 32;
+        }
+        if i < n {
+            // The last 1..31 values under masks (no read past either slice).
+            let m0 = (n - i).min(16);
+            let k0: __mmask16 = ((1u32 << m0) - 1) as __mmask16;
+            s0 = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(k0, pa.add(i)),
+                load_f16(pb.add(i), m0),
+                s0,
+            );
+            if n - i > 16 {
+                let m1 = n - i - 16;
+                let k1: __mmask16 = ((1u32 << m1) - 1) as __mmask16;
+                s1 = _mm512_fmadd_ps(
+                    _mm512_maskz_loadu_ps(k1, pa.add(i + 16)),
+                    load_f16(pb.add(i + 16), m1),
+                    s1,
+                );
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
+    }
+
+    /// `out = v` widened to f32, 16 values per instruction.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn widen_f16(v: &[f16], out: &mut [f32]) {
+        let n = v.len().min(out.len());
+        let (pv, po) = (v.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        while i < n {
+            let m = (n - i).min(16);
+            let k = ((1u32 << m) - 1) as __mmask16;
+            _mm512_mask_storeu_ps(po.add(i), k, load_f16(pv.add(i), m));
+            i += m;
+        }
+    }
+
+    /// `acc += Σ_j p[j] * v[j]` over f16 value rows `v (p.len(), Dh)`, `Dh = acc.len()`: 64
+    /// columns at a time in four registers across the rows (as the f32 loop), then 16, then
+    /// the last few under a mask.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn accumulate_f16(acc: &mut [f32], p: &[f32], v: &[f16]) {
+        let dh = acc.len();
+        assert!(v.len() >= p.len() * dh);
+        let (pa, pv) = (acc.as_mut_ptr(), v.as_ptr());
+        let mut c = 0;
+        while c + 64 <= dh {
+            let mut r = [
+                _mm512_loadu_ps(pa.add(c)),
+                _mm512_loadu_ps(pa.add(c + 16)),
+                _mm512_loadu_ps(pa.add(c + 32)),
+                _mm512_loadu_ps(pa.add(c + 48)),
+            ];
+            for (j, &pj) in p.iter().enumerate() {
+                let w = _mm512_set1_ps(pj);
+                let row = pv.add(j * dh + c);
+                r[0] = _mm512_fmadd_ps(w, load_f16(row, 16), r[0]);
+                r[1] = _mm512_fmadd_ps(w, load_f16(row.add(16), 16), r[1]);
+                r[2] = _mm512_fmadd_ps(w, load_f16(row.add(32), 16), r[2]);
+                r[3] = _mm512_fmadd_ps(w, load_f16(row.add(48), 16), r[3]);
+            }
+            for (u, x) in r.iter().enumerate() {
+                _mm512_storeu_ps(pa.add(c + 16 * u), *x);
+            }
+            c += 64;
+        }
+        while c < dh {
+            let m = (dh - c).min(16);
+            let k = ((1u32 << m) - 1) as __mmask16;
+            let mut r = _mm512_maskz_loadu_ps(k, pa.add(c));
+            for (j, &pj) in p.iter().enumerate() {
+                r = _mm512_fmadd_ps(_mm512_set1_ps(pj), load_f16(pv.add(j * dh + c), m), r);
+            }
+            _mm512_mask_storeu_ps(pa.add(c), k, r);
+            c += m;
+        }
     }
 
     /// [`super::scores`] for a whole block of `KB` keys from `a`: two sums of 32 lanes (even and
@@ -783,12 +1099,137 @@ mod x512 {
     }
 }
 
+/// AVX2 forms of the f16 row reads (F16C widens 8 values per instruction; the f32 reads are
+/// the portable loops, which the compiler vectorises for AVX2 by itself).
+#[cfg(target_arch = "x86_64")]
+mod x256 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    /// 8 f16 values from `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX and F16C; `p..p+8` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    /// The sum of 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum(x: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// `Σ a[i] * b[i]` over the shorter length, f16 `b` widened as it is loaded: 8 lanes in two
+    /// chains, the last 0..7 values one by one.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i + 16 <= n {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8(pb.add(i)), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), load8(pb.add(i + 8)), s1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8(pb.add(i)), s0);
+            i += 8;
+        }
+        let mut t = hsum(_mm256_add_ps(s0, s1));
+        for j in i..n {
+            t = a[j].mul_add(b[j].to_f32(), t);
+        }
+        t
+    }
+
+    /// `out = v` widened to f32, 8 values per instruction.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn widen_f16(v: &[f16], out: &mut [f32]) {
+        let n = v.len().min(out.len());
+        let (pv, po) = (v.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(po.add(i), load8(pv.add(i)));
+            i += 8;
+        }
+        for j in i..n {
+            out[j] = v[j].to_f32();
+        }
+    }
+
+    /// `acc += Σ_j p[j] * v[j]` over f16 value rows `v (p.len(), Dh)`, `Dh = acc.len()`: 32
+    /// columns at a time in four registers across the rows, then 8, then one by one.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn accumulate_f16(acc: &mut [f32], p: &[f32], v: &[f16]) {
+        let dh = acc.len();
+        assert!(v.len() >= p.len() * dh);
+        let (pa, pv) = (acc.as_mut_ptr(), v.as_ptr());
+        let mut c = 0;
+        while c + 32 <= dh {
+            let mut r = [
+                _mm256_loadu_ps(pa.add(c)),
+                _mm256_loadu_ps(pa.add(c + 8)),
+                _mm256_loadu_ps(pa.add(c + 16)),
+                _mm256_loadu_ps(pa.add(c + 24)),
+            ];
+            for (j, &pj) in p.iter().enumerate() {
+                let w = _mm256_set1_ps(pj);
+                let row = pv.add(j * dh + c);
+                r[0] = _mm256_fmadd_ps(w, load8(row), r[0]);
+                r[1] = _mm256_fmadd_ps(w, load8(row.add(8)), r[1]);
+                r[2] = _mm256_fmadd_ps(w, load8(row.add(16)), r[2]);
+                r[3] = _mm256_fmadd_ps(w, load8(row.add(24)), r[3]);
+            }
+            for (u, x) in r.iter().enumerate() {
+                _mm256_storeu_ps(pa.add(c + 8 * u), *x);
+            }
+            c += 32;
+        }
+        while c + 8 <= dh {
+            let mut r = _mm256_loadu_ps(pa.add(c));
+            for (j, &pj) in p.iter().enumerate() {
+                r = _mm256_fmadd_ps(_mm256_set1_ps(pj), load8(pv.add(j * dh + c)), r);
+            }
+            _mm256_storeu_ps(pa.add(c), r);
+            c += 8;
+        }
+        for (cc, a) in acc.iter_mut().enumerate().skip(c) {
+            for (j, &pj) in p.iter().enumerate() {
+                *a = pj.mul_add(v[j * dh + cc].to_f32(), *a);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use half::f16;
+
+    use super::{attention_on, decode_head, exp_fast, Isa, PORTABLE};
     #[cfg(target_arch = "x86_64")]
-    use super::decode_avx512;
-    use super::decode_head;
-    use super::exp_fast;
+    use super::{decode_avx2, decode_avx512};
+    use crate::op::{AttentionParams, KvElem, LayerCache};
+    use crate::Tensor;
 
     #[test]
     fn silu_mul_matches_the_reference() {
@@ -823,11 +1264,17 @@ mod tests {
         assert_eq!(exp_fast(f32::NEG_INFINITY.max(-1e30)), exp_fast(-87.0));
     }
 
-    /// The decode head (portable and AVX-512 forms) against a plain f64 softmax-weighted sum,
-    /// for head widths with and without a partial 16/32-lane tail and contexts of 1..=40 keys.
-    /// Allowed: 1e-5 relative to Σ p |v| (the f32 sums and `exp_fast`'s 5e-7 relative error).
+    /// The decode head (portable, AVX2 and AVX-512 forms, f32 and f16 caches) against a plain
+    /// f64 softmax-weighted sum of the stored values, for head widths with and without a partial
+    /// 8/16/32-lane tail and contexts of 1..=40 keys. Allowed: 1e-5 relative to Σ p |v| (the f32
+    /// sums and `exp_fast`'s 5e-7 relative error; f16 values widen exactly, so the same bound).
     #[test]
     fn decode_head_matches_f64() {
+        decode_head_case::<f32>(|x| x);
+        decode_head_case::<f16>(f16::from_f32);
+    }
+
+    fn decode_head_case<T: KvElem>(store: fn(f32) -> T) {
         let mut seed = 0x1234_5678_9abc_def1u64;
         let mut f = || {
             seed ^= seed << 13;
@@ -838,20 +1285,20 @@ mod tests {
         let mut s = Vec::new();
         // No visible key: zeros, as the reference's empty sum.
         let mut o = vec![f32::NAN; 8];
-        decode_head::<false>(&[1.0; 8], &[], &[], 1.0, &mut s, &mut o);
+        decode_head::<PORTABLE, T>(&[1.0; 8], &[], &[], 1.0, &mut s, &mut o);
         assert_eq!(o, [0.0; 8]);
-        for dh in [8, 16, 40, 64, 100] {
+        for dh in [8, 16, 37, 40, 64, 100, 128] {
             for n in [1, 2, 17, 40] {
                 let q: Vec<f32> = (0..dh).map(|_| 2.0 * f()).collect();
-                let k: Vec<f32> = (0..n * dh).map(|_| 2.0 * f()).collect();
-                let v: Vec<f32> = (0..n * dh).map(|_| f()).collect();
+                let k: Vec<T> = (0..n * dh).map(|_| store(2.0 * f())).collect();
+                let v: Vec<T> = (0..n * dh).map(|_| store(f())).collect();
                 let scale = 1.0 / (dh as f32).sqrt();
                 let sc: Vec<f64> = k
                     .chunks(dh)
                     .map(|kr| {
                         q.iter()
                             .zip(kr)
-                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .map(|(a, b)| *a as f64 * b.to_f32() as f64)
                             .sum::<f64>()
                             * scale as f64
                     })
@@ -861,29 +1308,125 @@ mod tests {
                 let l: f64 = p.iter().sum();
                 let mut forms: Vec<(&str, Vec<f32>)> = Vec::new();
                 let mut o = vec![f32::NAN; dh];
-                decode_head::<false>(&q, &k, &v, scale, &mut s, &mut o);
+                decode_head::<PORTABLE, T>(&q, &k, &v, scale, &mut s, &mut o);
                 forms.push(("portable", o.clone()));
                 #[cfg(target_arch = "x86_64")]
-                if super::super::kernels::Isa::Avx512Vnni.is_available() {
-                    // SAFETY: AVX-512 F checked just above.
-                    unsafe { decode_avx512(&q, &k, &v, scale, &mut s, &mut o) };
-                    forms.push(("avx512", o.clone()));
+                {
+                    if Isa::Avx2.is_available() {
+                        o.fill(f32::NAN);
+                        // SAFETY: AVX2, FMA and F16C checked just above.
+                        unsafe { decode_avx2(&q, &k, &v, scale, &mut s, &mut o) };
+                        forms.push(("avx2", o.clone()));
+                    }
+                    if Isa::Avx512Vnni.is_available() {
+                        o.fill(f32::NAN);
+                        // SAFETY: AVX-512 F/BW/VL checked just above.
+                        unsafe { decode_avx512(&q, &k, &v, scale, &mut s, &mut o) };
+                        forms.push(("avx512", o.clone()));
+                    }
                 }
                 for (name, o) in forms {
                     for c in 0..dh {
-                        let want: f64 =
-                            (0..n).map(|j| p[j] / l * v[j * dh + c] as f64).sum::<f64>();
-                        let mag: f64 = (0..n)
-                            .map(|j| p[j] / l * (v[j * dh + c] as f64).abs())
-                            .sum::<f64>();
+                        let vc = |j: usize| v[j * dh + c].to_f32() as f64;
+                        let want: f64 = (0..n).map(|j| p[j] / l * vc(j)).sum::<f64>();
+                        let mag: f64 = (0..n).map(|j| p[j] / l * vc(j).abs()).sum::<f64>();
                         assert!(
                             (o[c] as f64 - want).abs() <= 1e-5 * mag + 1e-30,
-                            "{name} dh={dh} n={n} c={c}: {} vs {want}",
+                            "{name} {} dh={dh} n={n} c={c}: {} vs {want}",
+                            std::any::type_name::<T>(),
                             o[c]
                         );
                     }
                 }
             }
+        }
+    }
+
+    /// Every kernel form this CPU runs (portable, AVX2, AVX-512), decode and prefill, over an f16
+    /// and an f32 cache: the same stored values, so the forms differ only in summation order.
+    /// Awkward sizes: odd head widths and positions, GQA groups, windows, spare capacity.
+    /// Allowed: 1e-5 between forms, 2e-5 against the scalar reference (outputs are convex
+    /// combinations of values in [-1, 1]; f32 sums of a few hundred terms in another order and
+    /// `exp_fast`'s 5e-7).
+    #[test]
+    fn every_isa_agrees_on_f16_and_f32_caches() {
+        let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .filter(|i| i.is_available())
+            .collect();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut f = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        };
+        let mut cases = 0;
+        for &(h, hkv) in &[(1, 1), (9, 3), (8, 2)] {
+            for &dh in &[37, 64, 128] {
+                for &(t, pos0) in &[(1, 0), (1, 44), (1, 301), (7, 0), (33, 17), (5, 250)] {
+                    for &window in &[None, Some(9)] {
+                        let cap = pos0 + t + 13;
+                        let p = AttentionParams {
+                            n_heads: h,
+                            n_kv_heads: hkv,
+                            head_dim: dh,
+                            scale: 1.0 / (dh as f32).sqrt(),
+                            window,
+                        };
+                        let k: Vec<f32> = (0..hkv * cap * dh).map(|_| 3.0 * f()).collect();
+                        let v: Vec<f32> = (0..hkv * cap * dh).map(|_| f()).collect();
+                        let q = (0..t * h * dh).map(|_| 3.0 * f()).collect();
+                        let q = Tensor::new(&[t, h * dh], q).unwrap();
+                        let (kh, vh): (Vec<f16>, Vec<f16>) = (
+                            k.iter().map(|&x| f16::from_f32(x)).collect(),
+                            v.iter().map(|&x| f16::from_f32(x)).collect(),
+                        );
+                        let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
+                        let c16 = LayerCache {
+                            k: &kh,
+                            v: &vh,
+                            capacity: cap,
+                        };
+                        let c32 = LayerCache {
+                            k: &k,
+                            v: &v,
+                            capacity: cap,
+                        };
+                        all_forms_agree(&isas, &q, &c16, pos0, &p, &format!("f16 {what}"));
+                        all_forms_agree(&isas, &q, &c32, pos0, &p, &format!("f32 {what}"));
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 108);
+    }
+
+    fn all_forms_agree<T: KvElem>(
+        isas: &[Isa],
+        q: &Tensor,
+        c: &LayerCache<'_, T>,
+        pos0: usize,
+        p: &AttentionParams,
+        what: &str,
+    ) {
+        let max_err = |a: &Tensor, b: &Tensor| {
+            a.data()
+                .iter()
+                .zip(b.data())
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+        };
+        let reference = crate::cpu::CpuBackend::REFERENCE
+            .attention(q, c, pos0, p)
+            .unwrap();
+        let portable = attention_on(Isa::Scalar, q, c, pos0, p).unwrap();
+        let e = max_err(&portable, &reference);
+        assert!(e < 2e-5, "{what}: portable vs reference {e}");
+        for &isa in isas {
+            let got = attention_on(isa, q, c, pos0, p).unwrap();
+            let e = max_err(&got, &portable);
+            assert!(e < 1e-5, "{what}: {isa:?} vs portable {e}");
         }
     }
 }

@@ -6,11 +6,13 @@ use rayon::prelude::*;
 mod attention;
 pub mod kernels;
 
+pub(crate) use attention::KvRead;
+
 use kernels::ActBits;
 
-use crate::kv::KvStore;
+use crate::kv::{KvStore, KvView};
 use crate::op::{
-    check_rows, same_shape, AttentionParams, Backend, LayerCache, RopeParams, RopeStyle,
+    check_rows, same_shape, AttentionParams, Backend, KvElem, LayerCache, RopeParams, RopeStyle,
 };
 use crate::weight::dot;
 use crate::{Error, QTensor, Result, Tensor};
@@ -47,12 +49,13 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// Causal attention over a host cache view: the tiled kernel (`attention.rs`) on the fast
-    /// paths, the scalar reference of every device's `attend` on the reference path.
-    pub fn attention(
+    /// Causal attention over a host cache view (f32 or f16 values): the tiled kernel
+    /// (`attention.rs`) on the fast paths, the scalar reference of every device's `attend` on
+    /// the reference path.
+    pub fn attention<T: KvElem>(
         &self,
         q: &Tensor,
-        cache: &LayerCache<'_>,
+        cache: &LayerCache<'_, T>,
         pos0: usize,
         p: &AttentionParams,
     ) -> Result<Tensor> {
@@ -62,11 +65,11 @@ impl CpuBackend {
         }
     }
 
-    /// The scalar reference attention.
-    pub fn attention_reference(
+    /// The scalar reference attention (each key and value row widened to f32 as it is read).
+    pub fn attention_reference<T: KvElem>(
         &self,
         q: &Tensor,
-        cache: &LayerCache<'_>,
+        cache: &LayerCache<'_, T>,
         pos0: usize,
         p: &AttentionParams,
     ) -> Result<Tensor> {
@@ -86,8 +89,15 @@ impl CpuBackend {
             };
             let qv = &q.data()[ti * width + hi * dh..ti * width + (hi + 1) * dh];
             let kbase = kvh * cache.capacity * dh;
+            let mut row = vec![0f32; dh];
             let mut scores: Vec<f32> = (lo..=qpos)
-                .map(|j| dot(qv, &cache.k[kbase + j * dh..kbase + (j + 1) * dh]) * p.scale)
+                .map(|j| {
+                    let kr = &cache.k[kbase + j * dh..kbase + (j + 1) * dh];
+                    for (r, &x) in row.iter_mut().zip(kr) {
+                        *r = x.to_f32();
+                    }
+                    dot(qv, &row) * p.scale
+                })
                 .collect();
             let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
@@ -100,7 +110,7 @@ impl CpuBackend {
                 let w = s / sum;
                 let vr = &cache.v[kbase + j * dh..kbase + (j + 1) * dh];
                 for (ov, vv) in o.iter_mut().zip(vr) {
-                    *ov += w * vv;
+                    *ov += w * vv.to_f32();
                 }
             }
         });
@@ -258,7 +268,10 @@ impl Backend for CpuBackend {
 
     fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
         match kv {
-            KvStore::Host(h) => self.attention(q, &h.view(), pos0, p),
+            KvStore::Host(h) => match h.view() {
+                KvView::F16(c) => self.attention(q, &c, pos0, p),
+                KvView::F32(c) => self.attention(q, &c, pos0, p),
+            },
             _ => Err(Error::Msg(
                 "the CPU backend was given a device KV cache".into(),
             )),
