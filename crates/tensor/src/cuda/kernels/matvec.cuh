@@ -439,27 +439,52 @@ struct Rpw {
     static constexpr int V = F::RPW;
 };
 
-template <class F>
-__device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __restrict__ x) {
-    constexpr int MVF_RPW = Rpw<F>::V;
-    __shared__ float red[1][MVF_WARPS][4];
-    int ji = 0;
-    if (jobs.n > 1 && (int)blockIdx.x >= jobs.j[1].cta0) ji = 1;
-    if (jobs.n > 2 && (int)blockIdx.x >= jobs.j[2].cta0) ji = 2;
-    const MvJob& J = jobs.j[ji];
-    const int ks = J.ks, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rg = warp / ks, kpart = warp % ks;
-    const int cta_row0 = ((int)blockIdx.x - J.cta0) * (MVF_WARPS / ks) * MVF_RPW;
-    const int row0 = cta_row0 + rg * MVF_RPW;
-    if (Prefetch<F>::V && (jobs.flags & MV_PREFETCH))
-        prefetch_rows<F>(J.w, J.rows, cta_row0, (MVF_WARPS / ks) * MVF_RPW);
-    pdl_wait();
-    if (row0 < J.rows) mvf_rows<F, MVF_RPW, 1>(J.w, J.w, x, J.rows, row0, ks, red);
-    __syncthreads();
-    if (kpart == 0 && row0 < J.rows && lane < MVF_RPW) {
-        const int row = row0 + lane;
+// Where a warp of a fused one-token launch works: its job (the block's), the row group's first
+// row, and its part of the group's units. Shared by the f32 and the 8-bit kernels.
+struct MvPlace {
+    int ji, ks, warp, lane, kpart, cta_row0, row0;
+};
+
+template <int RPW>
+__device__ __forceinline__ MvPlace mv_place(const MvJobs& jobs) {
+    MvPlace p;
+    p.ji = 0;
+    if (jobs.n > 1 && (int)blockIdx.x >= jobs.j[1].cta0) p.ji = 1;
+    if (jobs.n > 2 && (int)blockIdx.x >= jobs.j[2].cta0) p.ji = 2;
+    const MvJob& J = jobs.j[p.ji];
+    p.ks = J.ks;
+    p.warp = threadIdx.x >> 5;
+    p.lane = threadIdx.x & 31;
+    p.kpart = p.warp % p.ks;
+    p.cta_row0 = ((int)blockIdx.x - J.cta0) * (MVF_WARPS / p.ks) * RPW;
+    p.row0 = p.cta_row0 + (p.warp / p.ks) * RPW;
+    return p;
+}
+
+// The gated kernels' place: one job, blocks in row order.
+template <int NR>
+__device__ __forceinline__ MvPlace mg_place(int ks) {
+    MvPlace p;
+    p.ji = 0;
+    p.ks = ks;
+    p.warp = threadIdx.x >> 5;
+    p.lane = threadIdx.x & 31;
+    p.kpart = p.warp % ks;
+    p.cta_row0 = (int)blockIdx.x * (MVF_WARPS / ks) * NR;
+    p.row0 = p.cta_row0 + (p.warp / ks) * NR;
+    return p;
+}
+
+// The last step of the plain / fused kernels: the first warp of each row group stores (or adds
+// to the output) its rows' totals.
+template <int RPW>
+__device__ __forceinline__ void mv_store(const MvJobs& jobs, const MvJob& J, const MvPlace& p,
+                                         float (*red)[MVF_WARPS][4]) {
+    if (p.kpart == 0 && p.row0 < J.rows && p.lane < RPW) {
+        const int row = p.row0 + p.lane;
         if (row < J.rows) {
-            const float s = mvf_total(red, 0, warp, ks, lane) + (J.bias ? J.bias[row] : 0.0f);
+            const float s =
+                mvf_total(red, 0, p.warp, p.ks, p.lane) + (J.bias ? J.bias[row] : 0.0f);
             if (jobs.accumulate)
                 J.out[row] += s;
             else
@@ -468,28 +493,47 @@ __device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __rest
     }
 }
 
+// The last step of the gated kernels: out = act(gate total) * up total.
+template <int NR>
+__device__ __forceinline__ void mg_store(float* __restrict__ out, int rows, int act,
+                                         const MvPlace& p, float (*red)[MVF_WARPS][4]) {
+    if (p.kpart == 0 && p.row0 < rows && p.lane < NR && p.row0 + p.lane < rows) {
+        const float gs = mvf_total(red, 0, p.warp, p.ks, p.lane);
+        const float us = mvf_total(red, 1, p.warp, p.ks, p.lane);
+        out[p.row0 + p.lane] = (act == 0 ? silu_f(gs) : gelu_tanh_f(gs)) * us;
+    }
+}
+
+template <class F>
+__device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __restrict__ x) {
+    constexpr int RPW = Rpw<F>::V;
+    __shared__ float red[1][MVF_WARPS][4];
+    const MvPlace p = mv_place<RPW>(jobs);
+    const MvJob& J = jobs.j[p.ji];
+    if (Prefetch<F>::V && (jobs.flags & MV_PREFETCH))
+        prefetch_rows<F>(J.w, J.rows, p.cta_row0, (MVF_WARPS / p.ks) * RPW);
+    pdl_wait();
+    if (p.row0 < J.rows) mvf_rows<F, RPW, 1>(J.w, J.w, x, J.rows, p.row0, p.ks, red);
+    __syncthreads();
+    mv_store<RPW>(jobs, J, p, red);
+}
+
 // out[r] = act(gate[r] . x) * (up[r] . x); act 0 = SiLU, 1 = GELU (tanh).
 template <class F>
 __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float* __restrict__ x,
                                          float* __restrict__ out, int rows, int act, int ks,
                                          int flags) {
-    __shared__ float red[2][MVF_WARPS][4];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rg = warp / ks, kpart = warp % ks;
     constexpr int NR = F::GNR;
-    const int cta_row0 = (int)blockIdx.x * (MVF_WARPS / ks) * NR;
-    const int row0 = cta_row0 + rg * NR;
+    __shared__ float red[2][MVF_WARPS][4];
+    const MvPlace p = mg_place<NR>(ks);
     if (Prefetch<F>::V && (flags & MV_PREFETCH)) {
-        prefetch_rows<F>(g, rows, cta_row0, (MVF_WARPS / ks) * NR);
-        prefetch_rows<F>(u, rows, cta_row0, (MVF_WARPS / ks) * NR);
+        prefetch_rows<F>(g, rows, p.cta_row0, (MVF_WARPS / ks) * NR);
+        prefetch_rows<F>(u, rows, p.cta_row0, (MVF_WARPS / ks) * NR);
     }
     pdl_wait();
-    if (row0 < rows) mvf_rows<F, NR, 2>(g, u, x, rows, row0, ks, red);
+    if (p.row0 < rows) mvf_rows<F, NR, 2>(g, u, x, rows, p.row0, ks, red);
     __syncthreads();
-    if (kpart == 0 && row0 < rows && lane < NR && row0 + lane < rows) {
-        const float gs = mvf_total(red, 0, warp, ks, lane), us = mvf_total(red, 1, warp, ks, lane);
-        out[row0 + lane] = (act == 0 ? silu_f(gs) : gelu_tanh_f(gs)) * us;
-    }
+    mg_store<NR>(out, rows, act, p, red);
 }
 
 // Each kernel waits for its predecessor (`pdl_wait`) inside the implementation, after

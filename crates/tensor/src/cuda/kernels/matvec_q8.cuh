@@ -326,52 +326,31 @@ template <class F>
 __device__ __forceinline__ void mqf_impl(const MvJobs& jobs, const float* __restrict__ x) {
     constexpr int RPW = F::RPW;
     __shared__ float red[1][MVF_WARPS][4];
-    int ji = 0;
-    if (jobs.n > 1 && (int)blockIdx.x >= jobs.j[1].cta0) ji = 1;
-    if (jobs.n > 2 && (int)blockIdx.x >= jobs.j[2].cta0) ji = 2;
-    const MvJob& J = jobs.j[ji];
-    const int ks = J.ks, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rg = warp / ks, kpart = warp % ks;
-    const int cta_row0 = ((int)blockIdx.x - J.cta0) * (MVF_WARPS / ks) * RPW;
-    const int row0 = cta_row0 + rg * RPW;
+    const MvPlace p = mv_place<RPW>(jobs);
+    const MvJob& J = jobs.j[p.ji];
     pdl_wait();
     const XQ xq = mq_stage(x, J.w.cols);
-    if (row0 < J.rows) mq_rows<F, RPW, 1>(J.w, J.w, xq, J.rows, row0, ks, red);
+    if (p.row0 < J.rows) mq_rows<F, RPW, 1>(J.w, J.w, xq, J.rows, p.row0, p.ks, red);
     __syncthreads();
-    if (kpart == 0 && row0 < J.rows && lane < RPW) {
-        const int row = row0 + lane;
-        if (row < J.rows) {
-            const float s = mvf_total(red, 0, warp, ks, lane) + (J.bias ? J.bias[row] : 0.0f);
-            if (jobs.accumulate)
-                J.out[row] += s;
-            else
-                J.out[row] = s;
-        }
-    }
+    mv_store<RPW>(jobs, J, p, red);
 }
 
 template <class F>
 __device__ __forceinline__ void mqg_impl(const WRef g, const WRef u, const float* __restrict__ x,
-                                         float* __restrict__ out, int rows, int act, int ks,
-                                         int flags) {
-    __shared__ float red[2][MVF_WARPS][4];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rg = warp / ks, kpart = warp % ks;
+                                         float* __restrict__ out, int rows, int act, int ks) {
     constexpr int NR = F::GNR;
-    const int cta_row0 = (int)blockIdx.x * (MVF_WARPS / ks) * NR;
-    const int row0 = cta_row0 + rg * NR;
+    __shared__ float red[2][MVF_WARPS][4];
+    const MvPlace p = mg_place<NR>(ks);
     pdl_wait();
     const XQ xq = mq_stage(x, g.cols);
-    if (row0 < rows) mq_rows<F, NR, 2>(g, u, xq, rows, row0, ks, red);
+    if (p.row0 < rows) mq_rows<F, NR, 2>(g, u, xq, rows, p.row0, ks, red);
     __syncthreads();
-    if (kpart == 0 && row0 < rows && lane < NR && row0 + lane < rows) {
-        const float gs = mvf_total(red, 0, warp, ks, lane), us = mvf_total(red, 1, warp, ks, lane);
-        out[row0 + lane] = (act == 0 ? silu_f(gs) : gelu_tanh_f(gs)) * us;
-    }
+    mg_store<NR>(out, rows, act, p, red);
 }
 
 // mqf_NAME / mqg_NAME: the launches of mvf_NAME / mvg_NAME with 2 cols + cols / 32 * 16 bytes of
-// dynamic shared memory.
+// dynamic shared memory (mqg takes mvg's arguments; its `flags` has nothing to ask: the 8-bit
+// kernels do not prefetch).
 #define HF2Q_MATVEC_Q8(NAME, DOT)                                                               \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
         mqf_##NAME(MvJobs jobs, const float* x) {                                               \
@@ -379,5 +358,5 @@ __device__ __forceinline__ void mqg_impl(const WRef g, const WRef u, const float
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32) mqg_##NAME(                    \
         WRef g, WRef u, const float* x, float* o, int rows, int act, int ks, int flags) {       \
-        mqg_impl<DOT>(g, u, x, o, rows, act, ks, flags);                                        \
+        mqg_impl<DOT>(g, u, x, o, rows, act, ks);                                               \
     }
