@@ -754,7 +754,64 @@ fn tile_rows<const L: u8>(
     let mut j0 = lo_all;
     while j0 <= hi_all {
         let kb = KB.min(hi_all + 1 - j0);
+        // Rows that see the whole block, four at a time (AVX-512): every key and value load then
+        // feeds four rows. The rest (the diagonal block, window edges) go one by one below.
+        let mut done = [false; QT];
+        #[cfg(target_arch = "x86_64")]
+        if L == AVX512 && kb == KB && dh.is_multiple_of(16) {
+            let (mut full, mut nf) = ([0usize; QT], 0);
+            for i in 0..n {
+                if range[i].0 <= j0 && range[i].1 + 1 >= j0 + KB {
+                    full[nf] = i;
+                    nf += 1;
+                }
+            }
+            for g4 in full[..nf].chunks_exact(4) {
+                let sp = tile.s.as_mut_ptr();
+                let ap = acc.as_mut_ptr();
+                // SAFETY: L is AVX512 only in `tile_avx512`, which runs where AVX-512 F is; the
+                // four rows are distinct, so their score rows (KB floats at i * KB of `tile.s`)
+                // and accumulator rows (dh floats at i * dh of `acc`) do not overlap; the
+                // block's keys and values are inside the cache (kb == KB keys from j0).
+                unsafe {
+                    let rows = [g4[0], g4[1], g4[2], g4[3]];
+                    x512::scores_block4(
+                        rows.map(|i| qrow[i]),
+                        kv.kt,
+                        s_all,
+                        j0,
+                        rows.map(|i| sp.add(i * KB)),
+                    );
+                    for &i in &rows {
+                        let sb: &mut [f32; KB] =
+                            (&mut *std::ptr::slice_from_raw_parts_mut(sp.add(i * KB), KB))
+                                .try_into()
+                                .expect("a block of KB scores");
+                        let mnew = x512::softmax_block(sb, KB, p.scale, m[i], &mut l[i]);
+                        if m[i] != f32::NEG_INFINITY && mnew > m[i] {
+                            let c = exp_fast(m[i] - mnew);
+                            for v in std::slice::from_raw_parts_mut(ap.add(i * dh), dh) {
+                                *v *= c;
+                            }
+                        }
+                        m[i] = mnew;
+                    }
+                    x512::accumulate4(
+                        rows.map(|i| ap.add(i * dh)),
+                        rows.map(|i| sp.add(i * KB) as *const f32),
+                        kv.v[j0 * dh..(j0 + KB) * dh].as_ptr(),
+                        dh,
+                    );
+                }
+                for &i in g4 {
+                    done[i] = true;
+                }
+            }
+        }
         for i in 0..n {
+            if done[i] {
+                continue;
+            }
             // This row's visible keys inside the block: [a, b) (contiguous).
             let (lo, hi) = range[i];
             let a = lo.max(j0);
@@ -1037,6 +1094,124 @@ mod x512 {
         }
         _mm512_storeu_ps(s.as_mut_ptr(), _mm512_add_ps(e0, o0));
         _mm512_storeu_ps(s.as_mut_ptr().add(16), _mm512_add_ps(e1, o1));
+    }
+
+    /// [`scores_block`] for four query rows at once (`q[r]` -> `s[r]`, each `KB` floats): every
+    /// key load feeds four rows' multiply-adds instead of one. The same two chains per row as
+    /// [`scores_block`], so each row's scores are bit-identical to it.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; each `s[r]` must point to `KB` writable floats, and
+    /// `(dh - 1) * s_all + a + KB <= kt.len()` with `dh` the rows' common length.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)]
+    pub(super) unsafe fn scores_block4(
+        q: [&[f32]; 4],
+        kt: &[f32],
+        s_all: usize,
+        a: usize,
+        s: [*mut f32; 4],
+    ) {
+        let dh = q[0].len();
+        assert!(dh > 0 && q.iter().all(|r| r.len() == dh));
+        assert!((dh - 1) * s_all + a + KB <= kt.len());
+        let k = kt.as_ptr().add(a);
+        let z = _mm512_setzero_ps();
+        // [row][even lo, even hi, odd lo, odd hi]
+        let mut e = [[z; 4]; 4];
+        let mut d = 0;
+        while d + 2 <= dh {
+            let (k0, k1) = (k.add(d * s_all), k.add((d + 1) * s_all));
+            let (a0, a1) = (_mm512_loadu_ps(k0), _mm512_loadu_ps(k0.add(16)));
+            let (b0, b1) = (_mm512_loadu_ps(k1), _mm512_loadu_ps(k1.add(16)));
+            for r in 0..4 {
+                let (q0, q1) = (_mm512_set1_ps(q[r][d]), _mm512_set1_ps(q[r][d + 1]));
+                e[r][0] = _mm512_fmadd_ps(q0, a0, e[r][0]);
+                e[r][1] = _mm512_fmadd_ps(q0, a1, e[r][1]);
+                e[r][2] = _mm512_fmadd_ps(q1, b0, e[r][2]);
+                e[r][3] = _mm512_fmadd_ps(q1, b1, e[r][3]);
+            }
+            d += 2;
+        }
+        if d < dh {
+            let k0 = k.add(d * s_all);
+            let (a0, a1) = (_mm512_loadu_ps(k0), _mm512_loadu_ps(k0.add(16)));
+            for r in 0..4 {
+                let q0 = _mm512_set1_ps(q[r][d]);
+                e[r][0] = _mm512_fmadd_ps(q0, a0, e[r][0]);
+                e[r][1] = _mm512_fmadd_ps(q0, a1, e[r][1]);
+            }
+        }
+        for r in 0..4 {
+            _mm512_storeu_ps(s[r], _mm512_add_ps(e[r][0], e[r][2]));
+            _mm512_storeu_ps(s[r].add(16), _mm512_add_ps(e[r][1], e[r][3]));
+        }
+    }
+
+    /// `acc[r] += Σ_j p[r][j] * v[j]` for four rows over one block's `KB` value rows (`v`, rows
+    /// `dh` apart, `dh % 16 == 0`): each value load feeds four rows. Per element the same
+    /// order as [`super::accumulate`] (keys in turn, one multiply-add each), so bit-identical
+    /// to it.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `acc[r]` must point to `dh` writable floats, `p[r]` to `KB`
+    /// readable ones, `v` to `KB * dh`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate4(
+        acc: [*mut f32; 4],
+        p: [*const f32; 4],
+        v: *const f32,
+        dh: usize,
+    ) {
+        let mut c = 0;
+        while c + 64 <= dh {
+            acc4_cols::<4>(acc, p, v, dh, c);
+            c += 64;
+        }
+        while c < dh {
+            acc4_cols::<1>(acc, p, v, dh, c);
+            c += 16;
+        }
+    }
+
+    /// [`accumulate4`] for columns `c .. c + 16 W` (W a constant, so the 4 W sums stay in
+    /// registers).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn acc4_cols<const W: usize>(
+        acc: [*mut f32; 4],
+        p: [*const f32; 4],
+        v: *const f32,
+        dh: usize,
+        c: usize,
+    ) {
+        let mut r = [[_mm512_setzero_ps(); W]; 4];
+        for row in 0..4 {
+            for u in 0..W {
+                r[row][u] = _mm512_loadu_ps(acc[row].add(c + 16 * u));
+            }
+        }
+        for j in 0..KB {
+            let vr = v.add(j * dh + c);
+            let mut vv = [_mm512_setzero_ps(); W];
+            for u in 0..W {
+                vv[u] = _mm512_loadu_ps(vr.add(16 * u));
+            }
+            for row in 0..4 {
+                let pj = _mm512_set1_ps(*p[row].add(j));
+                for u in 0..W {
+                    r[row][u] = _mm512_fmadd_ps(pj, vv[u], r[row][u]);
+                }
+            }
+        }
+        for row in 0..4 {
+            for u in 0..W {
+                _mm512_storeu_ps(acc[row].add(c + 16 * u), r[row][u]);
+            }
+        }
     }
 
     /// `exp_fast` on 16 lanes (the same steps, the polynomial with fused multiply-adds).
