@@ -712,6 +712,20 @@ tile_for_isa!(
 );
 tile_for_isa!(tile_avx2, "avx2,fma,f16c", AVX2);
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: take every row of the prefill tiles one by one (to compare the four-row path with).
+    static ONE_ROW_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[inline(always)]
+fn one_row_only() -> bool {
+    #[cfg(test)]
+    return ONE_ROW_ONLY.with(std::cell::Cell::get);
+    #[cfg(not(test))]
+    false
+}
+
 /// One tile: rows `r0..r0+n` of kv head `g` -> their outputs `(n, Dh)`. `L`: the vector unit
 /// the caller was compiled for; with AVX-512 the score and softmax steps of a block use
 /// [`x512`].
@@ -758,7 +772,7 @@ fn tile_rows<const L: u8>(
         // feeds four rows. The rest (the diagonal block, window edges) go one by one below.
         let mut done = [false; QT];
         #[cfg(target_arch = "x86_64")]
-        if L == AVX512 && kb == KB && dh.is_multiple_of(16) {
+        if L == AVX512 && kb == KB && dh.is_multiple_of(16) && !one_row_only() {
             let (mut full, mut nf) = ([0usize; QT], 0);
             for i in 0..n {
                 if range[i].0 <= j0 && range[i].1 + 1 >= j0 + KB {
@@ -1422,6 +1436,66 @@ mod tests {
                 (y - want).abs() <= (2e-6 + 1e-7 * g.abs()) * want.abs() + 1e-30 * u.abs(),
                 "silu({g}) * {u}: {y} vs {want}"
             );
+        }
+    }
+
+    /// The prefill tiles' four-row path (AVX-512) gives exactly the bits of the one-row path:
+    /// the same operations in the same order per row.
+    #[test]
+    fn four_row_prefill_equals_one_row() {
+        if Isa::best() != Isa::Avx512Vnni {
+            println!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let mut seed = 0x0bad_cafe_1234_5678u64;
+        let mut f = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        };
+        for &(h, hkv, dh) in &[(9, 3, 64), (8, 2, 128), (4, 4, 32), (2, 1, 48)] {
+            for &(t, pos0, window) in &[(70, 0, None), (45, 30, None), (64, 0, Some(40))] {
+                let cap = pos0 + t;
+                let p = AttentionParams {
+                    n_heads: h,
+                    n_kv_heads: hkv,
+                    head_dim: dh,
+                    scale: 1.0 / (dh as f32).sqrt(),
+                    window,
+                };
+                let k: Vec<f32> = (0..hkv * cap * dh).map(|_| 3.0 * f()).collect();
+                let v: Vec<f32> = (0..hkv * cap * dh).map(|_| f()).collect();
+                let q = Tensor::new(&[t, h * dh], (0..t * h * dh).map(|_| f()).collect()).unwrap();
+                let cache = LayerCache {
+                    k: &k,
+                    v: &v,
+                    capacity: cap,
+                };
+                // One pool thread, so that the switch (a thread-local) reaches every tile.
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
+                let run = |one: bool| {
+                    pool.install(|| {
+                        super::ONE_ROW_ONLY.with(|c| c.set(one));
+                        let out = attention_on(Isa::Avx512Vnni, &q, &cache, pos0, &p);
+                        super::ONE_ROW_ONLY.with(|c| c.set(false));
+                        out.unwrap()
+                    })
+                };
+                let (four, one) = (run(false), run(true));
+                let same = four
+                    .data()
+                    .iter()
+                    .zip(one.data())
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "h {h} hkv {hkv} dh {dh} t {t} pos0 {pos0} window {window:?}"
+                );
+            }
         }
     }
 
