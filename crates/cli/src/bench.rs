@@ -313,13 +313,14 @@ fn model_label(i: &ModelInfo) -> String {
     )
 }
 
-const HEADER: [(&str, usize, bool); 8] = [
+const HEADER: [(&str, usize, bool); 9] = [
     // (title, width, right-aligned)
     ("model", 30, false),
     ("size", 10, true),
     ("params", 10, true),
     ("backend", 7, false),
     ("path", 9, false),
+    ("kv", 3, false),
     ("threads", 7, true),
     ("test", 8, true),
     ("t/s", 20, true),
@@ -534,6 +535,7 @@ fn bench_model(
                         human_params(info.parameters),
                         device.to_string(),
                         path_name.to_string(),
+                        a.kv_type.name().to_string(),
                         t.to_string(),
                         test.name(),
                         format!("{mean:.2} ± {sd:.2}"),
