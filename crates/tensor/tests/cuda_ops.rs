@@ -1322,11 +1322,7 @@ fn bench_ops() {
                     } else {
                         cuda::MvMode::Off
                     });
-                    dev.set_matvec_prefetch(if pf {
-                        cuda::MvMode::All
-                    } else {
-                        cuda::MvMode::Off
-                    });
+                    dev.set_matvec_prefetch(pf);
                     let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
                     let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
                     let ms = time_ms(&dev, 50, |i| {
@@ -1354,7 +1350,7 @@ fn bench_ops() {
                     ));
                 }
                 dev.set_matvec_int8(cuda::MvMode::Auto);
-                dev.set_matvec_prefetch(cuda::MvMode::Auto);
+                dev.set_matvec_prefetch(true);
             }
         }
     }

@@ -127,9 +127,9 @@ pub struct CudaDev {
     argmax_part: CudaSlice<u64>,
     /// Test override of the cuBLAS weight chunk (0: the default).
     blas_chunk: std::sync::atomic::AtomicUsize,
-    /// One-token product options, [`MvMode`]s as their discriminants: the weights' L2
-    /// prefetch before waiting for the previous kernel, and 8-bit activations.
-    mv_prefetch: std::sync::atomic::AtomicU8,
+    /// One-token product options: the weights' L2 prefetch before waiting for the previous
+    /// kernel, and 8-bit activations (an [`MvMode`] as its discriminant).
+    mv_prefetch: std::sync::atomic::AtomicBool,
     mv_act8: std::sync::atomic::AtomicU8,
 }
 
@@ -274,9 +274,7 @@ impl CudaDev {
             done_counters,
             argmax_part,
             blas_chunk: std::sync::atomic::AtomicUsize::new(0),
-            mv_prefetch: std::sync::atomic::AtomicU8::new(
-                MvMode::from_env("HF2Q_CUDA_PREFETCH") as u8
-            ),
+            mv_prefetch: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_PREFETCH")),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
             gemm: std::sync::atomic::AtomicU8::new(if std::env::var("HF2Q_CUDA_GEMM")
                 .is_ok_and(|v| v == "tiled")

@@ -37,8 +37,7 @@ const fn prefill_smem(dh: usize) -> usize {
 /// The kernels' flag bit asking for the weights' L2 prefetch (`MV_PREFETCH` in matvec.cuh).
 const MV_PREFETCH: i32 = 1;
 
-/// When a one-token product option applies ([`CudaDev::set_matvec_int8`],
-/// [`CudaDev::set_matvec_prefetch`]).
+/// When the 8-bit one-token products apply ([`CudaDev::set_matvec_int8`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MvMode {
     Off = 0,
@@ -374,12 +373,12 @@ impl CudaDev {
     }
 
     /// Whether one-token products may prefetch their weights to L2 before waiting for the
-    /// previous kernel (`prefetch_l2` in matvec.cuh): `Off` or not (`Auto` and `All` are the
-    /// same). Only the kernel it measured faster for does (Q4_K with f32 activations,
-    /// cuda/NOTES.md); `HF2Q_CUDA_PREFETCH=0` at open turns it off.
-    pub fn set_matvec_prefetch(&self, m: MvMode) {
+    /// previous kernel (`prefetch_l2` in matvec.cuh; default on, `HF2Q_CUDA_PREFETCH=0` at open
+    /// turns it off). Only the kernel it measured faster for does (Q4_K with f32 activations,
+    /// cuda/NOTES.md); the others have no prefetch code.
+    pub fn set_matvec_prefetch(&self, on: bool) {
         self.mv_prefetch
-            .store(m as u8, std::sync::atomic::Ordering::Relaxed);
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// When one-token products of Q4_0, Q8_0, Q4_K and Q6_K quantize their input to 8 bits per
@@ -410,7 +409,6 @@ impl CudaDev {
     )> {
         use std::sync::atomic::Ordering::Relaxed;
         let act8 = MvMode::from_u8(self.mv_act8.load(Relaxed));
-        let pf = MvMode::from_u8(self.mv_prefetch.load(Relaxed));
         let smem = 2 * w.cols + w.cols / 32 * 16;
         let q8 = w.fast_q8.as_ref().filter(|_| {
             smem <= 48 * 1024
@@ -426,7 +424,7 @@ impl CudaDev {
         });
         // Only the kernels that measured faster with it prefetch (`Prefetch` in matvec.cuh);
         // the others ignore the flag.
-        let flags = if pf == MvMode::Off { 0 } else { MV_PREFETCH };
+        let flags = i32::from(self.mv_prefetch.load(Relaxed)) * MV_PREFETCH;
         match (q8, &w.fast) {
             (Some((f, g)), _) => Some((f, g, flags, smem)),
             (None, Some((f, g))) => Some((f, g, flags, 0)),
