@@ -88,6 +88,28 @@ fn bench_t(c: &mut Criterion, t: usize) {
                 let w = lazy.get().clone();
                 b.iter(|| kernels::linear(&w, &x, t, &mut out, kernels::ActBits::Split16).unwrap())
             });
+            if matches!(kind, Kind::Ggml(GgmlType::Q4_0)) {
+                // The same weight re-laid out for this CPU's kernels (where it has them).
+                group.bench_function(BenchmarkId::new("packed", &id), |b| {
+                    let w = lazy.get().clone();
+                    match kernels::pack(&w) {
+                        Some(p) => b.iter(|| {
+                            kernels::linear_packed(
+                                &w,
+                                &p,
+                                &x,
+                                t,
+                                &mut out,
+                                kernels::ActBits::Split16,
+                            )
+                            .unwrap()
+                        }),
+                        None => b.iter(|| {
+                            kernels::linear(&w, &x, t, &mut out, kernels::ActBits::Split16).unwrap()
+                        }),
+                    }
+                });
+            }
             if t == 1 || (r, k) == (576, 576) {
                 group.bench_function(BenchmarkId::new("reference", &id), |b| {
                     let w = lazy.get().clone();
@@ -112,4 +134,51 @@ criterion_group! {
     config = Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1)).sample_size(10);
     targets = decode, prefill
 }
-criterion_main!(benches);
+criterion_main!(benches, streams);
+
+fn stream(c: &mut Criterion) {
+    let mut group = c.benchmark_group("stream");
+    let (r, k): (usize, usize) = std::env::var("HF2Q_SHAPE")
+        .ok()
+        .and_then(|v| {
+            v.split_once('x')
+                .map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap()))
+        })
+        .unwrap_or((576, 576));
+    let n = (60 << 20) / (r * k / 32 * 18);
+    let ws: Vec<QTensor> = (0..n)
+        .map(|i| {
+            make_weight(
+                Kind::Ggml(GgmlType::Q4_0),
+                r,
+                k,
+                &mut Rng::new(i as u64 + 1),
+            )
+        })
+        .collect();
+    let x = make_x(1, k, &mut Rng::new(7));
+    let mut out = vec![0f32; r];
+    let bytes: usize = ws.iter().map(|w| w.stored_bytes()).sum();
+    group.throughput(Throughput::Bytes(bytes as u64));
+    group.bench_function("fast", |b| {
+        b.iter(|| {
+            for w in &ws {
+                kernels::linear(w, &x, 1, &mut out, kernels::ActBits::Split16).unwrap()
+            }
+        })
+    });
+    let mut arena = kernels::PackArena::new();
+    let ps: Vec<_> = ws
+        .iter()
+        .map(|w| kernels::pack_in(&mut arena, w).unwrap())
+        .collect();
+    group.bench_function("packed", |b| {
+        b.iter(|| {
+            for (w, p) in ws.iter().zip(&ps) {
+                kernels::linear_packed(w, p, &x, 1, &mut out, kernels::ActBits::Split16).unwrap()
+            }
+        })
+    });
+    group.finish();
+}
+criterion_group!(streams, stream);

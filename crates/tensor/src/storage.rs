@@ -8,15 +8,43 @@ use crate::{Error, Result};
 
 #[derive(Clone)]
 pub struct Bytes {
-    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    owner: Arc<dyn Owner>,
     start: usize,
     len: usize,
 }
+
+/// What holds the bytes of a [`Bytes`].
+trait Owner: AsRef<[u8]> + Send + Sync {
+    /// Lets go of the memory behind `range` where it can be had back unchanged (see
+    /// [`Bytes::release_pages`]); by default nothing.
+    fn release(&self, _range: Range<usize>) {}
+}
+
+impl Owner for Vec<u8> {}
 
 struct MmapOwner(memmap2::Mmap);
 impl AsRef<[u8]> for MmapOwner {
     fn as_ref(&self) -> &[u8] {
         &self.0
+    }
+}
+
+impl Owner for MmapOwner {
+    fn release(&self, range: Range<usize>) {
+        // SAFETY: the map is a read-only shared mapping of a file: MADV_DONTNEED only drops this
+        // process's page-table entries, and the next read faults the same bytes back in from the
+        // file (never zeros, as it would for private or anonymous memory). No reference is
+        // invalidated. Failure only means the pages stay resident.
+        #[cfg(unix)]
+        unsafe {
+            let _ = self.0.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                range.start,
+                range.end - range.start,
+            );
+        }
+        #[cfg(not(unix))]
+        let _ = range;
     }
 }
 
@@ -57,6 +85,16 @@ impl Bytes {
     }
     pub fn as_slice(&self) -> &[u8] {
         &(*self.owner).as_ref()[self.start..self.start + self.len]
+    }
+    /// Hands the memory behind these bytes back to the OS when it can be had back unchanged: for
+    /// a mapped file, the pages are dropped from this process (its resident set) and read
+    /// from the file again if these bytes are used later; for bytes in memory, nothing. For a
+    /// weight whose bytes a kernel has copied into a layout of its own (`cpu::kernels::pack`),
+    /// so that the copy does not count twice.
+    pub fn release_pages(&self) {
+        if self.len > 0 {
+            self.owner.release(self.start..self.start + self.len);
+        }
     }
     /// A sub-view; errors (never panics) when the range is outside this view.
     pub fn slice(&self, r: Range<usize>) -> Result<Bytes> {

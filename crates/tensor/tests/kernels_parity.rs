@@ -73,18 +73,45 @@ fn check(kind: Kind, isa: Isa, bits: ActBits, rows: usize, k: usize, t: usize, s
     let mut rng = Rng::new(seed);
     let w = make_weight(kind, rows, k, &mut rng);
     let x = make_x(t, k, &mut rng);
-    let mut want = vec![0f32; t * rows];
-    w.matmul(&x, t, &mut want).unwrap();
     let mut got = vec![f32::NAN; t * rows];
     kernels::linear_with(isa, bits, &w, &x, t, &mut got).unwrap();
+    check_outputs(kind, isa, bits, &w, &x, rows, k, t, &got, "");
+    // The weight re-laid out for this CPU's kernels, where it has such a layout: the same
+    // bounds (only the f32 summation order differs).
+    if let Some(p) = kernels::pack(&w) {
+        let mut got = vec![f32::NAN; t * rows];
+        kernels::linear_packed_with(isa, bits, &w, &p, &x, t, &mut got).unwrap();
+        check_outputs(kind, isa, bits, &w, &x, rows, k, t, &got, " packed");
+    }
+}
+
+/// The bounds of the module header for the outputs `got` of `w` (rows x k) times `x` (t x k).
+#[allow(clippy::too_many_arguments)]
+fn check_outputs(
+    kind: Kind,
+    isa: Isa,
+    bits: ActBits,
+    w: &hf2q_tensor::QTensor,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    t: usize,
+    got: &[f32],
+    what: &str,
+) {
+    let mut want = vec![0f32; t * rows];
+    w.matmul(x, t, &mut want).unwrap();
     let wd = w.to_f32().unwrap();
     let xq = if kind.is_float() {
-        x.clone()
+        x.to_vec()
     } else {
-        quantized_x(&x, k, bits)
+        quantized_x(x, k, bits)
     };
     let f32_slack = 1e-5 + (k / 16) as f64 * 2f64.powi(-22);
-    let ctx = format!("{} on {isa} ({bits:?}), {rows}x{k}, T={t}", kind.name());
+    let ctx = format!(
+        "{}{what} on {isa} ({bits:?}), {rows}x{k}, T={t}",
+        kind.name()
+    );
     for ti in 0..t {
         let xr = &x[ti * k..(ti + 1) * k];
         let xqr = &xq[ti * k..(ti + 1) * k];
@@ -263,4 +290,77 @@ fn repeated_inputs_give_the_results_of_fresh_calls() {
             assert_eq!(run(w, x, bits), fresh(w, x, bits), "{bits:?}");
         }
     }
+}
+
+/// A packed copy given with another weight (other shape) is an error, not a wild read.
+#[test]
+fn packed_copy_of_another_weight_is_an_error() {
+    let mut rng = Rng::new(3);
+    let w = make_weight(Kind::Ggml(GgmlType::Q4_0), 32, 64, &mut rng);
+    let other = make_weight(Kind::Ggml(GgmlType::Q4_0), 16, 64, &mut rng);
+    let Some(p) = kernels::pack(&other) else {
+        eprintln!("skipped: this CPU has no packed layout");
+        return;
+    };
+    let mut out = vec![0f32; 32];
+    let e = kernels::linear_packed(&w, &p, &[0.0; 64], 1, &mut out, ActBits::Split16);
+    assert!(format!("{}", e.unwrap_err()).contains("another weight"));
+}
+
+/// The CPU backend's packed weights: a Q4_0 weight in a mapped file is packed on first use,
+/// its mapped pages are handed back, and every later product (cached copy) and every read of
+/// the weight's own bytes (which come back from the file) give what they gave before.
+#[test]
+fn backend_packs_mapped_weights_and_their_bytes_stay_readable() {
+    use hf2q_tensor::cpu::CpuBackend;
+    use hf2q_tensor::op::Backend;
+    use hf2q_tensor::{Bytes, QTensor, Tensor};
+    let (rows, k) = (48, 4096);
+    let mut rng = Rng::new(11);
+    let made = make_weight(Kind::Ggml(GgmlType::Q4_0), rows, k, &mut rng);
+    let hf2q_tensor::WeightData::Ggml { data, .. } = &made.data else {
+        unreachable!()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.bin");
+    std::fs::write(&path, data.as_slice()).unwrap();
+    let w = QTensor::ggml(
+        "w",
+        GgmlType::Q4_0,
+        rows,
+        k,
+        Bytes::map_file(&path).unwrap(),
+    )
+    .unwrap();
+    let before = w.to_f32().unwrap();
+    let x = make_x(3, k, &mut rng);
+    let be = CpuBackend::FAST;
+    for t in [1, 3] {
+        let xt = Tensor::new(&[t, k], x[..t * k].to_vec()).unwrap();
+        let mut want = vec![0f32; t * rows];
+        kernels::linear(&w, &x[..t * k], t, &mut want, ActBits::Split16).unwrap();
+        for _ in 0..2 {
+            let got = be.linear(&xt, &w, None).unwrap();
+            for (i, (g, wv)) in got.data().iter().zip(&want).enumerate() {
+                // Summation order only (the packed kernels add the same terms in another
+                // order): each side within the f32 slack of `check_outputs`, so twice that.
+                let (ti, r) = (i / rows, i % rows);
+                let l1: f64 = (0..k)
+                    .map(|j| (before[r * k + j] as f64 * x[ti * k + j] as f64).abs())
+                    .sum();
+                let tol = 2.0 * (1e-5 + (k / 16) as f64 * 2f64.powi(-22)) * l1;
+                assert!(
+                    ((g - wv) as f64).abs() <= tol,
+                    "T={t}: {g} vs {wv} (tol {tol})"
+                );
+            }
+        }
+    }
+    let packed = kernels::packs(&w);
+    eprintln!("packed: {packed} ({be:?})");
+    assert_eq!(
+        w.to_f32().unwrap(),
+        before,
+        "the mapped bytes read back unchanged"
+    );
 }

@@ -718,6 +718,7 @@ thread_local! {
     static ONE_ROW_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn one_row_only() -> bool {
     #[cfg(test)]
@@ -770,6 +771,7 @@ fn tile_rows<const L: u8>(
         let kb = KB.min(hi_all + 1 - j0);
         // Rows that see the whole block, four at a time (AVX-512): every key and value load then
         // feeds four rows. The rest (the diagonal block, window edges) go one by one below.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut done = [false; QT];
         #[cfg(target_arch = "x86_64")]
         if L == AVX512 && kb == KB && dh.is_multiple_of(16) && !one_row_only() {

@@ -46,9 +46,92 @@ pub struct CpuBackend {
     pub matmul: MatmulPath,
     /// Called at the start of every `linear`.
     pub observer: Option<std::sync::Arc<dyn LinearObserver>>,
+    /// The fast paths' re-laid-out weights, made as each weight is first used.
+    pub packed: PackedWeights,
+}
+
+/// Weights re-laid out for the fast kernels ([`kernels::pack`]), made on a weight's first use
+/// and kept by the address and length of its stored bytes, each entry with a handle on those
+/// bytes (as the GPU backend's weight cache: while the entry lives, the address cannot be
+/// reused by another weight). Once a weight is packed, its mapped pages are handed back
+/// ([`crate::Bytes::release_pages`]): the copy replaces them in memory, it does not add to it.
+/// A clone starts empty (it is a cache).
+#[derive(Default)]
+pub struct PackedWeights(PackedMap);
+
+type PackedMap = std::sync::Mutex<(
+    std::collections::BTreeMap<(usize, usize), (crate::Bytes, std::sync::Arc<kernels::Packed>)>,
+    kernels::PackArena,
+)>;
+
+impl PackedWeights {
+    pub const fn new() -> PackedWeights {
+        PackedWeights(std::sync::Mutex::new((
+            std::collections::BTreeMap::new(),
+            kernels::PackArena::new(),
+        )))
+    }
+
+    /// The packed copy of `w`, made now if this is its first use; `None` for weights the fast
+    /// kernels read as they are.
+    pub fn get(&self, w: &QTensor) -> Option<std::sync::Arc<kernels::Packed>> {
+        if !kernels::packs(w) {
+            return None;
+        }
+        let crate::WeightData::Ggml { data, .. } = &w.data else {
+            return None;
+        };
+        let key = (data.as_slice().as_ptr() as usize, data.len());
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, arena) = &mut *guard;
+        if let Some((_, p)) = map.get(&key) {
+            return Some(p.clone());
+        }
+        let p = std::sync::Arc::new(kernels::pack_in(arena, w)?);
+        data.release_pages();
+        map.insert(key, (data.clone(), p.clone()));
+        Some(p)
+    }
+}
+
+impl Clone for PackedWeights {
+    fn clone(&self) -> PackedWeights {
+        PackedWeights::new()
+    }
+}
+
+impl std::fmt::Debug for PackedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let bytes: usize = guard.0.values().map(|(_, p)| p.bytes()).sum();
+        write!(f, "PackedWeights({} weights, {bytes} bytes)", guard.0.len())
+    }
 }
 
 impl CpuBackend {
+    /// The end of `linear`: the bias added to the (T, R) product.
+    fn finish_linear(
+        &self,
+        w: &QTensor,
+        bias: Option<&[f32]>,
+        t: usize,
+        mut out: Vec<f32>,
+    ) -> Result<Tensor> {
+        if let Some(b) = bias {
+            if b.len() != w.rows {
+                return Err(Error::Shape(format!(
+                    "linear '{}': bias has {} values, {} rows",
+                    w.name,
+                    b.len(),
+                    w.rows
+                )));
+            }
+            out.chunks_mut(w.rows)
+                .for_each(|r| r.iter_mut().zip(b).for_each(|(o, bi)| *o += bi));
+        }
+        Tensor::new(&[t, w.rows], out)
+    }
+
     /// Causal attention over a host cache view (f32 or f16 values): the tiled kernel
     /// (`attention.rs`) on the fast paths, the scalar reference of every device's `attend` on
     /// the reference path.
@@ -120,10 +203,12 @@ impl CpuBackend {
     pub const FAST: CpuBackend = CpuBackend {
         matmul: MatmulPath::Fast,
         observer: None,
+        packed: PackedWeights::new(),
     };
     pub const REFERENCE: CpuBackend = CpuBackend {
         matmul: MatmulPath::Reference,
         observer: None,
+        packed: PackedWeights::new(),
     };
 }
 
@@ -187,24 +272,19 @@ impl Backend for CpuBackend {
             )));
         }
         let mut out = vec![0f32; t * w.rows];
-        match self.matmul {
-            MatmulPath::Fast => kernels::linear(w, x.data(), t, &mut out, ActBits::Split16)?,
-            MatmulPath::Fast8 => kernels::linear(w, x.data(), t, &mut out, ActBits::Q8)?,
-            MatmulPath::Reference => w.matmul(x.data(), t, &mut out)?,
-        }
-        if let Some(b) = bias {
-            if b.len() != w.rows {
-                return Err(Error::Shape(format!(
-                    "linear '{}': bias has {} values, {} rows",
-                    w.name,
-                    b.len(),
-                    w.rows
-                )));
+        let bits = match self.matmul {
+            MatmulPath::Fast => ActBits::Split16,
+            MatmulPath::Fast8 => ActBits::Q8,
+            MatmulPath::Reference => {
+                w.matmul(x.data(), t, &mut out)?;
+                return self.finish_linear(w, bias, t, out);
             }
-            out.chunks_mut(w.rows)
-                .for_each(|r| r.iter_mut().zip(b).for_each(|(o, bi)| *o += bi));
+        };
+        match self.packed.get(w) {
+            Some(p) => kernels::linear_packed(w, &p, x.data(), t, &mut out, bits)?,
+            None => kernels::linear(w, x.data(), t, &mut out, bits)?,
         }
-        Tensor::new(&[t, w.rows], out)
+        self.finish_linear(w, bias, t, out)
     }
 
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {

@@ -36,13 +36,17 @@ pub(crate) unsafe fn matvec_avx512(
     split: bool,
     out: *mut f32,
 ) -> bool {
-    let WView::Ggml {
-        ty,
-        data,
-        row_bytes,
-    } = *w
-    else {
-        return false;
+    let (ty, data, row_bytes) = match *w {
+        WView::Ggml {
+            ty,
+            data,
+            row_bytes,
+        } => (ty, data, row_bytes),
+        WView::Packed { data, nb } => {
+            super::packed::x86::matvec(data.as_ptr(), nb, r0, r1, act, split, out);
+            return true;
+        }
+        WView::Affine { .. } => return false,
     };
     let p = data.as_ptr();
     match ty {

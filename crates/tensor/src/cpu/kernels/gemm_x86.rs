@@ -82,6 +82,21 @@ pub(crate) unsafe fn gemm_panel_avx512(p: &PanelArgs<'_>, s: &mut Scratch) {
                 _ => false,
             }
         }
+        // Any panel, the last one too (the layout's padding rows are zeros).
+        WView::Packed { data, nb } => {
+            debug_assert!(p.r0.is_multiple_of(ROWS));
+            let g = data
+                .as_ptr()
+                .add(p.r0 / ROWS * super::packed::group_bytes(nb));
+            super::packed::x86::panel(
+                g,
+                nb,
+                s.icodes.as_mut_ptr() as *mut __m512i,
+                s.ia.as_mut_ptr(),
+                s.ic.as_mut_ptr(),
+            );
+            true
+        }
         _ => false,
     };
     if !direct {
@@ -163,6 +178,7 @@ unsafe fn prefetch_next_panel(p: &PanelArgs<'_>) {
         WView::Affine {
             packed, row_bytes, ..
         } => pf(packed, row_bytes),
+        WView::Packed { .. } => {}
     }
 }
 

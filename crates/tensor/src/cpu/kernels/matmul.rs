@@ -249,10 +249,13 @@ fn kernels(isa: Isa) -> Kernels {
     }
 }
 
+/// `packed`: `w` re-laid out by `super::pack` (read instead of `w`'s bytes on AVX-512 VNNI,
+/// whose one-token kernel and GEMM panels are the only readers of that layout).
 pub(crate) fn run(
     isa: Isa,
     bits: ActBits,
     w: &QTensor,
+    packed: Option<&super::Packed>,
     x: &[f32],
     t: usize,
     out: &mut [f32],
@@ -290,10 +293,18 @@ pub(crate) fn run(
         });
         return Ok(());
     }
-    let wv = WView::new(w).ok_or_else(|| Error::UnsupportedType {
-        ty: w.type_name(),
-        tensor: w.name.clone(),
-    })?;
+    let wv = match packed {
+        Some(p) if isa == Isa::Avx512Vnni && kern.gemm.is_some() && kern.matvec.is_some() => {
+            WView::Packed {
+                data: p.data(),
+                nb: p.blocks(),
+            }
+        }
+        _ => WView::new(w).ok_or_else(|| Error::UnsupportedType {
+            ty: w.type_name(),
+            tensor: w.name.clone(),
+        })?,
+    };
     if k % q8act::QA != 0 {
         return Err(Error::Shape(format!(
             "linear '{}': {k} columns is not a multiple of 32",
@@ -388,7 +399,7 @@ fn gemm_pays(wv: &WView<'_>, rows: usize) -> bool {
         WView::Ggml {
             ty: GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0,
             ..
-        }
+        } | WView::Packed { .. }
     );
     rows >= if direct { 2 } else { 16 }
 }

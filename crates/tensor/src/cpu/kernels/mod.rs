@@ -72,6 +72,8 @@ mod legacy {
     }
 }
 mod matmul;
+mod packed;
+pub use packed::{PackArena, Packed};
 pub mod q8act;
 pub use q8act::ActBits;
 pub mod scalar;
@@ -199,6 +201,19 @@ pub fn linear_with(
     t: usize,
     out: &mut [f32],
 ) -> Result<()> {
+    checked_run(isa, bits, w, None, x, t, out)
+}
+
+/// The checks every entry point makes, then the product.
+fn checked_run(
+    isa: Isa,
+    bits: ActBits,
+    w: &QTensor,
+    packed: Option<&Packed>,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+) -> Result<()> {
     if !isa.is_available() {
         return Err(Error::Msg(format!("this CPU cannot run the {isa} kernels")));
     }
@@ -217,7 +232,61 @@ pub fn linear_with(
     if t == 0 || r == 0 {
         return Ok(());
     }
-    matmul::run(isa, bits, w, x, t, out)
+    matmul::run(isa, bits, w, packed, x, t, out)
+}
+
+/// `w` re-laid out for the fastest kernels this CPU has, where they read a layout of their own
+/// (Q4_0 on AVX-512 VNNI: 16 rows interleaved, `packed.rs`); `None` for every other weight
+/// and CPU. The copy is as large as `w`'s bytes; run it with [`linear_packed`].
+pub fn pack(w: &QTensor) -> Option<Packed> {
+    pack_in(&mut PackArena::new(), w)
+}
+
+/// [`pack`] into `arena`: weights packed one after another lie one after another in memory.
+pub fn pack_in(arena: &mut PackArena, w: &QTensor) -> Option<Packed> {
+    if active_isa() != Isa::Avx512Vnni || check_storage(w).is_err() {
+        return None;
+    }
+    arena.pack(w)
+}
+
+/// Whether [`pack`] would make a packed copy of `w` (cheap: format, shape and CPU only).
+pub fn packs(w: &QTensor) -> bool {
+    active_isa() == Isa::Avx512Vnni && Packed::fits(w)
+}
+
+/// [`linear`] reading `packed` (made by [`pack`] from `w`) instead of `w`'s bytes, with the same
+/// results up to f32 summation order. On a CPU or ISA override without the packed kernels it
+/// runs on `w` itself.
+pub fn linear_packed(
+    w: &QTensor,
+    packed: &Packed,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+    bits: ActBits,
+) -> Result<()> {
+    linear_packed_with(active_isa(), bits, w, packed, x, t, out)
+}
+
+/// [`linear_packed`] on one ISA level; errors if this CPU cannot run it or `packed` is not
+/// the packed form of a weight of `w`'s type and shape.
+pub fn linear_packed_with(
+    isa: Isa,
+    bits: ActBits,
+    w: &QTensor,
+    packed: &Packed,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    if !packed.matches(w) {
+        return Err(Error::Shape(format!(
+            "linear with '{}' ({}x{}): the packed copy given ({packed:?}) is of another weight",
+            w.name, w.rows, w.cols
+        )));
+    }
+    checked_run(isa, bits, w, Some(packed), x, t, out)
 }
 
 /// The kernels read weights through raw pointers: re-check that the stored lengths match the

@@ -56,6 +56,13 @@ pub enum WView<'a> {
         biases: &'a [f32],
         groups: usize,
     },
+    /// A weight re-laid out by [`super::pack`] (Q4_0 in 16-row groups, `packed.rs`): read only
+    /// by the AVX-512 VNNI one-token kernel and GEMM panels, never decoded row by row.
+    Packed {
+        data: &'a [u8],
+        /// Blocks per row.
+        nb: usize,
+    },
 }
 
 impl<'a> WView<'a> {
@@ -99,6 +106,7 @@ impl<'a> WView<'a> {
         match self {
             WView::Ggml { ty, .. } => matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_K),
             WView::Affine { p, .. } => p.bits == 8,
+            WView::Packed { .. } => false,
         }
     }
 
@@ -141,6 +149,9 @@ impl<'a> WView<'a> {
                     &biases[r * groups..(r + 1) * groups],
                 );
                 affine(p, src, s, b, codes, a, c)
+            }
+            WView::Packed { .. } => {
+                unreachable!("packed weights are given only to the kernels that read them")
             }
         }
     }

@@ -1,0 +1,381 @@
+//! Q4_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by side, so that
+//! one-token products (decode) read one sequential stream and multiply 16 rows per `vpdpbusd`.
+//!
+//! Why: in ggml's row-major layout a Q4_0 row is 18-byte blocks, and the fused one-token kernel
+//! (`fused_x86.rs`) spends more on its per-row work (gathering eight f16 scales one by one,
+//! spreading them over lanes, a horizontal sum per row) than on the products; measured, it
+//! runs at ~14 GB/s with the weights in L2, the same as from memory, so it is bound by its
+//! instructions, not by memory. With 16 rows interleaved, a block's 16 scales are one 32-byte
+//! load, lane `i` of every integer product is row `i` (no permute, no horizontal sum), and
+//! each activation word is broadcast once for 16 rows. llama.cpp repacks Q4_0 the same way
+//! for the same reason (8 rows).
+//!
+//! Layout of one 16-row group (`group_bytes(nb)`, a multiple of 64; rows past R are zeros,
+//! which give zero products):
+//! ```text
+//! [nb][16] f16 d            block b's scales, row i at 32 b + 2 i; then padding to 64 bytes
+//! [nb][4][16][4] u8         block b, word q: row i's packed bytes 4q..4q+4 (elements
+//!                           4q..4q+4 in the low nibbles, 16+4q..16+4q+4 in the high ones)
+//! ```
+//! so that `v & 0xf` and `(v >> 4) & 0xf` of the 64-byte vector of word q are the codes of
+//! elements 4q.. and 16+4q.. of all 16 rows, in `vpdpbusd`'s lane order. The prefill GEMM
+//! (`gemm_x86.rs`) reads the same layout into its panels with a mask and a shift per vector
+//! instead of a transpose. The bytes are the same count as the original (18 per block and
+//! row, plus padding for odd block counts and partial groups).
+
+use crate::{GgmlType, QTensor, WeightData};
+
+/// Rows per group.
+pub(crate) const GROUP: usize = 16;
+
+/// Bytes of the scales of a group of `nb` blocks, rounded up to a whole 64-byte line.
+pub(crate) const fn scales_bytes(nb: usize) -> usize {
+    (32 * nb).div_ceil(64) * 64
+}
+
+/// Bytes of a group of `nb` blocks.
+pub(crate) const fn group_bytes(nb: usize) -> usize {
+    scales_bytes(nb) + 256 * nb
+}
+
+/// Zeroed memory the packed weights are written into: an anonymous mapping (page-aligned, its
+/// pages zero and not resident until written), shared by the weights packed into it.
+struct Chunk {
+    map: memmap2::MmapMut,
+    /// `map`'s start, taken once: regions not yet handed out are written through it while
+    /// handed-out ones are read.
+    ptr: *mut u8,
+}
+
+// SAFETY: a region of a chunk is written once, before any `Packed` refers to it (under the
+// arena's `&mut`), and only read afterwards.
+unsafe impl Send for Chunk {}
+unsafe impl Sync for Chunk {}
+
+impl Chunk {
+    fn new(bytes: usize) -> Option<std::sync::Arc<Chunk>> {
+        let mut map = memmap2::MmapMut::map_anon(bytes.max(1)).ok()?;
+        let ptr = map.as_mut_ptr();
+        Some(std::sync::Arc::new(Chunk { map, ptr }))
+    }
+}
+
+/// Where packed weights go: chunks filled one after another, so that weights packed in the order
+/// a forward pass first uses them lie in that order in memory, and the one-token kernel's
+/// prefetches, running past the end of one weight, already fetch the start of the next.
+/// (Measured: from memory the kernel streams ~21 GB/s on a large matrix but ~15 on a model's
+/// few-hundred-KB ones when each starts cold.)
+#[derive(Default)]
+pub struct PackArena {
+    cur: Option<(std::sync::Arc<Chunk>, usize)>,
+}
+
+/// Bytes per arena chunk (a larger weight gets a chunk of its own size). Untouched pages of a
+/// chunk are never resident.
+const CHUNK: usize = 64 << 20;
+
+impl PackArena {
+    pub const fn new() -> PackArena {
+        PackArena { cur: None }
+    }
+
+    /// A fresh, zeroed region of `bytes` (a multiple of 64).
+    fn take(&mut self, bytes: usize) -> Option<(std::sync::Arc<Chunk>, usize)> {
+        match &mut self.cur {
+            Some((c, used)) if c.map.len() - *used >= bytes => {
+                let at = *used;
+                *used += bytes;
+                Some((c.clone(), at))
+            }
+            _ => {
+                let c = Chunk::new(bytes.max(CHUNK))?;
+                self.cur = Some((c.clone(), bytes));
+                Some((c, 0))
+            }
+        }
+    }
+
+    /// The packed copy of `w` in this arena (None where [`Packed::fits`] says no).
+    pub(crate) fn pack(&mut self, w: &QTensor) -> Option<Packed> {
+        if !Packed::fits(w) {
+            return None;
+        }
+        let bytes = w.rows.div_ceil(GROUP) * group_bytes(w.cols / 32);
+        let (chunk, at) = self.take(bytes)?;
+        // SAFETY: `take` hands out each region once; nothing refers to it yet; it lies inside
+        // the chunk's mapping.
+        let dst = unsafe { std::slice::from_raw_parts_mut(chunk.ptr.add(at), bytes) };
+        if !Packed::write(w, dst) {
+            return None;
+        }
+        Some(Packed {
+            ty: GgmlType::Q4_0,
+            rows: w.rows,
+            cols: w.cols,
+            chunk,
+            at,
+            len: bytes,
+        })
+    }
+}
+
+/// A weight in the 16-row layout (see the module header), made by [`super::pack`] or
+/// [`PackArena::pack`].
+pub struct Packed {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    chunk: std::sync::Arc<Chunk>,
+    at: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Packed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Packed({} {}x{}, {} bytes)",
+            self.ty,
+            self.rows,
+            self.cols,
+            self.bytes()
+        )
+    }
+}
+
+impl Packed {
+    /// Whether `w` has a packed layout (its format and shape; the kernels that read it are
+    /// AVX-512 VNNI's).
+    pub(crate) fn fits(w: &QTensor) -> bool {
+        matches!(
+            w.data,
+            WeightData::Ggml {
+                ty: GgmlType::Q4_0,
+                ..
+            }
+        ) && w.cols.is_multiple_of(32)
+            && w.rows > 0
+    }
+
+    /// Writes `w` in the packed layout into the zeroed `dst` (all its groups). Groups in
+    /// parallel. False if `w`'s bytes do not match its shape.
+    fn write(w: &QTensor, dst: &mut [u8]) -> bool {
+        use rayon::prelude::*;
+        let WeightData::Ggml { data, .. } = &w.data else {
+            return false;
+        };
+        let (rows, nb) = (w.rows, w.cols / 32);
+        let row_bytes = 18 * nb;
+        let src = data.as_slice();
+        let (gb, sb) = (group_bytes(nb), scales_bytes(nb));
+        if src.len() != rows * row_bytes || dst.len() != rows.div_ceil(GROUP) * gb {
+            return false;
+        }
+        dst.par_chunks_mut(gb).enumerate().for_each(|(g, dst)| {
+            for i in 0..GROUP.min(rows - g * GROUP) {
+                let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
+                for (b, blk) in row.chunks_exact(18).enumerate() {
+                    dst[32 * b + 2 * i..][..2].copy_from_slice(&blk[..2]);
+                    for q in 0..4 {
+                        dst[sb + 256 * b + 64 * q + 4 * i..][..4]
+                            .copy_from_slice(&blk[2 + 4 * q..][..4]);
+                    }
+                }
+            }
+        });
+        true
+    }
+
+    /// Whether this is the packed form of a weight of `w`'s type and shape.
+    pub(crate) fn matches(&self, w: &QTensor) -> bool {
+        self.rows == w.rows
+            && self.cols == w.cols
+            && matches!(w.data, WeightData::Ggml { ty, .. } if ty == self.ty)
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.len
+    }
+
+    /// The packed bytes (64-byte aligned).
+    pub(crate) fn data(&self) -> &[u8] {
+        // SAFETY: the region lies inside the chunk's mapping (checked when it was taken) and
+        // is no longer written. Made from the raw pointer, not the map, so that no reference
+        // covers the regions other weights are still being written into.
+        unsafe { std::slice::from_raw_parts(self.chunk.ptr.add(self.at), self.len) }
+    }
+
+    pub(crate) fn blocks(&self) -> usize {
+        self.cols / 32
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{group_bytes, scales_bytes, GROUP};
+    use crate::cpu::kernels::q8act::ActQ8;
+
+    /// The 4 activation bytes at `p` in every lane.
+    #[inline(always)]
+    unsafe fn bcast4(p: *const i8) -> __m512i {
+        _mm512_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    /// The integer dot of a block's 8 code vectors `u` (codes of elements 4q.. in `u[q]`) with
+    /// the 32 activations at `x`, per row (lane). Two chains, so that the eight multiply-adds
+    /// do not wait on each other one by one.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn dot32(u: &[__m512i; 8], x: *const i8) -> __m512i {
+        let (mut i0, mut i1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        for q in 0..4 {
+            i0 = _mm512_dpbusd_epi32(i0, u[q], bcast4(x.add(4 * q)));
+            i1 = _mm512_dpbusd_epi32(i1, u[q + 4], bcast4(x.add(16 + 4 * q)));
+        }
+        _mm512_add_epi32(i0, i1)
+    }
+
+    /// How far ahead (bytes) the one-token kernel asks for the weight's lines, into L2 (L1 has
+    /// too few misses in flight to stream from memory). Measured on a model's worth of
+    /// 576x576 weights back to back, one thread (GiB/s): 4 KB 17.2, 8 KB 21.9, 12 KB 21.0.
+    const PREFETCH: usize = 8192;
+
+    /// Block `b`'s 8 code vectors: word q's low nibbles (elements 4q..) and high nibbles
+    /// (elements 16 + 4q..).
+    #[inline(always)]
+    pub(crate) unsafe fn codes(g: *const u8, nb: usize, b: usize) -> [__m512i; 8] {
+        let p = g.add(scales_bytes(nb) + 256 * b);
+        let lo4 = _mm512_set1_epi8(0x0f);
+        let mut u = [_mm512_setzero_si512(); 8];
+        for q in 0..4 {
+            let v = _mm512_load_si512(p.add(64 * q) as *const __m512i);
+            u[q] = _mm512_and_si512(v, lo4);
+            u[q + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), lo4);
+        }
+        u
+    }
+
+    /// Block `b`'s 16 scales as f32.
+    #[inline(always)]
+    pub(crate) unsafe fn scales(g: *const u8, b: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_load_si256(g.add(32 * b) as *const __m256i))
+    }
+
+    /// Rows `r0..r1` (`r0` a multiple of 16) of the packed Q4_0 weight `data` (`nb` blocks per
+    /// row) against the one activation row of `act` (`split`: a two-part row, as
+    /// `fused_x86::matvec_avx512` takes it), into `out[r]`.
+    ///
+    /// Per block and group: `acc += f32(Σ u q) * (d * dx) `, `off += d * sx` (the offset
+    /// `-8 d` per element, applied once at the end): 16 rows' results per vector, stored as
+    /// they are (lanes past `r1` are not written).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL/VNNI; `data` must hold the groups of rows `r0..r1`
+    /// in the layout of `packed.rs`, 64-byte aligned; `act` one row of `32 nb` values (two
+    /// with `split`); `out` must cover index `r1 - 1`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn matvec(
+        data: *const u8,
+        nb: usize,
+        r0: usize,
+        r1: usize,
+        act: &ActQ8,
+        split: bool,
+        out: *mut f32,
+    ) {
+        debug_assert!(r0.is_multiple_of(GROUP) && act.k == 32 * nb);
+        let gb = group_bytes(nb);
+        let mut r = r0;
+        while r < r1 {
+            let g = data.add(r / GROUP * gb);
+            let v = if split {
+                group::<true>(g, nb, act)
+            } else {
+                group::<false>(g, nb, act)
+            };
+            let n = (r1 - r).min(GROUP);
+            _mm512_mask_storeu_ps(out.add(r), ((1u32 << n) - 1) as __mmask16, v);
+            r += GROUP;
+        }
+    }
+
+    /// One group's 16 results (see [`matvec`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn group<const SPLIT: bool>(g: *const u8, nb: usize, act: &ActQ8) -> __m512 {
+        let k = act.k;
+        let qx = act.qx.as_ptr();
+        // The scale the integer sum is in (with `SPLIT`, the second part's: the sum is
+        // `256 * hi + lo`, at most 256 * 32 * 15 * 127 + 32 * 15 * 127 < 2^31) and the block
+        // sums of the activations (both parts').
+        let (dxs, sxs) = if SPLIT {
+            (act.dx32.as_ptr().add(nb), act.sxp32.as_ptr())
+        } else {
+            (act.dx32.as_ptr(), act.sx32.as_ptr())
+        };
+        let mut acc = _mm512_setzero_ps();
+        let mut off = _mm512_setzero_ps();
+        // Prefetches run `PREFETCH` bytes ahead of a pointer that crosses the group evenly (its
+        // bytes over its blocks), so that the weight, scales and all, is asked for as one
+        // sequential run across groups and weights (`PackArena`); five lines per block cover
+        // the up to 320 bytes it advances.
+        let step = group_bytes(nb) / nb;
+        for b in 0..nb {
+            let ahead = g.wrapping_add(PREFETCH + b * step);
+            for l in 0..5 {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
+            }
+            let u = codes(g, nb, b);
+            let d = scales(g, b);
+            let mut i = dot32(&u, qx.add(32 * b));
+            if SPLIT {
+                i = _mm512_add_epi32(_mm512_slli_epi32::<8>(i), dot32(&u, qx.add(k + 32 * b)));
+            }
+            acc = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(i),
+                _mm512_mul_ps(d, _mm512_set1_ps(*dxs.add(b))),
+                acc,
+            );
+            off = _mm512_fmadd_ps(d, _mm512_set1_ps(*sxs.add(b)), off);
+        }
+        _mm512_fmadd_ps(off, _mm512_set1_ps(-8.0), acc)
+    }
+
+    /// The panel of the prefill GEMM (`gemm_x86.rs`: codes `[C/4][16][4]`, scales and offsets
+    /// per 16 elements `[C/16][16]`, of which the 32-element formats fill the even entries) for
+    /// the group at `g`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW; `g` a whole group of `nb` blocks, 64-byte aligned;
+    /// `w` room for `8 nb` vectors, `ia` and `ic` for `32 nb` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(crate) unsafe fn panel(
+        g: *const u8,
+        nb: usize,
+        w: *mut __m512i,
+        ia: *mut f32,
+        ic: *mut f32,
+    ) {
+        let next = g.add(group_bytes(nb));
+        for b in 0..nb {
+            // The next group's lines of this block, in L2 by the time its panel is laid out.
+            let pb = next.wrapping_add(scales_bytes(nb) + 256 * b);
+            for q in 0..4 {
+                _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * q) as *const i8);
+            }
+            let d = scales(g, b);
+            _mm512_storeu_ps(ia.add(2 * b * GROUP), d);
+            _mm512_storeu_ps(
+                ic.add(2 * b * GROUP),
+                _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+            );
+            let u = codes(g, nb, b);
+            for (q, uq) in u.iter().enumerate() {
+                _mm512_storeu_si512(w.add(8 * b + q), *uq);
+            }
+        }
+    }
+}
