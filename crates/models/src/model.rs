@@ -286,6 +286,16 @@ impl Model {
     pub fn cuda(&self) -> Option<&Arc<CudaBackend>> {
         self.cuda.as_ref()
     }
+    /// Does the one-time preparation of the weights for the CPU fast paths now, not in the
+    /// first request: one forward of one token, which makes the packed copies the kernels read
+    /// (`hf2q_tensor::cpu::PackedWeights`, in the order the forward uses the weights). Nothing
+    /// on the reference path or a GPU.
+    pub fn warm_up(&self) -> Result<()> {
+        if self.cuda.is_none() && self.backend.matmul != MatmulPath::Reference {
+            self.session(1).prefill(&[0])?;
+        }
+        Ok(())
+    }
     pub fn matmul_path(&self) -> MatmulPath {
         self.backend.matmul
     }

@@ -286,8 +286,17 @@ impl Engine {
             .spawn(move || {
                 // On a panic the sequences and the command channel are dropped while unwinding, so
                 // every waiting handler sees its channel close and answers 500.
+                // The steps run on a worker of a pool of their own, so that each parallel
+                // step of a forward pass starts from a worker instead of being handed over
+                // and waited for (hundreds of times a token).
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    scheduler::run(&m, &s, rx)
+                    match rayon::ThreadPoolBuilder::new()
+                        .thread_name(|i| format!("hf2q-engine-{i}"))
+                        .build()
+                    {
+                        Ok(pool) => pool.install(|| scheduler::run(&m, &s, rx)),
+                        Err(_) => scheduler::run(&m, &s, rx),
+                    }
                 }));
                 if r.is_err() {
                     eprintln!("error: the engine thread panicked");
