@@ -88,7 +88,7 @@ fn bench_t(c: &mut Criterion, t: usize) {
                 let w = lazy.get().clone();
                 b.iter(|| kernels::linear(&w, &x, t, &mut out, kernels::ActBits::Split16).unwrap())
             });
-            if matches!(kind, Kind::Ggml(GgmlType::Q4_0)) {
+            if matches!(kind, Kind::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0)) {
                 // The same weight re-laid out for this CPU's kernels (where it has them).
                 group.bench_function(BenchmarkId::new("packed", &id), |b| {
                     let w = lazy.get().clone();

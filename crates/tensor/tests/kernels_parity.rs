@@ -307,8 +307,9 @@ fn packed_copy_of_another_weight_is_an_error() {
     assert!(format!("{}", e.unwrap_err()).contains("another weight"));
 }
 
-/// The CPU backend's packed weights: a Q4_0 weight in a mapped file is packed on first use,
-/// its mapped pages are handed back, and every later product (cached copy) and every read of
+/// The CPU backend's packed weights: a Q4_0 or Q8_0 weight in a mapped file is packed on first
+/// use, its mapped pages are handed back, and every later product (cached copy), every
+/// embedding lookup (read from the packed copy, a tied output layer's case) and every read of
 /// the weight's own bytes (which come back from the file) give what they gave before.
 #[test]
 fn backend_packs_mapped_weights_and_their_bytes_stay_readable() {
@@ -317,50 +318,52 @@ fn backend_packs_mapped_weights_and_their_bytes_stay_readable() {
     use hf2q_tensor::{Bytes, QTensor, Tensor};
     let (rows, k) = (48, 4096);
     let mut rng = Rng::new(11);
-    let made = make_weight(Kind::Ggml(GgmlType::Q4_0), rows, k, &mut rng);
-    let hf2q_tensor::WeightData::Ggml { data, .. } = &made.data else {
-        unreachable!()
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("w.bin");
-    std::fs::write(&path, data.as_slice()).unwrap();
-    let w = QTensor::ggml(
-        "w",
-        GgmlType::Q4_0,
-        rows,
-        k,
-        Bytes::map_file(&path).unwrap(),
-    )
-    .unwrap();
-    let before = w.to_f32().unwrap();
-    let x = make_x(3, k, &mut rng);
-    let be = CpuBackend::FAST;
-    for t in [1, 3] {
-        let xt = Tensor::new(&[t, k], x[..t * k].to_vec()).unwrap();
-        let mut want = vec![0f32; t * rows];
-        kernels::linear(&w, &x[..t * k], t, &mut want, ActBits::Split16).unwrap();
-        for _ in 0..2 {
-            let got = be.linear(&xt, &w, None).unwrap();
-            for (i, (g, wv)) in got.data().iter().zip(&want).enumerate() {
-                // Summation order only (the packed kernels add the same terms in another
-                // order): each side within the f32 slack of `check_outputs`, so twice that.
-                let (ti, r) = (i / rows, i % rows);
-                let l1: f64 = (0..k)
-                    .map(|j| (before[r * k + j] as f64 * x[ti * k + j] as f64).abs())
-                    .sum();
-                let tol = 2.0 * (1e-5 + (k / 16) as f64 * 2f64.powi(-22)) * l1;
-                assert!(
-                    ((g - wv) as f64).abs() <= tol,
-                    "T={t}: {g} vs {wv} (tol {tol})"
-                );
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+        let made = make_weight(Kind::Ggml(ty), rows, k, &mut rng);
+        let hf2q_tensor::WeightData::Ggml { data, .. } = &made.data else {
+            unreachable!()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.bin");
+        std::fs::write(&path, data.as_slice()).unwrap();
+        let w = QTensor::ggml("w", ty, rows, k, Bytes::map_file(&path).unwrap()).unwrap();
+        let before = w.to_f32().unwrap();
+        let x = make_x(3, k, &mut rng);
+        let be = CpuBackend::FAST;
+        let ids = [0u32, 47, 16, 17, 5];
+        let emb = be.embedding(&w, &ids, 1.0).unwrap();
+        for t in [1, 3] {
+            let xt = Tensor::new(&[t, k], x[..t * k].to_vec()).unwrap();
+            let mut want = vec![0f32; t * rows];
+            kernels::linear(&w, &x[..t * k], t, &mut want, ActBits::Split16).unwrap();
+            for _ in 0..2 {
+                let got = be.linear(&xt, &w, None).unwrap();
+                for (i, (g, wv)) in got.data().iter().zip(&want).enumerate() {
+                    // Summation order only (the packed kernels add the same terms in another
+                    // order): each side within the f32 slack of `check_outputs`, so twice that.
+                    let (ti, r) = (i / rows, i % rows);
+                    let l1: f64 = (0..k)
+                        .map(|j| (before[r * k + j] as f64 * x[ti * k + j] as f64).abs())
+                        .sum();
+                    let tol = 2.0 * (1e-5 + (k / 16) as f64 * 2f64.powi(-22)) * l1;
+                    assert!(
+                        ((g - wv) as f64).abs() <= tol,
+                        "{ty} T={t}: {g} vs {wv} (tol {tol})"
+                    );
+                }
             }
         }
+        let packed = kernels::packs(&w);
+        eprintln!("{ty} packed: {packed} ({be:?})");
+        assert_eq!(
+            be.embedding(&w, &ids, 1.0).unwrap().data(),
+            emb.data(),
+            "{ty}: rows read from the packed copy, bit for bit"
+        );
+        assert_eq!(
+            w.to_f32().unwrap(),
+            before,
+            "{ty}: the mapped bytes read back unchanged"
+        );
     }
-    let packed = kernels::packs(&w);
-    eprintln!("packed: {packed} ({be:?})");
-    assert_eq!(
-        w.to_f32().unwrap(),
-        before,
-        "the mapped bytes read back unchanged"
-    );
 }

@@ -53,7 +53,7 @@ pub struct CpuBackend {
 /// Weights re-laid out for the fast kernels ([`kernels::pack`]), made on a weight's first use
 /// and kept by the address and length of its stored bytes, each entry with a handle on those
 /// bytes (as the GPU backend's weight cache: while the entry lives, the address cannot be
-/// reused by another weight). Once a weight is packed, its mapped pages are handed back
+/// reused by another weight). Packing hands the weight's mapped pages back as it copies them
 /// ([`crate::Bytes::release_pages`]): the copy replaces them in memory, it does not add to it.
 /// A clone starts empty (it is a cache).
 #[derive(Default)]
@@ -72,6 +72,16 @@ impl PackedWeights {
         )))
     }
 
+    /// The packed copy of `w` if one was made (by [`PackedWeights::get`]).
+    pub fn existing(&self, w: &QTensor) -> Option<std::sync::Arc<kernels::Packed>> {
+        let crate::WeightData::Ggml { data, .. } = &w.data else {
+            return None;
+        };
+        let key = (data.as_slice().as_ptr() as usize, data.len());
+        let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        guard.0.get(&key).map(|(_, p)| p.clone())
+    }
+
     /// The packed copy of `w`, made now if this is its first use; `None` for weights the fast
     /// kernels read as they are.
     pub fn get(&self, w: &QTensor) -> Option<std::sync::Arc<kernels::Packed>> {
@@ -88,7 +98,6 @@ impl PackedWeights {
             return Some(p.clone());
         }
         let p = std::sync::Arc::new(kernels::pack_in(arena, w)?);
-        data.release_pages();
         map.insert(key, (data.clone(), p.clone()));
         Some(p)
     }
@@ -226,6 +235,9 @@ impl Backend for CpuBackend {
     fn embedding(&self, table: &QTensor, ids: &[u32], scale: f32) -> Result<Tensor> {
         let d = table.cols;
         let mut out = vec![0f32; ids.len() * d];
+        // A table already packed (a tied output layer) is read from its packed copy: the
+        // original's pages were handed back, and reading them would map them in again.
+        let packed = self.packed.existing(table);
         for (row, &id) in out.chunks_mut(d.max(1)).zip(ids) {
             if id as usize >= table.rows {
                 return Err(Error::Shape(format!(
@@ -233,7 +245,10 @@ impl Backend for CpuBackend {
                     table.rows
                 )));
             }
-            table.dequantize_row(id as usize, row)?;
+            match &packed {
+                Some(p) => p.dequantize_row(id as usize, row)?,
+                None => table.dequantize_row(id as usize, row)?,
+            }
             if scale != 1.0 {
                 row.iter_mut().for_each(|v| *v *= scale);
             }

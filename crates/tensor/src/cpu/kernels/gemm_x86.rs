@@ -83,14 +83,15 @@ pub(crate) unsafe fn gemm_panel_avx512(p: &PanelArgs<'_>, s: &mut Scratch) {
             }
         }
         // Any panel, the last one too (the layout's padding rows are zeros).
-        WView::Packed { data, nb } => {
+        WView::Packed { data, nb, wide } => {
             debug_assert!(p.r0.is_multiple_of(ROWS));
             let g = data
                 .as_ptr()
-                .add(p.r0 / ROWS * super::packed::group_bytes(nb));
+                .add(p.r0 / ROWS * super::packed::group_bytes(nb, wide));
             super::packed::x86::panel(
                 g,
                 nb,
+                wide,
                 s.icodes.as_mut_ptr() as *mut __m512i,
                 s.ia.as_mut_ptr(),
                 s.ic.as_mut_ptr(),

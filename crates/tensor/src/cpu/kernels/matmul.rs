@@ -298,6 +298,7 @@ pub(crate) fn run(
             WView::Packed {
                 data: p.data(),
                 nb: p.blocks(),
+                wide: p.wide(),
             }
         }
         _ => WView::new(w).ok_or_else(|| Error::UnsupportedType {

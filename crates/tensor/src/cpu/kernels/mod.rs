@@ -236,8 +236,9 @@ fn checked_run(
 }
 
 /// `w` re-laid out for the fastest kernels this CPU has, where they read a layout of their own
-/// (Q4_0 on AVX-512 VNNI: 16 rows interleaved, `packed.rs`); `None` for every other weight
-/// and CPU. The copy is as large as `w`'s bytes; run it with [`linear_packed`].
+/// (Q4_0 and Q8_0 on AVX-512 VNNI: 16 rows interleaved, `packed.rs`); `None` for every other weight
+/// and CPU. The copy is as large as `w`'s bytes, whose mapped pages (if `w` is in a mapped
+/// file) are handed back as they are copied; run it with [`linear_packed`].
 pub fn pack(w: &QTensor) -> Option<Packed> {
     pack_in(&mut PackArena::new(), w)
 }

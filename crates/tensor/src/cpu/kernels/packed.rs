@@ -1,5 +1,6 @@
-//! Q4_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by side, so that
-//! one-token products (decode) read one sequential stream and multiply 16 rows per `vpdpbusd`.
+//! Q4_0 and Q8_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by side,
+//! so that one-token products (decode) read one sequential stream and multiply 16 rows per
+//! `vpdpbusd`.
 //!
 //! Why: in ggml's row-major layout a Q4_0 row is 18-byte blocks, and the fused one-token kernel
 //! (`fused_x86.rs`) spends more on its per-row work (gathering eight f16 scales one by one,
@@ -18,10 +19,12 @@
 //!                           4q..4q+4 in the low nibbles, 16+4q..16+4q+4 in the high ones)
 //! ```
 //! so that `v & 0xf` and `(v >> 4) & 0xf` of the 64-byte vector of word q are the codes of
-//! elements 4q.. and 16+4q.. of all 16 rows, in `vpdpbusd`'s lane order. The prefill GEMM
+//! elements 4q.. and 16+4q.. of all 16 rows, in `vpdpbusd`'s lane order. Q8_0 ("wide") the
+//! same with 8 words of whole bytes per block, stored as `q + 128` (unsigned, as `vpdpbusd`
+//! takes them; the offset `-128 d` is applied with the activations' block sums). The prefill GEMM
 //! (`gemm_x86.rs`) reads the same layout into its panels with a mask and a shift per vector
-//! instead of a transpose. The bytes are the same count as the original (18 per block and
-//! row, plus padding for odd block counts and partial groups).
+//! instead of a transpose. The bytes are the same count as the original (18 or 34 per block
+//! and row, plus padding for odd block counts and partial groups).
 
 use crate::{GgmlType, QTensor, WeightData};
 
@@ -33,9 +36,18 @@ pub(crate) const fn scales_bytes(nb: usize) -> usize {
     (32 * nb).div_ceil(64) * 64
 }
 
+/// Bytes of one block's codes for 16 rows: 4-bit (Q4_0) or 8-bit (`wide`, Q8_0).
+pub(crate) const fn codes_bytes(wide: bool) -> usize {
+    if wide {
+        512
+    } else {
+        256
+    }
+}
+
 /// Bytes of a group of `nb` blocks.
-pub(crate) const fn group_bytes(nb: usize) -> usize {
-    scales_bytes(nb) + 256 * nb
+pub(crate) const fn group_bytes(nb: usize, wide: bool) -> usize {
+    scales_bytes(nb) + codes_bytes(wide) * nb
 }
 
 /// Zeroed memory the packed weights are written into: an anonymous mapping (page-aligned, its
@@ -100,7 +112,8 @@ impl PackArena {
         if !Packed::fits(w) {
             return None;
         }
-        let bytes = w.rows.div_ceil(GROUP) * group_bytes(w.cols / 32);
+        let ty = Packed::format(w)?;
+        let bytes = w.rows.div_ceil(GROUP) * group_bytes(w.cols / 32, ty == GgmlType::Q8_0);
         let (chunk, at) = self.take(bytes)?;
         // SAFETY: `take` hands out each region once; nothing refers to it yet; it lies inside
         // the chunk's mapping.
@@ -109,7 +122,7 @@ impl PackArena {
             return None;
         }
         Some(Packed {
-            ty: GgmlType::Q4_0,
+            ty,
             rows: w.rows,
             cols: w.cols,
             chunk,
@@ -147,42 +160,67 @@ impl Packed {
     /// Whether `w` has a packed layout (its format and shape; the kernels that read it are
     /// AVX-512 VNNI's).
     pub(crate) fn fits(w: &QTensor) -> bool {
-        matches!(
-            w.data,
-            WeightData::Ggml {
-                ty: GgmlType::Q4_0,
-                ..
-            }
-        ) && w.cols.is_multiple_of(32)
-            && w.rows > 0
+        Self::format(w).is_some()
     }
 
-    /// Writes `w` in the packed layout into the zeroed `dst` (all its groups). Groups in
-    /// parallel. False if `w`'s bytes do not match its shape.
+    /// `w`'s format if it has a packed layout.
+    fn format(w: &QTensor) -> Option<GgmlType> {
+        match w.data {
+            WeightData::Ggml {
+                ty: ty @ (GgmlType::Q4_0 | GgmlType::Q8_0),
+                ..
+            } if w.cols.is_multiple_of(32) && w.rows > 0 => Some(ty),
+            _ => None,
+        }
+    }
+
+    /// Writes `w` in the packed layout into the zeroed `dst` (all its groups), handing `w`'s
+    /// mapped pages back as they are copied (`Bytes::release_pages`: read again from the file
+    /// if `w` itself is used later). Groups in parallel. False if `w`'s bytes do not match its
+    /// shape.
     fn write(w: &QTensor, dst: &mut [u8]) -> bool {
         use rayon::prelude::*;
-        let WeightData::Ggml { data, .. } = &w.data else {
+        let WeightData::Ggml { ty, data } = &w.data else {
             return false;
         };
+        let wide = *ty == GgmlType::Q8_0;
+        // Block bytes, 4-byte words per block.
+        let (bs, words) = if wide { (34, 8) } else { (18, 4) };
         let (rows, nb) = (w.rows, w.cols / 32);
-        let row_bytes = 18 * nb;
+        let row_bytes = bs * nb;
         let src = data.as_slice();
-        let (gb, sb) = (group_bytes(nb), scales_bytes(nb));
+        let (gb, sb, cb) = (group_bytes(nb, wide), scales_bytes(nb), codes_bytes(wide));
         if src.len() != rows * row_bytes || dst.len() != rows.div_ceil(GROUP) * gb {
             return false;
         }
-        dst.par_chunks_mut(gb).enumerate().for_each(|(g, dst)| {
-            for i in 0..GROUP.min(rows - g * GROUP) {
-                let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
-                for (b, blk) in row.chunks_exact(18).enumerate() {
-                    dst[32 * b + 2 * i..][..2].copy_from_slice(&blk[..2]);
-                    for q in 0..4 {
-                        dst[sb + 256 * b + 64 * q + 4 * i..][..4]
-                            .copy_from_slice(&blk[2 + 4 * q..][..4]);
+        // Q8_0's signed codes as `q + 128`.
+        let flip = if wide { 0x8080_8080u32 } else { 0 };
+        // A few MB of source at a time, its mapped pages handed back once copied: the copy
+        // and the original are never both resident (a tied embedding alone is 30 MB in
+        // SmolLM2 Q8_0).
+        let per = (4 << 20) / (GROUP * row_bytes) + 1;
+        for (c, dst) in dst.chunks_mut(per * gb).enumerate() {
+            let g0 = c * per;
+            dst.par_chunks_mut(gb).enumerate().for_each(|(g, dst)| {
+                let g = g0 + g;
+                for i in 0..GROUP.min(rows - g * GROUP) {
+                    let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
+                    for (b, blk) in row.chunks_exact(bs).enumerate() {
+                        dst[32 * b + 2 * i..][..2].copy_from_slice(&blk[..2]);
+                        for q in 0..words {
+                            let v = u32::from_le_bytes(blk[2 + 4 * q..][..4].try_into().unwrap());
+                            dst[sb + cb * b + 64 * q + 4 * i..][..4]
+                                .copy_from_slice(&(v ^ flip).to_le_bytes());
+                        }
                     }
                 }
+            });
+            let r0 = g0 * GROUP * row_bytes;
+            let r1 = ((g0 + per) * GROUP).min(rows) * row_bytes;
+            if let Ok(done) = data.slice(r0..r1) {
+                done.release_pages();
             }
-        });
+        }
         true
     }
 
@@ -209,13 +247,49 @@ impl Packed {
     pub(crate) fn blocks(&self) -> usize {
         self.cols / 32
     }
+
+    /// Whether the codes are whole bytes (Q8_0).
+    pub(crate) fn wide(&self) -> bool {
+        self.ty == GgmlType::Q8_0
+    }
+
+    /// Row `r` as f32, the values `QTensor::dequantize_row` gives for the original (its blocks
+    /// are put back together and decoded by the same function): for a tied embedding table,
+    /// whose original pages were handed back when it was packed as the output layer.
+    pub fn dequantize_row(&self, r: usize, dst: &mut [f32]) -> crate::Result<()> {
+        if r >= self.rows || dst.len() != self.cols {
+            return Err(crate::Error::Shape(format!(
+                "packed weight: row {r} / {} columns requested of {}x{}",
+                dst.len(),
+                self.rows,
+                self.cols
+            )));
+        }
+        let wide = self.wide();
+        let (bs, words) = if wide { (34, 8) } else { (18, 4) };
+        let nb = self.blocks();
+        let (sb, cb) = (scales_bytes(nb), codes_bytes(wide));
+        let g = &self.data()[r / GROUP * group_bytes(nb, wide)..][..group_bytes(nb, wide)];
+        let i = r % GROUP;
+        let flip = if wide { 0x8080_8080u32 } else { 0 };
+        let mut row = vec![0u8; bs * nb];
+        for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
+            blk[..2].copy_from_slice(&g[32 * b + 2 * i..][..2]);
+            for q in 0..words {
+                let v =
+                    u32::from_le_bytes(g[sb + cb * b + 64 * q + 4 * i..][..4].try_into().unwrap());
+                blk[2 + 4 * q..][..4].copy_from_slice(&(v ^ flip).to_le_bytes());
+            }
+        }
+        crate::quant::dequantize(self.ty, &row, dst)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{group_bytes, scales_bytes, GROUP};
+    use super::{codes_bytes, group_bytes, scales_bytes, GROUP};
     use crate::cpu::kernels::q8act::ActQ8;
 
     /// The 4 activation bytes at `p` in every lane.
@@ -243,13 +317,19 @@ pub(crate) mod x86 {
     /// 576x576 weights back to back, one thread (GiB/s): 4 KB 17.2, 8 KB 21.9, 12 KB 21.0.
     const PREFETCH: usize = 8192;
 
-    /// Block `b`'s 8 code vectors: word q's low nibbles (elements 4q..) and high nibbles
-    /// (elements 16 + 4q..).
+    /// Block `b`'s 8 code vectors, `u[j]` the codes of elements 4j..4j+4: Q4_0, word q's low
+    /// nibbles (elements 4q..) and high nibbles (elements 16 + 4q..); Q8_0 (`W`), the words.
     #[inline(always)]
-    pub(crate) unsafe fn codes(g: *const u8, nb: usize, b: usize) -> [__m512i; 8] {
-        let p = g.add(scales_bytes(nb) + 256 * b);
-        let lo4 = _mm512_set1_epi8(0x0f);
+    pub(crate) unsafe fn codes<const W: bool>(g: *const u8, nb: usize, b: usize) -> [__m512i; 8] {
+        let p = g.add(scales_bytes(nb) + codes_bytes(W) * b);
         let mut u = [_mm512_setzero_si512(); 8];
+        if W {
+            for (q, uq) in u.iter_mut().enumerate() {
+                *uq = _mm512_load_si512(p.add(64 * q) as *const __m512i);
+            }
+            return u;
+        }
+        let lo4 = _mm512_set1_epi8(0x0f);
         for q in 0..4 {
             let v = _mm512_load_si512(p.add(64 * q) as *const __m512i);
             u[q] = _mm512_and_si512(v, lo4);
@@ -258,19 +338,28 @@ pub(crate) mod x86 {
         u
     }
 
+    /// A code's offset as a multiple of the block scale (`c = K d`).
+    const fn offset_k(wide: bool) -> f32 {
+        if wide {
+            -128.0
+        } else {
+            -8.0
+        }
+    }
+
     /// Block `b`'s 16 scales as f32.
     #[inline(always)]
     pub(crate) unsafe fn scales(g: *const u8, b: usize) -> __m512 {
         _mm512_cvtph_ps(_mm256_load_si256(g.add(32 * b) as *const __m256i))
     }
 
-    /// Rows `r0..r1` (`r0` a multiple of 16) of the packed Q4_0 weight `data` (`nb` blocks per
-    /// row) against the one activation row of `act` (`split`: a two-part row, as
+    /// Rows `r0..r1` (`r0` a multiple of 16) of the packed Q4_0 (Q8_0: `wide`) weight `data`
+    /// (`nb` blocks per row) against the one activation row of `act` (`split`: a two-part row, as
     /// `fused_x86::matvec_avx512` takes it), into `out[r]`.
     ///
     /// Per block and group: `acc += f32(Σ u q) * (d * dx) `, `off += d * sx` (the offset
-    /// `-8 d` per element, applied once at the end): 16 rows' results per vector, stored as
-    /// they are (lanes past `r1` are not written).
+    /// `-8 d` or `-128 d` per element, applied once at the end): 16 rows' results per vector,
+    /// stored as they are (lanes past `r1` are not written).
     ///
     /// # Safety
     /// The CPU must have AVX-512 F/BW/VL/VNNI; `data` must hold the groups of rows `r0..r1`
@@ -280,6 +369,7 @@ pub(crate) mod x86 {
     pub(crate) unsafe fn matvec(
         data: *const u8,
         nb: usize,
+        wide: bool,
         r0: usize,
         r1: usize,
         act: &ActQ8,
@@ -287,14 +377,15 @@ pub(crate) mod x86 {
         out: *mut f32,
     ) {
         debug_assert!(r0.is_multiple_of(GROUP) && act.k == 32 * nb);
-        let gb = group_bytes(nb);
+        let gb = group_bytes(nb, wide);
         let mut r = r0;
         while r < r1 {
             let g = data.add(r / GROUP * gb);
-            let v = if split {
-                group::<true>(g, nb, act)
-            } else {
-                group::<false>(g, nb, act)
+            let v = match (split, wide) {
+                (true, true) => group::<true, true>(g, nb, act),
+                (true, false) => group::<true, false>(g, nb, act),
+                (false, true) => group::<false, true>(g, nb, act),
+                (false, false) => group::<false, false>(g, nb, act),
             };
             let n = (r1 - r).min(GROUP);
             _mm512_mask_storeu_ps(out.add(r), ((1u32 << n) - 1) as __mmask16, v);
@@ -305,12 +396,16 @@ pub(crate) mod x86 {
     /// One group's 16 results (see [`matvec`]).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn group<const SPLIT: bool>(g: *const u8, nb: usize, act: &ActQ8) -> __m512 {
+    unsafe fn group<const SPLIT: bool, const W: bool>(
+        g: *const u8,
+        nb: usize,
+        act: &ActQ8,
+    ) -> __m512 {
         let k = act.k;
         let qx = act.qx.as_ptr();
         // The scale the integer sum is in (with `SPLIT`, the second part's: the sum is
-        // `256 * hi + lo`, at most 256 * 32 * 15 * 127 + 32 * 15 * 127 < 2^31) and the block
-        // sums of the activations (both parts').
+        // `256 * hi + lo`, at most 257 * 32 * 255 * 127 < 2^31) and the block sums of the
+        // activations (both parts').
         let (dxs, sxs) = if SPLIT {
             (act.dx32.as_ptr().add(nb), act.sxp32.as_ptr())
         } else {
@@ -321,14 +416,15 @@ pub(crate) mod x86 {
         // Prefetches run `PREFETCH` bytes ahead of a pointer that crosses the group evenly (its
         // bytes over its blocks), so that the weight, scales and all, is asked for as one
         // sequential run across groups and weights (`PackArena`); five lines per block cover
-        // the up to 320 bytes it advances.
-        let step = group_bytes(nb) / nb;
+        // the up to 320 bytes it advances (nine the 576 of Q8_0).
+        let step = group_bytes(nb, W) / nb;
+        let lines = if W { 9 } else { 5 };
         for b in 0..nb {
             let ahead = g.wrapping_add(PREFETCH + b * step);
-            for l in 0..5 {
+            for l in 0..lines {
                 _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
             }
-            let u = codes(g, nb, b);
+            let u = codes::<W>(g, nb, b);
             let d = scales(g, b);
             let mut i = dot32(&u, qx.add(32 * b));
             if SPLIT {
@@ -341,7 +437,7 @@ pub(crate) mod x86 {
             );
             off = _mm512_fmadd_ps(d, _mm512_set1_ps(*sxs.add(b)), off);
         }
-        _mm512_fmadd_ps(off, _mm512_set1_ps(-8.0), acc)
+        _mm512_fmadd_ps(off, _mm512_set1_ps(offset_k(W)), acc)
     }
 
     /// The panel of the prefill GEMM (`gemm_x86.rs`: codes `[C/4][16][4]`, scales and offsets
@@ -355,24 +451,42 @@ pub(crate) mod x86 {
     pub(crate) unsafe fn panel(
         g: *const u8,
         nb: usize,
+        wide: bool,
         w: *mut __m512i,
         ia: *mut f32,
         ic: *mut f32,
     ) {
-        let next = g.add(group_bytes(nb));
+        if wide {
+            panel_of::<true>(g, nb, w, ia, ic)
+        } else {
+            panel_of::<false>(g, nb, w, ia, ic)
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn panel_of<const W: bool>(
+        g: *const u8,
+        nb: usize,
+        w: *mut __m512i,
+        ia: *mut f32,
+        ic: *mut f32,
+    ) {
+        let cb = codes_bytes(W);
+        let next = g.add(group_bytes(nb, W));
         for b in 0..nb {
             // The next group's lines of this block, in L2 by the time its panel is laid out.
-            let pb = next.wrapping_add(scales_bytes(nb) + 256 * b);
-            for q in 0..4 {
+            let pb = next.wrapping_add(scales_bytes(nb) + cb * b);
+            for q in 0..cb / 64 {
                 _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * q) as *const i8);
             }
             let d = scales(g, b);
             _mm512_storeu_ps(ia.add(2 * b * GROUP), d);
             _mm512_storeu_ps(
                 ic.add(2 * b * GROUP),
-                _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+                _mm512_mul_ps(d, _mm512_set1_ps(offset_k(W))),
             );
-            let u = codes(g, nb, b);
+            let u = codes::<W>(g, nb, b);
             for (q, uq) in u.iter().enumerate() {
                 _mm512_storeu_si512(w.add(8 * b + q), *uq);
             }
