@@ -3,7 +3,9 @@
 //! Llama-3.2-1B (2048x2048 q/o, 8192x2048 gate/up, 2048x8192 down), for T = 1 (decode: the
 //! group reports GB/s of stored weights) and T = 512 (prefill: the group reports elements/s =
 //! FLOP/s, two per multiply-add). The reference `QTensor::matmul` is measured beside them at
-//! T = 1, and at T = 512 on the smallest shape (it is minutes per call at the large ones).
+//! T = 1, and at T = 512 on the smallest shape (it is minutes per call at the large ones);
+//! for Q4_0 and Q8_0 also the packed layout (`packed`, see `cpu/kernels/packed.rs`). The
+//! `stream` group runs a model's worth of small weights back to back (memory streaming).
 //!
 //! Thread count: `RAYON_NUM_THREADS=1 cargo bench -p hf2q-tensor --bench kernels [-- FILTER]`.
 //! Filter by id, e.g. `-- 'T1/Q4_0'`. K-quant shapes with C not a multiple of 256 are skipped.
@@ -136,46 +138,56 @@ criterion_group! {
 }
 criterion_main!(benches, streams);
 
+/// One-token products over a model's worth (60 MB) of 576x576 Q4_0 weights called one after
+/// the other, as a decode step calls them (the output is only the weights' bytes per second):
+/// row-major (`stream/fast`) and packed into one arena in call order (`stream/packed`; on
+/// CPUs without the packed layout, row-major again). Unlike one matrix repeated, this shows
+/// how a kernel streams from memory when each product is small. The weights are built only
+/// when the filter selects the group: `-- stream`.
 fn stream(c: &mut Criterion) {
     let mut group = c.benchmark_group("stream");
-    let (r, k): (usize, usize) = std::env::var("HF2Q_SHAPE")
-        .ok()
-        .and_then(|v| {
-            v.split_once('x')
-                .map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap()))
-        })
-        .unwrap_or((576, 576));
+    let (r, k) = (576usize, 576usize);
     let n = (60 << 20) / (r * k / 32 * 18);
-    let ws: Vec<QTensor> = (0..n)
-        .map(|i| {
-            make_weight(
-                Kind::Ggml(GgmlType::Q4_0),
-                r,
-                k,
-                &mut Rng::new(i as u64 + 1),
-            )
+    group.throughput(Throughput::Bytes((n * r * k / 32 * 18) as u64));
+    let mut ws: Option<Vec<QTensor>> = None;
+    let mut weights = || -> Vec<QTensor> {
+        ws.get_or_insert_with(|| {
+            (0..n)
+                .map(|i| {
+                    make_weight(
+                        Kind::Ggml(GgmlType::Q4_0),
+                        r,
+                        k,
+                        &mut Rng::new(i as u64 + 1),
+                    )
+                })
+                .collect()
         })
-        .collect();
+        .clone()
+    };
     let x = make_x(1, k, &mut Rng::new(7));
     let mut out = vec![0f32; r];
-    let bytes: usize = ws.iter().map(|w| w.stored_bytes()).sum();
-    group.throughput(Throughput::Bytes(bytes as u64));
     group.bench_function("fast", |b| {
+        let ws = weights();
         b.iter(|| {
             for w in &ws {
                 kernels::linear(w, &x, 1, &mut out, kernels::ActBits::Split16).unwrap()
             }
         })
     });
-    let mut arena = kernels::PackArena::new();
-    let ps: Vec<_> = ws
-        .iter()
-        .map(|w| kernels::pack_in(&mut arena, w).unwrap())
-        .collect();
     group.bench_function("packed", |b| {
+        let ws = weights();
+        let mut arena = kernels::PackArena::new();
+        let ps: Vec<_> = ws.iter().map(|w| kernels::pack_in(&mut arena, w)).collect();
         b.iter(|| {
             for (w, p) in ws.iter().zip(&ps) {
-                kernels::linear_packed(w, p, &x, 1, &mut out, kernels::ActBits::Split16).unwrap()
+                match p {
+                    Some(p) => {
+                        kernels::linear_packed(w, p, &x, 1, &mut out, kernels::ActBits::Split16)
+                    }
+                    None => kernels::linear(w, &x, 1, &mut out, kernels::ActBits::Split16),
+                }
+                .unwrap()
             }
         })
     });
