@@ -42,8 +42,8 @@ pub(crate) unsafe fn matvec_avx512(
             data,
             row_bytes,
         } => (ty, data, row_bytes),
-        WView::Packed { data, nb, wide } => {
-            super::packed::x86::matvec(data.as_ptr(), nb, wide, r0, r1, act, split, out);
+        WView::Packed { data, nb, fmt } => {
+            super::packed::x86::matvec(data.as_ptr(), nb, fmt, r0, r1, act, split, out);
             return true;
         }
         WView::Affine { .. } => return false,

@@ -83,15 +83,15 @@ pub(crate) unsafe fn gemm_panel_avx512(p: &PanelArgs<'_>, s: &mut Scratch) {
             }
         }
         // Any panel, the last one too (the layout's padding rows are zeros).
-        WView::Packed { data, nb, wide } => {
+        WView::Packed { data, nb, fmt } => {
             debug_assert!(p.r0.is_multiple_of(ROWS));
             let g = data
                 .as_ptr()
-                .add(p.r0 / ROWS * super::packed::group_bytes(nb, wide));
+                .add(p.r0 / ROWS * super::packed::group_bytes(nb, fmt));
             super::packed::x86::panel(
                 g,
                 nb,
-                wide,
+                fmt,
                 s.icodes.as_mut_ptr() as *mut __m512i,
                 s.ia.as_mut_ptr(),
                 s.ic.as_mut_ptr(),

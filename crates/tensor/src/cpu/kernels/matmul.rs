@@ -298,7 +298,7 @@ pub(crate) fn run(
             WView::Packed {
                 data: p.data(),
                 nb: p.blocks(),
-                wide: p.wide(),
+                fmt: p.fmt(),
             }
         }
         _ => WView::new(w).ok_or_else(|| Error::UnsupportedType {

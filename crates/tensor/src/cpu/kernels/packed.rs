@@ -1,6 +1,6 @@
-//! Q4_0 and Q8_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by side,
-//! so that one-token products (decode) read one sequential stream and multiply 16 rows per
-//! `vpdpbusd`.
+//! Q4_0, Q4_1 and Q8_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
+//! side, so that one-token products (decode) read one sequential stream and multiply 16 rows
+//! per `vpdpbusd`.
 //!
 //! Why: in ggml's row-major layout a Q4_0 row is 18-byte blocks, and the fused one-token kernel
 //! (`fused_x86.rs`) spends more on its per-row work (gathering eight f16 scales one by one,
@@ -11,34 +11,49 @@
 //! each activation word is broadcast once for 16 rows. llama.cpp repacks Q4_0 the same way
 //! for the same reason (8 rows).
 //!
-//! Layout of one 16-row group (`group_bytes(nb)`, a multiple of 64; rows past R are zeros,
-//! which give zero products):
+//! Layout of one 16-row group (`group_bytes`, a multiple of 64; rows past R are zeros, which
+//! give zero products), Q4_0:
 //! ```text
 //! [nb][16] f16 d            block b's scales, row i at 32 b + 2 i; then padding to 64 bytes
 //! [nb][4][16][4] u8         block b, word q: row i's packed bytes 4q..4q+4 (elements
 //!                           4q..4q+4 in the low nibbles, 16+4q..16+4q+4 in the high ones)
 //! ```
 //! so that `v & 0xf` and `(v >> 4) & 0xf` of the 64-byte vector of word q are the codes of
-//! elements 4q.. and 16+4q.. of all 16 rows, in `vpdpbusd`'s lane order. Q8_0 ("wide") the
-//! same with 8 words of whole bytes per block, stored as `q + 128` (unsigned, as `vpdpbusd`
-//! takes them; the offset `-128 d` is applied with the activations' block sums). The prefill GEMM
+//! elements 4q.. and 16+4q.. of all 16 rows, in `vpdpbusd`'s lane order. Q4_1: the same codes,
+//! and per block 64 bytes of header, the 16 scales `d` then the 16 minimums `m`. Q8_0: 8 words
+//! of whole bytes per block, stored as `q + 128` (unsigned, as `vpdpbusd` takes them; the
+//! offset `-128 d` is applied with the activations' block sums). The prefill GEMM
 //! (`gemm_x86.rs`) reads the same layout into its panels with a mask and a shift per vector
-//! instead of a transpose. The bytes are the same count as the original (18 or 34 per block
-//! and row, plus padding for odd block counts and partial groups).
+//! instead of a transpose. The bytes are the same count as the original (18, 20 or 34 per
+//! block and row, plus padding for odd block counts and partial groups).
 
 use crate::{GgmlType, QTensor, WeightData};
 
 /// Rows per group.
 pub(crate) const GROUP: usize = 16;
 
-/// Bytes of the scales of a group of `nb` blocks, rounded up to a whole 64-byte line.
-pub(crate) const fn scales_bytes(nb: usize) -> usize {
-    (32 * nb).div_ceil(64) * 64
+/// The packed formats, as the kernels' template parameter.
+pub(crate) const Q4_0: u8 = 0;
+pub(crate) const Q4_1: u8 = 1;
+pub(crate) const Q8_0: u8 = 2;
+
+/// Bytes of one block's header for 16 rows: the scales (and Q4_1's minimums).
+pub(crate) const fn head_bytes(f: u8) -> usize {
+    if f == Q4_1 {
+        64
+    } else {
+        32
+    }
 }
 
-/// Bytes of one block's codes for 16 rows: 4-bit (Q4_0) or 8-bit (`wide`, Q8_0).
-pub(crate) const fn codes_bytes(wide: bool) -> usize {
-    if wide {
+/// Bytes of the headers of a group of `nb` blocks, rounded up to a whole 64-byte line.
+pub(crate) const fn scales_bytes(nb: usize, f: u8) -> usize {
+    (head_bytes(f) * nb).div_ceil(64) * 64
+}
+
+/// Bytes of one block's codes for 16 rows: 4-bit or 8-bit (Q8_0).
+pub(crate) const fn codes_bytes(f: u8) -> usize {
+    if f == Q8_0 {
         512
     } else {
         256
@@ -46,8 +61,18 @@ pub(crate) const fn codes_bytes(wide: bool) -> usize {
 }
 
 /// Bytes of a group of `nb` blocks.
-pub(crate) const fn group_bytes(nb: usize, wide: bool) -> usize {
-    scales_bytes(nb) + codes_bytes(wide) * nb
+pub(crate) const fn group_bytes(nb: usize, f: u8) -> usize {
+    scales_bytes(nb, f) + codes_bytes(f) * nb
+}
+
+/// The ggml block of format `f`: bytes, offset of the quants, 4-byte words of quants, the XOR
+/// that makes them unsigned codes.
+const fn block_shape(f: u8) -> (usize, usize, usize, u32) {
+    match f {
+        Q4_0 => (18, 2, 4, 0),
+        Q4_1 => (20, 4, 4, 0),
+        _ => (34, 2, 8, 0x8080_8080),
+    }
 }
 
 /// Zeroed memory the packed weights are written into: an anonymous mapping (page-aligned, its
@@ -113,7 +138,7 @@ impl PackArena {
             return None;
         }
         let ty = Packed::format(w)?;
-        let bytes = w.rows.div_ceil(GROUP) * group_bytes(w.cols / 32, ty == GgmlType::Q8_0);
+        let bytes = w.rows.div_ceil(GROUP) * group_bytes(w.cols / 32, fmt_of(ty));
         let (chunk, at) = self.take(bytes)?;
         // SAFETY: `take` hands out each region once; nothing refers to it yet; it lies inside
         // the chunk's mapping.
@@ -167,7 +192,7 @@ impl Packed {
     fn format(w: &QTensor) -> Option<GgmlType> {
         match w.data {
             WeightData::Ggml {
-                ty: ty @ (GgmlType::Q4_0 | GgmlType::Q8_0),
+                ty: ty @ (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0),
                 ..
             } if w.cols.is_multiple_of(32) && w.rows > 0 => Some(ty),
             _ => None,
@@ -183,18 +208,20 @@ impl Packed {
         let WeightData::Ggml { ty, data } = &w.data else {
             return false;
         };
-        let wide = *ty == GgmlType::Q8_0;
-        // Block bytes, 4-byte words per block.
-        let (bs, words) = if wide { (34, 8) } else { (18, 4) };
+        let f = fmt_of(*ty);
+        let (bs, qs, words, flip) = block_shape(f);
         let (rows, nb) = (w.rows, w.cols / 32);
         let row_bytes = bs * nb;
         let src = data.as_slice();
-        let (gb, sb, cb) = (group_bytes(nb, wide), scales_bytes(nb), codes_bytes(wide));
+        let (gb, sb, cb, hb) = (
+            group_bytes(nb, f),
+            scales_bytes(nb, f),
+            codes_bytes(f),
+            head_bytes(f),
+        );
         if src.len() != rows * row_bytes || dst.len() != rows.div_ceil(GROUP) * gb {
             return false;
         }
-        // Q8_0's signed codes as `q + 128`.
-        let flip = if wide { 0x8080_8080u32 } else { 0 };
         // A few MB of source at a time, its mapped pages handed back once copied: the copy
         // and the original are never both resident (a tied embedding alone is 30 MB in
         // SmolLM2 Q8_0).
@@ -206,9 +233,12 @@ impl Packed {
                 for i in 0..GROUP.min(rows - g * GROUP) {
                     let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
                     for (b, blk) in row.chunks_exact(bs).enumerate() {
-                        dst[32 * b + 2 * i..][..2].copy_from_slice(&blk[..2]);
+                        dst[hb * b + 2 * i..][..2].copy_from_slice(&blk[..2]);
+                        if f == Q4_1 {
+                            dst[hb * b + 32 + 2 * i..][..2].copy_from_slice(&blk[2..4]);
+                        }
                         for q in 0..words {
-                            let v = u32::from_le_bytes(blk[2 + 4 * q..][..4].try_into().unwrap());
+                            let v = u32::from_le_bytes(blk[qs + 4 * q..][..4].try_into().unwrap());
                             dst[sb + cb * b + 64 * q + 4 * i..][..4]
                                 .copy_from_slice(&(v ^ flip).to_le_bytes());
                         }
@@ -248,9 +278,9 @@ impl Packed {
         self.cols / 32
     }
 
-    /// Whether the codes are whole bytes (Q8_0).
-    pub(crate) fn wide(&self) -> bool {
-        self.ty == GgmlType::Q8_0
+    /// The packed format (`Q4_0`, `Q4_1` or `Q8_0` of this module).
+    pub(crate) fn fmt(&self) -> u8 {
+        fmt_of(self.ty)
     }
 
     /// Row `r` as f32, the values `QTensor::dequantize_row` gives for the original (its blocks
@@ -265,23 +295,34 @@ impl Packed {
                 self.cols
             )));
         }
-        let wide = self.wide();
-        let (bs, words) = if wide { (34, 8) } else { (18, 4) };
+        let f = self.fmt();
+        let (bs, qs, words, flip) = block_shape(f);
         let nb = self.blocks();
-        let (sb, cb) = (scales_bytes(nb), codes_bytes(wide));
-        let g = &self.data()[r / GROUP * group_bytes(nb, wide)..][..group_bytes(nb, wide)];
+        let (sb, cb, hb) = (scales_bytes(nb, f), codes_bytes(f), head_bytes(f));
+        let g = &self.data()[r / GROUP * group_bytes(nb, f)..][..group_bytes(nb, f)];
         let i = r % GROUP;
-        let flip = if wide { 0x8080_8080u32 } else { 0 };
         let mut row = vec![0u8; bs * nb];
         for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
-            blk[..2].copy_from_slice(&g[32 * b + 2 * i..][..2]);
+            blk[..2].copy_from_slice(&g[hb * b + 2 * i..][..2]);
+            if f == Q4_1 {
+                blk[2..4].copy_from_slice(&g[hb * b + 32 + 2 * i..][..2]);
+            }
             for q in 0..words {
                 let v =
                     u32::from_le_bytes(g[sb + cb * b + 64 * q + 4 * i..][..4].try_into().unwrap());
-                blk[2 + 4 * q..][..4].copy_from_slice(&(v ^ flip).to_le_bytes());
+                blk[qs + 4 * q..][..4].copy_from_slice(&(v ^ flip).to_le_bytes());
             }
         }
         crate::quant::dequantize(self.ty, &row, dst)
+    }
+}
+
+/// The packed format of a ggml type that has one.
+const fn fmt_of(ty: GgmlType) -> u8 {
+    match ty {
+        GgmlType::Q4_0 => Q4_0,
+        GgmlType::Q4_1 => Q4_1,
+        _ => Q8_0,
     }
 }
 
@@ -289,7 +330,7 @@ impl Packed {
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{codes_bytes, group_bytes, scales_bytes, GROUP};
+    use super::{codes_bytes, group_bytes, head_bytes, scales_bytes, GROUP, Q4_1, Q8_0};
     use crate::cpu::kernels::q8act::ActQ8;
 
     /// The 4 activation bytes at `p` in every lane.
@@ -317,13 +358,13 @@ pub(crate) mod x86 {
     /// 576x576 weights back to back, one thread (GiB/s): 4 KB 17.2, 8 KB 21.9, 12 KB 21.0.
     const PREFETCH: usize = 8192;
 
-    /// Block `b`'s 8 code vectors, `u[j]` the codes of elements 4j..4j+4: Q4_0, word q's low
-    /// nibbles (elements 4q..) and high nibbles (elements 16 + 4q..); Q8_0 (`W`), the words.
+    /// Block `b`'s 8 code vectors, `u[j]` the codes of elements 4j..4j+4: 4-bit formats, word
+    /// q's low nibbles (elements 4q..) and high nibbles (elements 16 + 4q..); Q8_0, the words.
     #[inline(always)]
-    pub(crate) unsafe fn codes<const W: bool>(g: *const u8, nb: usize, b: usize) -> [__m512i; 8] {
-        let p = g.add(scales_bytes(nb) + codes_bytes(W) * b);
+    pub(crate) unsafe fn codes<const F: u8>(g: *const u8, nb: usize, b: usize) -> [__m512i; 8] {
+        let p = g.add(scales_bytes(nb, F) + codes_bytes(F) * b);
         let mut u = [_mm512_setzero_si512(); 8];
-        if W {
+        if F == Q8_0 {
             for (q, uq) in u.iter_mut().enumerate() {
                 *uq = _mm512_load_si512(p.add(64 * q) as *const __m512i);
             }
@@ -338,28 +379,35 @@ pub(crate) mod x86 {
         u
     }
 
-    /// A code's offset as a multiple of the block scale (`c = K d`).
-    const fn offset_k(wide: bool) -> f32 {
-        if wide {
+    /// A code's offset as a multiple of the block scale (`c = K d`; Q4_1 stores `c = m`).
+    const fn offset_k(f: u8) -> f32 {
+        if f == Q8_0 {
             -128.0
         } else {
             -8.0
         }
     }
 
-    /// Block `b`'s 16 scales as f32.
+    /// Block `b`'s 16 scales `d` and offsets `c` (per element: `d * u + c`) as f32.
     #[inline(always)]
-    pub(crate) unsafe fn scales(g: *const u8, b: usize) -> __m512 {
-        _mm512_cvtph_ps(_mm256_load_si256(g.add(32 * b) as *const __m256i))
+    pub(crate) unsafe fn scales<const F: u8>(g: *const u8, b: usize) -> (__m512, __m512) {
+        let h = g.add(head_bytes(F) * b);
+        let d = _mm512_cvtph_ps(_mm256_load_si256(h as *const __m256i));
+        let c = if F == Q4_1 {
+            _mm512_cvtph_ps(_mm256_load_si256(h.add(32) as *const __m256i))
+        } else {
+            _mm512_mul_ps(d, _mm512_set1_ps(offset_k(F)))
+        };
+        (d, c)
     }
 
-    /// Rows `r0..r1` (`r0` a multiple of 16) of the packed Q4_0 (Q8_0: `wide`) weight `data`
-    /// (`nb` blocks per row) against the one activation row of `act` (`split`: a two-part row, as
+    /// Rows `r0..r1` (`r0` a multiple of 16) of the packed weight `data` (format `fmt`, `nb`
+    /// blocks per row) against the one activation row of `act` (`split`: a two-part row, as
     /// `fused_x86::matvec_avx512` takes it), into `out[r]`.
     ///
-    /// Per block and group: `acc += f32(Σ u q) * (d * dx) `, `off += d * sx` (the offset
-    /// `-8 d` or `-128 d` per element, applied once at the end): 16 rows' results per vector,
-    /// stored as they are (lanes past `r1` are not written).
+    /// Per block and group: `acc += f32(Σ u q) * (d * dx) + c * sx` (`c` the per-element
+    /// offset): 16 rows' results per vector, stored as they are (lanes past `r1` are not
+    /// written).
     ///
     /// # Safety
     /// The CPU must have AVX-512 F/BW/VL/VNNI; `data` must hold the groups of rows `r0..r1`
@@ -369,7 +417,7 @@ pub(crate) mod x86 {
     pub(crate) unsafe fn matvec(
         data: *const u8,
         nb: usize,
-        wide: bool,
+        fmt: u8,
         r0: usize,
         r1: usize,
         act: &ActQ8,
@@ -377,15 +425,17 @@ pub(crate) mod x86 {
         out: *mut f32,
     ) {
         debug_assert!(r0.is_multiple_of(GROUP) && act.k == 32 * nb);
-        let gb = group_bytes(nb, wide);
+        let gb = group_bytes(nb, fmt);
         let mut r = r0;
         while r < r1 {
             let g = data.add(r / GROUP * gb);
-            let v = match (split, wide) {
-                (true, true) => group::<true, true>(g, nb, act),
-                (true, false) => group::<true, false>(g, nb, act),
-                (false, true) => group::<false, true>(g, nb, act),
-                (false, false) => group::<false, false>(g, nb, act),
+            let v = match (split, fmt) {
+                (true, Q8_0) => group::<true, Q8_0>(g, nb, act),
+                (true, Q4_1) => group::<true, Q4_1>(g, nb, act),
+                (true, _) => group::<true, { super::Q4_0 }>(g, nb, act),
+                (false, Q8_0) => group::<false, Q8_0>(g, nb, act),
+                (false, Q4_1) => group::<false, Q4_1>(g, nb, act),
+                (false, _) => group::<false, { super::Q4_0 }>(g, nb, act),
             };
             let n = (r1 - r).min(GROUP);
             _mm512_mask_storeu_ps(out.add(r), ((1u32 << n) - 1) as __mmask16, v);
@@ -396,7 +446,7 @@ pub(crate) mod x86 {
     /// One group's 16 results (see [`matvec`]).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn group<const SPLIT: bool, const W: bool>(
+    unsafe fn group<const SPLIT: bool, const F: u8>(
         g: *const u8,
         nb: usize,
         act: &ActQ8,
@@ -417,15 +467,15 @@ pub(crate) mod x86 {
         // bytes over its blocks), so that the weight, scales and all, is asked for as one
         // sequential run across groups and weights (`PackArena`); five lines per block cover
         // the up to 320 bytes it advances (nine the 576 of Q8_0).
-        let step = group_bytes(nb, W) / nb;
-        let lines = if W { 9 } else { 5 };
+        let step = group_bytes(nb, F) / nb;
+        let lines = if F == Q8_0 { 9 } else { 5 };
         for b in 0..nb {
             let ahead = g.wrapping_add(PREFETCH + b * step);
             for l in 0..lines {
                 _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
             }
-            let u = codes::<W>(g, nb, b);
-            let d = scales(g, b);
+            let u = codes::<F>(g, nb, b);
+            let (d, c) = scales::<F>(g, b);
             let mut i = dot32(&u, qx.add(32 * b));
             if SPLIT {
                 i = _mm512_add_epi32(_mm512_slli_epi32::<8>(i), dot32(&u, qx.add(k + 32 * b)));
@@ -435,9 +485,9 @@ pub(crate) mod x86 {
                 _mm512_mul_ps(d, _mm512_set1_ps(*dxs.add(b))),
                 acc,
             );
-            off = _mm512_fmadd_ps(d, _mm512_set1_ps(*sxs.add(b)), off);
+            off = _mm512_fmadd_ps(c, _mm512_set1_ps(*sxs.add(b)), off);
         }
-        _mm512_fmadd_ps(off, _mm512_set1_ps(offset_k(W)), acc)
+        _mm512_add_ps(acc, off)
     }
 
     /// The panel of the prefill GEMM (`gemm_x86.rs`: codes `[C/4][16][4]`, scales and offsets
@@ -451,42 +501,39 @@ pub(crate) mod x86 {
     pub(crate) unsafe fn panel(
         g: *const u8,
         nb: usize,
-        wide: bool,
+        fmt: u8,
         w: *mut __m512i,
         ia: *mut f32,
         ic: *mut f32,
     ) {
-        if wide {
-            panel_of::<true>(g, nb, w, ia, ic)
-        } else {
-            panel_of::<false>(g, nb, w, ia, ic)
+        match fmt {
+            Q8_0 => panel_of::<Q8_0>(g, nb, w, ia, ic),
+            Q4_1 => panel_of::<Q4_1>(g, nb, w, ia, ic),
+            _ => panel_of::<{ super::Q4_0 }>(g, nb, w, ia, ic),
         }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn panel_of<const W: bool>(
+    unsafe fn panel_of<const F: u8>(
         g: *const u8,
         nb: usize,
         w: *mut __m512i,
         ia: *mut f32,
         ic: *mut f32,
     ) {
-        let cb = codes_bytes(W);
-        let next = g.add(group_bytes(nb, W));
+        let cb = codes_bytes(F);
+        let next = g.add(group_bytes(nb, F));
         for b in 0..nb {
             // The next group's lines of this block, in L2 by the time its panel is laid out.
-            let pb = next.wrapping_add(scales_bytes(nb) + cb * b);
+            let pb = next.wrapping_add(scales_bytes(nb, F) + cb * b);
             for q in 0..cb / 64 {
                 _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * q) as *const i8);
             }
-            let d = scales(g, b);
+            let (d, c) = scales::<F>(g, b);
             _mm512_storeu_ps(ia.add(2 * b * GROUP), d);
-            _mm512_storeu_ps(
-                ic.add(2 * b * GROUP),
-                _mm512_mul_ps(d, _mm512_set1_ps(offset_k(W))),
-            );
-            let u = codes::<W>(g, nb, b);
+            _mm512_storeu_ps(ic.add(2 * b * GROUP), c);
+            let u = codes::<F>(g, nb, b);
             for (q, uq) in u.iter().enumerate() {
                 _mm512_storeu_si512(w.add(8 * b + q), *uq);
             }

@@ -56,14 +56,14 @@ pub enum WView<'a> {
         biases: &'a [f32],
         groups: usize,
     },
-    /// A weight re-laid out by [`super::pack`] (Q4_0 / Q8_0 in 16-row groups, `packed.rs`): read only
+    /// A weight re-laid out by [`super::pack`] (Q4_0 / Q4_1 / Q8_0 in 16-row groups, `packed.rs`): read only
     /// by the AVX-512 VNNI one-token kernel and GEMM panels, never decoded row by row.
     Packed {
         data: &'a [u8],
         /// Blocks per row.
         nb: usize,
-        /// Q8_0 (else Q4_0).
-        wide: bool,
+        /// The packed format (`packed.rs`: Q4_0, Q4_1 or Q8_0).
+        fmt: u8,
     },
 }
 
@@ -108,7 +108,7 @@ impl<'a> WView<'a> {
         match self {
             WView::Ggml { ty, .. } => matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_K),
             WView::Affine { p, .. } => p.bits == 8,
-            WView::Packed { wide, .. } => *wide,
+            WView::Packed { fmt, .. } => *fmt == super::packed::Q8_0,
         }
     }
 
