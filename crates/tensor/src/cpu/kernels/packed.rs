@@ -1,4 +1,4 @@
-//! Q4_0, Q4_1 and Q8_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
+//! Q4_0, Q4_1, Q5_0 and Q8_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
 //! side, so that one-token products (decode) read one sequential stream and multiply 16 rows
 //! per `vpdpbusd`.
 //!
@@ -20,11 +20,13 @@
 //! ```
 //! so that `v & 0xf` and `(v >> 4) & 0xf` of the 64-byte vector of word q are the codes of
 //! elements 4q.. and 16+4q.. of all 16 rows, in `vpdpbusd`'s lane order. Q4_1: the same codes,
-//! and per block 64 bytes of header, the 16 scales `d` then the 16 minimums `m`. Q8_0: 8 words
+//! and per block 64 bytes of header, the 16 scales `d` then the 16 minimums `m`. Q5_0: the same
+//! codes, and per block 96 bytes of header, the 16 scales then the 16 rows' 32 fifth bits
+//! (added to the nibbles as they are read, 16 where a bit is set). Q8_0: 8 words
 //! of whole bytes per block, stored as `q + 128` (unsigned, as `vpdpbusd` takes them; the
 //! offset `-128 d` is applied with the activations' block sums). The prefill GEMM
 //! (`gemm_x86.rs`) reads the same layout into its panels with a mask and a shift per vector
-//! instead of a transpose. The bytes are the same count as the original (18, 20 or 34 per
+//! instead of a transpose. The bytes are the same count as the original (18, 20, 22 or 34 per
 //! block and row, plus padding for odd block counts and partial groups).
 
 use crate::{GgmlType, QTensor, WeightData};
@@ -36,13 +38,15 @@ pub(crate) const GROUP: usize = 16;
 pub(crate) const Q4_0: u8 = 0;
 pub(crate) const Q4_1: u8 = 1;
 pub(crate) const Q8_0: u8 = 2;
+pub(crate) const Q5_0: u8 = 3;
 
-/// Bytes of one block's header for 16 rows: the scales (and Q4_1's minimums).
+/// Bytes of one block's header for 16 rows: the scales (and Q4_1's minimums, Q5_0's fifth
+/// bits).
 pub(crate) const fn head_bytes(f: u8) -> usize {
-    if f == Q4_1 {
-        64
-    } else {
-        32
+    match f {
+        Q4_1 => 64,
+        Q5_0 => 96,
+        _ => 32,
     }
 }
 
@@ -71,6 +75,7 @@ const fn block_shape(f: u8) -> (usize, usize, usize, u32) {
     match f {
         Q4_0 => (18, 2, 4, 0),
         Q4_1 => (20, 4, 4, 0),
+        Q5_0 => (22, 6, 4, 0),
         _ => (34, 2, 8, 0x8080_8080),
     }
 }
@@ -192,7 +197,7 @@ impl Packed {
     fn format(w: &QTensor) -> Option<GgmlType> {
         match w.data {
             WeightData::Ggml {
-                ty: ty @ (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0),
+                ty: ty @ (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0),
                 ..
             } if w.cols.is_multiple_of(32) && w.rows > 0 => Some(ty),
             _ => None,
@@ -237,6 +242,9 @@ impl Packed {
                         if f == Q4_1 {
                             dst[hb * b + 32 + 2 * i..][..2].copy_from_slice(&blk[2..4]);
                         }
+                        if f == Q5_0 {
+                            dst[hb * b + 32 + 4 * i..][..4].copy_from_slice(&blk[2..6]);
+                        }
                         for q in 0..words {
                             let v = u32::from_le_bytes(blk[qs + 4 * q..][..4].try_into().unwrap());
                             dst[sb + cb * b + 64 * q + 4 * i..][..4]
@@ -278,7 +286,7 @@ impl Packed {
         self.cols / 32
     }
 
-    /// The packed format (`Q4_0`, `Q4_1` or `Q8_0` of this module).
+    /// The packed format (`Q4_0`, `Q4_1`, `Q5_0` or `Q8_0` of this module).
     pub(crate) fn fmt(&self) -> u8 {
         fmt_of(self.ty)
     }
@@ -307,6 +315,9 @@ impl Packed {
             if f == Q4_1 {
                 blk[2..4].copy_from_slice(&g[hb * b + 32 + 2 * i..][..2]);
             }
+            if f == Q5_0 {
+                blk[2..6].copy_from_slice(&g[hb * b + 32 + 4 * i..][..4]);
+            }
             for q in 0..words {
                 let v =
                     u32::from_le_bytes(g[sb + cb * b + 64 * q + 4 * i..][..4].try_into().unwrap());
@@ -322,6 +333,7 @@ const fn fmt_of(ty: GgmlType) -> u8 {
     match ty {
         GgmlType::Q4_0 => Q4_0,
         GgmlType::Q4_1 => Q4_1,
+        GgmlType::Q5_0 => Q5_0,
         _ => Q8_0,
     }
 }
@@ -330,7 +342,7 @@ const fn fmt_of(ty: GgmlType) -> u8 {
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{codes_bytes, group_bytes, head_bytes, scales_bytes, GROUP, Q4_1, Q8_0};
+    use super::{codes_bytes, group_bytes, head_bytes, scales_bytes, GROUP, Q4_1, Q5_0, Q8_0};
     use crate::cpu::kernels::q8act::ActQ8;
 
     /// The 4 activation bytes at `p` in every lane.
@@ -376,15 +388,37 @@ pub(crate) mod x86 {
             u[q] = _mm512_and_si512(v, lo4);
             u[q + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), lo4);
         }
+        if F == Q5_0 {
+            // Lane i's 32 fifth bits (bit e: element e). u[j] holds elements 4j..4j+4, whose
+            // bits are in byte j / 2 of the lane: spread that byte over the lane's four bytes,
+            // test one bit per byte, add 16 where it is set.
+            let qh = _mm512_loadu_si512(g.add(head_bytes(F) * b + 32) as *const __m512i);
+            let dw =
+                _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c_0c0c, 0x0808_0808, 0x0404_0404, 0));
+            let sixteen = _mm512_set1_epi8(16);
+            for (j, uj) in u.iter_mut().enumerate() {
+                let bytes =
+                    _mm512_shuffle_epi8(qh, _mm512_add_epi8(dw, _mm512_set1_epi8((j / 2) as i8)));
+                let sh = 4 * (j % 2) as u32;
+                let bits = _mm512_set1_epi32(i32::from_le_bytes([
+                    1 << sh,
+                    1 << (sh + 1),
+                    1 << (sh + 2),
+                    1 << (sh + 3),
+                ]));
+                let m = _mm512_test_epi8_mask(bytes, bits);
+                *uj = _mm512_mask_add_epi8(*uj, m, *uj, sixteen);
+            }
+        }
         u
     }
 
     /// A code's offset as a multiple of the block scale (`c = K d`; Q4_1 stores `c = m`).
     const fn offset_k(f: u8) -> f32 {
-        if f == Q8_0 {
-            -128.0
-        } else {
-            -8.0
+        match f {
+            Q8_0 => -128.0,
+            Q5_0 => -16.0,
+            _ => -8.0,
         }
     }
 
@@ -432,9 +466,11 @@ pub(crate) mod x86 {
             let v = match (split, fmt) {
                 (true, Q8_0) => group::<true, Q8_0>(g, nb, act),
                 (true, Q4_1) => group::<true, Q4_1>(g, nb, act),
+                (true, Q5_0) => group::<true, Q5_0>(g, nb, act),
                 (true, _) => group::<true, { super::Q4_0 }>(g, nb, act),
                 (false, Q8_0) => group::<false, Q8_0>(g, nb, act),
                 (false, Q4_1) => group::<false, Q4_1>(g, nb, act),
+                (false, Q5_0) => group::<false, Q5_0>(g, nb, act),
                 (false, _) => group::<false, { super::Q4_0 }>(g, nb, act),
             };
             let n = (r1 - r).min(GROUP);
@@ -465,10 +501,14 @@ pub(crate) mod x86 {
         let mut off = _mm512_setzero_ps();
         // Prefetches run `PREFETCH` bytes ahead of a pointer that crosses the group evenly (its
         // bytes over its blocks), so that the weight, scales and all, is asked for as one
-        // sequential run across groups and weights (`PackArena`); five lines per block cover
-        // the up to 320 bytes it advances (nine the 576 of Q8_0).
+        // sequential run across groups and weights (`PackArena`); enough lines per block to
+        // cover the bytes it advances (at most 320, Q5_0 384, Q8_0 576).
         let step = group_bytes(nb, F) / nb;
-        let lines = if F == Q8_0 { 9 } else { 5 };
+        let lines = match F {
+            Q8_0 => 9,
+            Q5_0 => 6,
+            _ => 5,
+        };
         for b in 0..nb {
             let ahead = g.wrapping_add(PREFETCH + b * step);
             for l in 0..lines {
@@ -509,6 +549,7 @@ pub(crate) mod x86 {
         match fmt {
             Q8_0 => panel_of::<Q8_0>(g, nb, w, ia, ic),
             Q4_1 => panel_of::<Q4_1>(g, nb, w, ia, ic),
+            Q5_0 => panel_of::<Q5_0>(g, nb, w, ia, ic),
             _ => panel_of::<{ super::Q4_0 }>(g, nb, w, ia, ic),
         }
     }
