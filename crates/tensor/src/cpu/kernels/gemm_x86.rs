@@ -336,31 +336,14 @@ unsafe fn layout_direct<const F: u8>(
             u[q + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(v[q]), lo4);
         }
         if F == Q5_0 || F == Q5_1 {
-            // Bit e of qh is the fifth bit of element e: group q (elements 4q..4q+4) needs bits
-            // 4q..4q+4, found in byte q / 2 of qh; spread that byte over the dword, test one
-            // bit per byte and add 16 where it is set.
+            // Each row's 32 fifth bits (bit e: element e) in its lane.
             let qh = if F == Q5_0 {
                 // Bytes 2..6.
                 _mm512_or_si512(_mm512_srli_epi32::<16>(h0), _mm512_slli_epi32::<16>(h1))
             } else {
                 h1
             };
-            let dw =
-                _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c_0c0c, 0x0808_0808, 0x0404_0404, 0));
-            let sixteen = _mm512_set1_epi8(16);
-            for q in 0..8 {
-                let ctrl = _mm512_add_epi8(dw, _mm512_set1_epi8((q / 2) as i8));
-                let bytes = _mm512_shuffle_epi8(qh, ctrl);
-                let sh = 4 * (q % 2) as u32;
-                let bits = _mm512_set1_epi32(i32::from_le_bytes([
-                    1 << sh,
-                    1 << (sh + 1),
-                    1 << (sh + 2),
-                    1 << (sh + 3),
-                ]));
-                let m = _mm512_test_epi8_mask(bytes, bits);
-                u[q] = _mm512_mask_add_epi8(u[q], m, u[q], sixteen);
-            }
+            super::packed::x86::add_fifth_bits(&mut u, qh);
         }
         for q in 0..8 {
             _mm512_storeu_si512(wb.add(q), u[q]);

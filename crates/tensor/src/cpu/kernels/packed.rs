@@ -389,28 +389,34 @@ pub(crate) mod x86 {
             u[q + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), lo4);
         }
         if F == Q5_0 {
-            // Lane i's 32 fifth bits (bit e: element e). u[j] holds elements 4j..4j+4, whose
-            // bits are in byte j / 2 of the lane: spread that byte over the lane's four bytes,
-            // test one bit per byte, add 16 where it is set.
+            // Lane i's 32 fifth bits, from the block header.
             let qh = _mm512_loadu_si512(g.add(head_bytes(F) * b + 32) as *const __m512i);
-            let dw =
-                _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c_0c0c, 0x0808_0808, 0x0404_0404, 0));
-            let sixteen = _mm512_set1_epi8(16);
-            for (j, uj) in u.iter_mut().enumerate() {
-                let bytes =
-                    _mm512_shuffle_epi8(qh, _mm512_add_epi8(dw, _mm512_set1_epi8((j / 2) as i8)));
-                let sh = 4 * (j % 2) as u32;
-                let bits = _mm512_set1_epi32(i32::from_le_bytes([
-                    1 << sh,
-                    1 << (sh + 1),
-                    1 << (sh + 2),
-                    1 << (sh + 3),
-                ]));
-                let m = _mm512_test_epi8_mask(bytes, bits);
-                *uj = _mm512_mask_add_epi8(*uj, m, *uj, sixteen);
-            }
+            add_fifth_bits(&mut u, qh);
         }
         u
+    }
+
+    /// Adds 16 to the codes whose fifth bit is set: `qh` holds each lane's 32 fifth bits (bit
+    /// e: element e), `u[j]` the codes of elements 4j..4j+4 (as [`codes`] gives them), whose
+    /// bits are in byte j / 2 of the lane: spread that byte over the lane's four bytes, test one
+    /// bit per byte, add 16 where it is set.
+    #[inline(always)]
+    pub(crate) unsafe fn add_fifth_bits(u: &mut [__m512i; 8], qh: __m512i) {
+        let dw = _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c_0c0c, 0x0808_0808, 0x0404_0404, 0));
+        let sixteen = _mm512_set1_epi8(16);
+        for (j, uj) in u.iter_mut().enumerate() {
+            let bytes =
+                _mm512_shuffle_epi8(qh, _mm512_add_epi8(dw, _mm512_set1_epi8((j / 2) as i8)));
+            let sh = 4 * (j % 2) as u32;
+            let bits = _mm512_set1_epi32(i32::from_le_bytes([
+                1 << sh,
+                1 << (sh + 1),
+                1 << (sh + 2),
+                1 << (sh + 3),
+            ]));
+            let m = _mm512_test_epi8_mask(bytes, bits);
+            *uj = _mm512_mask_add_epi8(*uj, m, *uj, sixteen);
+        }
     }
 
     /// A code's offset as a multiple of the block scale (`c = K d`; Q4_1 stores `c = m`).
