@@ -1,4 +1,4 @@
-//! Q4_0, Q4_1, Q5_0 and Q8_0 weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
+//! Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
 //! side, so that one-token products (decode) read one sequential stream and multiply 16 rows
 //! per `vpdpbusd`.
 //!
@@ -24,7 +24,10 @@
 //! codes, and per block 96 bytes of header, the 16 scales then the 16 rows' 32 fifth bits
 //! (added to the nibbles as they are read, 16 where a bit is set). Q8_0: 8 words
 //! of whole bytes per block, stored as `q + 128` (unsigned, as `vpdpbusd` takes them; the
-//! offset `-128 d` is applied with the activations' block sums). The prefill GEMM
+//! offset `-128 d` is applied with the activations' block sums). Q4_K: per 256-element
+//! super-block the 16 rows' `d` and `dmin`, their eight 6-bit scales and minimums as bytes, and
+//! the eight 32-element sub-blocks' codes laid out as Q4_0 blocks' (`Q4K_SUPER`); a sub-block's
+//! scale and offset are `d * sc` and `-dmin * m`, as the reference decodes them. The prefill GEMM
 //! (`gemm_x86.rs`) reads the same layout into its panels with a mask and a shift per vector
 //! instead of a transpose. The bytes are the same count as the original (18, 20, 22 or 34 per
 //! block and row, plus padding for odd block counts and partial groups).
@@ -39,6 +42,13 @@ pub(crate) const Q4_0: u8 = 0;
 pub(crate) const Q4_1: u8 = 1;
 pub(crate) const Q8_0: u8 = 2;
 pub(crate) const Q5_0: u8 = 3;
+pub(crate) const Q4_K: u8 = 4;
+
+/// Q4_K: bytes of one 256-element super-block for 16 rows: `d` and `dmin` (16 f16 each), the
+/// eight sub-blocks' 6-bit scales and minimums as bytes (`[8][16]` each), then the codes of the
+/// eight 32-element sub-blocks, each laid out as a Q4_0 block's (element t in the low nibble of
+/// byte t, t + 16 in the high one; 4 words of 16 rows).
+pub(crate) const Q4K_SUPER: usize = 320 + 8 * 256;
 
 /// Bytes of one block's header for 16 rows: the scales (and Q4_1's minimums, Q5_0's fifth
 /// bits).
@@ -64,8 +74,11 @@ pub(crate) const fn codes_bytes(f: u8) -> usize {
     }
 }
 
-/// Bytes of a group of `nb` blocks.
+/// Bytes of a group of `nb` blocks (of 32 elements).
 pub(crate) const fn group_bytes(nb: usize, f: u8) -> usize {
+    if f == Q4_K {
+        return nb / 8 * Q4K_SUPER;
+    }
     scales_bytes(nb, f) + codes_bytes(f) * nb
 }
 
@@ -76,6 +89,8 @@ const fn block_shape(f: u8) -> (usize, usize, usize, u32) {
         Q4_0 => (18, 2, 4, 0),
         Q4_1 => (20, 4, 4, 0),
         Q5_0 => (22, 6, 4, 0),
+        // Q4_K: 144 bytes per 256 elements; its rows are handled by `q4k_put` / `q4k_get`.
+        Q4_K => (18, 0, 0, 0),
         _ => (34, 2, 8, 0x8080_8080),
     }
 }
@@ -200,6 +215,9 @@ impl Packed {
                 ty: ty @ (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0),
                 ..
             } if w.cols.is_multiple_of(32) && w.rows > 0 => Some(ty),
+            WeightData::Ggml {
+                ty: GgmlType::Q4_K, ..
+            } if w.cols.is_multiple_of(256) && w.rows > 0 => Some(GgmlType::Q4_K),
             _ => None,
         }
     }
@@ -237,6 +255,10 @@ impl Packed {
                 let g = g0 + g;
                 for i in 0..GROUP.min(rows - g * GROUP) {
                     let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
+                    if f == Q4_K {
+                        q4k_put(row, dst, i);
+                        continue;
+                    }
                     for (b, blk) in row.chunks_exact(bs).enumerate() {
                         dst[hb * b + 2 * i..][..2].copy_from_slice(&blk[..2]);
                         if f == Q4_1 {
@@ -286,7 +308,7 @@ impl Packed {
         self.cols / 32
     }
 
-    /// The packed format (`Q4_0`, `Q4_1`, `Q5_0` or `Q8_0` of this module).
+    /// The packed format (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0` or `Q4_K` of this module).
     pub(crate) fn fmt(&self) -> u8 {
         fmt_of(self.ty)
     }
@@ -310,6 +332,10 @@ impl Packed {
         let g = &self.data()[r / GROUP * group_bytes(nb, f)..][..group_bytes(nb, f)];
         let i = r % GROUP;
         let mut row = vec![0u8; bs * nb];
+        if f == Q4_K {
+            q4k_get(g, i, &mut row);
+            return crate::quant::dequantize(self.ty, &row, dst);
+        }
         for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
             blk[..2].copy_from_slice(&g[hb * b + 2 * i..][..2]);
             if f == Q4_1 {
@@ -334,7 +360,55 @@ const fn fmt_of(ty: GgmlType) -> u8 {
         GgmlType::Q4_0 => Q4_0,
         GgmlType::Q4_1 => Q4_1,
         GgmlType::Q5_0 => Q5_0,
+        GgmlType::Q4_K => Q4_K,
         _ => Q8_0,
+    }
+}
+
+/// Writes one Q4_K row (`row`: its 144-byte super-blocks) as row `i` of the group `dst`.
+fn q4k_put(row: &[u8], dst: &mut [u8], i: usize) {
+    for (s, blk) in row.chunks_exact(144).enumerate() {
+        let d = &mut dst[s * Q4K_SUPER..][..Q4K_SUPER];
+        d[2 * i..][..2].copy_from_slice(&blk[..2]);
+        d[32 + 2 * i..][..2].copy_from_slice(&blk[2..4]);
+        for j in 0..8 {
+            let (sc, m) = crate::quant::kquants::scale_min_k4(j, &blk[4..16]);
+            d[64 + 16 * j + i] = sc;
+            d[192 + 16 * j + i] = m;
+            // Sub-block j: nibble j % 2 of chunk j / 2's 32 bytes, as a Q4_0 block's bytes.
+            let (c, h) = (j / 2, 4 * (j % 2));
+            let e = |l: usize| (blk[16 + 32 * c + l] >> h) & 0x0f;
+            for t in 0..16 {
+                let (q, k) = (t / 4, t % 4);
+                d[320 + 256 * j + 64 * q + 4 * i + k] = e(t) | (e(t + 16) << 4);
+            }
+        }
+    }
+}
+
+/// Reads row `i` of the Q4_K group `g` back into its 144-byte super-blocks (`q4k_put`'s
+/// inverse; the 6-bit scales and minimums are packed as ggml packs them).
+fn q4k_get(g: &[u8], i: usize, row: &mut [u8]) {
+    for (s, blk) in row.chunks_exact_mut(144).enumerate() {
+        let d = &g[s * Q4K_SUPER..][..Q4K_SUPER];
+        blk[..2].copy_from_slice(&d[2 * i..][..2]);
+        blk[2..4].copy_from_slice(&d[32 + 2 * i..][..2]);
+        let sc: [u8; 8] = std::array::from_fn(|j| d[64 + 16 * j + i]);
+        let m: [u8; 8] = std::array::from_fn(|j| d[192 + 16 * j + i]);
+        for j in 0..4 {
+            blk[4 + j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+            blk[8 + j] = m[j] | ((m[j + 4] >> 4) << 6);
+            blk[12 + j] = (sc[j + 4] & 0x0f) | ((m[j + 4] & 0x0f) << 4);
+        }
+        for j in 0..8 {
+            let (c, h) = (j / 2, 4 * (j % 2));
+            for t in 0..16 {
+                let (q, k) = (t / 4, t % 4);
+                let byte = d[320 + 256 * j + 64 * q + 4 * i + k];
+                blk[16 + 32 * c + t] |= (byte & 0x0f) << h;
+                blk[16 + 32 * c + t + 16] |= (byte >> 4) << h;
+            }
+        }
     }
 }
 
@@ -342,7 +416,10 @@ const fn fmt_of(ty: GgmlType) -> u8 {
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{codes_bytes, group_bytes, head_bytes, scales_bytes, GROUP, Q4_1, Q5_0, Q8_0};
+    use super::{
+        codes_bytes, group_bytes, head_bytes, scales_bytes, GROUP, Q4K_SUPER, Q4_1, Q4_K, Q5_0,
+        Q8_0,
+    };
     use crate::cpu::kernels::q8act::ActQ8;
 
     /// The 4 activation bytes at `p` in every lane.
@@ -374,7 +451,11 @@ pub(crate) mod x86 {
     /// q's low nibbles (elements 4q..) and high nibbles (elements 16 + 4q..); Q8_0, the words.
     #[inline(always)]
     pub(crate) unsafe fn codes<const F: u8>(g: *const u8, nb: usize, b: usize) -> [__m512i; 8] {
-        let p = g.add(scales_bytes(nb, F) + codes_bytes(F) * b);
+        let p = if F == Q4_K {
+            g.add(b / 8 * Q4K_SUPER + 320 + 256 * (b % 8))
+        } else {
+            g.add(scales_bytes(nb, F) + codes_bytes(F) * b)
+        };
         let mut u = [_mm512_setzero_si512(); 8];
         if F == Q8_0 {
             for (q, uq) in u.iter_mut().enumerate() {
@@ -431,6 +512,20 @@ pub(crate) mod x86 {
     /// Block `b`'s 16 scales `d` and offsets `c` (per element: `d * u + c`) as f32.
     #[inline(always)]
     pub(crate) unsafe fn scales<const F: u8>(g: *const u8, b: usize) -> (__m512, __m512) {
+        if F == Q4_K {
+            // a = d * sc, c = -(dmin * m), as the reference decodes them.
+            let (s, j) = (g.add(b / 8 * Q4K_SUPER), b % 8);
+            let d = _mm512_cvtph_ps(_mm256_load_si256(s as *const __m256i));
+            let dm = _mm512_cvtph_ps(_mm256_load_si256(s.add(32) as *const __m256i));
+            let byte = |at: usize| {
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(
+                    s.add(at) as *const __m128i
+                )))
+            };
+            let (sc, m) = (byte(64 + 16 * j), byte(192 + 16 * j));
+            let c = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dm, m));
+            return (_mm512_mul_ps(d, sc), c);
+        }
         let h = g.add(head_bytes(F) * b);
         let d = _mm512_cvtph_ps(_mm256_load_si256(h as *const __m256i));
         let c = if F == Q4_1 {
@@ -473,10 +568,12 @@ pub(crate) mod x86 {
                 (true, Q8_0) => group::<true, Q8_0>(g, nb, act),
                 (true, Q4_1) => group::<true, Q4_1>(g, nb, act),
                 (true, Q5_0) => group::<true, Q5_0>(g, nb, act),
+                (true, Q4_K) => group::<true, Q4_K>(g, nb, act),
                 (true, _) => group::<true, { super::Q4_0 }>(g, nb, act),
                 (false, Q8_0) => group::<false, Q8_0>(g, nb, act),
                 (false, Q4_1) => group::<false, Q4_1>(g, nb, act),
                 (false, Q5_0) => group::<false, Q5_0>(g, nb, act),
+                (false, Q4_K) => group::<false, Q4_K>(g, nb, act),
                 (false, _) => group::<false, { super::Q4_0 }>(g, nb, act),
             };
             let n = (r1 - r).min(GROUP);
@@ -556,6 +653,7 @@ pub(crate) mod x86 {
             Q8_0 => panel_of::<Q8_0>(g, nb, w, ia, ic),
             Q4_1 => panel_of::<Q4_1>(g, nb, w, ia, ic),
             Q5_0 => panel_of::<Q5_0>(g, nb, w, ia, ic),
+            Q4_K => panel_of::<Q4_K>(g, nb, w, ia, ic),
             _ => panel_of::<{ super::Q4_0 }>(g, nb, w, ia, ic),
         }
     }
@@ -569,13 +667,14 @@ pub(crate) mod x86 {
         ia: *mut f32,
         ic: *mut f32,
     ) {
-        let cb = codes_bytes(F);
         let next = g.add(group_bytes(nb, F));
+        // The next group's lines, as many per block as the group has per block, so that the
+        // next group is in L2 by the time its panel is laid out.
+        let step = group_bytes(nb, F) / nb;
         for b in 0..nb {
-            // The next group's lines of this block, in L2 by the time its panel is laid out.
-            let pb = next.wrapping_add(scales_bytes(nb, F) + cb * b);
-            for q in 0..cb / 64 {
-                _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * q) as *const i8);
+            let pb = next.wrapping_add(step * b);
+            for l in 0..step.div_ceil(64) {
+                _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * l) as *const i8);
             }
             let (d, c) = scales::<F>(g, b);
             _mm512_storeu_ps(ia.add(2 * b * GROUP), d);
