@@ -46,6 +46,9 @@ fn per32(w: &WView<'_>) -> bool {
         WView::Ggml {
             ty: GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q6_K,
             ..
+        } | WView::Packed {
+            fmt: super::packed::Q6_K,
+            ..
         }
     )
 }

@@ -1,4 +1,4 @@
-//! Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
+//! Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
 //! side, so that one-token products (decode) read one sequential stream and multiply 16 rows
 //! per `vpdpbusd`.
 //!
@@ -27,7 +27,10 @@
 //! offset `-128 d` is applied with the activations' block sums). Q4_K: per 256-element
 //! super-block the 16 rows' `d` and `dmin`, their eight 6-bit scales and minimums as bytes, and
 //! the eight 32-element sub-blocks' codes laid out as Q4_0 blocks' (`Q4K_SUPER`); a sub-block's
-//! scale and offset are `d * sc` and `-dmin * m`, as the reference decodes them. The prefill GEMM
+//! scale and offset are `d * sc` and `-dmin * m`, as the reference decodes them. Q6_K
+//! (`Q6K_SUPER`): the 16-element scales and `d` per super-block, then per 32 elements the low
+//! 4 bits as Q4_0's codes and the high 2 bits arranged for `vpmultishiftqb` (AVX-512 VBMI,
+//! which Q6_K's packing therefore also needs). The prefill GEMM
 //! (`gemm_x86.rs`) reads the same layout into its panels with a mask and a shift per vector
 //! instead of a transpose. The bytes are the same count as the original (18, 20, 22 or 34 per
 //! block and row, plus padding for odd block counts and partial groups).
@@ -49,6 +52,14 @@ pub(crate) const Q4_K: u8 = 4;
 /// eight 32-element sub-blocks, each laid out as a Q4_0 block's (element t in the low nibble of
 /// byte t, t + 16 in the high one; 4 words of 16 rows).
 pub(crate) const Q4K_SUPER: usize = 320 + 8 * 256;
+pub(crate) const Q6_K: u8 = 5;
+
+/// Q6_K: bytes of one 256-element super-block for 16 rows: the sixteen 16-element scales (i8,
+/// `[16][16]`), the 16 `d` (f16), 32 bytes of padding (so that the codes start on a line), then
+/// eight 32-element units of 384 bytes: the low 4 bits as a Q4_0 block's codes (256 bytes) and
+/// the high 2 bits (128 bytes: for each pair of rows and each group of four elements, the pair's
+/// two bytes of four 2-bit fields; see `q6k_put`).
+pub(crate) const Q6K_SUPER: usize = 320 + 8 * 384;
 
 /// Bytes of one block's header for 16 rows: the scales (and Q4_1's minimums, Q5_0's fifth
 /// bits).
@@ -79,6 +90,9 @@ pub(crate) const fn group_bytes(nb: usize, f: u8) -> usize {
     if f == Q4_K {
         return nb / 8 * Q4K_SUPER;
     }
+    if f == Q6_K {
+        return nb / 8 * Q6K_SUPER;
+    }
     scales_bytes(nb, f) + codes_bytes(f) * nb
 }
 
@@ -89,9 +103,9 @@ const fn block_shape(f: u8) -> (usize, usize, usize, u32) {
         Q4_0 => (18, 2, 4, 0),
         Q4_1 => (20, 4, 4, 0),
         Q5_0 => (22, 6, 4, 0),
-        // Q4_K: 144 bytes per 256 elements; its rows are handled by `q4k_put` / `q4k_get`.
-        Q4_K => (18, 0, 0, 0),
-        _ => (34, 2, 8, 0x8080_8080),
+        Q8_0 => (34, 2, 8, 0x8080_8080),
+        // The k-quants' rows are handled by `q4k_put` / `q6k_put` and their inverses.
+        _ => (0, 0, 0, 0),
     }
 }
 
@@ -218,6 +232,10 @@ impl Packed {
             WeightData::Ggml {
                 ty: GgmlType::Q4_K, ..
             } if w.cols.is_multiple_of(256) && w.rows > 0 => Some(GgmlType::Q4_K),
+            // Its kernel spreads the 2-bit fields with AVX-512 VBMI's `vpmultishiftqb`.
+            WeightData::Ggml {
+                ty: GgmlType::Q6_K, ..
+            } if w.cols.is_multiple_of(256) && w.rows > 0 && has_vbmi() => Some(GgmlType::Q6_K),
             _ => None,
         }
     }
@@ -234,7 +252,9 @@ impl Packed {
         let f = fmt_of(*ty);
         let (bs, qs, words, flip) = block_shape(f);
         let (rows, nb) = (w.rows, w.cols / 32);
-        let row_bytes = bs * nb;
+        let Some(row_bytes) = ty.row_bytes(w.cols) else {
+            return false;
+        };
         let src = data.as_slice();
         let (gb, sb, cb, hb) = (
             group_bytes(nb, f),
@@ -257,6 +277,10 @@ impl Packed {
                     let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
                     if f == Q4_K {
                         q4k_put(row, dst, i);
+                        continue;
+                    }
+                    if f == Q6_K {
+                        q6k_put(row, dst, i);
                         continue;
                     }
                     for (b, blk) in row.chunks_exact(bs).enumerate() {
@@ -308,7 +332,7 @@ impl Packed {
         self.cols / 32
     }
 
-    /// The packed format (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0` or `Q4_K` of this module).
+    /// The packed format (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` or `Q6_K` of this module).
     pub(crate) fn fmt(&self) -> u8 {
         fmt_of(self.ty)
     }
@@ -331,9 +355,13 @@ impl Packed {
         let (sb, cb, hb) = (scales_bytes(nb, f), codes_bytes(f), head_bytes(f));
         let g = &self.data()[r / GROUP * group_bytes(nb, f)..][..group_bytes(nb, f)];
         let i = r % GROUP;
-        let mut row = vec![0u8; bs * nb];
+        let mut row = vec![0u8; self.ty.row_bytes(self.cols).unwrap_or(0)];
         if f == Q4_K {
             q4k_get(g, i, &mut row);
+            return crate::quant::dequantize(self.ty, &row, dst);
+        }
+        if f == Q6_K {
+            q6k_get(g, i, &mut row);
             return crate::quant::dequantize(self.ty, &row, dst);
         }
         for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
@@ -361,7 +389,87 @@ const fn fmt_of(ty: GgmlType) -> u8 {
         GgmlType::Q4_1 => Q4_1,
         GgmlType::Q5_0 => Q5_0,
         GgmlType::Q4_K => Q4_K,
+        GgmlType::Q6_K => Q6_K,
         _ => Q8_0,
+    }
+}
+
+/// Whether the CPU has AVX-512 VBMI (the packed Q6_K kernel's `vpmultishiftqb`).
+fn has_vbmi() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx512vbmi");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Q6_K element `e` of the 210-byte block `blk` as its 6-bit code (ggml's order: in each half
+/// of 128, element 32 g + l takes the low or high nibble of `ql[l]` or `ql[l + 32]` and bits
+/// 2g..2g+2 of `qh[l]`).
+fn q6k_code(blk: &[u8], e: usize) -> u8 {
+    let (n, g, l) = (e / 128, (e % 128) / 32, e % 32);
+    let ql = blk[64 * n + l + 32 * (g % 2)];
+    let lo = if g < 2 { ql & 0x0f } else { ql >> 4 };
+    lo | (((blk[128 + 32 * n + l] >> (2 * g)) & 3) << 4)
+}
+
+/// Where row `i`'s high bits of elements 4j..4j+4 of a unit go: 128 bytes, vector `j / 4`, the
+/// qword of the row pair `i / 2`, byte `2 (j % 4) + i % 2` (element 4j + t at bits 2t..2t+2).
+fn q6k_high_at(i: usize, j: usize) -> usize {
+    64 * (j / 4) + 8 * (i / 2) + 2 * (j % 4) + i % 2
+}
+
+/// Writes one Q6_K row (`row`: its 210-byte super-blocks) as row `i` of the group `dst`.
+fn q6k_put(row: &[u8], dst: &mut [u8], i: usize) {
+    for (s, blk) in row.chunks_exact(210).enumerate() {
+        let d = &mut dst[s * Q6K_SUPER..][..Q6K_SUPER];
+        for k in 0..16 {
+            d[16 * k + i] = blk[192 + k];
+        }
+        d[256 + 2 * i..][..2].copy_from_slice(&blk[208..210]);
+        for k in 0..8 {
+            let u = &mut d[320 + 384 * k..][..384];
+            let c = |t: usize| q6k_code(blk, 32 * k + t);
+            for t in 0..16 {
+                let (q, b) = (t / 4, t % 4);
+                u[64 * q + 4 * i + b] = (c(t) & 0x0f) | ((c(t + 16) & 0x0f) << 4);
+            }
+            for j in 0..8 {
+                let h = (0..4).fold(0u8, |h, t| h | ((c(4 * j + t) >> 4) << (2 * t)));
+                u[256 + q6k_high_at(i, j)] = h;
+            }
+        }
+    }
+}
+
+/// Reads row `i` of the Q6_K group `g` back into its 210-byte super-blocks (`q6k_put`'s
+/// inverse).
+fn q6k_get(g: &[u8], i: usize, row: &mut [u8]) {
+    for (s, blk) in row.chunks_exact_mut(210).enumerate() {
+        let d = &g[s * Q6K_SUPER..][..Q6K_SUPER];
+        for k in 0..16 {
+            blk[192 + k] = d[16 * k + i];
+        }
+        blk[208..210].copy_from_slice(&d[256 + 2 * i..][..2]);
+        for k in 0..8 {
+            let u = &d[320 + 384 * k..][..384];
+            for e in 0..32 {
+                let (t, hi) = (e % 16, e / 16);
+                let byte = u[64 * (t / 4) + 4 * i + t % 4];
+                let lo = if hi == 0 { byte & 0x0f } else { byte >> 4 };
+                let h = (u[256 + q6k_high_at(i, e / 4)] >> (2 * (e % 4))) & 3;
+                let code = lo | (h << 4);
+                // Back into ggml's places (`q6k_code`'s inverse).
+                let e = 32 * k + e;
+                let (n, gg, l) = (e / 128, (e % 128) / 32, e % 32);
+                let at = 64 * n + l + 32 * (gg % 2);
+                blk[at] |= if gg < 2 {
+                    code & 0x0f
+                } else {
+                    (code & 0x0f) << 4
+                };
+                blk[128 + 32 * n + l] |= (code >> 4) << (2 * gg);
+            }
+        }
     }
 }
 
@@ -418,7 +526,7 @@ pub(crate) mod x86 {
 
     use super::{
         codes_bytes, group_bytes, head_bytes, scales_bytes, GROUP, Q4K_SUPER, Q4_1, Q4_K, Q5_0,
-        Q8_0,
+        Q6K_SUPER, Q6_K, Q8_0,
     };
     use crate::cpu::kernels::q8act::ActQ8;
 
@@ -434,12 +542,142 @@ pub(crate) mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn dot32(u: &[__m512i; 8], x: *const i8) -> __m512i {
+        let (i0, i1) = dot16x2(u, x);
+        _mm512_add_epi32(i0, i1)
+    }
+
+    /// [`dot32`]'s two halves: elements 0..16 and 16..32 (Q6_K's scales are per 16).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn dot16x2(u: &[__m512i; 8], x: *const i8) -> (__m512i, __m512i) {
         let (mut i0, mut i1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
         for q in 0..4 {
             i0 = _mm512_dpbusd_epi32(i0, u[q], bcast4(x.add(4 * q)));
             i1 = _mm512_dpbusd_epi32(i1, u[q + 4], bcast4(x.add(16 + 4 * q)));
         }
-        _mm512_add_epi32(i0, i1)
+        (i0, i1)
+    }
+
+    /// A Q6_K unit's 8 code vectors (`u[j]`: elements 4j..4j+4, 6-bit) from its 384 bytes at
+    /// `p`: the low 4 bits as Q4_0's, the high 2 bits moved into place by `vpmultishiftqb`,
+    /// which takes each output byte from a bit offset of the same qword (a row pair's): for
+    /// row `2m + s` and element `4j + t` the field is at bit `16 (j % 4) + 8 s + 2 t` of qword
+    /// m of vector `j / 4`; starting 4 bits lower puts it at bits 4..6.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    unsafe fn codes_q6k(p: *const u8) -> [__m512i; 8] {
+        let lo4 = _mm512_set1_epi8(0x0f);
+        let mut u = [_mm512_setzero_si512(); 8];
+        for q in 0..4 {
+            let v = _mm512_load_si512(p.add(64 * q) as *const __m512i);
+            u[q] = _mm512_and_si512(v, lo4);
+            u[q + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), lo4);
+        }
+        let h = [
+            _mm512_load_si512(p.add(256) as *const __m512i),
+            _mm512_load_si512(p.add(320) as *const __m512i),
+        ];
+        let two = _mm512_set1_epi8(0x30);
+        for (j, uj) in u.iter_mut().enumerate() {
+            let ctrl: [u8; 8] = std::array::from_fn(|b| {
+                ((16 * (j % 4) + 8 * (b / 4) + 2 * (b % 4) + 60) % 64) as u8
+            });
+            let ctrl = _mm512_set1_epi64(i64::from_le_bytes(ctrl));
+            let hi = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, h[j / 4]), two);
+            *uj = _mm512_or_si512(*uj, hi);
+        }
+        u
+    }
+
+    /// A Q6_K super-block's two 16-element scales `a = d * sc` of unit `k` (sc: i8).
+    #[inline(always)]
+    unsafe fn scales_q6k(s: *const u8, d: __m512, k: usize) -> (__m512, __m512) {
+        let sc = |j: usize| {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(
+                s.add(16 * j) as *const __m128i
+            )))
+        };
+        (_mm512_mul_ps(d, sc(2 * k)), _mm512_mul_ps(d, sc(2 * k + 1)))
+    }
+
+    /// One group's 16 results for packed Q6_K (as [`group`], with a scale per 16 elements;
+    /// the offset `-32 a` applied once at the end).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    unsafe fn group_q6k<const SPLIT: bool>(g: *const u8, nb: usize, act: &ActQ8) -> __m512 {
+        let k = act.k;
+        let qx = act.qx.as_ptr();
+        // Per 16 elements: the scale the integer sum is in and the activations' sums (as
+        // `group`'s per 32).
+        let (dxs, sxs) = if SPLIT {
+            (act.dx.as_ptr().add(k / 16), act.sxp.as_ptr())
+        } else {
+            (act.dx.as_ptr(), act.sx.as_ptr())
+        };
+        let mut acc = _mm512_setzero_ps();
+        let mut off = _mm512_setzero_ps();
+        let step = Q6K_SUPER / 8;
+        for s in 0..nb / 8 {
+            let sb = g.add(s * Q6K_SUPER);
+            let d = _mm512_cvtph_ps(_mm256_load_si256(sb.add(256) as *const __m256i));
+            for kk in 0..8 {
+                let b = 8 * s + kk;
+                let ahead = g.wrapping_add(PREFETCH + b * step);
+                for l in 0..step.div_ceil(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
+                }
+                let u = codes_q6k(sb.add(320 + 384 * kk));
+                let (mut i0, mut i1) = dot16x2(&u, qx.add(32 * b));
+                if SPLIT {
+                    let (l0, l1) = dot16x2(&u, qx.add(k + 32 * b));
+                    i0 = _mm512_add_epi32(_mm512_slli_epi32::<8>(i0), l0);
+                    i1 = _mm512_add_epi32(_mm512_slli_epi32::<8>(i1), l1);
+                }
+                let (a0, a1) = scales_q6k(sb, d, kk);
+                let j = 2 * b;
+                acc = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(i0),
+                    _mm512_mul_ps(a0, _mm512_set1_ps(*dxs.add(j))),
+                    acc,
+                );
+                acc = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(i1),
+                    _mm512_mul_ps(a1, _mm512_set1_ps(*dxs.add(j + 1))),
+                    acc,
+                );
+                off = _mm512_fmadd_ps(a0, _mm512_set1_ps(*sxs.add(j)), off);
+                off = _mm512_fmadd_ps(a1, _mm512_set1_ps(*sxs.add(j + 1)), off);
+            }
+        }
+        _mm512_fmadd_ps(off, _mm512_set1_ps(-32.0), acc)
+    }
+
+    /// [`panel`] for packed Q6_K: scales and offsets per 16 elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+    unsafe fn panel_q6k(g: *const u8, nb: usize, w: *mut __m512i, ia: *mut f32, ic: *mut f32) {
+        let next = g.add(group_bytes(nb, Q6_K));
+        let step = Q6K_SUPER / 8;
+        for s in 0..nb / 8 {
+            let sb = g.add(s * Q6K_SUPER);
+            let d = _mm512_cvtph_ps(_mm256_load_si256(sb.add(256) as *const __m256i));
+            for kk in 0..8 {
+                let b = 8 * s + kk;
+                let pb = next.wrapping_add(step * b);
+                for l in 0..step.div_ceil(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * l) as *const i8);
+                }
+                let (a0, a1) = scales_q6k(sb, d, kk);
+                let m32 = _mm512_set1_ps(-32.0);
+                _mm512_storeu_ps(ia.add(2 * b * GROUP), a0);
+                _mm512_storeu_ps(ia.add((2 * b + 1) * GROUP), a1);
+                _mm512_storeu_ps(ic.add(2 * b * GROUP), _mm512_mul_ps(a0, m32));
+                _mm512_storeu_ps(ic.add((2 * b + 1) * GROUP), _mm512_mul_ps(a1, m32));
+                let u = codes_q6k(sb.add(320 + 384 * kk));
+                for (q, uq) in u.iter().enumerate() {
+                    _mm512_storeu_si512(w.add(8 * b + q), *uq);
+                }
+            }
+        }
     }
 
     /// How far ahead (bytes) the one-token kernel asks for the weight's lines, into L2 (L1 has
@@ -569,11 +807,13 @@ pub(crate) mod x86 {
                 (true, Q4_1) => group::<true, Q4_1>(g, nb, act),
                 (true, Q5_0) => group::<true, Q5_0>(g, nb, act),
                 (true, Q4_K) => group::<true, Q4_K>(g, nb, act),
+                (true, Q6_K) => group_q6k::<true>(g, nb, act),
                 (true, _) => group::<true, { super::Q4_0 }>(g, nb, act),
                 (false, Q8_0) => group::<false, Q8_0>(g, nb, act),
                 (false, Q4_1) => group::<false, Q4_1>(g, nb, act),
                 (false, Q5_0) => group::<false, Q5_0>(g, nb, act),
                 (false, Q4_K) => group::<false, Q4_K>(g, nb, act),
+                (false, Q6_K) => group_q6k::<false>(g, nb, act),
                 (false, _) => group::<false, { super::Q4_0 }>(g, nb, act),
             };
             let n = (r1 - r).min(GROUP);
@@ -654,6 +894,7 @@ pub(crate) mod x86 {
             Q4_1 => panel_of::<Q4_1>(g, nb, w, ia, ic),
             Q5_0 => panel_of::<Q5_0>(g, nb, w, ia, ic),
             Q4_K => panel_of::<Q4_K>(g, nb, w, ia, ic),
+            Q6_K => panel_q6k(g, nb, w, ia, ic),
             _ => panel_of::<{ super::Q4_0 }>(g, nb, w, ia, ic),
         }
     }
