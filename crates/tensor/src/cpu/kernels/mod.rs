@@ -23,10 +23,11 @@
 //!   straight from the mapped bytes) so one `vpdpbusd` serves 16 rows and the f32 work per
 //!   multiply-add drops 5x, and the two activation parts meet in one integer sum
 //!   (`gemm_x86.rs`).
-//! - Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K can be packed once into 16-row groups ([`pack`], [`linear_packed`];
-//!   `packed.rs`): the one-token kernel then multiplies 16 rows per `vpdpbusd` with no
-//!   per-row work and streams at memory speed, and the GEMM panels are laid out from it with a
-//!   mask and a shift. `CpuBackend` packs the weights it runs on the fast paths.
+//! - Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K can be packed once into 16-row groups ([`pack`],
+//!   [`linear_packed`]; `packed.rs`): the one-token kernel then multiplies 16 rows per
+//!   `vpdpbusd` with no per-row work and streams at memory speed, and the GEMM panels are laid
+//!   out from it with a mask and a shift. `CpuBackend` packs the weights it runs on the fast
+//!   paths.
 //!
 //! F32 / F16 / BF16 weights take an f32 FMA path (converted on the fly), no activation rounding.
 //!

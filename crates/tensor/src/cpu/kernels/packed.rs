@@ -1,6 +1,6 @@
-//! Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights re-laid out once for the AVX-512 VNNI kernels: 16 rows side by
-//! side, so that one-token products (decode) read one sequential stream and multiply 16 rows
-//! per `vpdpbusd`.
+//! Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights re-laid out once for the AVX-512 VNNI
+//! kernels: 16 rows side by side, so that one-token products (decode) read one sequential
+//! stream and multiply 16 rows per `vpdpbusd`.
 //!
 //! Why: in ggml's row-major layout a Q4_0 row is 18-byte blocks, and the fused one-token kernel
 //! (`fused_x86.rs`) spends more on its per-row work (gathering eight f16 scales one by one,
@@ -30,10 +30,11 @@
 //! scale and offset are `d * sc` and `-dmin * m`, as the reference decodes them. Q6_K
 //! (`Q6K_SUPER`): the 16-element scales and `d` per super-block, then per 32 elements the low
 //! 4 bits as Q4_0's codes and the high 2 bits arranged for `vpmultishiftqb` (AVX-512 VBMI,
-//! which Q6_K's packing therefore also needs). The prefill GEMM
-//! (`gemm_x86.rs`) reads the same layout into its panels with a mask and a shift per vector
-//! instead of a transpose. The bytes are the same count as the original (18, 20, 22 or 34 per
-//! block and row, plus padding for odd block counts and partial groups).
+//! which Q6_K's packing therefore also needs). The prefill GEMM (`gemm_x86.rs`) reads the same
+//! layouts into its panels with a mask and a shift per vector instead of a transpose. The
+//! bytes are about the original's: the same for the 32-element formats (18, 20, 22 or 34 per
+//! block and row) plus padding for odd block counts and partial groups, 2.8 % more for Q4_K
+//! (its scales as whole bytes), 1 % more for Q6_K (line alignment).
 
 use crate::{GgmlType, QTensor, WeightData};
 
@@ -46,13 +47,13 @@ pub(crate) const Q4_1: u8 = 1;
 pub(crate) const Q8_0: u8 = 2;
 pub(crate) const Q5_0: u8 = 3;
 pub(crate) const Q4_K: u8 = 4;
+pub(crate) const Q6_K: u8 = 5;
 
 /// Q4_K: bytes of one 256-element super-block for 16 rows: `d` and `dmin` (16 f16 each), the
 /// eight sub-blocks' 6-bit scales and minimums as bytes (`[8][16]` each), then the codes of the
 /// eight 32-element sub-blocks, each laid out as a Q4_0 block's (element t in the low nibble of
 /// byte t, t + 16 in the high one; 4 words of 16 rows).
 pub(crate) const Q4K_SUPER: usize = 320 + 8 * 256;
-pub(crate) const Q6_K: u8 = 5;
 
 /// Q6_K: bytes of one 256-element super-block for 16 rows: the sixteen 16-element scales (i8,
 /// `[16][16]`), the 16 `d` (f16), 32 bytes of padding (so that the codes start on a line), then
