@@ -307,7 +307,7 @@ fn packed_copy_of_another_weight_is_an_error() {
     assert!(format!("{}", e.unwrap_err()).contains("another weight"));
 }
 
-/// The CPU backend's packed weights: a Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K weight in a mapped
+/// The CPU backend's packed weights: a Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K weight in a mapped
 /// file is packed on first use, its mapped pages are handed back, and every later product
 /// (cached copy), every embedding lookup (read from the packed copy, a tied output layer's
 /// case) and every read of the weight's own bytes (which come back from the file) give what
@@ -325,6 +325,7 @@ fn backend_packs_mapped_weights_and_their_bytes_stay_readable() {
         GgmlType::Q5_0,
         GgmlType::Q8_0,
         GgmlType::Q4_K,
+        GgmlType::Q5_K,
         GgmlType::Q6_K,
     ] {
         let made = make_weight(Kind::Ggml(ty), rows, k, &mut rng);

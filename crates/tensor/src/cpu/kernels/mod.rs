@@ -23,8 +23,8 @@
 //!   straight from the mapped bytes) so one `vpdpbusd` serves 16 rows and the f32 work per
 //!   multiply-add drops 5x, and the two activation parts meet in one integer sum
 //!   (`gemm_x86.rs`).
-//! - Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K can be packed once into 16-row groups ([`pack`],
-//!   [`linear_packed`]; `packed.rs`): the one-token kernel then multiplies 16 rows per
+//! - Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K can be packed once into 16-row groups
+//!   ([`pack`], [`linear_packed`]; `packed.rs`): the one-token kernel then multiplies 16 rows per
 //!   `vpdpbusd` with no per-row work and streams at memory speed, and the GEMM panels are laid
 //!   out from it with a mask and a shift. `CpuBackend` packs the weights it runs on the fast
 //!   paths.
@@ -241,10 +241,10 @@ fn checked_run(
 }
 
 /// `w` re-laid out for the fastest kernels this CPU has, where they read a layout of their own
-/// (Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K on AVX-512 VNNI, Q6_K with VBMI too: 16 rows interleaved,
-/// `packed.rs`); `None` for every other weight
-/// and CPU. The copy is as large as `w`'s bytes, whose mapped pages (if `w` is in a mapped
-/// file) are handed back as they are copied; run it with [`linear_packed`].
+/// (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q5_K on AVX-512 VNNI, Q6_K with VBMI too: 16 rows
+/// interleaved, `packed.rs`); `None` for every other weight and CPU. The copy is about as large
+/// as `w`'s bytes, whose mapped pages (if `w` is in a mapped file) are handed back as they are
+/// copied; run it with [`linear_packed`].
 pub fn pack(w: &QTensor) -> Option<Packed> {
     pack_in(&mut PackArena::new(), w)
 }

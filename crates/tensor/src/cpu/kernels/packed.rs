@@ -1,4 +1,4 @@
-//! Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights re-laid out once for the AVX-512 VNNI
+//! Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights re-laid out once for the AVX-512 VNNI
 //! kernels: 16 rows side by side, so that one-token products (decode) read one sequential
 //! stream and multiply 16 rows per `vpdpbusd`.
 //!
@@ -27,14 +27,15 @@
 //! offset `-128 d` is applied with the activations' block sums). Q4_K: per 256-element
 //! super-block the 16 rows' `d` and `dmin`, their eight 6-bit scales and minimums as bytes, and
 //! the eight 32-element sub-blocks' codes laid out as Q4_0 blocks' (`Q4K_SUPER`); a sub-block's
-//! scale and offset are `d * sc` and `-dmin * m`, as the reference decodes them. Q6_K
+//! scale and offset are `d * sc` and `-dmin * m`, as the reference decodes them; Q5_K the
+//! same with each sub-block's fifth bits (`Q5K_SUPER`), added as Q5_0's are. Q6_K
 //! (`Q6K_SUPER`): the 16-element scales and `d` per super-block, then per 32 elements the low
 //! 4 bits as Q4_0's codes and the high 2 bits arranged for `vpmultishiftqb` (AVX-512 VBMI,
 //! which Q6_K's packing therefore also needs). The prefill GEMM (`gemm_x86.rs`) reads the same
 //! layouts into its panels with a mask and a shift per vector instead of a transpose. The
 //! bytes are about the original's: the same for the 32-element formats (18, 20, 22 or 34 per
 //! block and row) plus padding for odd block counts and partial groups, 2.8 % more for Q4_K
-//! (its scales as whole bytes), 1 % more for Q6_K (line alignment).
+//! and 2.3 % for Q5_K (their scales as whole bytes), 1 % more for Q6_K (line alignment).
 
 use crate::{GgmlType, QTensor, WeightData};
 
@@ -48,12 +49,26 @@ pub(crate) const Q8_0: u8 = 2;
 pub(crate) const Q5_0: u8 = 3;
 pub(crate) const Q4_K: u8 = 4;
 pub(crate) const Q6_K: u8 = 5;
+pub(crate) const Q5_K: u8 = 6;
 
 /// Q4_K: bytes of one 256-element super-block for 16 rows: `d` and `dmin` (16 f16 each), the
 /// eight sub-blocks' 6-bit scales and minimums as bytes (`[8][16]` each), then the codes of the
 /// eight 32-element sub-blocks, each laid out as a Q4_0 block's (element t in the low nibble of
 /// byte t, t + 16 in the high one; 4 words of 16 rows).
 pub(crate) const Q4K_SUPER: usize = 320 + 8 * 256;
+
+/// Q5_K: as Q4_K, with the eight sub-blocks' fifth bits (`[8][16]` u32, bit t: element t)
+/// between the minimums and the codes.
+pub(crate) const Q5K_SUPER: usize = 832 + 8 * 256;
+
+/// Q4_K / Q5_K: a super-block's bytes and where its codes start.
+pub(crate) const fn k_super(f: u8) -> (usize, usize) {
+    if f == Q5_K {
+        (Q5K_SUPER, 832)
+    } else {
+        (Q4K_SUPER, 320)
+    }
+}
 
 /// Q6_K: bytes of one 256-element super-block for 16 rows: the sixteen 16-element scales (i8,
 /// `[16][16]`), the 16 `d` (f16), 32 bytes of padding (so that the codes start on a line), then
@@ -88,8 +103,8 @@ pub(crate) const fn codes_bytes(f: u8) -> usize {
 
 /// Bytes of a group of `nb` blocks (of 32 elements).
 pub(crate) const fn group_bytes(nb: usize, f: u8) -> usize {
-    if f == Q4_K {
-        return nb / 8 * Q4K_SUPER;
+    if f == Q4_K || f == Q5_K {
+        return nb / 8 * k_super(f).0;
     }
     if f == Q6_K {
         return nb / 8 * Q6K_SUPER;
@@ -231,8 +246,9 @@ impl Packed {
                 ..
             } if w.cols.is_multiple_of(32) && w.rows > 0 => Some(ty),
             WeightData::Ggml {
-                ty: GgmlType::Q4_K, ..
-            } if w.cols.is_multiple_of(256) && w.rows > 0 => Some(GgmlType::Q4_K),
+                ty: ty @ (GgmlType::Q4_K | GgmlType::Q5_K),
+                ..
+            } if w.cols.is_multiple_of(256) && w.rows > 0 => Some(ty),
             // Its kernel spreads the 2-bit fields with AVX-512 VBMI's `vpmultishiftqb`.
             WeightData::Ggml {
                 ty: GgmlType::Q6_K, ..
@@ -276,8 +292,8 @@ impl Packed {
                 let g = g0 + g;
                 for i in 0..GROUP.min(rows - g * GROUP) {
                     let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
-                    if f == Q4_K {
-                        q4k_put(row, dst, i);
+                    if f == Q4_K || f == Q5_K {
+                        q4k_put(row, dst, i, f);
                         continue;
                     }
                     if f == Q6_K {
@@ -333,7 +349,7 @@ impl Packed {
         self.cols / 32
     }
 
-    /// The packed format (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` or `Q6_K` of this module).
+    /// The packed format (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K` or `Q6_K` of this module).
     pub(crate) fn fmt(&self) -> u8 {
         fmt_of(self.ty)
     }
@@ -357,8 +373,8 @@ impl Packed {
         let g = &self.data()[r / GROUP * group_bytes(nb, f)..][..group_bytes(nb, f)];
         let i = r % GROUP;
         let mut row = vec![0u8; self.ty.row_bytes(self.cols).unwrap_or(0)];
-        if f == Q4_K {
-            q4k_get(g, i, &mut row);
+        if f == Q4_K || f == Q5_K {
+            q4k_get(g, i, &mut row, f);
             return crate::quant::dequantize(self.ty, &row, dst);
         }
         if f == Q6_K {
@@ -390,6 +406,7 @@ const fn fmt_of(ty: GgmlType) -> u8 {
         GgmlType::Q4_1 => Q4_1,
         GgmlType::Q5_0 => Q5_0,
         GgmlType::Q4_K => Q4_K,
+        GgmlType::Q5_K => Q5_K,
         GgmlType::Q6_K => Q6_K,
         _ => Q8_0,
     }
@@ -474,10 +491,21 @@ fn q6k_get(g: &[u8], i: usize, row: &mut [u8]) {
     }
 }
 
-/// Writes one Q4_K row (`row`: its 144-byte super-blocks) as row `i` of the group `dst`.
-fn q4k_put(row: &[u8], dst: &mut [u8], i: usize) {
-    for (s, blk) in row.chunks_exact(144).enumerate() {
-        let d = &mut dst[s * Q4K_SUPER..][..Q4K_SUPER];
+/// The ggml block of Q4_K (`f`, 144 bytes) or Q5_K (176): bytes, and where `qs` starts (Q5_K's
+/// `qh`, 32 bytes, is at 16).
+const fn k_block(f: u8) -> (usize, usize) {
+    if f == Q5_K {
+        (176, 48)
+    } else {
+        (144, 16)
+    }
+}
+
+/// Writes one Q4_K or Q5_K (`f`) row (`row`: its super-blocks) as row `i` of the group `dst`.
+fn q4k_put(row: &[u8], dst: &mut [u8], i: usize, f: u8) {
+    let ((sup, co), (bs, qs)) = (k_super(f), k_block(f));
+    for (s, blk) in row.chunks_exact(bs).enumerate() {
+        let d = &mut dst[s * sup..][..sup];
         d[2 * i..][..2].copy_from_slice(&blk[..2]);
         d[32 + 2 * i..][..2].copy_from_slice(&blk[2..4]);
         for j in 0..8 {
@@ -486,20 +514,26 @@ fn q4k_put(row: &[u8], dst: &mut [u8], i: usize) {
             d[192 + 16 * j + i] = m;
             // Sub-block j: nibble j % 2 of chunk j / 2's 32 bytes, as a Q4_0 block's bytes.
             let (c, h) = (j / 2, 4 * (j % 2));
-            let e = |l: usize| (blk[16 + 32 * c + l] >> h) & 0x0f;
+            let e = |l: usize| (blk[qs + 32 * c + l] >> h) & 0x0f;
             for t in 0..16 {
                 let (q, k) = (t / 4, t % 4);
-                d[320 + 256 * j + 64 * q + 4 * i + k] = e(t) | (e(t + 16) << 4);
+                d[co + 256 * j + 64 * q + 4 * i + k] = e(t) | (e(t + 16) << 4);
+            }
+            if f == Q5_K {
+                // Element t's fifth bit is bit j of qh[t].
+                let bits = (0..32).fold(0u32, |v, t| v | ((((blk[16 + t] >> j) & 1) as u32) << t));
+                d[320 + 64 * j + 4 * i..][..4].copy_from_slice(&bits.to_le_bytes());
             }
         }
     }
 }
 
-/// Reads row `i` of the Q4_K group `g` back into its 144-byte super-blocks (`q4k_put`'s
+/// Reads row `i` of the Q4_K or Q5_K (`f`) group `g` back into its super-blocks (`q4k_put`'s
 /// inverse; the 6-bit scales and minimums are packed as ggml packs them).
-fn q4k_get(g: &[u8], i: usize, row: &mut [u8]) {
-    for (s, blk) in row.chunks_exact_mut(144).enumerate() {
-        let d = &g[s * Q4K_SUPER..][..Q4K_SUPER];
+fn q4k_get(g: &[u8], i: usize, row: &mut [u8], f: u8) {
+    let ((sup, co), (bs, qs)) = (k_super(f), k_block(f));
+    for (s, blk) in row.chunks_exact_mut(bs).enumerate() {
+        let d = &g[s * sup..][..sup];
         blk[..2].copy_from_slice(&d[2 * i..][..2]);
         blk[2..4].copy_from_slice(&d[32 + 2 * i..][..2]);
         let sc: [u8; 8] = std::array::from_fn(|j| d[64 + 16 * j + i]);
@@ -513,9 +547,15 @@ fn q4k_get(g: &[u8], i: usize, row: &mut [u8]) {
             let (c, h) = (j / 2, 4 * (j % 2));
             for t in 0..16 {
                 let (q, k) = (t / 4, t % 4);
-                let byte = d[320 + 256 * j + 64 * q + 4 * i + k];
-                blk[16 + 32 * c + t] |= (byte & 0x0f) << h;
-                blk[16 + 32 * c + t + 16] |= (byte >> 4) << h;
+                let byte = d[co + 256 * j + 64 * q + 4 * i + k];
+                blk[qs + 32 * c + t] |= (byte & 0x0f) << h;
+                blk[qs + 32 * c + t + 16] |= (byte >> 4) << h;
+            }
+            if f == Q5_K {
+                let bits = u32::from_le_bytes(d[320 + 64 * j + 4 * i..][..4].try_into().unwrap());
+                for t in 0..32 {
+                    blk[16 + t] |= (((bits >> t) & 1) as u8) << j;
+                }
             }
         }
     }
@@ -526,7 +566,7 @@ pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
-        codes_bytes, group_bytes, head_bytes, scales_bytes, GROUP, Q4K_SUPER, Q4_1, Q4_K, Q5_0,
+        codes_bytes, group_bytes, head_bytes, k_super, scales_bytes, GROUP, Q4_1, Q4_K, Q5_0, Q5_K,
         Q6K_SUPER, Q6_K, Q8_0,
     };
     use crate::cpu::kernels::q8act::ActQ8;
@@ -690,8 +730,9 @@ pub(crate) mod x86 {
     /// q's low nibbles (elements 4q..) and high nibbles (elements 16 + 4q..); Q8_0, the words.
     #[inline(always)]
     pub(crate) unsafe fn codes<const F: u8>(g: *const u8, nb: usize, b: usize) -> [__m512i; 8] {
-        let p = if F == Q4_K {
-            g.add(b / 8 * Q4K_SUPER + 320 + 256 * (b % 8))
+        let p = if F == Q4_K || F == Q5_K {
+            let (sup, co) = k_super(F);
+            g.add(b / 8 * sup + co + 256 * (b % 8))
         } else {
             g.add(scales_bytes(nb, F) + codes_bytes(F) * b)
         };
@@ -712,6 +753,10 @@ pub(crate) mod x86 {
             // Lane i's 32 fifth bits, from the block header.
             let qh = _mm512_loadu_si512(g.add(head_bytes(F) * b + 32) as *const __m512i);
             add_fifth_bits(&mut u, qh);
+        }
+        if F == Q5_K {
+            let qh = g.add(b / 8 * k_super(F).0 + 320 + 64 * (b % 8));
+            add_fifth_bits(&mut u, _mm512_load_si512(qh as *const __m512i));
         }
         u
     }
@@ -751,9 +796,9 @@ pub(crate) mod x86 {
     /// Block `b`'s 16 scales `d` and offsets `c` (per element: `d * u + c`) as f32.
     #[inline(always)]
     pub(crate) unsafe fn scales<const F: u8>(g: *const u8, b: usize) -> (__m512, __m512) {
-        if F == Q4_K {
+        if F == Q4_K || F == Q5_K {
             // a = d * sc, c = -(dmin * m), as the reference decodes them.
-            let (s, j) = (g.add(b / 8 * Q4K_SUPER), b % 8);
+            let (s, j) = (g.add(b / 8 * k_super(F).0), b % 8);
             let d = _mm512_cvtph_ps(_mm256_load_si256(s as *const __m256i));
             let dm = _mm512_cvtph_ps(_mm256_load_si256(s.add(32) as *const __m256i));
             let byte = |at: usize| {
@@ -808,12 +853,14 @@ pub(crate) mod x86 {
                 (true, Q4_1) => group::<true, Q4_1>(g, nb, act),
                 (true, Q5_0) => group::<true, Q5_0>(g, nb, act),
                 (true, Q4_K) => group::<true, Q4_K>(g, nb, act),
+                (true, Q5_K) => group::<true, Q5_K>(g, nb, act),
                 (true, Q6_K) => group_q6k::<true>(g, nb, act),
                 (true, _) => group::<true, { super::Q4_0 }>(g, nb, act),
                 (false, Q8_0) => group::<false, Q8_0>(g, nb, act),
                 (false, Q4_1) => group::<false, Q4_1>(g, nb, act),
                 (false, Q5_0) => group::<false, Q5_0>(g, nb, act),
                 (false, Q4_K) => group::<false, Q4_K>(g, nb, act),
+                (false, Q5_K) => group::<false, Q5_K>(g, nb, act),
                 (false, Q6_K) => group_q6k::<false>(g, nb, act),
                 (false, _) => group::<false, { super::Q4_0 }>(g, nb, act),
             };
@@ -850,7 +897,7 @@ pub(crate) mod x86 {
         let step = group_bytes(nb, F) / nb;
         let lines = match F {
             Q8_0 => 9,
-            Q5_0 => 6,
+            Q5_0 | Q5_K => 6,
             _ => 5,
         };
         for b in 0..nb {
@@ -895,6 +942,7 @@ pub(crate) mod x86 {
             Q4_1 => panel_of::<Q4_1>(g, nb, w, ia, ic),
             Q5_0 => panel_of::<Q5_0>(g, nb, w, ia, ic),
             Q4_K => panel_of::<Q4_K>(g, nb, w, ia, ic),
+            Q5_K => panel_of::<Q5_K>(g, nb, w, ia, ic),
             Q6_K => panel_q6k(g, nb, w, ia, ic),
             _ => panel_of::<{ super::Q4_0 }>(g, nb, w, ia, ic),
         }

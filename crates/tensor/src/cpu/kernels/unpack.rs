@@ -56,14 +56,14 @@ pub enum WView<'a> {
         biases: &'a [f32],
         groups: usize,
     },
-    /// A weight re-laid out by [`super::pack`] (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K in
+    /// A weight re-laid out by [`super::pack`] (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K in
     /// 16-row groups, `packed.rs`): read only by the AVX-512 VNNI one-token kernel and GEMM
     /// panels, never decoded row by row.
     Packed {
         data: &'a [u8],
         /// Blocks per row.
         nb: usize,
-        /// The packed format (`packed.rs`: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K).
+        /// The packed format (`packed.rs`: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K).
         fmt: u8,
     },
 }
