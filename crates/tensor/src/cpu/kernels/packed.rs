@@ -663,10 +663,7 @@ pub(crate) mod x86 {
             let d = _mm512_cvtph_ps(_mm256_load_si256(sb.add(256) as *const __m256i));
             for kk in 0..8 {
                 let b = 8 * s + kk;
-                let ahead = g.wrapping_add(PREFETCH + b * step);
-                for l in 0..step.div_ceil(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
-                }
+                prefetch_l2(g.wrapping_add(PREFETCH + b * step), step);
                 let u = codes_q6k(sb.add(320 + 384 * kk));
                 let (mut i0, mut i1) = dot16x2(&u, qx.add(32 * b));
                 if SPLIT {
@@ -703,10 +700,7 @@ pub(crate) mod x86 {
             let d = _mm512_cvtph_ps(_mm256_load_si256(sb.add(256) as *const __m256i));
             for kk in 0..8 {
                 let b = 8 * s + kk;
-                let pb = next.wrapping_add(step * b);
-                for l in 0..step.div_ceil(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * l) as *const i8);
-                }
+                prefetch_l2(next.wrapping_add(step * b), step);
                 let (a0, a1) = scales_q6k(sb, d, kk);
                 let m32 = _mm512_set1_ps(-32.0);
                 _mm512_storeu_ps(ia.add(2 * b * GROUP), a0);
@@ -784,6 +778,15 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Asks for the lines covering `bytes` from `p` in L2 (a prefetch past the weight's end
+    /// asks for nothing useful, harmlessly: prefetches do not fault).
+    #[inline(always)]
+    unsafe fn prefetch_l2(p: *const u8, bytes: usize) {
+        for l in 0..bytes.div_ceil(64) {
+            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * l) as *const i8);
+        }
+    }
+
     /// A code's offset as a multiple of the block scale (`c = K d`; Q4_1 stores `c = m`).
     const fn offset_k(f: u8) -> f32 {
         match f {
@@ -848,25 +851,28 @@ pub(crate) mod x86 {
         let mut r = r0;
         while r < r1 {
             let g = data.add(r / GROUP * gb);
-            let v = match (split, fmt) {
-                (true, Q8_0) => group::<true, Q8_0>(g, nb, act),
-                (true, Q4_1) => group::<true, Q4_1>(g, nb, act),
-                (true, Q5_0) => group::<true, Q5_0>(g, nb, act),
-                (true, Q4_K) => group::<true, Q4_K>(g, nb, act),
-                (true, Q5_K) => group::<true, Q5_K>(g, nb, act),
-                (true, Q6_K) => group_q6k::<true>(g, nb, act),
-                (true, _) => group::<true, { super::Q4_0 }>(g, nb, act),
-                (false, Q8_0) => group::<false, Q8_0>(g, nb, act),
-                (false, Q4_1) => group::<false, Q4_1>(g, nb, act),
-                (false, Q5_0) => group::<false, Q5_0>(g, nb, act),
-                (false, Q4_K) => group::<false, Q4_K>(g, nb, act),
-                (false, Q5_K) => group::<false, Q5_K>(g, nb, act),
-                (false, Q6_K) => group_q6k::<false>(g, nb, act),
-                (false, _) => group::<false, { super::Q4_0 }>(g, nb, act),
+            let v = if split {
+                group_of::<true>(fmt, g, nb, act)
+            } else {
+                group_of::<false>(fmt, g, nb, act)
             };
             let n = (r1 - r).min(GROUP);
             _mm512_mask_storeu_ps(out.add(r), ((1u32 << n) - 1) as __mmask16, v);
             r += GROUP;
+        }
+    }
+
+    /// [`group`] (or [`group_q6k`]) for the format `fmt`.
+    #[inline(always)]
+    unsafe fn group_of<const SPLIT: bool>(fmt: u8, g: *const u8, nb: usize, act: &ActQ8) -> __m512 {
+        match fmt {
+            Q8_0 => group::<SPLIT, Q8_0>(g, nb, act),
+            Q4_1 => group::<SPLIT, Q4_1>(g, nb, act),
+            Q5_0 => group::<SPLIT, Q5_0>(g, nb, act),
+            Q4_K => group::<SPLIT, Q4_K>(g, nb, act),
+            Q5_K => group::<SPLIT, Q5_K>(g, nb, act),
+            Q6_K => group_q6k::<SPLIT>(g, nb, act),
+            _ => group::<SPLIT, { super::Q4_0 }>(g, nb, act),
         }
     }
 
@@ -892,19 +898,11 @@ pub(crate) mod x86 {
         let mut off = _mm512_setzero_ps();
         // Prefetches run `PREFETCH` bytes ahead of a pointer that crosses the group evenly (its
         // bytes over its blocks), so that the weight, scales and all, is asked for as one
-        // sequential run across groups and weights (`PackArena`); enough lines per block to
-        // cover the bytes it advances (at most 320, Q5_0 384, Q8_0 576).
+        // sequential run across groups and weights (`PackArena`), as many lines per block as
+        // cover the bytes it advances.
         let step = group_bytes(nb, F) / nb;
-        let lines = match F {
-            Q8_0 => 9,
-            Q5_0 | Q5_K => 6,
-            _ => 5,
-        };
         for b in 0..nb {
-            let ahead = g.wrapping_add(PREFETCH + b * step);
-            for l in 0..lines {
-                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
-            }
+            prefetch_l2(g.wrapping_add(PREFETCH + b * step), step);
             let u = codes::<F>(g, nb, b);
             let (d, c) = scales::<F>(g, b);
             let mut i = dot32(&u, qx.add(32 * b));
@@ -962,10 +960,7 @@ pub(crate) mod x86 {
         // next group is in L2 by the time its panel is laid out.
         let step = group_bytes(nb, F) / nb;
         for b in 0..nb {
-            let pb = next.wrapping_add(step * b);
-            for l in 0..step.div_ceil(64) {
-                _mm_prefetch::<_MM_HINT_T1>(pb.wrapping_add(64 * l) as *const i8);
-            }
+            prefetch_l2(next.wrapping_add(step * b), step);
             let (d, c) = scales::<F>(g, b);
             _mm512_storeu_ps(ia.add(2 * b * GROUP), d);
             _mm512_storeu_ps(ic.add(2 * b * GROUP), c);
