@@ -1422,6 +1422,16 @@ mod tests {
     use crate::op::{AttentionParams, KvElem, LayerCache};
     use crate::Tensor;
 
+    /// Uniform values in [-1, 1) from a xorshift generator seeded with `seed`.
+    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        }
+    }
+
     #[test]
     fn silu_mul_matches_the_reference() {
         let g: Vec<f32> = (0..100_000)
@@ -1449,13 +1459,7 @@ mod tests {
             println!("skipped: no AVX-512 on this CPU");
             return;
         }
-        let mut seed = 0x0bad_cafe_1234_5678u64;
-        let mut f = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-        };
+        let mut f = uniform(0x0bad_cafe_1234_5678u64);
         for &(h, hkv, dh) in &[(9, 3, 64), (8, 2, 128), (4, 4, 32), (2, 1, 48)] {
             for &(t, pos0, window) in &[(70, 0, None), (45, 30, None), (64, 0, Some(40))] {
                 let cap = pos0 + t;
@@ -1526,13 +1530,7 @@ mod tests {
     }
 
     fn decode_head_case<T: KvElem>(store: fn(f32) -> T) {
-        let mut seed = 0x1234_5678_9abc_def1u64;
-        let mut f = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-        };
+        let mut f = uniform(0x1234_5678_9abc_def1u64);
         let mut s = Vec::new();
         // No visible key: zeros, as the reference's empty sum.
         let mut o = vec![f32::NAN; 8];
@@ -1605,13 +1603,7 @@ mod tests {
             .into_iter()
             .filter(|i| i.is_available())
             .collect();
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut f = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-        };
+        let mut f = uniform(0x2545_f491_4f6c_dd1du64);
         let mut cases = 0;
         for &(h, hkv) in &[(1, 1), (9, 3), (8, 2)] {
             for &dh in &[37, 64, 128] {

@@ -59,10 +59,24 @@ pub struct CpuBackend {
 #[derive(Default)]
 pub struct PackedWeights(PackedMap);
 
+/// By weight: its bytes and its packed copy (`None`: packing failed, not tried again).
 type PackedMap = std::sync::Mutex<(
-    std::collections::BTreeMap<(usize, usize), (crate::Bytes, std::sync::Arc<kernels::Packed>)>,
+    std::collections::BTreeMap<
+        (usize, usize),
+        (crate::Bytes, Option<std::sync::Arc<kernels::Packed>>),
+    >,
     kernels::PackArena,
 )>;
+
+/// A weight's key in [`PackedWeights`]: the address and length of its stored bytes.
+fn packed_key(w: &QTensor) -> Option<((usize, usize), &crate::Bytes)> {
+    match &w.data {
+        crate::WeightData::Ggml { data, .. } => {
+            Some(((data.as_slice().as_ptr() as usize, data.len()), data))
+        }
+        crate::WeightData::Affine { .. } => None,
+    }
+}
 
 impl PackedWeights {
     pub const fn new() -> PackedWeights {
@@ -74,12 +88,9 @@ impl PackedWeights {
 
     /// The packed copy of `w` if one was made (by [`PackedWeights::get`]).
     pub fn existing(&self, w: &QTensor) -> Option<std::sync::Arc<kernels::Packed>> {
-        let crate::WeightData::Ggml { data, .. } = &w.data else {
-            return None;
-        };
-        let key = (data.as_slice().as_ptr() as usize, data.len());
+        let (key, _) = packed_key(w)?;
         let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        guard.0.get(&key).map(|(_, p)| p.clone())
+        guard.0.get(&key).and_then(|(_, p)| p.clone())
     }
 
     /// The packed copy of `w`, made now if this is its first use; `None` for weights the fast
@@ -88,18 +99,15 @@ impl PackedWeights {
         if !kernels::packs(w) {
             return None;
         }
-        let crate::WeightData::Ggml { data, .. } = &w.data else {
-            return None;
-        };
-        let key = (data.as_slice().as_ptr() as usize, data.len());
+        let (key, data) = packed_key(w)?;
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let (map, arena) = &mut *guard;
         if let Some((_, p)) = map.get(&key) {
-            return Some(p.clone());
+            return p.clone();
         }
-        let p = std::sync::Arc::new(kernels::pack_in(arena, w)?);
+        let p = kernels::pack_in(arena, w).map(std::sync::Arc::new);
         map.insert(key, (data.clone(), p.clone()));
-        Some(p)
+        p
     }
 }
 
@@ -112,7 +120,12 @@ impl Clone for PackedWeights {
 impl std::fmt::Debug for PackedWeights {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let bytes: usize = guard.0.values().map(|(_, p)| p.bytes()).sum();
+        let bytes: usize = guard
+            .0
+            .values()
+            .flat_map(|(_, p)| p)
+            .map(|p| p.bytes())
+            .sum();
         write!(f, "PackedWeights({} weights, {bytes} bytes)", guard.0.len())
     }
 }
@@ -120,7 +133,6 @@ impl std::fmt::Debug for PackedWeights {
 impl CpuBackend {
     /// The end of `linear`: the bias added to the (T, R) product.
     fn finish_linear(
-        &self,
         w: &QTensor,
         bias: Option<&[f32]>,
         t: usize,
@@ -292,14 +304,14 @@ impl Backend for CpuBackend {
             MatmulPath::Fast8 => ActBits::Q8,
             MatmulPath::Reference => {
                 w.matmul(x.data(), t, &mut out)?;
-                return self.finish_linear(w, bias, t, out);
+                return Self::finish_linear(w, bias, t, out);
             }
         };
         match self.packed.get(w) {
             Some(p) => kernels::linear_packed(w, &p, x.data(), t, &mut out, bits)?,
             None => kernels::linear(w, x.data(), t, &mut out, bits)?,
         }
-        self.finish_linear(w, bias, t, out)
+        Self::finish_linear(w, bias, t, out)
     }
 
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {

@@ -294,13 +294,11 @@ pub(crate) fn run(
         return Ok(());
     }
     let wv = match packed {
-        Some(p) if isa == Isa::Avx512Vnni && kern.gemm.is_some() && kern.matvec.is_some() => {
-            WView::Packed {
-                data: p.data(),
-                nb: p.blocks(),
-                fmt: p.fmt(),
-            }
-        }
+        Some(p) if isa == Isa::Avx512Vnni => WView::Packed {
+            data: p.data(),
+            nb: p.blocks(),
+            fmt: p.fmt(),
+        },
         _ => WView::new(w).ok_or_else(|| Error::UnsupportedType {
             ty: w.type_name(),
             tensor: w.name.clone(),
