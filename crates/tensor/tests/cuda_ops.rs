@@ -406,20 +406,34 @@ fn fast_matvec_and_fusions() {
         let (m, q) = (mag.to_vec(), q8.to_vec());
         move |i: usize| 1e-5 * m[i] + 1e-5 + q[i]
     };
-    // Both kinds of one-token kernel: 8-bit activations (the default for the quantized
-    // formats) and f32 ones.
-    for act8 in [true, false] {
-        dev.set_matvec_int8(if act8 {
+    // Every kind of one-token kernel: 8-bit activations staged per block (`matvec_q8.cuh`),
+    // f32 ones (`matvec.cuh`), and the persistent 8-bit kernels (`matvec_p8.cuh`, one block
+    // per multiprocessor so that the 9001-row cases give warps several row groups, across the
+    // fused jobs' boundaries).
+    for kind in ["q8", "f32", "p8"] {
+        dev.set_matvec_int8(if kind == "q8" {
             cuda::MvMode::All
         } else {
             cuda::MvMode::Off
         });
+        let p8 = if kind == "p8" {
+            cuda::MvMode::All
+        } else {
+            cuda::MvMode::Off
+        };
+        dev.set_matvec_persistent(p8, 1);
         for f in fmts {
-            let q8fmt = act8
-                && matches!(
+            let q8fmt = match kind {
+                "q8" => matches!(
                     f,
                     Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
-                );
+                ),
+                "p8" => matches!(
+                    f,
+                    Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K)
+                ),
+                _ => false,
+            };
             let bound8 = |w: &QTensor, x: &[f32]| {
                 if q8fmt {
                     act8_bound(w, x)
@@ -428,10 +442,22 @@ fn fast_matvec_and_fusions() {
                 }
             };
             let shapes = match f {
-                Fmt::Ggml(t) if t.block_size() == 256 => {
-                    [(256, 3), (768, 131), (2304, 600), (4096, 67), (4096, 1)]
-                }
-                _ => [(32, 3), (96, 131), (2080, 600), (4096, 67), (4096, 1)],
+                Fmt::Ggml(t) if t.block_size() == 256 => [
+                    (256, 3),
+                    (768, 131),
+                    (2304, 600),
+                    (4096, 67),
+                    (4096, 1),
+                    (256, 9001),
+                ],
+                _ => [
+                    (32, 3),
+                    (96, 131),
+                    (2080, 600),
+                    (4096, 67),
+                    (4096, 1),
+                    (64, 9001),
+                ],
             };
             for (cols, rows) in shapes {
                 // A backend per case: it keys uploaded weights and biases by host address, and a
@@ -460,7 +486,7 @@ fn fast_matvec_and_fusions() {
                     let (want, mag) = reference_linear(&ws[i], &x, 1, b);
                     let got = be.to_host(o).unwrap();
                     check(
-                        &format!("linear_many[{i}] {f:?} {}x{cols} act8 {act8}", ws[i].rows),
+                        &format!("linear_many[{i}] {f:?} {}x{cols} {kind}", ws[i].rows),
                         got.data(),
                         &want,
                         tol(&mag, &bound8(&ws[i], &x)),
@@ -477,7 +503,7 @@ fn fast_matvec_and_fusions() {
                 let (y, mag) = reference_linear(&ws[0], &x, 1, None);
                 let want: Vec<f32> = res.iter().zip(&y).map(|(a, b)| a + b).collect();
                 check(
-                    &format!("linear_add {f:?} {rows}x{cols} act8 {act8}"),
+                    &format!("linear_add {f:?} {rows}x{cols} {kind}"),
                     be.to_host(&rd).unwrap().data(),
                     &want,
                     tol(&mag, &bound8(&ws[0], &x)),
@@ -502,7 +528,7 @@ fn fast_matvec_and_fusions() {
                         })
                         .collect();
                     check(
-                        &format!("linear_gated {act:?} {f:?} {rows}x{cols} act8 {act8}"),
+                        &format!("linear_gated {act:?} {f:?} {rows}x{cols} {kind}"),
                         be.to_host(&got).unwrap().data(),
                         want.data(),
                         |i| bound[i],
@@ -512,6 +538,7 @@ fn fast_matvec_and_fusions() {
         }
     }
     dev.set_matvec_int8(cuda::MvMode::Auto);
+    dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
 }
 
 #[test]
@@ -1308,21 +1335,29 @@ fn bench_ops() {
                 if t > 1 && rows != 8192 {
                     continue;
                 }
-                // One-token products: f32 or 8-bit activations, with or without the weights'
-                // L2 prefetch before the wait (consecutive replays overlap through it).
+                // One-token products: f32 activations (with or without the weights' L2
+                // prefetch before the wait; consecutive replays overlap through it), 8-bit ones
+                // staged per block, the persistent 8-bit kernels (two or one blocks per
+                // multiprocessor).
                 let quantized = matches!(f, Fmt::Ggml(ty) if ty != GgmlType::F16);
-                let variants: &[(bool, bool)] = if t == 1 && quantized {
-                    &[(false, false), (false, true), (true, false), (true, true)]
+                let variants: &[&str] = if t == 1 && quantized {
+                    &["f32", "f32+pf", "i8", "p8", "p8x1"]
                 } else {
-                    &[(true, true)]
+                    &[""]
                 };
-                for &(act8, pf) in variants {
-                    dev.set_matvec_int8(if act8 {
+                for &v in variants {
+                    dev.set_matvec_int8(if v == "i8" {
                         cuda::MvMode::All
                     } else {
                         cuda::MvMode::Off
                     });
-                    dev.set_matvec_prefetch(pf);
+                    let p8 = if v.starts_with("p8") {
+                        cuda::MvMode::All
+                    } else {
+                        cuda::MvMode::Off
+                    };
+                    dev.set_matvec_persistent(p8, if v == "p8x1" { 1 } else { 2 });
+                    dev.set_matvec_prefetch(v == "f32+pf");
                     let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
                     let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
                     let ms = time_ms(&dev, 50, |i| {
@@ -1332,23 +1367,15 @@ fn bench_ops() {
                     let eager = time_eager_ms(&dev, 50, |i| {
                         dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
                     });
-                    let tag = if t == 1 {
-                        format!(
-                            " {}{}",
-                            if act8 { "i8" } else { "f32" },
-                            if pf { "+pf" } else { "" }
-                        )
-                    } else {
-                        String::new()
-                    };
                     table.push(format!(
-                        "matvec {:>10} R={rows:>5} C={cols:>5} T={t}{tag}: {:7.1} us, {gbs:6.0} GB/s ({:.0}% of copy); eager launches {:.1} us",
+                        "matvec {:>10} R={rows:>5} C={cols:>5} T={t} {v}: {:7.1} us, {gbs:6.0} GB/s ({:.0}% of copy); eager launches {:.1} us",
                         w.type_name(),
                         ms * 1000.0,
                         100.0 * gbs / copy_gbs,
                         eager * 1000.0
                     ));
                 }
+                dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
                 dev.set_matvec_int8(cuda::MvMode::Auto);
                 dev.set_matvec_prefetch(true);
             }

@@ -21,12 +21,13 @@ use super::{cuda_err, default_cache_dir, DeviceInfo, Program};
 use crate::{Error, Result};
 
 /// Headers every program may `#include "..."` by these names.
-const HEADERS: [(&str, &str); 5] = [
+const HEADERS: [(&str, &str); 6] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
     ("linear.cuh", include_str!("kernels/linear.cuh")),
     ("matvec.cuh", include_str!("kernels/matvec.cuh")),
     ("matvec_q8.cuh", include_str!("kernels/matvec_q8.cuh")),
+    ("matvec_p8.cuh", include_str!("kernels/matvec_p8.cuh")),
 ];
 
 fn source(p: Program) -> (&'static str, &'static str) {
@@ -49,7 +50,13 @@ pub(crate) fn arch_option(info: &DeviceInfo) -> String {
 }
 
 fn options(arch: &str) -> Vec<String> {
-    vec![arch.to_string(), "-std=c++17".into()]
+    let mut o = vec![arch.to_string(), "-std=c++17".into()];
+    // Measurement switch: the one-token kernels without their weight loads ahead of the wait
+    // for the previous kernel (`HF2Q_MV_EARLY` in matvec.cuh).
+    if std::env::var("HF2Q_CUDA_EARLY").as_deref() == Ok("0") {
+        o.push("-DHF2Q_MV_EARLY=0".into());
+    }
+    o
 }
 
 /// Where compiled kernels are cached (`None`: no home folder; kernels are then compiled on every

@@ -131,6 +131,9 @@ pub struct CudaDev {
     /// kernel, and 8-bit activations (an [`MvMode`] as its discriminant).
     mv_prefetch: std::sync::atomic::AtomicBool,
     mv_act8: std::sync::atomic::AtomicU8,
+    mv_p8: std::sync::atomic::AtomicU8,
+    /// Blocks per multiprocessor of the persistent one-token kernels.
+    mv_p8_blocks: std::sync::atomic::AtomicUsize,
 }
 
 /// Running totals of what the host asked of the device (`--stats`).
@@ -276,6 +279,14 @@ impl CudaDev {
             blas_chunk: std::sync::atomic::AtomicUsize::new(0),
             mv_prefetch: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_PREFETCH")),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
+            mv_p8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_P8") as u8),
+            mv_p8_blocks: std::sync::atomic::AtomicUsize::new(
+                std::env::var("HF2Q_CUDA_P8_BLOCKS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&b: &usize| (1..=2).contains(&b))
+                    .unwrap_or(2),
+            ),
             gemm: std::sync::atomic::AtomicU8::new(if std::env::var("HF2Q_CUDA_GEMM")
                 .is_ok_and(|v| v == "tiled")
             {

@@ -76,6 +76,28 @@ fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
     }
 }
 
+/// Warps per block of the persistent kernels (`MP_WARPS` in `kernels/matvec_p8.cuh`) and rows
+/// per row group of their plain and gated forms (`RPW`, `GNR` of its formats: the same for all).
+const MP_WARPS: usize = 8;
+const MP_ROWS: usize = 4;
+const MP_GATED_ROWS: usize = 2;
+
+/// Dynamic shared memory of a persistent kernel for `cols` columns (`mp_stage`): four planes of
+/// 16 bytes per 32 columns, each padded by 16, then four sums and two scales per 32 columns.
+fn mp_smem(cols: usize) -> usize {
+    let nb = cols / 32;
+    4 * (16 * nb + 16) + 24 * nb
+}
+
+/// The one-token kernels chosen for a weight ([`CudaDev::mv_kernels`]).
+struct MvKernels<'w> {
+    plain: &'w cudarc::driver::CudaFunction,
+    gated: &'w cudarc::driver::CudaFunction,
+    flags: i32,
+    smem: usize,
+    persistent: bool,
+}
+
 /// One matrix of a fused one-token launch; mirrors `struct MvJob` in `kernels/matvec.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -394,20 +416,43 @@ impl CudaDev {
             .store(m as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The one-token kernels for `w` (plain / fused, gated), the kernel flags and the dynamic
-    /// shared memory they take: the 8-bit ones stage the quantized input row there (two terms
-    /// of `cols` bytes and four floats per 32 columns), within the 48 KB a launch gets without
-    /// opting in.
-    fn mv_kernels<'w>(
-        &self,
-        w: &'w DeviceWeight,
-    ) -> Option<(
-        &'w cudarc::driver::CudaFunction,
-        &'w cudarc::driver::CudaFunction,
-        i32,
-        usize,
-    )> {
+    /// When one-token products of Q4_0, Q8_0 and Q4_K run the persistent 8-bit kernels
+    /// (`matvec_p8.cuh`): `Auto` for Q4_0 matrices of at least 24M weights;
+    /// `HF2Q_CUDA_P8=0|all` at open. `blocks_per_sm` (1 or 2; `HF2Q_CUDA_P8_BLOCKS`, default
+    /// 2) bounds their grid: the kernels are compiled for two resident blocks of eight warps.
+    pub fn set_matvec_persistent(&self, m: MvMode, blocks_per_sm: usize) {
         use std::sync::atomic::Ordering::Relaxed;
+        self.mv_p8.store(m as u8, Relaxed);
+        self.mv_p8_blocks.store(blocks_per_sm.clamp(1, 2), Relaxed);
+    }
+
+    /// The one-token kernels for `w` (plain / fused, gated), the kernel flags, the dynamic
+    /// shared memory they take and whether they are the persistent ones: the 8-bit ones stage
+    /// the quantized input row there, within the 48 KB a launch gets without opting in.
+    fn mv_kernels<'w>(&self, w: &'w DeviceWeight) -> Option<MvKernels<'w>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let p8 = MvMode::from_u8(self.mv_p8.load(Relaxed));
+        let psmem = mp_smem(w.cols);
+        if let Some((f, g)) = w.fast_p8.as_ref().filter(|_| {
+            psmem <= 48 * 1024
+                && match p8 {
+                    MvMode::Off => false,
+                    MvMode::All => true,
+                    // Where it measured faster (cuda/NOTES.md): Q4_0 products of at least
+                    // 24M weights (an 8B's q/k/v, gate/up, down: 14336 x 4096 22.1 -> 13.1 us).
+                    // Smaller ones (4096 x 4096, every 1B product) are faster with the f32
+                    // kernels; Q8_0 and Q4_K lost in the whole model.
+                    MvMode::Auto => w.kind == "q4_0s" && w.rows * w.cols >= 24 << 20,
+                }
+        }) {
+            return Some(MvKernels {
+                plain: f,
+                gated: g,
+                flags: 0,
+                smem: psmem,
+                persistent: true,
+            });
+        }
         let act8 = MvMode::from_u8(self.mv_act8.load(Relaxed));
         let smem = 2 * w.cols + w.cols / 32 * 16;
         let q8 = w.fast_q8.as_ref().filter(|_| {
@@ -425,11 +470,26 @@ impl CudaDev {
         // Only the kernels that measured faster with it prefetch (`Prefetch` in matvec.cuh);
         // the others ignore the flag.
         let flags = i32::from(self.mv_prefetch.load(Relaxed)) * MV_PREFETCH;
-        match (q8, &w.fast) {
-            (Some((f, g)), _) => Some((f, g, flags, smem)),
-            (None, Some((f, g))) => Some((f, g, flags, 0)),
-            _ => None,
-        }
+        let (plain, gated, smem) = match (q8, &w.fast) {
+            (Some((f, g)), _) => (f, g, smem),
+            (None, Some((f, g))) => (f, g, 0),
+            _ => return None,
+        };
+        Some(MvKernels {
+            plain,
+            gated,
+            flags,
+            smem,
+            persistent: false,
+        })
+    }
+
+    /// Blocks of a persistent launch over `groups` row groups: enough for every warp to have a
+    /// group, at most `mv_p8_blocks` per multiprocessor.
+    fn mp_grid(&self, groups: usize) -> Result<u32> {
+        let per_sm = self.mv_p8_blocks.load(std::sync::atomic::Ordering::Relaxed);
+        let most = per_sm * self.info().multiprocessors as usize;
+        blocks(groups.min(most * MP_WARPS), MP_WARPS)
     }
 
     /// Warps sharing one row group in the `matvec.cuh` kernels: more when the matrix has too
@@ -464,9 +524,10 @@ impl CudaDev {
                 jobs.len()
             )));
         }
-        let (f, _, flags, smem) = self
+        let k = self
             .mv_kernels(first)
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", first.name)))?;
+        let (f, flags, smem) = (k.plain, k.flags, k.smem);
         let empty = MvJob {
             w: first.args(self),
             bias: 0,
@@ -491,8 +552,16 @@ impl CudaDev {
                     first.name, w.name
                 )));
             }
-            let rpw = mvf_rows_per_group(w.kind).0;
-            let ks = self.mv_split(w.rows, w.cols, rpw);
+            let rpw = if k.persistent {
+                MP_ROWS
+            } else {
+                mvf_rows_per_group(w.kind).0
+            };
+            let ks = if k.persistent {
+                1
+            } else {
+                self.mv_split(w.rows, w.cols, rpw)
+            };
             mj.j[i] = MvJob {
                 w: w.args(self),
                 bias: bias.map_or(0, |b| self.ptr(b)),
@@ -502,10 +571,20 @@ impl CudaDev {
                 ks: ks as i32,
                 pad: 0,
             };
-            ctas += w.rows.div_ceil(rpw * 4 / ks);
+            // Persistent: `cta0` numbers the job's first row group instead.
+            ctas += if k.persistent {
+                w.rows.div_ceil(rpw)
+            } else {
+                w.rows.div_ceil(rpw * 4 / ks)
+            };
         }
         if !xp.is_multiple_of(16) {
             return Err(shape("matvec: the input is not 16-byte aligned".into()));
+        }
+        if k.persistent {
+            let grid = self.mp_grid(ctas)?;
+            let threads = (MP_WARPS * 32) as u32;
+            return launch!(self, f, (grid, 1, 1), (threads, 1, 1), smem; mj, xp);
         }
         let grid = u32::try_from(ctas).map_err(|_| shape(format!("{ctas} blocks")))?;
         launch!(self, f, (grid, 1, 1), (128, 1, 1), smem; mj, xp)
@@ -579,9 +658,10 @@ impl CudaDev {
             out.len(),
             gate.rows,
         )?;
-        let (_, f, flags, smem) = self
+        let k = self
             .mv_kernels(gate)
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", gate.name)))?;
+        let (f, flags, smem) = (k.gated, k.flags, k.smem);
         self.bind()?;
         let (gw, uw) = (gate.args(self), up.args(self));
         let (xp, op) = (self.ptr(x), self.ptr_mut(out));
@@ -590,6 +670,12 @@ impl CudaDev {
         }
         let rows = to_i32("rows", gate.rows)?;
         let act = i32::from(gelu);
+        if k.persistent {
+            let grid = self.mp_grid(gate.rows.div_ceil(MP_GATED_ROWS))?;
+            let (ksi, threads) = (1i32, (MP_WARPS * 32) as u32);
+            return launch!(self, f, (grid, 1, 1), (threads, 1, 1), smem;
+                gw, uw, xp, op, rows, act, ksi, flags);
+        }
         let nr = mvf_rows_per_group(gate.kind).1;
         let ks = self.mv_split(gate.rows, gate.cols, nr);
         let ksi = ks as i32;

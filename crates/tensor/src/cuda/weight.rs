@@ -51,6 +51,9 @@ pub struct DeviceWeight {
     /// The same with 8-bit activations (`kernels/matvec_q8.cuh`: `mqf`, `mqg`), for the
     /// quantized formats among them.
     pub(crate) fast_q8: Option<(CudaFunction, CudaFunction)>,
+    /// The persistent 8-bit kernels (`kernels/matvec_p8.cuh`: `mpf`, `mpg`), for Q4_0, Q8_0 and
+    /// Q4_K.
+    pub(crate) fast_p8: Option<(CudaFunction, CudaFunction)>,
 }
 
 /// Copies blocks of `block` bytes into slots of `stride` bytes (zero-padded), so that every
@@ -265,10 +268,19 @@ impl CudaDev {
         } else {
             None
         };
+        let fast_p8 = if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k") {
+            Some((
+                self.function(program, &format!("mpf_{kind}"))?,
+                self.function(program, &format!("mpg_{kind}"))?,
+            ))
+        } else {
+            None
+        };
         Ok(DeviceWeight {
             kernels,
             fast,
             fast_q8,
+            fast_p8,
             scales_at,
             name: w.name.clone(),
             rows: w.rows,

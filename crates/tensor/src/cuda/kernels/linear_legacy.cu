@@ -2,6 +2,7 @@
 #include "linear.cuh"
 #include "matvec.cuh"
 #include "matvec_q8.cuh"
+#include "matvec_p8.cuh"
 
 HF2Q_LINEAR_KERNELS(q4_0, FQ4_0)
 HF2Q_LINEAR_KERNELS(q4_1, FQ4_1)
@@ -17,6 +18,8 @@ HF2Q_MATVEC_FAST(q4_0s, DQ4_0S)
 HF2Q_MATVEC_FAST(q8_0s, DQ8_0S)
 HF2Q_MATVEC_Q8(q4_0s, EQ4_0S)
 HF2Q_MATVEC_Q8(q8_0s, EQ8_0S)
+HF2Q_MATVEC_P8(q4_0s, PQ4_0)
+HF2Q_MATVEC_P8(q8_0s, PQ8_0)
 HF2Q_MATVEC_FAST(f32, DF32)
 HF2Q_MATVEC_FAST(f16, DF16)
 HF2Q_MATVEC_FAST(bf16, DBF16)

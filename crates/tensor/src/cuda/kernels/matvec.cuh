@@ -141,11 +141,18 @@ struct DQ4_0S : NoAux {
 #pragma unroll
         for (int h = 0; h < 4; h++) ld4(p + 16 * (h >> 1) + 4 * (h & 1), xr + 4 * h);
     }
-    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
-                                               XA) {
+    struct WR {
+        uint2 q;
+        float d;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
         const i64 blk = (i64)row * (w.cols >> 5) + (u >> 1);
-        const uint2 q = ld_stream_u2((const uint2*)w.data + 2 * blk + (u & 1));
-        const float d = h2f(((const u16*)w.scales)[blk]);
+        return WR{ld_stream_u2((const uint2*)w.data + 2 * blk + (u & 1)),
+                  h2f(((const u16*)w.scales)[blk])};
+    }
+    static __device__ __forceinline__ float dotw(const WR& a, int, const float* xr, XA) {
+        const uint2 q = a.q;
+        const float d = a.d;
         // Word k of the pair holds elements 8p + 4k .. + 4 (low) and 16 + 8p + 4k .. (high).
         float s0 = 0.0f, s1 = 0.0f;
         const u32 ws[2] = {q.x, q.y};
@@ -166,14 +173,17 @@ struct DQ4_0S : NoAux {
 // the sign bit maps int8 q to the byte q + 128.
 struct DQ8_0S : Quad {
     static constexpr int RPW = 4;
-    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
-                                               XA) {
+    struct WR {
+        u32 lo, hi;
+        float d;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
         const i64 blk = (i64)row * (w.cols >> 5) + (u >> 2);
         const u32* q = (const u32*)w.data + 8 * blk + (u & 3);
-        const float d = h2f(((const u16*)w.scales)[blk]);
-        return dot_bytes8(ld_stream_u32(q) ^ 0x80808080u, ld_stream_u32(q + 4) ^ 0x80808080u,
-                          128.0f, xr) *
-               d;
+        return WR{ld_stream_u32(q), ld_stream_u32(q + 4), h2f(((const u16*)w.scales)[blk])};
+    }
+    static __device__ __forceinline__ float dotw(const WR& a, int, const float* xr, XA) {
+        return dot_bytes8(a.lo ^ 0x80808080u, a.hi ^ 0x80808080u, 128.0f, xr) * a.d;
     }
 };
 
@@ -187,11 +197,19 @@ struct SplitScales<DQ8_0S> {
 };
 
 // Dense rows of `row_bytes` (16-byte aligned when cols % 32 == 0: the allocation is).
+// The dense formats' unit: four elements at 32 (u / 4) + 4 (u % 4) and four 16 further.
+struct WR16 {
+    uint2 a, c;
+};
+
 struct DF16 : Quad {
-    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
-                                               XA) {
+    using WR = WR16;
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
         const u16* p = (const u16*)row_ptr(w, row) + 32 * (u >> 2) + 4 * (u & 3);
-        const uint2 a = ld_stream_u2(p), c = ld_stream_u2(p + 16);
+        return WR{ld_stream_u2(p), ld_stream_u2(p + 16)};
+    }
+    static __device__ __forceinline__ float dotw(const WR& wr, int, const float* xr, XA) {
+        const uint2 a = wr.a, c = wr.c;
         const u32 ws[4] = {a.x, a.y, c.x, c.y};
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
@@ -204,10 +222,13 @@ struct DF16 : Quad {
 };
 
 struct DBF16 : Quad {
-    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
-                                               XA) {
+    using WR = WR16;
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
         const u16* p = (const u16*)row_ptr(w, row) + 32 * (u >> 2) + 4 * (u & 3);
-        const uint2 a = *(const uint2*)p, c = *(const uint2*)(p + 16);
+        return WR{*(const uint2*)p, *(const uint2*)(p + 16)};
+    }
+    static __device__ __forceinline__ float dotw(const WR& wr, int, const float* xr, XA) {
+        const uint2 a = wr.a, c = wr.c;
         const u32 ws[4] = {a.x, a.y, c.x, c.y};
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
@@ -220,10 +241,15 @@ struct DBF16 : Quad {
 };
 
 struct DF32 : Quad {
-    static __device__ __forceinline__ float dot(const WRef& w, int row, int u, const float* xr,
-                                               XA) {
+    struct WR {
+        float4 a, c;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
         const float* p = (const float*)row_ptr(w, row) + 32 * (u >> 2) + 4 * (u & 3);
-        const float4 a = *(const float4*)p, c = *(const float4*)(p + 16);
+        return WR{*(const float4*)p, *(const float4*)(p + 16)};
+    }
+    static __device__ __forceinline__ float dotw(const WR& wr, int, const float* xr, XA) {
+        const float4 a = wr.a, c = wr.c;
         float s0 = a.x * xr[0], s1 = c.x * xr[4];
         s0 = fmaf(a.y, xr[1], s0);
         s1 = fmaf(c.y, xr[5], s1);
@@ -279,12 +305,16 @@ struct DQ4_K {
         }
         return a;
     }
-    static __device__ __forceinline__ float dot(const WRef& w, int row, int b, const float* xr,
-                                               XA xa) {
+    struct WR {
+        uint4 h, q;  // the super-block's header (d, dmin, scales) and the unit's quants
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int b) {
         const u8* sb = row_ptr(w, row) + 144 * (b >> 3);
+        return WR{*(const uint4*)sb, *(const uint4*)(sb + 16 + 32 * ((b >> 1) & 3) + 16 * (b & 1))};
+    }
+    static __device__ __forceinline__ float dotw(const WR& wr, int b, const float* xr, XA xa) {
         const int c = (b >> 1) & 3;
-        const uint4 h = *(const uint4*)sb;
-        const uint4 q = *(const uint4*)(sb + 16 + 32 * c + 16 * (b & 1));
+        const uint4 h = wr.h, q = wr.q;
         const u32 ws[4] = {q.x, q.y, q.z, q.w};
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
@@ -323,15 +353,23 @@ struct DQ6_KP {
         for (int h = 0; h < 8; h++) ld4(p + 32 * (h >> 1) + 4 * (h & 1), xr + 4 * h);
     }
     static __device__ __forceinline__ XA prep(const float* xr) { return XA{}; }
-    static __device__ __forceinline__ float dot(const WRef& w, int row, int b, const float* xr,
-                                                 XA) {
+    struct WR {
+        uint2 qa, qb, qh, sc;
+        float d;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int b) {
         const u8* sb = row_ptr(w, row) + 224 * (b >> 3);
         const int n = (b >> 2) & 1, l0 = 8 * (b & 3);
-        const uint2 qa = *(const uint2*)(sb + 64 * n + l0);       // quarters 0 (lo), 2 (hi)
-        const uint2 qb = *(const uint2*)(sb + 64 * n + 32 + l0);  // quarters 1 (lo), 3 (hi)
-        const uint2 qh = *(const uint2*)(sb + 128 + 32 * n + l0);
-        const uint2 sc = *(const uint2*)(sb + 192 + 8 * n);
-        const float d = h2f(*(const u16*)(sb + 208));
+        return WR{*(const uint2*)(sb + 64 * n + l0),        // quarters 0 (lo), 2 (hi)
+                  *(const uint2*)(sb + 64 * n + 32 + l0),   // quarters 1 (lo), 3 (hi)
+                  *(const uint2*)(sb + 128 + 32 * n + l0),  // their high bits
+                  *(const uint2*)(sb + 192 + 8 * n),        // the half's scales
+                  h2f(*(const u16*)(sb + 208))};
+    }
+    static __device__ __forceinline__ float dotw(const WR& wr, int b, const float* xr, XA) {
+        const int l0 = 8 * (b & 3);
+        const uint2 qa = wr.qa, qb = wr.qb, qh = wr.qh, sc = wr.sc;
+        const float d = wr.d;
         const int sb16 = l0 >> 4;  // which of the two 16-column scale groups
         float tot = 0.0f;
 #pragma unroll
@@ -377,13 +415,24 @@ struct MvJobs {
 // Flag bits of the one-token kernels.
 #define MV_PREFETCH 1  // prefetch this block's weight rows to L2 before waiting (prefetch_l2)
 
+// Whether the one-token kernels load their first weights before waiting for the previous kernel
+// (`mvf_rows`); `HF2Q_CUDA_EARLY=0` at open compiles them without (for measurements).
+#ifndef HF2Q_MV_EARLY
+#define HF2Q_MV_EARLY 1
+#endif
+
 // The warps of a CTA form MVF_WARPS / ks row groups of ks warps; a group's warps split the
-// units of its NR rows, their sums meet in shared memory. NW matrices (1, or 2 for gate and up) are read at the same rows.
+// units of its NR rows, their sums meet in shared memory. NW matrices (1, or 2 for gate and up)
+// are read at the same rows. Waits for the previous kernel (`pdl_wait`) itself: the weights do
+// not depend on it, so each lane's first U units of weights are loaded into registers before
+// the wait and arrive while that kernel finishes (for the small products of a 1B model, U
+// units are all a lane has: the whole matrix is then read during the previous kernel).
 template <class F, int NR, int NW>
 __device__ __forceinline__ void mvf_rows(const WRef& w0, const WRef& w1,
                                          const float* __restrict__ x, int rows, int row0,
                                          int ks, float (*red)[MVF_WARPS][4]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kpart = warp % ks;
+    const bool active = row0 < rows;
     int rr[NR];
 #pragma unroll
     for (int r = 0; r < NR; r++) rr[r] = min(row0 + r, rows - 1);  // edge rows not written
@@ -395,24 +444,57 @@ __device__ __forceinline__ void mvf_rows(const WRef& w0, const WRef& w1,
     // Units of F::N activations per row; lane l of warp k takes units l + 32 k, + 32 ks, ...
     // Unrolled so that several units' loads are in flight: four for the small units, two for
     // the 32-element ones (registers).
-    const int nu = w0.cols / F::N, S = 32 * ks;
+    constexpr int U = F::N <= 16 ? 4 : 2;
+    const int nu = w0.cols / F::N, S = 32 * ks, u0 = lane + 32 * kpart;
     auto step = [&](int u) {
         float xr[F::N];
         F::load_x(x, u, xr);
         const typename F::XA xa = F::prep(xr);
 #pragma unroll
         for (int r = 0; r < NR; r++) {
-            acc[0][r] += F::dot(w0, rr[r], u, xr, xa);
-            if (NW > 1) acc[NW - 1][r] += F::dot(w1, rr[r], u, xr, xa);
+            acc[0][r] += F::dotw(F::ldw(w0, rr[r], u), u, xr, xa);
+            if (NW > 1) acc[NW - 1][r] += F::dotw(F::ldw(w1, rr[r], u), u, xr, xa);
         }
     };
-    if (F::N <= 16) {
-#pragma unroll 4
-        for (int u = lane + 32 * kpart; u < nu; u += S) step(u);
-    } else {
-#pragma unroll 2
-        for (int u = lane + 32 * kpart; u < nu; u += S) step(u);
+    int ub = u0;
+#if HF2Q_MV_EARLY
+    typename F::WR pre[U][NW][NR];
+    if (active) {
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            const int u = u0 + k * S;
+            if (u < nu) {
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    pre[k][0][r] = F::ldw(w0, rr[r], u);
+                    if (NW > 1) pre[k][NW - 1][r] = F::ldw(w1, rr[r], u);
+                }
+            }
+        }
     }
+    pdl_wait();
+    if (!active) return;
+#pragma unroll
+    for (int k = 0; k < U; k++) {
+        const int u = u0 + k * S;
+        if (u < nu) {
+            float xr[F::N];
+            F::load_x(x, u, xr);
+            const typename F::XA xa = F::prep(xr);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                acc[0][r] += F::dotw(pre[k][0][r], u, xr, xa);
+                if (NW > 1) acc[NW - 1][r] += F::dotw(pre[k][NW - 1][r], u, xr, xa);
+            }
+        }
+    }
+    ub = u0 + U * S;
+#else
+    pdl_wait();
+    if (!active) return;
+#endif
+#pragma unroll U
+    for (int u = ub; u < nu; u += S) step(u);
 #pragma unroll
     for (int m = 0; m < NW; m++)
 #pragma unroll
@@ -512,8 +594,7 @@ __device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __rest
     const MvJob& J = jobs.j[p.ji];
     if (Prefetch<F>::V && (jobs.flags & MV_PREFETCH))
         prefetch_rows<F>(J.w, J.rows, p.cta_row0, (MVF_WARPS / p.ks) * RPW);
-    pdl_wait();
-    if (p.row0 < J.rows) mvf_rows<F, RPW, 1>(J.w, J.w, x, J.rows, p.row0, p.ks, red);
+    mvf_rows<F, RPW, 1>(J.w, J.w, x, J.rows, p.row0, p.ks, red);
     __syncthreads();
     mv_store<RPW>(jobs, J, p, red);
 }
@@ -530,14 +611,13 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
         prefetch_rows<F>(g, rows, p.cta_row0, (MVF_WARPS / ks) * NR);
         prefetch_rows<F>(u, rows, p.cta_row0, (MVF_WARPS / ks) * NR);
     }
-    pdl_wait();
-    if (p.row0 < rows) mvf_rows<F, NR, 2>(g, u, x, rows, p.row0, ks, red);
+    mvf_rows<F, NR, 2>(g, u, x, rows, p.row0, ks, red);
     __syncthreads();
     mg_store<NR>(out, rows, act, p, red);
 }
 
-// Each kernel waits for its predecessor (`pdl_wait`) inside the implementation, after
-// prefetching its weights.
+// Each kernel waits for its predecessor (`pdl_wait`) inside `mvf_rows`, after its first weight
+// loads.
 #define HF2Q_MATVEC_FAST(NAME, DOT)                                                             \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
