@@ -42,63 +42,34 @@ __device__ __forceinline__ int mp_plane_bytes(int nb) { return 16 * nb + 16; }
 
 extern __shared__ __align__(16) u8 mp_smem[];
 
-// Quantizes x (cols f32, 16-byte aligned, cols % 32 == 0) into the planes; eight lanes per
-// block (a float4 each), as `stage_q8`. The caller synchronises the block afterwards.
+// Quantizes x (cols f32, 16-byte aligned, cols % 32 == 0) into the planes (`quantize_row_q8`).
+// The caller synchronises the block afterwards.
 __device__ __forceinline__ XP mp_stage(const float* __restrict__ x, int cols) {
     const int nb = cols >> 5, ps = mp_plane_bytes(nb);
     u8* base = mp_smem;
     int4* sums = (int4*)(base + 4 * ps);
     float2* ds = (float2*)(base + 4 * ps + 16 * nb);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int sub = lane & 7, mine = warp * 4 + (lane >> 3);
-    for (int b0 = 0; b0 < nb; b0 += 32 * nw) {  // block-uniform
-        float4 v[8];
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const int b = b0 + 4 * nw * r + mine;
-            if (b < nb) {
-                v[r] = *(const float4*)(x + 32 * b + 4 * sub);
-            } else {
-                v[r].x = v[r].y = v[r].z = v[r].w = 0.0f;
+    quantize_row_q8(x, cols, [&](int b, int sub, const int* h, const int* l, float d1, float d2) {
+        // Sums over the half (four lanes: sub 0..3 hold elements 0..15, 4..7 16..31).
+        int s1 = h[0] + h[1] + h[2] + h[3], s2 = l[0] + l[1] + l[2] + l[3];
+        s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
+        s2 += __shfl_xor_sync(FULL_MASK, s2, 1);
+        s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
+        s2 += __shfl_xor_sync(FULL_MASK, s2, 2);
+        if (b < nb) {
+            const int half = sub >> 2;
+            u32* p1 = (u32*)(base + half * ps) + 4 * b + (sub & 3);
+            u32* p2 = (u32*)(base + (2 + half) * ps) + 4 * b + (sub & 3);
+            *p1 = pack_i8x4(h[0], h[1], h[2], h[3]);
+            *p2 = pack_i8x4(l[0], l[1], l[2], l[3]);
+            if ((sub & 3) == 0) {
+                int* s = (int*)(sums + b);
+                s[half] = s1;
+                s[2 + half] = s2;
             }
+            if (sub == 0) ds[b] = float2{d1, d2};
         }
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const int b = b0 + 4 * nw * r + mine;
-            const float e[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-            float a = fmaxf(fmaxf(fabsf(e[0]), fabsf(e[1])), fmaxf(fabsf(e[2]), fabsf(e[3])));
-            a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 1));
-            a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 2));
-            a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 4));
-            const float d1 = a / 127.0f, id1 = a > 0.0f ? 127.0f / a : 0.0f;
-            const float d2 = d1 / 254.0f, id2 = a > 0.0f ? 254.0f * id1 : 0.0f;
-            int h[4], l[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                h[i] = __float2int_rn(e[i] * id1);
-                l[i] = max(-127, min(127, __float2int_rn(fmaf(-d1, (float)h[i], e[i]) * id2)));
-            }
-            // Sums over the half (four lanes: sub 0..3 hold elements 0..15, 4..7 16..31).
-            int s1 = h[0] + h[1] + h[2] + h[3], s2 = l[0] + l[1] + l[2] + l[3];
-            s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
-            s2 += __shfl_xor_sync(FULL_MASK, s2, 1);
-            s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
-            s2 += __shfl_xor_sync(FULL_MASK, s2, 2);
-            if (b < nb) {
-                const int half = sub >> 2;
-                u32* p1 = (u32*)(base + half * ps) + 4 * b + (sub & 3);
-                u32* p2 = (u32*)(base + (2 + half) * ps) + 4 * b + (sub & 3);
-                *p1 = pack_i8x4(h[0], h[1], h[2], h[3]);
-                *p2 = pack_i8x4(l[0], l[1], l[2], l[3]);
-                if ((sub & 3) == 0) {
-                    int* s = (int*)(sums + b);
-                    s[half] = s1;
-                    s[2 + half] = s2;
-                }
-                if (sub == 0) ds[b] = float2{d1, d2};
-            }
-        }
-    }
+    });
     return XP{(const uint4*)base,          (const uint4*)(base + ps),
               (const uint4*)(base + 2 * ps), (const uint4*)(base + 3 * ps),
               sums,                          ds};

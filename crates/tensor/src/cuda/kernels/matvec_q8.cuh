@@ -53,9 +53,11 @@ __device__ __forceinline__ int sum8(int s) {  // over the eight lanes of one blo
 // Quantizes x (cols f32, 16-byte aligned, cols % 32 == 0) into the two terms. Eight lanes per
 // block (a float4 each), four blocks per warp and round; eight rounds' loads are issued before
 // any is used, so a block of four warps has 128 loads in flight (one trip through L2 for 4096
-// columns).
-__device__ __forceinline__ void stage_q8(const float* __restrict__ x, int cols, u8* q1, u8* q2,
-                                         float4* ds) {
+// columns). Lane `sub` of block b's eight hands its four elements' codes h (first term), l
+// (second) and the block's scales to put(b, sub, h, l, d1, d2), which stores them in its
+// kernel's layout; every lane calls it, b >= nb included (it may shuffle; it stores nothing then).
+template <class Put>
+__device__ __forceinline__ void quantize_row_q8(const float* __restrict__ x, int cols, Put put) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int nb = cols >> 5, sub = lane & 7, mine = warp * 4 + (lane >> 3);
     for (int base = 0; base < nb; base += 32 * nw) {  // block-uniform
@@ -86,14 +88,22 @@ __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int cols, 
                 // The remainder is at most d1 / 2 up to rounding: clamp its code to 127.
                 l[i] = max(-127, min(127, __float2int_rn(fmaf(-d1, (float)h[i], e[i]) * id2)));
             }
-            const int s1 = sum8(h[0] + h[1] + h[2] + h[3]), s2 = sum8(l[0] + l[1] + l[2] + l[3]);
-            if (b < nb) {
-                *(u32*)(q1 + 32 * b + 4 * sub) = pack_i8x4(h[0], h[1], h[2], h[3]);
-                *(u32*)(q2 + 32 * b + 4 * sub) = pack_i8x4(l[0], l[1], l[2], l[3]);
-                if (sub == 0) ds[b] = float4{d1, d1 * (float)s1, d2, d2 * (float)s2};
-            }
+            put(b, sub, h, l, d1, d2);
         }
     }
+}
+
+__device__ __forceinline__ void stage_q8(const float* __restrict__ x, int cols, u8* q1, u8* q2,
+                                         float4* ds) {
+    const int nb = cols >> 5;
+    quantize_row_q8(x, cols, [&](int b, int sub, const int* h, const int* l, float d1, float d2) {
+        const int s1 = sum8(h[0] + h[1] + h[2] + h[3]), s2 = sum8(l[0] + l[1] + l[2] + l[3]);
+        if (b < nb) {
+            *(u32*)(q1 + 32 * b + 4 * sub) = pack_i8x4(h[0], h[1], h[2], h[3]);
+            *(u32*)(q2 + 32 * b + 4 * sub) = pack_i8x4(l[0], l[1], l[2], l[3]);
+            if (sub == 0) ds[b] = float4{d1, d1 * (float)s1, d2, d2 * (float)s2};
+        }
+    });
 }
 
 #define ONES 0x01010101u
