@@ -439,7 +439,8 @@ impl CudaDev {
                     MvMode::Off => false,
                     MvMode::All => true,
                     // Where it measured faster (cuda/NOTES.md): Q4_0 products of at least
-                    // 24M weights (an 8B's q/k/v, gate/up, down: 14336 x 4096 22.1 -> 13.1 us).
+                    // 24M weights (an 8B's gate/up and down: 14336 x 4096 22.1 -> 13.1 us; a
+                    // fused launch follows its first matrix, so an 8B's q/k/v stay on f32).
                     // Smaller ones (4096 x 4096, every 1B product) are faster with the f32
                     // kernels; Q8_0 and Q4_K lost in the whole model.
                     MvMode::Auto => w.kind == "q4_0s" && w.rows * w.cols >= 24 << 20,
