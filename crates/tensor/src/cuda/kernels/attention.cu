@@ -114,10 +114,13 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
     const int dbase = lane * DPL;
     const bool lane_on = dbase < dh;
 
+    // The position word is written before the step starts, not by the previous kernel: read
+    // before waiting for it (q and the cache rows are its outputs).
     int lo, total;
     visible_range(*pos0p, cap, window, lo, total);
     const int n = max(total - lo, 0), per = (n + nsplit - 1) / nsplit;
     const int s0 = lo + split * per, s1 = min(s0 + per, total);
+    pdl_wait();
 
     float qr[AD_MAXG][DPL], m[AD_MAXG], l[AD_MAXG], acc[AD_MAXG][DPL];
 #pragma unroll
@@ -132,28 +135,40 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
     }
     const KV* kbase = kc + (i64)kvh * cap * dh + dbase;
     const KV* vbase = vc + (i64)kvh * cap * dh + dbase;
-    for (int j = s0 + warp; j < s1; j += AD_WARPS) {
-        float kr[DPL], vr[DPL];
-        if (lane_on) {
-            load_row<DPL>(kbase + (i64)j * dh, kr);
-            load_row<DPL>(vbase + (i64)j * dh, vr);
-        } else {
+    // A warp takes keys s0 + warp, + AD_WARPS, ... in order, AD_KEYS of them per round: their
+    // rows are all loaded before the first is used, so a round costs one trip through L2, not
+    // one per key (the update per key is the same, in the same order).
+    constexpr int AD_KEYS = DPL >= 8 ? 2 : 4;
+    for (int j0 = s0 + warp; j0 < s1; j0 += AD_KEYS * AD_WARPS) {
+        float kr[AD_KEYS][DPL], vr[AD_KEYS][DPL];
 #pragma unroll
-            for (int i = 0; i < DPL; i++) kr[i] = vr[i] = 0.0f;
+        for (int c = 0; c < AD_KEYS; c++) {
+            const int j = j0 + c * AD_WARPS;
+            if (lane_on && j < s1) {
+                load_row<DPL>(kbase + (i64)j * dh, kr[c]);
+                load_row<DPL>(vbase + (i64)j * dh, vr[c]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < DPL; i++) kr[c][i] = vr[c][i] = 0.0f;
+            }
         }
 #pragma unroll
-        for (int hh = 0; hh < AD_MAXG; hh++) {
-            if (hh < ng) {
-                float s = 0.0f;
+        for (int c = 0; c < AD_KEYS; c++) {
+            if (j0 + c * AD_WARPS >= s1) break;  // warp-uniform
 #pragma unroll
-                for (int i = 0; i < DPL; i++) s += qr[hh][i] * kr[i];
-                s = warp_sum(s) * scale;
-                const float mn = fmaxf(m[hh], s);
-                const float corr = expf(m[hh] - mn), p = expf(s - mn);
-                l[hh] = l[hh] * corr + p;
+            for (int hh = 0; hh < AD_MAXG; hh++) {
+                if (hh < ng) {
+                    float s = 0.0f;
 #pragma unroll
-                for (int i = 0; i < DPL; i++) acc[hh][i] = acc[hh][i] * corr + p * vr[i];
-                m[hh] = mn;
+                    for (int i = 0; i < DPL; i++) s += qr[hh][i] * kr[c][i];
+                    s = warp_sum(s) * scale;
+                    const float mn = fmaxf(m[hh], s);
+                    const float corr = expf(m[hh] - mn), p = expf(s - mn);
+                    l[hh] = l[hh] * corr + p;
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) acc[hh][i] = acc[hh][i] * corr + p * vr[c][i];
+                    m[hh] = mn;
+                }
             }
         }
     }
@@ -513,7 +528,6 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* part, int H,      \
         int hkv, int dh, int cap, float scale, int window, int nsplit, float* out,             \
         u32* counters) {                                                                       \
-        pdl_wait();                                                                            \
         attn_decode_impl<DPL, KV>(q, kc, vc, pos0p, part, H, hkv, dh, cap, scale, window,      \
                                   nsplit, out, counters);                                      \
     }                                                                                          \

@@ -5,25 +5,84 @@
 
 #define NORM_THREADS 256
 
+// Float4 pieces of a row each thread holds in registers in rms_norm's one-pass form: rows of
+// up to NORM_THREADS * NORM_V4 * 4 = 8192 values.
+#define NORM_V4 8
+
 // out[r] = x[r] / rms(x[r]) * (w + offset), one block per row. The sum of squares is reduced in
 // f32 (per thread, then across warps), the scale computed as the CPU reference does.
+//
+// Rows whose width is a multiple of 4 (at most 8192, 16-byte aligned) take one pass: every thread issues all
+// its float4 loads of the row before using any (one trip through L2 rather than one per
+// element), keeps them in registers for the output, and loads its weights before waiting for
+// the previous kernel (they do not depend on it). A decode step runs two of these per layer on
+// one multiprocessor each, so their latency is what counts. Other widths loop per element.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
              int C, float eps, float offset) {
-    pdl_wait();
     __shared__ float red[NORM_THREADS / 32];
     const float* xr = x + (i64)blockIdx.x * C;
     float* orow = out + (i64)blockIdx.x * C;
+    const int t = threadIdx.x;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < C; i += NORM_THREADS) ss += xr[i] * xr[i];
+    const bool a16 = (((u64)xr | (u64)w | (u64)orow) & 15) == 0;
+    if (a16 && (C & 3) == 0 && C <= NORM_THREADS * NORM_V4 * 4) {
+        const int n4 = C >> 2;
+        float4 g[NORM_V4], v[NORM_V4];
+#pragma unroll
+        for (int k = 0; k < NORM_V4; k++) {
+            const int i = t + k * NORM_THREADS;
+            if (i < n4) g[k] = ((const float4*)w)[i];
+        }
+        pdl_wait();
+#pragma unroll
+        for (int k = 0; k < NORM_V4; k++) {
+            const int i = t + k * NORM_THREADS;
+            if (i < n4) v[k] = ((const float4*)xr)[i];
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_V4; k++) {
+            const int i = t + k * NORM_THREADS;
+            if (i < n4) {
+                ss = fmaf(v[k].x, v[k].x, ss);
+                ss = fmaf(v[k].y, v[k].y, ss);
+                ss = fmaf(v[k].z, v[k].z, ss);
+                ss = fmaf(v[k].w, v[k].w, ss);
+            }
+        }
+        ss = warp_sum(ss);
+        if ((t & 31) == 0) red[t >> 5] = ss;
+        __syncthreads();
+        float tot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NORM_THREADS / 32; i++) tot += red[i];
+        const float inv = 1.0f / sqrtf(tot / (float)C + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_V4; k++) {
+            const int i = t + k * NORM_THREADS;
+            if (i < n4) {
+                float4 o;
+                o.x = v[k].x * inv * (g[k].x + offset);
+                o.y = v[k].y * inv * (g[k].y + offset);
+                o.z = v[k].z * inv * (g[k].z + offset);
+                o.w = v[k].w * inv * (g[k].w + offset);
+                ((float4*)orow)[i] = o;
+            }
+        }
+        return;
+    }
+    pdl_wait();
+#pragma unroll 4
+    for (int i = t; i < C; i += NORM_THREADS) ss += xr[i] * xr[i];
     ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    if ((t & 31) == 0) red[t >> 5] = ss;
     __syncthreads();
     float tot = 0.0f;
 #pragma unroll
     for (int i = 0; i < NORM_THREADS / 32; i++) tot += red[i];
     const float inv = 1.0f / sqrtf(tot / (float)C + eps);
-    for (int i = threadIdx.x; i < C; i += NORM_THREADS) orow[i] = xr[i] * inv * (w[i] + offset);
+#pragma unroll 4
+    for (int i = t; i < C; i += NORM_THREADS) orow[i] = xr[i] * inv * (w[i] + offset);
 }
 
 // RoPE in place on x (T, nh, dh): one thread per (token, head, pair). Pair i rotates by angle
@@ -132,7 +191,7 @@ extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* k
 // k (T, hkv, dh) into the cache (k itself is left as it was), v into the cache. One thread per
 // (token, head of q or of k/v, pair of elements); the same angles and arithmetic as `rope`.
 // Pairs past the rotated ones (partial rotary) carry k's other elements; positions at or past
-// the capacity are dropped.
+// the capacity are dropped. Waits for the previous kernel (`pdl_wait`) itself.
 template <typename KV>
 __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const float* __restrict__ k,
                                                 const float* __restrict__ v, KV* __restrict__ kc,
@@ -143,13 +202,17 @@ __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const flo
                                                 float linear_scale, int cap) {
     const int pairs = dh >> 1, slots = nh + hkv;
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (i64)T * slots * pairs) return;
+    const bool live = idx < (i64)T * slots * pairs;
     const int j = (int)(idx % pairs);
     const i64 ts = idx / pairs;
     const int slot = (int)(ts % slots), t = (int)(ts / slots);
-    const int pos = *pos0p + t;
+    // The position and the angle do not depend on the previous kernel (the position word is
+    // written before the step starts): computed before waiting for it.
+    const int pos = live ? *pos0p + t : 0;
     float s = 0.0f, c = 1.0f;
-    if (j < half) sincosf((float)pos / linear_scale * inv_freq[j], &s, &c);
+    if (live && j < half) sincosf((float)pos / linear_scale * inv_freq[j], &s, &c);
+    pdl_wait();
+    if (!live) return;
     const int a = neox ? j : 2 * j, b = neox ? j + half : 2 * j + 1;
     if (slot < nh) {
         if (j < half) {
@@ -184,7 +247,6 @@ __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const flo
                                                  const i32* pos0p, int T, int nh, int hkv,     \
                                                  int dh, int half, int neox,                   \
                                                  float linear_scale, int cap) {                \
-        pdl_wait();                                                                            \
         rope_store_impl<KV>(q, k, v, kc, vc, inv_freq, pos0p, T, nh, hkv, dh, half, neox,      \
                             linear_scale, cap);                                                \
     }
