@@ -32,12 +32,12 @@ use cudarc::driver::{
 };
 
 use crate::cuda::{
-    CudaDev, DeviceKvCache, DevicePtrMutF32, DeviceWeight, KvDtype, RopeTable, SampleArgs,
+    CudaDev, DeviceKvCache, DevicePtrMutF32, DeviceWeight, KvDtype, RopeTable, RowNorm, SampleArgs,
 };
 use crate::kv::{check_fits, DeviceKv, KvStore};
 use crate::op::{
     check_rows, linear_add_composed, linear_gated_composed, linear_many_composed,
-    rope_store_composed, same_shape, AttentionParams, Backend, GateAct, RopeParams,
+    rope_store_composed, same_shape, AttentionParams, Backend, GateAct, PreNorm, RopeParams,
 };
 use crate::tensor::DeviceSpan;
 use crate::{Error, QTensor, Result, Tensor};
@@ -896,6 +896,100 @@ impl Backend for CudaBackend {
         let mut o = self.raw(&out, "linear")?;
         self.dev
             .linear_gated(&xi, &g, &u, act == GateAct::GeluTanh, &mut o)?;
+        Ok(out)
+    }
+
+    fn norm_linear_many(
+        &self,
+        x: &Tensor,
+        norm: PreNorm<'_>,
+        ws: &[(&QTensor, Option<&[f32]>)],
+    ) -> Result<Vec<Tensor>> {
+        let (t, c) = x.dims2();
+        let dws = ws
+            .iter()
+            .map(|(w, _)| self.weight(w))
+            .collect::<Result<Vec<_>>>()?;
+        let fused = t == 1
+            && norm.w.len() == c
+            && (1..=3).contains(&ws.len())
+            && dws
+                .iter()
+                .all(|d| self.dev.has_fast_matvec(d) && d.cols == c && d.kind() == dws[0].kind())
+            && self
+                .dev
+                .folds_norm(&dws[0], dws.iter().map(|d| d.rows * d.cols).sum())
+            && self.raw(x, "linear")?.ptr % 16 == 0;
+        if !fused {
+            let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+            return self.linear_many(&h, ws);
+        }
+        let nw = self.vector(norm.w)?;
+        let rn = RowNorm {
+            w: &nw,
+            eps: norm.eps,
+            offset: norm.offset,
+        };
+        let biases = ws
+            .iter()
+            .map(|(_, b)| b.map(|b| self.vector(b)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        let outs = dws
+            .iter()
+            .map(|d| self.alloc(&[1, d.rows]))
+            .collect::<Result<Vec<_>>>()?;
+        let mut raws = outs
+            .iter()
+            .map(|o| self.raw(o, "linear"))
+            .collect::<Result<Vec<_>>>()?;
+        let xi = self.raw(x, "linear")?;
+        let mut jobs: Vec<(
+            &DeviceWeight,
+            Option<&CudaSlice<f32>>,
+            &mut dyn DevicePtrMutF32,
+        )> = dws
+            .iter()
+            .zip(&biases)
+            .zip(raws.iter_mut())
+            .map(|((d, b), r)| (&**d, b.as_deref(), r as &mut dyn DevicePtrMutF32))
+            .collect();
+        self.dev.linear_many_normed(&xi, Some(&rn), &mut jobs)?;
+        Ok(outs)
+    }
+
+    fn norm_linear_gated(
+        &self,
+        x: &Tensor,
+        norm: PreNorm<'_>,
+        gate: &QTensor,
+        up: &QTensor,
+        act: GateAct,
+    ) -> Result<Tensor> {
+        let (t, c) = x.dims2();
+        let (g, u) = (self.weight(gate)?, self.weight(up)?);
+        if t != 1
+            || c != gate.cols
+            || norm.w.len() != c
+            || !self.dev.has_fast_matvec(&g)
+            || !self.dev.folds_norm(&g, g.rows * g.cols)
+            || g.kind() != u.kind()
+            || (g.rows, g.cols) != (u.rows, u.cols)
+            || self.raw(x, "linear")?.ptr % 16 != 0
+        {
+            let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+            return self.linear_gated(&h, gate, up, act);
+        }
+        let nw = self.vector(norm.w)?;
+        let rn = RowNorm {
+            w: &nw,
+            eps: norm.eps,
+            offset: norm.offset,
+        };
+        let out = self.alloc(&[1, g.rows])?;
+        let xi = self.raw(x, "linear")?;
+        let mut o = self.raw(&out, "linear")?;
+        self.dev
+            .linear_gated_normed(&xi, Some(&rn), &g, &u, act == GateAct::GeluTanh, &mut o)?;
         Ok(out)
     }
 

@@ -179,6 +179,36 @@ pub trait Backend: Send + Sync {
     ) -> Result<Tensor> {
         linear_gated_composed(self, x, gate, up, act)
     }
+    /// [`Backend::linear_many`] of `rms_norm(x)` (a pre-norm block's q, k and v).
+    fn norm_linear_many(
+        &self,
+        x: &Tensor,
+        norm: PreNorm<'_>,
+        ws: &[(&QTensor, Option<&[f32]>)],
+    ) -> Result<Vec<Tensor>> {
+        let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+        self.linear_many(&h, ws)
+    }
+    /// [`Backend::linear_gated`] of `rms_norm(x)` (a pre-norm block's gate and up).
+    fn norm_linear_gated(
+        &self,
+        x: &Tensor,
+        norm: PreNorm<'_>,
+        gate: &QTensor,
+        up: &QTensor,
+        act: GateAct,
+    ) -> Result<Tensor> {
+        let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+        self.linear_gated(&h, gate, up, act)
+    }
+}
+
+/// An RMSNorm applied to a product's input ([`Backend::rms_norm`]'s weights and parameters).
+#[derive(Clone, Copy, Debug)]
+pub struct PreNorm<'a> {
+    pub w: &'a [f32],
+    pub eps: f32,
+    pub offset: f32,
 }
 
 /// Checks that rows `start..start+len` exist in `x` viewed as `(rows, last_dim)` (every

@@ -380,16 +380,18 @@ fn linear_every_format_decode_and_prefill() {
 
 /// The one-token kernels of matvec.cuh (split Q4_0 / Q8_0, Q4_K, padded Q6_K, and dense rows
 /// whose width is a multiple of 32) and the fusions built on them, through the backend: q/k/v in
-/// one launch (with a bias), a product added to a residual, gate and up with the activation.
-/// Widths from one block per row (most lanes idle) to 4096 (four warps per row group), rows from
+/// one launch (with a bias), a product added to a residual, gate and up with the activation, and
+/// q/k/v and gate/up of an RMSNorm of the input (the norm folded into the product). Widths from one block per row (most lanes idle) to 4096 (four warps per row group), rows from
 /// 1 to 600 (edge row groups).
 #[test]
 fn fast_matvec_and_fusions() {
     use hf2q_tensor::cuda_backend::CudaBackend;
-    use hf2q_tensor::op::GateAct;
+    use hf2q_tensor::op::{GateAct, PreNorm};
     let Some(dev) = device() else { return };
     let cpu = &CpuBackend::REFERENCE;
     let mut rng = Rng::new("fast_matvec");
+    // Every kernel family folds the norm when asked (by default only the persistent ones do).
+    dev.set_matvec_norm(cuda::MvMode::All);
     let fmts = [
         Fmt::Ggml(GgmlType::Q4_0),
         Fmt::Ggml(GgmlType::Q8_0),
@@ -510,23 +512,26 @@ fn fast_matvec_and_fusions() {
                 );
                 // act(x G^T) * (x U^T)
                 let up = make_weight(&mut rng, f, rows, cols);
-                for act in [GateAct::Silu, GateAct::GeluTanh] {
-                    let l0 = launches();
-                    let got = be.linear_gated(&xd, &ws[0], &up, act).unwrap();
-                    assert_eq!(launches() - l0, 1, "linear_gated {f:?}: one launch");
-                    let want = cpu.linear_gated(&xt, &ws[0], &up, act).unwrap();
-                    let (g, gm) = reference_linear(&ws[0], &x, 1, None);
-                    let (u, um) = reference_linear(&up, &x, 1, None);
-                    let (g8, u8b) = (bound8(&ws[0], &x), bound8(&up, &x));
-                    // An error e_g in the gate moves act(g) * u by at most ~1.1 |u| e_g (both
-                    // activations' slopes stay under 1.13), an error e_u by |act(g)| e_u.
-                    let bound: Vec<f32> = (0..rows)
+                // An error e_g in the gate moves act(g) * u by at most ~1.1 |u| e_g (both
+                // activations' slopes stay under 1.13), an error e_u by |act(g)| e_u.
+                let gated_bound = |x: &[f32]| -> Vec<f32> {
+                    let (g, gm) = reference_linear(&ws[0], x, 1, None);
+                    let (u, um) = reference_linear(&up, x, 1, None);
+                    let (g8, u8b) = (bound8(&ws[0], x), bound8(&up, x));
+                    (0..rows)
                         .map(|i| {
                             let (eg, eu) =
                                 (1e-5 * gm[i] + 1e-5 + g8[i], 1e-5 * um[i] + 1e-5 + u8b[i]);
                             1.2 * u[i].abs() * eg + (g[i].abs() + 0.3) * eu + 1e-6
                         })
-                        .collect();
+                        .collect()
+                };
+                for act in [GateAct::Silu, GateAct::GeluTanh] {
+                    let l0 = launches();
+                    let got = be.linear_gated(&xd, &ws[0], &up, act).unwrap();
+                    assert_eq!(launches() - l0, 1, "linear_gated {f:?}: one launch");
+                    let want = cpu.linear_gated(&xt, &ws[0], &up, act).unwrap();
+                    let bound = gated_bound(&x);
                     check(
                         &format!("linear_gated {act:?} {f:?} {rows}x{cols} {kind}"),
                         be.to_host(&got).unwrap().data(),
@@ -534,11 +539,58 @@ fn fast_matvec_and_fusions() {
                         |i| bound[i],
                     );
                 }
+                // The same two with the input's RMSNorm folded in (a pre-norm block's q/k/v and
+                // gate/up), one launch each, against the CPU's RMSNorm then the product. The
+                // norm's own rounding (f32 sums, ~1e-7 relative) is far inside these bounds; the
+                // 8-bit kernels quantize x * (w + offset), whose rounding scaled by 1 / rms(x)
+                // is that of the normalized row (the bound computed from it).
+                let nw = rng.vec(cols, 1.0);
+                let offset = if rows % 2 == 1 { 1.0 } else { 0.0 };
+                let norm = PreNorm {
+                    w: &nw,
+                    eps: 1e-6,
+                    offset,
+                };
+                let ht = cpu.rms_norm(&xt, &nw, 1e-6, offset).unwrap();
+                let h = ht.data().to_vec();
+                let l0 = launches();
+                let outs = be
+                    .norm_linear_many(
+                        &xd,
+                        norm,
+                        &[(&ws[0], None), (&ws[1], Some(&bias)), (&ws[2], None)],
+                    )
+                    .unwrap();
+                assert_eq!(launches() - l0, 1, "norm_linear_many {f:?}: one launch");
+                for (i, o) in outs.iter().enumerate() {
+                    let b = (i == 1).then_some(&bias[..]);
+                    let (want, mag) = reference_linear(&ws[i], &h, 1, b);
+                    check(
+                        &format!("norm_linear_many[{i}] {f:?} {}x{cols} {kind}", ws[i].rows),
+                        be.to_host(o).unwrap().data(),
+                        &want,
+                        tol(&mag, &bound8(&ws[i], &h)),
+                    );
+                }
+                let l0 = launches();
+                let got = be
+                    .norm_linear_gated(&xd, norm, &ws[0], &up, GateAct::Silu)
+                    .unwrap();
+                assert_eq!(launches() - l0, 1, "norm_linear_gated {f:?}: one launch");
+                let want = cpu.linear_gated(&ht, &ws[0], &up, GateAct::Silu).unwrap();
+                let bound = gated_bound(&h);
+                check(
+                    &format!("norm_linear_gated {f:?} {rows}x{cols} {kind}"),
+                    be.to_host(&got).unwrap().data(),
+                    want.data(),
+                    |i| bound[i],
+                );
             }
         }
     }
     dev.set_matvec_int8(cuda::MvMode::Auto);
     dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
+    dev.set_matvec_norm(cuda::MvMode::Auto);
 }
 
 #[test]
@@ -550,6 +602,11 @@ fn rms_norm_matches() {
         (5, 1000, 1.0),
         (7, 2048, 0.0),
         (3, 2049, 1.0),
+        // One pass in registers up to 8192 columns (a multiple of 4), a loop past it.
+        (1, 4096, 0.0),
+        (2, 8192, 1.0),
+        (1, 8196, 0.0),
+        (2, 36, 0.0),
     ] {
         let x = rng.vec(rows * cols, 3.0);
         let w = rng.vec(cols, 1.0);

@@ -2,7 +2,7 @@
 //! both handled by `Attention` from the config): pre-norm attention and pre-norm SiLU MLP.
 //! Reference: transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`.
 
-use hf2q_tensor::op::{Backend, RopeParams};
+use hf2q_tensor::op::{Backend, PreNorm, RopeParams};
 use hf2q_tensor::Tensor;
 
 use super::Block;
@@ -47,9 +47,18 @@ impl LlamaBlock {
 
 impl Block for LlamaBlock {
     fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
-        let h = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
-        self.attn.forward_add(be, &h, seqs, x)?;
-        let h = be.rms_norm(x, &self.mlp_norm, self.eps, 0.0)?;
-        self.mlp.forward_add(be, &h, x)
+        let (eps, offset) = (self.eps, 0.0);
+        let attn_norm = PreNorm {
+            w: &self.attn_norm,
+            eps,
+            offset,
+        };
+        self.attn.forward_residual(be, attn_norm, seqs, x)?;
+        let mlp_norm = PreNorm {
+            w: &self.mlp_norm,
+            eps,
+            offset,
+        };
+        self.mlp.forward_residual(be, mlp_norm, x)
     }
 }

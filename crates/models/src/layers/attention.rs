@@ -1,7 +1,7 @@
 //! Self-attention with grouped KV heads, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3,
 //! Gemma 3), RoPE, optional sliding window, writing into the layer's KV cache.
 
-use hf2q_tensor::op::{AttentionParams, Backend, RopeParams};
+use hf2q_tensor::op::{AttentionParams, Backend, PreNorm, RopeParams};
 use hf2q_tensor::Tensor;
 
 use crate::config::ModelConfig;
@@ -81,7 +81,7 @@ impl Attention {
     /// `x (ΣT, D)`: the rows of every sequence in `seqs` -> `(ΣT, D)`. Projections run once over
     /// the whole batch; norms, RoPE, cache writes and attention run per sequence.
     pub fn forward(&self, be: &dyn Backend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
-        let a = self.heads(be, x, seqs)?;
+        let a = self.heads(be, x, None, seqs)?;
         self.o.forward(be, &a)
     }
 
@@ -93,23 +93,43 @@ impl Attention {
         seqs: &mut [SeqRef<'_>],
         residual: &mut Tensor,
     ) -> Result<()> {
-        let a = self.heads(be, x, seqs)?;
+        let a = self.heads(be, x, None, seqs)?;
         self.o.forward_add(be, &a, residual)
     }
 
+    /// `x += forward(rms_norm(x), seqs)`: a pre-norm block's attention half (the backend may
+    /// fold the norm into the q/k/v product).
+    pub fn forward_residual(
+        &self,
+        be: &dyn Backend,
+        norm: PreNorm<'_>,
+        seqs: &mut [SeqRef<'_>],
+        x: &mut Tensor,
+    ) -> Result<()> {
+        let a = self.heads(be, x, Some(norm), seqs)?;
+        self.o.forward_add(be, &a, x)
+    }
+
     /// Everything before the output projection: `(ΣT, D) -> (ΣT, H*Dh)`.
-    fn heads(&self, be: &dyn Backend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
+    /// With `norm`, of `rms_norm(x)`.
+    fn heads(
+        &self,
+        be: &dyn Backend,
+        x: &Tensor,
+        norm: Option<PreNorm<'_>>,
+        seqs: &mut [SeqRef<'_>],
+    ) -> Result<Tensor> {
         let p = &self.params;
-        let mut qkv = be
-            .linear_many(
-                x,
-                &[
-                    (&self.q.w, self.q.b.as_deref()),
-                    (&self.k.w, self.k.b.as_deref()),
-                    (&self.v.w, self.v.b.as_deref()),
-                ],
-            )?
-            .into_iter();
+        let ws = [
+            (&self.q.w, self.q.b.as_deref()),
+            (&self.k.w, self.k.b.as_deref()),
+            (&self.v.w, self.v.b.as_deref()),
+        ];
+        let mut qkv = match norm {
+            Some(n) => be.norm_linear_many(x, n, &ws)?,
+            None => be.linear_many(x, &ws)?,
+        }
+        .into_iter();
         let (Some(q), Some(k), Some(v)) = (qkv.next(), qkv.next(), qkv.next()) else {
             return Err(crate::Error::Msg(
                 "linear_many returned fewer than 3 outputs".into(),

@@ -1,6 +1,6 @@
 //! Gated MLP: `down(act(gate(x)) * up(x))`, SiLU (Llama, Qwen) or GELU-tanh (Gemma).
 
-use hf2q_tensor::op::{Backend, GateAct};
+use hf2q_tensor::op::{Backend, GateAct, PreNorm};
 use hf2q_tensor::Tensor;
 
 use crate::config::Activation;
@@ -29,10 +29,7 @@ impl Mlp {
     }
     /// `act(gate(x)) * up(x)`, `(T, D) -> (T, F)`.
     fn hidden(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
-        let act = match self.act {
-            Activation::Silu => GateAct::Silu,
-            Activation::GeluTanh => GateAct::GeluTanh,
-        };
+        let act = self.gate_act();
         if self.gate.b.is_some() || self.up.b.is_some() {
             let g = self.gate.forward(be, x)?;
             let u = self.up.forward(be, x)?;
@@ -52,5 +49,29 @@ impl Mlp {
     pub fn forward_add(&self, be: &dyn Backend, x: &Tensor, residual: &mut Tensor) -> Result<()> {
         let h = self.hidden(be, x)?;
         self.down.forward_add(be, &h, residual)
+    }
+
+    /// `x += forward(rms_norm(x))`: a pre-norm block's MLP half (the backend may fold the norm
+    /// into the gate and up product).
+    pub fn forward_residual(
+        &self,
+        be: &dyn Backend,
+        norm: PreNorm<'_>,
+        x: &mut Tensor,
+    ) -> Result<()> {
+        let h = if self.gate.b.is_some() || self.up.b.is_some() {
+            let n = be.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+            self.hidden(be, &n)?
+        } else {
+            be.norm_linear_gated(x, norm, &self.gate.w, &self.up.w, self.gate_act())?
+        };
+        self.down.forward_add(be, &h, x)
+    }
+
+    fn gate_act(&self) -> GateAct {
+        match self.act {
+            Activation::Silu => GateAct::Silu,
+            Activation::GeluTanh => GateAct::GeluTanh,
+        }
     }
 }

@@ -56,6 +56,9 @@ fn options(arch: &str) -> Vec<String> {
     if std::env::var("HF2Q_CUDA_EARLY").as_deref() == Ok("0") {
         o.push("-DHF2Q_MV_EARLY=0".into());
     }
+    if let Some(r) = super::ops::mp_rows_override() {
+        o.push(format!("-DHF2Q_MP_RPW={r}"));
+    }
     o
 }
 

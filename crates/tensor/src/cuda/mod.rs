@@ -52,7 +52,7 @@ pub use cudarc::driver::{
 pub use blas::PrefillGemm;
 pub use compile::{compile_all_for, compile_for, kernel_cache_dir, nvrtc_available};
 pub use ops::{
-    DeviceKvCache, DevicePtrMutF32, KvDtype, MvMode, RopeTable, SampleArgs, MAX_HEAD_DIM,
+    DeviceKvCache, DevicePtrMutF32, KvDtype, MvMode, RopeTable, RowNorm, SampleArgs, MAX_HEAD_DIM,
     SAMPLE_MAX_K,
 };
 pub use weight::DeviceWeight;
@@ -130,6 +130,8 @@ pub struct CudaDev {
     /// One-token product options: the weights' L2 prefetch before waiting for the previous
     /// kernel, and 8-bit activations (an [`MvMode`] as its discriminant).
     mv_prefetch: std::sync::atomic::AtomicBool,
+    /// Where pre-norm products fold their RMSNorm in ([`CudaDev::set_matvec_norm`]).
+    mv_norm: std::sync::atomic::AtomicU8,
     mv_act8: std::sync::atomic::AtomicU8,
     mv_p8: std::sync::atomic::AtomicU8,
     /// Blocks per multiprocessor of the persistent one-token kernels.
@@ -277,7 +279,10 @@ impl CudaDev {
             done_counters,
             argmax_part,
             blas_chunk: std::sync::atomic::AtomicUsize::new(0),
-            mv_prefetch: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_PREFETCH")),
+            mv_prefetch: std::sync::atomic::AtomicBool::new(
+                std::env::var("HF2Q_CUDA_PREFETCH").as_deref() == Ok("1"),
+            ),
+            mv_norm: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_NORM") as u8),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
             mv_p8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_P8") as u8),
             mv_p8_blocks: std::sync::atomic::AtomicUsize::new(

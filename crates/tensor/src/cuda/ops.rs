@@ -11,7 +11,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use cudarc::driver::DeviceRepr;
 
-use super::weight::{mv_kernel, DeviceWeight, WeightArgs, EMBED_KERNEL, GEMM_KERNEL};
+use super::weight::{mv_kernel, DeviceWeight, MvFns, WeightArgs, EMBED_KERNEL, GEMM_KERNEL};
 use super::{cuda_err, CudaDev, Program};
 use crate::op::{AttentionParams, RopeParams, RopeStyle};
 use crate::{Error, Result};
@@ -77,10 +77,25 @@ fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
 }
 
 /// Warps per block of the persistent kernels (`MP_WARPS` in `kernels/matvec_p8.cuh`) and rows
-/// per row group of their plain and gated forms (`RPW`, `GNR` of its formats: the same for all).
+/// per row group of their gated form (`GNR` of its formats: the same for all).
 const MP_WARPS: usize = 8;
-const MP_ROWS: usize = 4;
 const MP_GATED_ROWS: usize = 2;
+
+/// Rows per row group of the persistent plain / fused kernels (`HF2Q_MP_RPW` in
+/// `kernels/matvec_p8.cuh`): 2, or 1 / 4 with `HF2Q_CUDA_P8_RPW` (a measurement switch, passed
+/// to the compiler as well).
+pub(crate) fn mp_rows_override() -> Option<usize> {
+    static R: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *R.get_or_init(|| match std::env::var("HF2Q_CUDA_P8_RPW").as_deref() {
+        Ok("1") => Some(1),
+        Ok("4") => Some(4),
+        _ => None,
+    })
+}
+
+fn mp_rows() -> usize {
+    mp_rows_override().unwrap_or(2)
+}
 
 /// Dynamic shared memory of a persistent kernel for `cols` columns (`mp_stage`): four planes of
 /// 16 bytes per 32 columns, each padded by 16, then four sums and two scales per 32 columns.
@@ -91,8 +106,7 @@ fn mp_smem(cols: usize) -> usize {
 
 /// The one-token kernels chosen for a weight ([`CudaDev::mv_kernels`]).
 struct MvKernels<'w> {
-    plain: &'w cudarc::driver::CudaFunction,
-    gated: &'w cudarc::driver::CudaFunction,
+    fns: &'w MvFns,
     flags: i32,
     smem: usize,
     persistent: bool,
@@ -111,6 +125,16 @@ struct MvJob {
     pad: i32,
 }
 
+/// The RMSNorm folded into a one-token product; mirrors `struct MvNorm` in
+/// `kernels/matvec.cuh` (`w` 0: none).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MvNormArgs {
+    w: u64,
+    eps: f32,
+    offset: f32,
+}
+
 /// Mirrors `struct MvJobs` in `kernels/matvec.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -120,11 +144,22 @@ struct MvJobs {
     accumulate: i32,
     flags: i32,
     pad: i32,
+    norm: MvNormArgs,
 }
 
-// SAFETY: plain #[repr(C)] structs of integers with the layout of the device structs.
+// SAFETY: plain #[repr(C)] structs of integers and floats with the layout of the device structs.
 unsafe impl DeviceRepr for MvJob {}
 unsafe impl DeviceRepr for MvJobs {}
+unsafe impl DeviceRepr for MvNormArgs {}
+
+/// An RMSNorm of a one-token product's input, folded into the product: the input `x` is
+/// replaced by `x / rms(x) * (w + offset)` (the `rms_norm` op's formula).
+pub struct RowNorm<'a> {
+    /// `cols` weights.
+    pub w: &'a CudaSlice<f32>,
+    pub eps: f32,
+    pub offset: f32,
+}
 
 /// Settings of one draw of the device sampler (`sample_topk` in elementwise.cu, the CPU
 /// sampler's top-k, top-p, min-p, temperature and draw): mirrors `struct SampleArgs`.
@@ -346,7 +381,7 @@ impl CudaDev {
         );
         if t == 1 && w.fast.is_some() && xp % 16 == 0 {
             let out_p = self.ptr_mut(out);
-            return self.launch_mvf(&[(w, bias, out_p)], xp, false);
+            return self.launch_mvf(&[(w, bias, out_p)], xp, false, None);
         }
         let wa = w.args(self);
         let (rows, ti) = (to_i32("rows", w.rows)?, to_i32("tokens", t)?);
@@ -394,10 +429,34 @@ impl CudaDev {
         w.fast.is_some()
     }
 
+    /// Where one-token products of an RMSNorm of the input (a pre-norm block's q/k/v and
+    /// gate/up) fold the norm into the product's kernel (`MvNorm` in matvec.cuh) instead of
+    /// running it as a kernel of its own. `Auto` (the default): where the product runs the
+    /// persistent kernels, whose blocks read the whole input row anyway to stage it (an 8B
+    /// Q4_0's q/k/v and gate/up: 380 -> 408 tokens/s); the other kernels read their activations
+    /// per unit, and the norm's weights doubled those loads, which cost more than the norm's
+    /// kernel (1B Q4_0 1237 -> 1179). `HF2Q_CUDA_NORM=0|all` at open.
+    pub fn set_matvec_norm(&self, m: MvMode) {
+        self.mv_norm
+            .store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a one-token launch of `w` (with `weights` weights in all: rows times columns of
+    /// its matrices, of one of them when gated) folds an RMSNorm of its input in
+    /// ([`CudaDev::set_matvec_norm`]; the launch must be one [`CudaDev::has_fast_matvec`] takes).
+    pub fn folds_norm(&self, w: &DeviceWeight, weights: usize) -> bool {
+        match MvMode::from_u8(self.mv_norm.load(std::sync::atomic::Ordering::Relaxed)) {
+            MvMode::Off => false,
+            MvMode::All => w.fast.is_some(),
+            MvMode::Auto => self.mv_kernels(w, weights).is_some_and(|k| k.persistent),
+        }
+    }
+
     /// Whether one-token products may prefetch their weights to L2 before waiting for the
-    /// previous kernel (`prefetch_l2` in matvec.cuh; default on, `HF2Q_CUDA_PREFETCH=0` at open
-    /// turns it off). Only the kernel it measured faster for does (Q4_K with f32 activations,
-    /// cuda/NOTES.md); the others have no prefetch code.
+    /// previous kernel (`prefetch_l2` in matvec.cuh). Only the f32-activation Q4_K kernel has the
+    /// code (the others measured slower with it). Default off since the kernels load their first
+    /// weights before the wait themselves: with both, the 1B Q4_K_M decoded 1097-1113 tokens/s,
+    /// without the prefetch 1133 (8B unchanged). `HF2Q_CUDA_PREFETCH=1` at open turns it on.
     pub fn set_matvec_prefetch(&self, on: bool) {
         self.mv_prefetch
             .store(on, std::sync::atomic::Ordering::Relaxed);
@@ -429,26 +488,27 @@ impl CudaDev {
     /// The one-token kernels for `w` (plain / fused, gated), the kernel flags, the dynamic
     /// shared memory they take and whether they are the persistent ones: the 8-bit ones stage
     /// the quantized input row there, within the 48 KB a launch gets without opting in.
-    fn mv_kernels<'w>(&self, w: &'w DeviceWeight) -> Option<MvKernels<'w>> {
+    /// `weights`: the launch's size (rows times columns of its matrices; of one of them for a
+    /// gated launch).
+    fn mv_kernels<'w>(&self, w: &'w DeviceWeight, weights: usize) -> Option<MvKernels<'w>> {
         use std::sync::atomic::Ordering::Relaxed;
         let p8 = MvMode::from_u8(self.mv_p8.load(Relaxed));
         let psmem = mp_smem(w.cols);
-        if let Some((f, g)) = w.fast_p8.as_ref().filter(|_| {
+        if let Some(fns) = w.fast_p8.as_ref().filter(|_| {
             psmem <= 48 * 1024
                 && match p8 {
                     MvMode::Off => false,
                     MvMode::All => true,
-                    // Where it measured faster (cuda/NOTES.md): Q4_0 products of at least
-                    // 24M weights (an 8B's gate/up and down: 14336 x 4096 22.1 -> 13.1 us; a
-                    // fused launch follows its first matrix, so an 8B's q/k/v stay on f32).
-                    // Smaller ones (4096 x 4096, every 1B product) are faster with the f32
-                    // kernels; Q8_0 and Q4_K lost in the whole model.
-                    MvMode::Auto => w.kind == "q4_0s" && w.rows * w.cols >= 24 << 20,
+                    // Where it measured faster (cuda/NOTES.md): Q4_0 launches of at least
+                    // 24M weights (an 8B's gate/up, down, and q/k/v together: 14336 x 4096
+                    // 22.1 -> 13.1 us, 6144 x 4096 11.8 -> 8.7). Smaller ones (4096 x 4096,
+                    // every 1B product) are faster with the f32 kernels; Q8_0 and Q4_K lost in
+                    // the whole model.
+                    MvMode::Auto => w.kind == "q4_0s" && weights >= 24 << 20,
                 }
         }) {
             return Some(MvKernels {
-                plain: f,
-                gated: g,
+                fns,
                 flags: 0,
                 smem: psmem,
                 persistent: true,
@@ -471,14 +531,13 @@ impl CudaDev {
         // Only the kernels that measured faster with it prefetch (`Prefetch` in matvec.cuh);
         // the others ignore the flag.
         let flags = i32::from(self.mv_prefetch.load(Relaxed)) * MV_PREFETCH;
-        let (plain, gated, smem) = match (q8, &w.fast) {
-            (Some((f, g)), _) => (f, g, smem),
-            (None, Some((f, g))) => (f, g, 0),
+        let (fns, smem) = match (q8, &w.fast) {
+            (Some(fns), _) => (fns, smem),
+            (None, Some(fns)) => (fns, 0),
             _ => return None,
         };
         Some(MvKernels {
-            plain,
-            gated,
+            fns,
             flags,
             smem,
             persistent: false,
@@ -514,6 +573,7 @@ impl CudaDev {
         jobs: &[(&DeviceWeight, Option<&CudaSlice<f32>>, u64)],
         xp: u64,
         accumulate: bool,
+        norm: Option<&RowNorm<'_>>,
     ) -> Result<()> {
         let first = jobs
             .first()
@@ -526,9 +586,15 @@ impl CudaDev {
             )));
         }
         let k = self
-            .mv_kernels(first)
+            .mv_kernels(first, jobs.iter().map(|(w, _, _)| w.rows * w.cols).sum())
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", first.name)))?;
-        let (f, flags, smem) = (k.plain, k.flags, k.smem);
+        let nargs = self.norm_args(norm, first.cols)?;
+        let f = if norm.is_some() {
+            &k.fns.plain_norm
+        } else {
+            &k.fns.plain
+        };
+        let (flags, smem) = (k.flags, k.smem);
         let empty = MvJob {
             w: first.args(self),
             bias: 0,
@@ -544,6 +610,7 @@ impl CudaDev {
             accumulate: i32::from(accumulate),
             flags,
             pad: 0,
+            norm: nargs,
         };
         let mut ctas = 0usize;
         for (i, (w, bias, out)) in jobs.iter().enumerate() {
@@ -554,7 +621,7 @@ impl CudaDev {
                 )));
             }
             let rpw = if k.persistent {
-                MP_ROWS
+                mp_rows()
             } else {
                 mvf_rows_per_group(w.kind).0
             };
@@ -591,11 +658,39 @@ impl CudaDev {
         launch!(self, f, (grid, 1, 1), (128, 1, 1), smem; mj, xp)
     }
 
+    /// The kernel argument of an optional folded RMSNorm over `cols` columns.
+    fn norm_args(&self, norm: Option<&RowNorm<'_>>, cols: usize) -> Result<MvNormArgs> {
+        let Some(n) = norm else {
+            return Ok(MvNormArgs::default());
+        };
+        need("rms_norm weight", n.w.len(), cols)?;
+        Ok(MvNormArgs {
+            w: self.ptr(n.w),
+            eps: n.eps,
+            offset: n.offset,
+        })
+    }
+
     /// `outs[i] (1, R_i) = x (1, C) · W_iᵀ (+ b_i)` for up to three matrices of one fast format
     /// (q, k and v) in one launch.
     pub fn linear_many(
         &self,
         x: &impl DevicePtr<f32>,
+        jobs: &mut [(
+            &DeviceWeight,
+            Option<&CudaSlice<f32>>,
+            &mut dyn DevicePtrMutF32,
+        )],
+    ) -> Result<()> {
+        self.linear_many_normed(x, None, jobs)
+    }
+
+    /// [`CudaDev::linear_many`] of the input's RMSNorm (`norm`), with no kernel of its own:
+    /// `outs[i] = rms_norm(x) · W_iᵀ (+ b_i)`.
+    pub fn linear_many_normed(
+        &self,
+        x: &impl DevicePtr<f32>,
+        norm: Option<&RowNorm<'_>>,
         jobs: &mut [(
             &DeviceWeight,
             Option<&CudaSlice<f32>>,
@@ -616,7 +711,7 @@ impl CudaDev {
             launch.push((*w, *b, out.ptr_f32(self)));
         }
         self.bind()?;
-        self.launch_mvf(&launch, self.ptr(x), false)
+        self.launch_mvf(&launch, self.ptr(x), false, norm)
     }
 
     /// `residual (1, R) += x (1, C) · Wᵀ` in one launch (fast formats).
@@ -634,7 +729,7 @@ impl CudaDev {
         )?;
         self.bind()?;
         let (xp, op) = (self.ptr(x), self.ptr_mut(residual));
-        self.launch_mvf(&[(w, None, op)], xp, true)
+        self.launch_mvf(&[(w, None, op)], xp, true, None)
     }
 
     /// `out (1, R) = act(x · Gᵀ) * (x · Uᵀ)`, act SiLU (`gelu` false) or GELU-tanh, in one launch
@@ -642,6 +737,19 @@ impl CudaDev {
     pub fn linear_gated(
         &self,
         x: &impl DevicePtr<f32>,
+        gate: &DeviceWeight,
+        up: &DeviceWeight,
+        gelu: bool,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        self.linear_gated_normed(x, None, gate, up, gelu, out)
+    }
+
+    /// [`CudaDev::linear_gated`] of the input's RMSNorm (`norm`), with no kernel of its own.
+    pub fn linear_gated_normed(
+        &self,
+        x: &impl DevicePtr<f32>,
+        norm: Option<&RowNorm<'_>>,
         gate: &DeviceWeight,
         up: &DeviceWeight,
         gelu: bool,
@@ -660,9 +768,15 @@ impl CudaDev {
             gate.rows,
         )?;
         let k = self
-            .mv_kernels(gate)
+            .mv_kernels(gate, gate.rows * gate.cols)
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", gate.name)))?;
-        let (f, flags, smem) = (k.gated, k.flags, k.smem);
+        let nargs = self.norm_args(norm, gate.cols)?;
+        let f = if norm.is_some() {
+            &k.fns.gated_norm
+        } else {
+            &k.fns.gated
+        };
+        let (flags, smem) = (k.flags, k.smem);
         self.bind()?;
         let (gw, uw) = (gate.args(self), up.args(self));
         let (xp, op) = (self.ptr(x), self.ptr_mut(out));
@@ -675,13 +789,14 @@ impl CudaDev {
             let grid = self.mp_grid(gate.rows.div_ceil(MP_GATED_ROWS))?;
             let (ksi, threads) = (1i32, (MP_WARPS * 32) as u32);
             return launch!(self, f, (grid, 1, 1), (threads, 1, 1), smem;
-                gw, uw, xp, op, rows, act, ksi, flags);
+                gw, uw, xp, op, rows, act, ksi, flags, nargs);
         }
         let nr = mvf_rows_per_group(gate.kind).1;
         let ks = self.mv_split(gate.rows, gate.cols, nr);
         let ksi = ks as i32;
         let grid = blocks(gate.rows, nr * 4 / ks)?;
-        launch!(self, f, (grid, 1, 1), (128, 1, 1), smem; gw, uw, xp, op, rows, act, ksi, flags)
+        launch!(self, f, (grid, 1, 1), (128, 1, 1), smem;
+            gw, uw, xp, op, rows, act, ksi, flags, nargs)
     }
 
     /// RMSNorm of `rows` rows of `cols`: `out = x / rms(x) * (w + offset)`; `w` holds `cols`

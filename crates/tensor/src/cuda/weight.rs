@@ -28,6 +28,15 @@ pub(crate) struct WeightArgs {
 // SAFETY: a plain #[repr(C)] struct of integers with the layout of the device struct.
 unsafe impl DeviceRepr for WeightArgs {}
 
+/// One family of one-token kernels for a format (`kernels/matvec*.cuh`): the plain / fused
+/// product, the gated one, and both with the input's RMSNorm folded in (`*n_` kernels).
+pub(crate) struct MvFns {
+    pub(crate) plain: CudaFunction,
+    pub(crate) gated: CudaFunction,
+    pub(crate) plain_norm: CudaFunction,
+    pub(crate) gated_norm: CudaFunction,
+}
+
 /// A weight `(R, C)` on the device. Built by [`CudaDev::upload_weight`].
 pub struct DeviceWeight {
     pub name: String,
@@ -47,13 +56,13 @@ pub struct DeviceWeight {
     pub(crate) kernels: Vec<CudaFunction>,
     /// The one-token kernels of `kernels/matvec.cuh` (plain/fused `mvf`, gated `mvg`), for the
     /// formats that have them when the columns are a multiple of 32.
-    pub(crate) fast: Option<(CudaFunction, CudaFunction)>,
+    pub(crate) fast: Option<MvFns>,
     /// The same with 8-bit activations (`kernels/matvec_q8.cuh`: `mqf`, `mqg`), for the
     /// quantized formats among them.
-    pub(crate) fast_q8: Option<(CudaFunction, CudaFunction)>,
+    pub(crate) fast_q8: Option<MvFns>,
     /// The persistent 8-bit kernels (`kernels/matvec_p8.cuh`: `mpf`, `mpg`), for Q4_0, Q8_0 and
     /// Q4_K.
-    pub(crate) fast_p8: Option<(CudaFunction, CudaFunction)>,
+    pub(crate) fast_p8: Option<MvFns>,
 }
 
 /// Copies blocks of `block` bytes into slots of `stride` bytes (zero-padded), so that every
@@ -248,31 +257,31 @@ impl CudaDev {
             .iter()
             .map(|k| self.function(program, &format!("{k}_{kind}")))
             .collect::<Result<Vec<_>>>()?;
+        let fns = |family: char| -> Result<MvFns> {
+            let f = |form: &str| self.function(program, &format!("m{family}{form}_{kind}"));
+            Ok(MvFns {
+                plain: f("f")?,
+                gated: f("g")?,
+                plain_norm: f("fn")?,
+                gated_norm: f("gn")?,
+            })
+        };
         let fast = if w.cols % 32 == 0
             && matches!(
                 kind,
                 "q4_0s" | "q8_0s" | "q4_k" | "q6_kp" | "f16" | "bf16" | "f32"
             ) {
-            Some((
-                self.function(program, &format!("mvf_{kind}"))?,
-                self.function(program, &format!("mvg_{kind}"))?,
-            ))
+            Some(fns('v')?)
         } else {
             None
         };
         let fast_q8 = if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k" | "q6_kp") {
-            Some((
-                self.function(program, &format!("mqf_{kind}"))?,
-                self.function(program, &format!("mqg_{kind}"))?,
-            ))
+            Some(fns('q')?)
         } else {
             None
         };
         let fast_p8 = if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k") {
-            Some((
-                self.function(program, &format!("mpf_{kind}"))?,
-                self.function(program, &format!("mpg_{kind}"))?,
-            ))
+            Some(fns('p')?)
         } else {
             None
         };

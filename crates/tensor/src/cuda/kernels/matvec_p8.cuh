@@ -25,6 +25,13 @@
 #include "matvec_q8.cuh"
 
 #define MP_WARPS 8
+// Rows per row group of the plain / fused kernels: two (an 8B Q4_0 decoded 406-410 tokens/s at
+// four rows, 422-426 at two, 387-390 at one: an 8B's down projection has 4096 rows, which at
+// four rows per group left half of the grid's 2112 warps without a group, and q/k/v 6144).
+// `HF2Q_CUDA_P8_RPW=1|2|4` at open compiles another (measurements); the host mirrors it.
+#ifndef HF2Q_MP_RPW
+#define HF2Q_MP_RPW 2
+#endif
 // Units of the first row group loaded before the wait.
 #define MP_U 1
 
@@ -42,14 +49,19 @@ __device__ __forceinline__ int mp_plane_bytes(int nb) { return 16 * nb + 16; }
 
 extern __shared__ __align__(16) u8 mp_smem[];
 
-// Quantizes x (cols f32, 16-byte aligned, cols % 32 == 0) into the planes (`quantize_row_q8`).
-// The caller synchronises the block afterwards.
-__device__ __forceinline__ XP mp_stage(const float* __restrict__ x, int cols) {
+// Quantizes x (cols f32, 16-byte aligned, cols % 32 == 0; times the norm's weights when NORM)
+// into the planes (`quantize_row_q8`) and synchronises the block; `scale` is 1 / rms(x) when
+// NORM, else 1.
+template <bool NORM>
+__device__ __forceinline__ XP mp_stage(const float* __restrict__ x, int cols, const MvNorm& nm,
+                                       float& scale) {
+    __shared__ float slots[MP_WARPS];
     const int nb = cols >> 5, ps = mp_plane_bytes(nb);
     u8* base = mp_smem;
     int4* sums = (int4*)(base + 4 * ps);
     float2* ds = (float2*)(base + 4 * ps + 16 * nb);
-    quantize_row_q8(x, cols, [&](int b, int sub, const int* h, const int* l, float d1, float d2) {
+    const float ss = quantize_row_q8<NORM, NORM ? 4 : 8>(x, cols, nm, [&](int b, int sub, const int* h,
+                                                            const int* l, float d1, float d2) {
         // Sums over the half (four lanes: sub 0..3 hold elements 0..15, 4..7 16..31).
         int s1 = h[0] + h[1] + h[2] + h[3], s2 = l[0] + l[1] + l[2] + l[3];
         s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
@@ -70,6 +82,7 @@ __device__ __forceinline__ XP mp_stage(const float* __restrict__ x, int cols) {
             if (sub == 0) ds[b] = float2{d1, d2};
         }
     });
+    scale = block_inv_rms<NORM>(ss, slots, cols, nm);
     return XP{(const uint4*)base,          (const uint4*)(base + ps),
               (const uint4*)(base + 2 * ps), (const uint4*)(base + 3 * ps),
               sums,                          ds};
@@ -78,7 +91,7 @@ __device__ __forceinline__ XP mp_stage(const float* __restrict__ x, int cols) {
 // Split Q4_0, one lane per block: the 16 quant bytes (element i in the low nibble of byte i,
 // i + 16 in the high), q - 8 folded into the sums.
 struct PQ4_0 {
-    static constexpr int RPW = 4, GNR = 2, UNROLL = 2;
+    static constexpr int RPW = HF2Q_MP_RPW, GNR = 2, UNROLL = 2;
     struct XR {
         uint4 a0, a1, c0, c1;
         float d1, d2;
@@ -109,7 +122,7 @@ struct PQ4_0 {
 
 // Split Q8_0, one lane per block: 32 int8 quants in order.
 struct PQ8_0 {
-    static constexpr int RPW = 4, GNR = 2, UNROLL = 2;
+    static constexpr int RPW = HF2Q_MP_RPW, GNR = 2, UNROLL = 2;
     struct XR {
         uint4 a0, a1, c0, c1;
         float d1, d2;
@@ -140,7 +153,7 @@ struct PQ8_0 {
 struct PQ4_K {
     // One unit at a time: two units' activations, headers and quants of four rows do not fit
     // in the 128 registers of two resident blocks.
-    static constexpr int RPW = 4, GNR = 2, UNROLL = 1;
+    static constexpr int RPW = HF2Q_MP_RPW, GNR = 2, UNROLL = 1;
     struct XR {
         uint4 xl, xh, cl, ch;
         float dl1, dl2, dh1, dh2;
@@ -268,7 +281,7 @@ __device__ __forceinline__ int mp_locate(const MvJobs& jobs, int g, int& ji) {
     return (g - jobs.j[ji].cta0) * NR;
 }
 
-template <class F>
+template <class F, bool NORM>
 __device__ __forceinline__ void mpf_impl(const MvJobs& jobs, const float* __restrict__ x) {
     constexpr int NR = F::RPW;
     const int lane = threadIdx.x & 31;
@@ -283,8 +296,8 @@ __device__ __forceinline__ void mpf_impl(const MvJobs& jobs, const float* __rest
         mp_preload<F, NR, 1>(jobs.j[ji].w, jobs.j[ji].w, jobs.j[ji].rows, row0, pre);
     }
     pdl_wait();
-    const XP xp = mp_stage(x, jobs.j[0].w.cols);
-    __syncthreads();
+    float scale;
+    const XP xp = mp_stage<NORM>(x, jobs.j[0].w.cols, jobs.norm, scale);
     bool first = true;
     for (int g = gw; g < G; g += W) {
         int ji;
@@ -295,7 +308,7 @@ __device__ __forceinline__ void mpf_impl(const MvJobs& jobs, const float* __rest
         first = false;
         const int row = row0 + lane;
         if (lane < NR && row < J.rows) {
-            const float s = mp_pick<NR>(acc[0], lane) + (J.bias ? J.bias[row] : 0.0f);
+            const float s = mp_pick<NR>(acc[0], lane) * scale + (J.bias ? J.bias[row] : 0.0f);
             if (jobs.accumulate)
                 J.out[row] += s;
             else
@@ -304,9 +317,10 @@ __device__ __forceinline__ void mpf_impl(const MvJobs& jobs, const float* __rest
     }
 }
 
-template <class F>
+template <class F, bool NORM>
 __device__ __forceinline__ void mpg_impl(const WRef g, const WRef u, const float* __restrict__ x,
-                                         float* __restrict__ out, int rows, int act) {
+                                         float* __restrict__ out, int rows, int act,
+                                         const MvNorm& nm) {
     constexpr int NR = F::GNR;
     const int lane = threadIdx.x & 31;
     const int gw = (int)blockIdx.x * MP_WARPS + (int)(threadIdx.x >> 5);
@@ -315,8 +329,8 @@ __device__ __forceinline__ void mpg_impl(const WRef g, const WRef u, const float
     typename F::WR pre[MP_U][2][NR];
     if (gw < G) mp_preload<F, NR, 2>(g, u, rows, gw * NR, pre);
     pdl_wait();
-    const XP xp = mp_stage(x, g.cols);
-    __syncthreads();
+    float scale;
+    const XP xp = mp_stage<NORM>(x, g.cols, nm, scale);
     bool first = true;
     for (int grp = gw; grp < G; grp += W) {
         float acc[2][NR];
@@ -324,20 +338,32 @@ __device__ __forceinline__ void mpg_impl(const WRef g, const WRef u, const float
         first = false;
         const int row = grp * NR + lane;
         if (lane < NR && row < rows) {
-            const float gs = mp_pick<NR>(acc[0], lane), us = mp_pick<NR>(acc[1], lane);
+            const float gs = mp_pick<NR>(acc[0], lane) * scale;
+            const float us = mp_pick<NR>(acc[1], lane) * scale;
             out[row] = (act == 0 ? silu_f(gs) : gelu_tanh_f(gs)) * us;
         }
     }
 }
 
 // mpf_NAME / mpg_NAME: the arguments of mvf_NAME / mvg_NAME (mpg ignores ks and flags), a grid of
-// a few blocks of MP_WARPS warps per multiprocessor and `mp_smem` bytes of dynamic shared memory.
+// a few blocks of MP_WARPS warps per multiprocessor and `mp_smem` bytes of dynamic shared memory;
+// mpfn_NAME / mpgn_NAME with the input's RMSNorm folded in.
 #define HF2Q_MATVEC_P8(NAME, DOT)                                                               \
     extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)                              \
         mpf_##NAME(MvJobs jobs, const float* x) {                                               \
-        mpf_impl<DOT>(jobs, x);                                                                 \
+        mpf_impl<DOT, false>(jobs, x);                                                          \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2) mpg_##NAME(                  \
-        WRef g, WRef u, const float* x, float* o, int rows, int act, int ks, int flags) {       \
-        mpg_impl<DOT>(g, u, x, o, rows, act);                                                   \
+    extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)                              \
+        mpfn_##NAME(MvJobs jobs, const float* x) {                                              \
+        mpf_impl<DOT, true>(jobs, x);                                                           \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)                              \
+        mpg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
+                   int flags, MvNorm nm) {                                                      \
+        mpg_impl<DOT, false>(g, u, x, o, rows, act, nm);                                        \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)                              \
+        mpgn_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,        \
+                    int flags, MvNorm nm) {                                                     \
+        mpg_impl<DOT, true>(g, u, x, o, rows, act, nm);                                         \
     }

@@ -51,30 +51,45 @@ __device__ __forceinline__ int sum8(int s) {  // over the eight lanes of one blo
 }
 
 // Quantizes x (cols f32, 16-byte aligned, cols % 32 == 0) into the two terms. Eight lanes per
-// block (a float4 each), four blocks per warp and round; eight rounds' loads are issued before
-// any is used, so a block of four warps has 128 loads in flight (one trip through L2 for 4096
+// block (a float4 each), four blocks per warp and round; R rounds' loads are issued before
+// any is used, so at R = 8 a block of four warps has 128 loads in flight (one trip through L2 for 4096
 // columns). Lane `sub` of block b's eight hands its four elements' codes h (first term), l
 // (second) and the block's scales to put(b, sub, h, l, d1, d2), which stores them in its
 // kernel's layout; every lane calls it, b >= nb included (it may shuffle; it stores nothing then).
-template <class Put>
-__device__ __forceinline__ void quantize_row_q8(const float* __restrict__ x, int cols, Put put) {
+// With NORM the row quantized is x * (w + offset) (`MvNorm`), and the lane's share of the sum
+// of the squares of x is returned (0 otherwise). R rounds per pass (8; fewer where registers
+// are short: the norm's weights double the loads in flight).
+template <bool NORM, int R = 8, class Put>
+__device__ __forceinline__ float quantize_row_q8(const float* __restrict__ x, int cols,
+                                                 const MvNorm& nm, Put put) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int nb = cols >> 5, sub = lane & 7, mine = warp * 4 + (lane >> 3);
-    for (int base = 0; base < nb; base += 32 * nw) {  // block-uniform
-        float4 v[8];
+    float ss = 0.0f;
+    for (int base = 0; base < nb; base += 4 * R * nw) {  // block-uniform
+        float4 v[R], g[R];
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
+        for (int r = 0; r < R; r++) {
             const int b = base + 4 * nw * r + mine;
             if (b < nb) {
                 v[r] = *(const float4*)(x + 32 * b + 4 * sub);
+                if (NORM) g[r] = *(const float4*)(nm.w + 32 * b + 4 * sub);
             } else {
                 v[r].x = v[r].y = v[r].z = v[r].w = 0.0f;
+                if (NORM) g[r] = v[r];
             }
         }
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
+        for (int r = 0; r < R; r++) {
             const int b = base + 4 * nw * r + mine;
-            const float e[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+            float e[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+            if (NORM) {
+                const float gw[4] = {g[r].x, g[r].y, g[r].z, g[r].w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ss = fmaf(e[i], e[i], ss);
+                    e[i] *= gw[i] + nm.offset;
+                }
+            }
             float a = fmaxf(fmaxf(fabsf(e[0]), fabsf(e[1])), fmaxf(fabsf(e[2]), fabsf(e[3])));
             a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 1));
             a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 2));
@@ -91,12 +106,31 @@ __device__ __forceinline__ void quantize_row_q8(const float* __restrict__ x, int
             put(b, sub, h, l, d1, d2);
         }
     }
+    return ss;
 }
 
-__device__ __forceinline__ void stage_q8(const float* __restrict__ x, int cols, u8* q1, u8* q2,
-                                         float4* ds) {
+// The block's 1 / rms(x) from each thread's share of the sum of squares (`quantize_row_q8`),
+// `slots` one float per warp of shared memory; synchronises the block (the staging's barrier).
+template <bool NORM>
+__device__ __forceinline__ float block_inv_rms(float ss, float* slots, int cols,
+                                               const MvNorm& nm) {
+    if (NORM) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+    if (!NORM) return 1.0f;
+    float s = 0.0f;
+    for (int k = 0; k < (int)(blockDim.x >> 5); k++) s += slots[k];
+    return inv_rms(s, cols, nm.eps);
+}
+
+template <bool NORM>
+__device__ __forceinline__ float stage_q8(const float* __restrict__ x, int cols, const MvNorm& nm,
+                                          u8* q1, u8* q2, float4* ds) {
     const int nb = cols >> 5;
-    quantize_row_q8(x, cols, [&](int b, int sub, const int* h, const int* l, float d1, float d2) {
+    return quantize_row_q8<NORM>(x, cols, nm, [&](int b, int sub, const int* h, const int* l,
+                                                  float d1, float d2) {
         const int s1 = sum8(h[0] + h[1] + h[2] + h[3]), s2 = sum8(l[0] + l[1] + l[2] + l[3]);
         if (b < nb) {
             *(u32*)(q1 + 32 * b + 4 * sub) = pack_i8x4(h[0], h[1], h[2], h[3]);
@@ -325,37 +359,45 @@ __device__ __forceinline__ void mq_rows(const WRef& w0, const WRef& w1, const XQ
 // float4 (`XQ`).
 extern __shared__ __align__(16) u8 mq_smem[];
 
-__device__ __forceinline__ XQ mq_stage(const float* __restrict__ x, int cols) {
+// Stages x (times the norm's weights when NORM) and returns the scale of the totals (1 / rms(x)
+// when NORM, else 1); synchronises the block.
+template <bool NORM>
+__device__ __forceinline__ XQ mq_stage(const float* __restrict__ x, int cols, const MvNorm& nm,
+                                       float& scale) {
+    __shared__ float slots[MVF_WARPS];
     float4* ds = (float4*)(mq_smem + 2 * cols);
-    stage_q8(x, cols, mq_smem, mq_smem + cols, ds);
-    __syncthreads();
+    const float ss = stage_q8<NORM>(x, cols, nm, mq_smem, mq_smem + cols, ds);
+    scale = block_inv_rms<NORM>(ss, slots, cols, nm);
     return XQ{mq_smem, mq_smem + cols, ds};
 }
 
-template <class F>
+template <class F, bool NORM>
 __device__ __forceinline__ void mqf_impl(const MvJobs& jobs, const float* __restrict__ x) {
     constexpr int RPW = F::RPW;
     __shared__ float red[1][MVF_WARPS][4];
     const MvPlace p = mv_place<RPW>(jobs);
     const MvJob& J = jobs.j[p.ji];
     pdl_wait();
-    const XQ xq = mq_stage(x, J.w.cols);
+    float scale;
+    const XQ xq = mq_stage<NORM>(x, J.w.cols, jobs.norm, scale);
     if (p.row0 < J.rows) mq_rows<F, RPW, 1>(J.w, J.w, xq, J.rows, p.row0, p.ks, red);
     __syncthreads();
-    mv_store<RPW>(jobs, J, p, red);
+    mv_store<RPW>(jobs, J, p, red, scale);
 }
 
-template <class F>
+template <class F, bool NORM>
 __device__ __forceinline__ void mqg_impl(const WRef g, const WRef u, const float* __restrict__ x,
-                                         float* __restrict__ out, int rows, int act, int ks) {
+                                         float* __restrict__ out, int rows, int act, int ks,
+                                         const MvNorm& nm) {
     constexpr int NR = F::GNR;
     __shared__ float red[2][MVF_WARPS][4];
     const MvPlace p = mg_place<NR>(ks);
     pdl_wait();
-    const XQ xq = mq_stage(x, g.cols);
+    float scale;
+    const XQ xq = mq_stage<NORM>(x, g.cols, nm, scale);
     if (p.row0 < rows) mq_rows<F, NR, 2>(g, u, xq, rows, p.row0, ks, red);
     __syncthreads();
-    mg_store<NR>(out, rows, act, p, red);
+    mg_store<NR>(out, rows, act, p, red, scale);
 }
 
 // mqf_NAME / mqg_NAME: the launches of mvf_NAME / mvg_NAME with 2 cols + cols / 32 * 16 bytes of
@@ -364,9 +406,19 @@ __device__ __forceinline__ void mqg_impl(const WRef g, const WRef u, const float
 #define HF2Q_MATVEC_Q8(NAME, DOT)                                                               \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
         mqf_##NAME(MvJobs jobs, const float* x) {                                               \
-        mqf_impl<DOT>(jobs, x);                                                                 \
+        mqf_impl<DOT, false>(jobs, x);                                                          \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32) mqg_##NAME(                    \
-        WRef g, WRef u, const float* x, float* o, int rows, int act, int ks, int flags) {       \
-        mqg_impl<DOT>(g, u, x, o, rows, act, ks);                                               \
+    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+        mqfn_##NAME(MvJobs jobs, const float* x) {                                              \
+        mqf_impl<DOT, true>(jobs, x);                                                           \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+        mqg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
+                   int flags, MvNorm nm) {                                                      \
+        mqg_impl<DOT, false>(g, u, x, o, rows, act, ks, nm);                                    \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+        mqgn_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,        \
+                    int flags, MvNorm nm) {                                                     \
+        mqg_impl<DOT, true>(g, u, x, o, rows, act, ks, nm);                                     \
     }
