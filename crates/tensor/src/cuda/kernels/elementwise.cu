@@ -12,11 +12,12 @@
 // out[r] = x[r] / rms(x[r]) * (w + offset), one block per row. The sum of squares is reduced in
 // f32 (per thread, then across warps), the scale computed as the CPU reference does.
 //
-// Rows whose width is a multiple of 4 (at most 8192, 16-byte aligned) take one pass: every thread issues all
-// its float4 loads of the row before using any (one trip through L2 rather than one per
-// element), keeps them in registers for the output, and loads its weights before waiting for
-// the previous kernel (they do not depend on it). A decode step runs two of these per layer on
-// one multiprocessor each, so their latency is what counts. Other widths loop per element.
+// Rows whose width is a multiple of 4 (at most 8192, 16-byte aligned) take one pass: every
+// thread issues all its float4 loads of the row before using any (one trip through L2 rather
+// than one per element), keeps them in registers for the output, and loads its weights before
+// waiting for the previous kernel (they do not depend on it). A decode step runs two of these
+// per layer on one multiprocessor each, so their latency is what counts. Other widths loop per
+// element.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
              int C, float eps, float offset) {

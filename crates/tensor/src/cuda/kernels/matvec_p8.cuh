@@ -25,10 +25,10 @@
 #include "matvec_q8.cuh"
 
 #define MP_WARPS 8
-// Rows per row group of the plain / fused kernels: two (an 8B Q4_0 decoded 406-410 tokens/s at
-// four rows, 422-426 at two, 387-390 at one: an 8B's down projection has 4096 rows, which at
-// four rows per group left half of the grid's 2112 warps without a group, and q/k/v 6144).
-// `HF2Q_CUDA_P8_RPW=1|2|4` at open compiles another (measurements); the host mirrors it.
+// Rows per row group of the plain / fused kernels: two. An 8B Q4_0 decoded 406-410 tokens/s at
+// four rows, 422-426 at two, 387-390 at one: its down projection has 4096 rows, which at four
+// rows per group left half of the grid's 2112 warps without a group. `HF2Q_CUDA_P8_RPW=1|2|4`
+// at open compiles another (measurements); the host mirrors it (`mp_rows` in ops.rs).
 #ifndef HF2Q_MP_RPW
 #define HF2Q_MP_RPW 2
 #endif
@@ -60,8 +60,10 @@ __device__ __forceinline__ XP mp_stage(const float* __restrict__ x, int cols, co
     u8* base = mp_smem;
     int4* sums = (int4*)(base + 4 * ps);
     float2* ds = (float2*)(base + 4 * ps + 16 * nb);
-    const float ss = quantize_row_q8<NORM, NORM ? 4 : 8>(x, cols, nm, [&](int b, int sub, const int* h,
-                                                            const int* l, float d1, float d2) {
+    // Four rounds of loads in flight when folding the norm (its weights beside x's), eight
+    // otherwise: eight with the weights spilled at the 128 registers of two resident blocks.
+    constexpr int R = NORM ? 4 : 8;
+    auto put = [&](int b, int sub, const int* h, const int* l, float d1, float d2) {
         // Sums over the half (four lanes: sub 0..3 hold elements 0..15, 4..7 16..31).
         int s1 = h[0] + h[1] + h[2] + h[3], s2 = l[0] + l[1] + l[2] + l[3];
         s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
@@ -81,7 +83,8 @@ __device__ __forceinline__ XP mp_stage(const float* __restrict__ x, int cols, co
             }
             if (sub == 0) ds[b] = float2{d1, d2};
         }
-    });
+    };
+    const float ss = quantize_row_q8<NORM, R>(x, cols, nm, put);
     scale = block_inv_rms<NORM>(ss, slots, cols, nm);
     return XP{(const uint4*)base,          (const uint4*)(base + ps),
               (const uint4*)(base + 2 * ps), (const uint4*)(base + 3 * ps),
@@ -151,8 +154,8 @@ struct PQ8_0 {
 // the low nibbles elements 16 h .. 16 h + 16 of sub-block 2c, the high nibbles the same of
 // sub-block 2c + 1 (c = (b / 2) % 4, h = b % 2): half h of x blocks 2c and 2c + 1.
 struct PQ4_K {
-    // One unit at a time: two units' activations, headers and quants of four rows do not fit
-    // in the 128 registers of two resident blocks.
+    // One unit at a time: two units' activations, headers and quants of four rows did not fit
+    // in the 128 registers of two resident blocks (measured at four rows per group).
     static constexpr int RPW = HF2Q_MP_RPW, GNR = 2, UNROLL = 1;
     struct XR {
         uint4 xl, xh, cl, ch;

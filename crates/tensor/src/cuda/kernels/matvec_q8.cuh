@@ -51,9 +51,9 @@ __device__ __forceinline__ int sum8(int s) {  // over the eight lanes of one blo
 }
 
 // Quantizes x (cols f32, 16-byte aligned, cols % 32 == 0) into the two terms. Eight lanes per
-// block (a float4 each), four blocks per warp and round; R rounds' loads are issued before
-// any is used, so at R = 8 a block of four warps has 128 loads in flight (one trip through L2 for 4096
-// columns). Lane `sub` of block b's eight hands its four elements' codes h (first term), l
+// block (a float4 each), four blocks per warp and round; R rounds' loads are issued before any
+// is used, so at R = 8 a block of four warps has 128 loads in flight (one trip through L2 for
+// 4096 columns). Lane `sub` of block b's eight hands its four elements' codes h (first term), l
 // (second) and the block's scales to put(b, sub, h, l, d1, d2), which stores them in its
 // kernel's layout; every lane calls it, b >= nb included (it may shuffle; it stores nothing then).
 // With NORM the row quantized is x * (w + offset) (`MvNorm`), and the lane's share of the sum
