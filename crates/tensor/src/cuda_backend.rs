@@ -229,6 +229,104 @@ impl CudaBackend {
         })
     }
 
+    /// [`Backend::linear_many`] (of `rms_norm(x)` with `norm`) as one one-token launch, or
+    /// `None` where that launch does not apply (more than one token, formats or widths the
+    /// fused kernels do not take, a norm the launch would not fold: [`CudaDev::folds_norm`]).
+    fn fused_many(
+        &self,
+        x: &Tensor,
+        norm: Option<PreNorm<'_>>,
+        ws: &[(&QTensor, Option<&[f32]>)],
+    ) -> Result<Option<Vec<Tensor>>> {
+        let (t, c) = x.dims2();
+        let dws = ws
+            .iter()
+            .map(|(w, _)| self.weight(w))
+            .collect::<Result<Vec<_>>>()?;
+        let fused = t == 1
+            && (1..=3).contains(&ws.len())
+            && dws
+                .iter()
+                .all(|d| self.dev.has_fast_matvec(d) && d.cols == c && d.kind() == dws[0].kind())
+            && norm.is_none_or(|n| {
+                n.w.len() == c
+                    && self
+                        .dev
+                        .folds_norm(&dws[0], dws.iter().map(|d| d.rows * d.cols).sum())
+            })
+            && self.raw(x, "linear")?.ptr % 16 == 0;
+        if !fused {
+            return Ok(None);
+        }
+        let nw = norm.map(|n| self.vector(n.w)).transpose()?;
+        let rn = norm.zip(nw.as_deref()).map(|(n, w)| RowNorm {
+            w,
+            eps: n.eps,
+            offset: n.offset,
+        });
+        let biases = ws
+            .iter()
+            .map(|(_, b)| b.map(|b| self.vector(b)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        let outs = dws
+            .iter()
+            .map(|d| self.alloc(&[1, d.rows]))
+            .collect::<Result<Vec<_>>>()?;
+        let mut raws = outs
+            .iter()
+            .map(|o| self.raw(o, "linear"))
+            .collect::<Result<Vec<_>>>()?;
+        let xi = self.raw(x, "linear")?;
+        let mut jobs: Vec<(
+            &DeviceWeight,
+            Option<&CudaSlice<f32>>,
+            &mut dyn DevicePtrMutF32,
+        )> = dws
+            .iter()
+            .zip(&biases)
+            .zip(raws.iter_mut())
+            .map(|((d, b), r)| (&**d, b.as_deref(), r as &mut dyn DevicePtrMutF32))
+            .collect();
+        self.dev.linear_many_normed(&xi, rn.as_ref(), &mut jobs)?;
+        Ok(Some(outs))
+    }
+
+    /// [`Backend::linear_gated`] (of `rms_norm(x)` with `norm`) as one one-token launch, or
+    /// `None` where that launch does not apply (as [`CudaBackend::fused_many`]).
+    fn fused_gated(
+        &self,
+        x: &Tensor,
+        norm: Option<PreNorm<'_>>,
+        gate: &QTensor,
+        up: &QTensor,
+        act: GateAct,
+    ) -> Result<Option<Tensor>> {
+        let (t, c) = x.dims2();
+        let (g, u) = (self.weight(gate)?, self.weight(up)?);
+        if t != 1
+            || c != gate.cols
+            || !self.dev.has_fast_matvec(&g)
+            || g.kind() != u.kind()
+            || (g.rows, g.cols) != (u.rows, u.cols)
+            || norm.is_some_and(|n| n.w.len() != c || !self.dev.folds_norm(&g, g.rows * g.cols))
+            || self.raw(x, "linear")?.ptr % 16 != 0
+        {
+            return Ok(None);
+        }
+        let nw = norm.map(|n| self.vector(n.w)).transpose()?;
+        let rn = norm.zip(nw.as_deref()).map(|(n, w)| RowNorm {
+            w,
+            eps: n.eps,
+            offset: n.offset,
+        });
+        let out = self.alloc(&[1, g.rows])?;
+        let xi = self.raw(x, "linear")?;
+        let mut o = self.raw(&out, "linear")?;
+        self.dev
+            .linear_gated_normed(&xi, rn.as_ref(), &g, &u, act == GateAct::GeluTanh, &mut o)?;
+        Ok(Some(out))
+    }
+
     pub fn device(&self) -> &Arc<CudaDev> {
         &self.dev
     }
@@ -816,45 +914,10 @@ impl Backend for CudaBackend {
     }
 
     fn linear_many(&self, x: &Tensor, ws: &[(&QTensor, Option<&[f32]>)]) -> Result<Vec<Tensor>> {
-        let (t, c) = x.dims2();
-        let dws = ws
-            .iter()
-            .map(|(w, _)| self.weight(w))
-            .collect::<Result<Vec<_>>>()?;
-        let fused = t == 1
-            && (1..=3).contains(&ws.len())
-            && dws
-                .iter()
-                .all(|d| self.dev.has_fast_matvec(d) && d.cols == c && d.kind() == dws[0].kind())
-            && self.raw(x, "linear")?.ptr % 16 == 0;
-        if !fused {
-            return linear_many_composed(self, x, ws);
+        match self.fused_many(x, None, ws)? {
+            Some(outs) => Ok(outs),
+            None => linear_many_composed(self, x, ws),
         }
-        let biases = ws
-            .iter()
-            .map(|(_, b)| b.map(|b| self.vector(b)).transpose())
-            .collect::<Result<Vec<_>>>()?;
-        let outs = dws
-            .iter()
-            .map(|d| self.alloc(&[1, d.rows]))
-            .collect::<Result<Vec<_>>>()?;
-        let mut raws = outs
-            .iter()
-            .map(|o| self.raw(o, "linear"))
-            .collect::<Result<Vec<_>>>()?;
-        let xi = self.raw(x, "linear")?;
-        let mut jobs: Vec<(
-            &DeviceWeight,
-            Option<&CudaSlice<f32>>,
-            &mut dyn DevicePtrMutF32,
-        )> = dws
-            .iter()
-            .zip(&biases)
-            .zip(raws.iter_mut())
-            .map(|((d, b), r)| (&**d, b.as_deref(), r as &mut dyn DevicePtrMutF32))
-            .collect();
-        self.dev.linear_many(&xi, &mut jobs)?;
-        Ok(outs)
     }
 
     fn linear_add(&self, x: &Tensor, w: &QTensor, residual: &mut Tensor) -> Result<()> {
@@ -880,23 +943,10 @@ impl Backend for CudaBackend {
         up: &QTensor,
         act: GateAct,
     ) -> Result<Tensor> {
-        let (t, c) = x.dims2();
-        let (g, u) = (self.weight(gate)?, self.weight(up)?);
-        if t != 1
-            || c != gate.cols
-            || !self.dev.has_fast_matvec(&g)
-            || g.kind() != u.kind()
-            || (g.rows, g.cols) != (u.rows, u.cols)
-            || self.raw(x, "linear")?.ptr % 16 != 0
-        {
-            return linear_gated_composed(self, x, gate, up, act);
+        match self.fused_gated(x, None, gate, up, act)? {
+            Some(out) => Ok(out),
+            None => linear_gated_composed(self, x, gate, up, act),
         }
-        let out = self.alloc(&[1, g.rows])?;
-        let xi = self.raw(x, "linear")?;
-        let mut o = self.raw(&out, "linear")?;
-        self.dev
-            .linear_gated(&xi, &g, &u, act == GateAct::GeluTanh, &mut o)?;
-        Ok(out)
     }
 
     fn norm_linear_many(
@@ -905,56 +955,11 @@ impl Backend for CudaBackend {
         norm: PreNorm<'_>,
         ws: &[(&QTensor, Option<&[f32]>)],
     ) -> Result<Vec<Tensor>> {
-        let (t, c) = x.dims2();
-        let dws = ws
-            .iter()
-            .map(|(w, _)| self.weight(w))
-            .collect::<Result<Vec<_>>>()?;
-        let fused = t == 1
-            && norm.w.len() == c
-            && (1..=3).contains(&ws.len())
-            && dws
-                .iter()
-                .all(|d| self.dev.has_fast_matvec(d) && d.cols == c && d.kind() == dws[0].kind())
-            && self
-                .dev
-                .folds_norm(&dws[0], dws.iter().map(|d| d.rows * d.cols).sum())
-            && self.raw(x, "linear")?.ptr % 16 == 0;
-        if !fused {
-            let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
-            return self.linear_many(&h, ws);
+        if let Some(outs) = self.fused_many(x, Some(norm), ws)? {
+            return Ok(outs);
         }
-        let nw = self.vector(norm.w)?;
-        let rn = RowNorm {
-            w: &nw,
-            eps: norm.eps,
-            offset: norm.offset,
-        };
-        let biases = ws
-            .iter()
-            .map(|(_, b)| b.map(|b| self.vector(b)).transpose())
-            .collect::<Result<Vec<_>>>()?;
-        let outs = dws
-            .iter()
-            .map(|d| self.alloc(&[1, d.rows]))
-            .collect::<Result<Vec<_>>>()?;
-        let mut raws = outs
-            .iter()
-            .map(|o| self.raw(o, "linear"))
-            .collect::<Result<Vec<_>>>()?;
-        let xi = self.raw(x, "linear")?;
-        let mut jobs: Vec<(
-            &DeviceWeight,
-            Option<&CudaSlice<f32>>,
-            &mut dyn DevicePtrMutF32,
-        )> = dws
-            .iter()
-            .zip(&biases)
-            .zip(raws.iter_mut())
-            .map(|((d, b), r)| (&**d, b.as_deref(), r as &mut dyn DevicePtrMutF32))
-            .collect();
-        self.dev.linear_many_normed(&xi, Some(&rn), &mut jobs)?;
-        Ok(outs)
+        let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+        self.linear_many(&h, ws)
     }
 
     fn norm_linear_gated(
@@ -965,32 +970,11 @@ impl Backend for CudaBackend {
         up: &QTensor,
         act: GateAct,
     ) -> Result<Tensor> {
-        let (t, c) = x.dims2();
-        let (g, u) = (self.weight(gate)?, self.weight(up)?);
-        if t != 1
-            || c != gate.cols
-            || norm.w.len() != c
-            || !self.dev.has_fast_matvec(&g)
-            || !self.dev.folds_norm(&g, g.rows * g.cols)
-            || g.kind() != u.kind()
-            || (g.rows, g.cols) != (u.rows, u.cols)
-            || self.raw(x, "linear")?.ptr % 16 != 0
-        {
-            let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
-            return self.linear_gated(&h, gate, up, act);
+        if let Some(out) = self.fused_gated(x, Some(norm), gate, up, act)? {
+            return Ok(out);
         }
-        let nw = self.vector(norm.w)?;
-        let rn = RowNorm {
-            w: &nw,
-            eps: norm.eps,
-            offset: norm.offset,
-        };
-        let out = self.alloc(&[1, g.rows])?;
-        let xi = self.raw(x, "linear")?;
-        let mut o = self.raw(&out, "linear")?;
-        self.dev
-            .linear_gated_normed(&xi, Some(&rn), &g, &u, act == GateAct::GeluTanh, &mut o)?;
-        Ok(out)
+        let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+        self.linear_gated(&h, gate, up, act)
     }
 
     fn to_host(&self, x: &Tensor) -> Result<Tensor> {
