@@ -56,6 +56,13 @@ fn options(arch: &str) -> Vec<String> {
     if std::env::var("HF2Q_CUDA_EARLY").as_deref() == Ok("0") {
         o.push("-DHF2Q_MV_EARLY=0".into());
     }
+    // Measurement switch: the one-token kernels compiled for at least N resident blocks per
+    // multiprocessor (`MV_BOUNDS` in matvec.cuh).
+    if let Ok(n @ 1..=16) =
+        std::env::var("HF2Q_CUDA_MV_MINB").map(|v| v.parse::<u32>().unwrap_or(0))
+    {
+        o.push(format!("-DHF2Q_MV_MINB={n}"));
+    }
     if let Some(r) = super::ops::mp_rows_override() {
         o.push(format!("-DHF2Q_MP_RPW={r}"));
     }

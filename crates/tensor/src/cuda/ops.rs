@@ -555,14 +555,42 @@ impl CudaDev {
     /// Warps sharing one row group in the `matvec.cuh` kernels: more when the matrix has too
     /// few rows to give every multiprocessor about four blocks, while each lane keeps at least
     /// two blocks of 32 columns.
-    fn mv_split(&self, rows: usize, cols: usize, rows_per_group: usize) -> usize {
+    /// With `cap` (blocks the GPU holds at once), a split is not doubled past it: the blocks
+    /// beyond would run as a second wave.
+    fn mv_split(
+        &self,
+        rows: usize,
+        cols: usize,
+        rows_per_group: usize,
+        cap: Option<usize>,
+    ) -> usize {
         let want = 4 * self.info().multiprocessors as usize;
         let nb = cols / 32;
         let mut ks = 1usize;
-        while ks < 4 && rows.div_ceil(rows_per_group * (4 / ks)) < want && nb >= 64 * ks {
+        while ks < 4
+            && rows.div_ceil(rows_per_group * (4 / ks)) < want
+            && nb >= 64 * ks
+            && cap.is_none_or(|c| rows.div_ceil(rows_per_group * (4 / (2 * ks))) <= c)
+        {
             ks *= 2;
         }
         ks
+    }
+
+    /// Blocks of `f` (128 threads, `smem` bytes of dynamic shared memory) the GPU holds at once,
+    /// when the row split is to respect it (`HF2Q_CUDA_SPLIT=resident` at open, a measurement
+    /// switch: `mvf_q8_0s` at 72 registers holds seven blocks per multiprocessor, and the 1024
+    /// blocks `mv_split` gives an 8B's down projection then run in two waves; cuda/NOTES.md).
+    fn mv_cap(&self, f: &cudarc::driver::CudaFunction, smem: usize) -> Result<Option<usize>> {
+        if !self.mv_resident.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(128, smem, None)
+            .map_err(cuda_err("occupancy of a one-token kernel"))?;
+        Ok(Some(
+            (per_sm as usize).max(1) * self.info().multiprocessors as usize,
+        ))
     }
 
     /// One launch of `mvf_KIND` over up to three matrices sharing the one-token input `x`
@@ -612,6 +640,11 @@ impl CudaDev {
             pad: 0,
             norm: nargs,
         };
+        let cap = if k.persistent {
+            None
+        } else {
+            self.mv_cap(f, smem)?
+        };
         let mut ctas = 0usize;
         for (i, (w, bias, out)) in jobs.iter().enumerate() {
             if w.kind != first.kind || w.cols != first.cols {
@@ -628,7 +661,7 @@ impl CudaDev {
             let ks = if k.persistent {
                 1
             } else {
-                self.mv_split(w.rows, w.cols, rpw)
+                self.mv_split(w.rows, w.cols, rpw, cap.map(|c| c.saturating_sub(ctas)))
             };
             mj.j[i] = MvJob {
                 w: w.args(self),
@@ -792,7 +825,8 @@ impl CudaDev {
                 gw, uw, xp, op, rows, act, ksi, flags, nargs);
         }
         let nr = mvf_rows_per_group(gate.kind).1;
-        let ks = self.mv_split(gate.rows, gate.cols, nr);
+        let cap = self.mv_cap(f, smem)?;
+        let ks = self.mv_split(gate.rows, gate.cols, nr, cap);
         let ksi = ks as i32;
         let grid = blocks(gate.rows, nr * 4 / ks)?;
         launch!(self, f, (grid, 1, 1), (128, 1, 1), smem;

@@ -671,24 +671,35 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
     mg_store<NR>(out, rows, act, p, red, mvf_scale<NORM>(ssq, p.warp, ks, g.cols, nm));
 }
 
+// Launch bounds of the kernels below. `HF2Q_CUDA_MV_MINB=N` at open (a measurement switch)
+// compiles them for at least N resident blocks per multiprocessor: the early loads took Q8_0's
+// kernel from 64 to 72 registers, seven resident blocks instead of eight (cuda/NOTES.md). Only
+// under the switch: naming a minimum of 1 changes the compiler's register choice (Q8_0 72 ->
+// 104).
+#ifdef HF2Q_MV_MINB
+#define MV_BOUNDS __launch_bounds__(MVF_WARPS * 32, HF2Q_MV_MINB)
+#else
+#define MV_BOUNDS __launch_bounds__(MVF_WARPS * 32)
+#endif
+
 // Each kernel waits for its predecessor (`pdl_wait`) inside `mvf_rows`, after its first weight
 // loads. mvfn_NAME / mvgn_NAME: the same with the input's RMSNorm folded in (`MvNorm`; the plain
 // kernels read it from `jobs.norm`, the gated ones ignore `nm` otherwise).
 #define HF2Q_MATVEC_FAST(NAME, DOT)                                                             \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+    extern "C" __global__ void MV_BOUNDS                                                        \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
         mvf_impl<DOT, false>(jobs, x);                                                          \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+    extern "C" __global__ void MV_BOUNDS                                                        \
         mvfn_##NAME(MvJobs jobs, const float* x) {                                              \
         mvf_impl<DOT, true>(jobs, x);                                                           \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+    extern "C" __global__ void MV_BOUNDS                                                        \
         mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
                    int flags, MvNorm nm) {                                                      \
         mvg_impl<DOT, false>(g, u, x, o, rows, act, ks, flags, nm);                             \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
+    extern "C" __global__ void MV_BOUNDS                                                        \
         mvgn_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,        \
                     int flags, MvNorm nm) {                                                     \
         mvg_impl<DOT, true>(g, u, x, o, rows, act, ks, flags, nm);                              \
