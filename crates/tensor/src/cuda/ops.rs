@@ -554,9 +554,8 @@ impl CudaDev {
 
     /// Warps sharing one row group in the `matvec.cuh` kernels: more when the matrix has too
     /// few rows to give every multiprocessor about four blocks, while each lane keeps at least
-    /// two blocks of 32 columns.
-    /// With `cap` (blocks the GPU holds at once), a split is not doubled past it: the blocks
-    /// beyond would run as a second wave.
+    /// two blocks of 32 columns. With `cap` (blocks the GPU holds at once), a split is not
+    /// doubled past it: the blocks beyond would run as a second wave.
     fn mv_split(
         &self,
         rows: usize,
