@@ -85,18 +85,6 @@ impl Attention {
         self.o.forward(be, &a)
     }
 
-    /// `residual += forward(x, seqs)`.
-    pub fn forward_add(
-        &self,
-        be: &dyn Backend,
-        x: &Tensor,
-        seqs: &mut [SeqRef<'_>],
-        residual: &mut Tensor,
-    ) -> Result<()> {
-        let a = self.heads(be, x, None, seqs)?;
-        self.o.forward_add(be, &a, residual)
-    }
-
     /// `x += forward(rms_norm(x), seqs)`: a pre-norm block's attention half (the backend may
     /// fold the norm into the q/k/v product).
     pub fn forward_residual(

@@ -45,12 +45,6 @@ impl Mlp {
         let h = self.hidden(be, x)?;
         self.down.forward(be, &h)
     }
-    /// `residual += forward(x)`.
-    pub fn forward_add(&self, be: &dyn Backend, x: &Tensor, residual: &mut Tensor) -> Result<()> {
-        let h = self.hidden(be, x)?;
-        self.down.forward_add(be, &h, residual)
-    }
-
     /// `x += forward(rms_norm(x))`: a pre-norm block's MLP half (the backend may fold the norm
     /// into the gate and up product).
     pub fn forward_residual(
