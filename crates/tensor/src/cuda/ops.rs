@@ -76,6 +76,27 @@ fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
     }
 }
 
+/// [`CudaDev::mv_split`] on a GPU of `sms` multiprocessors (four warps per block).
+fn mv_split_for(
+    rows: usize,
+    cols: usize,
+    rows_per_group: usize,
+    sms: usize,
+    cap: Option<usize>,
+) -> usize {
+    let want = 4 * sms;
+    let nb = cols / 32;
+    let mut ks = 1usize;
+    while ks < 4
+        && rows.div_ceil(rows_per_group * (4 / ks)) < want
+        && nb >= 64 * ks
+        && cap.is_none_or(|c| rows.div_ceil(rows_per_group * (4 / (2 * ks))) <= c)
+    {
+        ks *= 2;
+    }
+    ks
+}
+
 /// Warps per block of the persistent kernels (`MP_WARPS` in `kernels/matvec_p8.cuh`) and rows
 /// per row group of their gated form (`GNR` of its formats: the same for all).
 const MP_WARPS: usize = 8;
@@ -563,17 +584,8 @@ impl CudaDev {
         rows_per_group: usize,
         cap: Option<usize>,
     ) -> usize {
-        let want = 4 * self.info().multiprocessors as usize;
-        let nb = cols / 32;
-        let mut ks = 1usize;
-        while ks < 4
-            && rows.div_ceil(rows_per_group * (4 / ks)) < want
-            && nb >= 64 * ks
-            && cap.is_none_or(|c| rows.div_ceil(rows_per_group * (4 / (2 * ks))) <= c)
-        {
-            ks *= 2;
-        }
-        ks
+        let sms = self.info().multiprocessors as usize;
+        mv_split_for(rows, cols, rows_per_group, sms, cap)
     }
 
     /// Blocks of `f` (128 threads, `smem` bytes of dynamic shared memory) the GPU holds at once,
@@ -1272,5 +1284,30 @@ impl CudaDev {
             launch!(self, f, (ARGMAX_BLOCKS as u32, n, 1), (256, 1, 1), 0; lr, or, c, pp, cp)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mv_split_for;
+
+    /// The row split on an H200 (132 multiprocessors), with the blocks of each split in the
+    /// comments (rows / (rows per group * 4 / split)).
+    #[test]
+    fn row_split_and_its_residency_cap() {
+        // An 8B's Q8_0 down projection (four rows per group): 256, 512, 1024 blocks; the split
+        // stops at 4 (1024 >= 528 wanted), or at 2 when only 924 blocks fit at once.
+        assert_eq!(mv_split_for(4096, 14336, 4, 132, None), 4);
+        assert_eq!(mv_split_for(4096, 14336, 4, 132, Some(924)), 2);
+        assert_eq!(mv_split_for(4096, 14336, 4, 132, Some(1056)), 4);
+        // A 1B's 8192 x 2048 Q8_0: 512 blocks unsplit is under the 528 wanted, so 2 (1024
+        // blocks) unless capped.
+        assert_eq!(mv_split_for(8192, 2048, 4, 132, None), 2);
+        assert_eq!(mv_split_for(8192, 2048, 4, 132, Some(924)), 1);
+        // Enough rows already: no split. Too narrow to split: none either.
+        assert_eq!(mv_split_for(14336, 4096, 2, 132, None), 1);
+        assert_eq!(mv_split_for(64, 1024, 2, 132, None), 1);
+        // A cap below the unsplit grid leaves it unsplit (it cannot go lower).
+        assert_eq!(mv_split_for(4096, 4096, 4, 132, Some(100)), 1);
     }
 }
