@@ -381,8 +381,9 @@ fn linear_every_format_decode_and_prefill() {
 /// The one-token kernels of matvec.cuh (split Q4_0 / Q8_0, Q4_K, padded Q6_K, and dense rows
 /// whose width is a multiple of 32) and the fusions built on them, through the backend: q/k/v in
 /// one launch (with a bias), a product added to a residual, gate and up with the activation, and
-/// q/k/v and gate/up of an RMSNorm of the input (the norm folded into the product). Widths from one block per row (most lanes idle) to 4096 (four warps per row group), rows from
-/// 1 to 600 (edge row groups).
+/// q/k/v and gate/up of an RMSNorm of the input (the norm folded into the persistent kernels,
+/// a norm kernel then the product elsewhere). Widths from one block per row (most lanes idle)
+/// to 4096 (four warps per row group), rows from 1 to 600 (edge row groups).
 #[test]
 fn fast_matvec_and_fusions() {
     use hf2q_tensor::cuda_backend::CudaBackend;
@@ -390,8 +391,6 @@ fn fast_matvec_and_fusions() {
     let Some(dev) = device() else { return };
     let cpu = &CpuBackend::REFERENCE;
     let mut rng = Rng::new("fast_matvec");
-    // Every kernel family folds the norm when asked (by default only the persistent ones do).
-    dev.set_matvec_norm(cuda::MvMode::All);
     let fmts = [
         Fmt::Ggml(GgmlType::Q4_0),
         Fmt::Ggml(GgmlType::Q8_0),
@@ -539,11 +538,13 @@ fn fast_matvec_and_fusions() {
                         |i| bound[i],
                     );
                 }
-                // The same two with the input's RMSNorm folded in (a pre-norm block's q/k/v and
-                // gate/up), one launch each, against the CPU's RMSNorm then the product. The
-                // norm's own rounding (f32 sums, ~1e-7 relative) is far inside these bounds; the
-                // 8-bit kernels quantize x * (w + offset), whose rounding scaled by 1 / rms(x)
-                // is that of the normalized row (the bound computed from it).
+                // The same two of the input's RMSNorm (a pre-norm block's q/k/v and gate/up),
+                // against the CPU's RMSNorm then the product: one launch each where the
+                // persistent kernels fold the norm in, a norm kernel and the product elsewhere.
+                // The norm's own rounding (f32 sums, ~1e-7 relative) is far inside these bounds;
+                // the 8-bit kernels quantize x * (w + offset), whose rounding scaled by
+                // 1 / rms(x) is that of the normalized row (the bound computed from it).
+                let norm_launches = if kind == "p8" && q8fmt { 1 } else { 2 };
                 let nw = rng.vec(cols, 1.0);
                 let offset = if rows % 2 == 1 { 1.0 } else { 0.0 };
                 let norm = PreNorm {
@@ -561,7 +562,11 @@ fn fast_matvec_and_fusions() {
                         &[(&ws[0], None), (&ws[1], Some(&bias)), (&ws[2], None)],
                     )
                     .unwrap();
-                assert_eq!(launches() - l0, 1, "norm_linear_many {f:?}: one launch");
+                assert_eq!(
+                    launches() - l0,
+                    norm_launches,
+                    "norm_linear_many {f:?} {kind}"
+                );
                 for (i, o) in outs.iter().enumerate() {
                     let b = (i == 1).then_some(&bias[..]);
                     let (want, mag) = reference_linear(&ws[i], &h, 1, b);
@@ -576,7 +581,11 @@ fn fast_matvec_and_fusions() {
                 let got = be
                     .norm_linear_gated(&xd, norm, &ws[0], &up, GateAct::Silu)
                     .unwrap();
-                assert_eq!(launches() - l0, 1, "norm_linear_gated {f:?}: one launch");
+                assert_eq!(
+                    launches() - l0,
+                    norm_launches,
+                    "norm_linear_gated {f:?} {kind}"
+                );
                 let want = cpu.linear_gated(&ht, &ws[0], &up, GateAct::Silu).unwrap();
                 let bound = gated_bound(&h);
                 check(
@@ -590,7 +599,6 @@ fn fast_matvec_and_fusions() {
     }
     dev.set_matvec_int8(cuda::MvMode::Auto);
     dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
-    dev.set_matvec_norm(cuda::MvMode::Auto);
 }
 
 #[test]

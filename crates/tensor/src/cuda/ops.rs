@@ -133,6 +133,24 @@ struct MvKernels<'w> {
     persistent: bool,
 }
 
+impl MvKernels<'_> {
+    /// The chosen family's gated or plain kernel, with the norm folded in when `norm`; an error
+    /// naming `w` where the family has no folded form ([`CudaDev::folds_norm`] says which do).
+    fn pick(
+        &self,
+        gated: bool,
+        norm: bool,
+        w: &DeviceWeight,
+    ) -> Result<&cudarc::driver::CudaFunction> {
+        self.fns.pick(gated, norm).ok_or_else(|| {
+            shape(format!(
+                "matvec: '{}': these one-token kernels do not fold an RMSNorm in",
+                w.name
+            ))
+        })
+    }
+}
+
 /// One matrix of a fused one-token launch; mirrors `struct MvJob` in `kernels/matvec.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -450,27 +468,26 @@ impl CudaDev {
         w.fast.is_some()
     }
 
-    /// Where one-token products of an RMSNorm of the input (a pre-norm block's q/k/v and
+    /// Whether one-token products of an RMSNorm of the input (a pre-norm block's q/k/v and
     /// gate/up) fold the norm into the product's kernel (`MvNorm` in matvec.cuh) instead of
-    /// running it as a kernel of its own. `Auto` (the default): where the product runs the
-    /// persistent kernels, whose blocks read the whole input row anyway to stage it (an 8B
-    /// Q4_0's q/k/v and gate/up: 380 -> 408 tokens/s); the other kernels read their activations
-    /// per unit, and the norm's weights doubled those loads, which cost more than the norm's
-    /// kernel (1B Q4_0 1237 -> 1179). `HF2Q_CUDA_NORM=0|all` at open.
-    pub fn set_matvec_norm(&self, m: MvMode) {
-        self.mv_norm
-            .store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    /// running it as a kernel of its own, where the product runs the persistent kernels: their
+    /// blocks read the whole input row anyway to stage it (an 8B Q4_0's q/k/v and gate/up: 380
+    /// -> 408 tokens/s). Folded into the other kernels, which read their activations per unit,
+    /// the norm's weights doubled those loads and cost more than the norm's own kernel (1B Q4_0
+    /// 1237 -> 1179), so those kernels have no folded form. Default on; `HF2Q_CUDA_NORM=0` at
+    /// open turns it off.
+    pub fn set_matvec_norm(&self, on: bool) {
+        self.mv_norm.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether a one-token launch of `w` (with `weights` weights in all: rows times columns of
     /// its matrices, of one of them when gated) folds an RMSNorm of its input in
     /// ([`CudaDev::set_matvec_norm`]; the launch must be one [`CudaDev::has_fast_matvec`] takes).
     pub fn folds_norm(&self, w: &DeviceWeight, weights: usize) -> bool {
-        match MvMode::from_u8(self.mv_norm.load(std::sync::atomic::Ordering::Relaxed)) {
-            MvMode::Off => false,
-            MvMode::All => w.fast.is_some(),
-            MvMode::Auto => self.mv_kernels(w, weights).is_some_and(|k| k.persistent),
-        }
+        self.mv_norm.load(std::sync::atomic::Ordering::Relaxed)
+            && self
+                .mv_kernels(w, weights)
+                .is_some_and(|k| k.fns.normed.is_some())
     }
 
     /// Whether one-token products may prefetch their weights to L2 before waiting for the
@@ -628,11 +645,7 @@ impl CudaDev {
             .mv_kernels(first, jobs.iter().map(|(w, _, _)| w.rows * w.cols).sum())
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", first.name)))?;
         let nargs = self.norm_args(norm, first.cols)?;
-        let f = if norm.is_some() {
-            &k.fns.plain_norm
-        } else {
-            &k.fns.plain
-        };
+        let f = k.pick(false, norm.is_some(), first)?;
         let (flags, smem) = (k.flags, k.smem);
         let empty = MvJob {
             w: first.args(self),
@@ -815,11 +828,7 @@ impl CudaDev {
             .mv_kernels(gate, gate.rows * gate.cols)
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", gate.name)))?;
         let nargs = self.norm_args(norm, gate.cols)?;
-        let f = if norm.is_some() {
-            &k.fns.gated_norm
-        } else {
-            &k.fns.gated
-        };
+        let f = k.pick(true, norm.is_some(), gate)?;
         let (flags, smem) = (k.flags, k.smem);
         self.bind()?;
         let (gw, uw) = (gate.args(self), up.args(self));

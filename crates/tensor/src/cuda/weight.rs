@@ -29,12 +29,25 @@ pub(crate) struct WeightArgs {
 unsafe impl DeviceRepr for WeightArgs {}
 
 /// One family of one-token kernels for a format (`kernels/matvec*.cuh`): the plain / fused
-/// product, the gated one, and both with the input's RMSNorm folded in (`*n_` kernels).
+/// product, the gated one, and for the persistent family both with the input's RMSNorm folded
+/// in (`mpfn`, `mpgn`).
 pub(crate) struct MvFns {
     pub(crate) plain: CudaFunction,
     pub(crate) gated: CudaFunction,
-    pub(crate) plain_norm: CudaFunction,
-    pub(crate) gated_norm: CudaFunction,
+    pub(crate) normed: Option<(CudaFunction, CudaFunction)>,
+}
+
+impl MvFns {
+    /// The gated or plain kernel, with the norm folded in when `norm` (None: this family has no
+    /// such kernel).
+    pub(crate) fn pick(&self, gated: bool, norm: bool) -> Option<&CudaFunction> {
+        match (norm, gated) {
+            (false, false) => Some(&self.plain),
+            (false, true) => Some(&self.gated),
+            (true, false) => self.normed.as_ref().map(|n| &n.0),
+            (true, true) => self.normed.as_ref().map(|n| &n.1),
+        }
+    }
 }
 
 /// A weight `(R, C)` on the device. Built by [`CudaDev::upload_weight`].
@@ -262,8 +275,11 @@ impl CudaDev {
             Ok(MvFns {
                 plain: f("f")?,
                 gated: f("g")?,
-                plain_norm: f("fn")?,
-                gated_norm: f("gn")?,
+                normed: if family == 'p' {
+                    Some((f("fn")?, f("gn")?))
+                } else {
+                    None
+                },
             })
         };
         let fast = if w.cols % 32 == 0

@@ -404,11 +404,11 @@ struct MvJob {
     i32 pad;
 };
 
-// The RMSNorm of the input folded into a product (the `*n_` kernels): the product of W with
-// n(x) = x / rms(x) * (w + offset) is (W · (x * (w + offset))) / rms(x), so each lane scales the
-// activations it loads anyway by the norm's weights, adds their squares to a sum, and the row's
-// total is divided by rms(x) = sqrt(sum / cols + eps) at the end (the RMSNorm kernel's formula):
-// no kernel and no pass over x of its own. Mirrors `MvNorm` on the host.
+// The RMSNorm of the input folded into a product (the persistent kernels' `*n_` forms,
+// matvec_p8.cuh): the product of W with n(x) = x / rms(x) * (w + offset) is
+// (W · (x * (w + offset))) / rms(x), so the staging of x scales it by the norm's weights and sums
+// its squares, and the totals are divided by rms(x) = sqrt(sum / cols + eps) at the end (the
+// RMSNorm kernel's formula). Mirrors `MvNorm` on the host.
 struct MvNorm {
     const float* w;  // cols values
     float eps, offset;
@@ -428,23 +428,6 @@ __device__ __forceinline__ float inv_rms(float ss, int cols, float eps) {
     return 1.0f / sqrtf(ss / (float)cols + eps);
 }
 
-// Activations of unit u, times the norm's weights when NORM (their squares before that added
-// to `ss`).
-template <class F, bool NORM>
-__device__ __forceinline__ void load_xn(const float* __restrict__ x, const MvNorm& nm, int u,
-                                        float* xr, float& ss) {
-    F::load_x(x, u, xr);
-    if (NORM) {
-        float g[F::N];
-        F::load_x(nm.w, u, g);
-#pragma unroll
-        for (int i = 0; i < F::N; i++) {
-            ss = fmaf(xr[i], xr[i], ss);
-            xr[i] *= g[i] + nm.offset;
-        }
-    }
-}
-
 // Flag bits of the one-token kernels.
 #define MV_PREFETCH 1  // prefetch this block's weight rows to L2 before waiting (prefetch_l2)
 
@@ -460,14 +443,10 @@ __device__ __forceinline__ void load_xn(const float* __restrict__ x, const MvNor
 // not depend on it, so each lane's first U units of weights are loaded into registers before
 // the wait and arrive while that kernel finishes (for the small products of a 1B model, U
 // units are all a lane has: the whole matrix is then read during the previous kernel).
-//
-// With NORM the activations are scaled by the norm's weights as they are loaded and each warp's
-// sum of the squares of the x it read goes to ssq[warp] (the ks warps of a group read all of x).
-template <class F, int NR, int NW, bool NORM>
+template <class F, int NR, int NW>
 __device__ __forceinline__ void mvf_rows(const WRef& w0, const WRef& w1,
-                                         const float* __restrict__ x, const MvNorm& nm, int rows,
-                                         int row0, int ks, float (*red)[MVF_WARPS][4],
-                                         float* ssq) {
+                                         const float* __restrict__ x, int rows, int row0,
+                                         int ks, float (*red)[MVF_WARPS][4]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kpart = warp % ks;
     const bool active = row0 < rows;
     int rr[NR];
@@ -483,10 +462,9 @@ __device__ __forceinline__ void mvf_rows(const WRef& w0, const WRef& w1,
     // the 32-element ones (registers).
     constexpr int U = F::N <= 16 ? 4 : 2;
     const int nu = w0.cols / F::N, S = 32 * ks, u0 = lane + 32 * kpart;
-    float ss = 0.0f;
     auto step = [&](int u) {
         float xr[F::N];
-        load_xn<F, NORM>(x, nm, u, xr, ss);
+        F::load_x(x, u, xr);
         const typename F::XA xa = F::prep(xr);
 #pragma unroll
         for (int r = 0; r < NR; r++) {
@@ -517,7 +495,7 @@ __device__ __forceinline__ void mvf_rows(const WRef& w0, const WRef& w1,
         const int u = u0 + k * S;
         if (u < nu) {
             float xr[F::N];
-            load_xn<F, NORM>(x, nm, u, xr, ss);
+            F::load_x(x, u, xr);
             const typename F::XA xa = F::prep(xr);
 #pragma unroll
             for (int r = 0; r < NR; r++) {
@@ -533,10 +511,6 @@ __device__ __forceinline__ void mvf_rows(const WRef& w0, const WRef& w1,
 #endif
 #pragma unroll U
     for (int u = ub; u < nu; u += S) step(u);
-    if (NORM) {
-        ss = warp_sum(ss);
-        if (lane == 0) ssq[warp] = ss;
-    }
 #pragma unroll
     for (int m = 0; m < NW; m++)
 #pragma unroll
@@ -552,16 +526,6 @@ __device__ __forceinline__ float mvf_total(float (*red)[MVF_WARPS][4], int m, in
     float s = 0.0f;
     for (int k = 0; k < ks; k++) s += red[m][warp + k][r];
     return s;
-}
-
-// The scale of a row group's totals: 1 / rms(x) from its ks warps' sums of squares when NORM.
-template <bool NORM>
-__device__ __forceinline__ float mvf_scale(const float* ssq, int warp, int ks, int cols,
-                                           const MvNorm& nm) {
-    if (!NORM) return 1.0f;
-    float s = 0.0f;
-    for (int k = 0; k < ks; k++) s += ssq[warp + k];
-    return inv_rms(s, cols, nm.eps);
 }
 
 // Rows per row group: each activation load feeds RPW rows of the plain kernel and GNR rows of
@@ -613,12 +577,12 @@ __device__ __forceinline__ MvPlace mg_place(int ks) {
 // to the output) its rows' totals.
 template <int RPW>
 __device__ __forceinline__ void mv_store(const MvJobs& jobs, const MvJob& J, const MvPlace& p,
-                                         float (*red)[MVF_WARPS][4], float scale) {
+                                         float (*red)[MVF_WARPS][4]) {
     if (p.kpart == 0 && p.row0 < J.rows && p.lane < RPW) {
         const int row = p.row0 + p.lane;
         if (row < J.rows) {
-            const float s = mvf_total(red, 0, p.warp, p.ks, p.lane) * scale +
-                            (J.bias ? J.bias[row] : 0.0f);
+            const float s =
+                mvf_total(red, 0, p.warp, p.ks, p.lane) + (J.bias ? J.bias[row] : 0.0f);
             if (jobs.accumulate)
                 J.out[row] += s;
             else
@@ -630,45 +594,42 @@ __device__ __forceinline__ void mv_store(const MvJobs& jobs, const MvJob& J, con
 // The last step of the gated kernels: out = act(gate total) * up total.
 template <int NR>
 __device__ __forceinline__ void mg_store(float* __restrict__ out, int rows, int act,
-                                         const MvPlace& p, float (*red)[MVF_WARPS][4],
-                                         float scale) {
+                                         const MvPlace& p, float (*red)[MVF_WARPS][4]) {
     if (p.kpart == 0 && p.row0 < rows && p.lane < NR && p.row0 + p.lane < rows) {
-        const float gs = mvf_total(red, 0, p.warp, p.ks, p.lane) * scale;
-        const float us = mvf_total(red, 1, p.warp, p.ks, p.lane) * scale;
+        const float gs = mvf_total(red, 0, p.warp, p.ks, p.lane);
+        const float us = mvf_total(red, 1, p.warp, p.ks, p.lane);
         out[p.row0 + p.lane] = (act == 0 ? silu_f(gs) : gelu_tanh_f(gs)) * us;
     }
 }
 
-template <class F, bool NORM>
+template <class F>
 __device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __restrict__ x) {
     constexpr int RPW = Rpw<F>::V;
     __shared__ float red[1][MVF_WARPS][4];
-    __shared__ float ssq[MVF_WARPS];
     const MvPlace p = mv_place<RPW>(jobs);
     const MvJob& J = jobs.j[p.ji];
     if (Prefetch<F>::V && (jobs.flags & MV_PREFETCH))
         prefetch_rows<F>(J.w, J.rows, p.cta_row0, (MVF_WARPS / p.ks) * RPW);
-    mvf_rows<F, RPW, 1, NORM>(J.w, J.w, x, jobs.norm, J.rows, p.row0, p.ks, red, ssq);
+    mvf_rows<F, RPW, 1>(J.w, J.w, x, J.rows, p.row0, p.ks, red);
     __syncthreads();
-    mv_store<RPW>(jobs, J, p, red, mvf_scale<NORM>(ssq, p.warp, p.ks, J.w.cols, jobs.norm));
+    mv_store<RPW>(jobs, J, p, red);
 }
 
 // out[r] = act(gate[r] . x) * (up[r] . x); act 0 = SiLU, 1 = GELU (tanh).
-template <class F, bool NORM>
+template <class F>
 __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float* __restrict__ x,
                                          float* __restrict__ out, int rows, int act, int ks,
-                                         int flags, const MvNorm& nm) {
+                                         int flags) {
     constexpr int NR = F::GNR;
     __shared__ float red[2][MVF_WARPS][4];
-    __shared__ float ssq[MVF_WARPS];
     const MvPlace p = mg_place<NR>(ks);
     if (Prefetch<F>::V && (flags & MV_PREFETCH)) {
         prefetch_rows<F>(g, rows, p.cta_row0, (MVF_WARPS / ks) * NR);
         prefetch_rows<F>(u, rows, p.cta_row0, (MVF_WARPS / ks) * NR);
     }
-    mvf_rows<F, NR, 2, NORM>(g, u, x, nm, rows, p.row0, ks, red, ssq);
+    mvf_rows<F, NR, 2>(g, u, x, rows, p.row0, ks, red);
     __syncthreads();
-    mg_store<NR>(out, rows, act, p, red, mvf_scale<NORM>(ssq, p.warp, ks, g.cols, nm));
+    mg_store<NR>(out, rows, act, p, red);
 }
 
 // Launch bounds of the kernels below. `HF2Q_CUDA_MV_MINB=N` at open (a measurement switch)
@@ -683,24 +644,15 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
 #endif
 
 // Each kernel waits for its predecessor (`pdl_wait`) inside `mvf_rows`, after its first weight
-// loads. mvfn_NAME / mvgn_NAME: the same with the input's RMSNorm folded in (`MvNorm`; the plain
-// kernels read it from `jobs.norm`, the gated ones ignore `nm` otherwise).
+// loads. The gated kernels take the persistent ones' arguments (`nm` is not read here: the norm
+// is folded only where the whole row is staged per block, matvec_p8.cuh).
 #define HF2Q_MATVEC_FAST(NAME, DOT)                                                             \
     extern "C" __global__ void MV_BOUNDS                                                        \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
-        mvf_impl<DOT, false>(jobs, x);                                                          \
-    }                                                                                           \
-    extern "C" __global__ void MV_BOUNDS                                                        \
-        mvfn_##NAME(MvJobs jobs, const float* x) {                                              \
-        mvf_impl<DOT, true>(jobs, x);                                                           \
+        mvf_impl<DOT>(jobs, x);                                                                 \
     }                                                                                           \
     extern "C" __global__ void MV_BOUNDS                                                        \
         mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
                    int flags, MvNorm nm) {                                                      \
-        mvg_impl<DOT, false>(g, u, x, o, rows, act, ks, flags, nm);                             \
-    }                                                                                           \
-    extern "C" __global__ void MV_BOUNDS                                                        \
-        mvgn_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,        \
-                    int flags, MvNorm nm) {                                                     \
-        mvg_impl<DOT, true>(g, u, x, o, rows, act, ks, flags, nm);                              \
+        mvg_impl<DOT>(g, u, x, o, rows, act, ks, flags);                                        \
     }

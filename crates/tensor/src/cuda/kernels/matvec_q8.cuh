@@ -125,11 +125,10 @@ __device__ __forceinline__ float block_inv_rms(float ss, float* slots, int cols,
     return inv_rms(s, cols, nm.eps);
 }
 
-template <bool NORM>
-__device__ __forceinline__ float stage_q8(const float* __restrict__ x, int cols, const MvNorm& nm,
-                                          u8* q1, u8* q2, float4* ds) {
+__device__ __forceinline__ void stage_q8(const float* __restrict__ x, int cols, u8* q1, u8* q2,
+                                         float4* ds) {
     const int nb = cols >> 5;
-    return quantize_row_q8<NORM>(x, cols, nm, [&](int b, int sub, const int* h, const int* l,
+    quantize_row_q8<false>(x, cols, MvNorm{}, [&](int b, int sub, const int* h, const int* l,
                                                   float d1, float d2) {
         const int s1 = sum8(h[0] + h[1] + h[2] + h[3]), s2 = sum8(l[0] + l[1] + l[2] + l[3]);
         if (b < nb) {
@@ -359,45 +358,37 @@ __device__ __forceinline__ void mq_rows(const WRef& w0, const WRef& w1, const XQ
 // float4 (`XQ`).
 extern __shared__ __align__(16) u8 mq_smem[];
 
-// Stages x (times the norm's weights when NORM) and returns the scale of the totals (1 / rms(x)
-// when NORM, else 1); synchronises the block.
-template <bool NORM>
-__device__ __forceinline__ XQ mq_stage(const float* __restrict__ x, int cols, const MvNorm& nm,
-                                       float& scale) {
-    __shared__ float slots[MVF_WARPS];
+__device__ __forceinline__ XQ mq_stage(const float* __restrict__ x, int cols) {
     float4* ds = (float4*)(mq_smem + 2 * cols);
-    const float ss = stage_q8<NORM>(x, cols, nm, mq_smem, mq_smem + cols, ds);
-    scale = block_inv_rms<NORM>(ss, slots, cols, nm);
+    stage_q8(x, cols, mq_smem, mq_smem + cols, ds);
+    __syncthreads();
     return XQ{mq_smem, mq_smem + cols, ds};
 }
 
-template <class F, bool NORM>
+template <class F>
 __device__ __forceinline__ void mqf_impl(const MvJobs& jobs, const float* __restrict__ x) {
     constexpr int RPW = F::RPW;
     __shared__ float red[1][MVF_WARPS][4];
     const MvPlace p = mv_place<RPW>(jobs);
     const MvJob& J = jobs.j[p.ji];
     pdl_wait();
-    float scale;
-    const XQ xq = mq_stage<NORM>(x, J.w.cols, jobs.norm, scale);
+    const XQ xq = mq_stage(x, J.w.cols);
     if (p.row0 < J.rows) mq_rows<F, RPW, 1>(J.w, J.w, xq, J.rows, p.row0, p.ks, red);
     __syncthreads();
-    mv_store<RPW>(jobs, J, p, red, scale);
+    mv_store<RPW>(jobs, J, p, red);
 }
 
-template <class F, bool NORM>
+template <class F>
 __device__ __forceinline__ void mqg_impl(const WRef g, const WRef u, const float* __restrict__ x,
-                                         float* __restrict__ out, int rows, int act, int ks,
-                                         const MvNorm& nm) {
+                                         float* __restrict__ out, int rows, int act, int ks) {
     constexpr int NR = F::GNR;
     __shared__ float red[2][MVF_WARPS][4];
     const MvPlace p = mg_place<NR>(ks);
     pdl_wait();
-    float scale;
-    const XQ xq = mq_stage<NORM>(x, g.cols, nm, scale);
+    const XQ xq = mq_stage(x, g.cols);
     if (p.row0 < rows) mq_rows<F, NR, 2>(g, u, xq, rows, p.row0, ks, red);
     __syncthreads();
-    mg_store<NR>(out, rows, act, p, red, scale);
+    mg_store<NR>(out, rows, act, p, red);
 }
 
 // mqf_NAME / mqg_NAME: the launches of mvf_NAME / mvg_NAME with 2 cols + cols / 32 * 16 bytes of
@@ -406,19 +397,10 @@ __device__ __forceinline__ void mqg_impl(const WRef g, const WRef u, const float
 #define HF2Q_MATVEC_Q8(NAME, DOT)                                                               \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
         mqf_##NAME(MvJobs jobs, const float* x) {                                               \
-        mqf_impl<DOT, false>(jobs, x);                                                          \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
-        mqfn_##NAME(MvJobs jobs, const float* x) {                                              \
-        mqf_impl<DOT, true>(jobs, x);                                                           \
+        mqf_impl<DOT>(jobs, x);                                                                 \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
         mqg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
                    int flags, MvNorm nm) {                                                      \
-        mqg_impl<DOT, false>(g, u, x, o, rows, act, ks, nm);                                    \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MVF_WARPS * 32)                                \
-        mqgn_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,        \
-                    int flags, MvNorm nm) {                                                     \
-        mqg_impl<DOT, true>(g, u, x, o, rows, act, ks, nm);                                     \
+        mqg_impl<DOT>(g, u, x, o, rows, act, ks);                                               \
     }
