@@ -56,17 +56,31 @@ fn options(arch: &str) -> Vec<String> {
     if std::env::var("HF2Q_CUDA_EARLY").as_deref() == Ok("0") {
         o.push("-DHF2Q_MV_EARLY=0".into());
     }
-    // Measurement switch: the one-token kernels compiled for at least N resident blocks per
-    // multiprocessor (`MV_BOUNDS` in matvec.cuh).
-    if let Ok(n @ 1..=16) =
-        std::env::var("HF2Q_CUDA_MV_MINB").map(|v| v.parse::<u32>().unwrap_or(0))
-    {
-        o.push(format!("-DHF2Q_MV_MINB={n}"));
+    // Measurement switch: resident blocks asked of one-token kernel families
+    // (`HF2Q_CUDA_MV_MINB=q4_k:5,q8_0s:0`; `MV_BOUNDS` in matvec.cuh).
+    if let Ok(v) = std::env::var("HF2Q_CUDA_MV_MINB") {
+        o.extend(minb_defines(&v));
     }
     if let Some(r) = super::ops::mp_rows_override() {
         o.push(format!("-DHF2Q_MP_RPW={r}"));
     }
     o
+}
+
+/// `-D` options for `HF2Q_CUDA_MV_MINB`: `family:N` pairs (N in 0 and 4..=10, the bounds
+/// `MV_BOUNDS` defines), others ignored.
+fn minb_defines(spec: &str) -> Vec<String> {
+    spec.split(',')
+        .filter_map(|p| {
+            let (fam, n) = p.trim().split_once(':')?;
+            let n: u32 = n.trim().parse().ok()?;
+            let fam = fam.trim();
+            let ok = (n == 0 || (4..=10).contains(&n))
+                && !fam.is_empty()
+                && fam.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            ok.then(|| format!("-DHF2Q_MV_MINB_{}={n}", fam.to_ascii_uppercase()))
+        })
+        .collect()
 }
 
 /// Where compiled kernels are cached (`None`: no home folder; kernels are then compiled on every
@@ -334,4 +348,23 @@ pub(crate) fn load_all(
         modules.insert(p, module);
     }
     Ok(modules)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::minb_defines;
+
+    #[test]
+    fn minb_switch_names_families_and_drops_what_it_cannot_use() {
+        assert_eq!(
+            minb_defines("q4_k:5, q8_0s:0,q6_kp:6"),
+            [
+                "-DHF2Q_MV_MINB_Q4_K=5",
+                "-DHF2Q_MV_MINB_Q8_0S=0",
+                "-DHF2Q_MV_MINB_Q6_KP=6"
+            ]
+        );
+        // Counts without a bound defined, junk and a hostile family name give nothing.
+        assert!(minb_defines("q4_k:2,q4_k:11,q4_k,:5,q4_k:x,a-b:5,a b:5").is_empty());
+    }
 }

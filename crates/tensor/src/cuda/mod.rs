@@ -132,8 +132,6 @@ pub struct CudaDev {
     mv_prefetch: std::sync::atomic::AtomicBool,
     /// Where pre-norm products fold their RMSNorm in ([`CudaDev::set_matvec_norm`]).
     mv_norm: std::sync::atomic::AtomicBool,
-    /// Whether the one-token kernels' row split respects their residency (`mv_cap` in ops.rs).
-    mv_resident: std::sync::atomic::AtomicBool,
     mv_act8: std::sync::atomic::AtomicU8,
     mv_p8: std::sync::atomic::AtomicU8,
     /// Blocks per multiprocessor of the persistent one-token kernels.
@@ -285,9 +283,6 @@ impl CudaDev {
                 std::env::var("HF2Q_CUDA_PREFETCH").as_deref() == Ok("1"),
             ),
             mv_norm: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_NORM")),
-            mv_resident: std::sync::atomic::AtomicBool::new(
-                std::env::var("HF2Q_CUDA_SPLIT").as_deref() == Ok("resident"),
-            ),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
             mv_p8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_P8") as u8),
             mv_p8_blocks: std::sync::atomic::AtomicUsize::new(

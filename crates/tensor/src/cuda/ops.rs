@@ -77,21 +77,11 @@ fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
 }
 
 /// [`CudaDev::mv_split`] on a GPU of `sms` multiprocessors (four warps per block).
-fn mv_split_for(
-    rows: usize,
-    cols: usize,
-    rows_per_group: usize,
-    sms: usize,
-    cap: Option<usize>,
-) -> usize {
+fn mv_split_for(rows: usize, cols: usize, rows_per_group: usize, sms: usize) -> usize {
     let want = 4 * sms;
     let nb = cols / 32;
     let mut ks = 1usize;
-    while ks < 4
-        && rows.div_ceil(rows_per_group * (4 / ks)) < want
-        && nb >= 64 * ks
-        && cap.is_none_or(|c| rows.div_ceil(rows_per_group * (4 / (2 * ks))) <= c)
-    {
+    while ks < 4 && rows.div_ceil(rows_per_group * (4 / ks)) < want && nb >= 64 * ks {
         ks *= 2;
     }
     ks
@@ -542,7 +532,7 @@ impl CudaDev {
                     // 22.1 -> 13.1 us, 6144 x 4096 11.8 -> 8.7). Smaller ones (4096 x 4096,
                     // every 1B product) are faster with the f32 kernels; Q8_0 and Q4_K lost in
                     // the whole model.
-                    MvMode::Auto => w.kind == "q4_0s" && weights >= 24 << 20,
+                    MvMode::Auto => matches!(w.kind, "q4_0s" | "q4_ks") && weights >= 24 << 20,
                 }
         }) {
             return Some(MvKernels {
@@ -592,33 +582,11 @@ impl CudaDev {
 
     /// Warps sharing one row group in the `matvec.cuh` kernels: more when the matrix has too
     /// few rows to give every multiprocessor about four blocks, while each lane keeps at least
-    /// two blocks of 32 columns. With `cap` (blocks the GPU holds at once), a split is not
-    /// doubled past it: the blocks beyond would run as a second wave.
-    fn mv_split(
-        &self,
-        rows: usize,
-        cols: usize,
-        rows_per_group: usize,
-        cap: Option<usize>,
-    ) -> usize {
+    /// two blocks of 32 columns. (Capping the split at the blocks the GPU holds at once, so that
+    /// none run as a second wave, measured slower: cuda/NOTES.md.)
+    fn mv_split(&self, rows: usize, cols: usize, rows_per_group: usize) -> usize {
         let sms = self.info().multiprocessors as usize;
-        mv_split_for(rows, cols, rows_per_group, sms, cap)
-    }
-
-    /// Blocks of `f` (128 threads, `smem` bytes of dynamic shared memory) the GPU holds at once,
-    /// when the row split is to respect it (`HF2Q_CUDA_SPLIT=resident` at open, a measurement
-    /// switch: `mvf_q8_0s` at 72 registers holds seven blocks per multiprocessor, and the 1024
-    /// blocks `mv_split` gives an 8B's down projection then run in two waves; cuda/NOTES.md).
-    fn mv_cap(&self, f: &cudarc::driver::CudaFunction, smem: usize) -> Result<Option<usize>> {
-        if !self.mv_resident.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(None);
-        }
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(128, smem, None)
-            .map_err(cuda_err("occupancy of a one-token kernel"))?;
-        Ok(Some(
-            (per_sm as usize).max(1) * self.info().multiprocessors as usize,
-        ))
+        mv_split_for(rows, cols, rows_per_group, sms)
     }
 
     /// One launch of `mvf_KIND` over up to three matrices sharing the one-token input `x`
@@ -664,11 +632,6 @@ impl CudaDev {
             pad: 0,
             norm: nargs,
         };
-        let cap = if k.persistent {
-            None
-        } else {
-            self.mv_cap(f, smem)?
-        };
         let mut ctas = 0usize;
         for (i, (w, bias, out)) in jobs.iter().enumerate() {
             if w.kind != first.kind || w.cols != first.cols {
@@ -685,7 +648,7 @@ impl CudaDev {
             let ks = if k.persistent {
                 1
             } else {
-                self.mv_split(w.rows, w.cols, rpw, cap.map(|c| c.saturating_sub(ctas)))
+                self.mv_split(w.rows, w.cols, rpw)
             };
             mj.j[i] = MvJob {
                 w: w.args(self),
@@ -845,8 +808,7 @@ impl CudaDev {
                 gw, uw, xp, op, rows, act, ksi, flags, nargs);
         }
         let nr = mvf_rows_per_group(gate.kind).1;
-        let cap = self.mv_cap(f, smem)?;
-        let ks = self.mv_split(gate.rows, gate.cols, nr, cap);
+        let ks = self.mv_split(gate.rows, gate.cols, nr);
         let ksi = ks as i32;
         let grid = blocks(gate.rows, nr * 4 / ks)?;
         launch!(self, f, (grid, 1, 1), (128, 1, 1), smem;
@@ -1303,20 +1265,16 @@ mod tests {
     /// The row split on an H200 (132 multiprocessors), with the blocks of each split in the
     /// comments (rows / (rows per group * 4 / split)).
     #[test]
-    fn row_split_and_its_residency_cap() {
+    fn row_split() {
         // An 8B's Q8_0 down projection (four rows per group): 256, 512, 1024 blocks; the split
-        // stops at 4 (1024 >= 528 wanted), or at 2 when only 924 blocks fit at once.
-        assert_eq!(mv_split_for(4096, 14336, 4, 132, None), 4);
-        assert_eq!(mv_split_for(4096, 14336, 4, 132, Some(924)), 2);
-        assert_eq!(mv_split_for(4096, 14336, 4, 132, Some(1056)), 4);
-        // A 1B's 8192 x 2048 Q8_0: 512 blocks unsplit is under the 528 wanted, so 2 (1024
-        // blocks) unless capped.
-        assert_eq!(mv_split_for(8192, 2048, 4, 132, None), 2);
-        assert_eq!(mv_split_for(8192, 2048, 4, 132, Some(924)), 1);
+        // stops at 4 (1024 >= 528 wanted).
+        assert_eq!(mv_split_for(4096, 14336, 4, 132), 4);
+        // A 1B's 8192 x 2048 Q8_0: 512 blocks unsplit is under the 528 wanted, so 2 (1024).
+        assert_eq!(mv_split_for(8192, 2048, 4, 132), 2);
         // Enough rows already: no split. Too narrow to split: none either.
-        assert_eq!(mv_split_for(14336, 4096, 2, 132, None), 1);
-        assert_eq!(mv_split_for(64, 1024, 2, 132, None), 1);
-        // A cap below the unsplit grid leaves it unsplit (it cannot go lower).
-        assert_eq!(mv_split_for(4096, 4096, 4, 132, Some(100)), 1);
+        assert_eq!(mv_split_for(14336, 4096, 2, 132), 1);
+        assert_eq!(mv_split_for(64, 1024, 2, 132), 1);
+        // 128 columns: four 32-column blocks, one lane's worth at most, whatever the rows.
+        assert_eq!(mv_split_for(8, 128, 2, 132), 1);
     }
 }

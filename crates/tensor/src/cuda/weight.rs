@@ -65,6 +65,8 @@ pub struct DeviceWeight {
     row_bytes: usize,
     /// Split formats: byte offset of the scale array in `data`.
     scales_at: Option<usize>,
+    /// q4_ks: byte offset of the per-super-block `d` / `dmin` in `data` (passed as `biases`).
+    supers_at: Option<usize>,
     /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed, deqh.
     pub(crate) kernels: Vec<CudaFunction>,
     /// The one-token kernels of `kernels/matvec.cuh` (plain/fused `mvf`, gated `mvg`), for the
@@ -106,6 +108,44 @@ pub(crate) fn split_blocks(data: &[u8], block: usize) -> Vec<u8> {
 
 /// Index into [`DeviceWeight::kernels`] of the matrix-vector kernel for up to `nt` tokens
 /// (1, 2, 4 or 8), the tiled kernel and the embedding gather.
+/// Q4_K re-laid for the GPU kernels ("q4_ks"; `FQ4_KS` in kernels/quant.cuh): each 32-element
+/// sub-block's quants as 16 bytes in split Q4_0's order (element i in the low nibble of byte i,
+/// element i + 16 in the high one), all of the matrix's in row order; then each sub-block's 6-bit
+/// scale and min as two bytes (`sc | m << 8`); then each super-block's f16 `d` and `dmin`. The
+/// kernels then read a sub-block with one aligned load and no 6-bit unpacking. `data` holds
+/// whole 144-byte super-blocks; returns the bytes and where the two scale ranges start (148
+/// bytes per 256 weights instead of 144).
+pub(crate) fn q4k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
+    let nsb = data.len() / 144;
+    let (scales_at, supers_at) = (nsb * 128, nsb * 144);
+    let mut out = vec![0u8; supers_at + nsb * 4];
+    let (qs, rest) = out.split_at_mut(scales_at);
+    let (sms, ds) = rest.split_at_mut(nsb * 16);
+    for (k, sb) in data.chunks_exact(144).enumerate() {
+        ds[4 * k..4 * k + 4].copy_from_slice(&sb[..4]);
+        for j in 0..8 {
+            let (sc, m) = crate::quant::kquants::scale_min_k4(j, &sb[4..16]);
+            let b = 8 * k + j;
+            sms[2 * b] = sc;
+            sms[2 * b + 1] = m;
+            // Sub-block j = 2c + h: nibble h of stored bytes 16 + 32c ..
+            let src = &sb[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+            let nib = |l: usize| (src[l] >> (4 * (j % 2))) & 15;
+            for (i, q) in qs[16 * b..16 * b + 16].iter_mut().enumerate() {
+                *q = nib(i) | nib(i + 16) << 4;
+            }
+        }
+    }
+    (out, scales_at, supers_at)
+}
+
+/// Whether Q4_K weights keep their stored layout on the GPU (`HF2Q_CUDA_Q4K=stored` at first
+/// upload, a measurement switch; the default re-lays them, [`q4k_split`]).
+fn q4k_stored() -> bool {
+    static S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *S.get_or_init(|| std::env::var("HF2Q_CUDA_Q4K").as_deref() == Ok("stored"))
+}
+
 pub(crate) fn mv_kernel(nt: usize) -> usize {
     match nt {
         1 => 0,
@@ -182,7 +222,11 @@ impl DeviceWeight {
         let data = self.data.device_ptr(s).0;
         let (scales, biases, group) = match (&self.affine, self.scales_at) {
             (Some((sc, bi, g)), _) => (ptr(sc), ptr(bi), *g),
-            (None, Some(at)) => (data + at as u64, 0, 0),
+            (None, Some(at)) => (
+                data + at as u64,
+                self.supers_at.map_or(0, |s| data + s as u64),
+                0,
+            ),
             (None, None) => (0, 0, 0),
         };
         WeightArgs {
@@ -218,6 +262,7 @@ impl CudaDev {
             tensor: w.name.clone(),
         };
         let mut scales_at = None;
+        let mut supers_at = None;
         let (kind, program, data, affine, row_bytes) = match &w.data {
             WeightData::Ggml { ty, data } => {
                 let (kind, program) = ggml_kind(*ty).ok_or_else(unsupported)?;
@@ -230,6 +275,12 @@ impl CudaDev {
                     _ => None,
                 };
                 match split {
+                    _ if *ty == GgmlType::Q4_K && data.len() == w.rows * rb && !q4k_stored() => {
+                        let (bytes, sa, da) = q4k_split(data.as_slice());
+                        scales_at = Some(sa);
+                        supers_at = Some(da);
+                        ("q4_ks", program, self.upload(&bytes)?, None, rb / 144 * 128)
+                    }
                     _ if *ty == GgmlType::Q6_K && data.len() == w.rows * rb => {
                         let bytes = pad_blocks(data.as_slice(), 210, 224);
                         ("q6_kp", program, self.upload(&bytes)?, None, rb / 210 * 224)
@@ -285,7 +336,7 @@ impl CudaDev {
         let fast = if w.cols % 32 == 0
             && matches!(
                 kind,
-                "q4_0s" | "q8_0s" | "q4_k" | "q6_kp" | "f16" | "bf16" | "f32"
+                "q4_0s" | "q8_0s" | "q4_k" | "q4_ks" | "q6_kp" | "f16" | "bf16" | "f32"
             ) {
             Some(fns('v')?)
         } else {
@@ -296,7 +347,7 @@ impl CudaDev {
         } else {
             None
         };
-        let fast_p8 = if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k") {
+        let fast_p8 = if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k" | "q4_ks") {
             Some(fns('p')?)
         } else {
             None
@@ -307,6 +358,7 @@ impl CudaDev {
             fast_q8,
             fast_p8,
             scales_at,
+            supers_at,
             name: w.name.clone(),
             rows: w.rows,
             cols: w.cols,
@@ -340,6 +392,39 @@ mod tests {
         for (i, b) in data.chunks_exact(210).enumerate() {
             assert_eq!(&p[224 * i..224 * i + 210], b);
             assert!(p[224 * i + 210..224 * (i + 1)].iter().all(|&v| v == 0));
+        }
+    }
+
+    /// The re-laid Q4_K dequantizes to what the stored blocks do (the CPU reference's
+    /// dequantization, rebuilt from the three ranges with the kernels' arithmetic).
+    #[test]
+    fn q4k_split_keeps_every_value() {
+        use crate::quant::float::f16_bits_to_f32;
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let mut data: Vec<u8> = (0..144 * 6)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s as u8
+            })
+            .collect();
+        // Finite, modest d / dmin so that every value is a number.
+        for sb in data.chunks_exact_mut(144) {
+            sb[..4].copy_from_slice(&[0x00, 0x1c, 0x66, 0x1a]);
+        }
+        let mut want = vec![0f32; 6 * 256];
+        crate::quant::dequantize(GgmlType::Q4_K, &data, &mut want).unwrap();
+        let (out, sa, da) = q4k_split(&data);
+        assert_eq!((sa, da, out.len()), (6 * 128, 6 * 144, 6 * 148));
+        for (e, &w) in want.iter().enumerate() {
+            let (b, i) = (e / 32, e % 32);
+            let q = (out[16 * b + i % 16] >> (4 * (i / 16))) & 15;
+            let (sc, m) = (out[sa + 2 * b], out[sa + 2 * b + 1]);
+            let h = |o: usize| f16_bits_to_f32(u16::from_le_bytes([out[o], out[o + 1]]));
+            let (d, dmin) = (h(da + 4 * (b / 8)), h(da + 4 * (b / 8) + 2));
+            let got = (d * sc as f32) * q as f32 - dmin * m as f32;
+            assert_eq!(got.to_bits(), w.to_bits(), "element {e}");
         }
     }
 }

@@ -339,6 +339,53 @@ struct Prefetch<DQ4_K> {
     static constexpr bool V = true;
 };
 
+// Re-laid Q4_K (FQ4_KS in quant.cuh), pairs as split Q4_0: lane p of a sub-block's pair takes
+// bytes 8p .. 8p + 8, elements 8p .. 8p + 8 and 16 + 8p .. 16 + 8p + 8. The min term uses the
+// sum of the lane's sixteen activations (XA), shared by the rows.
+struct DQ4_KS {
+    static constexpr int N = 16, RPW = 2, GNR = 2;
+    struct XA {
+        float s;
+    };
+    static __device__ __forceinline__ void load_x(const float* __restrict__ x, int u, float* xr) {
+        DQ4_0S::load_x(x, u, xr);
+    }
+    static __device__ __forceinline__ XA prep(const float* xr) {
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            a += xr[i];
+            b += xr[8 + i];
+        }
+        return XA{a + b};
+    }
+    struct WR {
+        uint2 q;
+        float d, m;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
+        const i64 blk = (i64)row * (w.cols >> 5) + (u >> 1);
+        WR r;
+        r.q = ld_stream_u2((const uint2*)w.data + 2 * blk + (u & 1));
+        q4ks_scales(w, row, u >> 1, r.d, r.m);
+        return r;
+    }
+    static __device__ __forceinline__ float dotw(const WR& a, int, const float* xr, XA xa) {
+        float s0 = 0.0f, s1 = 0.0f;
+        const u32 ws[2] = {a.q.x, a.q.y};
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const u32 lo = ws[k] & 0x0F0F0F0Fu, hi = (ws[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s0 = fmaf(byte_magic(lo, j) - MAGIC, xr[4 * k + j], s0);
+                s1 = fmaf(byte_magic(hi, j) - MAGIC, xr[8 + 4 * k + j], s1);
+            }
+        }
+        return fmaf(s0 + s1, a.d, -a.m * xa.s);
+    }
+};
+
 // Q6_K padded at upload to 224-byte super-blocks (the 210 stored bytes, then zeros: weight.rs)
 // so that its pieces are 8-byte aligned: ql[128] at 0, qh[64] at 128, scales[16] at 192, d at
 // 208. Lane-block b: super-block b / 8, half n = (b / 4) % 2, the eight columns l0 = 8 (b % 4)
@@ -632,26 +679,33 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
     mg_store<NR>(out, rows, act, p, red);
 }
 
-// Launch bounds of the kernels below. `HF2Q_CUDA_MV_MINB=N` at open (a measurement switch)
-// compiles them for at least N resident blocks per multiprocessor: the early loads took Q8_0's
-// kernel from 64 to 72 registers, seven resident blocks instead of eight (cuda/NOTES.md). Only
-// under the switch: naming a minimum of 1 changes the compiler's register choice (Q8_0 72 ->
-// 104).
-#ifdef HF2Q_MV_MINB
-#define MV_BOUNDS __launch_bounds__(MVF_WARPS * 32, HF2Q_MV_MINB)
-#else
-#define MV_BOUNDS __launch_bounds__(MVF_WARPS * 32)
-#endif
+// Launch bounds of the kernels below: `MV_BOUNDS(N)` asks the compiler for at least N resident
+// blocks per multiprocessor, 0 for none. A family's N is `HF2Q_MV_MINB_<FAMILY>` (set per family
+// where the kernels are instantiated; `HF2Q_CUDA_MV_MINB=family:N,...` at open overrides it, a
+// measurement switch). Naming a minimum changes the compiler's register choice even where it does
+// not bind (a minimum of 1 took Q8_0 from 72 registers to 104), so 0 names none. Q8_0 takes 8:
+// its early loads had taken it to 72 registers, seven blocks of 128 threads per multiprocessor,
+// and the products that `mv_split` gives 1024 blocks ran a second wave (cuda/NOTES.md).
+#define MV_BOUNDS(n) MV_BOUNDS_SEL_(n)
+#define MV_BOUNDS_SEL_(n) MV_BOUNDS_##n
+#define MV_BOUNDS_0 __launch_bounds__(MVF_WARPS * 32)
+#define MV_BOUNDS_4 __launch_bounds__(MVF_WARPS * 32, 4)
+#define MV_BOUNDS_5 __launch_bounds__(MVF_WARPS * 32, 5)
+#define MV_BOUNDS_6 __launch_bounds__(MVF_WARPS * 32, 6)
+#define MV_BOUNDS_7 __launch_bounds__(MVF_WARPS * 32, 7)
+#define MV_BOUNDS_8 __launch_bounds__(MVF_WARPS * 32, 8)
+#define MV_BOUNDS_9 __launch_bounds__(MVF_WARPS * 32, 9)
+#define MV_BOUNDS_10 __launch_bounds__(MVF_WARPS * 32, 10)
 
 // Each kernel waits for its predecessor (`pdl_wait`) inside `mvf_rows`, after its first weight
 // loads. The gated kernels take the persistent ones' arguments (`nm` is not read here: the norm
 // is folded only where the whole row is staged per block, matvec_p8.cuh).
-#define HF2Q_MATVEC_FAST(NAME, DOT)                                                             \
-    extern "C" __global__ void MV_BOUNDS                                                        \
+#define HF2Q_MATVEC_FAST(NAME, DOT, MINB)                                                             \
+    extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
         mvf_impl<DOT>(jobs, x);                                                                 \
     }                                                                                           \
-    extern "C" __global__ void MV_BOUNDS                                                        \
+    extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
         mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
                    int flags, MvNorm nm) {                                                      \
         mvg_impl<DOT>(g, u, x, o, rows, act, ks, flags);                                        \

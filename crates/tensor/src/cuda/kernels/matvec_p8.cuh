@@ -150,6 +150,40 @@ struct PQ8_0 {
     }
 };
 
+// Re-laid Q4_K (FQ4_KS in quant.cuh), one lane per sub-block as split Q4_0; the min term takes
+// the block's sum of activations, d1 * (sum of q1) + d2 * (sum of q2).
+struct PQ4_KS {
+    static constexpr int RPW = HF2Q_MP_RPW, GNR = 2, UNROLL = 2;
+    struct XR {
+        uint4 a0, a1, c0, c1;
+        float d1, d2, sx;
+    };
+    static __device__ __forceinline__ XR load(const XP& x, int b) {
+        const int4 s = x.s[b];
+        const float2 d = x.d[b];
+        return XR{x.a0[b], x.a1[b], x.c0[b], x.c1[b], d.x, d.y,
+                  fmaf(d.x, i2f(s.x + s.y), d.y * i2f(s.z + s.w))};
+    }
+    struct WR {
+        uint4 q;
+        float d, m;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int b) {
+        WR r;
+        r.q = ld_stream_u4((const uint4*)w.data + (i64)row * (w.cols >> 5) + b);
+        q4ks_scales(w, row, b, r.d, r.m);
+        return r;
+    }
+    static __device__ __forceinline__ float dot(const WR& w, int, const XR& r) {
+        const uint4 q = w.q;
+        const uint4 lo = {q.x & LO4, q.y & LO4, q.z & LO4, q.w & LO4};
+        const uint4 hi = {(q.x >> 4) & LO4, (q.y >> 4) & LO4, (q.z >> 4) & LO4, (q.w >> 4) & LO4};
+        const int s1 = dot_u4(hi, r.a1, dot_u4(lo, r.a0, 0));
+        const int s2 = dot_u4(hi, r.c1, dot_u4(lo, r.c0, 0));
+        return fmaf(w.d, fmaf(r.d1, i2f(s1), r.d2 * i2f(s2)), -w.m * r.sx);
+    }
+};
+
 // Q4_K as stored, DQ4_K's units: unit b is quant bytes 16 (b % 8) .. + 16 of super-block b / 8,
 // the low nibbles elements 16 h .. 16 h + 16 of sub-block 2c, the high nibbles the same of
 // sub-block 2c + 1 (c = (b / 2) % 4, h = b % 2): half h of x blocks 2c and 2c + 1.

@@ -251,6 +251,35 @@ struct FQ4_K {
     }
 };
 
+// Q4_K re-laid at upload ("q4_ks", `q4k_split` in weight.rs): sub-block blk = row * (cols / 32)
+// + b has its 16 quant bytes in split Q4_0's order (element i in the low nibble of byte i, i + 16
+// in the high) at data + 16 blk, its 6-bit scale and min as bytes (sc | m << 8) at
+// ((u16*)scales)[blk], and its super-block's f16 d, dmin at ((u32*)biases)[row * (cols / 256) +
+// b / 8]. Values as Q4_K's: (d sc) q - (dmin m), each product rounded to f32.
+__device__ __forceinline__ void q4ks_scales(const WRef& w, int row, int b, float& d1, float& m1) {
+    const u32 sm = ((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b];
+    const u32 dd = ((const u32*)w.biases)[(i64)row * (w.cols >> 8) + (b >> 3)];
+    d1 = __fmul_rn(h2f((u16)(dd & 0xffffu)), i2f((int)(sm & 0xffu)));
+    m1 = __fmul_rn(h2f((u16)(dd >> 16)), i2f((int)(sm >> 8)));
+}
+
+struct FQ4_KS {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
+        float d1, m1;
+        q4ks_scales(w, row, b, d1, m1);
+        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
+        const u32 q0 = (q.x >> sh) & 0x0F0F0F0Fu, q1 = (q.y >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fsub_rn(__fmul_rn(d1, byte_magic(q0, i) - MAGIC), m1);
+            v[i + 4] = __fsub_rn(__fmul_rn(d1, byte_magic(q1, i) - MAGIC), m1);
+        }
+    }
+};
+
 // Q5_K { half d; half dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]; } (176 bytes). Q4_K plus a
 // fifth bit: qh[l] bit 2c (low nibbles) or 2c+1 (high nibbles).
 struct FQ5_K {
