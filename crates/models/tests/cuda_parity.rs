@@ -82,8 +82,18 @@ fn agreement(
             q.iter().all(|v| v.is_finite()),
             "non-finite GPU logits at {i}"
         );
-        if argmax(p) == argmax(q) {
+        let (a, b) = (argmax(p), argmax(q));
+        if a == b {
             agree += 1;
+        } else {
+            // How near a tie the reference had there: its logit gap between its choice and the
+            // GPU's, against the spread of its logits.
+            let mean = p.iter().sum::<f32>() / p.len() as f32;
+            let sd = (p.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / p.len() as f32).sqrt();
+            eprintln!(
+                "  position {i}: reference picks {a}, GPU {b}; reference gap {:.2e} (logit sd {sd:.2e})",
+                p[a] - p[b]
+            );
         }
         kl_sum += kl(p, q);
     }
@@ -207,11 +217,13 @@ fn real_models_meet_the_gate() {
         let Ok(p) = std::env::var(var) else { continue };
         any = true;
         let mut m = Model::load(Path::new(&p)).unwrap_or_else(|e| panic!("{var}={p}: {e}"));
-        for ((agree, kl), path) in compare(&mut m, &gpu, 100)
-            .into_iter()
-            .zip(["prefill", "decode"])
-        {
+        let results = compare(&mut m, &gpu, 100);
+        let paths = ["prefill", "decode"];
+        // Both paths reported before either is judged.
+        for (&(agree, kl), path) in results.iter().zip(paths) {
             eprintln!("{var} {path}: GPU vs CPU reference argmax {agree}/100, mean KL {kl:.2e}");
+        }
+        for ((agree, kl), path) in results.into_iter().zip(paths) {
             assert!(agree >= 98, "{var} {path}: argmax {agree}/100");
             assert!(kl <= 1e-3, "{var} {path}: mean KL {kl}");
         }

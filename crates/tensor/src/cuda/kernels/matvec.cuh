@@ -46,6 +46,13 @@ __device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
     asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
+__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
 
 // Asks the L2 to fetch `bytes` from `p` (the range rounded out to 16 bytes), in 4 KB pieces
 // spread over the block's threads (`cp.async.bulk.prefetch`, Hopper's bulk copy engine: one

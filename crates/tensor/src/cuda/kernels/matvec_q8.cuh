@@ -19,14 +19,6 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
     return d;
 }
 
-__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
 // The quantized row in shared memory, in two terms: x ~ d1 q1 + d2 q2 per 32-element block,
 // q1 = round(x / d1) with d1 = max|x| / 127, then the remainder r = x - d1 q1 (|r| <= d1 / 2)
 // as q2 = round(r / d2) with d2 = d1 / 254. One term alone (ggml's Q8_1) moves an element by up
