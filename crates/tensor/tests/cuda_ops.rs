@@ -26,6 +26,9 @@ fn device() -> Option<Arc<CudaDev>> {
         .get_or_init(|| match CudaDev::open(0) {
             Ok(d) => {
                 if let Some(d) = &d {
+                    // Q4_K re-laid whatever its size (in a model only large matrices are); the
+                    // tests that cover Q4_K also run it as stored (`with_q4k_layouts`).
+                    d.set_q4k_relayout(cuda::MvMode::All);
                     let i = d.info();
                     println!(
                         "device: {} (sm_{}{}, {} SMs, {:.1} GiB, driver {})",
@@ -46,6 +49,19 @@ fn device() -> Option<Arc<CudaDev>> {
         println!("skipped: no CUDA device");
     }
     d
+}
+
+/// Each format with the Q4_K layouts to run it in: re-laid (the tests' default) and as stored.
+/// The caller sets the layout (`CudaDev::set_q4k_relayout`) before uploading.
+fn with_q4k_layouts(fmts: &[Fmt]) -> Vec<(Fmt, cuda::MvMode)> {
+    let mut v = Vec::new();
+    for &f in fmts {
+        v.push((f, cuda::MvMode::All));
+        if matches!(f, Fmt::Ggml(GgmlType::Q4_K)) {
+            v.push((f, cuda::MvMode::Off));
+        }
+    }
+    v
 }
 
 /// SplitMix64: small, seedable, good enough for test data.
@@ -220,7 +236,8 @@ fn make_weight(rng: &mut Rng, f: Fmt, rows: usize, cols: usize) -> QTensor {
 fn embedding_every_format() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new("embedding");
-    for f in all_formats() {
+    for (f, layout) in with_q4k_layouts(&all_formats()) {
+        dev.set_q4k_relayout(layout);
         let cols = cols_for(f)[0];
         let vocab = 37;
         let w = make_weight(&mut rng, f, vocab, cols);
@@ -238,7 +255,7 @@ fn embedding_every_format() {
         // The device dequantizers do the reference's float operations in the same order without
         // fused multiply-adds, so values agree to the last bit.
         check(
-            &format!("embedding {f:?} {vocab}x{cols}"),
+            &format!("embedding {f:?} ({layout:?}) {vocab}x{cols}"),
             &got,
             want.data(),
             |_| 0.0,
@@ -344,7 +361,11 @@ fn run_linear(
 fn linear_every_format_decode_and_prefill() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new("linear");
-    for f in all_formats() {
+    for (f, layout) in with_q4k_layouts(&all_formats()) {
+        dev.set_q4k_relayout(layout);
+        if layout == cuda::MvMode::Off {
+            println!("{f:?} as stored");
+        }
         for (ci, &cols) in cols_for(f).iter().enumerate() {
             for t in [1, 3, 8, 9, 77] {
                 let rows = if ci == 0 { 131 } else { 67 };
@@ -423,7 +444,11 @@ fn fast_matvec_and_fusions() {
             cuda::MvMode::Off
         };
         dev.set_matvec_persistent(p8, 1);
-        for f in fmts {
+        for (f, layout) in with_q4k_layouts(&fmts) {
+            dev.set_q4k_relayout(layout);
+            if layout == cuda::MvMode::Off {
+                println!("{f:?} as stored");
+            }
             let q8fmt = match kind {
                 "q8" => matches!(
                     f,
@@ -599,6 +624,7 @@ fn fast_matvec_and_fusions() {
     }
     dev.set_matvec_int8(cuda::MvMode::Auto);
     dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
+    dev.set_q4k_relayout(cuda::MvMode::All);
 }
 
 #[test]

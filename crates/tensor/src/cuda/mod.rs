@@ -136,6 +136,8 @@ pub struct CudaDev {
     mv_p8: std::sync::atomic::AtomicU8,
     /// Blocks per multiprocessor of the persistent one-token kernels.
     mv_p8_blocks: std::sync::atomic::AtomicUsize,
+    /// Which Q4_K matrices are re-laid at upload ([`CudaDev::set_q4k_relayout`]).
+    q4k_relay: std::sync::atomic::AtomicU8,
 }
 
 /// Running totals of what the host asked of the device (`--stats`).
@@ -285,6 +287,7 @@ impl CudaDev {
             mv_norm: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_NORM")),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
             mv_p8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_P8") as u8),
+            q4k_relay: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_Q4K") as u8),
             mv_p8_blocks: std::sync::atomic::AtomicUsize::new(
                 std::env::var("HF2Q_CUDA_P8_BLOCKS")
                     .ok()

@@ -87,6 +87,10 @@ fn mv_split_for(rows: usize, cols: usize, rows_per_group: usize, sms: usize) -> 
     ks
 }
 
+/// Fewest weights of a launch that takes the persistent kernels by default (and of a Q4_K matrix
+/// re-laid for them at upload, weight.rs).
+pub(crate) const P8_MIN_WEIGHTS: usize = 24 << 20;
+
 /// Warps per block of the persistent kernels (`MP_WARPS` in `kernels/matvec_p8.cuh`) and rows
 /// per row group of their gated form (`GNR` of its formats: the same for all).
 const MP_WARPS: usize = 8;
@@ -490,6 +494,26 @@ impl CudaDev {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Which Q4_K matrices later uploads re-lay as "q4_ks" (`q4k_split` in weight.rs): `Auto`
+    /// those of at least 24M weights, whose launches take the persistent kernels, where the
+    /// layout pays (an 8B's gate/up/down: 8B Q4_K_M 287 -> 359 tokens/s); the smaller ones keep
+    /// the stored layout, whose f32 kernel measured about 1 % faster than the re-laid one (1B
+    /// Q4_K_M 1135 vs 1117-1127; cuda/NOTES.md). `Off`: none, `All`: every one (tests).
+    /// `HF2Q_CUDA_Q4K=0|all` at open.
+    pub fn set_q4k_relayout(&self, m: MvMode) {
+        self.q4k_relay
+            .store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a Q4_K matrix of `weights` weights is re-laid at upload.
+    pub(crate) fn q4k_relaid(&self, weights: usize) -> bool {
+        match MvMode::from_u8(self.q4k_relay.load(std::sync::atomic::Ordering::Relaxed)) {
+            MvMode::Off => false,
+            MvMode::Auto => weights >= P8_MIN_WEIGHTS,
+            MvMode::All => true,
+        }
+    }
+
     /// When one-token products of Q4_0, Q8_0, Q4_K and Q6_K quantize their input to 8 bits per
     /// 32 elements (two terms) and use integer dot products (`matvec_q8.cuh`) instead of f32
     /// activations (`matvec.cuh`). `Auto`: Q8_0 and Q4_K matrices of at least 12288 rows and
@@ -527,12 +551,14 @@ impl CudaDev {
                 && match p8 {
                     MvMode::Off => false,
                     MvMode::All => true,
-                    // Where it measured faster (cuda/NOTES.md): Q4_0 launches of at least
-                    // 24M weights (an 8B's gate/up, down, and q/k/v together: 14336 x 4096
-                    // 22.1 -> 13.1 us, 6144 x 4096 11.8 -> 8.7). Smaller ones (4096 x 4096,
-                    // every 1B product) are faster with the f32 kernels; Q8_0 and Q4_K lost in
-                    // the whole model.
-                    MvMode::Auto => matches!(w.kind, "q4_0s" | "q4_ks") && weights >= 24 << 20,
+                    // Where it measured faster (cuda/NOTES.md): Q4_0 and re-laid Q4_K launches
+                    // of at least 24M weights (an 8B's gate/up, down, and q/k/v together:
+                    // Q4_0 14336 x 4096 22.1 -> 13.1 us, 6144 x 4096 11.8 -> 8.7). Smaller
+                    // ones (4096 x 4096, every 1B product) are faster with the f32 kernels;
+                    // Q8_0 and stored Q4_K lost in the whole model.
+                    MvMode::Auto => {
+                        matches!(w.kind, "q4_0s" | "q4_ks") && weights >= P8_MIN_WEIGHTS
+                    }
                 }
         }) {
             return Some(MvKernels {

@@ -139,13 +139,6 @@ pub(crate) fn q4k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
     (out, scales_at, supers_at)
 }
 
-/// Whether Q4_K weights keep their stored layout on the GPU (`HF2Q_CUDA_Q4K=stored` at first
-/// upload, a measurement switch; the default re-lays them, [`q4k_split`]).
-fn q4k_stored() -> bool {
-    static S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *S.get_or_init(|| std::env::var("HF2Q_CUDA_Q4K").as_deref() == Ok("stored"))
-}
-
 pub(crate) fn mv_kernel(nt: usize) -> usize {
     match nt {
         1 => 0,
@@ -275,7 +268,10 @@ impl CudaDev {
                     _ => None,
                 };
                 match split {
-                    _ if *ty == GgmlType::Q4_K && data.len() == w.rows * rb && !q4k_stored() => {
+                    _ if *ty == GgmlType::Q4_K
+                        && data.len() == w.rows * rb
+                        && self.q4k_relaid(w.rows * w.cols) =>
+                    {
                         let (bytes, sa, da) = q4k_split(data.as_slice());
                         scales_at = Some(sa);
                         supers_at = Some(da);
