@@ -189,6 +189,23 @@ pub trait Backend: Send + Sync {
         let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
         self.linear_many(&h, ws)
     }
+    /// `residual += x · Wᵀ`, then [`Backend::norm_linear_gated`] of the new residual: a
+    /// pre-norm block's output projection followed by its MLP's gate and up (a backend may
+    /// compute the norm in the projection's launch).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_add_norm_gated(
+        &self,
+        x: &Tensor,
+        w: &QTensor,
+        residual: &mut Tensor,
+        norm: PreNorm<'_>,
+        gate: &QTensor,
+        up: &QTensor,
+        act: GateAct,
+    ) -> Result<Tensor> {
+        self.linear_add(x, w, residual)?;
+        self.norm_linear_gated(residual, norm, gate, up, act)
+    }
     /// [`Backend::linear_gated`] of `rms_norm(x)` (a pre-norm block's gate and up).
     fn norm_linear_gated(
         &self,

@@ -627,6 +627,105 @@ fn fast_matvec_and_fusions() {
     dev.set_q4k_relayout(cuda::MvMode::All);
 }
 
+/// A product added into the residual that ends with the next RMSNorm (`mvfp_` kernels: the
+/// launch's last block normalizes the new residual), then the gate/up product of that norm:
+/// two launches instead of three, against the CPU's product, norm and gated product. Residual
+/// widths from one block to past what a thread keeps in registers (8192: the kernel's loop
+/// form), producers of every f32-activation family, Q4_K in both layouts.
+#[test]
+fn residual_product_ends_with_norm() {
+    use hf2q_tensor::cuda_backend::CudaBackend;
+    use hf2q_tensor::op::{GateAct, PreNorm};
+    let Some(dev) = device() else { return };
+    let cpu = &CpuBackend::REFERENCE;
+    let mut rng = Rng::new("post_norm");
+    dev.set_matvec_int8(cuda::MvMode::Off);
+    dev.set_matvec_persistent(cuda::MvMode::Off, 2);
+    dev.set_matvec_post_norm(true);
+    let fmts = [
+        Fmt::Ggml(GgmlType::Q4_0),
+        Fmt::Ggml(GgmlType::Q8_0),
+        Fmt::Ggml(GgmlType::Q4_K),
+        Fmt::Ggml(GgmlType::Q6_K),
+        Fmt::Ggml(GgmlType::F16),
+        Fmt::Ggml(GgmlType::BF16),
+        Fmt::Ggml(GgmlType::F32),
+    ];
+    for (f, layout) in with_q4k_layouts(&fmts) {
+        dev.set_q4k_relayout(layout);
+        let kq = matches!(f, Fmt::Ggml(t) if t.block_size() == 256);
+        let (cols, widths) = if kq {
+            (512, [256, 2048, 4096, 8192])
+        } else {
+            (96, [32, 2048, 4096, 8192])
+        };
+        for d in widths {
+            let be = CudaBackend::new(dev.clone(), KvDtype::F16).unwrap();
+            let x = rng.vec(cols, 2.0);
+            let xd = be
+                .upload(&Tensor::new(&[1, cols], x.clone()).unwrap())
+                .unwrap();
+            let w = make_weight(&mut rng, f, d, cols);
+            let (gate, up) = (
+                make_weight(&mut rng, f, 40, d),
+                make_weight(&mut rng, f, 40, d),
+            );
+            let res = rng.vec(d, 3.0);
+            let mut rd = be
+                .upload(&Tensor::new(&[1, d], res.clone()).unwrap())
+                .unwrap();
+            let nw = rng.vec(d, 1.0);
+            let offset = if d % 64 == 0 { 0.0 } else { 1.0 };
+            let norm = PreNorm {
+                w: &nw,
+                eps: 1e-6,
+                offset,
+            };
+            let l0 = dev.counters().launches;
+            let got = be
+                .linear_add_norm_gated(&xd, &w, &mut rd, norm, &gate, &up, GateAct::Silu)
+                .unwrap();
+            let what = format!("{f:?} ({layout:?}) {d}x{cols}");
+            assert_eq!(
+                dev.counters().launches - l0,
+                2,
+                "{what}: the product with its norm, then gate/up"
+            );
+            // The residual as linear_add's test bounds it.
+            let (y, mag) = reference_linear(&w, &x, 1, None);
+            let want: Vec<f32> = res.iter().zip(&y).map(|(a, b)| a + b).collect();
+            let got_res = be.to_host(&rd).unwrap();
+            check(&format!("residual {what}"), got_res.data(), &want, |i| {
+                1e-5 * mag[i] + 1e-5
+            });
+            // The norm and the gated product from the GPU's residual: the norm's own rounding
+            // (f32 sums in another order, ~1e-7 relative) and the products' (as in
+            // fast_matvec_and_fusions, scaled by the magnitudes of h).
+            let ht = cpu.rms_norm(&got_res, &nw, 1e-6, offset).unwrap();
+            let h = ht.data();
+            let want = cpu.linear_gated(&ht, &gate, &up, GateAct::Silu).unwrap();
+            let (g, gm) = reference_linear(&gate, h, 1, None);
+            let (u, um) = reference_linear(&up, h, 1, None);
+            let bound: Vec<f32> = (0..40)
+                .map(|i| {
+                    let (eg, eu) = (2e-5 * gm[i] + 1e-5, 2e-5 * um[i] + 1e-5);
+                    1.2 * u[i].abs() * eg + (g[i].abs() + 0.3) * eu + 1e-6
+                })
+                .collect();
+            check(
+                &format!("gated after the norm {what}"),
+                be.to_host(&got).unwrap().data(),
+                want.data(),
+                |i| bound[i],
+            );
+        }
+    }
+    dev.set_matvec_post_norm(false);
+    dev.set_matvec_int8(cuda::MvMode::Auto);
+    dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
+    dev.set_q4k_relayout(cuda::MvMode::All);
+}
+
 #[test]
 fn rms_norm_matches() {
     let Some(dev) = device() else { return };

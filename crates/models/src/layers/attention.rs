@@ -98,6 +98,18 @@ impl Attention {
         self.o.forward_add(be, &a, x)
     }
 
+    /// [`Attention::forward_residual`] up to the output projection: the attention output of
+    /// `rms_norm(x)`, `(ΣT, H*Dh)`, for the caller to project (`self.o`).
+    pub fn forward_normed_heads(
+        &self,
+        be: &dyn Backend,
+        norm: PreNorm<'_>,
+        seqs: &mut [SeqRef<'_>],
+        x: &Tensor,
+    ) -> Result<Tensor> {
+        self.heads(be, x, Some(norm), seqs)
+    }
+
     /// Everything before the output projection: `(ΣT, D) -> (ΣT, H*Dh)`.
     /// With `norm`, of `rms_norm(x)`.
     fn heads(

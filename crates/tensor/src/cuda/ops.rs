@@ -185,6 +185,20 @@ unsafe impl DeviceRepr for MvJob {}
 unsafe impl DeviceRepr for MvJobs {}
 unsafe impl DeviceRepr for MvNormArgs {}
 
+/// Mirrors `struct MvPost` in `kernels/matvec.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct MvPostArgs {
+    w: u64,
+    h: u64,
+    counter: u64,
+    eps: f32,
+    offset: f32,
+}
+
+// SAFETY: plain data mirrored by a kernel parameter struct.
+unsafe impl DeviceRepr for MvPostArgs {}
+
 /// An RMSNorm of a one-token product's input, folded into the product: the input `x` is
 /// replaced by `x / rms(x) * (w + offset)` (the `rms_norm` op's formula).
 pub struct RowNorm<'a> {
@@ -474,6 +488,26 @@ impl CudaDev {
         self.mv_norm.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Whether a product added into the residual ([`CudaDev::linear_add_then_norm`]) may end
+    /// with the next pre-norm product's RMSNorm, computed by the launch's last block, instead of
+    /// a norm kernel of its own. A measurement switch, off by default until measured;
+    /// `HF2Q_CUDA_POSTNORM=1` at open turns it on.
+    pub fn set_matvec_post_norm(&self, on: bool) {
+        self.mv_post.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`CudaDev::linear_add_then_norm`] takes a product of `w` into a residual of
+    /// `w.rows` values: the switch is on and the launch runs the f32-activation kernels (the
+    /// others have no such form).
+    pub fn post_norms(&self, w: &DeviceWeight) -> bool {
+        self.mv_post.load(std::sync::atomic::Ordering::Relaxed)
+            && w.rows.is_multiple_of(4)
+            && w.fast.as_ref().is_some_and(|f| f.post.is_some())
+            && self
+                .mv_kernels(w, w.rows * w.cols)
+                .is_some_and(|k| w.fast.as_ref().is_some_and(|f| std::ptr::eq(k.fns, f)))
+    }
+
     /// Whether a one-token launch of `w` (with `weights` weights in all: rows times columns of
     /// its matrices, of one of them when gated) folds an RMSNorm of its input in
     /// ([`CudaDev::set_matvec_norm`]; the launch must be one [`CudaDev::has_fast_matvec`] takes).
@@ -625,6 +659,19 @@ impl CudaDev {
         accumulate: bool,
         norm: Option<&RowNorm<'_>>,
     ) -> Result<()> {
+        self.launch_mvf_post(jobs, xp, accumulate, norm, None)
+    }
+
+    /// [`CudaDev::launch_mvf`], with `post` (one job, accumulated, f32 kernels) ending in the
+    /// residual's RMSNorm (`mvfp_KIND`).
+    fn launch_mvf_post(
+        &self,
+        jobs: &[(&DeviceWeight, Option<&CudaSlice<f32>>, u64)],
+        xp: u64,
+        accumulate: bool,
+        norm: Option<&RowNorm<'_>>,
+        post: Option<MvPostArgs>,
+    ) -> Result<()> {
         let first = jobs
             .first()
             .ok_or_else(|| shape("matvec: no matrices".into()))?
@@ -696,11 +743,26 @@ impl CudaDev {
             return Err(shape("matvec: the input is not 16-byte aligned".into()));
         }
         if k.persistent {
+            if post.is_some() {
+                return Err(shape(format!(
+                    "matvec: '{}' cannot end with a norm",
+                    first.name
+                )));
+            }
             let grid = self.mp_grid(ctas)?;
             let threads = (MP_WARPS * 32) as u32;
             return launch!(self, f, (grid, 1, 1), (threads, 1, 1), smem; mj, xp);
         }
         let grid = u32::try_from(ctas).map_err(|_| shape(format!("{ctas} blocks")))?;
+        if let Some(pa) = post {
+            let pf = k
+                .fns
+                .post
+                .as_ref()
+                .filter(|_| jobs.len() == 1 && accumulate && norm.is_none())
+                .ok_or_else(|| shape(format!("matvec: '{}' cannot end with a norm", first.name)))?;
+            return launch!(self, pf, (grid, 1, 1), (128, 1, 1), smem; mj, xp, pa);
+        }
         launch!(self, f, (grid, 1, 1), (128, 1, 1), smem; mj, xp)
     }
 
@@ -776,6 +838,48 @@ impl CudaDev {
         self.bind()?;
         let (xp, op) = (self.ptr(x), self.ptr_mut(residual));
         self.launch_mvf(&[(w, None, op)], xp, true, None)
+    }
+
+    /// [`CudaDev::linear_add`], then `h = rms_norm(residual)` with `norm` in the same launch (its
+    /// last block to finish; no norm kernel). Where [`CudaDev::post_norms`] holds for `w`.
+    pub fn linear_add_then_norm(
+        &self,
+        x: &impl DevicePtr<f32>,
+        w: &DeviceWeight,
+        residual: &mut impl DevicePtrMut<f32>,
+        norm: &RowNorm<'_>,
+        h: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        need(&format!("linear '{}' input", w.name), x.len(), w.cols)?;
+        need(
+            &format!("linear '{}' output", w.name),
+            residual.len(),
+            w.rows,
+        )?;
+        need("rms_norm weight", norm.w.len(), w.rows)?;
+        need("rms_norm output", h.len(), w.rows)?;
+        if !self.post_norms(w) {
+            return Err(shape(format!(
+                "linear '{}' has no launch that ends with a norm",
+                w.name
+            )));
+        }
+        self.bind()?;
+        let (xp, op, hp) = (self.ptr(x), self.ptr_mut(residual), self.ptr_mut(h));
+        let wp = self.ptr(norm.w);
+        if (op | hp | wp) % 16 != 0 {
+            return Err(shape(
+                "matvec: the residual, norm or output is not 16-byte aligned".into(),
+            ));
+        }
+        let post = MvPostArgs {
+            w: wp,
+            h: hp,
+            counter: self.done_counters.device_ptr(self.stream()).0,
+            eps: norm.eps,
+            offset: norm.offset,
+        };
+        self.launch_mvf_post(&[(w, None, op)], xp, true, None, Some(post))
     }
 
     /// `out (1, R) = act(x · Gᵀ) * (x · Uᵀ)`, act SiLU (`gelu` false) or GELU-tanh, in one launch

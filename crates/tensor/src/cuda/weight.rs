@@ -35,6 +35,8 @@ pub(crate) struct MvFns {
     pub(crate) plain: CudaFunction,
     pub(crate) gated: CudaFunction,
     pub(crate) normed: Option<(CudaFunction, CudaFunction)>,
+    /// The plain kernel ending with the residual's RMSNorm (`mvfp_`, f32 family only).
+    pub(crate) post: Option<CudaFunction>,
 }
 
 impl MvFns {
@@ -327,6 +329,7 @@ impl CudaDev {
                 } else {
                     None
                 },
+                post: if family == 'v' { Some(f("fp")?) } else { None },
             })
         };
         let fast = if w.cols % 32 == 0

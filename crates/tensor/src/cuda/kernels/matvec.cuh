@@ -669,6 +669,95 @@ __device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __rest
     mv_store<RPW>(jobs, J, p, red);
 }
 
+// The RMSNorm of a product's output, done by the product's launch (the `mvfp_` kernels): after
+// every block has added its rows into the residual (one job, `accumulate`; its `rows` values,
+// rows % 4 == 0, 16-byte aligned), the last block to finish writes h = residual / rms(residual)
+// * (w + offset), the next pre-norm product's input, so no norm kernel follows. Mirrors
+// `MvPost` on the host.
+struct MvPost {
+    const float* w;  // the norm's weights, one per residual value
+    float* h;        // the normed row
+    u32* counter;    // a zeroed completion counter, left at zero
+    float eps, offset;
+};
+
+// float4 pieces of the residual each thread keeps in registers (rows up to 4096 in one read;
+// the norm's weights are loaded as they are used, which keeps the kernels' register count).
+#define MVP_V4 8
+
+__device__ __forceinline__ void mv_post_norm(const MvJob& J, const MvPost& post) {
+    __shared__ u32 last;
+    __shared__ float red[MVF_WARPS];
+    // As attention.cu's split merge: each block makes its rows visible, then counts itself in;
+    // the last one reads them past L1 (its lines may hold what this multiprocessor read
+    // earlier).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(post.counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    constexpr int NT = MVF_WARPS * 32;
+    const int t = threadIdx.x, n4 = J.rows >> 2;
+    const float4* r = (const float4*)J.out;
+    const float4* w = (const float4*)post.w;
+    float4* h = (float4*)post.h;
+    float ss = 0.0f;
+    if (n4 <= NT * MVP_V4) {
+        float4 v[MVP_V4];
+#pragma unroll
+        for (int k = 0; k < MVP_V4; k++) {
+            const int i = t + k * NT;
+            if (i < n4) v[k] = __ldcg(r + i);
+        }
+#pragma unroll
+        for (int k = 0; k < MVP_V4; k++)
+            if (t + k * NT < n4) {
+                ss = fmaf(v[k].x, v[k].x, ss);
+                ss = fmaf(v[k].y, v[k].y, ss);
+                ss = fmaf(v[k].z, v[k].z, ss);
+                ss = fmaf(v[k].w, v[k].w, ss);
+            }
+        ss = warp_sum(ss);
+        if ((t & 31) == 0) red[t >> 5] = ss;
+        __syncthreads();
+        float tot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MVF_WARPS; i++) tot += red[i];
+        const float inv = inv_rms(tot, J.rows, post.eps), o = post.offset;
+#pragma unroll
+        for (int k = 0; k < MVP_V4; k++) {
+            const int i = t + k * NT;
+            if (i < n4) {
+                const float4 g = w[i];
+                h[i] = float4{v[k].x * inv * (g.x + o), v[k].y * inv * (g.y + o),
+                              v[k].z * inv * (g.z + o), v[k].w * inv * (g.w + o)};
+            }
+        }
+    } else {
+        for (int i = t; i < n4; i += NT) {
+            const float4 v = __ldcg(r + i);
+            ss = fmaf(v.x, v.x, ss);
+            ss = fmaf(v.y, v.y, ss);
+            ss = fmaf(v.z, v.z, ss);
+            ss = fmaf(v.w, v.w, ss);
+        }
+        ss = warp_sum(ss);
+        if ((t & 31) == 0) red[t >> 5] = ss;
+        __syncthreads();
+        float tot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MVF_WARPS; i++) tot += red[i];
+        const float inv = inv_rms(tot, J.rows, post.eps), o = post.offset;
+        for (int i = t; i < n4; i += NT) {
+            const float4 v = __ldcg(r + i), g = w[i];
+            h[i] = float4{v.x * inv * (g.x + o), v.y * inv * (g.y + o), v.z * inv * (g.z + o),
+                          v.w * inv * (g.w + o)};
+        }
+    }
+    if (t == 0) *post.counter = 0;  // ready for the next launch (or graph replay)
+}
+
 // out[r] = act(gate[r] . x) * (up[r] . x); act 0 = SiLU, 1 = GELU (tanh).
 template <class F>
 __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float* __restrict__ x,
@@ -711,6 +800,11 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
     extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
         mvf_impl<DOT>(jobs, x);                                                                 \
+    }                                                                                           \
+    extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
+        mvfp_##NAME(MvJobs jobs, const float* x, MvPost post) {                                 \
+        mvf_impl<DOT>(jobs, x);                                                                 \
+        mv_post_norm(jobs.j[0], post);                                                          \
     }                                                                                           \
     extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
         mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
