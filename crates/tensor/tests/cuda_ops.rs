@@ -51,6 +51,17 @@ fn device() -> Option<Arc<CudaDev>> {
     d
 }
 
+/// The formats with one-token kernels (`kernels/matvec.cuh`).
+const FAST_FMTS: [Fmt; 7] = [
+    Fmt::Ggml(GgmlType::Q4_0),
+    Fmt::Ggml(GgmlType::Q8_0),
+    Fmt::Ggml(GgmlType::Q4_K),
+    Fmt::Ggml(GgmlType::Q6_K),
+    Fmt::Ggml(GgmlType::F16),
+    Fmt::Ggml(GgmlType::BF16),
+    Fmt::Ggml(GgmlType::F32),
+];
+
 /// Each format with the Q4_K layouts to run it in: re-laid (the tests' default) and as stored.
 /// The caller sets the layout (`CudaDev::set_q4k_relayout`) before uploading.
 fn with_q4k_layouts(fmts: &[Fmt]) -> Vec<(Fmt, cuda::MvMode)> {
@@ -412,15 +423,7 @@ fn fast_matvec_and_fusions() {
     let Some(dev) = device() else { return };
     let cpu = &CpuBackend::REFERENCE;
     let mut rng = Rng::new("fast_matvec");
-    let fmts = [
-        Fmt::Ggml(GgmlType::Q4_0),
-        Fmt::Ggml(GgmlType::Q8_0),
-        Fmt::Ggml(GgmlType::Q4_K),
-        Fmt::Ggml(GgmlType::Q6_K),
-        Fmt::Ggml(GgmlType::F16),
-        Fmt::Ggml(GgmlType::BF16),
-        Fmt::Ggml(GgmlType::F32),
-    ];
+    let fmts = FAST_FMTS;
     // f32 sums in another order than the reference (two chains per block, the block scale
     // applied to the block's sum, fused multiply-adds): well under 1e-5 of sum |w x|; with
     // 8-bit activations, plus the activations' rounding (`act8_bound`).
@@ -642,15 +645,7 @@ fn residual_product_ends_with_norm() {
     dev.set_matvec_int8(cuda::MvMode::Off);
     dev.set_matvec_persistent(cuda::MvMode::Off, 2);
     dev.set_matvec_post_norm(true);
-    let fmts = [
-        Fmt::Ggml(GgmlType::Q4_0),
-        Fmt::Ggml(GgmlType::Q8_0),
-        Fmt::Ggml(GgmlType::Q4_K),
-        Fmt::Ggml(GgmlType::Q6_K),
-        Fmt::Ggml(GgmlType::F16),
-        Fmt::Ggml(GgmlType::BF16),
-        Fmt::Ggml(GgmlType::F32),
-    ];
+    let fmts = FAST_FMTS;
     for (f, layout) in with_q4k_layouts(&fmts) {
         dev.set_q4k_relayout(layout);
         let kq = matches!(f, Fmt::Ggml(t) if t.block_size() == 256);

@@ -280,6 +280,12 @@ fn need(what: &str, have: usize, want: usize) -> Result<()> {
     Ok(())
 }
 
+/// A product's input and output hold at least `w`'s columns and rows.
+fn need_linear(w: &DeviceWeight, input: usize, output: usize) -> Result<()> {
+    need(&format!("linear '{}' input", w.name), input, w.cols)?;
+    need(&format!("linear '{}' output", w.name), output, w.rows)
+}
+
 fn to_i32(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| shape(format!("{what} = {v} does not fit 32 bits")))
 }
@@ -807,12 +813,7 @@ impl CudaDev {
     ) -> Result<()> {
         let mut launch = Vec::with_capacity(jobs.len());
         for (w, b, out) in jobs.iter_mut() {
-            need(&format!("linear '{}' input", w.name), x.len(), w.cols)?;
-            need(
-                &format!("linear '{}' output", w.name),
-                out.len_f32(),
-                w.rows,
-            )?;
+            need_linear(w, x.len(), out.len_f32())?;
             if let Some(b) = b {
                 need(&format!("linear '{}' bias", w.name), b.len(), w.rows)?;
             }
@@ -829,12 +830,7 @@ impl CudaDev {
         w: &DeviceWeight,
         residual: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        need(&format!("linear '{}' input", w.name), x.len(), w.cols)?;
-        need(
-            &format!("linear '{}' output", w.name),
-            residual.len(),
-            w.rows,
-        )?;
+        need_linear(w, x.len(), residual.len())?;
         self.bind()?;
         let (xp, op) = (self.ptr(x), self.ptr_mut(residual));
         self.launch_mvf(&[(w, None, op)], xp, true, None)
@@ -850,12 +846,7 @@ impl CudaDev {
         norm: &RowNorm<'_>,
         h: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        need(&format!("linear '{}' input", w.name), x.len(), w.cols)?;
-        need(
-            &format!("linear '{}' output", w.name),
-            residual.len(),
-            w.rows,
-        )?;
+        need_linear(w, x.len(), residual.len())?;
         need("rms_norm weight", norm.w.len(), w.rows)?;
         need("rms_norm output", h.len(), w.rows)?;
         if !self.post_norms(w) {

@@ -44,12 +44,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 #pragma unroll
         for (int k = 0; k < NORM_V4; k++) {
             const int i = t + k * NORM_THREADS;
-            if (i < n4) {
-                ss = fmaf(v[k].x, v[k].x, ss);
-                ss = fmaf(v[k].y, v[k].y, ss);
-                ss = fmaf(v[k].z, v[k].z, ss);
-                ss = fmaf(v[k].w, v[k].w, ss);
-            }
+            if (i < n4) ss = sumsq4(v[k], ss);
         }
         ss = warp_sum(ss);
         if ((t & 31) == 0) red[t >> 5] = ss;

@@ -136,6 +136,24 @@ __device__ __forceinline__ float dot_bytes8(u32 lo, u32 hi, float off, const flo
     return s0 + s1;
 }
 
+// A pair lane's eight bytes of 4-bit quants (split Q4_0's order) dotted with its sixteen
+// activations, each quant less `off`: word k of the pair holds elements 8p + 4k .. + 4 (low
+// nibbles, xr[4k ..]) and 16 + 8p + 4k .. (high, xr[8 + 4k ..]); two chains.
+__device__ __forceinline__ float dot_nibbles8(uint2 q, float off, const float* xr) {
+    float s0 = 0.0f, s1 = 0.0f;
+    const u32 ws[2] = {q.x, q.y};
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const u32 lo = ws[k] & 0x0F0F0F0Fu, hi = (ws[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            s0 = fmaf(byte_magic(lo, j) - (MAGIC + off), xr[4 * k + j], s0);
+            s1 = fmaf(byte_magic(hi, j) - (MAGIC + off), xr[8 + 4 * k + j], s1);
+        }
+    }
+    return s0 + s1;
+}
+
 // Split Q4_0: quants (16 bytes per block, ggml order: element i in the low nibble of byte i,
 // element i + 16 in the high nibble) at data + 16 blk, the f16 scale at scales[blk],
 // blk = row * nb + b. Pairs rather than quads: two lanes per block, lane p taking bytes
@@ -158,21 +176,7 @@ struct DQ4_0S : NoAux {
                   h2f(((const u16*)w.scales)[blk])};
     }
     static __device__ __forceinline__ float dotw(const WR& a, int, const float* xr, XA) {
-        const uint2 q = a.q;
-        const float d = a.d;
-        // Word k of the pair holds elements 8p + 4k .. + 4 (low) and 16 + 8p + 4k .. (high).
-        float s0 = 0.0f, s1 = 0.0f;
-        const u32 ws[2] = {q.x, q.y};
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const u32 lo = ws[k] & 0x0F0F0F0Fu, hi = (ws[k] >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                s0 = fmaf(byte_magic(lo, j) - (MAGIC + 8.0f), xr[4 * k + j], s0);
-                s1 = fmaf(byte_magic(hi, j) - (MAGIC + 8.0f), xr[8 + 4 * k + j], s1);
-            }
-        }
-        return (s0 + s1) * d;
+        return dot_nibbles8(a.q, 8.0f, xr) * a.d;
     }
 };
 
@@ -378,18 +382,7 @@ struct DQ4_KS {
         return r;
     }
     static __device__ __forceinline__ float dotw(const WR& a, int, const float* xr, XA xa) {
-        float s0 = 0.0f, s1 = 0.0f;
-        const u32 ws[2] = {a.q.x, a.q.y};
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const u32 lo = ws[k] & 0x0F0F0F0Fu, hi = (ws[k] >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                s0 = fmaf(byte_magic(lo, j) - MAGIC, xr[4 * k + j], s0);
-                s1 = fmaf(byte_magic(hi, j) - MAGIC, xr[8 + 4 * k + j], s1);
-            }
-        }
-        return fmaf(s0 + s1, a.d, -a.m * xa.s);
+        return fmaf(dot_nibbles8(a.q, 0.0f, xr), a.d, -a.m * xa.s);
     }
 };
 
@@ -685,6 +678,18 @@ struct MvPost {
 // the norm's weights are loaded as they are used, which keeps the kernels' register count).
 #define MVP_V4 8
 
+// 1 / rms over `cols` values from each thread's partial sum of squares (a block of MVF_WARPS
+// warps; `red` its shared scratch).
+__device__ __forceinline__ float mv_block_inv_rms(float ss, float* red, int cols, float eps) {
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MVF_WARPS; i++) tot += red[i];
+    return inv_rms(tot, cols, eps);
+}
+
 __device__ __forceinline__ void mv_post_norm(const MvJob& J, const MvPost& post) {
     __shared__ u32 last;
     __shared__ float red[MVF_WARPS];
@@ -712,19 +717,8 @@ __device__ __forceinline__ void mv_post_norm(const MvJob& J, const MvPost& post)
         }
 #pragma unroll
         for (int k = 0; k < MVP_V4; k++)
-            if (t + k * NT < n4) {
-                ss = fmaf(v[k].x, v[k].x, ss);
-                ss = fmaf(v[k].y, v[k].y, ss);
-                ss = fmaf(v[k].z, v[k].z, ss);
-                ss = fmaf(v[k].w, v[k].w, ss);
-            }
-        ss = warp_sum(ss);
-        if ((t & 31) == 0) red[t >> 5] = ss;
-        __syncthreads();
-        float tot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < MVF_WARPS; i++) tot += red[i];
-        const float inv = inv_rms(tot, J.rows, post.eps), o = post.offset;
+            if (t + k * NT < n4) ss = sumsq4(v[k], ss);
+        const float inv = mv_block_inv_rms(ss, red, J.rows, post.eps), o = post.offset;
 #pragma unroll
         for (int k = 0; k < MVP_V4; k++) {
             const int i = t + k * NT;
@@ -735,20 +729,8 @@ __device__ __forceinline__ void mv_post_norm(const MvJob& J, const MvPost& post)
             }
         }
     } else {
-        for (int i = t; i < n4; i += NT) {
-            const float4 v = __ldcg(r + i);
-            ss = fmaf(v.x, v.x, ss);
-            ss = fmaf(v.y, v.y, ss);
-            ss = fmaf(v.z, v.z, ss);
-            ss = fmaf(v.w, v.w, ss);
-        }
-        ss = warp_sum(ss);
-        if ((t & 31) == 0) red[t >> 5] = ss;
-        __syncthreads();
-        float tot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < MVF_WARPS; i++) tot += red[i];
-        const float inv = inv_rms(tot, J.rows, post.eps), o = post.offset;
+        for (int i = t; i < n4; i += NT) ss = sumsq4(__ldcg(r + i), ss);
+        const float inv = mv_block_inv_rms(ss, red, J.rows, post.eps), o = post.offset;
         for (int i = t; i < n4; i += NT) {
             const float4 v = __ldcg(r + i), g = w[i];
             h[i] = float4{v.x * inv * (g.x + o), v.y * inv * (g.y + o), v.z * inv * (g.z + o),
