@@ -108,8 +108,6 @@ pub(crate) fn split_blocks(data: &[u8], block: usize) -> Vec<u8> {
     out
 }
 
-/// Index into [`DeviceWeight::kernels`] of the matrix-vector kernel for up to `nt` tokens
-/// (1, 2, 4 or 8), the tiled kernel and the embedding gather.
 /// Q4_K re-laid for the GPU kernels ("q4_ks"; `FQ4_KS` in kernels/quant.cuh): each 32-element
 /// sub-block's quants as 16 bytes in split Q4_0's order (element i in the low nibble of byte i,
 /// element i + 16 in the high one), all of the matrix's in row order; then each sub-block's 6-bit
@@ -141,6 +139,8 @@ pub(crate) fn q4k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
     (out, scales_at, supers_at)
 }
 
+/// Index into [`DeviceWeight::kernels`] of the matrix-vector kernel for up to `nt` tokens
+/// (1, 2, 4 or 8), the tiled kernel and the embedding gather.
 pub(crate) fn mv_kernel(nt: usize) -> usize {
     match nt {
         1 => 0,
