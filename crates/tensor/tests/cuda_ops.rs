@@ -693,9 +693,11 @@ fn residual_product_ends_with_norm() {
             check(&format!("residual {what}"), got_res.data(), &want, |i| {
                 1e-5 * mag[i] + 1e-5
             });
-            // The norm and the gated product from the GPU's residual: the norm's own rounding
-            // (f32 sums in another order, ~1e-7 relative) and the products' (as in
-            // fast_matvec_and_fusions, scaled by the magnitudes of h).
+            // The norm and the gated product from the GPU's residual. Each product's error
+            // budget is fast_matvec_and_fusions' 1e-5 of sum |w h| (f32 sums in another order)
+            // doubled: the GPU's h differs from this h by the norm's own rounding (f32 sums of
+            // squares in another order, ~1e-7 relative per element), which the products carry
+            // into sums of at most sum |w h|. The gated combination as gated_bound there.
             let ht = cpu.rms_norm(&got_res, &nw, 1e-6, offset).unwrap();
             let h = ht.data();
             let want = cpu.linear_gated(&ht, &gate, &up, GateAct::Silu).unwrap();

@@ -85,21 +85,9 @@ impl Attention {
         self.o.forward(be, &a)
     }
 
-    /// `x += forward(rms_norm(x), seqs)`: a pre-norm block's attention half (the backend may
-    /// fold the norm into the q/k/v product).
-    pub fn forward_residual(
-        &self,
-        be: &dyn Backend,
-        norm: PreNorm<'_>,
-        seqs: &mut [SeqRef<'_>],
-        x: &mut Tensor,
-    ) -> Result<()> {
-        let a = self.heads(be, x, Some(norm), seqs)?;
-        self.o.forward_add(be, &a, x)
-    }
-
-    /// [`Attention::forward_residual`] up to the output projection: the attention output of
-    /// `rms_norm(x)`, `(ΣT, H*Dh)`, for the caller to project (`self.o`).
+    /// A pre-norm block's attention half up to the output projection: the attention output of
+    /// `rms_norm(x)` (the backend may fold the norm into the q/k/v product), `(ΣT, H*Dh)`, for
+    /// the caller to project (`self.o`; `Mlp::forward_residual_after` adds it to the residual).
     pub fn forward_normed_heads(
         &self,
         be: &dyn Backend,

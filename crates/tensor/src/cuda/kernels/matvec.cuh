@@ -778,17 +778,17 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
 // Each kernel waits for its predecessor (`pdl_wait`) inside `mvf_rows`, after its first weight
 // loads. The gated kernels take the persistent ones' arguments (`nm` is not read here: the norm
 // is folded only where the whole row is staged per block, matvec_p8.cuh).
-#define HF2Q_MATVEC_FAST(NAME, DOT, MINB)                                                             \
-    extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
+#define HF2Q_MATVEC_FAST(NAME, DOT, MINB)                                                       \
+    extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
         mvf_impl<DOT>(jobs, x);                                                                 \
     }                                                                                           \
-    extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
+    extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
         mvfp_##NAME(MvJobs jobs, const float* x, MvPost post) {                                 \
         mvf_impl<DOT>(jobs, x);                                                                 \
         mv_post_norm(jobs.j[0], post);                                                          \
     }                                                                                           \
-    extern "C" __global__ void MV_BOUNDS(MINB)                                                   \
+    extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
         mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \
                    int flags, MvNorm nm) {                                                      \
         mvg_impl<DOT>(g, u, x, o, rows, act, ks, flags);                                        \
