@@ -1502,7 +1502,7 @@ fn bench_ops() {
         Fmt::Ggml(GgmlType::F16),
         Fmt::Mlx(4, 64),
     ];
-    let shapes = [
+    let mut shapes = vec![
         (2048, 8192),
         (8192, 2048),
         (4096, 4096),
@@ -1510,8 +1510,29 @@ fn bench_ops() {
         (4096, 14336),
         (14336, 4096),
     ];
+    // HF2Q_CUDA_BENCH_SHAPES=RxC,... measures those shapes instead (the logits: 128256x2048),
+    // HF2Q_CUDA_BENCH_FMTS=q6_k,f16,... only those formats.
+    if let Ok(list) = std::env::var("HF2Q_CUDA_BENCH_SHAPES") {
+        shapes = list
+            .split(',')
+            .map(|s| {
+                let (r, c) = s.split_once('x').expect("RxC");
+                (r.parse().expect("rows"), c.parse().expect("cols"))
+            })
+            .collect();
+    }
+    let only = std::env::var("HF2Q_CUDA_BENCH_FMTS").ok();
+    let wanted = |f: &Fmt| {
+        only.as_deref().is_none_or(|l| {
+            let name = match f {
+                Fmt::Ggml(ty) => format!("{ty:?}").to_lowercase(),
+                Fmt::Mlx(b, g) => format!("mlx{b}g{g}"),
+            };
+            l.split(',').any(|x| x == name)
+        })
+    };
     for (rows, cols) in shapes {
-        for f in fmts {
+        for f in fmts.into_iter().filter(wanted) {
             let w = big_weight(f, rows, cols);
             let bytes = w.stored_bytes();
             let copies = (256usize << 20).div_ceil(bytes).max(2);

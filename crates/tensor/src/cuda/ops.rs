@@ -91,6 +91,10 @@ fn mv_split_for(rows: usize, cols: usize, rows_per_group: usize, sms: usize) -> 
 /// re-laid for them at upload, weight.rs).
 pub(crate) const P8_MIN_WEIGHTS: usize = 24 << 20;
 
+/// Fewest rows of a Q8_0 launch that takes the persistent kernels whatever its size: an output
+/// layer's (its 128256 rows amortize the staging of the input in every block).
+const P8_MIN_ROWS: usize = 65536;
+
 /// Warps per block of the persistent kernels (`MP_WARPS` in `kernels/matvec_p8.cuh`) and rows
 /// per row group of their gated form (`GNR` of its formats: the same for all).
 const MP_WARPS: usize = 8;
@@ -510,7 +514,7 @@ impl CudaDev {
             && w.rows.is_multiple_of(4)
             && w.fast.as_ref().is_some_and(|f| f.post.is_some())
             && self
-                .mv_kernels(w, w.rows * w.cols)
+                .mv_kernels(w, w.rows * w.cols, false)
                 .is_some_and(|k| w.fast.as_ref().is_some_and(|f| std::ptr::eq(k.fns, f)))
     }
 
@@ -520,7 +524,7 @@ impl CudaDev {
     pub fn folds_norm(&self, w: &DeviceWeight, weights: usize) -> bool {
         self.mv_norm.load(std::sync::atomic::Ordering::Relaxed)
             && self
-                .mv_kernels(w, weights)
+                .mv_kernels(w, weights, true)
                 .is_some_and(|k| k.fns.normed.is_some())
     }
 
@@ -568,7 +572,8 @@ impl CudaDev {
     }
 
     /// When one-token products of Q4_0, Q8_0 and Q4_K run the persistent 8-bit kernels
-    /// (`matvec_p8.cuh`): `Auto` for Q4_0 matrices of at least 24M weights;
+    /// (`matvec_p8.cuh`): `Auto` for Q4_0 and re-laid Q4_K launches of at least 24M weights,
+    /// Q8_0 ones that large which fold their input's norm, and Q8_0 output layers;
     /// `HF2Q_CUDA_P8=0|all` at open. `blocks_per_sm` (1 or 2; `HF2Q_CUDA_P8_BLOCKS`, default
     /// 2) bounds their grid: the kernels are compiled for two resident blocks of eight warps.
     pub fn set_matvec_persistent(&self, m: MvMode, blocks_per_sm: usize) {
@@ -581,8 +586,13 @@ impl CudaDev {
     /// shared memory they take and whether they are the persistent ones: the 8-bit ones stage
     /// the quantized input row there, within the 48 KB a launch gets without opting in.
     /// `weights`: the launch's size (rows times columns of its matrices; of one of them for a
-    /// gated launch).
-    fn mv_kernels<'w>(&self, w: &'w DeviceWeight, weights: usize) -> Option<MvKernels<'w>> {
+    /// gated launch); `normed`: whether it folds its input's RMSNorm.
+    fn mv_kernels<'w>(
+        &self,
+        w: &'w DeviceWeight,
+        weights: usize,
+        normed: bool,
+    ) -> Option<MvKernels<'w>> {
         use std::sync::atomic::Ordering::Relaxed;
         let p8 = MvMode::from_u8(self.mv_p8.load(Relaxed));
         let psmem = mp_smem(w.cols);
@@ -595,10 +605,17 @@ impl CudaDev {
                     // of at least 24M weights (an 8B's gate/up, down, and q/k/v together:
                     // Q4_0 14336 x 4096 22.1 -> 13.1 us, 6144 x 4096 11.8 -> 8.7). Smaller
                     // ones (4096 x 4096, every 1B product) are faster with the f32 kernels;
-                    // Q8_0 and stored Q4_K lost in the whole model.
-                    MvMode::Auto => {
-                        matches!(w.kind, "q4_0s" | "q4_ks") && weights >= P8_MIN_WEIGHTS
-                    }
+                    // stored Q4_K lost in the whole model.
+                    MvMode::Auto => match w.kind {
+                        "q4_0s" | "q4_ks" => weights >= P8_MIN_WEIGHTS,
+                        // Q8_0: the launches that fold their input's norm (an 8B's q/k/v and
+                        // gate/up: the norm kernel goes) and output layers (128256 x 4096:
+                        // 151.6 -> 132.2 us); 8B Q8_0 307 -> 339 tokens/s, 1B 1096-1114 ->
+                        // 1120-1126. Its down projection stays on the f32 kernel (19.3 vs
+                        // 22.0 us).
+                        "q8_0s" => (normed && weights >= P8_MIN_WEIGHTS) || w.rows >= P8_MIN_ROWS,
+                        _ => false,
+                    },
                 }
         }) {
             return Some(MvKernels {
@@ -689,7 +706,11 @@ impl CudaDev {
             )));
         }
         let k = self
-            .mv_kernels(first, jobs.iter().map(|(w, _, _)| w.rows * w.cols).sum())
+            .mv_kernels(
+                first,
+                jobs.iter().map(|(w, _, _)| w.rows * w.cols).sum(),
+                norm.is_some(),
+            )
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", first.name)))?;
         let nargs = self.norm_args(norm, first.cols)?;
         let f = k.pick(false, norm.is_some(), first)?;
@@ -909,7 +930,7 @@ impl CudaDev {
             gate.rows,
         )?;
         let k = self
-            .mv_kernels(gate, gate.rows * gate.cols)
+            .mv_kernels(gate, gate.rows * gate.cols, norm.is_some())
             .ok_or_else(|| shape(format!("matvec: '{}' has no one-token kernel", gate.name)))?;
         let nargs = self.norm_args(norm, gate.cols)?;
         let f = k.pick(true, norm.is_some(), gate)?;
