@@ -7,7 +7,7 @@
 # BIN_DIR holds the release `hf2q` (built elsewhere: the GPU machine needs no Rust toolchain).
 # CONFIGS: configurations separated by ';', each `tag` or `tag:VAR=VALUE,VAR=VALUE` (the
 # environment that `hf2q bench` runs with), e.g.
-#   'default;norm:HF2Q_CUDA_POSTNORM=1;stored:HF2Q_CUDA_Q4K=0'
+#   'default;nop8:HF2Q_CUDA_P8=0;stored:HF2Q_CUDA_Q4K=0'
 # Environment: MODELS (shape:type pairs, synthesized when missing; default Llama-3.2-1B q4_0 and
 # Llama-3.1-8B q4_k_m), ROUNDS (default 2), GEN (tokens of the decode test, default 128), PROMPT
 # (tokens of a prefill test; default 0, none).

@@ -36,9 +36,8 @@ use crate::cuda::{
 };
 use crate::kv::{check_fits, DeviceKv, KvStore};
 use crate::op::{
-    check_rows, linear_add_composed, linear_add_norm_gated_composed, linear_gated_composed,
-    linear_many_composed, rope_store_composed, same_shape, AttentionParams, Backend, GateAct,
-    PreNorm, RopeParams,
+    check_rows, linear_add_composed, linear_gated_composed, linear_many_composed,
+    rope_store_composed, same_shape, AttentionParams, Backend, GateAct, PreNorm, RopeParams,
 };
 use crate::tensor::DeviceSpan;
 use crate::{Error, QTensor, Result, Tensor};
@@ -961,43 +960,6 @@ impl Backend for CudaBackend {
         }
         let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
         self.linear_many(&h, ws)
-    }
-
-    fn linear_add_norm_gated(
-        &self,
-        x: &Tensor,
-        w: &QTensor,
-        residual: &mut Tensor,
-        norm: PreNorm<'_>,
-        gate: &QTensor,
-        up: &QTensor,
-        act: GateAct,
-    ) -> Result<Tensor> {
-        // The norm at the end of the projection's launch, where the gate/up launch would not
-        // fold it in itself (the persistent kernels stage the row anyway).
-        let (t, c) = x.dims2();
-        if t == 1 && c == w.cols && residual.len() == w.rows && norm.w.len() == w.rows {
-            let (d, g) = (self.weight(w)?, self.weight(gate)?);
-            if self.dev.post_norms(&d)
-                && !self.dev.folds_norm(&g, g.rows * g.cols)
-                && self.raw(x, "linear")?.ptr % 16 == 0
-            {
-                let wn = self.vector(norm.w)?;
-                let h = self.alloc(&[1, w.rows])?;
-                let xi = self.raw(x, "linear")?;
-                let mut r = self.raw(residual, "linear")?;
-                let mut hr = self.raw(&h, "linear")?;
-                let rn = RowNorm {
-                    w: &wn,
-                    eps: norm.eps,
-                    offset: norm.offset,
-                };
-                self.dev
-                    .linear_add_then_norm(&xi, &d, &mut r, &rn, &mut hr)?;
-                return self.linear_gated(&h, gate, up, act);
-            }
-        }
-        linear_add_norm_gated_composed(self, x, w, residual, norm, gate, up, act)
     }
 
     fn norm_linear_gated(

@@ -189,22 +189,6 @@ pub trait Backend: Send + Sync {
         let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
         self.linear_many(&h, ws)
     }
-    /// `residual += x · Wᵀ`, then [`Backend::norm_linear_gated`] of the new residual: a
-    /// pre-norm block's output projection followed by its MLP's gate and up (a backend may
-    /// compute the norm in the projection's launch).
-    #[allow(clippy::too_many_arguments)]
-    fn linear_add_norm_gated(
-        &self,
-        x: &Tensor,
-        w: &QTensor,
-        residual: &mut Tensor,
-        norm: PreNorm<'_>,
-        gate: &QTensor,
-        up: &QTensor,
-        act: GateAct,
-    ) -> Result<Tensor> {
-        linear_add_norm_gated_composed(self, x, w, residual, norm, gate, up, act)
-    }
     /// [`Backend::linear_gated`] of `rms_norm(x)` (a pre-norm block's gate and up).
     fn norm_linear_gated(
         &self,
@@ -283,23 +267,6 @@ pub fn linear_add_composed<B: Backend + ?Sized>(
 ) -> Result<()> {
     let y = be.linear(x, w, None)?;
     be.add_assign(residual, &y)
-}
-
-/// [`Backend::linear_add_norm_gated`] as the product into the residual, then the pre-norm
-/// gate/up product of the new residual.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_add_norm_gated_composed<B: Backend + ?Sized>(
-    be: &B,
-    x: &Tensor,
-    w: &QTensor,
-    residual: &mut Tensor,
-    norm: PreNorm<'_>,
-    gate: &QTensor,
-    up: &QTensor,
-    act: GateAct,
-) -> Result<Tensor> {
-    be.linear_add(x, w, residual)?;
-    be.norm_linear_gated(residual, norm, gate, up, act)
 }
 
 /// [`Backend::linear_gated`] as two products and the activation.

@@ -26,9 +26,10 @@ fn device() -> Option<Arc<CudaDev>> {
         .get_or_init(|| match CudaDev::open(0) {
             Ok(d) => {
                 if let Some(d) = &d {
-                    // Q4_K re-laid whatever its size (in a model only large matrices are); the
-                    // tests that cover Q4_K also run it as stored (`with_q4k_layouts`).
-                    d.set_q4k_relayout(cuda::MvMode::All);
+                    // Q4_K and Q6_K re-laid whatever their size (in a model only large
+                    // matrices are); the tests that cover them also run them as stored
+                    // (`with_layouts`).
+                    set_layouts(d, cuda::MvMode::All);
                     let i = d.info();
                     println!(
                         "device: {} (sm_{}{}, {} SMs, {:.1} GiB, driver {})",
@@ -51,24 +52,19 @@ fn device() -> Option<Arc<CudaDev>> {
     d
 }
 
-/// The formats with one-token kernels (`kernels/matvec.cuh`).
-const FAST_FMTS: [Fmt; 7] = [
-    Fmt::Ggml(GgmlType::Q4_0),
-    Fmt::Ggml(GgmlType::Q8_0),
-    Fmt::Ggml(GgmlType::Q4_K),
-    Fmt::Ggml(GgmlType::Q6_K),
-    Fmt::Ggml(GgmlType::F16),
-    Fmt::Ggml(GgmlType::BF16),
-    Fmt::Ggml(GgmlType::F32),
-];
+/// Which Q4_K and Q6_K matrices later uploads re-lay (`All` every one, `Off` none).
+fn set_layouts(dev: &CudaDev, m: cuda::MvMode) {
+    dev.set_q4k_relayout(m);
+    dev.set_q6k_relayout(m);
+}
 
-/// Each format with the Q4_K layouts to run it in: re-laid (the tests' default) and as stored.
-/// The caller sets the layout (`CudaDev::set_q4k_relayout`) before uploading.
-fn with_q4k_layouts(fmts: &[Fmt]) -> Vec<(Fmt, cuda::MvMode)> {
+/// Each format with the layouts to run it in: re-laid (the tests' default) and, for Q4_K and
+/// Q6_K, as stored. The caller sets the layout ([`set_layouts`]) before uploading.
+fn with_layouts(fmts: &[Fmt]) -> Vec<(Fmt, cuda::MvMode)> {
     let mut v = Vec::new();
     for &f in fmts {
         v.push((f, cuda::MvMode::All));
-        if matches!(f, Fmt::Ggml(GgmlType::Q4_K)) {
+        if matches!(f, Fmt::Ggml(GgmlType::Q4_K | GgmlType::Q6_K)) {
             v.push((f, cuda::MvMode::Off));
         }
     }
@@ -247,8 +243,8 @@ fn make_weight(rng: &mut Rng, f: Fmt, rows: usize, cols: usize) -> QTensor {
 fn embedding_every_format() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new("embedding");
-    for (f, layout) in with_q4k_layouts(&all_formats()) {
-        dev.set_q4k_relayout(layout);
+    for (f, layout) in with_layouts(&all_formats()) {
+        set_layouts(&dev, layout);
         let cols = cols_for(f)[0];
         let vocab = 37;
         let w = make_weight(&mut rng, f, vocab, cols);
@@ -372,8 +368,8 @@ fn run_linear(
 fn linear_every_format_decode_and_prefill() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new("linear");
-    for (f, layout) in with_q4k_layouts(&all_formats()) {
-        dev.set_q4k_relayout(layout);
+    for (f, layout) in with_layouts(&all_formats()) {
+        set_layouts(&dev, layout);
         if layout == cuda::MvMode::Off {
             println!("{f:?} as stored");
         }
@@ -423,7 +419,15 @@ fn fast_matvec_and_fusions() {
     let Some(dev) = device() else { return };
     let cpu = &CpuBackend::REFERENCE;
     let mut rng = Rng::new("fast_matvec");
-    let fmts = FAST_FMTS;
+    let fmts = [
+        Fmt::Ggml(GgmlType::Q4_0),
+        Fmt::Ggml(GgmlType::Q8_0),
+        Fmt::Ggml(GgmlType::Q4_K),
+        Fmt::Ggml(GgmlType::Q6_K),
+        Fmt::Ggml(GgmlType::F16),
+        Fmt::Ggml(GgmlType::BF16),
+        Fmt::Ggml(GgmlType::F32),
+    ];
     // f32 sums in another order than the reference (two chains per block, the block scale
     // applied to the block's sum, fused multiply-adds): well under 1e-5 of sum |w x|; with
     // 8-bit activations, plus the activations' rounding (`act8_bound`).
@@ -447,20 +451,20 @@ fn fast_matvec_and_fusions() {
             cuda::MvMode::Off
         };
         dev.set_matvec_persistent(p8, 1);
-        for (f, layout) in with_q4k_layouts(&fmts) {
-            dev.set_q4k_relayout(layout);
+        for (f, layout) in with_layouts(&fmts) {
+            set_layouts(&dev, layout);
             if layout == cuda::MvMode::Off {
                 println!("{f:?} as stored");
             }
-            let q8fmt = match kind {
-                "q8" => matches!(
-                    f,
-                    Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
-                ),
-                "p8" => matches!(
-                    f,
-                    Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K)
-                ),
+            // Whether the kind's kernels exist for the format in this layout (the 8-bit ones
+            // for Q4_K and Q6_K as stored, the persistent ones for Q6_K re-laid), else the
+            // launch takes the f32 kernels and is held to their bound.
+            let stored = layout == cuda::MvMode::Off;
+            let q8fmt = match (kind, f) {
+                ("q8", Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0)) => true,
+                ("q8", Fmt::Ggml(GgmlType::Q4_K | GgmlType::Q6_K)) => stored,
+                ("p8", Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K)) => true,
+                ("p8", Fmt::Ggml(GgmlType::Q6_K)) => !stored,
                 _ => false,
             };
             let bound8 = |w: &QTensor, x: &[f32]| {
@@ -627,100 +631,7 @@ fn fast_matvec_and_fusions() {
     }
     dev.set_matvec_int8(cuda::MvMode::Auto);
     dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
-    dev.set_q4k_relayout(cuda::MvMode::All);
-}
-
-/// A product added into the residual that ends with the next RMSNorm (`mvfp_` kernels: the
-/// launch's last block normalizes the new residual), then the gate/up product of that norm:
-/// two launches instead of three, against the CPU's product, norm and gated product. Residual
-/// widths from one block to past what a thread keeps in registers (8192: the kernel's loop
-/// form), producers of every f32-activation family, Q4_K in both layouts.
-#[test]
-fn residual_product_ends_with_norm() {
-    use hf2q_tensor::cuda_backend::CudaBackend;
-    use hf2q_tensor::op::{GateAct, PreNorm};
-    let Some(dev) = device() else { return };
-    let cpu = &CpuBackend::REFERENCE;
-    let mut rng = Rng::new("post_norm");
-    dev.set_matvec_int8(cuda::MvMode::Off);
-    dev.set_matvec_persistent(cuda::MvMode::Off, 2);
-    dev.set_matvec_post_norm(true);
-    let fmts = FAST_FMTS;
-    for (f, layout) in with_q4k_layouts(&fmts) {
-        dev.set_q4k_relayout(layout);
-        let kq = matches!(f, Fmt::Ggml(t) if t.block_size() == 256);
-        let (cols, widths) = if kq {
-            (512, [256, 2048, 4096, 8192])
-        } else {
-            (96, [32, 2048, 4096, 8192])
-        };
-        for d in widths {
-            let be = CudaBackend::new(dev.clone(), KvDtype::F16).unwrap();
-            let x = rng.vec(cols, 2.0);
-            let xd = be
-                .upload(&Tensor::new(&[1, cols], x.clone()).unwrap())
-                .unwrap();
-            let w = make_weight(&mut rng, f, d, cols);
-            let (gate, up) = (
-                make_weight(&mut rng, f, 40, d),
-                make_weight(&mut rng, f, 40, d),
-            );
-            let res = rng.vec(d, 3.0);
-            let mut rd = be
-                .upload(&Tensor::new(&[1, d], res.clone()).unwrap())
-                .unwrap();
-            let nw = rng.vec(d, 1.0);
-            let offset = if d % 64 == 0 { 0.0 } else { 1.0 };
-            let norm = PreNorm {
-                w: &nw,
-                eps: 1e-6,
-                offset,
-            };
-            let l0 = dev.counters().launches;
-            let got = be
-                .linear_add_norm_gated(&xd, &w, &mut rd, norm, &gate, &up, GateAct::Silu)
-                .unwrap();
-            let what = format!("{f:?} ({layout:?}) {d}x{cols}");
-            assert_eq!(
-                dev.counters().launches - l0,
-                2,
-                "{what}: the product with its norm, then gate/up"
-            );
-            // The residual as linear_add's test bounds it.
-            let (y, mag) = reference_linear(&w, &x, 1, None);
-            let want: Vec<f32> = res.iter().zip(&y).map(|(a, b)| a + b).collect();
-            let got_res = be.to_host(&rd).unwrap();
-            check(&format!("residual {what}"), got_res.data(), &want, |i| {
-                1e-5 * mag[i] + 1e-5
-            });
-            // The norm and the gated product from the GPU's residual. Each product's error
-            // budget is fast_matvec_and_fusions' 1e-5 of sum |w h| (f32 sums in another order)
-            // doubled: the GPU's h differs from this h by the norm's own rounding (f32 sums of
-            // squares in another order, ~1e-7 relative per element), which the products carry
-            // into sums of at most sum |w h|. The gated combination as gated_bound there.
-            let ht = cpu.rms_norm(&got_res, &nw, 1e-6, offset).unwrap();
-            let h = ht.data();
-            let want = cpu.linear_gated(&ht, &gate, &up, GateAct::Silu).unwrap();
-            let (g, gm) = reference_linear(&gate, h, 1, None);
-            let (u, um) = reference_linear(&up, h, 1, None);
-            let bound: Vec<f32> = (0..40)
-                .map(|i| {
-                    let (eg, eu) = (2e-5 * gm[i] + 1e-5, 2e-5 * um[i] + 1e-5);
-                    1.2 * u[i].abs() * eg + (g[i].abs() + 0.3) * eu + 1e-6
-                })
-                .collect();
-            check(
-                &format!("gated after the norm {what}"),
-                be.to_host(&got).unwrap().data(),
-                want.data(),
-                |i| bound[i],
-            );
-        }
-    }
-    dev.set_matvec_post_norm(false);
-    dev.set_matvec_int8(cuda::MvMode::Auto);
-    dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
-    dev.set_q4k_relayout(cuda::MvMode::All);
+    set_layouts(&dev, cuda::MvMode::All);
 }
 
 #[test]

@@ -53,13 +53,12 @@ impl Block for LlamaBlock {
             eps,
             offset,
         };
-        let a = self.attn.forward_normed_heads(be, attn_norm, seqs, x)?;
+        self.attn.forward_residual(be, attn_norm, seqs, x)?;
         let mlp_norm = PreNorm {
             w: &self.mlp_norm,
             eps,
             offset,
         };
-        self.mlp
-            .forward_residual_after(be, &self.attn.o, &a, mlp_norm, x)
+        self.mlp.forward_residual(be, mlp_norm, x)
     }
 }

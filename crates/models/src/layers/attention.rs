@@ -85,17 +85,17 @@ impl Attention {
         self.o.forward(be, &a)
     }
 
-    /// A pre-norm block's attention half up to the output projection: the attention output of
-    /// `rms_norm(x)` (the backend may fold the norm into the q/k/v product), `(ΣT, H*Dh)`, for
-    /// the caller to project (`self.o`; `Mlp::forward_residual_after` adds it to the residual).
-    pub fn forward_normed_heads(
+    /// `x += forward(rms_norm(x), seqs)`: a pre-norm block's attention half (the backend may
+    /// fold the norm into the q/k/v product).
+    pub fn forward_residual(
         &self,
         be: &dyn Backend,
         norm: PreNorm<'_>,
         seqs: &mut [SeqRef<'_>],
-        x: &Tensor,
-    ) -> Result<Tensor> {
-        self.heads(be, x, Some(norm), seqs)
+        x: &mut Tensor,
+    ) -> Result<()> {
+        let a = self.heads(be, x, Some(norm), seqs)?;
+        self.o.forward_add(be, &a, x)
     }
 
     /// Everything before the output projection: `(ΣT, D) -> (ΣT, H*Dh)`.

@@ -62,25 +62,6 @@ impl Mlp {
         self.down.forward_add(be, &h, x)
     }
 
-    /// `x += o(a)`, then [`Mlp::forward_residual`]: an attention half's output projection and a
-    /// pre-norm block's MLP half (the backend may compute the norm in the projection's launch).
-    pub fn forward_residual_after(
-        &self,
-        be: &dyn Backend,
-        o: &Linear,
-        a: &Tensor,
-        norm: PreNorm<'_>,
-        x: &mut Tensor,
-    ) -> Result<()> {
-        if o.b.is_some() || self.gate.b.is_some() || self.up.b.is_some() {
-            o.forward_add(be, a, x)?;
-            return self.forward_residual(be, norm, x);
-        }
-        let h =
-            be.linear_add_norm_gated(a, &o.w, x, norm, &self.gate.w, &self.up.w, self.gate_act())?;
-        self.down.forward_add(be, &h, x)
-    }
-
     fn gate_act(&self) -> GateAct {
         match self.act {
             Activation::Silu => GateAct::Silu,

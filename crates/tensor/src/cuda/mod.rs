@@ -132,15 +132,14 @@ pub struct CudaDev {
     mv_prefetch: std::sync::atomic::AtomicBool,
     /// Where pre-norm products fold their RMSNorm in ([`CudaDev::set_matvec_norm`]).
     mv_norm: std::sync::atomic::AtomicBool,
-    /// Whether products into the residual may end with the next RMSNorm
-    /// ([`CudaDev::set_matvec_post_norm`]).
-    mv_post: std::sync::atomic::AtomicBool,
     mv_act8: std::sync::atomic::AtomicU8,
     mv_p8: std::sync::atomic::AtomicU8,
     /// Blocks per multiprocessor of the persistent one-token kernels.
     mv_p8_blocks: std::sync::atomic::AtomicUsize,
     /// Which Q4_K matrices are re-laid at upload ([`CudaDev::set_q4k_relayout`]).
     q4k_relay: std::sync::atomic::AtomicU8,
+    /// Which Q6_K matrices are re-laid at upload ([`CudaDev::set_q6k_relayout`]).
+    q6k_relay: std::sync::atomic::AtomicU8,
 }
 
 /// Running totals of what the host asked of the device (`--stats`).
@@ -288,12 +287,10 @@ impl CudaDev {
                 std::env::var("HF2Q_CUDA_PREFETCH").as_deref() == Ok("1"),
             ),
             mv_norm: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_NORM")),
-            mv_post: std::sync::atomic::AtomicBool::new(
-                std::env::var("HF2Q_CUDA_POSTNORM").as_deref() == Ok("1"),
-            ),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
             mv_p8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_P8") as u8),
             q4k_relay: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_Q4K") as u8),
+            q6k_relay: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_Q6K") as u8),
             mv_p8_blocks: std::sync::atomic::AtomicUsize::new(
                 std::env::var("HF2Q_CUDA_P8_BLOCKS")
                     .ok()

@@ -91,8 +91,9 @@ fn mv_split_for(rows: usize, cols: usize, rows_per_group: usize, sms: usize) -> 
 /// re-laid for them at upload, weight.rs).
 pub(crate) const P8_MIN_WEIGHTS: usize = 24 << 20;
 
-/// Fewest rows of a Q8_0 launch that takes the persistent kernels whatever its size: an output
-/// layer's (its 128256 rows amortize the staging of the input in every block).
+/// Fewest rows of a Q8_0 or re-laid Q6_K launch that takes the persistent kernels whatever its
+/// size, and of a Q6_K matrix re-laid for them: an output layer's (its 128256 rows amortize the
+/// staging of the input in every block).
 const P8_MIN_ROWS: usize = 65536;
 
 /// Warps per block of the persistent kernels (`MP_WARPS` in `kernels/matvec_p8.cuh`) and rows
@@ -109,6 +110,22 @@ pub(crate) fn mp_rows_override() -> Option<usize> {
         Ok("1") => Some(1),
         Ok("4") => Some(4),
         _ => None,
+    })
+}
+
+/// Keys per split of the one-token attention, by capacity: 16 (`HF2Q_CUDA_ATTN_CHUNK=N`, N >= 8,
+/// at open to compare). A 128-position cache was two splits of 64 keys (16 blocks for 8 kv
+/// heads, each walking its keys in dependent rounds); at 16 it is eight: tg128 1B F16
+/// 1013-1029 -> 1105-1111 tokens/s, 1B Q4_0 1290 -> 1445, 8B Q4_0 433 -> 466-470, 8B Q4_K_M
+/// 366 -> 390 (8 keys: no better). Large caches are bounded by the multiprocessors either way.
+fn attn_chunk() -> usize {
+    static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *R.get_or_init(|| {
+        std::env::var("HF2Q_CUDA_ATTN_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n >= 8)
+            .unwrap_or(16)
     })
 }
 
@@ -188,20 +205,6 @@ struct MvJobs {
 unsafe impl DeviceRepr for MvJob {}
 unsafe impl DeviceRepr for MvJobs {}
 unsafe impl DeviceRepr for MvNormArgs {}
-
-/// Mirrors `struct MvPost` in `kernels/matvec.cuh`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct MvPostArgs {
-    w: u64,
-    h: u64,
-    counter: u64,
-    eps: f32,
-    offset: f32,
-}
-
-// SAFETY: plain data mirrored by a kernel parameter struct.
-unsafe impl DeviceRepr for MvPostArgs {}
 
 /// An RMSNorm of a one-token product's input, folded into the product: the input `x` is
 /// replaced by `x / rms(x) * (w + offset)` (the `rms_norm` op's formula).
@@ -498,26 +501,6 @@ impl CudaDev {
         self.mv_norm.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether a product added into the residual ([`CudaDev::linear_add_then_norm`]) may end
-    /// with the next pre-norm product's RMSNorm, computed by the launch's last block, instead of
-    /// a norm kernel of its own. A measurement switch, off by default until measured;
-    /// `HF2Q_CUDA_POSTNORM=1` at open turns it on.
-    pub fn set_matvec_post_norm(&self, on: bool) {
-        self.mv_post.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether [`CudaDev::linear_add_then_norm`] takes a product of `w` into a residual of
-    /// `w.rows` values: the switch is on and the launch runs the f32-activation kernels (the
-    /// others have no such form).
-    pub fn post_norms(&self, w: &DeviceWeight) -> bool {
-        self.mv_post.load(std::sync::atomic::Ordering::Relaxed)
-            && w.rows.is_multiple_of(4)
-            && w.fast.as_ref().is_some_and(|f| f.post.is_some())
-            && self
-                .mv_kernels(w, w.rows * w.cols, false)
-                .is_some_and(|k| w.fast.as_ref().is_some_and(|f| std::ptr::eq(k.fns, f)))
-    }
-
     /// Whether a one-token launch of `w` (with `weights` weights in all: rows times columns of
     /// its matrices, of one of them when gated) folds an RMSNorm of its input in
     /// ([`CudaDev::set_matvec_norm`]; the launch must be one [`CudaDev::has_fast_matvec`] takes).
@@ -554,6 +537,23 @@ impl CudaDev {
         match MvMode::from_u8(self.q4k_relay.load(std::sync::atomic::Ordering::Relaxed)) {
             MvMode::Off => false,
             MvMode::Auto => weights >= P8_MIN_WEIGHTS,
+            MvMode::All => true,
+        }
+    }
+
+    /// Which Q6_K matrices later uploads re-lay as "q6_ks" (`q6k_split` in weight.rs), whose
+    /// one-token launches take the persistent kernels: `Auto` output layers (at least 65536
+    /// rows); `Off`: none, `All`: every one (tests). `HF2Q_CUDA_Q6K=0|all` at open.
+    pub fn set_q6k_relayout(&self, m: MvMode) {
+        self.q6k_relay
+            .store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a Q6_K matrix of `rows` rows is re-laid at upload.
+    pub(crate) fn q6k_relaid(&self, rows: usize) -> bool {
+        match MvMode::from_u8(self.q6k_relay.load(std::sync::atomic::Ordering::Relaxed)) {
+            MvMode::Off => false,
+            MvMode::Auto => rows >= P8_MIN_ROWS,
             MvMode::All => true,
         }
     }
@@ -608,6 +608,7 @@ impl CudaDev {
                     // stored Q4_K lost in the whole model.
                     MvMode::Auto => match w.kind {
                         "q4_0s" | "q4_ks" => weights >= P8_MIN_WEIGHTS,
+                        "q6_ks" => weights >= P8_MIN_WEIGHTS || w.rows >= P8_MIN_ROWS,
                         // Q8_0: the launches that fold their input's norm (an 8B's q/k/v and
                         // gate/up: the norm kernel goes) and output layers (128256 x 4096:
                         // 151.6 -> 132.2 us); 8B Q8_0 307 -> 339 tokens/s, 1B 1096-1114 ->
@@ -681,19 +682,6 @@ impl CudaDev {
         xp: u64,
         accumulate: bool,
         norm: Option<&RowNorm<'_>>,
-    ) -> Result<()> {
-        self.launch_mvf_post(jobs, xp, accumulate, norm, None)
-    }
-
-    /// [`CudaDev::launch_mvf`], with `post` (one job, accumulated, f32 kernels) ending in the
-    /// residual's RMSNorm (`mvfp_KIND`).
-    fn launch_mvf_post(
-        &self,
-        jobs: &[(&DeviceWeight, Option<&CudaSlice<f32>>, u64)],
-        xp: u64,
-        accumulate: bool,
-        norm: Option<&RowNorm<'_>>,
-        post: Option<MvPostArgs>,
     ) -> Result<()> {
         let first = jobs
             .first()
@@ -770,26 +758,11 @@ impl CudaDev {
             return Err(shape("matvec: the input is not 16-byte aligned".into()));
         }
         if k.persistent {
-            if post.is_some() {
-                return Err(shape(format!(
-                    "matvec: '{}' cannot end with a norm",
-                    first.name
-                )));
-            }
             let grid = self.mp_grid(ctas)?;
             let threads = (MP_WARPS * 32) as u32;
             return launch!(self, f, (grid, 1, 1), (threads, 1, 1), smem; mj, xp);
         }
         let grid = u32::try_from(ctas).map_err(|_| shape(format!("{ctas} blocks")))?;
-        if let Some(pa) = post {
-            let pf = k
-                .fns
-                .post
-                .as_ref()
-                .filter(|_| jobs.len() == 1 && accumulate && norm.is_none())
-                .ok_or_else(|| shape(format!("matvec: '{}' cannot end with a norm", first.name)))?;
-            return launch!(self, pf, (grid, 1, 1), (128, 1, 1), smem; mj, xp, pa);
-        }
         launch!(self, f, (grid, 1, 1), (128, 1, 1), smem; mj, xp)
     }
 
@@ -855,43 +828,6 @@ impl CudaDev {
         self.bind()?;
         let (xp, op) = (self.ptr(x), self.ptr_mut(residual));
         self.launch_mvf(&[(w, None, op)], xp, true, None)
-    }
-
-    /// [`CudaDev::linear_add`], then `h = rms_norm(residual)` with `norm` in the same launch (its
-    /// last block to finish; no norm kernel). Where [`CudaDev::post_norms`] holds for `w`.
-    pub fn linear_add_then_norm(
-        &self,
-        x: &impl DevicePtr<f32>,
-        w: &DeviceWeight,
-        residual: &mut impl DevicePtrMut<f32>,
-        norm: &RowNorm<'_>,
-        h: &mut impl DevicePtrMut<f32>,
-    ) -> Result<()> {
-        need_linear(w, x.len(), residual.len())?;
-        need("rms_norm weight", norm.w.len(), w.rows)?;
-        need("rms_norm output", h.len(), w.rows)?;
-        if !self.post_norms(w) {
-            return Err(shape(format!(
-                "linear '{}' has no launch that ends with a norm",
-                w.name
-            )));
-        }
-        self.bind()?;
-        let (xp, op, hp) = (self.ptr(x), self.ptr_mut(residual), self.ptr_mut(h));
-        let wp = self.ptr(norm.w);
-        if (op | hp | wp) % 16 != 0 {
-            return Err(shape(
-                "matvec: the residual, norm or output is not 16-byte aligned".into(),
-            ));
-        }
-        let post = MvPostArgs {
-            w: wp,
-            h: hp,
-            counter: self.done_counters.device_ptr(self.stream()).0,
-            eps: norm.eps,
-            offset: norm.offset,
-        };
-        self.launch_mvf_post(&[(w, None, op)], xp, true, None, Some(post))
     }
 
     /// `out (1, R) = act(x · Gᵀ) * (x · Uᵀ)`, act SiLU (`gelu` false) or GELU-tanh, in one launch
@@ -1158,10 +1094,11 @@ impl CudaDev {
 
     /// Number of key splits the decode kernel uses for a cache of `capacity` positions: about
     /// four blocks per multiprocessor (each block walks its keys one after another, so more
-    /// blocks means more keys in flight), each split at least 64 positions of the capacity.
+    /// blocks means more keys in flight), each split at least [`attn_chunk`] positions of the
+    /// capacity.
     /// Fixed by the capacity (not the current length) so captured graphs stay valid.
     fn decode_splits(&self, n_kv_heads: usize, capacity: usize) -> usize {
-        let by_len = capacity.div_ceil(64);
+        let by_len = capacity.div_ceil(attn_chunk());
         let by_sm = (4 * self.info().multiprocessors as usize).div_ceil(n_kv_heads.max(1));
         by_len.min(by_sm).clamp(1, 256)
     }

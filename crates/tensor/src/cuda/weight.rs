@@ -35,8 +35,6 @@ pub(crate) struct MvFns {
     pub(crate) plain: CudaFunction,
     pub(crate) gated: CudaFunction,
     pub(crate) normed: Option<(CudaFunction, CudaFunction)>,
-    /// The plain kernel ending with the residual's RMSNorm (`mvfp_`, f32 family only).
-    pub(crate) post: Option<CudaFunction>,
 }
 
 impl MvFns {
@@ -65,9 +63,10 @@ pub struct DeviceWeight {
     /// MLX affine only: (R, C / group) scales and biases.
     affine: Option<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
     row_bytes: usize,
-    /// Split formats: byte offset of the scale array in `data`.
+    /// Split formats: byte offset of the scale array in `data` (q6_ks: of the high bits).
     scales_at: Option<usize>,
-    /// q4_ks: byte offset of the per-super-block `d` / `dmin` in `data` (passed as `biases`).
+    /// q4_ks: byte offset of the per-super-block `d` / `dmin` in `data`; q6_ks: of the per-unit
+    /// scales and `d` (passed as `biases`).
     supers_at: Option<usize>,
     /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed, deqh.
     pub(crate) kernels: Vec<CudaFunction>,
@@ -137,6 +136,45 @@ pub(crate) fn q4k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
         }
     }
     (out, scales_at, supers_at)
+}
+
+/// Q6_K re-laid for the GPU kernels ("q6_ks"; `FQ6_KS` in kernels/quant.cuh), per 32-element
+/// unit (the values q = 0..63 of `d sc (q - 32)`): the low four bits as 16 bytes in split Q4_0's
+/// order, all of the matrix's in row order; then the high two bits as 8 bytes (element 4k + j of
+/// each half at bits 2k of byte j of that half's word); then the two sub-block scales and the
+/// super-block's f16 `d` as 4 bytes. The kernels read a unit with one 16-byte and two small
+/// aligned loads. `data` holds whole 210-byte super-blocks; returns the bytes and where the two
+/// later ranges start (224 bytes per 256 weights).
+pub(crate) fn q6k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
+    let nsb = data.len() / 210;
+    let (hi_at, sc_at) = (nsb * 128, nsb * 192);
+    let mut out = vec![0u8; nsb * 224];
+    let (qs, rest) = out.split_at_mut(hi_at);
+    let (hs, ss) = rest.split_at_mut(nsb * 64);
+    for (k, sb) in data.chunks_exact(210).enumerate() {
+        let (ql, qh, sc) = (&sb[..128], &sb[128..192], &sb[192..208]);
+        for t in 0..8 {
+            let (n, j) = (t / 4, t % 4);
+            let q: [u8; 32] = std::array::from_fn(|l| {
+                let low = (ql[64 * n + 32 * (j & 1) + l] >> (4 * (j >> 1))) & 15;
+                let high = (qh[32 * n + l] >> (2 * j)) & 3;
+                low | high << 4
+            });
+            let b = 8 * k + t;
+            for i in 0..16 {
+                qs[16 * b + i] = (q[i] & 15) | (q[i + 16] & 15) << 4;
+            }
+            for half in 0..2 {
+                let word = (0..16).fold(0u32, |acc, e| {
+                    let high = u32::from(q[16 * half + e] >> 4);
+                    acc | high << (8 * (e % 4) + 2 * (e / 4))
+                });
+                hs[8 * b + 4 * half..8 * b + 4 * half + 4].copy_from_slice(&word.to_le_bytes());
+            }
+            ss[4 * b..4 * b + 4].copy_from_slice(&[sc[2 * t], sc[2 * t + 1], sb[208], sb[209]]);
+        }
+    }
+    (out, hi_at, sc_at)
 }
 
 /// Index into [`DeviceWeight::kernels`] of the matrix-vector kernel for up to `nt` tokens
@@ -279,6 +317,15 @@ impl CudaDev {
                         supers_at = Some(da);
                         ("q4_ks", program, self.upload(&bytes)?, None, rb / 144 * 128)
                     }
+                    _ if *ty == GgmlType::Q6_K
+                        && data.len() == w.rows * rb
+                        && self.q6k_relaid(w.rows) =>
+                    {
+                        let (bytes, ha, sa) = q6k_split(data.as_slice());
+                        scales_at = Some(ha);
+                        supers_at = Some(sa);
+                        ("q6_ks", program, self.upload(&bytes)?, None, rb / 210 * 128)
+                    }
                     _ if *ty == GgmlType::Q6_K && data.len() == w.rows * rb => {
                         let bytes = pad_blocks(data.as_slice(), 210, 224);
                         ("q6_kp", program, self.upload(&bytes)?, None, rb / 210 * 224)
@@ -329,13 +376,12 @@ impl CudaDev {
                 } else {
                     None
                 },
-                post: if family == 'v' { Some(f("fp")?) } else { None },
             })
         };
         let fast = if w.cols % 32 == 0
             && matches!(
                 kind,
-                "q4_0s" | "q8_0s" | "q4_k" | "q4_ks" | "q6_kp" | "f16" | "bf16" | "f32"
+                "q4_0s" | "q8_0s" | "q4_k" | "q4_ks" | "q6_kp" | "q6_ks" | "f16" | "bf16" | "f32"
             ) {
             Some(fns('v')?)
         } else {
@@ -346,11 +392,12 @@ impl CudaDev {
         } else {
             None
         };
-        let fast_p8 = if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k" | "q4_ks") {
-            Some(fns('p')?)
-        } else {
-            None
-        };
+        let fast_p8 =
+            if fast.is_some() && matches!(kind, "q4_0s" | "q8_0s" | "q4_k" | "q4_ks" | "q6_ks") {
+                Some(fns('p')?)
+            } else {
+                None
+            };
         Ok(DeviceWeight {
             kernels,
             fast,
@@ -423,6 +470,45 @@ mod tests {
             let h = |o: usize| f16_bits_to_f32(u16::from_le_bytes([out[o], out[o + 1]]));
             let (d, dmin) = (h(da + 4 * (b / 8)), h(da + 4 * (b / 8) + 2));
             let got = (d * sc as f32) * q as f32 - dmin * m as f32;
+            assert_eq!(got.to_bits(), w.to_bits(), "element {e}");
+        }
+    }
+
+    /// The re-laid Q6_K dequantizes to what the stored blocks do (as above, with `FQ6_KS`'s
+    /// reading of the three ranges).
+    #[test]
+    fn q6k_split_keeps_every_value() {
+        use crate::quant::float::f16_bits_to_f32;
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut data: Vec<u8> = (0..210 * 5)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s as u8
+            })
+            .collect();
+        for (k, sb) in data.chunks_exact_mut(210).enumerate() {
+            sb[208..].copy_from_slice(&[0x00, 0x1c + k as u8]);
+        }
+        let mut want = vec![0f32; 5 * 256];
+        crate::quant::dequantize(GgmlType::Q6_K, &data, &mut want).unwrap();
+        let (out, ha, sa) = q6k_split(&data);
+        assert_eq!((ha, sa, out.len()), (5 * 128, 5 * 192, 5 * 224));
+        for (e, &w) in want.iter().enumerate() {
+            let (b, i) = (e / 32, e % 32);
+            let (half, k, j) = (i / 16, (i % 16) / 4, i % 4);
+            let low = (out[16 * b + i % 16] >> (4 * half)) & 15;
+            let o = ha + 8 * b + 4 * half;
+            let word = u32::from_le_bytes([out[o], out[o + 1], out[o + 2], out[o + 3]]);
+            let high = (word >> (8 * j + 2 * k)) & 3;
+            let q = i32::from(low) | (high as i32) << 4;
+            let sc = out[sa + 4 * b + half] as i8;
+            let d = f16_bits_to_f32(u16::from_le_bytes([
+                out[sa + 4 * b + 2],
+                out[sa + 4 * b + 3],
+            ]));
+            let got = (d * sc as f32) * (q - 32) as f32;
             assert_eq!(got.to_bits(), w.to_bits(), "element {e}");
         }
     }

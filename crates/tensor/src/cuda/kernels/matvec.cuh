@@ -440,6 +440,44 @@ struct DQ6_KP {
     }
 };
 
+// Re-laid Q6_K (FQ6_KS in quant.cuh), pairs as split Q4_0: lane p of a unit takes quant bytes
+// 8p .. 8p + 8 (words 2p, 2p + 1 of each half: elements 8p .. 8p + 8 and 16 + 8p ..
+// 16 + 8p + 8) with the unit's high bits and scales.
+struct DQ6_KS : NoAux {
+    static constexpr int N = 16, RPW = 2, GNR = 2;
+    static __device__ __forceinline__ void load_x(const float* __restrict__ x, int u, float* xr) {
+        DQ4_0S::load_x(x, u, xr);
+    }
+    struct WR {
+        uint2 q, h;
+        u32 s;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
+        const i64 blk = (i64)row * (w.cols >> 5) + (u >> 1);
+        return WR{ld_stream_u2((const uint2*)w.data + 2 * blk + (u & 1)),
+                  ld_stream_u2((const uint2*)w.scales + blk),
+                  ld_stream_u32((const u32*)w.biases + blk)};
+    }
+    static __device__ __forceinline__ float dotw(const WR& a, int u, const float* xr, XA) {
+        const int k0 = 2 * (u & 1);
+        const u32 ws[2] = {a.q.x, a.q.y};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const u32 lo = q6ks_word(ws[k], a.h.x, k0 + k);
+            const u32 hi = q6ks_word(ws[k] >> 4, a.h.y, k0 + k);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s0 = fmaf(byte_magic(lo, j) - (MAGIC + 32.0f), xr[4 * k + j], s0);
+                s1 = fmaf(byte_magic(hi, j) - (MAGIC + 32.0f), xr[8 + 4 * k + j], s1);
+            }
+        }
+        const float d = h2f((u16)(a.s >> 16));
+        const float sc0 = (float)(i8)(a.s & 0xffu), sc1 = (float)(i8)((a.s >> 8) & 0xffu);
+        return d * fmaf(sc0, s0, sc1 * s1);
+    }
+};
+
 // One matrix of a fused launch; mirrors `MvJob` on the host (#[repr(C)], same order).
 struct MvJob {
     WRef w;
@@ -662,84 +700,6 @@ __device__ __forceinline__ void mvf_impl(const MvJobs& jobs, const float* __rest
     mv_store<RPW>(jobs, J, p, red);
 }
 
-// The RMSNorm of a product's output, done by the product's launch (the `mvfp_` kernels): after
-// every block has added its rows into the residual (one job, `accumulate`; its `rows` values,
-// rows % 4 == 0, 16-byte aligned), the last block to finish writes h = residual / rms(residual)
-// * (w + offset), the next pre-norm product's input, so no norm kernel follows. Mirrors
-// `MvPost` on the host.
-struct MvPost {
-    const float* w;  // the norm's weights, one per residual value
-    float* h;        // the normed row
-    u32* counter;    // a zeroed completion counter, left at zero
-    float eps, offset;
-};
-
-// float4 pieces of the residual each thread keeps in registers (rows up to 4096 in one read;
-// the norm's weights are loaded as they are used, which keeps the kernels' register count).
-#define MVP_V4 8
-
-// 1 / rms over `cols` values from each thread's partial sum of squares (a block of MVF_WARPS
-// warps; `red` its shared scratch).
-__device__ __forceinline__ float mv_block_inv_rms(float ss, float* red, int cols, float eps) {
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float tot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < MVF_WARPS; i++) tot += red[i];
-    return inv_rms(tot, cols, eps);
-}
-
-__device__ __forceinline__ void mv_post_norm(const MvJob& J, const MvPost& post) {
-    __shared__ u32 last;
-    __shared__ float red[MVF_WARPS];
-    // As attention.cu's split merge: each block makes its rows visible, then counts itself in;
-    // the last one reads them past L1 (its lines may hold what this multiprocessor read
-    // earlier).
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(post.counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    constexpr int NT = MVF_WARPS * 32;
-    const int t = threadIdx.x, n4 = J.rows >> 2;
-    const float4* r = (const float4*)J.out;
-    const float4* w = (const float4*)post.w;
-    float4* h = (float4*)post.h;
-    float ss = 0.0f;
-    if (n4 <= NT * MVP_V4) {
-        float4 v[MVP_V4];
-#pragma unroll
-        for (int k = 0; k < MVP_V4; k++) {
-            const int i = t + k * NT;
-            if (i < n4) v[k] = __ldcg(r + i);
-        }
-#pragma unroll
-        for (int k = 0; k < MVP_V4; k++)
-            if (t + k * NT < n4) ss = sumsq4(v[k], ss);
-        const float inv = mv_block_inv_rms(ss, red, J.rows, post.eps), o = post.offset;
-#pragma unroll
-        for (int k = 0; k < MVP_V4; k++) {
-            const int i = t + k * NT;
-            if (i < n4) {
-                const float4 g = w[i];
-                h[i] = float4{v[k].x * inv * (g.x + o), v[k].y * inv * (g.y + o),
-                              v[k].z * inv * (g.z + o), v[k].w * inv * (g.w + o)};
-            }
-        }
-    } else {
-        for (int i = t; i < n4; i += NT) ss = sumsq4(__ldcg(r + i), ss);
-        const float inv = mv_block_inv_rms(ss, red, J.rows, post.eps), o = post.offset;
-        for (int i = t; i < n4; i += NT) {
-            const float4 v = __ldcg(r + i), g = w[i];
-            h[i] = float4{v.x * inv * (g.x + o), v.y * inv * (g.y + o), v.z * inv * (g.z + o),
-                          v.w * inv * (g.w + o)};
-        }
-    }
-    if (t == 0) *post.counter = 0;  // ready for the next launch (or graph replay)
-}
-
 // out[r] = act(gate[r] . x) * (up[r] . x); act 0 = SiLU, 1 = GELU (tanh).
 template <class F>
 __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float* __restrict__ x,
@@ -782,11 +742,6 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
     extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
         mvf_##NAME(MvJobs jobs, const float* x) {                                               \
         mvf_impl<DOT>(jobs, x);                                                                 \
-    }                                                                                           \
-    extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
-        mvfp_##NAME(MvJobs jobs, const float* x, MvPost post) {                                 \
-        mvf_impl<DOT>(jobs, x);                                                                 \
-        mv_post_norm(jobs.j[0], post);                                                          \
     }                                                                                           \
     extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
         mvg_##NAME(WRef g, WRef u, const float* x, float* o, int rows, int act, int ks,         \

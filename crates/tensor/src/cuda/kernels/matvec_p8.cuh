@@ -184,6 +184,45 @@ struct PQ4_KS {
     }
 };
 
+// Re-laid Q6_K (FQ6_KS in quant.cuh), one lane per unit: the 6-bit values as bytes (low nibbles
+// and high bits), q - 32 folded into the sums per half, each half with its own scale.
+struct PQ6_KS {
+    static constexpr int RPW = HF2Q_MP_RPW, GNR = 2, UNROLL = 2;
+    struct XR {
+        uint4 a0, a1, c0, c1;
+        float d1, d2;
+        int4 o;  // -32 * the sums of q1 over elements 0..15, 16..31, of q2 likewise
+    };
+    static __device__ __forceinline__ XR load(const XP& x, int b) {
+        const int4 s = x.s[b];
+        const float2 d = x.d[b];
+        return XR{x.a0[b], x.a1[b], x.c0[b], x.c1[b], d.x, d.y,
+                  int4{-32 * s.x, -32 * s.y, -32 * s.z, -32 * s.w}};
+    }
+    struct WR {
+        uint4 q;
+        uint2 h;
+        u32 s;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int b) {
+        const i64 blk = (i64)row * (w.cols >> 5) + b;
+        return WR{ld_stream_u4((const uint4*)w.data + blk),
+                  ld_stream_u2((const uint2*)w.scales + blk),
+                  ld_stream_u32((const u32*)w.biases + blk)};
+    }
+    static __device__ __forceinline__ float dot(const WR& w, int, const XR& r) {
+        const uint4 q = w.q;
+        const uint4 lo = {q6ks_word(q.x, w.h.x, 0), q6ks_word(q.y, w.h.x, 1),
+                          q6ks_word(q.z, w.h.x, 2), q6ks_word(q.w, w.h.x, 3)};
+        const uint4 hi = {q6ks_word(q.x >> 4, w.h.y, 0), q6ks_word(q.y >> 4, w.h.y, 1),
+                          q6ks_word(q.z >> 4, w.h.y, 2), q6ks_word(q.w >> 4, w.h.y, 3)};
+        const float sl = fmaf(r.d1, i2f(dot_u4(lo, r.a0, r.o.x)), r.d2 * i2f(dot_u4(lo, r.c0, r.o.z)));
+        const float sh = fmaf(r.d1, i2f(dot_u4(hi, r.a1, r.o.y)), r.d2 * i2f(dot_u4(hi, r.c1, r.o.w)));
+        const float sc0 = (float)(i8)(w.s & 0xffu), sc1 = (float)(i8)((w.s >> 8) & 0xffu);
+        return h2f((u16)(w.s >> 16)) * fmaf(sc0, sl, sc1 * sh);
+    }
+};
+
 // Q4_K as stored, DQ4_K's units: unit b is quant bytes 16 (b % 8) .. + 16 of super-block b / 8,
 // the low nibbles elements 16 h .. 16 h + 16 of sub-block 2c, the high nibbles the same of
 // sub-block 2c + 1 (c = (b / 2) % 4, h = b % 2): half h of x blocks 2c and 2c + 1.

@@ -335,6 +335,39 @@ struct FQ6_Kt {
 typedef FQ6_Kt<210> FQ6_K;
 typedef FQ6_Kt<224> FQ6_KP;
 
+// Q6_K re-laid at upload ("q6_ks", `q6k_split` in weight.rs), per 32-element unit blk = row *
+// (cols / 32) + b, q the unit's 6-bit values (0..63, x = d sc (q - 32)):
+//   data + 16 blk: the low four bits in split Q4_0's order (element i in the low nibble of byte
+//     i, element i + 16 in the high one);
+//   ((uint2*)scales)[blk]: the high two bits, .x of elements 0..15 and .y of 16..31, element
+//     4k + j (of its half) at bits 2k, 2k + 1 of byte j, so that word k of the quants takes
+//     them with one shift and mask;
+//   ((u32*)biases)[blk]: the two sub-block scales (i8: elements 0..15, 16..31) in bytes 0, 1
+//     and the super-block's f16 d in bytes 2, 3.
+// 224 bytes per 256 weights (Q6_K's 210, its scales and d repeated per unit).
+// Word k (0..3) of a half's quants with the high bits of `h` (that half's word of the unit's
+// high bits), as bytes 0..63.
+__device__ __forceinline__ u32 q6ks_word(u32 q4, u32 h, int k) {
+    return (q4 & 0x0F0F0F0Fu) | (((h >> (2 * k)) & 0x03030303u) << 4);
+}
+
+struct FQ6_KS {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const int b = g >> 2, p = g & 3, hi = p >> 1, k0 = 2 * (p & 1);
+        const i64 blk = (i64)row * (w.cols >> 5) + b;
+        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
+        const uint2 hb = ((const uint2*)w.scales)[blk];
+        const u32 s = ((const u32*)w.biases)[blk];
+        const u32 h = hi ? hb.y : hb.x;
+        const float ds = __fmul_rn(h2f((u16)(s >> 16)), i2f((int)(i8)((s >> (8 * hi)) & 0xffu)));
+        const u32 n0 = q6ks_word(q.x >> (4 * hi), h, k0);
+        const u32 n1 = q6ks_word(q.y >> (4 * hi), h, k0 + 1);
+        deq_bytes8(n0, n1, 32.0f, ds, v);
+    }
+};
+
 // Q8_K { f32 d; i8 qs[256]; i16 bsums[16]; } (292 bytes): x = d * q.
 struct FQ8_K {
     template <bool AL = true>
