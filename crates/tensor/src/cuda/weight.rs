@@ -441,20 +441,24 @@ mod tests {
         }
     }
 
+    /// `n` bytes of xorshift noise from `seed` (test blocks of every bit pattern).
+    fn noise(n: usize, mut seed: u64) -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect()
+    }
+
     /// The re-laid Q4_K dequantizes to what the stored blocks do (the CPU reference's
     /// dequantization, rebuilt from the three ranges with the kernels' arithmetic).
     #[test]
     fn q4k_split_keeps_every_value() {
         use crate::quant::float::f16_bits_to_f32;
-        let mut s = 0x2545_f491_4f6c_dd1du64;
-        let mut data: Vec<u8> = (0..144 * 6)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s as u8
-            })
-            .collect();
+        let mut data = noise(144 * 6, 0x2545_f491_4f6c_dd1d);
         // Finite, modest d / dmin so that every value is a number.
         for sb in data.chunks_exact_mut(144) {
             sb[..4].copy_from_slice(&[0x00, 0x1c, 0x66, 0x1a]);
@@ -479,15 +483,7 @@ mod tests {
     #[test]
     fn q6k_split_keeps_every_value() {
         use crate::quant::float::f16_bits_to_f32;
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        let mut data: Vec<u8> = (0..210 * 5)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s as u8
-            })
-            .collect();
+        let mut data = noise(210 * 5, 0x9e37_79b9_7f4a_7c15);
         for (k, sb) in data.chunks_exact_mut(210).enumerate() {
             sb[208..].copy_from_slice(&[0x00, 0x1c + k as u8]);
         }
