@@ -9,6 +9,7 @@
 //! format dequantizes on the fly (`kernels/quant.cuh`); the format picks the kernel names.
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr};
+use rayon::prelude::*;
 
 use super::{CudaDev, Program};
 use crate::{Error, GgmlType, QTensor, Result, WeightData};
@@ -151,29 +152,34 @@ pub(crate) fn q6k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
     let mut out = vec![0u8; nsb * 224];
     let (qs, rest) = out.split_at_mut(hi_at);
     let (hs, ss) = rest.split_at_mut(nsb * 64);
-    for (k, sb) in data.chunks_exact(210).enumerate() {
-        let (ql, qh, sc) = (&sb[..128], &sb[128..192], &sb[192..208]);
-        for t in 0..8 {
-            let (n, j) = (t / 4, t % 4);
-            let q: [u8; 32] = std::array::from_fn(|l| {
-                let low = (ql[64 * n + 32 * (j & 1) + l] >> (4 * (j >> 1))) & 15;
-                let high = (qh[32 * n + l] >> (2 * j)) & 3;
-                low | high << 4
-            });
-            let b = 8 * k + t;
-            for i in 0..16 {
-                qs[16 * b + i] = (q[i] & 15) | (q[i + 16] & 15) << 4;
-            }
-            for half in 0..2 {
-                let word = (0..16).fold(0u32, |acc, e| {
-                    let high = u32::from(q[16 * half + e] >> 4);
-                    acc | high << (8 * (e % 4) + 2 * (e / 4))
+    // Super-block k fills bytes 128 k, 64 k and 32 k of the three ranges (in parallel: an 8B's
+    // output layer is 2M super-blocks).
+    qs.par_chunks_mut(128)
+        .zip(hs.par_chunks_mut(64))
+        .zip(ss.par_chunks_mut(32))
+        .zip(data.par_chunks_exact(210))
+        .for_each(|(((qs, hs), ss), sb)| {
+            let (ql, qh, sc) = (&sb[..128], &sb[128..192], &sb[192..208]);
+            for t in 0..8 {
+                let (n, j) = (t / 4, t % 4);
+                let q: [u8; 32] = std::array::from_fn(|l| {
+                    let low = (ql[64 * n + 32 * (j & 1) + l] >> (4 * (j >> 1))) & 15;
+                    let high = (qh[32 * n + l] >> (2 * j)) & 3;
+                    low | high << 4
                 });
-                hs[8 * b + 4 * half..8 * b + 4 * half + 4].copy_from_slice(&word.to_le_bytes());
+                for i in 0..16 {
+                    qs[16 * t + i] = (q[i] & 15) | (q[i + 16] & 15) << 4;
+                }
+                for half in 0..2 {
+                    let word = (0..16).fold(0u32, |acc, e| {
+                        let high = u32::from(q[16 * half + e] >> 4);
+                        acc | high << (8 * (e % 4) + 2 * (e / 4))
+                    });
+                    hs[8 * t + 4 * half..8 * t + 4 * half + 4].copy_from_slice(&word.to_le_bytes());
+                }
+                ss[4 * t..4 * t + 4].copy_from_slice(&[sc[2 * t], sc[2 * t + 1], sb[208], sb[209]]);
             }
-            ss[4 * b..4 * b + 4].copy_from_slice(&[sc[2 * t], sc[2 * t + 1], sb[208], sb[209]]);
-        }
-    }
+        });
     (out, hi_at, sc_at)
 }
 
