@@ -1,8 +1,8 @@
 // Matrix-vector products for one token, the hot loop of a decode step, for the formats whose
 // device layout lets one lane read a whole 32-element block with wide aligned loads:
 // Q4_0 and Q8_0 in the split layout made at upload (quant.cuh: all quants of the matrix
-// block after block, then all scales), Q4_K as stored, Q6_K padded to 224-byte super-blocks,
-// and dense f16 / bf16 / f32 rows.
+// block after block, then all scales), Q4_K as stored and re-laid, Q6_K padded to 224-byte
+// super-blocks and re-laid, and dense f16 / bf16 / f32 rows.
 //
 //   lane <-> unit: lane l of a warp takes units l, l + 32 ks, ... of its rows (a quarter of a
 //   32-element block, or a whole 256-element super-block's 32-element share for the k-quants),

@@ -1,5 +1,6 @@
 // Persistent one-token products with 8-bit activations, for the large products of a decode step
-// (an 8B model's): Q4_0 and Q8_0 in the split layout, Q4_K as stored.
+// (an 8B model's, output layers): Q4_0 and Q8_0 in the split layout, Q4_K as stored and
+// re-laid, Q6_K re-laid.
 //
 // matvec_q8.cuh's kernels quantize the input row in every block; with eight rows per block that
 // staging was read once per eight rows (an 8B's gate/up: 1792 blocks, each reading the 16 KB
