@@ -129,6 +129,14 @@ fn attn_chunk() -> usize {
     })
 }
 
+/// Whether prefill attention may use the tensor-core kernel (f16 q and p; `attn_fa_impl`):
+/// `HF2Q_CUDA_ATTN_TC=0` at open takes the f32 kernel instead (a measurement switch, for the
+/// accuracy of prefill on near-tied logits).
+fn attn_tensor_cores() -> bool {
+    static R: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *R.get_or_init(|| std::env::var("HF2Q_CUDA_ATTN_TC").as_deref() != Ok("0"))
+}
+
 fn mp_rows() -> usize {
     mp_rows_override().unwrap_or(2)
 }
@@ -1185,6 +1193,7 @@ impl CudaDev {
                 qp, kcp, vcp, pp, sp, hi, hkvi, dhi, cap, scale, window, ns, op, cp)
         } else if cache.dtype == KvDtype::F16
             && (dh == 64 || dh == 128)
+            && attn_tensor_cores()
             && qp.is_multiple_of(16)
             && op.is_multiple_of(8)
         {
