@@ -55,6 +55,14 @@ impl MvMode {
             _ => MvMode::Auto,
         }
     }
+    /// Whether the setting applies where its automatic rule says `auto`.
+    fn allows(self, auto: bool) -> bool {
+        match self {
+            MvMode::Off => false,
+            MvMode::Auto => auto,
+            MvMode::All => true,
+        }
+    }
     /// `NAME=0` off, `NAME=all` everywhere, otherwise automatic.
     pub(crate) fn from_env(name: &str) -> MvMode {
         match std::env::var(name).as_deref() {
@@ -73,6 +81,26 @@ fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
         "q4_k" => (4, 2),
         "q6_kp" => (2, 1),
         _ => (2, 2),
+    }
+}
+
+/// Whether a one-token launch of format `kind` (`weights` in all, `rows` rows of its first
+/// matrix, folding its input's norm when `normed`) takes the persistent kernels by default, where
+/// they measured faster (cuda/NOTES.md):
+/// * Q4_0 and re-laid Q4_K launches of at least 24M weights (an 8B's gate/up, down, and q/k/v
+///   together: Q4_0 14336 x 4096 22.1 -> 13.1 us, 6144 x 4096 11.8 -> 8.7); smaller ones
+///   (4096 x 4096, every 1B product) are faster on the f32 kernels, stored Q4_K lost;
+/// * Q8_0 launches that large which fold their input's norm (an 8B's q/k/v and gate/up: the norm
+///   kernel goes), and output layers (128256 x 4096: 151.6 -> 132.2 us): 8B Q8_0 307 -> 339
+///   tokens/s, 1B 1096-1114 -> 1120-1126; its down projection stays on the f32 kernel (19.3 vs
+///   22.0 us);
+/// * re-laid Q6_K (only output layers are, by default: 128256 x 2048 89.2 -> 57.5 us).
+fn p8_by_default(kind: &str, weights: usize, rows: usize, normed: bool) -> bool {
+    match kind {
+        "q4_0s" | "q4_ks" => weights >= P8_MIN_WEIGHTS,
+        "q8_0s" => (normed && weights >= P8_MIN_WEIGHTS) || rows >= P8_MIN_ROWS,
+        "q6_ks" => weights >= P8_MIN_WEIGHTS || rows >= P8_MIN_ROWS,
+        _ => false,
     }
 }
 
@@ -114,7 +142,7 @@ pub(crate) fn mp_rows_override() -> Option<usize> {
 }
 
 /// Keys per split of the one-token attention, by capacity: 16 (`HF2Q_CUDA_ATTN_CHUNK=N`, N >= 8,
-/// at open to compare). A 128-position cache was two splits of 64 keys (16 blocks for 8 kv
+/// read once per process, to compare). A 128-position cache was two splits of 64 keys (16 blocks for 8 kv
 /// heads, each walking its keys in dependent rounds); at 16 it is eight: tg128 1B F16
 /// 1013-1029 -> 1105-1111 tokens/s, 1B Q4_0 1290 -> 1445, 8B Q4_0 433 -> 466-470, 8B Q4_K_M
 /// 366 -> 390 (8 keys: no better). Large caches are bounded by the multiprocessors either way.
@@ -130,8 +158,8 @@ fn attn_chunk() -> usize {
 }
 
 /// Whether prefill attention may use the tensor-core kernel (f16 q and p; `attn_fa_impl`):
-/// `HF2Q_CUDA_ATTN_TC=0` at open takes the f32 kernel instead (a measurement switch, for the
-/// accuracy of prefill on near-tied logits).
+/// `HF2Q_CUDA_ATTN_TC=0` (read once per process) takes the f32 kernel instead (a measurement
+/// switch, for the accuracy of prefill on near-tied logits).
 fn attn_tensor_cores() -> bool {
     static R: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *R.get_or_init(|| std::env::var("HF2Q_CUDA_ATTN_TC").as_deref() != Ok("0"))
@@ -542,11 +570,8 @@ impl CudaDev {
 
     /// Whether a Q4_K matrix of `weights` weights is re-laid at upload.
     pub(crate) fn q4k_relaid(&self, weights: usize) -> bool {
-        match MvMode::from_u8(self.q4k_relay.load(std::sync::atomic::Ordering::Relaxed)) {
-            MvMode::Off => false,
-            MvMode::Auto => weights >= P8_MIN_WEIGHTS,
-            MvMode::All => true,
-        }
+        MvMode::from_u8(self.q4k_relay.load(std::sync::atomic::Ordering::Relaxed))
+            .allows(weights >= P8_MIN_WEIGHTS)
     }
 
     /// Which Q6_K matrices later uploads re-lay as "q6_ks" (`q6k_split` in weight.rs), whose
@@ -559,11 +584,8 @@ impl CudaDev {
 
     /// Whether a Q6_K matrix of `rows` rows is re-laid at upload.
     pub(crate) fn q6k_relaid(&self, rows: usize) -> bool {
-        match MvMode::from_u8(self.q6k_relay.load(std::sync::atomic::Ordering::Relaxed)) {
-            MvMode::Off => false,
-            MvMode::Auto => rows >= P8_MIN_ROWS,
-            MvMode::All => true,
-        }
+        MvMode::from_u8(self.q6k_relay.load(std::sync::atomic::Ordering::Relaxed))
+            .allows(rows >= P8_MIN_ROWS)
     }
 
     /// When one-token products of Q4_0, Q8_0, Q4_K and Q6_K quantize their input to 8 bits per
@@ -605,27 +627,7 @@ impl CudaDev {
         let p8 = MvMode::from_u8(self.mv_p8.load(Relaxed));
         let psmem = mp_smem(w.cols);
         if let Some(fns) = w.fast_p8.as_ref().filter(|_| {
-            psmem <= 48 * 1024
-                && match p8 {
-                    MvMode::Off => false,
-                    MvMode::All => true,
-                    // Where it measured faster (cuda/NOTES.md): Q4_0 and re-laid Q4_K launches
-                    // of at least 24M weights (an 8B's gate/up, down, and q/k/v together:
-                    // Q4_0 14336 x 4096 22.1 -> 13.1 us, 6144 x 4096 11.8 -> 8.7). Smaller
-                    // ones (4096 x 4096, every 1B product) are faster with the f32 kernels;
-                    // stored Q4_K lost in the whole model.
-                    MvMode::Auto => match w.kind {
-                        "q4_0s" | "q4_ks" => weights >= P8_MIN_WEIGHTS,
-                        "q6_ks" => weights >= P8_MIN_WEIGHTS || w.rows >= P8_MIN_ROWS,
-                        // Q8_0: the launches that fold their input's norm (an 8B's q/k/v and
-                        // gate/up: the norm kernel goes) and output layers (128256 x 4096:
-                        // 151.6 -> 132.2 us); 8B Q8_0 307 -> 339 tokens/s, 1B 1096-1114 ->
-                        // 1120-1126. Its down projection stays on the f32 kernel (19.3 vs
-                        // 22.0 us).
-                        "q8_0s" => (normed && weights >= P8_MIN_WEIGHTS) || w.rows >= P8_MIN_ROWS,
-                        _ => false,
-                    },
-                }
+            psmem <= 48 * 1024 && p8.allows(p8_by_default(w.kind, weights, w.rows, normed))
         }) {
             return Some(MvKernels {
                 fns,
@@ -638,15 +640,11 @@ impl CudaDev {
         let smem = 2 * w.cols + w.cols / 32 * 16;
         let q8 = w.fast_q8.as_ref().filter(|_| {
             smem <= 48 * 1024
-                && match act8 {
-                    MvMode::Off => false,
-                    MvMode::All => true,
-                    MvMode::Auto => {
-                        matches!(w.kind, "q8_0s" | "q4_k")
-                            && w.rows >= 12288
-                            && (3072..=6144).contains(&w.cols)
-                    }
-                }
+                && act8.allows(
+                    matches!(w.kind, "q8_0s" | "q4_k")
+                        && w.rows >= 12288
+                        && (3072..=6144).contains(&w.cols),
+                )
         });
         // Only the kernels that measured faster with it prefetch (`Prefetch` in matvec.cuh);
         // the others ignore the flag.
@@ -1348,10 +1346,36 @@ impl CudaDev {
 
 #[cfg(test)]
 mod tests {
-    use super::mv_split_for;
+    use super::{mv_split_for, p8_by_default};
 
     /// The row split on an H200 (132 multiprocessors), with the blocks of each split in the
     /// comments (rows / (rows per group * 4 / split)).
+    /// The default choice of the persistent kernels at an 8B's and a 1B's shapes.
+    #[test]
+    fn persistent_kernels_by_default() {
+        let (qkv8, gate8, down8, o8) = (6144 * 4096, 14336 * 4096, 4096 * 14336, 4096 * 4096);
+        // Q4_0 / re-laid Q4_K: by size alone.
+        for kind in ["q4_0s", "q4_ks"] {
+            assert!(p8_by_default(kind, qkv8, 6144, true));
+            assert!(p8_by_default(kind, down8, 4096, false));
+            assert!(!p8_by_default(kind, o8, 4096, false));
+            assert!(!p8_by_default(kind, 8192 * 2048, 8192, true));
+        }
+        // Q8_0: the large launches that fold a norm, and output layers; not the down projection.
+        assert!(p8_by_default("q8_0s", qkv8, 6144, true));
+        assert!(p8_by_default("q8_0s", gate8, 14336, true));
+        assert!(!p8_by_default("q8_0s", gate8, 14336, false));
+        assert!(!p8_by_default("q8_0s", down8, 4096, false));
+        assert!(p8_by_default("q8_0s", 128256 * 2048, 128256, false));
+        assert!(!p8_by_default("q8_0s", 3072 * 2048, 3072, true));
+        // Re-laid Q6_K: output layers and large matrices; the padded layout and the rest never.
+        assert!(p8_by_default("q6_ks", 128256 * 2048, 128256, false));
+        assert!(!p8_by_default("q6_ks", 512 * 2048, 512, false));
+        for kind in ["q6_kp", "q4_k", "f16"] {
+            assert!(!p8_by_default(kind, 128256 * 4096, 128256, true));
+        }
+    }
+
     #[test]
     fn row_split() {
         // An 8B's Q8_0 down projection (four rows per group): 256, 512, 1024 blocks; the split

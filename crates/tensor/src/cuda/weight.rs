@@ -121,22 +121,32 @@ pub(crate) fn q4k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
     let mut out = vec![0u8; supers_at + nsb * 4];
     let (qs, rest) = out.split_at_mut(scales_at);
     let (sms, ds) = rest.split_at_mut(nsb * 16);
-    for (k, sb) in data.chunks_exact(144).enumerate() {
-        ds[4 * k..4 * k + 4].copy_from_slice(&sb[..4]);
-        for j in 0..8 {
-            let (sc, m) = crate::quant::kquants::scale_min_k4(j, &sb[4..16]);
-            let b = 8 * k + j;
-            sms[2 * b] = sc;
-            sms[2 * b + 1] = m;
-            // Sub-block j = 2c + h: nibble h of stored bytes 16 + 32c ..
-            let src = &sb[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
-            let nib = |l: usize| (src[l] >> (4 * (j % 2))) & 15;
-            for (i, q) in qs[16 * b..16 * b + 16].iter_mut().enumerate() {
-                *q = nib(i) | nib(i + 16) << 4;
+    // Super-block k fills bytes 128 k, 16 k and 4 k of the three ranges.
+    qs.par_chunks_mut(128)
+        .zip(sms.par_chunks_mut(16))
+        .zip(ds.par_chunks_mut(4))
+        .zip(data.par_chunks_exact(144))
+        .for_each(|(((qs, sms), ds), sb)| {
+            ds.copy_from_slice(&sb[..4]);
+            for j in 0..8 {
+                let (sc, m) = crate::quant::kquants::scale_min_k4(j, &sb[4..16]);
+                sms[2 * j] = sc;
+                sms[2 * j + 1] = m;
+                // Sub-block j = 2c + h: nibble h of stored bytes 16 + 32c ..
+                let src = &sb[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+                let q: [u8; 32] = std::array::from_fn(|l| (src[l] >> (4 * (j % 2))) & 15);
+                pack_split_nibbles(&q, &mut qs[16 * j..16 * j + 16]);
             }
-        }
-    }
+        });
     (out, scales_at, supers_at)
+}
+
+/// The low four bits of 32 values as 16 bytes in split Q4_0's order: value i in the low nibble
+/// of byte i, value i + 16 in the high one.
+fn pack_split_nibbles(q: &[u8; 32], out: &mut [u8]) {
+    for (i, o) in out[..16].iter_mut().enumerate() {
+        *o = (q[i] & 15) | (q[i + 16] & 15) << 4;
+    }
 }
 
 /// Q6_K re-laid for the GPU kernels ("q6_ks"; `FQ6_KS` in kernels/quant.cuh), per 32-element
@@ -152,8 +162,8 @@ pub(crate) fn q6k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
     let mut out = vec![0u8; nsb * 224];
     let (qs, rest) = out.split_at_mut(hi_at);
     let (hs, ss) = rest.split_at_mut(nsb * 64);
-    // Super-block k fills bytes 128 k, 64 k and 32 k of the three ranges (in parallel: an 8B's
-    // output layer is 2M super-blocks).
+    // Super-block k fills bytes 128 k, 64 k and 32 k of the three ranges (in parallel, as
+    // q4k_split: an 8B's output layer is 2M super-blocks).
     qs.par_chunks_mut(128)
         .zip(hs.par_chunks_mut(64))
         .zip(ss.par_chunks_mut(32))
@@ -167,9 +177,7 @@ pub(crate) fn q6k_split(data: &[u8]) -> (Vec<u8>, usize, usize) {
                     let high = (qh[32 * n + l] >> (2 * j)) & 3;
                     low | high << 4
                 });
-                for i in 0..16 {
-                    qs[16 * t + i] = (q[i] & 15) | (q[i + 16] & 15) << 4;
-                }
+                pack_split_nibbles(&q, &mut qs[16 * t..16 * t + 16]);
                 for half in 0..2 {
                     let word = (0..16).fold(0u32, |acc, e| {
                         let high = u32::from(q[16 * half + e] >> 4);
@@ -313,35 +321,33 @@ impl CudaDev {
                     GgmlType::Q8_0 => Some(("q8_0s", 34)),
                     _ => None,
                 };
-                match split {
-                    _ if *ty == GgmlType::Q4_K
-                        && data.len() == w.rows * rb
-                        && self.q4k_relaid(w.rows * w.cols) =>
-                    {
-                        let (bytes, sa, da) = q4k_split(data.as_slice());
+                // The k-quants re-laid in three ranges (quants at 16 bytes per 32 weights first).
+                type Relay = fn(&[u8]) -> (Vec<u8>, usize, usize);
+                let relay: Option<(&'static str, Relay, usize)> = match ty {
+                    GgmlType::Q4_K if self.q4k_relaid(w.rows * w.cols) => {
+                        Some(("q4_ks", q4k_split, 144))
+                    }
+                    GgmlType::Q6_K if self.q6k_relaid(w.rows) => Some(("q6_ks", q6k_split, 210)),
+                    _ => None,
+                };
+                let whole = data.len() == w.rows * rb;
+                match (relay, split) {
+                    (Some((rkind, relay, block)), _) if whole => {
+                        let (bytes, sa, da) = relay(data.as_slice());
                         scales_at = Some(sa);
                         supers_at = Some(da);
-                        ("q4_ks", program, self.upload(&bytes)?, None, rb / 144 * 128)
+                        (rkind, program, self.upload(&bytes)?, None, rb / block * 128)
                     }
-                    _ if *ty == GgmlType::Q6_K
-                        && data.len() == w.rows * rb
-                        && self.q6k_relaid(w.rows) =>
-                    {
-                        let (bytes, ha, sa) = q6k_split(data.as_slice());
-                        scales_at = Some(ha);
-                        supers_at = Some(sa);
-                        ("q6_ks", program, self.upload(&bytes)?, None, rb / 210 * 128)
-                    }
-                    _ if *ty == GgmlType::Q6_K && data.len() == w.rows * rb => {
-                        let bytes = pad_blocks(data.as_slice(), 210, 224);
-                        ("q6_kp", program, self.upload(&bytes)?, None, rb / 210 * 224)
-                    }
-                    Some((skind, block)) if data.len() == w.rows * rb => {
+                    (_, Some((skind, block))) if whole => {
                         let q = block - 2;
                         let blocks = data.len() / block;
                         scales_at = Some(blocks * q);
                         let bytes = split_blocks(data.as_slice(), block);
                         (skind, program, self.upload(&bytes)?, None, rb / block * q)
+                    }
+                    _ if *ty == GgmlType::Q6_K && whole => {
+                        let bytes = pad_blocks(data.as_slice(), 210, 224);
+                        ("q6_kp", program, self.upload(&bytes)?, None, rb / 210 * 224)
                     }
                     _ => (kind, program, self.upload(data.as_slice())?, None, rb),
                 }
@@ -459,11 +465,15 @@ mod tests {
             .collect()
     }
 
+    /// The little-endian f16 at byte `o` of `b`, as f32.
+    fn f16_at(b: &[u8], o: usize) -> f32 {
+        crate::quant::float::f16_bits_to_f32(u16::from_le_bytes([b[o], b[o + 1]]))
+    }
+
     /// The re-laid Q4_K dequantizes to what the stored blocks do (the CPU reference's
     /// dequantization, rebuilt from the three ranges with the kernels' arithmetic).
     #[test]
     fn q4k_split_keeps_every_value() {
-        use crate::quant::float::f16_bits_to_f32;
         let mut data = noise(144 * 6, 0x2545_f491_4f6c_dd1d);
         // Finite, modest d / dmin so that every value is a number.
         for sb in data.chunks_exact_mut(144) {
@@ -477,8 +487,10 @@ mod tests {
             let (b, i) = (e / 32, e % 32);
             let q = (out[16 * b + i % 16] >> (4 * (i / 16))) & 15;
             let (sc, m) = (out[sa + 2 * b], out[sa + 2 * b + 1]);
-            let h = |o: usize| f16_bits_to_f32(u16::from_le_bytes([out[o], out[o + 1]]));
-            let (d, dmin) = (h(da + 4 * (b / 8)), h(da + 4 * (b / 8) + 2));
+            let (d, dmin) = (
+                f16_at(&out, da + 4 * (b / 8)),
+                f16_at(&out, da + 4 * (b / 8) + 2),
+            );
             let got = (d * sc as f32) * q as f32 - dmin * m as f32;
             assert_eq!(got.to_bits(), w.to_bits(), "element {e}");
         }
@@ -488,7 +500,6 @@ mod tests {
     /// reading of the three ranges).
     #[test]
     fn q6k_split_keeps_every_value() {
-        use crate::quant::float::f16_bits_to_f32;
         let mut data = noise(210 * 5, 0x9e37_79b9_7f4a_7c15);
         for (k, sb) in data.chunks_exact_mut(210).enumerate() {
             sb[208..].copy_from_slice(&[0x00, 0x1c + k as u8]);
@@ -506,10 +517,7 @@ mod tests {
             let high = (word >> (8 * j + 2 * k)) & 3;
             let q = i32::from(low) | (high as i32) << 4;
             let sc = out[sa + 4 * b + half] as i8;
-            let d = f16_bits_to_f32(u16::from_le_bytes([
-                out[sa + 4 * b + 2],
-                out[sa + 4 * b + 3],
-            ]));
+            let d = f16_at(&out, sa + 4 * b + 2);
             let got = (d * sc as f32) * (q - 32) as f32;
             assert_eq!(got.to_bits(), w.to_bits(), "element {e}");
         }
