@@ -5,7 +5,8 @@
 //! Without a GPU each device test prints "skipped: no CUDA device" and passes; the NVRTC tests
 //! (kernels compile, errors name file and line) need only the NVRTC library.
 //!
-//! `HF2Q_CUDA_BENCH=1` also runs `bench_ops`, which prints timings and bandwidths.
+//! `HF2Q_CUDA_BENCH=1` also runs `bench_ops`, which prints timings and bandwidths (`=matvec`:
+//! the one-token products only, `=gemm`: the prefill products and attention only).
 
 use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -299,21 +300,30 @@ fn reference_linear(
 /// the sum over blocks of that times sum |w| in the block, with 5 % for the rounding of the
 /// scales and of the remainder.
 fn act8_bound(w: &QTensor, x: &[f32]) -> Vec<f32> {
-    let wf = w.to_f32().unwrap();
-    (0..w.rows)
-        .map(|r| {
-            let wr = &wf[r * w.cols..(r + 1) * w.cols];
-            let s: f32 = x
-                .chunks(32)
-                .zip(wr.chunks(32))
-                .map(|(xb, wb)| {
-                    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    amax / 64516.0 * wb.iter().map(|v| v.abs()).sum::<f32>()
-                })
-                .sum();
-            1.05 * s
-        })
-        .collect()
+    act_rounding_bound(&w.to_f32().unwrap(), w.cols, x, 64516.0)
+}
+
+/// For each of the `x.len() / cols` rows of `x` and each row of the dequantized weight `wf`
+/// (rows x cols), the sum over 32-element blocks of max|x_block| / `per` times sum |w| in the
+/// block, plus 5 % (for the rounding of the scales and of the remainder), token-major.
+fn act_rounding_bound(wf: &[f32], cols: usize, x: &[f32], per: f32) -> Vec<f32> {
+    let amax: Vec<f32> = x
+        .chunks(32)
+        .map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect();
+    let wsum: Vec<f32> = wf
+        .chunks(32)
+        .map(|b| b.iter().map(|v| v.abs()).sum())
+        .collect();
+    let nb = cols / 32;
+    let mut out = Vec::new();
+    for xa in amax.chunks(nb) {
+        for ws in wsum.chunks(nb) {
+            let s: f32 = xa.iter().zip(ws).map(|(a, w)| a / per * w).sum();
+            out.push(1.05 * s);
+        }
+    }
+    out
 }
 
 fn run_linear(
@@ -336,29 +346,49 @@ fn run_linear(
     // device): well under 1e-5 of Σ|w x| for these lengths. t > 8: tensor cores on f16-rounded
     // operands (each product off by at most ~2 * 2^-11 relative) with f32 sums, in our tiled
     // kernel or in cuBLAS (same operand rounding): 1e-3 of Σ|w x| bounds it.
+    // The integer prefill kernel (`mmq.cuh`, for the formats that have it): exact integer
+    // products of the weights' codes with the activations rounded to two 8-bit parts per 32
+    // (each element off by at most max|x_block| / 65024, or / 32512 where the second part's
+    // code is clamped at 127), f32 sums in another order (1e-5 as for the one-token kernels).
     let rel = if t <= 8 { 1e-5 } else { 1.2e-3 };
     let gemms: &[cuda::PrefillGemm] = if t <= 8 {
         &[cuda::PrefillGemm::Auto]
     } else {
-        &[cuda::PrefillGemm::Tiled, cuda::PrefillGemm::Auto]
+        &[
+            cuda::PrefillGemm::Tiled,
+            cuda::PrefillGemm::Auto,
+            cuda::PrefillGemm::Int8,
+        ]
     };
     for &g in gemms {
         dev.set_prefill_gemm(g);
+        let int8 = t > 8 && dev.int8_prefill(&dw);
+        let act = if int8 {
+            act_rounding_bound(&w.to_f32().unwrap(), cols, &x, 32512.0)
+        } else {
+            Vec::new()
+        };
         let mut out = poisoned(dev, t * rows);
         dev.linear(&xd, t, &dw, bd.as_ref(), &mut out).unwrap();
         let got = dev.download(&out).unwrap();
-        let path = if t <= 8 {
-            "matvec"
-        } else if g == cuda::PrefillGemm::Tiled {
-            "tiled"
-        } else {
-            "auto"
+        let path = match g {
+            _ if t <= 8 => "matvec",
+            cuda::PrefillGemm::Tiled => "tiled",
+            cuda::PrefillGemm::Auto => "auto",
+            cuda::PrefillGemm::Int8 if int8 => "int8",
+            cuda::PrefillGemm::Int8 => "auto, no integer kernel",
         };
         check(
             &format!("linear {f:?} {rows}x{cols} T={t} bias={with_bias} ({path})"),
             &got,
             &want,
-            |i| rel * mag[i] + if t <= 8 { 1e-5 } else { 1e-4 },
+            |i| {
+                if int8 {
+                    1e-5 * mag[i] + 1e-5 + act[i]
+                } else {
+                    rel * mag[i] + if t <= 8 { 1e-5 } else { 1e-4 }
+                }
+            },
         );
     }
     dev.set_prefill_gemm(cuda::PrefillGemm::Auto);
@@ -1403,112 +1433,117 @@ fn bench_ops() {
     ));
     drop((src, dst));
 
-    // Matrix-vector: weights cycled over enough copies to defeat the 60 MB L2. Shapes of the
-    // 1B (2048 x 8192, 8192 x 2048) and the 8B (the rest).
-    let fmts = [
-        Fmt::Ggml(GgmlType::Q4_0),
-        Fmt::Ggml(GgmlType::Q8_0),
-        Fmt::Ggml(GgmlType::Q4_K),
-        Fmt::Ggml(GgmlType::Q6_K),
-        Fmt::Ggml(GgmlType::F16),
-        Fmt::Mlx(4, 64),
-    ];
-    let mut shapes = vec![
-        (2048, 8192),
-        (8192, 2048),
-        (4096, 4096),
-        (6144, 4096),
-        (4096, 14336),
-        (14336, 4096),
-    ];
-    // HF2Q_CUDA_BENCH_SHAPES=RxC,... measures those shapes instead (the logits: 128256x2048),
-    // HF2Q_CUDA_BENCH_FMTS=q6_k,f16,... only those formats.
-    if let Ok(list) = std::env::var("HF2Q_CUDA_BENCH_SHAPES") {
-        shapes = list
-            .split(',')
-            .map(|s| {
-                let (r, c) = s.split_once('x').expect("RxC");
-                (r.parse().expect("rows"), c.parse().expect("cols"))
-            })
-            .collect();
-    }
-    let only = std::env::var("HF2Q_CUDA_BENCH_FMTS").ok();
-    let wanted = |f: &Fmt| {
-        only.as_deref().is_none_or(|l| {
-            let name = match f {
-                Fmt::Ggml(ty) => format!("{ty:?}").to_lowercase(),
-                Fmt::Mlx(b, g) => format!("mlx{b}g{g}"),
-            };
-            l.split(',').any(|x| x == name)
-        })
-    };
-    for (rows, cols) in shapes {
-        for f in fmts.into_iter().filter(wanted) {
-            let w = big_weight(f, rows, cols);
-            let bytes = w.stored_bytes();
-            let copies = (256usize << 20).div_ceil(bytes).max(2);
-            let ws: Vec<_> = (0..copies)
-                .map(|_| dev.upload_weight(&w).unwrap())
+    // HF2Q_CUDA_BENCH=gemm: the prefill products and attention only.
+    let gemm_only = std::env::var("HF2Q_CUDA_BENCH").is_ok_and(|v| v == "gemm");
+    if !gemm_only {
+        // Matrix-vector: weights cycled over enough copies to defeat the 60 MB L2. Shapes of the
+        // 1B (2048 x 8192, 8192 x 2048) and the 8B (the rest).
+        let fmts = [
+            Fmt::Ggml(GgmlType::Q4_0),
+            Fmt::Ggml(GgmlType::Q8_0),
+            Fmt::Ggml(GgmlType::Q4_K),
+            Fmt::Ggml(GgmlType::Q6_K),
+            Fmt::Ggml(GgmlType::F16),
+            Fmt::Mlx(4, 64),
+        ];
+        let mut shapes = vec![
+            (2048, 8192),
+            (8192, 2048),
+            (4096, 4096),
+            (6144, 4096),
+            (4096, 14336),
+            (14336, 4096),
+        ];
+        // HF2Q_CUDA_BENCH_SHAPES=RxC,... measures those shapes instead (the logits: 128256x2048),
+        // HF2Q_CUDA_BENCH_FMTS=q6_k,f16,... only those formats.
+        if let Ok(list) = std::env::var("HF2Q_CUDA_BENCH_SHAPES") {
+            shapes = list
+                .split(',')
+                .map(|s| {
+                    let (r, c) = s.split_once('x').expect("RxC");
+                    (r.parse().expect("rows"), c.parse().expect("cols"))
+                })
                 .collect();
-            for t in [1usize, 4, 8] {
-                if t > 1 && rows != 8192 {
-                    continue;
-                }
-                // One-token products: f32 activations (with or without the weights' L2
-                // prefetch before the wait; consecutive replays overlap through it), 8-bit ones
-                // staged per block, the persistent 8-bit kernels (two or one blocks per
-                // multiprocessor).
-                let quantized = matches!(f, Fmt::Ggml(ty) if ty != GgmlType::F16);
-                let variants: &[&str] = if t == 1 && quantized {
-                    &["f32", "f32+pf", "i8", "p8", "p8x1"]
-                } else {
-                    &[""]
+        }
+        let only = std::env::var("HF2Q_CUDA_BENCH_FMTS").ok();
+        let wanted = |f: &Fmt| {
+            only.as_deref().is_none_or(|l| {
+                let name = match f {
+                    Fmt::Ggml(ty) => format!("{ty:?}").to_lowercase(),
+                    Fmt::Mlx(b, g) => format!("mlx{b}g{g}"),
                 };
-                for &v in variants {
-                    dev.set_matvec_int8(if v == "i8" {
-                        cuda::MvMode::All
+                l.split(',').any(|x| x == name)
+            })
+        };
+        for (rows, cols) in shapes {
+            for f in fmts.into_iter().filter(wanted) {
+                let w = big_weight(f, rows, cols);
+                let bytes = w.stored_bytes();
+                let copies = (256usize << 20).div_ceil(bytes).max(2);
+                let ws: Vec<_> = (0..copies)
+                    .map(|_| dev.upload_weight(&w).unwrap())
+                    .collect();
+                for t in [1usize, 4, 8] {
+                    if t > 1 && rows != 8192 {
+                        continue;
+                    }
+                    // One-token products: f32 activations (with or without the weights' L2
+                    // prefetch before the wait; consecutive replays overlap through it), 8-bit ones
+                    // staged per block, the persistent 8-bit kernels (two or one blocks per
+                    // multiprocessor).
+                    let quantized = matches!(f, Fmt::Ggml(ty) if ty != GgmlType::F16);
+                    let variants: &[&str] = if t == 1 && quantized {
+                        &["f32", "f32+pf", "i8", "p8", "p8x1"]
                     } else {
-                        cuda::MvMode::Off
-                    });
-                    let p8 = if v.starts_with("p8") {
-                        cuda::MvMode::All
-                    } else {
-                        cuda::MvMode::Off
+                        &[""]
                     };
-                    dev.set_matvec_persistent(p8, if v == "p8x1" { 1 } else { 2 });
-                    dev.set_matvec_prefetch(v == "f32+pf");
-                    let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
-                    let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
-                    let ms = time_ms(&dev, 50, |i| {
-                        dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
-                    });
-                    let gbs = bytes as f64 / (ms as f64 * 1e6);
-                    let eager = time_eager_ms(&dev, 50, |i| {
-                        dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
-                    });
-                    table.push(format!(
-                        "matvec {:>10} R={rows:>5} C={cols:>5} T={t} {v}: {:7.1} us, {gbs:6.0} GB/s ({:.0}% of copy); eager launches {:.1} us",
-                        w.type_name(),
-                        ms * 1000.0,
-                        100.0 * gbs / copy_gbs,
-                        eager * 1000.0
-                    ));
+                    for &v in variants {
+                        dev.set_matvec_int8(if v == "i8" {
+                            cuda::MvMode::All
+                        } else {
+                            cuda::MvMode::Off
+                        });
+                        let p8 = if v.starts_with("p8") {
+                            cuda::MvMode::All
+                        } else {
+                            cuda::MvMode::Off
+                        };
+                        dev.set_matvec_persistent(p8, if v == "p8x1" { 1 } else { 2 });
+                        dev.set_matvec_prefetch(v == "f32+pf");
+                        let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
+                        let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
+                        let ms = time_ms(&dev, 50, |i| {
+                            dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
+                        });
+                        let gbs = bytes as f64 / (ms as f64 * 1e6);
+                        let eager = time_eager_ms(&dev, 50, |i| {
+                            dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap()
+                        });
+                        table.push(format!(
+                            "matvec {:>10} R={rows:>5} C={cols:>5} T={t} {v}: {:7.1} us, {gbs:6.0} GB/s ({:.0}% of copy); eager launches {:.1} us",
+                            w.type_name(),
+                            ms * 1000.0,
+                            100.0 * gbs / copy_gbs,
+                            eager * 1000.0
+                        ));
+                    }
+                    dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
+                    dev.set_matvec_int8(cuda::MvMode::Auto);
+                    dev.set_matvec_prefetch(true);
                 }
-                dev.set_matvec_persistent(cuda::MvMode::Auto, 2);
-                dev.set_matvec_int8(cuda::MvMode::Auto);
-                dev.set_matvec_prefetch(true);
             }
         }
     }
-
     if std::env::var("HF2Q_CUDA_BENCH").is_ok_and(|v| v == "matvec") {
         println!("{}", table.join("\n"));
         return;
     }
-    // Prefill products: our tiled kernel against the cuBLAS path (`prefill_gemm`), by T.
+    // Prefill products: our tiled kernel, the cuBLAS path (the default) and the integer kernel
+    // (`prefill_gemm`), by T.
     println!("cuBLAS present: {}", dev.blas_available());
     for f in [
         Fmt::Ggml(GgmlType::Q4_K),
+        Fmt::Ggml(GgmlType::Q6_K),
         Fmt::Ggml(GgmlType::Q4_0),
         Fmt::Ggml(GgmlType::Q8_0),
         Fmt::Ggml(GgmlType::F16),
@@ -1519,7 +1554,11 @@ fn bench_ops() {
             let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
             let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
             let mut cells = Vec::new();
-            for g in [cuda::PrefillGemm::Tiled, cuda::PrefillGemm::Auto] {
+            for g in [
+                cuda::PrefillGemm::Tiled,
+                cuda::PrefillGemm::Auto,
+                cuda::PrefillGemm::Int8,
+            ] {
                 dev.set_prefill_gemm(g);
                 let ms =
                     time_eager_ms(&dev, 20, |_| dev.linear(&x, t, &w, None, &mut out).unwrap());

@@ -32,8 +32,14 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// Which kernel multiplies prefill-sized batches (more than 8 tokens).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillGemm {
-    /// cuBLAS where the library is present and the shape allows it, else our tiled kernel.
+    /// cuBLAS on f16 operands where the library is present and the shape allows it, else our
+    /// tiled kernel.
     Auto,
+    /// The 8-bit integer kernel (`kernels/mmq.cuh`: the activations rounded as the CPU fast
+    /// path rounds them, exact integer products with the weights' codes) for the formats that
+    /// have it, else as `Auto`: closer to the f32 reference (the 8B Q4_K_M's gate: 99/100
+    /// instead of 96/100) but several times slower than cuBLAS (cuda/NOTES.md).
+    Int8,
     /// Always our tiled kernel (`kernels/linear.cuh`).
     Tiled,
 }
@@ -57,7 +63,7 @@ pub(crate) struct BlasState {
 /// range (T <= 8). Dequantizing the whole weight costs a write and a read of 2 bytes per weight,
 /// yet from T = 16 on that is several times faster than our tiled kernel on the H200 (bench_ops
 /// `gemm` rows, cuda/NOTES.md).
-const MIN_TOKENS: usize = 9;
+pub(crate) const MIN_TOKENS: usize = 9;
 
 fn blas_err(what: &str) -> impl FnOnce(bres::CublasError) -> Error + '_ {
     move |e| Error::Msg(format!("cublas: {what}: {e:?}"))
@@ -73,8 +79,8 @@ fn grow(dev: &CudaDev, buf: &mut Option<CudaSlice<u16>>, n: usize) -> Result<u64
 }
 
 impl CudaDev {
-    /// Picks the prefill product kernel (the default is [`PrefillGemm::Auto`], or `Tiled` when
-    /// the environment sets `HF2Q_CUDA_GEMM=tiled`).
+    /// Picks the prefill product kernel (the default is [`PrefillGemm::Auto`], or what the
+    /// environment sets: `HF2Q_CUDA_GEMM=int8` or `tiled`).
     pub fn set_prefill_gemm(&self, g: PrefillGemm) {
         self.gemm.store(g as u8, Ordering::Relaxed);
     }
@@ -89,6 +95,7 @@ impl CudaDev {
     pub fn prefill_gemm(&self) -> PrefillGemm {
         match self.gemm.load(Ordering::Relaxed) {
             x if x == PrefillGemm::Tiled as u8 => PrefillGemm::Tiled,
+            x if x == PrefillGemm::Int8 as u8 => PrefillGemm::Int8,
             _ => PrefillGemm::Auto,
         }
     }
@@ -134,7 +141,7 @@ impl CudaDev {
         }));
     }
 
-    fn capturing(&self) -> Result<bool> {
+    pub(crate) fn capturing(&self) -> Result<bool> {
         let s = self
             .stream
             .capture_status()

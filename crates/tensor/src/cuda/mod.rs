@@ -36,6 +36,7 @@
 
 mod blas;
 mod compile;
+mod mmq;
 mod ops;
 mod weight;
 
@@ -117,6 +118,8 @@ pub struct CudaDev {
     blas: Mutex<blas::BlasSlot>,
     /// A [`PrefillGemm`] as its discriminant.
     gemm: std::sync::atomic::AtomicU8,
+    /// The quantized activations of the integer prefill product (`mmq.rs`), grown on demand.
+    mmq_buf: Mutex<Option<CudaSlice<u8>>>,
     /// Kernels launched with programmatic dependent launch (Hopper and later; off with
     /// `HF2Q_CUDA_PDL=0`).
     pdl: bool,
@@ -298,13 +301,14 @@ impl CudaDev {
                     .filter(|&b: &usize| (1..=2).contains(&b))
                     .unwrap_or(2),
             ),
-            gemm: std::sync::atomic::AtomicU8::new(if std::env::var("HF2Q_CUDA_GEMM")
-                .is_ok_and(|v| v == "tiled")
-            {
-                PrefillGemm::Tiled
-            } else {
-                PrefillGemm::Auto
-            } as u8),
+            gemm: std::sync::atomic::AtomicU8::new(
+                match std::env::var("HF2Q_CUDA_GEMM").as_deref() {
+                    Ok("tiled") => PrefillGemm::Tiled,
+                    Ok("int8") => PrefillGemm::Int8,
+                    _ => PrefillGemm::Auto,
+                } as u8,
+            ),
+            mmq_buf: Mutex::new(None),
         })))
     }
 

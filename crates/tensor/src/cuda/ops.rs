@@ -448,7 +448,9 @@ impl CudaDev {
     }
 
     /// `out (t, R) = x (t, C) · Wᵀ (+ bias)`. t <= 8 runs the matrix-vector kernels (weights read
-    /// once for all t tokens), larger t the tiled tensor-core kernel (f16 operands, f32 sums).
+    /// once for all t tokens), larger t cuBLAS on f16 operands (`blas.rs`), or the 8-bit integer
+    /// kernel (`mmq.rs`), or the tiled tensor-core kernel (f16 operands, f32 sums): see
+    /// [`PrefillGemm`].
     pub fn linear(
         &self,
         x: &impl DevicePtr<f32>,
@@ -506,7 +508,7 @@ impl CudaDev {
             let ksi = ks as i32;
             launch!(self, f, (grid, 1, 1), (128, 1, 1), 0; wa, xp, bp, op, rows, ti, ksi)
         } else {
-            if self.blas_linear(xp, t, w, bp, op)? {
+            if self.mmq_linear(xp, t, w, bp, op)? || self.blas_linear(xp, t, w, bp, op)? {
                 return Ok(());
             }
             let f = &w.kernels[GEMM_KERNEL];

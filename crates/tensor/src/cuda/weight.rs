@@ -80,6 +80,8 @@ pub struct DeviceWeight {
     /// The persistent 8-bit kernels (`kernels/matvec_p8.cuh`: `mpf`, `mpg`), for Q4_0, Q8_0 and
     /// Q4_K.
     pub(crate) fast_p8: Option<MvFns>,
+    /// The 8-bit integer prefill product (`kernels/mmq.cuh`), for the formats with `codes8`.
+    pub(crate) mmq: Option<CudaFunction>,
 }
 
 /// Copies blocks of `block` bytes into slots of `stride` bytes (zero-padded), so that every
@@ -410,11 +412,21 @@ impl CudaDev {
             } else {
                 None
             };
+        let mmq = if w.cols.is_multiple_of(32)
+            && matches!(
+                kind,
+                "q4_0s" | "q8_0s" | "q4_k" | "q4_ks" | "q6_kp" | "q6_ks"
+            ) {
+            Some(self.function(program, &format!("mmq_{kind}"))?)
+        } else {
+            None
+        };
         Ok(DeviceWeight {
             kernels,
             fast,
             fast_q8,
             fast_p8,
+            mmq,
             scales_at,
             supers_at,
             name: w.name.clone(),

@@ -138,6 +138,35 @@ extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__
     }
 }
 
+// Activations in two 8-bit parts per 32 elements for the integer prefill product (mmq.cuh),
+// operation for operation as the CPU reference quantizes them (cpu/kernels/q8act.rs,
+// quantize_row_split): dx = max|x| / 127, q = round(x / dx) (ties to even, through the
+// reciprocal as there), l = round(256 (x / dx - q)), both clamped to +-127. One warp per block of
+// 32; q goes to q[0 .. n), l to q[n .. 2n), and per block {dx, dx Σq + dx / 256 Σl} to s.
+// n = T * C, a multiple of 32.
+extern "C" __global__ void quantize_split16(const float* __restrict__ x, i8* __restrict__ q,
+                                            float2* __restrict__ s, i64 n) {
+    pdl_wait();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i - (threadIdx.x & 31) >= n) return;  // whole warps only
+    const float v = x[i];
+    const float m = warp_max(fabsf(v));
+    const float d = __fdiv_rn(m, 127.0f), id = d > 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const float y = __fmul_rn(v, id);
+    const int h = max(-127, min(127, __float2int_rn(y)));
+    const int l = max(-127, min(127, __float2int_rn(__fmul_rn(__fsub_rn(y, (float)h), 256.0f))));
+    q[i] = (i8)h;
+    q[n + i] = (i8)l;
+    int s1 = h, s2 = l;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        s1 += __shfl_xor_sync(FULL_MASK, s1, o);
+        s2 += __shfl_xor_sync(FULL_MASK, s2, o);
+    }
+    if ((threadIdx.x & 31) == 0)
+        s[i >> 5] = make_float2(d, fmaf(d * 0.00390625f, (float)s2, d * (float)s1));
+}
+
 // out (T, R) += bias (R) on every row.
 extern "C" __global__ void add_bias_rows(float* __restrict__ out, const float* __restrict__ bias,
                                          i64 n, int R) {

@@ -3,6 +3,7 @@
 #include "matvec.cuh"
 #include "matvec_q8.cuh"
 #include "matvec_p8.cuh"
+#include "mmq.cuh"
 
 // Resident blocks asked of each one-token kernel family (`MV_BOUNDS` in matvec.cuh).
 #ifndef HF2Q_MV_MINB_Q4_K
@@ -36,3 +37,7 @@ HF2Q_MATVEC_P8(q4_k, PQ4_K)
 HF2Q_MATVEC_P8(q4_ks, PQ4_KS)
 HF2Q_MATVEC_P8(q6_ks, PQ6_KS)
 HF2Q_MATVEC_Q8(q6_kp, EQ6_KP)
+HF2Q_MMQ_KERNEL(q4_k, FQ4_K)
+HF2Q_MMQ_KERNEL(q4_ks, FQ4_KS)
+HF2Q_MMQ_KERNEL(q6_kp, FQ6_KP)
+HF2Q_MMQ_KERNEL(q6_ks, FQ6_KS)

@@ -3,6 +3,7 @@
 #include "matvec.cuh"
 #include "matvec_q8.cuh"
 #include "matvec_p8.cuh"
+#include "mmq.cuh"
 
 // Resident blocks asked of each one-token kernel family (`MV_BOUNDS` in matvec.cuh).
 #ifndef HF2Q_MV_MINB_Q4_0S
@@ -40,3 +41,5 @@ HF2Q_MATVEC_P8(q8_0s, PQ8_0)
 HF2Q_MATVEC_FAST(f32, DF32, HF2Q_MV_MINB_F32)
 HF2Q_MATVEC_FAST(f16, DF16, HF2Q_MV_MINB_F16)
 HF2Q_MATVEC_FAST(bf16, DBF16, HF2Q_MV_MINB_BF16)
+HF2Q_MMQ_KERNEL(q4_0s, FQ4_0S)
+HF2Q_MMQ_KERNEL(q8_0s, FQ8_0S)

@@ -8,6 +8,13 @@
 // every format here (the smallest scale group is 16), so a call decodes one scale and eight
 // quants.
 //
+// The formats that the 8-bit prefill kernel (mmq.cuh) multiplies also have
+//     codes8(w, rp, row, g, c0, c1, a, c): the same eight elements as signed 8-bit codes (bytes
+//     0..3 of c0 are elements 0..3, c1 the rest) with v[i] = a * code_i + c up to the rounding
+//     of the f32 products,
+// and say how often a and c change: MMQ_GROUP elements share a (16 or 32), and c is 0 unless
+// MMQ_OFFSET (then it is shared by 32 elements).
+//
 // The float operations follow the CPU reference (`quant/*.rs`, itself ggml's scalar code)
 // operation for operation, with `__fmul_rn`/`__fadd_rn` where the reference multiplies then adds,
 // so the compiler cannot fuse them: dequantized values are bit-identical to the CPU's.
@@ -50,6 +57,11 @@ __device__ __forceinline__ void deq_bytes8(u32 q0, u32 q1, float off, float d, f
         v[i + 4] = __fmul_rn(byte_magic(q1, i) - (MAGIC + off), d);
     }
 }
+
+// Bytes b of w (each at most 15, or 63) as the signed bytes b - 8 (or b - 32): adding 120 (96)
+// cannot carry into the next byte, and flipping bit 7 then subtracts 128.
+__device__ __forceinline__ u32 minus8x4(u32 w) { return (w + 0x78787878u) ^ 0x80808080u; }
+__device__ __forceinline__ u32 minus32x4(u32 w) { return (w + 0x60606060u) ^ 0x80808080u; }
 
 struct FQ4_0 {  // { half d; u8 qs[16]; } x = d * (q - 8)
     template <bool AL = true>
@@ -146,6 +158,17 @@ struct FQ4_0S {
         const u32 q0 = (q.x >> sh) & 0x0F0F0F0Fu, q1 = (q.y >> sh) & 0x0F0F0F0Fu;
         deq_bytes8(q0, q1, 8.0f, d, v);
     }
+    static constexpr int MMQ_GROUP = 32;
+    static constexpr bool MMQ_OFFSET = false;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        const int b = g >> 2, sh = ((g & 3) >> 1) * 4;
+        a = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        c = 0.0f;
+        const uint2 q = *(const uint2*)(rp + 16 * b + (g & 1) * 8);
+        c0 = minus8x4((q.x >> sh) & 0x0F0F0F0Fu);
+        c1 = minus8x4((q.y >> sh) & 0x0F0F0F0Fu);
+    }
 };
 
 struct FQ8_0S {
@@ -157,6 +180,17 @@ struct FQ8_0S {
         const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
         const u32 q0 = q.x ^ 0x80808080u, q1 = q.y ^ 0x80808080u;
         deq_bytes8(q0, q1, 128.0f, d, v);
+    }
+    static constexpr int MMQ_GROUP = 32;
+    static constexpr bool MMQ_OFFSET = false;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        const int b = g >> 2;
+        a = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        c = 0.0f;
+        const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
+        c0 = q.x;
+        c1 = q.y;
     }
 };
 
@@ -249,6 +283,21 @@ struct FQ4_K {
             v[i + 4] = __fsub_rn(__fmul_rn(d1, byte_magic(q1, i) - MAGIC), m1);
         }
     }
+    static constexpr int MMQ_GROUP = 32;
+    static constexpr bool MMQ_OFFSET = true;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        const u8* b = rp + (g >> 5) * 144;
+        const int e0 = (g & 31) * 8;
+        const int k = e0 >> 6, hi = (e0 >> 5) & 1, l0 = e0 & 31;
+        u32 sc, m;
+        scale_min_k4(2 * k + hi, b + 4, sc, m);
+        a = __fmul_rn(h2f(ld_u16(b)), i2f((int)sc));
+        c = -__fmul_rn(h2f(ld_u16(b + 2)), i2f((int)m));
+        const u8* q = b + 16 + k * 32 + l0;
+        c0 = (ld_u32_a2(q) >> (4 * hi)) & 0x0F0F0F0Fu;
+        c1 = (ld_u32_a2(q + 4) >> (4 * hi)) & 0x0F0F0F0Fu;
+    }
 };
 
 // Q4_K re-laid at upload ("q4_ks", `q4k_split` in weight.rs): sub-block blk = row * (cols / 32)
@@ -277,6 +326,17 @@ struct FQ4_KS {
             v[i] = __fsub_rn(__fmul_rn(d1, byte_magic(q0, i) - MAGIC), m1);
             v[i + 4] = __fsub_rn(__fmul_rn(d1, byte_magic(q1, i) - MAGIC), m1);
         }
+    }
+    static constexpr int MMQ_GROUP = 32;
+    static constexpr bool MMQ_OFFSET = true;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        const int b = g >> 2, sh = ((g & 3) >> 1) * 4;
+        q4ks_scales(w, row, b, a, c);
+        c = -c;
+        const uint2 q = *(const uint2*)(rp + 16 * b + (g & 1) * 8);
+        c0 = (q.x >> sh) & 0x0F0F0F0Fu;
+        c1 = (q.y >> sh) & 0x0F0F0F0Fu;
     }
 };
 
@@ -330,6 +390,23 @@ struct FQ6_Kt {
         const u32 n1 = ((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4);
         deq_bytes8(n0, n1, 32.0f, ds, v);
     }
+    static constexpr int MMQ_GROUP = 16;
+    static constexpr bool MMQ_OFFSET = false;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        const u8* b = rp + (g >> 5) * STRIDE;
+        const int e0 = (g & 31) * 8;
+        const int n = e0 >> 7, quarter = (e0 >> 5) & 3, l0 = e0 & 31;
+        a = __fmul_rn(h2f(ld_u16(b + 208)), i2f((int)(i8)b[192 + n * 8 + (l0 >> 4) + 2 * quarter]));
+        c = 0.0f;
+        const u8* ql = b + 64 * n + 32 * (quarter & 1) + l0;
+        const u8* qh = b + 128 + 32 * n + l0;
+        const u32 q0 = ld_u32_a2(ql), q1 = ld_u32_a2(ql + 4);
+        const u32 h0 = ld_u32_a2(qh), h1 = ld_u32_a2(qh + 4);
+        const int sh = 4 * (quarter >> 1);
+        c0 = minus32x4(((q0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> (2 * quarter)) & 0x03030303u) << 4));
+        c1 = minus32x4(((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4));
+    }
 };
 
 typedef FQ6_Kt<210> FQ6_K;
@@ -365,6 +442,21 @@ struct FQ6_KS {
         const u32 n0 = q6ks_word(q.x >> (4 * hi), h, k0);
         const u32 n1 = q6ks_word(q.y >> (4 * hi), h, k0 + 1);
         deq_bytes8(n0, n1, 32.0f, ds, v);
+    }
+    static constexpr int MMQ_GROUP = 16;
+    static constexpr bool MMQ_OFFSET = false;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        const int b = g >> 2, p = g & 3, hi = p >> 1, k0 = 2 * (p & 1);
+        const i64 blk = (i64)row * (w.cols >> 5) + b;
+        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
+        const uint2 hb = ((const uint2*)w.scales)[blk];
+        const u32 s = ((const u32*)w.biases)[blk];
+        const u32 h = hi ? hb.y : hb.x;
+        a = __fmul_rn(h2f((u16)(s >> 16)), i2f((int)(i8)((s >> (8 * hi)) & 0xffu)));
+        c = 0.0f;
+        c0 = minus32x4(q6ks_word(q.x >> (4 * hi), h, k0));
+        c1 = minus32x4(q6ks_word(q.y >> (4 * hi), h, k0 + 1));
     }
 };
 

@@ -1,0 +1,198 @@
+// Prefill products with 8-bit integer tensor cores: out (T, R) = x (T, C) · Wᵀ, for the weight
+// formats with `codes8` (quant.cuh). Selected by PrefillGemm::Int8 (mmq.rs); not the default.
+//
+// The activations arrive quantized by `quantize_split16` (elementwise.cu) as the CPU fast path
+// quantizes them (cpu/kernels/q8act.rs, two 8-bit parts per value: x ~ dx (q + l / 256) per 32
+// elements), and the weights are decoded to their signed 8-bit codes with, per group, a scale a
+// and an offset c (value = a code + c). Per 32 elements of K, the tensor cores form the exact
+// integer sums S1 = Σ code q and S2 = Σ code l (mma.sync m16n8k32, or two m16n8k16 where a
+// changes every 16 elements), and the f32 sum gains a dx / 256 (256 S1 + S2) + c sx, with sx =
+// dx Σq + dx / 256 Σl. Neither operand is rounded to f16 (the cuBLAS path moves each product by
+// up to 2^-10 of itself): the only rounding is the activations' 16-bit one (at most
+// max|x_block| / 65024 per element, / 32512 where the second part's code is clamped), then f32
+// sums, the accuracy of the one-token 8-bit kernels.
+//
+// Tiles: 128 weight rows x 64 tokens per block of eight warps (4 x 2, 32 x 32 each), K in
+// stages of 128 staged in shared memory (codes, and per row and 16 elements the scale, per 32
+// the offset; per token and 32 elements dx / 256 and sx). Rows are padded to 144 bytes so that
+// the eight rows of a fragment load fall in different banks. The per-32 scaling (a convert, a
+// multiply and two multiply-adds per output and 32 elements) costs more issue slots than the
+// tensor cores' work, and the stage's loads are not overlapped with its products: about 80
+// TFLOP/s at 4096 x 4096 x 512, against cuBLAS's 380 on f16 operands (cuda/NOTES.md).
+#pragma once
+#include "quant.cuh"
+
+#define MQ_BN 64
+#define MQ_KT 128
+#define MQ_PITCH (MQ_KT + 16)
+
+// d += a · b, A 16 x 32 (row), B 32 x 8 (col), signed bytes, int32 sums.
+__device__ __forceinline__ void mma_s8_k32(int* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += a · b, A 16 x 16, B 16 x 8.
+__device__ __forceinline__ void mma_s8_k16(int* d, u32 a0, u32 a1, u32 b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b));
+}
+
+template <int BM>
+struct MmqSmem {
+    u8 wq[BM][MQ_PITCH];            // weight codes
+    u8 xq[2][MQ_BN][MQ_PITCH];      // activation parts q and l
+    float wa[BM][MQ_KT / 16];       // weight scale per 16 elements
+    float wc[BM][MQ_KT / 32];       // weight offset per 32
+    float2 xs[MQ_BN][MQ_KT / 32];   // dx / 256 and sx per token and 32
+};
+
+// 256 S1 + S2 as f32 (each sum |S| <= 32 * 128 * 127 < 2^22, so i2f is exact).
+__device__ __forceinline__ float join_parts(int s1, int s2) {
+    return fmaf(i2f(s1), 256.0f, i2f(s2));
+}
+
+// xq: the T first parts (T x C bytes) then the T second parts; xs: (T, C / 32) pairs {dx, sx}.
+// WM warps along the rows (BM = 32 WM rows per block), two along the tokens.
+template <class F, int WM>
+__device__ __forceinline__ void mmq_impl(const WRef w, const i8* __restrict__ xq,
+                                         const float2* __restrict__ xs,
+                                         const float* __restrict__ bias, float* __restrict__ out,
+                                         int rows, int T) {
+    constexpr int BM = 32 * WM, THREADS = 64 * WM;
+    __shared__ __align__(16) MmqSmem<BM> s;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int wm = warp % WM, wn = warp / WM;
+    const int r0 = blockIdx.x * BM, n0 = blockIdx.y * MQ_BN;
+    const int C = w.cols, nb = C >> 5;
+    const i64 part = (i64)T * C;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+
+    for (int k0 = 0; k0 < C; k0 += MQ_KT) {
+        const int steps = min(MQ_KT, C - k0) >> 5;  // 32-element steps in this stage
+        // Weights: 128 rows x 16 groups of eight, 16 threads per row.
+#pragma unroll
+        for (int i = 0; i < BM * MQ_KT / 8 / THREADS; i++) {
+            const int idx = tid + THREADS * i, r = idx >> 4, gi = idx & 15;
+            const int row = min(r0 + r, rows - 1);
+            u32 c0 = 0, c1 = 0;
+            float a = 0.0f, c = 0.0f;
+            if (gi < 4 * steps) F::codes8(w, row_ptr(w, row), row, (k0 >> 3) + gi, c0, c1, a, c);
+            *(uint2*)&s.wq[r][gi * 8] = make_uint2(c0, c1);
+            if ((gi & 1) == 0) s.wa[r][gi >> 1] = a;
+            if (F::MMQ_OFFSET && (gi & 3) == 0) s.wc[r][gi >> 2] = c;
+        }
+        // Activations: 2 parts x 64 tokens x 8 pieces of 16 bytes.
+#pragma unroll
+        for (int i = 0; i < 2 * MQ_BN * MQ_KT / 16 / THREADS; i++) {
+            const int idx = tid + THREADS * i, pt = idx >> 9, n = (idx >> 3) & 63, pc = idx & 7;
+            const int tok = n0 + n;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (tok < T && pc < 2 * steps)
+                v = *(const uint4*)(xq + pt * part + (i64)tok * C + k0 + 16 * pc);
+            *(uint4*)&s.xq[pt][n][16 * pc] = v;
+        }
+        for (int idx = tid; idx < MQ_BN * MQ_KT / 32; idx += THREADS) {
+            const int n = idx >> 2, j = idx & 3, tok = n0 + n;
+            float2 v = make_float2(0.0f, 0.0f);
+            if (tok < T && j < steps) {
+                v = xs[(i64)tok * nb + (k0 >> 5) + j];
+                v.x *= 0.00390625f;  // dx / 256: the unit of 256 S1 + S2
+            }
+            s.xs[n][j] = v;
+        }
+        __syncthreads();
+        for (int j = 0; j < steps; j++) {
+            const int kk = 32 * j + 4 * t4;
+            u32 a[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const int r = wm * 32 + mt * 16 + g;
+                a[mt][0] = *(const u32*)&s.wq[r][kk];
+                a[mt][1] = *(const u32*)&s.wq[r + 8][kk];
+                a[mt][2] = *(const u32*)&s.wq[r][kk + 16];
+                a[mt][3] = *(const u32*)&s.wq[r + 8][kk + 16];
+            }
+            float av[2][2][2], cv[2][2];  // [mt][h] (and [half] of the 32 for the scale)
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = wm * 32 + mt * 16 + g + 8 * h;
+                    av[mt][h][0] = s.wa[r][2 * j];
+                    av[mt][h][1] = s.wa[r][2 * j + 1];
+                    cv[mt][h] = F::MMQ_OFFSET ? s.wc[r][j] : 0.0f;
+                }
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                const int n = wn * 32 + nt * 8 + g;
+                const u32 q0 = *(const u32*)&s.xq[0][n][kk], q1 = *(const u32*)&s.xq[0][n][kk + 16];
+                const u32 l0 = *(const u32*)&s.xq[1][n][kk], l1 = *(const u32*)&s.xq[1][n][kk + 16];
+                const int nn = wn * 32 + nt * 8 + 2 * t4;
+                const float2 x0 = s.xs[nn][j], x1 = s.xs[nn + 1][j];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    float* o = acc[mt][nt];
+                    if (F::MMQ_GROUP == 32) {
+                        int d1[4] = {0, 0, 0, 0}, d2[4] = {0, 0, 0, 0};
+                        mma_s8_k32(d1, a[mt], q0, q1);
+                        mma_s8_k32(d2, a[mt], l0, l1);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const float2 xv = (e & 1) ? x1 : x0;
+                            const float v = join_parts(d1[e], d2[e]);
+                            o[e] = fmaf(av[mt][e >> 1][0] * xv.x, v, o[e]);
+                            if (F::MMQ_OFFSET) o[e] = fmaf(cv[mt][e >> 1], xv.y, o[e]);
+                        }
+                    } else {
+                        int d1[4] = {0, 0, 0, 0}, d2[4] = {0, 0, 0, 0};
+                        int e1[4] = {0, 0, 0, 0}, e2[4] = {0, 0, 0, 0};
+                        mma_s8_k16(d1, a[mt][0], a[mt][1], q0);
+                        mma_s8_k16(d2, a[mt][0], a[mt][1], l0);
+                        mma_s8_k16(e1, a[mt][2], a[mt][3], q1);
+                        mma_s8_k16(e2, a[mt][2], a[mt][3], l1);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const float2 xv = (e & 1) ? x1 : x0;
+                            const float v = fmaf(av[mt][e >> 1][0], join_parts(d1[e], d2[e]),
+                                                 av[mt][e >> 1][1] * join_parts(e1[e], e2[e]));
+                            o[e] = fmaf(xv.x, v, o[e]);
+                            if (F::MMQ_OFFSET) o[e] = fmaf(cv[mt][e >> 1], xv.y, o[e]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int row = r0 + wm * 32 + mt * 16 + g + 8 * (e >> 1);
+                const int tok = n0 + wn * 32 + nt * 8 + 2 * t4 + (e & 1);
+                if (row < rows && tok < T)
+                    out[(i64)tok * rows + row] = acc[mt][nt][e] + (bias ? bias[row] : 0.0f);
+            }
+}
+
+#define HF2Q_MMQ_KERNEL(NAME, FMT)                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                       \
+        mmq_##NAME(WRef w, const i8* xq, const float2* xs, const float* b, float* o, int rows, \
+                   int T) {                                                                    \
+        pdl_wait();                                                                            \
+        mmq_impl<FMT, 4>(w, xq, xs, b, o, rows, T);                                            \
+    }

@@ -1,0 +1,90 @@
+//! Prefill products on the 8-bit integer tensor cores (`kernels/mmq.cuh`), under
+//! [`PrefillGemm::Int8`].
+//!
+//! `out (T, R) = x (T, C) · Wᵀ` for prefill-sized T and the formats whose kernels have `codes8`
+//! (split Q4_0 and Q8_0, Q4_K stored and re-laid, Q6_K padded and re-laid): the activations are
+//! quantized once per product into two 8-bit parts per value as the CPU fast path rounds them
+//! (`quantize_split16`), then one kernel multiplies them with the weights' own integer codes.
+//! Against the f16 cuBLAS path this trades the rounding of both operands to f16 (up to 2^-10 of
+//! each product) for the activations' 16-bit rounding alone, the accuracy of the one-token 8-bit
+//! kernels: the synthesized 8B Q4_K_M's prefill agrees with the f32 reference on 99/100 argmax
+//! positions (mean KL 4.2e-6) instead of 96/100 (3.7e-5), but its pp512 falls from 16.9k to
+//! 4.1k tokens/s, so it is not the default (cuda/NOTES.md).
+//!
+//! Not used while a graph is being captured (the scratch may have to grow) nor for T <= 8 (the
+//! matrix-vector kernels).
+
+use std::ffi::c_void;
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::blas::MIN_TOKENS;
+use super::ops::launch;
+use super::{cuda_err, CudaDev, DeviceWeight, PrefillGemm, Program};
+use crate::{Error, Result};
+
+/// Weight rows and tokens per block (`mmq_impl<F, 4>` in mmq.cuh: 32 rows per warp, four warps
+/// along the rows and two along the tokens).
+const BLOCK_ROWS: usize = 128;
+const BLOCK_TOKENS: usize = 64;
+
+impl CudaDev {
+    /// Whether prefill products with `w` run the integer kernel (under the current setting).
+    pub fn int8_prefill(&self, w: &DeviceWeight) -> bool {
+        w.mmq.is_some() && self.prefill_gemm() == PrefillGemm::Int8
+    }
+
+    /// `out (t, R) = x (t, C) · Wᵀ (+ bias)` through the integer kernel; `Ok(false)` (nothing
+    /// enqueued) when this path does not apply. Pointers are device addresses whose sizes the
+    /// caller checked.
+    pub(crate) fn mmq_linear(
+        &self,
+        xp: u64,
+        t: usize,
+        w: &DeviceWeight,
+        bias: u64,
+        op: u64,
+    ) -> Result<bool> {
+        let Some(f) = w.mmq.as_ref() else {
+            return Ok(false);
+        };
+        if !self.int8_prefill(w) || t < MIN_TOKENS || self.capturing()? {
+            return Ok(false);
+        }
+        let too_many = || Error::Shape(format!("cuda: {t} tokens in one product is too many"));
+        let n = t.checked_mul(w.cols).ok_or_else(too_many)?;
+        // Both parts (n bytes each), then a pair of f32 per 32 values (8-byte aligned: 2n is a
+        // multiple of 64).
+        let bytes = 2 * n + n / 32 * 8;
+        let mut slot = self
+            .mmq_buf
+            .lock()
+            .map_err(|_| Error::Msg("cuda: integer prefill scratch lock poisoned".into()))?;
+        if slot
+            .as_ref()
+            .is_none_or(|b: &CudaSlice<u8>| b.len() < bytes)
+        {
+            *slot = None; // free the old one first
+            *slot = Some(self.alloc::<u8>(bytes)?);
+        }
+        let q = slot
+            .as_ref()
+            .expect("just allocated")
+            .device_ptr(self.stream())
+            .0;
+        let s = q + 2 * n as u64;
+        let quantize = self.function(Program::Elementwise, "quantize_split16")?;
+        let grid = u32::try_from(n.div_ceil(256)).map_err(|_| too_many())?;
+        let ni = n as i64;
+        launch!(self, quantize, (grid, 1, 1), (256, 1, 1), 0; xp, q, s, ni)?;
+        let gx = u32::try_from(w.rows.div_ceil(BLOCK_ROWS)).map_err(|_| too_many())?;
+        let gy = u32::try_from(t.div_ceil(BLOCK_TOKENS))
+            .ok()
+            .filter(|&g| g <= 65535)
+            .ok_or_else(too_many)?;
+        let wa = w.args(self);
+        let (rows, ti) = (w.rows as i32, t as i32);
+        launch!(self, f, (gx, gy, 1), (256, 1, 1), 0; wa, q, s, bias, op, rows, ti)?;
+        Ok(true)
+    }
+}
