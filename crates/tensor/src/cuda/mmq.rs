@@ -8,8 +8,8 @@
 //! Against the f16 cuBLAS path this trades the rounding of both operands to f16 (up to 2^-10 of
 //! each product) for the activations' 16-bit rounding alone, the accuracy of the one-token 8-bit
 //! kernels: the synthesized 8B Q4_K_M's prefill agrees with the f32 reference on 99/100 argmax
-//! positions (mean KL 4.2e-6) instead of 96/100 (3.7e-5), but its pp512 falls from 16.9k to
-//! 4.1k tokens/s, so it is not the default (cuda/NOTES.md).
+//! positions (mean KL 4.2e-6; 1.0e-6 with the f32 prefill attention) instead of 96/100 (3.7e-5),
+//! but its pp512 falls from 17.0k to 4.0k tokens/s, so it is not the default (cuda/NOTES.md).
 //!
 //! Not used while a graph is being captured (the scratch may have to grow) nor for T <= 8 (the
 //! matrix-vector kernels).

@@ -13,17 +13,22 @@
 // sums, the accuracy of the one-token 8-bit kernels.
 //
 // Tiles: 128 weight rows x 64 tokens per block of eight warps (4 x 2, 32 x 32 each), K in
-// stages of 128 staged in shared memory (codes, and per row and 16 elements the scale, per 32
-// the offset; per token and 32 elements dx / 256 and sx). Rows are padded to 144 bytes so that
-// the eight rows of a fragment load fall in different banks. The per-32 scaling (a convert, a
-// multiply and two multiply-adds per output and 32 elements) costs more issue slots than the
-// tensor cores' work, and the stage's loads are not overlapped with its products: about 80
-// TFLOP/s at 4096 x 4096 x 512, against cuBLAS's 380 on f16 operands (cuda/NOTES.md).
+// stages of 64 staged in shared memory (codes, and per row and 16 elements the scale, per 32
+// the offset; per token and 32 elements dx / 256 and sx), two stage buffers so that the next
+// stage is written while this one is multiplied (one barrier per stage). Rows are padded to 80
+// bytes so that the eight rows of a fragment load fall in different banks.
+//
+// Speed: about 80 TFLOP/s at 4096 x 4096 x 512 (Q4_K 0.233 ms, Q8_0 0.214), against cuBLAS's
+// 380 on f16 operands. The per-32 scaling (five or six float operations per output and 32
+// elements of K, next to two integer mma) bounds it near 240; the rest is stalls: each warp
+// decodes the next stage's weights right after issuing their loads, so it waits on them before
+// its products (cuda/NOTES.md has the measurements and what would close the gap).
 #pragma once
 #include "quant.cuh"
 
+#define MQ_BM 128
 #define MQ_BN 64
-#define MQ_KT 128
+#define MQ_KT 64
 #define MQ_PITCH (MQ_KT + 16)
 
 // d += a · b, A 16 x 32 (row), B 32 x 8 (col), signed bytes, int32 sums.
@@ -42,34 +47,144 @@ __device__ __forceinline__ void mma_s8_k16(int* d, u32 a0, u32 a1, u32 b) {
         : "r"(a0), "r"(a1), "r"(b));
 }
 
-template <int BM>
-struct MmqSmem {
-    u8 wq[BM][MQ_PITCH];            // weight codes
+// One K stage in shared memory (two of them: 48 KB, the static limit).
+struct MmqStage {
+    u8 wq[MQ_BM][MQ_PITCH];         // weight codes
     u8 xq[2][MQ_BN][MQ_PITCH];      // activation parts q and l
-    float wa[BM][MQ_KT / 16];       // weight scale per 16 elements
-    float wc[BM][MQ_KT / 32];       // weight offset per 32
+    float wa[MQ_BM][MQ_KT / 16];    // weight scale per 16 elements
+    float wc[MQ_BM][MQ_KT / 32];    // weight offset per 32
     float2 xs[MQ_BN][MQ_KT / 32];   // dx / 256 and sx per token and 32
 };
 
-// 256 S1 + S2 as f32 (each sum |S| <= 32 * 128 * 127 < 2^22, so i2f is exact).
-__device__ __forceinline__ float join_parts(int s1, int s2) {
-    return fmaf(i2f(s1), 256.0f, i2f(s2));
+// The integer sums start at the bits of the float 1.5 * 2^23 (`i2f` in common.cuh), so the
+// tensor cores leave the float 1.5 * 2^23 + S (exact: |S| <= 32 * 128 * 127 < 2^22).
+#define MQ_MAGIC 0x4B400000
+#define MQ_M 12582912.0f
+
+// 256 S1 + S2 from two sums started at MQ_MAGIC: 256 (F1 - M) is exact in one multiply-add, so
+// the only rounding is the final sum's, as for 256 S1 + S2 computed from exact floats.
+__device__ __forceinline__ float join_parts(int d1, int d2) {
+    return fmaf(__int_as_float(d1), 256.0f, -256.0f * MQ_M) + (__int_as_float(d2) - MQ_M);
+}
+
+// Stage k0 (K elements k0 .. k0 + 32 steps) of the block's weights and activations into st.
+template <class F>
+__device__ __forceinline__ void mmq_load(const WRef& w, const i8* __restrict__ xq,
+                                         const float2* __restrict__ xs, MmqStage& st, int rows,
+                                         int T, int r0, int n0, int k0, int steps, i64 part) {
+    const int tid = threadIdx.x, C = w.cols;
+    // Weights: 128 rows x 8 groups of eight, 8 threads per row.
+#pragma unroll
+    for (int i = 0; i < MQ_BM * MQ_KT / 8 / 256; i++) {
+        const int idx = tid + 256 * i, r = idx >> 3, gi = idx & 7;
+        const int row = min(r0 + r, rows - 1);
+        u32 c0 = 0, c1 = 0;
+        float a = 0.0f, c = 0.0f;
+        if (gi < 4 * steps) F::codes8(w, row_ptr(w, row), row, (k0 >> 3) + gi, c0, c1, a, c);
+        *(uint2*)&st.wq[r][gi * 8] = make_uint2(c0, c1);
+        if ((gi & 1) == 0) st.wa[r][gi >> 1] = a;
+        if (F::MMQ_OFFSET && (gi & 3) == 0) st.wc[r][gi >> 2] = c;
+    }
+    // Activations: 2 parts x 64 tokens x 4 pieces of 16 bytes.
+#pragma unroll
+    for (int i = 0; i < 2 * MQ_BN * MQ_KT / 16 / 256; i++) {
+        const int idx = tid + 256 * i, pt = idx >> 8, n = (idx >> 2) & 63, pc = idx & 3;
+        const int tok = n0 + n;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (tok < T && pc < 2 * steps)
+            v = *(const uint4*)(xq + pt * part + (i64)tok * C + k0 + 16 * pc);
+        *(uint4*)&st.xq[pt][n][16 * pc] = v;
+    }
+    if (tid < MQ_BN * MQ_KT / 32) {
+        const int n = tid >> 1, j = tid & 1, tok = n0 + n;
+        float2 v = make_float2(0.0f, 0.0f);
+        if (tok < T && j < steps) {
+            v = xs[(i64)tok * (C >> 5) + (k0 >> 5) + j];
+            v.x *= 0.00390625f;  // dx / 256: the unit of 256 S1 + S2
+        }
+        st.xs[n][j] = v;
+    }
+}
+
+// One 32-element step j of a stage into the warp's 32 x 32 outputs.
+template <class F>
+__device__ __forceinline__ void mmq_step(const MmqStage& st, int j, int wm, int wn, int g,
+                                         int t4, float (&acc)[2][4][4]) {
+    const int kk = 32 * j + 4 * t4;
+    u32 a[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        const int r = wm * 32 + mt * 16 + g;
+        a[mt][0] = *(const u32*)&st.wq[r][kk];
+        a[mt][1] = *(const u32*)&st.wq[r + 8][kk];
+        a[mt][2] = *(const u32*)&st.wq[r][kk + 16];
+        a[mt][3] = *(const u32*)&st.wq[r + 8][kk + 16];
+    }
+    float av[2][2][2], cv[2][2];  // [mt][h] (and [half] of the 32 for the scale)
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = wm * 32 + mt * 16 + g + 8 * h;
+            av[mt][h][0] = st.wa[r][2 * j];
+            av[mt][h][1] = st.wa[r][2 * j + 1];
+            cv[mt][h] = F::MMQ_OFFSET ? st.wc[r][j] : 0.0f;
+        }
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) {
+        const int n = wn * 32 + nt * 8 + g;
+        const u32 q0 = *(const u32*)&st.xq[0][n][kk], q1 = *(const u32*)&st.xq[0][n][kk + 16];
+        const u32 l0 = *(const u32*)&st.xq[1][n][kk], l1 = *(const u32*)&st.xq[1][n][kk + 16];
+        const int nn = wn * 32 + nt * 8 + 2 * t4;
+        const float2 x0 = st.xs[nn][j], x1 = st.xs[nn + 1][j];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            float* o = acc[mt][nt];
+            int d1[4] = {MQ_MAGIC, MQ_MAGIC, MQ_MAGIC, MQ_MAGIC};
+            int d2[4] = {MQ_MAGIC, MQ_MAGIC, MQ_MAGIC, MQ_MAGIC};
+            if (F::MMQ_GROUP == 32) {
+                mma_s8_k32(d1, a[mt], q0, q1);
+                mma_s8_k32(d2, a[mt], l0, l1);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 xv = (e & 1) ? x1 : x0;
+                    o[e] = fmaf(av[mt][e >> 1][0] * xv.x, join_parts(d1[e], d2[e]), o[e]);
+                    if (F::MMQ_OFFSET) o[e] = fmaf(cv[mt][e >> 1], xv.y, o[e]);
+                }
+            } else {
+                int e1[4] = {MQ_MAGIC, MQ_MAGIC, MQ_MAGIC, MQ_MAGIC};
+                int e2[4] = {MQ_MAGIC, MQ_MAGIC, MQ_MAGIC, MQ_MAGIC};
+                mma_s8_k16(d1, a[mt][0], a[mt][1], q0);
+                mma_s8_k16(d2, a[mt][0], a[mt][1], l0);
+                mma_s8_k16(e1, a[mt][2], a[mt][3], q1);
+                mma_s8_k16(e2, a[mt][2], a[mt][3], l1);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 xv = (e & 1) ? x1 : x0;
+                    const float v = fmaf(av[mt][e >> 1][0], join_parts(d1[e], d2[e]),
+                                         av[mt][e >> 1][1] * join_parts(e1[e], e2[e]));
+                    o[e] = fmaf(xv.x, v, o[e]);
+                    if (F::MMQ_OFFSET) o[e] = fmaf(cv[mt][e >> 1], xv.y, o[e]);
+                }
+            }
+        }
+    }
 }
 
 // xq: the T first parts (T x C bytes) then the T second parts; xs: (T, C / 32) pairs {dx, sx}.
-// WM warps along the rows (BM = 32 WM rows per block), two along the tokens.
-template <class F, int WM>
+// Eight warps, 4 along the rows and 2 along the tokens. Two stage buffers: each stage is loaded
+// into one while the other is multiplied, one barrier per stage.
+template <class F>
 __device__ __forceinline__ void mmq_impl(const WRef w, const i8* __restrict__ xq,
                                          const float2* __restrict__ xs,
                                          const float* __restrict__ bias, float* __restrict__ out,
                                          int rows, int T) {
-    constexpr int BM = 32 * WM, THREADS = 64 * WM;
-    __shared__ __align__(16) MmqSmem<BM> s;
+    __shared__ __align__(16) MmqStage s[2];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int wm = warp % WM, wn = warp / WM;
-    const int r0 = blockIdx.x * BM, n0 = blockIdx.y * MQ_BN;
-    const int C = w.cols, nb = C >> 5;
+    const int wm = warp & 3, wn = warp >> 2;
+    const int r0 = blockIdx.x * MQ_BM, n0 = blockIdx.y * MQ_BN;
+    const int C = w.cols;
     const i64 part = (i64)T * C;
     float acc[2][4][4];
 #pragma unroll
@@ -79,102 +194,23 @@ __device__ __forceinline__ void mmq_impl(const WRef w, const i8* __restrict__ xq
 #pragma unroll
             for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
 
+    mmq_load<F>(w, xq, xs, s[0], rows, T, r0, n0, 0, min(MQ_KT, C) >> 5, part);
+    __syncthreads();
+    int buf = 0;
     for (int k0 = 0; k0 < C; k0 += MQ_KT) {
         const int steps = min(MQ_KT, C - k0) >> 5;  // 32-element steps in this stage
-        // Weights: 128 rows x 16 groups of eight, 16 threads per row.
+        // The other buffer was last read before the barrier that ended the previous stage.
+        if (k0 + MQ_KT < C)
+            mmq_load<F>(w, xq, xs, s[buf ^ 1], rows, T, r0, n0, k0 + MQ_KT,
+                        min(MQ_KT, C - k0 - MQ_KT) >> 5, part);
+        if (steps == MQ_KT / 32) {
 #pragma unroll
-        for (int i = 0; i < BM * MQ_KT / 8 / THREADS; i++) {
-            const int idx = tid + THREADS * i, r = idx >> 4, gi = idx & 15;
-            const int row = min(r0 + r, rows - 1);
-            u32 c0 = 0, c1 = 0;
-            float a = 0.0f, c = 0.0f;
-            if (gi < 4 * steps) F::codes8(w, row_ptr(w, row), row, (k0 >> 3) + gi, c0, c1, a, c);
-            *(uint2*)&s.wq[r][gi * 8] = make_uint2(c0, c1);
-            if ((gi & 1) == 0) s.wa[r][gi >> 1] = a;
-            if (F::MMQ_OFFSET && (gi & 3) == 0) s.wc[r][gi >> 2] = c;
-        }
-        // Activations: 2 parts x 64 tokens x 8 pieces of 16 bytes.
-#pragma unroll
-        for (int i = 0; i < 2 * MQ_BN * MQ_KT / 16 / THREADS; i++) {
-            const int idx = tid + THREADS * i, pt = idx >> 9, n = (idx >> 3) & 63, pc = idx & 7;
-            const int tok = n0 + n;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (tok < T && pc < 2 * steps)
-                v = *(const uint4*)(xq + pt * part + (i64)tok * C + k0 + 16 * pc);
-            *(uint4*)&s.xq[pt][n][16 * pc] = v;
-        }
-        for (int idx = tid; idx < MQ_BN * MQ_KT / 32; idx += THREADS) {
-            const int n = idx >> 2, j = idx & 3, tok = n0 + n;
-            float2 v = make_float2(0.0f, 0.0f);
-            if (tok < T && j < steps) {
-                v = xs[(i64)tok * nb + (k0 >> 5) + j];
-                v.x *= 0.00390625f;  // dx / 256: the unit of 256 S1 + S2
-            }
-            s.xs[n][j] = v;
+            for (int j = 0; j < MQ_KT / 32; j++) mmq_step<F>(s[buf], j, wm, wn, g, t4, acc);
+        } else {
+            for (int j = 0; j < steps; j++) mmq_step<F>(s[buf], j, wm, wn, g, t4, acc);
         }
         __syncthreads();
-        for (int j = 0; j < steps; j++) {
-            const int kk = 32 * j + 4 * t4;
-            u32 a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                const int r = wm * 32 + mt * 16 + g;
-                a[mt][0] = *(const u32*)&s.wq[r][kk];
-                a[mt][1] = *(const u32*)&s.wq[r + 8][kk];
-                a[mt][2] = *(const u32*)&s.wq[r][kk + 16];
-                a[mt][3] = *(const u32*)&s.wq[r + 8][kk + 16];
-            }
-            float av[2][2][2], cv[2][2];  // [mt][h] (and [half] of the 32 for the scale)
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = wm * 32 + mt * 16 + g + 8 * h;
-                    av[mt][h][0] = s.wa[r][2 * j];
-                    av[mt][h][1] = s.wa[r][2 * j + 1];
-                    cv[mt][h] = F::MMQ_OFFSET ? s.wc[r][j] : 0.0f;
-                }
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                const int n = wn * 32 + nt * 8 + g;
-                const u32 q0 = *(const u32*)&s.xq[0][n][kk], q1 = *(const u32*)&s.xq[0][n][kk + 16];
-                const u32 l0 = *(const u32*)&s.xq[1][n][kk], l1 = *(const u32*)&s.xq[1][n][kk + 16];
-                const int nn = wn * 32 + nt * 8 + 2 * t4;
-                const float2 x0 = s.xs[nn][j], x1 = s.xs[nn + 1][j];
-#pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    float* o = acc[mt][nt];
-                    if (F::MMQ_GROUP == 32) {
-                        int d1[4] = {0, 0, 0, 0}, d2[4] = {0, 0, 0, 0};
-                        mma_s8_k32(d1, a[mt], q0, q1);
-                        mma_s8_k32(d2, a[mt], l0, l1);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const float2 xv = (e & 1) ? x1 : x0;
-                            const float v = join_parts(d1[e], d2[e]);
-                            o[e] = fmaf(av[mt][e >> 1][0] * xv.x, v, o[e]);
-                            if (F::MMQ_OFFSET) o[e] = fmaf(cv[mt][e >> 1], xv.y, o[e]);
-                        }
-                    } else {
-                        int d1[4] = {0, 0, 0, 0}, d2[4] = {0, 0, 0, 0};
-                        int e1[4] = {0, 0, 0, 0}, e2[4] = {0, 0, 0, 0};
-                        mma_s8_k16(d1, a[mt][0], a[mt][1], q0);
-                        mma_s8_k16(d2, a[mt][0], a[mt][1], l0);
-                        mma_s8_k16(e1, a[mt][2], a[mt][3], q1);
-                        mma_s8_k16(e2, a[mt][2], a[mt][3], l1);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const float2 xv = (e & 1) ? x1 : x0;
-                            const float v = fmaf(av[mt][e >> 1][0], join_parts(d1[e], d2[e]),
-                                                 av[mt][e >> 1][1] * join_parts(e1[e], e2[e]));
-                            o[e] = fmaf(xv.x, v, o[e]);
-                            if (F::MMQ_OFFSET) o[e] = fmaf(cv[mt][e >> 1], xv.y, o[e]);
-                        }
-                    }
-                }
-            }
-        }
-        __syncthreads();
+        buf ^= 1;
     }
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
@@ -194,5 +230,5 @@ __device__ __forceinline__ void mmq_impl(const WRef w, const i8* __restrict__ xq
         mmq_##NAME(WRef w, const i8* xq, const float2* xs, const float* b, float* o, int rows, \
                    int T) {                                                                    \
         pdl_wait();                                                                            \
-        mmq_impl<FMT, 4>(w, xq, xs, b, o, rows, T);                                            \
+        mmq_impl<FMT>(w, xq, xs, b, o, rows, T);                                               \
     }
