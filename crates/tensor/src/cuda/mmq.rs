@@ -23,7 +23,7 @@ use super::ops::launch;
 use super::{cuda_err, CudaDev, DeviceWeight, PrefillGemm, Program};
 use crate::{Error, Result};
 
-/// Weight rows and tokens per block (`mmq_impl<F, 4>` in mmq.cuh: 32 rows per warp, four warps
+/// Weight rows and tokens per block (`MQ_BM`, `MQ_BN` in mmq.cuh: eight warps of 32 x 32, four
 /// along the rows and two along the tokens).
 const BLOCK_ROWS: usize = 128;
 const BLOCK_TOKENS: usize = 64;

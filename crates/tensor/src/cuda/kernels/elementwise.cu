@@ -139,7 +139,7 @@ extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__
 }
 
 // Activations in two 8-bit parts per 32 elements for the integer prefill product (mmq.cuh),
-// operation for operation as the CPU reference quantizes them (cpu/kernels/q8act.rs,
+// operation for operation as the CPU fast path quantizes them (cpu/kernels/q8act.rs,
 // quantize_row_split): dx = max|x| / 127, q = round(x / dx) (ties to even, through the
 // reciprocal as there), l = round(256 (x / dx - q)), both clamped to +-127. One warp per block of
 // 32; q goes to q[0 .. n), l to q[n .. 2n), and per block {dx, dx Σq + dx / 256 Σl} to s.

@@ -20,9 +20,10 @@
 //
 // Speed: about 80 TFLOP/s at 4096 x 4096 x 512 (Q4_K 0.233 ms, Q8_0 0.214), against cuBLAS's
 // 380 on f16 operands. The per-32 scaling (five or six float operations per output and 32
-// elements of K, next to two integer mma) bounds it near 240; the rest is stalls: each warp
-// decodes the next stage's weights right after issuing their loads, so it waits on them before
-// its products (cuda/NOTES.md has the measurements and what would close the gap).
+// elements of K, next to two integer mma) bounds it near 240; the rest is stalls (Nsight
+// Compute: issue slots 37 % busy, two warps per scheduler, the largest stall on global loads;
+// asynchronous activation copies and an L1 prefetch of the next stage's weights did not help).
+// cuda/NOTES.md has the measurements and what would close the gap.
 #pragma once
 #include "quant.cuh"
 
