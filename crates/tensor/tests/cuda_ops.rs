@@ -363,6 +363,18 @@ fn run_linear(
     for &g in gemms {
         dev.set_prefill_gemm(g);
         let int8 = t > 8 && dev.int8_prefill(&dw);
+        // Every upload of these formats (whole matrices, widths a multiple of 32) has the
+        // integer kernel, in either layout.
+        let has_int8 = matches!(
+            f,
+            Fmt::Ggml(GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+        );
+        if t > 8 && g == cuda::PrefillGemm::Int8 {
+            assert_eq!(
+                int8, has_int8,
+                "{f:?} {rows}x{cols}: integer prefill kernel"
+            );
+        }
         let act = if int8 {
             act_rounding_bound(&w.to_f32().unwrap(), cols, &x, 32512.0)
         } else {

@@ -48,7 +48,7 @@ impl CudaDev {
         let Some(f) = w.mmq.as_ref() else {
             return Ok(false);
         };
-        if !self.int8_prefill(w) || t < MIN_TOKENS || self.capturing()? {
+        if self.prefill_gemm() != PrefillGemm::Int8 || t < MIN_TOKENS || self.capturing()? {
             return Ok(false);
         }
         let too_many = || Error::Shape(format!("cuda: {t} tokens in one product is too many"));

@@ -13,7 +13,9 @@
 //     0..3 of c0 are elements 0..3, c1 the rest) with v[i] = a * code_i + c up to the rounding
 //     of the f32 products,
 // and say how often a and c change: MMQ_GROUP elements share a (16 or 32), and c is 0 unless
-// MMQ_OFFSET (then it is shared by 32 elements).
+// MMQ_OFFSET (then it is shared by 32 elements). Both read the group through the format's
+// raw8 (its stored codes as bytes and its scale, and min where it has one), so the two cannot
+// disagree on the layout.
 //
 // The float operations follow the CPU reference (`quant/*.rs`, itself ggml's scalar code)
 // operation for operation, with `__fmul_rn`/`__fadd_rn` where the reference multiplies then adds,
@@ -149,48 +151,58 @@ struct FQ8_0 {  // { half d; i8 qs[32]; } x = q * d
 // block, at `scales` (read as u16). `rp` is the row's first quant byte (row_bytes = quant bytes
 // per row). Same values as FQ4_0 / FQ8_0; matvec.cuh reads these layouts a block per lane.
 struct FQ4_0S {
+    // The group's nibbles (0..15) as bytes, and d.
+    static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
+                                                u32& q0, u32& q1, float& d) {
+        const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
+        d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
+        q0 = (q.x >> sh) & 0x0F0F0F0Fu;
+        q1 = (q.y >> sh) & 0x0F0F0F0Fu;
+    }
     template <bool AL = true>
     static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
                                                 float* v) {
-        const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
-        const float d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
-        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
-        const u32 q0 = (q.x >> sh) & 0x0F0F0F0Fu, q1 = (q.y >> sh) & 0x0F0F0F0Fu;
+        u32 q0, q1;
+        float d;
+        raw8(w, rp, row, g, q0, q1, d);
         deq_bytes8(q0, q1, 8.0f, d, v);
     }
     static constexpr int MMQ_GROUP = 32;
     static constexpr bool MMQ_OFFSET = false;
     static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
                                                   u32& c0, u32& c1, float& a, float& c) {
-        const int b = g >> 2, sh = ((g & 3) >> 1) * 4;
-        a = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        raw8(w, rp, row, g, c0, c1, a);
         c = 0.0f;
-        const uint2 q = *(const uint2*)(rp + 16 * b + (g & 1) * 8);
-        c0 = minus8x4((q.x >> sh) & 0x0F0F0F0Fu);
-        c1 = minus8x4((q.y >> sh) & 0x0F0F0F0Fu);
+        c0 = minus8x4(c0);
+        c1 = minus8x4(c1);
     }
 };
 
 struct FQ8_0S {
+    // The group's signed quants as bytes, and d.
+    static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
+                                                u32& q0, u32& q1, float& d) {
+        const int b = g >> 2;
+        d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
+        q0 = q.x;
+        q1 = q.y;
+    }
     template <bool AL = true>
     static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
                                                 float* v) {
-        const int b = g >> 2;
-        const float d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
-        const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
-        const u32 q0 = q.x ^ 0x80808080u, q1 = q.y ^ 0x80808080u;
-        deq_bytes8(q0, q1, 128.0f, d, v);
+        u32 q0, q1;
+        float d;
+        raw8(w, rp, row, g, q0, q1, d);
+        deq_bytes8(q0 ^ 0x80808080u, q1 ^ 0x80808080u, 128.0f, d, v);
     }
     static constexpr int MMQ_GROUP = 32;
     static constexpr bool MMQ_OFFSET = false;
     static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
                                                   u32& c0, u32& c1, float& a, float& c) {
-        const int b = g >> 2;
-        a = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        raw8(w, rp, row, g, c0, c1, a);
         c = 0.0f;
-        const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
-        c0 = q.x;
-        c1 = q.y;
     }
 };
 
@@ -261,42 +273,47 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, u32& sc, u32& m
     }
 }
 
+// v[i] = d1 * (byte i of q0) - m1 and v[4 + i] likewise of q1, each product rounded as the CPU
+// reference's (Q4_K and its re-laid form).
+__device__ __forceinline__ void deq_nibbles_min8(u32 q0, u32 q1, float d1, float m1, float* v) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[i] = __fsub_rn(__fmul_rn(d1, byte_magic(q0, i) - MAGIC), m1);
+        v[i + 4] = __fsub_rn(__fmul_rn(d1, byte_magic(q1, i) - MAGIC), m1);
+    }
+}
+
 // Q4_K { half d; half dmin; u8 scales[12]; u8 qs[128]; } (144 bytes). Per 64 elements (c),
 // 32 bytes: low nibbles are elements 0..32 (sub-block 2c), high nibbles 32..64 (sub-block 2c+1).
 struct FQ4_K {
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
+    // The group's nibbles (0..15) as bytes, its sub-block's d sc and dmin m.
+    static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
+                                                u32& q0, u32& q1, float& d1, float& m1) {
         const u8* b = rp + (g >> 5) * 144;
         const int e0 = (g & 31) * 8;
         const int c = e0 >> 6, hi = (e0 >> 5) & 1, l0 = e0 & 31;
         u32 sc, m;
         scale_min_k4(2 * c + hi, b + 4, sc, m);
-        const float d1 = __fmul_rn(h2f(ld_u16(b)), i2f((int)sc));
-        const float m1 = __fmul_rn(h2f(ld_u16(b + 2)), i2f((int)m));
+        d1 = __fmul_rn(h2f(ld_u16(b)), i2f((int)sc));
+        m1 = __fmul_rn(h2f(ld_u16(b + 2)), i2f((int)m));
         const u8* q = b + 16 + c * 32 + l0;
-        const u32 q0 = (ld_u32_a2(q) >> (4 * hi)) & 0x0F0F0F0Fu;
-        const u32 q1 = (ld_u32_a2(q + 4) >> (4 * hi)) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fsub_rn(__fmul_rn(d1, byte_magic(q0, i) - MAGIC), m1);
-            v[i + 4] = __fsub_rn(__fmul_rn(d1, byte_magic(q1, i) - MAGIC), m1);
-        }
+        q0 = (ld_u32_a2(q) >> (4 * hi)) & 0x0F0F0F0Fu;
+        q1 = (ld_u32_a2(q + 4) >> (4 * hi)) & 0x0F0F0F0Fu;
+    }
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        u32 q0, q1;
+        float d1, m1;
+        raw8(w, rp, row, g, q0, q1, d1, m1);
+        deq_nibbles_min8(q0, q1, d1, m1, v);
     }
     static constexpr int MMQ_GROUP = 32;
     static constexpr bool MMQ_OFFSET = true;
     static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
                                                   u32& c0, u32& c1, float& a, float& c) {
-        const u8* b = rp + (g >> 5) * 144;
-        const int e0 = (g & 31) * 8;
-        const int k = e0 >> 6, hi = (e0 >> 5) & 1, l0 = e0 & 31;
-        u32 sc, m;
-        scale_min_k4(2 * k + hi, b + 4, sc, m);
-        a = __fmul_rn(h2f(ld_u16(b)), i2f((int)sc));
-        c = -__fmul_rn(h2f(ld_u16(b + 2)), i2f((int)m));
-        const u8* q = b + 16 + k * 32 + l0;
-        c0 = (ld_u32_a2(q) >> (4 * hi)) & 0x0F0F0F0Fu;
-        c1 = (ld_u32_a2(q + 4) >> (4 * hi)) & 0x0F0F0F0Fu;
+        raw8(w, rp, row, g, c0, c1, a, c);
+        c = -c;
     }
 };
 
@@ -313,30 +330,29 @@ __device__ __forceinline__ void q4ks_scales(const WRef& w, int row, int b, float
 }
 
 struct FQ4_KS {
+    // As FQ4_K::raw8.
+    static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
+                                                u32& q0, u32& q1, float& d1, float& m1) {
+        const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
+        q4ks_scales(w, row, b, d1, m1);
+        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
+        q0 = (q.x >> sh) & 0x0F0F0F0Fu;
+        q1 = (q.y >> sh) & 0x0F0F0F0Fu;
+    }
     template <bool AL = true>
     static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
                                                 float* v) {
-        const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
+        u32 q0, q1;
         float d1, m1;
-        q4ks_scales(w, row, b, d1, m1);
-        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
-        const u32 q0 = (q.x >> sh) & 0x0F0F0F0Fu, q1 = (q.y >> sh) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = __fsub_rn(__fmul_rn(d1, byte_magic(q0, i) - MAGIC), m1);
-            v[i + 4] = __fsub_rn(__fmul_rn(d1, byte_magic(q1, i) - MAGIC), m1);
-        }
+        raw8(w, rp, row, g, q0, q1, d1, m1);
+        deq_nibbles_min8(q0, q1, d1, m1, v);
     }
     static constexpr int MMQ_GROUP = 32;
     static constexpr bool MMQ_OFFSET = true;
     static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
                                                   u32& c0, u32& c1, float& a, float& c) {
-        const int b = g >> 2, sh = ((g & 3) >> 1) * 4;
-        q4ks_scales(w, row, b, a, c);
+        raw8(w, rp, row, g, c0, c1, a, c);
         c = -c;
-        const uint2 q = *(const uint2*)(rp + 16 * b + (g & 1) * 8);
-        c0 = (q.x >> sh) & 0x0F0F0F0Fu;
-        c1 = (q.y >> sh) & 0x0F0F0F0Fu;
     }
 };
 
@@ -372,40 +388,39 @@ struct FQ5_K {
 // STRIDE: 210 as stored, 224 as padded at upload for the one-token kernels (matvec.cuh).
 template <int STRIDE>
 struct FQ6_Kt {
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
+    // The group's 6-bit values (0..63) as bytes, and d sc.
+    static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
+                                                u32& n0, u32& n1, float& ds) {
         const u8* b = rp + (g >> 5) * STRIDE;
         const int e0 = (g & 31) * 8;
         const int n = e0 >> 7, quarter = (e0 >> 5) & 3, l0 = e0 & 31;
         const float d = h2f(ld_u16(b + 208));
         const float s = i2f((int)(i8)b[192 + n * 8 + (l0 >> 4) + 2 * quarter]);
-        const float ds = __fmul_rn(d, s);
+        ds = __fmul_rn(d, s);
         const u8* ql = b + 64 * n + 32 * (quarter & 1) + l0;
         const u8* qh = b + 128 + 32 * n + l0;
         const u32 q0 = ld_u32_a2(ql), q1 = ld_u32_a2(ql + 4);
         const u32 h0 = ld_u32_a2(qh), h1 = ld_u32_a2(qh + 4);
         const int sh = 4 * (quarter >> 1);
-        const u32 n0 = ((q0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> (2 * quarter)) & 0x03030303u) << 4);
-        const u32 n1 = ((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4);
+        n0 = ((q0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> (2 * quarter)) & 0x03030303u) << 4);
+        n1 = ((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4);
+    }
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        u32 n0, n1;
+        float ds;
+        raw8(w, rp, row, g, n0, n1, ds);
         deq_bytes8(n0, n1, 32.0f, ds, v);
     }
     static constexpr int MMQ_GROUP = 16;
     static constexpr bool MMQ_OFFSET = false;
     static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
                                                   u32& c0, u32& c1, float& a, float& c) {
-        const u8* b = rp + (g >> 5) * STRIDE;
-        const int e0 = (g & 31) * 8;
-        const int n = e0 >> 7, quarter = (e0 >> 5) & 3, l0 = e0 & 31;
-        a = __fmul_rn(h2f(ld_u16(b + 208)), i2f((int)(i8)b[192 + n * 8 + (l0 >> 4) + 2 * quarter]));
+        raw8(w, rp, row, g, c0, c1, a);
         c = 0.0f;
-        const u8* ql = b + 64 * n + 32 * (quarter & 1) + l0;
-        const u8* qh = b + 128 + 32 * n + l0;
-        const u32 q0 = ld_u32_a2(ql), q1 = ld_u32_a2(ql + 4);
-        const u32 h0 = ld_u32_a2(qh), h1 = ld_u32_a2(qh + 4);
-        const int sh = 4 * (quarter >> 1);
-        c0 = minus32x4(((q0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> (2 * quarter)) & 0x03030303u) << 4));
-        c1 = minus32x4(((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4));
+        c0 = minus32x4(c0);
+        c1 = minus32x4(c1);
     }
 };
 
@@ -429,34 +444,35 @@ __device__ __forceinline__ u32 q6ks_word(u32 q4, u32 h, int k) {
 }
 
 struct FQ6_KS {
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
+    // As FQ6_Kt::raw8.
+    static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
+                                                u32& n0, u32& n1, float& ds) {
         const int b = g >> 2, p = g & 3, hi = p >> 1, k0 = 2 * (p & 1);
         const i64 blk = (i64)row * (w.cols >> 5) + b;
         const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
         const uint2 hb = ((const uint2*)w.scales)[blk];
         const u32 s = ((const u32*)w.biases)[blk];
         const u32 h = hi ? hb.y : hb.x;
-        const float ds = __fmul_rn(h2f((u16)(s >> 16)), i2f((int)(i8)((s >> (8 * hi)) & 0xffu)));
-        const u32 n0 = q6ks_word(q.x >> (4 * hi), h, k0);
-        const u32 n1 = q6ks_word(q.y >> (4 * hi), h, k0 + 1);
+        ds = __fmul_rn(h2f((u16)(s >> 16)), i2f((int)(i8)((s >> (8 * hi)) & 0xffu)));
+        n0 = q6ks_word(q.x >> (4 * hi), h, k0);
+        n1 = q6ks_word(q.y >> (4 * hi), h, k0 + 1);
+    }
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        u32 n0, n1;
+        float ds;
+        raw8(w, rp, row, g, n0, n1, ds);
         deq_bytes8(n0, n1, 32.0f, ds, v);
     }
     static constexpr int MMQ_GROUP = 16;
     static constexpr bool MMQ_OFFSET = false;
     static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
                                                   u32& c0, u32& c1, float& a, float& c) {
-        const int b = g >> 2, p = g & 3, hi = p >> 1, k0 = 2 * (p & 1);
-        const i64 blk = (i64)row * (w.cols >> 5) + b;
-        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
-        const uint2 hb = ((const uint2*)w.scales)[blk];
-        const u32 s = ((const u32*)w.biases)[blk];
-        const u32 h = hi ? hb.y : hb.x;
-        a = __fmul_rn(h2f((u16)(s >> 16)), i2f((int)(i8)((s >> (8 * hi)) & 0xffu)));
+        raw8(w, rp, row, g, c0, c1, a);
         c = 0.0f;
-        c0 = minus32x4(q6ks_word(q.x >> (4 * hi), h, k0));
-        c1 = minus32x4(q6ks_word(q.y >> (4 * hi), h, k0 + 1));
+        c0 = minus32x4(c0);
+        c1 = minus32x4(c1);
     }
 };
 
