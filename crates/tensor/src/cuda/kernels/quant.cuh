@@ -13,9 +13,11 @@
 //     0..3 of c0 are elements 0..3, c1 the rest) with v[i] = a * code_i + c up to the rounding
 //     of the f32 products,
 // and say how often a and c change: MMQ_GROUP elements share a (16 or 32), and c is 0 unless
-// MMQ_OFFSET (then it is shared by 32 elements). Both read the group through the format's
+// MMQ_OFFSET (then it is shared by 32 elements). Both read the group through the layout's
 // raw8 (its stored codes as bytes and its scale, and min where it has one), so the two cannot
-// disagree on the layout.
+// disagree on the layout; where several layouts share a value rule, one template adds both to
+// each layout's raw8 (NibblesMin for Q4_K stored and re-laid, SixBits for Q6_K stored, padded
+// and re-laid).
 //
 // The float operations follow the CPU reference (`quant/*.rs`, itself ggml's scalar code)
 // operation for operation, with `__fmul_rn`/`__fadd_rn` where the reference multiplies then adds,
@@ -283,9 +285,31 @@ __device__ __forceinline__ void deq_nibbles_min8(u32 q0, u32 q1, float d1, float
     }
 }
 
+// deq8 and codes8 of a layout R whose raw8 gives nibbles, d sc and dmin m (Q4_K stored and
+// re-laid): x = (d sc) q - (dmin m).
+template <class R>
+struct NibblesMin : R {
+    using R::raw8;
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        u32 q0, q1;
+        float d1, m1;
+        raw8(w, rp, row, g, q0, q1, d1, m1);
+        deq_nibbles_min8(q0, q1, d1, m1, v);
+    }
+    static constexpr int MMQ_GROUP = 32;
+    static constexpr bool MMQ_OFFSET = true;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        raw8(w, rp, row, g, c0, c1, a, c);
+        c = -c;
+    }
+};
+
 // Q4_K { half d; half dmin; u8 scales[12]; u8 qs[128]; } (144 bytes). Per 64 elements (c),
 // 32 bytes: low nibbles are elements 0..32 (sub-block 2c), high nibbles 32..64 (sub-block 2c+1).
-struct FQ4_K {
+struct RQ4_K {
     // The group's nibbles (0..15) as bytes, its sub-block's d sc and dmin m.
     static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
                                                 u32& q0, u32& q1, float& d1, float& m1) {
@@ -300,22 +324,8 @@ struct FQ4_K {
         q0 = (ld_u32_a2(q) >> (4 * hi)) & 0x0F0F0F0Fu;
         q1 = (ld_u32_a2(q + 4) >> (4 * hi)) & 0x0F0F0F0Fu;
     }
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
-        u32 q0, q1;
-        float d1, m1;
-        raw8(w, rp, row, g, q0, q1, d1, m1);
-        deq_nibbles_min8(q0, q1, d1, m1, v);
-    }
-    static constexpr int MMQ_GROUP = 32;
-    static constexpr bool MMQ_OFFSET = true;
-    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
-                                                  u32& c0, u32& c1, float& a, float& c) {
-        raw8(w, rp, row, g, c0, c1, a, c);
-        c = -c;
-    }
 };
+typedef NibblesMin<RQ4_K> FQ4_K;
 
 // Q4_K re-laid at upload ("q4_ks", `q4k_split` in weight.rs): sub-block blk = row * (cols / 32)
 // + b has its 16 quant bytes in split Q4_0's order (element i in the low nibble of byte i, i + 16
@@ -329,8 +339,8 @@ __device__ __forceinline__ void q4ks_scales(const WRef& w, int row, int b, float
     m1 = __fmul_rn(h2f((u16)(dd >> 16)), i2f((int)(sm >> 8)));
 }
 
-struct FQ4_KS {
-    // As FQ4_K::raw8.
+struct RQ4_KS {
+    // As RQ4_K::raw8.
     static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
                                                 u32& q0, u32& q1, float& d1, float& m1) {
         const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
@@ -339,22 +349,8 @@ struct FQ4_KS {
         q0 = (q.x >> sh) & 0x0F0F0F0Fu;
         q1 = (q.y >> sh) & 0x0F0F0F0Fu;
     }
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
-        u32 q0, q1;
-        float d1, m1;
-        raw8(w, rp, row, g, q0, q1, d1, m1);
-        deq_nibbles_min8(q0, q1, d1, m1, v);
-    }
-    static constexpr int MMQ_GROUP = 32;
-    static constexpr bool MMQ_OFFSET = true;
-    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
-                                                  u32& c0, u32& c1, float& a, float& c) {
-        raw8(w, rp, row, g, c0, c1, a, c);
-        c = -c;
-    }
 };
+typedef NibblesMin<RQ4_KS> FQ4_KS;
 
 // Q5_K { half d; half dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]; } (176 bytes). Q4_K plus a
 // fifth bit: qh[l] bit 2c (low nibbles) or 2c+1 (high nibbles).
@@ -387,7 +383,7 @@ struct FQ5_K {
 // bits from qh[32n + l] bits 2*quarter; x = d * scale * (q - 32).
 // STRIDE: 210 as stored, 224 as padded at upload for the one-token kernels (matvec.cuh).
 template <int STRIDE>
-struct FQ6_Kt {
+struct RQ6_Kt {
     // The group's 6-bit values (0..63) as bytes, and d sc.
     static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
                                                 u32& n0, u32& n1, float& ds) {
@@ -405,6 +401,13 @@ struct FQ6_Kt {
         n0 = ((q0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> (2 * quarter)) & 0x03030303u) << 4);
         n1 = ((q1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> (2 * quarter)) & 0x03030303u) << 4);
     }
+};
+
+// deq8 and codes8 of a layout R whose raw8 gives 6-bit values and d sc (Q6_K stored, padded
+// and re-laid): x = (d sc) (q - 32).
+template <class R>
+struct SixBits : R {
+    using R::raw8;
     template <bool AL = true>
     static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
                                                 float* v) {
@@ -424,8 +427,8 @@ struct FQ6_Kt {
     }
 };
 
-typedef FQ6_Kt<210> FQ6_K;
-typedef FQ6_Kt<224> FQ6_KP;
+typedef SixBits<RQ6_Kt<210>> FQ6_K;
+typedef SixBits<RQ6_Kt<224>> FQ6_KP;
 
 // Q6_K re-laid at upload ("q6_ks", `q6k_split` in weight.rs), per 32-element unit blk = row *
 // (cols / 32) + b, q the unit's 6-bit values (0..63, x = d sc (q - 32)):
@@ -443,8 +446,8 @@ __device__ __forceinline__ u32 q6ks_word(u32 q4, u32 h, int k) {
     return (q4 & 0x0F0F0F0Fu) | (((h >> (2 * k)) & 0x03030303u) << 4);
 }
 
-struct FQ6_KS {
-    // As FQ6_Kt::raw8.
+struct RQ6_KS {
+    // As RQ6_Kt::raw8.
     static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
                                                 u32& n0, u32& n1, float& ds) {
         const int b = g >> 2, p = g & 3, hi = p >> 1, k0 = 2 * (p & 1);
@@ -457,24 +460,8 @@ struct FQ6_KS {
         n0 = q6ks_word(q.x >> (4 * hi), h, k0);
         n1 = q6ks_word(q.y >> (4 * hi), h, k0 + 1);
     }
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
-        u32 n0, n1;
-        float ds;
-        raw8(w, rp, row, g, n0, n1, ds);
-        deq_bytes8(n0, n1, 32.0f, ds, v);
-    }
-    static constexpr int MMQ_GROUP = 16;
-    static constexpr bool MMQ_OFFSET = false;
-    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
-                                                  u32& c0, u32& c1, float& a, float& c) {
-        raw8(w, rp, row, g, c0, c1, a);
-        c = 0.0f;
-        c0 = minus32x4(c0);
-        c1 = minus32x4(c1);
-    }
 };
+typedef SixBits<RQ6_KS> FQ6_KS;
 
 // Q8_K { f32 d; i8 qs[256]; i16 bsums[16]; } (292 bytes): x = d * q.
 struct FQ8_K {
