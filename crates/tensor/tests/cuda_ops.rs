@@ -350,16 +350,25 @@ fn run_linear(
     // products of the weights' codes with the activations rounded to two 8-bit parts per 32
     // (each element off by at most max|x_block| / 65024, or / 32512 where the second part's
     // code is clamped at 127), f32 sums in another order (1e-5 as for the one-token kernels).
+    // cuBLAS on f16 pairs: each operand as hi + lo, off by at most 2^-22 relative plus 2^-25
+    // absolute where lo is an f16 subnormal (weights under about 0.03), the dropped lo·lo term
+    // 2^-22 relative, f32 sums: 1e-5 of Σ|w x| plus 2^-25 Σ|x| (and 1e-5 absolute) bounds it.
     let rel = if t <= 8 { 1e-5 } else { 1.2e-3 };
+    let xsum: Vec<f32> = x
+        .chunks(cols)
+        .map(|r| r.iter().map(|v| v.abs()).sum())
+        .collect();
     let gemms: &[cuda::PrefillGemm] = if t <= 8 {
-        &[cuda::PrefillGemm::Auto]
+        &[cuda::PrefillGemm::Pairs]
     } else {
         &[
             cuda::PrefillGemm::Tiled,
-            cuda::PrefillGemm::Auto,
+            cuda::PrefillGemm::F16,
             cuda::PrefillGemm::Int8,
+            cuda::PrefillGemm::Pairs,
         ]
     };
+    let blas = dev.blas_available() && cols.is_multiple_of(8);
     for &g in gemms {
         dev.set_prefill_gemm(g);
         let int8 = t > 8 && dev.int8_prefill(&dw);
@@ -375,6 +384,10 @@ fn run_linear(
                 "{f:?} {rows}x{cols}: integer prefill kernel"
             );
         }
+        // Pairs, and the integer setting's fallback for formats without the integer kernel.
+        let pairs = t > 8
+            && blas
+            && (g == cuda::PrefillGemm::Pairs || (g == cuda::PrefillGemm::Int8 && !int8));
         let act = if int8 {
             act_rounding_bound(&w.to_f32().unwrap(), cols, &x, 32512.0)
         } else {
@@ -386,9 +399,13 @@ fn run_linear(
         let path = match g {
             _ if t <= 8 => "matvec",
             cuda::PrefillGemm::Tiled => "tiled",
-            cuda::PrefillGemm::Auto => "auto",
+            cuda::PrefillGemm::F16 => "f16",
             cuda::PrefillGemm::Int8 if int8 => "int8",
-            cuda::PrefillGemm::Int8 => "auto, no integer kernel",
+            // Without cuBLAS (or with C % 8 != 0) pairs and f16 run the tiled kernel, and are
+            // checked as such.
+            cuda::PrefillGemm::Int8 | cuda::PrefillGemm::Pairs if pairs => "pairs",
+            cuda::PrefillGemm::Int8 => "no integer kernel, no cuBLAS",
+            cuda::PrefillGemm::Pairs => "pairs, no cuBLAS",
         };
         check(
             &format!("linear {f:?} {rows}x{cols} T={t} bias={with_bias} ({path})"),
@@ -397,13 +414,15 @@ fn run_linear(
             |i| {
                 if int8 {
                     1e-5 * mag[i] + 1e-5 + act[i]
+                } else if pairs {
+                    1e-5 * mag[i] + 1e-5 + xsum[i / rows] / (1u32 << 25) as f32
                 } else {
                     rel * mag[i] + if t <= 8 { 1e-5 } else { 1e-4 }
                 }
             },
         );
     }
-    dev.set_prefill_gemm(cuda::PrefillGemm::Auto);
+    dev.set_prefill_gemm(cuda::PrefillGemm::default());
 }
 
 #[test]
@@ -1550,8 +1569,8 @@ fn bench_ops() {
         println!("{}", table.join("\n"));
         return;
     }
-    // Prefill products: our tiled kernel, the cuBLAS path (the default) and the integer kernel
-    // (`prefill_gemm`), by T.
+    // Prefill products: our tiled kernel, cuBLAS on one f16 pass, the integer kernel and cuBLAS
+    // on f16 pairs (the default) (`prefill_gemm`), by T.
     println!("cuBLAS present: {}", dev.blas_available());
     for f in [
         Fmt::Ggml(GgmlType::Q4_K),
@@ -1568,8 +1587,9 @@ fn bench_ops() {
             let mut cells = Vec::new();
             for g in [
                 cuda::PrefillGemm::Tiled,
-                cuda::PrefillGemm::Auto,
+                cuda::PrefillGemm::F16,
                 cuda::PrefillGemm::Int8,
+                cuda::PrefillGemm::Pairs,
             ] {
                 dev.set_prefill_gemm(g);
                 let ms =
@@ -1577,7 +1597,7 @@ fn bench_ops() {
                 let tflops = 2.0 * (rows * cols * t) as f64 / (ms as f64 * 1e9);
                 cells.push(format!("{g:?} {:.3} ms {tflops:.1} TFLOP/s", ms));
             }
-            dev.set_prefill_gemm(cuda::PrefillGemm::Auto);
+            dev.set_prefill_gemm(cuda::PrefillGemm::default());
             table.push(format!(
                 "gemm {:?} R={rows} C={cols} T={t}: {}",
                 f,

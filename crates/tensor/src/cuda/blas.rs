@@ -1,12 +1,15 @@
 //! Prefill products through cuBLAS, loaded at run time like the driver (`dlopen`; absent
 //! library: our tiled kernel does the work, nothing fails).
 //!
-//! `out (T, R) = x (T, C) · Wᵀ` for prefill-sized T: the activations are rounded to f16 once,
-//! the weight is dequantized to f16 rows (dense f16 weights are used as they are) in chunks of
-//! at most [`WBUF_ELEMS`] elements, and cuBLAS multiplies with f32 accumulation into the f32
-//! output. The operands carry the same f16 rounding as the tiled kernel's shared-memory tiles,
-//! so both paths have the same error budget; cuBLAS's Hopper kernels (wgmma, TMA) are what our
-//! `mma.sync` tiles do not yet reach.
+//! `out (T, R) = x (T, C) · Wᵀ` for prefill-sized T: the weight is dequantized to f16 rows (dense
+//! f16 weights are used as they are) in chunks of at most [`WBUF_ELEMS`] elements, and cuBLAS
+//! multiplies with f32 accumulation into the f32 output. By default ([`PrefillGemm::Pairs`]) each
+//! activation and each dequantized weight is a pair of f16, hi + lo, whose sum carries about 22
+//! bits of the value, and the products Wh·hi + Wl·hi + Wh·lo take two cuBLAS calls: the prefill
+//! then agrees with the f32 reference about as closely as the one-token kernels do (the 8B
+//! Q4_K_M's prefill gate 99/100, mean KL 3.7e-6, against 96/100 and 3.7e-5 with one f16 pass)
+//! at half the speed of one pass ([`PrefillGemm::F16`], whose operands carry the same f16
+//! rounding as the tiled kernel's shared-memory tiles).
 //!
 //! Not used while a graph is being captured (the scratch may have to grow) nor for small T,
 //! where dequantizing the whole weight costs more than the tiled kernel's on-the-fly reads.
@@ -22,26 +25,63 @@ use super::weight::DEQH_KERNEL;
 use super::{cuda_err, CudaDev, DeviceWeight, Program};
 use crate::{Error, Result};
 
-/// Largest dequantized weight chunk, in f16 elements (64 MiB): an 8B model's biggest matrices
-/// (14336 x 4096) take two chunks; a vocabulary-sized output matrix takes several.
-const WBUF_ELEMS: usize = 32 << 20;
+/// Largest dequantized weight chunk, in f16 elements (256 MiB): an 8B model's biggest matrices
+/// (14336 x 4096) fit whole even as pairs (twice the elements); a vocabulary-sized output matrix
+/// takes several chunks of equal size. Chunks of a thousand or two rows left cuBLAS too few
+/// output tiles for the H200's 132 multiprocessors at 512 tokens: with 32 Mi elements the 8B
+/// Q4_K_M's pp512 was 7.4k tokens/s on pairs and 16.8k on one pass, with 128 Mi 10.3k and 21.1k.
+const WBUF_ELEMS: usize = 128 << 20;
 
 /// cuBLAS's scratch (its guide asks 32 MiB on Hopper); given up front so it never allocates.
 const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// Which kernel multiplies prefill-sized batches (more than 8 tokens).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillGemm {
-    /// cuBLAS on f16 operands where the library is present and the shape allows it, else our
-    /// tiled kernel.
-    Auto,
+    /// cuBLAS on f16 pairs: each activation and each dequantized weight as hi + lo, two f16
+    /// whose sum carries about 22 bits of the value, and the products Wh·hi + Wl·hi + Wh·lo
+    /// (the dropped Wl·lo is about 2^-22 of the sum) with f32 sums: near-f32 products at about
+    /// twice the cost of one pass (three times the tensor-core work of one pass, twice its weight
+    /// writes; a dense f16 weight, exact already, twice the work). Our tiled kernel where cuBLAS
+    /// is absent or the shape does not allow it. The default.
+    #[default]
+    Pairs,
+    /// cuBLAS on f16 operands, one pass (each product off by up to ~2^-10 relative): the
+    /// fastest, the least close to the f32 reference. Our tiled kernel where cuBLAS is absent.
+    F16,
     /// The 8-bit integer kernel (`kernels/mmq.cuh`: the activations rounded as the CPU fast
     /// path rounds them, exact integer products with the weights' codes) for the formats that
-    /// have it, else as `Auto`: closer to the f32 reference (the 8B Q4_K_M's gate: 99/100
-    /// instead of 96/100) but several times slower than cuBLAS (cuda/NOTES.md).
+    /// have it, else as `Pairs`: about as close as pairs, several times slower (cuda/NOTES.md).
     Int8,
-    /// Always our tiled kernel (`kernels/linear.cuh`).
+    /// Always our tiled kernel (`kernels/linear.cuh`, f16 operands).
     Tiled,
+}
+
+impl PrefillGemm {
+    /// From its `HF2Q_CUDA_GEMM` name: `pairs`, `f16`, `int8` or `tiled`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "pairs" => Self::Pairs,
+            "f16" => Self::F16,
+            "int8" => Self::Int8,
+            "tiled" => Self::Tiled,
+            _ => return None,
+        })
+    }
+
+    /// The setting `HF2Q_CUDA_GEMM` names, else the default (with a warning for a name that
+    /// is none of them).
+    pub(crate) fn from_env() -> Self {
+        match std::env::var("HF2Q_CUDA_GEMM") {
+            Ok(v) => Self::from_name(&v).unwrap_or_else(|| {
+                eprintln!(
+                    "hf2q: HF2Q_CUDA_GEMM={v:?} is not one of pairs, f16, int8, tiled; using pairs"
+                );
+                Self::default()
+            }),
+            Err(_) => Self::default(),
+        }
+    }
 }
 
 /// The cuBLAS state of a device, made on first use.
@@ -79,8 +119,8 @@ fn grow(dev: &CudaDev, buf: &mut Option<CudaSlice<u16>>, n: usize) -> Result<u64
 }
 
 impl CudaDev {
-    /// Picks the prefill product kernel (the default is [`PrefillGemm::Auto`], or what the
-    /// environment sets: `HF2Q_CUDA_GEMM=int8` or `tiled`).
+    /// Picks the prefill product kernel (the default is [`PrefillGemm::Pairs`], or what the
+    /// environment sets at open: `HF2Q_CUDA_GEMM=pairs|f16|int8|tiled`).
     pub fn set_prefill_gemm(&self, g: PrefillGemm) {
         self.gemm.store(g as u8, Ordering::Relaxed);
     }
@@ -96,7 +136,8 @@ impl CudaDev {
         match self.gemm.load(Ordering::Relaxed) {
             x if x == PrefillGemm::Tiled as u8 => PrefillGemm::Tiled,
             x if x == PrefillGemm::Int8 as u8 => PrefillGemm::Int8,
-            _ => PrefillGemm::Auto,
+            x if x == PrefillGemm::F16 as u8 => PrefillGemm::F16,
+            _ => PrefillGemm::Pairs,
         }
     }
 
@@ -184,13 +225,24 @@ impl CudaDev {
                 Error::Shape(format!("cuda: {t} tokens in one product is too many"))
             })?,
         );
+        let pairs = self.prefill_gemm() != PrefillGemm::F16;
         let n = (t * cols) as i64;
-        let xh = grow(self, &mut st.xbuf, t * cols)?;
-        let f = self.function(Program::Elementwise, "to_f16")?;
+        // Single pass: x as f16, t rows of C. Pairs: t rows of [hi | hi | lo] (`to_f16_pairs`).
+        let xw = if pairs { 3 * cols } else { cols };
+        let xh = grow(self, &mut st.xbuf, t * xw)?;
         let grid = u32::try_from((t * cols).div_ceil(4 * 256))
             .map_err(|_| Error::Shape("cuda: product input too large".into()))?;
-        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, xh, n)?;
+        if pairs {
+            let f = self.function(Program::Elementwise, "to_f16_pairs")?;
+            launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, xh, ci, n)?;
+        } else {
+            let f = self.function(Program::Elementwise, "to_f16")?;
+            launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, xh, n)?;
+        }
+        // A dense f16 weight is its own exact operand; any other is dequantized per chunk of
+        // rows, as f16 (lda = C) or, for pairs, as [Wh | Wl] per row (lda = 2C).
         let dense = w.kind == "f16";
+        let ww = if dense || !pairs { cols } else { 2 * cols };
         let chunk = if dense {
             rows
         } else {
@@ -198,57 +250,76 @@ impl CudaDev {
                 0 => WBUF_ELEMS,
                 n => n,
             };
-            (cap / cols).clamp(1, rows)
+            // As many chunks as the cap needs, of equal rows (a multiple of eight, so each
+            // chunk's output starts 32-byte aligned).
+            let most = ((cap / ww) & !7).max(8);
+            rows.div_ceil(rows.div_ceil(most))
+                .next_multiple_of(8)
+                .min(rows)
         };
         let wa = w.args(self);
         let wh = if dense {
             0
         } else {
-            grow(self, &mut st.wbuf, chunk * cols)?
+            grow(self, &mut st.wbuf, chunk * ww)?
         };
         let deqh = &w.kernels[DEQH_KERNEL];
         let handle = *st.blas.handle();
         let (one, zero) = (1.0f32, 0.0f32);
+        let wwi = ww as i32;
+        let xwi = xw as i32;
         for r0 in (0..rows).step_by(chunk) {
             let nr = chunk.min(rows - r0);
             let a = if dense {
                 wa.data + (r0 * cols * 2) as u64
             } else {
                 let (r0i, nri) = (r0 as i32, nr as i32);
+                let lo = if pairs { wh + (cols * 2) as u64 } else { 0 };
                 let grid = u32::try_from((nr * cols / 8).div_ceil(256))
                     .map_err(|_| Error::Shape("cuda: weight chunk too large".into()))?;
-                launch!(self, deqh, (grid, 1, 1), (256, 1, 1), 0; wa, wh, r0i, nri)?;
+                launch!(self, deqh, (grid, 1, 1), (256, 1, 1), 0; wa, wh, lo, wwi, r0i, nri)?;
                 wh
             };
-            self.count_launch();
-            // Column-major view: out is (R, t) with leading dimension R, W is (C, R) read
-            // transposed, x is (C, t); this chunk writes rows r0 .. r0 + nr of every token.
-            // SAFETY: a live handle on this device's stream; a, xh and out hold nr x C, t x C
-            // and t x R elements (checked by the caller and sized above).
-            unsafe {
-                bres::gemm_ex(
-                    handle,
-                    bsys::cublasOperation_t::CUBLAS_OP_T,
-                    bsys::cublasOperation_t::CUBLAS_OP_N,
-                    nr as i32,
-                    ti,
-                    ci,
-                    &one as *const f32 as *const c_void,
-                    a as *const c_void,
-                    bsys::cudaDataType_t::CUDA_R_16F,
-                    ci,
-                    xh as *const c_void,
-                    bsys::cudaDataType_t::CUDA_R_16F,
-                    ci,
-                    &zero as *const f32 as *const c_void,
-                    (op + (r0 * 4) as u64) as *mut c_void,
-                    bsys::cudaDataType_t::CUDA_R_32F,
-                    ri,
-                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
+            let out = op + (r0 * 4) as u64;
+            // (k, B's offset in elements, beta) of each product: one pass, or for pairs
+            // [Wh | Wl]·[hi; hi] then Wh·lo added (a dense weight: W·hi, then W·lo added).
+            let passes: &[(i32, u64, &f32)] = match (pairs, dense) {
+                (false, _) => &[(ci, 0, &zero)],
+                (true, false) => &[(2 * ci, 0, &zero), (ci, 2 * cols as u64, &one)],
+                (true, true) => &[(ci, 0, &zero), (ci, 2 * cols as u64, &one)],
+            };
+            for &(k, boff, beta) in passes {
+                self.count_launch();
+                // Column-major view: out is (R, t) with leading dimension R, W is (k, R) read
+                // transposed, x is (k, t); this chunk writes rows r0 .. r0 + nr of every token.
+                // SAFETY: a live handle on this device's stream; a holds nr rows of lda
+                // elements, the activation buffer t rows of xw (k + boff <= xw), out t x R
+                // (checked by the caller and sized above).
+                unsafe {
+                    bres::gemm_ex(
+                        handle,
+                        bsys::cublasOperation_t::CUBLAS_OP_T,
+                        bsys::cublasOperation_t::CUBLAS_OP_N,
+                        nr as i32,
+                        ti,
+                        k,
+                        &one as *const f32 as *const c_void,
+                        a as *const c_void,
+                        bsys::cudaDataType_t::CUDA_R_16F,
+                        wwi,
+                        (xh + 2 * boff) as *const c_void,
+                        bsys::cudaDataType_t::CUDA_R_16F,
+                        xwi,
+                        beta as *const f32 as *const c_void,
+                        out as *mut c_void,
+                        bsys::cudaDataType_t::CUDA_R_32F,
+                        ri,
+                        bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(blas_err(&format!("product with '{}'", w.name)))?;
             }
-            .map_err(blas_err(&format!("product with '{}'", w.name)))?;
         }
         if bias != 0 {
             let f = self.function(Program::Elementwise, "add_bias_rows")?;

@@ -301,13 +301,7 @@ impl CudaDev {
                     .filter(|&b: &usize| (1..=2).contains(&b))
                     .unwrap_or(2),
             ),
-            gemm: std::sync::atomic::AtomicU8::new(
-                match std::env::var("HF2Q_CUDA_GEMM").as_deref() {
-                    Ok("tiled") => PrefillGemm::Tiled,
-                    Ok("int8") => PrefillGemm::Int8,
-                    _ => PrefillGemm::Auto,
-                } as u8,
-            ),
+            gemm: std::sync::atomic::AtomicU8::new(PrefillGemm::from_env() as u8),
             mmq_buf: Mutex::new(None),
         })))
     }

@@ -448,9 +448,9 @@ impl CudaDev {
     }
 
     /// `out (t, R) = x (t, C) · Wᵀ (+ bias)`. t <= 8 runs the matrix-vector kernels (weights read
-    /// once for all t tokens), larger t cuBLAS on f16 operands (`blas.rs`), or the 8-bit integer
-    /// kernel (`mmq.rs`), or the tiled tensor-core kernel (f16 operands, f32 sums): see
-    /// [`PrefillGemm`].
+    /// once for all t tokens), larger t cuBLAS on f16 pairs or on f16 operands (`blas.rs`), or
+    /// the 8-bit integer kernel (`mmq.rs`), or the tiled tensor-core kernel (f16 operands, f32
+    /// sums): see [`PrefillGemm`].
     pub fn linear(
         &self,
         x: &impl DevicePtr<f32>,

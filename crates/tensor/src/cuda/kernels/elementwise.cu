@@ -138,6 +138,33 @@ extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__
     }
 }
 
+// Activations (T rows of C, C % 4 == 0) as f16 pairs for the cuBLAS prefill product on pairs:
+// row t of out is [hi | hi | lo], 3C wide, hi = f16(x) and lo = f16(x - hi) (the remainder is
+// exact in f32). The weight's pairs are laid [Wh | Wl] per row, so one product over the first 2C
+// columns forms Wh·hi + Wl·hi and a second over Wh and the last C columns adds Wh·lo. Four per
+// thread.
+extern "C" __global__ void to_f16_pairs(const float* __restrict__ x, u16* __restrict__ out,
+                                        int C, i64 n) {
+    pdl_wait();
+    const i64 i = 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= n) return;
+    const i64 t = i / C, c = i % C;
+    const float4 a = *(const float4*)(x + i);
+    const float v[4] = {a.x, a.y, a.z, a.w};
+    u16 h[4];
+    float l[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        h[j] = f2h(v[j]);
+        l[j] = v[j] - h2f(h[j]);
+    }
+    const uint2 hi = make_uint2((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16));
+    u16* row = out + t * 3 * C + c;
+    *(uint2*)row = hi;
+    *(uint2*)(row + C) = hi;
+    *(uint2*)(row + 2 * C) = make_uint2(pack_h2(l[0], l[1]), pack_h2(l[2], l[3]));
+}
+
 // Activations in two 8-bit parts per 32 elements for the integer prefill product (mmq.cuh),
 // operation for operation as the CPU fast path quantizes them (cpu/kernels/q8act.rs,
 // quantize_row_split): dx = max|x| / 127, q = round(x / dx) (ties to even, through the

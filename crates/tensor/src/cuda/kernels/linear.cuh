@@ -312,19 +312,35 @@ __device__ __forceinline__ void embed_impl(const WRef w, const u32* __restrict__
     }
 }
 
-// Rows row0 .. row0 + n of the weight as f16, row-major and C wide (C % 8 == 0): the operand of
-// the cuBLAS prefill product. One thread per group of eight; the same dequantizer and f16
-// rounding as the tiled kernel's shared-memory tiles.
+// Rows row0 .. row0 + n of the weight as f16, row-major with ld elements per row (C % 8 == 0):
+// the operand of the cuBLAS prefill product. One thread per group of eight; the same dequantizer
+// and f16 rounding as the tiled kernel's shared-memory tiles. Where lo is not null, the rounding
+// remainder v - hi (exact in f32) goes there, rounded to f16 in turn, in the same layout: hi + lo
+// carries about 22 bits of each value (the remainder of a value under about 0.03 lands among the
+// f16 subnormals, whose spacing 2^-24 still keeps it far below the value's own f16 rounding).
 template <class F>
-__device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out, int row0, int n) {
+__device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out,
+                                          u16* __restrict__ lo, int ld, int row0, int n) {
     const int ng = w.cols >> 3;
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)n * ng) return;
     const int r = (int)(idx / ng), g = (int)(idx % ng), row = row0 + r;
     float v[8];
     F::template deq8<true>(w, row_ptr(w, row), row, g, v);
-    *(uint4*)(out + (i64)r * w.cols + 8 * g) = make_uint4(
-        pack_h2(v[0], v[1]), pack_h2(v[2], v[3]), pack_h2(v[4], v[5]), pack_h2(v[6], v[7]));
+    u16 h[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) h[i] = f2h(v[i]);
+    const i64 at = (i64)r * ld + 8 * g;
+    *(uint4*)(out + at) =
+        make_uint4((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16),
+                   (u32)h[4] | ((u32)h[5] << 16), (u32)h[6] | ((u32)h[7] << 16));
+    if (lo != nullptr) {
+        float d[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) d[i] = v[i] - h2f(h[i]);
+        *(uint4*)(lo + at) = make_uint4(pack_h2(d[0], d[1]), pack_h2(d[2], d[3]),
+                                        pack_h2(d[4], d[5]), pack_h2(d[6], d[7]));
+    }
 }
 
 // The kernels of one format: mv{1,2,4,8}_NAME (matrix-vector for up to that many tokens),
@@ -366,7 +382,7 @@ __device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out, i
         embed_impl<FMT>(w, ids, o, T, vocab, scale);                                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                          \
-        deqh_##NAME(WRef w, u16* o, int row0, int n) {                                         \
+        deqh_##NAME(WRef w, u16* o, u16* lo, int ld, int row0, int n) {                        \
         pdl_wait();                                                                            \
-        deqh_impl<FMT>(w, o, row0, n);                                                         \
+        deqh_impl<FMT>(w, o, lo, ld, row0, n);                                                 \
     }
