@@ -350,9 +350,11 @@ fn run_linear(
     // products of the weights' codes with the activations rounded to two 8-bit parts per 32
     // (each element off by at most max|x_block| / 65024, or / 32512 where the second part's
     // code is clamped at 127), f32 sums in another order (1e-5 as for the one-token kernels).
-    // cuBLAS on f16 pairs: each operand as hi + lo, off by at most 2^-22 relative plus 2^-25
-    // absolute where lo is an f16 subnormal (weights under about 0.03), the dropped lo·lo term
-    // 2^-22 relative, f32 sums: 1e-5 of Σ|w x| plus 2^-25 Σ|x| (and 1e-5 absolute) bounds it.
+    // cuBLAS on f16 pairs: each operand as hi + lo, off by at most 2^-22 relative, or 2^-25
+    // absolute where lo falls among the f16 subnormals (under 2^-14), the dropped lo·lo term
+    // 2^-22 relative, f32 sums: 1e-5 of Σ|w x| plus 2^-25 Σ|x| for the weights' subnormal
+    // remainders (the activations', 2^-25 Σ|w|, is far inside 1e-5 Σ|w x| at |x| ~ 1), and
+    // 1e-5 absolute, bounds it.
     let rel = if t <= 8 { 1e-5 } else { 1.2e-3 };
     let xsum: Vec<f32> = x
         .chunks(cols)

@@ -316,8 +316,9 @@ __device__ __forceinline__ void embed_impl(const WRef w, const u32* __restrict__
 // the operand of the cuBLAS prefill product. One thread per group of eight; the same dequantizer
 // and f16 rounding as the tiled kernel's shared-memory tiles. Where lo is not null, the rounding
 // remainder v - hi (exact in f32) goes there, rounded to f16 in turn, in the same layout: hi + lo
-// carries about 22 bits of each value (the remainder of a value under about 0.03 lands among the
-// f16 subnormals, whose spacing 2^-24 still keeps it far below the value's own f16 rounding).
+// carries about 22 bits of each value (a remainder under 2^-14 lands among the f16 subnormals,
+// spaced 2^-24: off by at most 2^-25, far below the value's own f16 rounding for any value
+// above about 1e-4).
 template <class F>
 __device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out,
                                           u16* __restrict__ lo, int ld, int row0, int n) {
