@@ -41,8 +41,8 @@ pub enum PrefillGemm {
     /// whose sum carries about 22 bits of the value, and the products Wh·hi + Wl·hi + Wh·lo
     /// (the dropped Wl·lo is about 2^-22 of the sum) with f32 sums: near-f32 products at about
     /// twice the cost of one pass (three times the tensor-core work of one pass, twice its weight
-    /// writes; a dense f16 weight, exact already, twice the work). Our tiled kernel where cuBLAS
-    /// is absent or the shape does not allow it. The default.
+    /// writes; an f16 or bf16 weight, exact in f16 already, twice the work). Our tiled kernel
+    /// where cuBLAS is absent or the shape does not allow it. The default.
     #[default]
     Pairs,
     /// cuBLAS on f16 operands, one pass (each product off by up to ~2^-10 relative): the
@@ -239,9 +239,12 @@ impl CudaDev {
             launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, xh, n)?;
         }
         // A dense f16 weight is its own exact operand; any other is dequantized per chunk of
-        // rows, as f16 (lda = C) or, for pairs, as [Wh | Wl] per row (lda = 2C).
+        // rows, as f16 (lda = C) or, for pairs, as [Wh | Wl] per row (lda = 2C). A bf16 weight
+        // needs no lo: its 8 significand bits fit f16's 11, exactly from 2^-14 up, and below
+        // that f16's subnormals keep it to 2^-25, as the pairs keep any remainder.
         let dense = w.kind == "f16";
-        let ww = if dense || !pairs { cols } else { 2 * cols };
+        let split_w = pairs && !dense && w.kind != "bf16";
+        let ww = if split_w { 2 * cols } else { cols };
         let chunk = if dense {
             rows
         } else {
@@ -273,7 +276,7 @@ impl CudaDev {
                 wa.data + (r0 * cols * 2) as u64
             } else {
                 let (r0i, nri) = (r0 as i32, nr as i32);
-                let lo = if pairs { wh + (cols * 2) as u64 } else { 0 };
+                let lo = if split_w { wh + (cols * 2) as u64 } else { 0 };
                 let grid = u32::try_from((nr * cols / 8).div_ceil(256))
                     .map_err(|_| Error::Shape("cuda: weight chunk too large".into()))?;
                 launch!(self, deqh, (grid, 1, 1), (256, 1, 1), 0; wa, wh, lo, wwi, r0i, nri)?;
@@ -281,11 +284,11 @@ impl CudaDev {
             };
             let out = op + (r0 * 4) as u64;
             // (k, B's offset in elements, beta) of each product: one pass, or for pairs
-            // [Wh | Wl]·[hi; hi] then Wh·lo added (a dense weight: W·hi, then W·lo added).
-            let passes: &[(i32, u64, &f32)] = match (pairs, dense) {
+            // [Wh | Wl]·[hi; hi] then Wh·lo added (an f16 or bf16 weight: W·hi, then W·lo).
+            let passes: &[(i32, u64, &f32)] = match (pairs, split_w) {
                 (false, _) => &[(ci, 0, &zero)],
-                (true, false) => &[(2 * ci, 0, &zero), (ci, 2 * cols as u64, &one)],
-                (true, true) => &[(ci, 0, &zero), (ci, 2 * cols as u64, &one)],
+                (true, true) => &[(2 * ci, 0, &zero), (ci, 2 * cols as u64, &one)],
+                (true, false) => &[(ci, 0, &zero), (ci, 2 * cols as u64, &one)],
             };
             for &(k, boff, beta) in passes {
                 self.count_launch();
