@@ -17,7 +17,7 @@ use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 
 use cudarc::cublas::{result as bres, sys as bsys, CudaBlas};
-use cudarc::driver::{sys, CudaSlice, DevicePtr};
+use cudarc::driver::{sys, CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 use super::ops::launch;
 use super::weight::DEQH_KERNEL;
@@ -108,10 +108,16 @@ fn blas_err(what: &str) -> impl FnOnce(bres::CublasError) -> Error + '_ {
     move |e| Error::Msg(format!("cublas: {what}: {e:?}"))
 }
 
-fn grow(dev: &CudaDev, buf: &mut Option<CudaSlice<u16>>, n: usize) -> Result<u64> {
+/// The device address of scratch `buf`, first replaced by one of `n` elements if it holds fewer
+/// (the prefill products' scratch: here and in `mmq.rs`).
+pub(crate) fn grow<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &CudaDev,
+    buf: &mut Option<CudaSlice<T>>,
+    n: usize,
+) -> Result<u64> {
     if buf.as_ref().is_none_or(|b| b.len() < n) {
         *buf = None; // free the old one first
-        *buf = Some(dev.alloc::<u16>(n)?);
+        *buf = Some(dev.alloc::<T>(n)?);
     }
     let b = buf.as_ref().expect("just allocated");
     Ok(b.device_ptr(dev.stream()).0)

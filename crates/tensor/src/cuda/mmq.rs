@@ -5,20 +5,17 @@
 //! (split Q4_0 and Q8_0, Q4_K stored and re-laid, Q6_K padded and re-laid): the activations are
 //! quantized once per product into two 8-bit parts per value as the CPU fast path rounds them
 //! (`quantize_split16`), then one kernel multiplies them with the weights' own integer codes.
-//! Against the f16 cuBLAS path this trades the rounding of both operands to f16 (up to 2^-10 of
-//! each product) for the activations' 16-bit rounding alone, the accuracy of the one-token 8-bit
-//! kernels: the synthesized 8B Q4_K_M's prefill agrees with the f32 reference on 99/100 argmax
-//! positions (mean KL 4.2e-6; 1.0e-6 with the f32 prefill attention) instead of 96/100 (3.7e-5),
-//! but its pp512 falls from 17.0k to 4.0k tokens/s, so it is not the default (cuda/NOTES.md).
+//! Against the default cuBLAS path on f16 pairs (`blas.rs`) it is as close to the f32 reference
+//! (the synthesized 8B Q4_K_M's prefill: 99/100 argmax positions, mean KL 4.2e-6, against 3.7e-6
+//! on pairs; one f16 pass 96/100, 3.7e-5) at under half its speed (pp512 4.0k against 10.4k
+//! tokens/s), so it is opt-in (cuda/NOTES.md).
 //!
 //! Not used while a graph is being captured (the scratch may have to grow) nor for T <= 8 (the
 //! matrix-vector kernels).
 
 use std::ffi::c_void;
 
-use cudarc::driver::{CudaSlice, DevicePtr};
-
-use super::blas::MIN_TOKENS;
+use super::blas::{grow, MIN_TOKENS};
 use super::ops::launch;
 use super::{cuda_err, CudaDev, DeviceWeight, PrefillGemm, Program};
 use crate::{Error, Result};
@@ -60,18 +57,7 @@ impl CudaDev {
             .mmq_buf
             .lock()
             .map_err(|_| Error::Msg("cuda: integer prefill scratch lock poisoned".into()))?;
-        if slot
-            .as_ref()
-            .is_none_or(|b: &CudaSlice<u8>| b.len() < bytes)
-        {
-            *slot = None; // free the old one first
-            *slot = Some(self.alloc::<u8>(bytes)?);
-        }
-        let q = slot
-            .as_ref()
-            .expect("just allocated")
-            .device_ptr(self.stream())
-            .0;
+        let q = grow(self, &mut slot, bytes)?;
         let s = q + 2 * n as u64;
         let quantize = self.function(Program::Elementwise, "quantize_split16")?;
         let grid = u32::try_from(n.div_ceil(256)).map_err(|_| too_many())?;

@@ -7,8 +7,8 @@
 // and an offset c (value = a code + c). Per 32 elements of K, the tensor cores form the exact
 // integer sums S1 = Σ code q and S2 = Σ code l (mma.sync m16n8k32, or two m16n8k16 where a
 // changes every 16 elements), and the f32 sum gains a dx / 256 (256 S1 + S2) + c sx, with sx =
-// dx Σq + dx / 256 Σl. Neither operand is rounded to f16 (the cuBLAS path moves each product by
-// up to 2^-10 of itself): the only rounding is the activations' 16-bit one (at most
+// dx Σq + dx / 256 Σl. Neither operand is rounded to f16 (one f16 pass through cuBLAS moves each
+// product by up to 2^-10 of itself): the only rounding is the activations' 16-bit one (at most
 // max|x_block| / 65024 per element, / 32512 where the second part's code is clamped), then f32
 // sums, the accuracy of the one-token 8-bit kernels.
 //

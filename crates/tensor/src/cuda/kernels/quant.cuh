@@ -16,8 +16,8 @@
 // MMQ_OFFSET (then it is shared by 32 elements). Both read the group through the layout's
 // raw8 (its stored codes as bytes and its scale, and min where it has one), so the two cannot
 // disagree on the layout; where several layouts share a value rule, one template adds both to
-// each layout's raw8 (NibblesMin for Q4_K stored and re-laid, SixBits for Q6_K stored, padded
-// and re-laid).
+// each layout's raw8 (NibblesMin for Q4_K stored and re-laid, OffsetBytes for split Q4_0 and
+// Q8_0 and for Q6_K stored, padded and re-laid).
 //
 // The float operations follow the CPU reference (`quant/*.rs`, itself ggml's scalar code)
 // operation for operation, with `__fmul_rn`/`__fadd_rn` where the reference multiplies then adds,
@@ -62,10 +62,37 @@ __device__ __forceinline__ void deq_bytes8(u32 q0, u32 q1, float off, float d, f
     }
 }
 
-// Bytes b of w (each at most 15, or 63) as the signed bytes b - 8 (or b - 32): adding 120 (96)
-// cannot carry into the next byte, and flipping bit 7 then subtracts 128.
-__device__ __forceinline__ u32 minus8x4(u32 w) { return (w + 0x78787878u) ^ 0x80808080u; }
-__device__ __forceinline__ u32 minus32x4(u32 w) { return (w + 0x60606060u) ^ 0x80808080u; }
+// Bytes b of w (each under 2 OFF, OFF one of 8, 32, 128) as the signed bytes b - OFF: adding
+// 128 - OFF cannot carry into the next byte, and flipping bit 7 then subtracts 128.
+template <int OFF>
+__device__ __forceinline__ u32 minus_x4(u32 w) {
+    return (w + (u32)(128 - OFF) * 0x01010101u) ^ 0x80808080u;
+}
+
+// deq8 and codes8 of a layout R whose raw8 gives unsigned codes b as bytes and the scale d of
+// their group of GROUP elements: x = d (b - OFF) (split Q4_0, split Q8_0 as b = q + 128, and
+// Q6_K stored, padded and re-laid).
+template <class R, int OFF, int GROUP>
+struct OffsetBytes : R {
+    using R::raw8;
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        u32 q0, q1;
+        float d;
+        raw8(w, rp, row, g, q0, q1, d);
+        deq_bytes8(q0, q1, (float)OFF, d, v);
+    }
+    static constexpr int MMQ_GROUP = GROUP;
+    static constexpr bool MMQ_OFFSET = false;
+    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
+                                                  u32& c0, u32& c1, float& a, float& c) {
+        raw8(w, rp, row, g, c0, c1, a);
+        c = 0.0f;
+        c0 = minus_x4<OFF>(c0);
+        c1 = minus_x4<OFF>(c1);
+    }
+};
 
 struct FQ4_0 {  // { half d; u8 qs[16]; } x = d * (q - 8)
     template <bool AL = true>
@@ -152,7 +179,7 @@ struct FQ8_0 {  // { half d; i8 qs[32]; } x = q * d
 // the matrix, block after block (16 or 32 bytes, 16-byte aligned), then the f16 scales, one per
 // block, at `scales` (read as u16). `rp` is the row's first quant byte (row_bytes = quant bytes
 // per row). Same values as FQ4_0 / FQ8_0; matvec.cuh reads these layouts a block per lane.
-struct FQ4_0S {
+struct RQ4_0S {
     // The group's nibbles (0..15) as bytes, and d.
     static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
                                                 u32& q0, u32& q1, float& d) {
@@ -162,51 +189,21 @@ struct FQ4_0S {
         q0 = (q.x >> sh) & 0x0F0F0F0Fu;
         q1 = (q.y >> sh) & 0x0F0F0F0Fu;
     }
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
-        u32 q0, q1;
-        float d;
-        raw8(w, rp, row, g, q0, q1, d);
-        deq_bytes8(q0, q1, 8.0f, d, v);
-    }
-    static constexpr int MMQ_GROUP = 32;
-    static constexpr bool MMQ_OFFSET = false;
-    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
-                                                  u32& c0, u32& c1, float& a, float& c) {
-        raw8(w, rp, row, g, c0, c1, a);
-        c = 0.0f;
-        c0 = minus8x4(c0);
-        c1 = minus8x4(c1);
-    }
 };
+typedef OffsetBytes<RQ4_0S, 8, 32> FQ4_0S;
 
-struct FQ8_0S {
-    // The group's signed quants as bytes, and d.
+struct RQ8_0S {
+    // The group's signed quants plus 128 (bit 7 flipped) as bytes, and d.
     static __device__ __forceinline__ void raw8(const WRef& w, const u8* rp, int row, int g,
                                                 u32& q0, u32& q1, float& d) {
         const int b = g >> 2;
         d = h2f(((const u16*)w.scales)[(i64)row * (w.cols >> 5) + b]);
         const uint2 q = *(const uint2*)(rp + 32 * b + (g & 3) * 8);
-        q0 = q.x;
-        q1 = q.y;
-    }
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
-        u32 q0, q1;
-        float d;
-        raw8(w, rp, row, g, q0, q1, d);
-        deq_bytes8(q0 ^ 0x80808080u, q1 ^ 0x80808080u, 128.0f, d, v);
-    }
-    static constexpr int MMQ_GROUP = 32;
-    static constexpr bool MMQ_OFFSET = false;
-    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
-                                                  u32& c0, u32& c1, float& a, float& c) {
-        raw8(w, rp, row, g, c0, c1, a);
-        c = 0.0f;
+        q0 = q.x ^ 0x80808080u;
+        q1 = q.y ^ 0x80808080u;
     }
 };
+typedef OffsetBytes<RQ8_0S, 128, 32> FQ8_0S;
 
 // ---------------------------------------------------------------------------------------------
 // k-quants, 256-element super-blocks; `kb` the super-block, `e0` the group's first element in it.
@@ -403,32 +400,9 @@ struct RQ6_Kt {
     }
 };
 
-// deq8 and codes8 of a layout R whose raw8 gives 6-bit values and d sc (Q6_K stored, padded
-// and re-laid): x = (d sc) (q - 32).
-template <class R>
-struct SixBits : R {
-    using R::raw8;
-    template <bool AL = true>
-    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
-                                                float* v) {
-        u32 n0, n1;
-        float ds;
-        raw8(w, rp, row, g, n0, n1, ds);
-        deq_bytes8(n0, n1, 32.0f, ds, v);
-    }
-    static constexpr int MMQ_GROUP = 16;
-    static constexpr bool MMQ_OFFSET = false;
-    static __device__ __forceinline__ void codes8(const WRef& w, const u8* rp, int row, int g,
-                                                  u32& c0, u32& c1, float& a, float& c) {
-        raw8(w, rp, row, g, c0, c1, a);
-        c = 0.0f;
-        c0 = minus32x4(c0);
-        c1 = minus32x4(c1);
-    }
-};
-
-typedef SixBits<RQ6_Kt<210>> FQ6_K;
-typedef SixBits<RQ6_Kt<224>> FQ6_KP;
+// Q6_K stored and padded: x = (d sc) (q - 32), a scale per 16.
+typedef OffsetBytes<RQ6_Kt<210>, 32, 16> FQ6_K;
+typedef OffsetBytes<RQ6_Kt<224>, 32, 16> FQ6_KP;
 
 // Q6_K re-laid at upload ("q6_ks", `q6k_split` in weight.rs), per 32-element unit blk = row *
 // (cols / 32) + b, q the unit's 6-bit values (0..63, x = d sc (q - 32)):
@@ -461,7 +435,7 @@ struct RQ6_KS {
         n1 = q6ks_word(q.y >> (4 * hi), h, k0 + 1);
     }
 };
-typedef SixBits<RQ6_KS> FQ6_KS;
+typedef OffsetBytes<RQ6_KS, 32, 16> FQ6_KS;
 
 // Q8_K { f32 d; i8 qs[256]; i16 bsums[16]; } (292 bytes): x = d * q.
 struct FQ8_K {
