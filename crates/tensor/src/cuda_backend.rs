@@ -37,7 +37,8 @@ use crate::cuda::{
 use crate::kv::{check_fits, DeviceKv, KvStore};
 use crate::op::{
     check_rows, linear_add_composed, linear_gated_composed, linear_many_composed,
-    rope_store_composed, same_shape, AttentionParams, Backend, GateAct, PreNorm, RopeParams,
+    rope_store_composed, same_shape, AttentionParams, Backend, GateAct, MatmulSpec, PreNorm,
+    RopeParams,
 };
 use crate::tensor::DeviceSpan;
 use crate::{Error, QTensor, Result, Tensor};
@@ -987,5 +988,25 @@ impl Backend for CudaBackend {
         let xi = self.raw(x, "to_host")?;
         let data = self.dev.read(&xi)?;
         Tensor::new(x.shape(), data)
+    }
+
+    fn upload(&self, x: &Tensor) -> Result<Tensor> {
+        if !x.is_host() {
+            return Ok(x.clone());
+        }
+        let out = self.alloc(x.shape())?;
+        if !x.is_empty() {
+            let mut o = self.raw(&out, "upload")?;
+            self.dev.write(&mut o, x.data())?;
+        }
+        Ok(out)
+    }
+
+    fn matmul(&self, _a: &Tensor, _b: &Tensor, _spec: MatmulSpec) -> Result<Tensor> {
+        Err(Error::Msg("cuda matmul: not yet implemented".into()))
+    }
+
+    fn matmul_acc(&self, _out: &mut Tensor, _a: &Tensor, _b: &Tensor, _spec: MatmulSpec) -> Result<()> {
+        Err(Error::Msg("cuda matmul_acc: not yet implemented".into()))
     }
 }

@@ -6,6 +6,8 @@
 //! - [`io`]: GGUF and safetensors readers and writers; every count and offset checked.
 //! - [`weight`]: a 2-D weight kept in its stored form (quantized blocks, MLX affine, dense).
 //! - [`tensor`] + [`op`] + [`cpu`]: activations, the closed op set and its CPU reference backend.
+//! - [`train_op`]: the training op set (backward of every op, attention with its log-sum-exp,
+//!   the fused output layer and loss, AdamW), implemented by the CPU and CUDA backends.
 
 pub mod cpu;
 pub mod cuda;
@@ -18,6 +20,7 @@ pub mod op;
 pub mod quant;
 pub mod storage;
 pub mod tensor;
+pub mod train_op;
 pub mod weight;
 
 pub use dtype::GgmlType;

@@ -138,6 +138,15 @@ pub trait Backend: Send + Sync {
     fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor>;
     /// A host copy of `x` (`x` itself, cloned, on the CPU).
     fn to_host(&self, x: &Tensor) -> Result<Tensor>;
+    /// `x` where this backend keeps its tensors (`x` itself on the CPU; a device copy of a host
+    /// tensor on a GPU, a device tensor as it is).
+    fn upload(&self, x: &Tensor) -> Result<Tensor>;
+    /// Dense product of two f32 tensors, `alpha · op(a) · op(b) -> (M, N)` (LoRA factors and
+    /// training's gradient products; weights in their stored form go through `linear`).
+    fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor>;
+    /// `out += alpha · op(a) · op(b)`, `out (M, N)`.
+    fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec)
+        -> Result<()>;
 
     // Fused forms of common sequences. The defaults compose the ops above; a backend overrides
     // them where one kernel does the work of several (the GPU at decode), with the same result
@@ -200,6 +209,53 @@ pub trait Backend: Send + Sync {
     ) -> Result<Tensor> {
         let h = self.rms_norm(x, norm.w, norm.eps, norm.offset)?;
         self.linear_gated(&h, gate, up, act)
+    }
+}
+
+/// How [`Backend::matmul`] reads its operands: `op(a)` is `(M, K)` (`a` stored `(K, M)` when
+/// `ta`), `op(b)` is `(K, N)` (`b` stored `(N, K)` when `tb`), and the product is scaled by
+/// `alpha`. `x · Aᵀ` of a LoRA factor `A (r, C)` is `{ tb: true, .. }`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MatmulSpec {
+    pub ta: bool,
+    pub tb: bool,
+    pub alpha: f32,
+}
+
+impl MatmulSpec {
+    /// `a · b`.
+    pub const NN: MatmulSpec = MatmulSpec {
+        ta: false,
+        tb: false,
+        alpha: 1.0,
+    };
+    /// `a · bᵀ`.
+    pub const NT: MatmulSpec = MatmulSpec {
+        ta: false,
+        tb: true,
+        alpha: 1.0,
+    };
+    /// `aᵀ · b`.
+    pub const TN: MatmulSpec = MatmulSpec {
+        ta: true,
+        tb: false,
+        alpha: 1.0,
+    };
+    pub fn scaled(self, alpha: f32) -> MatmulSpec {
+        MatmulSpec { alpha, ..self }
+    }
+    /// `(M, K, N)` of `op(a) · op(b)` for operands of these 2-D shapes, or a shape error.
+    pub fn dims(&self, a: &Tensor, b: &Tensor) -> Result<(usize, usize, usize)> {
+        let (ar, ac) = a.dims2();
+        let (br, bc) = b.dims2();
+        let (m, k) = if self.ta { (ac, ar) } else { (ar, ac) };
+        let (k2, n) = if self.tb { (bc, br) } else { (br, bc) };
+        if k != k2 {
+            return Err(crate::Error::Shape(format!(
+                "matmul: op(a) is ({m}, {k}) and op(b) is ({k2}, {n})"
+            )));
+        }
+        Ok((m, k, n))
     }
 }
 

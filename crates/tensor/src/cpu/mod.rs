@@ -4,7 +4,9 @@
 use rayon::prelude::*;
 
 mod attention;
+pub mod dense;
 pub mod kernels;
+mod train;
 
 pub(crate) use attention::KvRead;
 
@@ -12,7 +14,8 @@ use kernels::ActBits;
 
 use crate::kv::{KvStore, KvView};
 use crate::op::{
-    check_rows, same_shape, AttentionParams, Backend, KvElem, LayerCache, RopeParams, RopeStyle,
+    check_rows, same_shape, AttentionParams, Backend, KvElem, LayerCache, MatmulSpec, RopeParams,
+    RopeStyle,
 };
 use crate::weight::dot;
 use crate::{Error, QTensor, Result, Tensor};
@@ -450,6 +453,23 @@ impl Backend for CpuBackend {
 
     fn to_host(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.clone())
+    }
+
+    fn upload(&self, x: &Tensor) -> Result<Tensor> {
+        if !x.is_host() {
+            return Err(Error::Msg(
+                "the CPU backend was given a device tensor".into(),
+            ));
+        }
+        Ok(x.clone())
+    }
+
+    fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor> {
+        dense::matmul(a, b, spec)
+    }
+
+    fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()> {
+        dense::matmul_acc(out, a, b, spec)
     }
 }
 
