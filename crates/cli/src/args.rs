@@ -178,7 +178,7 @@ impl SampleArgs {
     pub fn configure(&self, model: &mut Model) -> Result<()> {
         model.set_matmul_path(self.matmul.path());
         model.set_kv_type(self.kv_type.kv_type());
-        model.set_cuda(open_device(self.device, self.kv_type)?);
+        model.set_cuda(open_device(self.device, self.kv_type)?)?;
         model.warm_up()?;
         Ok(())
     }

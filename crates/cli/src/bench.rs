@@ -419,7 +419,7 @@ fn bench_model(
     let load_rss = peak_rss_bytes();
     model.set_matmul_path(matmul.path());
     model.set_kv_type(a.kv_type.kv_type());
-    model.set_cuda(crate::args::open_device(a.device, a.kv_type)?);
+    model.set_cuda(crate::args::open_device(a.device, a.kv_type)?)?;
     let info = model.info();
     let path_name = matmul
         .to_possible_value()

@@ -1,6 +1,7 @@
 //! hf2q-models: architectures written once over one config, loading from GGUF / Hugging Face /
 //! MLX, tokenizers, chat templates, sampling and generation.
 
+pub mod adapter;
 pub mod arch;
 pub mod chat_template;
 pub mod config;
@@ -18,6 +19,7 @@ pub mod source;
 pub mod stop;
 pub mod synth;
 pub mod tokenizer;
+pub mod train_pass;
 
 pub use error::{Error, Result};
 pub use model::{BatchItem, Model, ModelInfo, Session};

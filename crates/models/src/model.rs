@@ -279,8 +279,11 @@ impl Model {
     }
     /// Runs every op on a GPU from now on (weights are uploaded as they are first used), or back
     /// on the CPU with `None`. Caches made before keep their device: make new ones.
-    pub fn set_cuda(&mut self, cuda: Option<Arc<CudaBackend>>) {
+    /// Adapters move with the model (see [`Model::place_adapters`]).
+    pub fn set_cuda(&mut self, cuda: Option<Arc<CudaBackend>>) -> Result<()> {
+        self.adapters_to_host()?;
         self.cuda = cuda;
+        self.place_adapters()
     }
     /// The GPU this model runs on, if any.
     pub fn cuda(&self) -> Option<&Arc<CudaBackend>> {
@@ -505,8 +508,37 @@ impl Model {
         Ok(Some(out?))
     }
 
+    /// The decoder blocks (adapters, training passes).
+    pub(crate) fn blocks(&self) -> &[Box<dyn Block>] {
+        &self.blocks
+    }
+    pub(crate) fn blocks_mut(&mut self) -> &mut [Box<dyn Block>] {
+        &mut self.blocks
+    }
+    /// `(embedding table, final norm, output layer)`.
+    pub(crate) fn ends(&self) -> (&QTensor, &[f32], &QTensor) {
+        (&self.embed, &self.final_norm, &self.lm_head)
+    }
+    /// Where the model was loaded from (a file or a folder).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// The checkpoint's own name, when it records one (GGUF `general.name`, the folder name).
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+    /// The training op set of the backend this model runs on (the GPU when one is set).
+    pub fn train_backend(&self) -> Result<&dyn hf2q_tensor::train_op::TrainBackend> {
+        match &self.cuda {
+            Some(_) => Err(Error::Msg(
+                "training on the GPU is not available in this build".into(),
+            )),
+            None => Ok(&self.backend),
+        }
+    }
+
     /// The backend every op of this model runs on.
-    fn be(&self) -> &dyn Backend {
+    pub(crate) fn be(&self) -> &dyn Backend {
         match &self.cuda {
             Some(c) => &**c,
             None => &self.backend,

@@ -53,10 +53,10 @@ fn ids(n: usize, vocab: usize) -> Vec<u32> {
 /// at a time after the first: the one-token kernels, fused ops and the captured graph).
 fn compare(model: &mut Model, gpu: &Arc<CudaBackend>, n: usize) -> [(usize, f64); 2] {
     let toks = ids(n, model.vocab_size().min(32000));
-    model.set_cuda(None);
+    model.set_cuda(None).unwrap();
     model.set_matmul_path(MatmulPath::Reference);
     let want = model.session(n).forward_all(&toks).unwrap();
-    model.set_cuda(Some(gpu.clone()));
+    model.set_cuda(Some(gpu.clone())).unwrap();
     let got = model.session(n).forward_all(&toks).unwrap();
     let prefill = agreement(&want, |i| got.row(i).to_vec(), n);
     let mut s = model.session(n);
@@ -103,7 +103,7 @@ fn agreement(
 /// Prefill logits of the last token equal those of feeding the same tokens one at a time, and
 /// a batch of two sequences equals each alone (all on the GPU).
 fn decode_consistency(model: &mut Model, gpu: &Arc<CudaBackend>) {
-    model.set_cuda(Some(gpu.clone()));
+    model.set_cuda(Some(gpu.clone())).unwrap();
     let toks = ids(24, model.vocab_size().min(32000));
     let mut s = model.session(64);
     let full = s.prefill(&toks).unwrap();
@@ -238,7 +238,7 @@ fn real_models_meet_the_gate() {
 /// Prints decode tokens/s with and without the captured graph (information, not a test: speed
 /// is measured by `hf2q bench`).
 fn decode_speed(model: &mut Model, gpu: &Arc<CudaBackend>) {
-    model.set_cuda(Some(gpu.clone()));
+    model.set_cuda(Some(gpu.clone())).unwrap();
     for graphs in [false, true] {
         model.set_cuda_graphs(graphs);
         let mut s = model.session(512);

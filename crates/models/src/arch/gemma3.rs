@@ -6,10 +6,13 @@
 use hf2q_tensor::op::{Backend, RopeParams};
 use hf2q_tensor::Tensor;
 
-use super::Block;
+use super::{attention_mlp_linears, attention_mlp_linears_mut, downcast, Block, Saved};
 use crate::config::ModelConfig;
 use crate::kv_cache::SeqRef;
-use crate::layers::{attention::Attention, mlp::Mlp};
+use crate::layers::attention::{Attention, AttentionSaved};
+use crate::layers::linear::Linear;
+use crate::layers::lora::{LoraGrads, TrainCtx};
+use crate::layers::mlp::{Mlp, MlpSaved};
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -64,4 +67,71 @@ impl Block for Gemma3Block {
         be.add_assign(x, &m)?;
         Ok(())
     }
+
+    fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let (be, eps, off) = (cx.be, self.eps, self.offset);
+        let h = be.rms_norm(x, &self.input_norm, eps, off)?;
+        let (a, sa) = self.attn.forward_train(cx, &h)?;
+        let mut x1 = x.clone();
+        be.add_assign(&mut x1, &be.rms_norm(&a, &self.post_attn_norm, eps, off)?)?;
+        let h2 = be.rms_norm(&x1, &self.pre_ffn_norm, eps, off)?;
+        let (m, sm) = self.mlp.forward_train(cx, &h2)?;
+        let mut x2 = x1.clone();
+        be.add_assign(&mut x2, &be.rms_norm(&m, &self.post_ffn_norm, eps, off)?)?;
+        Ok((
+            x2,
+            Box::new(Gemma3Saved {
+                h,
+                a,
+                x1,
+                h2,
+                m,
+                attn: sa,
+                mlp: sm,
+            }),
+        ))
+    }
+
+    fn backward(
+        &self,
+        cx: &TrainCtx,
+        x: &Tensor,
+        saved: Saved,
+        dy: Tensor,
+        grads: &mut LoraGrads,
+    ) -> Result<Tensor> {
+        let (be, eps, off) = (cx.be, self.eps, self.offset);
+        let s = downcast::<Gemma3Saved>(saved)?;
+        // x2 = x1 + norm_post_ffn(mlp(norm_pre_ffn(x1)));
+        // x1 = x + norm_post_attn(attn(norm_in(x))).
+        let dm = be.rms_norm_backward(&s.m, &self.post_ffn_norm, eps, off, &dy)?;
+        let dh2 = self.mlp.backward(cx, &s.h2, &s.mlp, &dm, grads)?;
+        let mut dx1 = dy;
+        be.add_assign(&mut dx1, &be.rms_norm_backward(&s.x1, &self.pre_ffn_norm, eps, off, &dh2)?)?;
+        let da = be.rms_norm_backward(&s.a, &self.post_attn_norm, eps, off, &dx1)?;
+        let dh = self.attn.backward(cx, &s.h, &s.attn, &da, grads)?;
+        let mut dx = dx1;
+        be.add_assign(&mut dx, &be.rms_norm_backward(x, &self.input_norm, eps, off, &dh)?)?;
+        Ok(dx)
+    }
+
+    fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        attention_mlp_linears(&self.attn, &self.mlp)
+    }
+    fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        attention_mlp_linears_mut(&mut self.attn, &mut self.mlp)
+    }
+}
+
+/// What [`Gemma3Block::forward_train`] keeps, `(N, D)` each: the attention's normed input `h`
+/// and output `a`, the residual between the halves `x1`, the MLP's normed input `h2` and its
+/// output `m` (the post-norms' inputs).
+struct Gemma3Saved {
+    h: Tensor,
+    a: Tensor,
+    x1: Tensor,
+    h2: Tensor,
+    m: Tensor,
+    attn: AttentionSaved,
+    mlp: MlpSaved,
 }

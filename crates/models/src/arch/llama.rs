@@ -5,10 +5,13 @@
 use hf2q_tensor::op::{Backend, PreNorm, RopeParams};
 use hf2q_tensor::Tensor;
 
-use super::Block;
+use super::{attention_mlp_linears, attention_mlp_linears_mut, downcast, Block, Saved};
 use crate::config::ModelConfig;
 use crate::kv_cache::SeqRef;
-use crate::layers::{attention::Attention, mlp::Mlp};
+use crate::layers::attention::{Attention, AttentionSaved};
+use crate::layers::linear::Linear;
+use crate::layers::lora::{LoraGrads, TrainCtx};
+use crate::layers::mlp::{Mlp, MlpSaved};
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -61,4 +64,63 @@ impl Block for LlamaBlock {
         };
         self.mlp.forward_residual(be, mlp_norm, x)
     }
+
+    fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let be = cx.be;
+        let h1 = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
+        let (a, sa) = self.attn.forward_train(cx, &h1)?;
+        let mut x1 = x.clone();
+        be.add_assign(&mut x1, &a)?;
+        let h2 = be.rms_norm(&x1, &self.mlp_norm, self.eps, 0.0)?;
+        let (m, sm) = self.mlp.forward_train(cx, &h2)?;
+        let mut x2 = x1.clone();
+        be.add_assign(&mut x2, &m)?;
+        Ok((
+            x2,
+            Box::new(LlamaSaved {
+                h1,
+                x1,
+                h2,
+                attn: sa,
+                mlp: sm,
+            }),
+        ))
+    }
+
+    fn backward(
+        &self,
+        cx: &TrainCtx,
+        x: &Tensor,
+        saved: Saved,
+        dy: Tensor,
+        grads: &mut LoraGrads,
+    ) -> Result<Tensor> {
+        let be = cx.be;
+        let s = downcast::<LlamaSaved>(saved)?;
+        // x2 = x1 + mlp(norm(x1)); x1 = x + attn(norm(x)).
+        let dh2 = self.mlp.backward(cx, &s.h2, &s.mlp, &dy, grads)?;
+        let mut dx1 = dy;
+        be.add_assign(&mut dx1, &be.rms_norm_backward(&s.x1, &self.mlp_norm, self.eps, 0.0, &dh2)?)?;
+        let dh1 = self.attn.backward(cx, &s.h1, &s.attn, &dx1, grads)?;
+        let mut dx = dx1;
+        be.add_assign(&mut dx, &be.rms_norm_backward(x, &self.attn_norm, self.eps, 0.0, &dh1)?)?;
+        Ok(dx)
+    }
+
+    fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        attention_mlp_linears(&self.attn, &self.mlp)
+    }
+    fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        attention_mlp_linears_mut(&mut self.attn, &mut self.mlp)
+    }
+}
+
+/// What [`LlamaBlock::forward_train`] keeps: the normed inputs of both halves `h1`, `h2` and
+/// the residual between them `x1`, `(N, D)` each.
+struct LlamaSaved {
+    h1: Tensor,
+    x1: Tensor,
+    h2: Tensor,
+    attn: AttentionSaved,
+    mlp: MlpSaved,
 }

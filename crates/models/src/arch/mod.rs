@@ -9,12 +9,70 @@ use hf2q_tensor::Tensor;
 
 use crate::config::{Arch, ModelConfig};
 use crate::kv_cache::SeqRef;
+use crate::layers::attention::Attention;
+use crate::layers::linear::Linear;
+use crate::layers::lora::{LoraGrads, TrainCtx};
+use crate::layers::mlp::Mlp;
 use crate::source::WeightSource;
 use crate::Result;
 
-/// One decoder layer: updates the residual stream `x (ΣT, D)` of a batch of sequences in place.
+/// What a block's training forward keeps for its backward (each family its own struct).
+pub type Saved = Box<dyn std::any::Any + Send>;
+
+/// One decoder layer: updates the residual stream `x (ΣT, D)` of a batch of sequences in place;
+/// and the same as a training forward (`x (N, D)` of a packed batch, returning the new
+/// residual stream and what the backward needs) with its backward.
 pub trait Block: Send + Sync {
     fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()>;
+    fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)>;
+    /// From `dy (N, D)`, the gradient of the block's input `x`; adapters' gradients go into
+    /// `grads`. `saved` is what `forward_train(x)` returned.
+    fn backward(
+        &self,
+        cx: &TrainCtx,
+        x: &Tensor,
+        saved: Saved,
+        dy: Tensor,
+        grads: &mut LoraGrads,
+    ) -> Result<Tensor>;
+    /// Every product of the block by its module path under the layer (`self_attn.q_proj`,
+    /// `mlp.down_proj`, ...), in the checkpoint's order.
+    fn linears(&self) -> Vec<(&'static str, &Linear)>;
+    fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)>;
+}
+
+/// The module paths of [`Attention`] and [`Mlp`] products, in the order of
+/// [`Block::linears`].
+pub const LINEAR_PATHS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+/// [`Block::linears`] of a block made of one [`Attention`] and one [`Mlp`].
+pub fn attention_mlp_linears<'a>(a: &'a Attention, m: &'a Mlp) -> Vec<(&'static str, &'a Linear)> {
+    let l = [&a.q, &a.k, &a.v, &a.o, &m.gate, &m.up, &m.down];
+    LINEAR_PATHS.into_iter().zip(l).collect()
+}
+
+/// [`Block::linears_mut`] of a block made of one [`Attention`] and one [`Mlp`].
+pub fn attention_mlp_linears_mut<'a>(
+    a: &'a mut Attention,
+    m: &'a mut Mlp,
+) -> Vec<(&'static str, &'a mut Linear)> {
+    let l = [&mut a.q, &mut a.k, &mut a.v, &mut a.o, &mut m.gate, &mut m.up, &mut m.down];
+    LINEAR_PATHS.into_iter().zip(l).collect()
+}
+
+/// A block's saved state back as its own type.
+pub(crate) fn downcast<T: 'static>(saved: Saved) -> Result<Box<T>> {
+    saved
+        .downcast::<T>()
+        .map_err(|_| crate::Error::Msg("a block was given another block's saved state".into()))
 }
 
 /// RoPE of layer `i`: local layers of Gemma 3 use their own base and no scaling.

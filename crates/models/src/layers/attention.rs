@@ -1,12 +1,15 @@
 //! Self-attention with grouped KV heads, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3,
-//! Gemma 3), RoPE, optional sliding window, writing into the layer's KV cache.
+//! Gemma 3), RoPE, optional sliding window, writing into the layer's KV cache; and its training
+//! forward (a packed batch, no cache) and backward.
 
 use hf2q_tensor::op::{AttentionParams, Backend, PreNorm, RopeParams};
+use hf2q_tensor::train_op::{AttentionOut, TrainAttention};
 use hf2q_tensor::Tensor;
 
 use crate::config::ModelConfig;
 use crate::kv_cache::SeqRef;
-use crate::layers::linear::Linear;
+use crate::layers::linear::{Linear, LinearSaved};
+use crate::layers::lora::{LoraGrads, TrainCtx};
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -113,7 +116,19 @@ impl Attention {
             (&self.k.w, self.k.b.as_deref()),
             (&self.v.w, self.v.b.as_deref()),
         ];
+        let adapted = [&self.q, &self.k, &self.v].iter().any(|l| l.lora.is_some());
         let mut qkv = match norm {
+            _ if adapted => {
+                let h = match norm {
+                    Some(n) => be.rms_norm(x, n.w, n.eps, n.offset)?,
+                    None => x.clone(),
+                };
+                vec![
+                    self.q.forward(be, &h)?,
+                    self.k.forward(be, &h)?,
+                    self.v.forward(be, &h)?,
+                ]
+            }
             Some(n) => be.norm_linear_many(x, n, &ws)?,
             None => be.linear_many(x, &ws)?,
         }
@@ -157,5 +172,101 @@ impl Attention {
             be.concat_rows(&parts)?
         };
         Ok(a.reshape(&[x.dims2().0, qw])?)
+    }
+}
+
+/// What [`Attention::forward_train`] keeps for the backward.
+pub struct AttentionSaved {
+    /// (N, H*Dh), (N, Hkv*Dh): q and k before their head norms (when the family has them).
+    q_pre: Option<Tensor>,
+    k_pre: Option<Tensor>,
+    /// (N, H*Dh), (N, Hkv*Dh), (N, Hkv*Dh): what attention read (q, k normed and rotated).
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    att: AttentionOut,
+    lin: [LinearSaved; 4],
+}
+
+impl Attention {
+    fn train_params(&self) -> TrainAttention {
+        TrainAttention {
+            p: self.params,
+            softcap: None,
+        }
+    }
+
+    /// The training forward of `h (N, D)` (the block's normed input) -> `(N, D)`, over the
+    /// sequences of `cx.layout` (positions restart with each sequence; no cache).
+    pub fn forward_train(&self, cx: &TrainCtx, h: &Tensor) -> Result<(Tensor, AttentionSaved)> {
+        let (be, p) = (cx.be, &self.params);
+        let (q, sq) = self.q.forward_train(cx, h)?;
+        let (k, sk) = self.k.forward_train(cx, h)?;
+        let (v, sv) = self.v.forward_train(cx, h)?;
+        let (q_pre, k_pre) = (
+            self.q_norm.as_ref().map(|_| q.clone()),
+            self.k_norm.as_ref().map(|_| k.clone()),
+        );
+        let mut q = self.head_norm(be, q, &self.q_norm, p.n_heads)?;
+        let mut k = self.head_norm(be, k, &self.k_norm, p.n_kv_heads)?;
+        be.rope_rows(&mut q, p.n_heads, cx.layout, &self.rope, false)?;
+        be.rope_rows(&mut k, p.n_kv_heads, cx.layout, &self.rope, false)?;
+        let att = be.attention_train(&q, &k, &v, cx.layout, &self.train_params())?;
+        let (o, so) = self.o.forward_train(cx, &att.out)?;
+        Ok((
+            o,
+            AttentionSaved {
+                q_pre,
+                k_pre,
+                q,
+                k,
+                v,
+                att,
+                lin: [sq, sk, sv, so],
+            },
+        ))
+    }
+
+    /// From `dy (N, D)`, the gradient of [`Attention::forward_train`]'s input `h (N, D)`.
+    pub fn backward(
+        &self,
+        cx: &TrainCtx,
+        h: &Tensor,
+        s: &AttentionSaved,
+        dy: &Tensor,
+        grads: &mut LoraGrads,
+    ) -> Result<Tensor> {
+        let (be, p) = (cx.be, &self.params);
+        let [sq, sk, sv, so] = &s.lin;
+        let dout = self.o.backward(cx, &s.att.out, so, dy, grads)?;
+        let g = be.attention_backward(&s.q, &s.k, &s.v, &s.att, &dout, cx.layout, &self.train_params())?;
+        let (mut dq, mut dk) = (g.dq, g.dk);
+        be.rope_rows(&mut dq, p.n_heads, cx.layout, &self.rope, true)?;
+        be.rope_rows(&mut dk, p.n_kv_heads, cx.layout, &self.rope, true)?;
+        let dq = self.head_norm_backward(cx, s.q_pre.as_ref(), &self.q_norm, dq, p.n_heads)?;
+        let dk = self.head_norm_backward(cx, s.k_pre.as_ref(), &self.k_norm, dk, p.n_kv_heads)?;
+        let mut dh = self.q.backward(cx, h, sq, &dq, grads)?;
+        be.add_assign(&mut dh, &self.k.backward(cx, h, sk, &dk, grads)?)?;
+        be.add_assign(&mut dh, &self.v.backward(cx, h, sv, &g.dv, grads)?)?;
+        Ok(dh)
+    }
+
+    /// The backward of [`Attention::head_norm`] (identity where the family has no head norm).
+    fn head_norm_backward(
+        &self,
+        cx: &TrainCtx,
+        pre: Option<&Tensor>,
+        w: &Option<Vec<f32>>,
+        dy: Tensor,
+        heads: usize,
+    ) -> Result<Tensor> {
+        let (Some(w), Some(pre)) = (w, pre) else {
+            return Ok(dy);
+        };
+        let (t, width) = dy.dims2();
+        let dh = self.params.head_dim;
+        let x = pre.clone().reshape(&[t * heads, dh])?;
+        let g = cx.be.rms_norm_backward(&x, w, self.eps, self.norm_offset, &dy.reshape(&[t * heads, dh])?)?;
+        Ok(g.reshape(&[t, width])?)
     }
 }

@@ -1,8 +1,12 @@
-//! `Linear`: `y = x Wᵀ (+ b)`. Dense, quantized and (later) LoRA weights differ only in here.
+//! `Linear`: `y = x Wᵀ (+ b) (+ LoRA)`. Dense, quantized and LoRA weights differ only in here:
+//! the base weight stays in its stored form (`QTensor`), an optional adapter ([`Lora`]) adds
+//! its low-rank term, and the training forward/backward of the layer live beside the inference
+//! forward.
 
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
 
+use crate::layers::lora::{Lora, LoraGrads, LoraSaved, TrainCtx};
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -11,6 +15,14 @@ pub struct Linear {
     pub w: QTensor,
     /// (R)
     pub b: Option<Vec<f32>>,
+    /// A LoRA adapter on this product, when one is attached.
+    pub lora: Option<Lora>,
+}
+
+/// What [`Linear::forward_train`] keeps for the backward (the input itself is kept by the
+/// caller, which often shares it between several products).
+pub struct LinearSaved {
+    lora: Option<LoraSaved>,
 }
 
 impl Linear {
@@ -22,18 +34,54 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { w, b })
+        Ok(Linear { w, b, lora: None })
+    }
+    /// Whether the product is the plain stored weight (no bias, no adapter): the only form
+    /// the backends' fused launches take.
+    pub fn is_plain(&self) -> bool {
+        self.b.is_none() && self.lora.is_none()
     }
     /// `x (T, C) -> (T, R)`.
     pub fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
-        Ok(be.linear(x, &self.w, self.b.as_deref())?)
+        let mut y = be.linear(x, &self.w, self.b.as_deref())?;
+        if let Some(l) = &self.lora {
+            l.forward(be, x, &mut y)?;
+        }
+        Ok(y)
     }
     /// `residual (T, R) += forward(x)`.
     pub fn forward_add(&self, be: &dyn Backend, x: &Tensor, residual: &mut Tensor) -> Result<()> {
-        if self.b.is_some() {
+        if !self.is_plain() {
             let y = self.forward(be, x)?;
             return Ok(be.add_assign(residual, &y)?);
         }
         Ok(be.linear_add(x, &self.w, residual)?)
+    }
+
+    /// The training forward of `x (N, C) -> (N, R)`: the adapter's input dropout applies.
+    pub fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        let mut y = cx.be.linear(x, &self.w, self.b.as_deref())?;
+        let lora = match &self.lora {
+            Some(l) => Some(l.forward_train(cx, x, &mut y)?),
+            None => None,
+        };
+        Ok((y, LinearSaved { lora }))
+    }
+
+    /// From `dy (N, R)`: the input's gradient `(N, C)` (through the frozen weight and the
+    /// adapter), the adapter's gradients accumulated into `grads`.
+    pub fn backward(
+        &self,
+        cx: &TrainCtx,
+        x: &Tensor,
+        saved: &LinearSaved,
+        dy: &Tensor,
+        grads: &mut LoraGrads,
+    ) -> Result<Tensor> {
+        let mut dx = cx.be.linear_backward_input(dy, &self.w)?;
+        if let (Some(l), Some(s)) = (&self.lora, &saved.lora) {
+            l.backward(cx, x, s, dy, &mut dx, grads)?;
+        }
+        Ok(dx)
     }
 }

@@ -1,10 +1,12 @@
-//! Gated MLP: `down(act(gate(x)) * up(x))`, SiLU (Llama, Qwen) or GELU-tanh (Gemma).
+//! Gated MLP: `down(act(gate(x)) * up(x))`, SiLU (Llama, Qwen) or GELU-tanh (Gemma); its
+//! training forward and backward.
 
 use hf2q_tensor::op::{Backend, GateAct, PreNorm};
 use hf2q_tensor::Tensor;
 
 use crate::config::Activation;
-use crate::layers::linear::Linear;
+use crate::layers::linear::{Linear, LinearSaved};
+use crate::layers::lora::{LoraGrads, TrainCtx};
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -30,7 +32,7 @@ impl Mlp {
     /// `act(gate(x)) * up(x)`, `(T, D) -> (T, F)`.
     fn hidden(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
         let act = self.gate_act();
-        if self.gate.b.is_some() || self.up.b.is_some() {
+        if !self.gate.is_plain() || !self.up.is_plain() {
             let g = self.gate.forward(be, x)?;
             let u = self.up.forward(be, x)?;
             return Ok(match act {
@@ -53,7 +55,7 @@ impl Mlp {
         norm: PreNorm<'_>,
         x: &mut Tensor,
     ) -> Result<()> {
-        let h = if self.gate.b.is_some() || self.up.b.is_some() {
+        let h = if !self.gate.is_plain() || !self.up.is_plain() {
             let n = be.rms_norm(x, norm.w, norm.eps, norm.offset)?;
             self.hidden(be, &n)?
         } else {
@@ -62,10 +64,55 @@ impl Mlp {
         self.down.forward_add(be, &h, x)
     }
 
+    /// The training forward of `h (N, D)` -> `(N, D)`.
+    pub fn forward_train(&self, cx: &TrainCtx, h: &Tensor) -> Result<(Tensor, MlpSaved)> {
+        let (g, sg) = self.gate.forward_train(cx, h)?;
+        let (u, su) = self.up.forward_train(cx, h)?;
+        let a = match self.gate_act() {
+            GateAct::Silu => cx.be.silu_mul(&g, &u)?,
+            GateAct::GeluTanh => cx.be.gelu_tanh_mul(&g, &u)?,
+        };
+        let (y, sd) = self.down.forward_train(cx, &a)?;
+        Ok((
+            y,
+            MlpSaved {
+                g,
+                u,
+                a,
+                lin: [sg, su, sd],
+            },
+        ))
+    }
+
+    /// From `dy (N, D)`, the gradient of [`Mlp::forward_train`]'s input `h (N, D)`.
+    pub fn backward(
+        &self,
+        cx: &TrainCtx,
+        h: &Tensor,
+        s: &MlpSaved,
+        dy: &Tensor,
+        grads: &mut LoraGrads,
+    ) -> Result<Tensor> {
+        let [sg, su, sd] = &s.lin;
+        let da = self.down.backward(cx, &s.a, sd, dy, grads)?;
+        let (dg, du) = cx.be.gated_act_backward(&s.g, &s.u, &da, self.gate_act())?;
+        let mut dh = self.gate.backward(cx, h, sg, &dg, grads)?;
+        cx.be.add_assign(&mut dh, &self.up.backward(cx, h, su, &du, grads)?)?;
+        Ok(dh)
+    }
+
     fn gate_act(&self) -> GateAct {
         match self.act {
             Activation::Silu => GateAct::Silu,
             Activation::GeluTanh => GateAct::GeluTanh,
         }
     }
+}
+
+/// What [`Mlp::forward_train`] keeps for the backward: `(N, F)` each.
+pub struct MlpSaved {
+    g: Tensor,
+    u: Tensor,
+    a: Tensor,
+    lin: [LinearSaved; 3],
 }

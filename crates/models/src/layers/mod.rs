@@ -1,4 +1,5 @@
 //! Building blocks shared by every architecture.
 pub mod attention;
 pub mod linear;
+pub mod lora;
 pub mod mlp;

@@ -1,0 +1,171 @@
+//! One training pass over a packed batch: the forward through every block (keeping each
+//! block's input, and with `checkpoint: false` everything its backward needs), the fused output
+//! layer and log-softmax at the targets, then the backward block by block in reverse, each
+//! block recomputing its forward from its input first when checkpointing. The adapters'
+//! gradients accumulate into a [`LoraGrads`]; nothing else of the model has one.
+//!
+//! The loss is the caller's: a pass takes per-row weights `g` and back-propagates
+//! `Σ_n g_n · log p(target_n)`. SFT's mean cross-entropy over T labelled tokens is
+//! `g_n = −1/T` on labelled rows; DPO's weights come from its loss.
+//!
+//! Not here: batching, loss normalisation across micro-batches, optimizers (`hf2q-train`).
+
+use hf2q_tensor::train_op::{SeqLayout, TrainBackend};
+use hf2q_tensor::Tensor;
+
+use crate::arch::Saved;
+use crate::layers::lora::{LoraGrads, TrainCtx};
+use crate::model::Model;
+use crate::{Error, Result};
+
+/// A packed batch: token ids of every sequence one after another, each row's target (the next
+/// token of its sequence to learn, or a negative number for none) and the layout.
+pub struct TrainBatch {
+    /// (N)
+    pub ids: Vec<u32>,
+    /// (N)
+    pub targets: Vec<i32>,
+    pub layout: SeqLayout,
+}
+
+impl TrainBatch {
+    /// Rows with a target.
+    pub fn labelled(&self) -> usize {
+        self.targets.iter().filter(|&&t| t >= 0).count()
+    }
+}
+
+/// How a pass runs.
+#[derive(Clone, Copy, Debug)]
+pub struct PassOptions {
+    /// Keep only each block's input and recompute its forward in the backward (memory of one
+    /// block's activations instead of all of them, for one more forward).
+    pub checkpoint: bool,
+    /// Adapter dropout on (training) or off.
+    pub dropout: bool,
+    /// The pass's dropout stream.
+    pub seed: u64,
+}
+
+/// Per row of the batch: `log p(target)` (0 without a target) and whether the target was the
+/// argmax.
+#[derive(Clone, Debug, Default)]
+pub struct PassOut {
+    pub logp: Vec<f32>,
+    pub hit: Vec<bool>,
+}
+
+impl Model {
+    fn check_batch(&self, b: &TrainBatch) -> Result<()> {
+        let n = b.layout.rows();
+        if b.ids.len() != n || b.targets.len() != n {
+            return Err(Error::Msg(format!(
+                "a batch of {n} rows has {} ids and {} targets",
+                b.ids.len(),
+                b.targets.len()
+            )));
+        }
+        let v = self.vocab_size();
+        if let Some(t) = b.targets.iter().find(|&&t| t >= 0 && t as usize >= v) {
+            return Err(Error::Msg(format!("target {t} is outside the vocabulary of {v}")));
+        }
+        Ok(())
+    }
+
+    /// The final norm's input `(N, D)` and, per block, its input and (without checkpointing)
+    /// its saved state.
+    fn forward_blocks(
+        &self,
+        cx: &TrainCtx,
+        ids: &[u32],
+        keep: bool,
+    ) -> Result<(Tensor, Vec<(Tensor, Option<Saved>)>)> {
+        let be = cx.be;
+        let (embed, _, _) = self.ends();
+        let mut x = be.embedding(embed, ids, self.config.embed_scale)?;
+        let mut inputs = Vec::with_capacity(self.blocks().len());
+        for block in self.blocks() {
+            let (y, saved) = block.forward_train(cx, &x)?;
+            inputs.push((x, keep.then_some(saved)));
+            x = y;
+        }
+        Ok((x, inputs))
+    }
+
+    /// Forward only (evaluation): the log-probabilities of the targets, no gradient, no
+    /// dropout.
+    pub fn eval_pass(&self, batch: &TrainBatch) -> Result<PassOut> {
+        self.check_batch(batch)?;
+        let be = self.train_backend()?;
+        let cx = TrainCtx {
+            be,
+            layout: &batch.layout,
+            dropout: false,
+            seed: 0,
+        };
+        let (x, _) = self.forward_blocks(&cx, &batch.ids, false)?;
+        let (_, norm, head) = self.ends();
+        let h = be.rms_norm(&x, norm, self.config.rms_eps, self.config.norm_offset)?;
+        let out = be.lm_head_logprobs(&h, head, &batch.targets, self.config.final_logit_softcap, None)?;
+        Ok(PassOut {
+            logp: out.logp,
+            hit: out.hit,
+        })
+    }
+
+    /// Forward and backward of `Σ_n weights_n · log p(target_n)` (see the module header); the
+    /// adapters' gradients are added to `grads`.
+    pub fn train_pass(
+        &self,
+        batch: &TrainBatch,
+        weights: &[f32],
+        opts: &PassOptions,
+        grads: &mut LoraGrads,
+    ) -> Result<PassOut> {
+        self.check_batch(batch)?;
+        if weights.len() != batch.layout.rows() {
+            return Err(Error::Msg(format!(
+                "{} loss weights for a batch of {} rows",
+                weights.len(),
+                batch.layout.rows()
+            )));
+        }
+        let be: &dyn TrainBackend = self.train_backend()?;
+        let cx = TrainCtx {
+            be,
+            layout: &batch.layout,
+            dropout: opts.dropout,
+            seed: opts.seed,
+        };
+        let (x, mut inputs) = self.forward_blocks(&cx, &batch.ids, !opts.checkpoint)?;
+        let (_, norm, head) = self.ends();
+        let (eps, off) = (self.config.rms_eps, self.config.norm_offset);
+        let h = be.rms_norm(&x, norm, eps, off)?;
+        let out = be.lm_head_logprobs(
+            &h,
+            head,
+            &batch.targets,
+            self.config.final_logit_softcap,
+            Some(weights),
+        )?;
+        drop(h);
+        let dh = out
+            .dh
+            .ok_or_else(|| Error::Msg("the output layer returned no gradient".into()))?;
+        let mut dx = be.rms_norm_backward(&x, norm, eps, off, &dh)?;
+        drop((x, dh));
+        // Each block's input and state are dropped as soon as its backward is done.
+        for block in self.blocks().iter().rev() {
+            let (input, saved) = inputs.pop().expect("one input per block");
+            let saved = match saved {
+                Some(s) => s,
+                None => block.forward_train(&cx, &input)?.1,
+            };
+            dx = block.backward(&cx, &input, saved, dx, grads)?;
+        }
+        Ok(PassOut {
+            logp: out.logp,
+            hit: out.hit,
+        })
+    }
+}
