@@ -255,6 +255,16 @@ impl Model {
         }
     }
 
+    /// Puts the rows of a B factor (or of its gradient) `(rows, r)` of module `name`
+    /// (`model.layers.N.PATH`) from this base's order into the checkpoint's (PEFT's) order:
+    /// un-permutes q/k rows of GGUF Llama bases, leaves everything else.
+    pub fn b_rows_to_peft(&self, name: &str, b: &mut [f32], rows: usize, r: usize) -> Result<()> {
+        if let (true, Some(heads)) = (self.permuted_qk(), self.qk_heads(name)) {
+            permute_qk_rows(b, rows, r, heads, false)?;
+        }
+        Ok(())
+    }
+
     /// The adapters' tensors in PEFT's names and layout, `(name, shape, f32 values)`.
     pub fn adapter_tensors(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
         let be = self.be();
@@ -265,9 +275,7 @@ impl Model {
             let b = be.to_host(&l.b)?;
             let mut bv = b.data().to_vec();
             let (rows, r) = b.dims2();
-            if let (true, Some(heads)) = (self.permuted_qk(), self.qk_heads(&name)) {
-                permute_qk_rows(&mut bv, rows, r, heads, false)?;
-            }
+            self.b_rows_to_peft(&name, &mut bv, rows, r)?;
             out.push((format!("{stem}.lora_A.weight"), a.shape().to_vec(), a.into_data()));
             out.push((format!("{stem}.lora_B.weight"), vec![rows, r], bv));
         }

@@ -537,6 +537,22 @@ impl Model {
         }
     }
 
+    /// [`Model::train_backend`] as a handle that does not borrow the model (an optimizer
+    /// updates the adapters through it while it holds the model mutably).
+    pub fn train_backend_handle(
+        &self,
+    ) -> Result<Arc<dyn hf2q_tensor::train_op::TrainBackend>> {
+        match &self.cuda {
+            Some(_) => Err(Error::Msg(
+                "training on the GPU is not available in this build".into(),
+            )),
+            None => Ok(Arc::new(CpuBackend {
+                matmul: self.backend.matmul,
+                ..CpuBackend::default()
+            })),
+        }
+    }
+
     /// The backend every op of this model runs on.
     pub(crate) fn be(&self) -> &dyn Backend {
         match &self.cuda {
