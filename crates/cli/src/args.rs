@@ -69,6 +69,10 @@ pub struct SampleArgs {
     pub device: DeviceChoice,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
     pub kv_type: KvTypeChoice,
+    /// A LoRA adapter to apply (a PEFT adapter folder: adapter_config.json +
+    /// adapter_model.safetensors, from `hf2q train` or `peft`).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
 }
 
 /// `--kv-type`'s help, the same for every command that runs a model.
@@ -174,8 +178,19 @@ impl MatmulChoice {
 }
 
 impl SampleArgs {
-    /// Applies the device, matmul-path and KV-cache-type choices to a loaded model.
+    /// Applies the adapter, device, matmul-path and KV-cache-type choices to a loaded model.
     pub fn configure(&self, model: &mut Model) -> Result<()> {
+        if let Some(dir) = &self.adapter {
+            let cfg = model
+                .load_adapter(dir)
+                .with_context(|| format!("loading the adapter {}", dir.display()))?;
+            eprintln!(
+                "adapter: {} (rank {}, {} modules)",
+                dir.display(),
+                cfg.r,
+                model.adapters().len()
+            );
+        }
         model.set_matmul_path(self.matmul.path());
         model.set_kv_type(self.kv_type.kv_type());
         model.set_cuda(open_device(self.device, self.kv_type)?)?;

@@ -8,11 +8,13 @@ mod convert;
 mod imatrix;
 mod inspect;
 mod perplexity;
+mod progress;
 mod pull;
 mod quantize;
 mod run;
 mod serve;
 mod synth;
+mod train;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,7 +22,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// A model argument is accepted everywhere in one of these forms; shown in `--help`.
-const MODEL_FORMS: &str = "MODEL is a built-in name (smollm2-135m, the default; gemma3-270m; \
+pub(crate) const MODEL_FORMS: &str = "MODEL is a built-in name (smollm2-135m, the default; gemma3-270m; \
 qwen2.5-coder-0.5b), pulled into the cache on first use; or a path: a .gguf file, a Hugging Face \
 folder (config.json + *.safetensors + tokenizer.json), a Hugging Face cache folder \
 (models--ORG--NAME, whose refs/main snapshot is used), or an MLX folder.";
@@ -29,7 +31,7 @@ folder (config.json + *.safetensors + tokenizer.json), a Hugging Face cache fold
 #[command(
     name = "hf2q",
     version,
-    about = "Pull, inspect, run and chat with language models (GGUF, Hugging Face, MLX) on the CPU",
+    about = "Pull, inspect, run, serve, quantize and fine-tune language models (GGUF, Hugging Face, MLX) on the CPU or an NVIDIA GPU",
     long_about = "hf2q loads a language model from a GGUF file, a Hugging Face checkpoint or an MLX \
 folder and runs it. Start with `hf2q run -p \"Hello\"`: it pulls the default model \
 (smollm2-135m) on first use.",
@@ -124,6 +126,9 @@ real tokenizer copied from --vocab-from (padded to the shape's vocabulary), and 
 file: an 8B model takes seconds. llama.cpp and hf2q load the result."
     )]
     Synth(synth::SynthArgs),
+    /// Fine-tune a model with LoRA (`train sft`); writes a PEFT adapter.
+    #[command(subcommand)]
+    Train(train::TrainCmd),
 }
 
 #[derive(clap::Args, Debug)]
@@ -237,6 +242,7 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Serve(a) => serve::serve(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Synth(a) => synth::run(a),
+        Cmd::Train(c) => train::run(c),
     }
 }
 

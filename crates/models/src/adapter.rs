@@ -286,6 +286,13 @@ impl Model {
     /// temporary name, then renamed into place: an interrupted save leaves no adapter that looks
     /// complete, and an existing one is replaced only once the new one is whole).
     pub fn save_adapter(&self, dir: &Path, cfg: &LoraConfig, base_name: &str) -> Result<()> {
+        write_dir_atomically(dir, |tmp| self.write_adapter_files(tmp, cfg, base_name))
+    }
+
+    /// Writes the adapter's two files into the existing folder `dir`, each under a temporary
+    /// name renamed into place, the config last: until it is there, the folder does not look
+    /// like an adapter.
+    pub fn write_adapter_files(&self, dir: &Path, cfg: &LoraConfig, base_name: &str) -> Result<()> {
         let tensors = self.adapter_tensors()?;
         if tensors.is_empty() {
             return Err(Error::Msg("the model has no adapter to save".into()));
@@ -300,16 +307,12 @@ impl Model {
             .map(|((n, s, _), b)| (n.clone(), StDtype::F32, s.clone(), b.as_slice()))
             .collect();
         let config = peft_config_json(cfg, base_name);
-        write_dir_atomically(dir, |tmp| {
-            let mut meta = BTreeMap::new();
-            meta.insert("format".to_string(), "pt".to_string());
-            write_safetensors(&tmp.join(WEIGHTS_FILE), &refs, &meta)?;
-            let text = serde_json::to_string_pretty(&config)
-                .map_err(|e| Error::Msg(format!("adapter config: {e}")))?;
-            std::fs::write(tmp.join(CONFIG_FILE), text + "\n")
-                .map_err(|e| io_err(&tmp.join(CONFIG_FILE), e))?;
-            Ok(())
-        })
+        let mut meta = BTreeMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        write_safetensors(&dir.join(WEIGHTS_FILE), &refs, &meta)?;
+        let text = serde_json::to_string_pretty(&config)
+            .map_err(|e| Error::Msg(format!("adapter config: {e}")))?;
+        write_file_atomically(&dir.join(CONFIG_FILE), (text + "\n").as_bytes())
     }
 
     /// Loads a PEFT LoRA adapter folder (ours or `peft`'s) onto this model, replacing any
@@ -585,6 +588,22 @@ pub fn read_peft_config(dir: &Path) -> Result<PeftConfig> {
             .map(|(k, v)| (k, v as f32))
             .collect(),
     })
+}
+
+/// Writes `bytes` to `path` through a temporary name in the same folder, renamed into place.
+pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Msg(format!("{}: not a file name", path.display())))?
+        .to_string_lossy()
+        .to_string();
+    let tmp = path.with_file_name(format!(".{name}.partial-{}-{}", std::process::id(), unique_suffix()));
+    let res = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err(path, e));
+    }
+    Ok(())
 }
 
 /// Builds a folder under a temporary name beside `dir` with `fill`, then renames it into place

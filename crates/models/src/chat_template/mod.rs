@@ -404,6 +404,42 @@ pub fn encode_chat_json(
     Ok(ids)
 }
 
+/// A chat tokenized for training: the rendered text, its ids and the byte offset in `text` where
+/// each id starts (a BOS the template did not write has offset 0).
+pub struct EncodedChat {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub starts: Vec<usize>,
+}
+
+/// [`encode_chat_json`] keeping the rendered text and each token's offset in it.
+pub fn encode_chat_offsets(
+    tok: &Tokenizer,
+    tmpl: &ChatTemplate,
+    messages: &[serde_json::Value],
+    opts: &RenderOptions,
+) -> Result<EncodedChat> {
+    let specials: Vec<&str> = tok.special_tokens().collect();
+    let segs = tmpl.render_segments_impl(messages, opts, &specials)?;
+    let mut text = String::new();
+    let mut allowed = Vec::new();
+    for s in &segs {
+        let start = text.len();
+        text.push_str(&s.text);
+        if !s.is_content {
+            allowed.push((start, text.len()));
+        }
+    }
+    let (mut ids, mut starts) = tok.encode_with_special_spans_offsets(&text, &allowed)?;
+    if let (true, Some(bos)) = (tok.add_bos(), tok.bos_id()) {
+        if ids.first() != Some(&bos) {
+            ids.insert(0, bos);
+            starts.insert(0, 0);
+        }
+    }
+    Ok(EncodedChat { text, ids, starts })
+}
+
 // ---- rendering environment --------------------------------------------------------------------
 
 fn build_env(

@@ -316,6 +316,26 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// [`Tokenizer::encode_plain`] with each token's byte offset in `text` (where its bytes
+    /// start; tokens that share a start, e.g. pieces of one character, repeat it).
+    fn encode_plain_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<usize>)> {
+        let mut pre = self
+            .plain_added
+            .extract_and_normalize(self.inner.get_normalizer(), text);
+        if let Some(pt) = self.inner.get_pre_tokenizer() {
+            pt.pre_tokenize(&mut pre)
+                .map_err(|e| tok_err("pre-tokenize", e))?;
+        }
+        let model = self.inner.get_model();
+        pre.tokenize(|n| model.tokenize(n.get()))
+            .map_err(|e| tok_err("encode", e))?;
+        let enc = pre
+            .into_encoding(None, 0, OffsetType::Byte)
+            .map_err(|e| tok_err("encode", e))?;
+        let starts = enc.get_offsets().iter().map(|o| o.0).collect();
+        Ok((enc.get_ids().to_vec(), starts))
+    }
+
     /// The `tokenizers` encode pipeline (added tokens -> normalizer -> pre-tokenizer -> model)
     /// run with `plain_added`, so special tokens stay text.
     fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
@@ -372,6 +392,50 @@ impl Tokenizer {
         }
         ids.extend(self.encode_plain(&text[run_start..])?);
         Ok(ids)
+    }
+
+    /// [`Tokenizer::encode_with_special_spans`] with the byte offset in `text` where each
+    /// token starts (for masking a training target by the text it came from).
+    pub(crate) fn encode_with_special_spans_offsets(
+        &self,
+        text: &str,
+        allowed: &[(usize, usize)],
+    ) -> Result<(Vec<u32>, Vec<usize>)> {
+        let mut ids = Vec::new();
+        let mut starts = Vec::new();
+        let mut run_start = 0;
+        let plain = |ids: &mut Vec<u32>, starts: &mut Vec<usize>, lo: usize, hi: usize| -> Result<()> {
+            let (i, o) = self.encode_plain_offsets(&text[lo..hi])?;
+            ids.extend(i);
+            starts.extend(o.into_iter().map(|x| x + lo));
+            Ok(())
+        };
+        for &(lo, hi) in allowed {
+            if lo > hi || hi > text.len() || lo < run_start {
+                return Err(Error::Tokenizer(format!(
+                    "bad special span {lo}..{hi} for a text of {} bytes",
+                    text.len()
+                )));
+            }
+            let mut i = lo;
+            while i < hi {
+                if !text.is_char_boundary(i) {
+                    i += 1;
+                    continue;
+                }
+                if let Some((len, id)) = self.special_at(&text[i..hi]) {
+                    plain(&mut ids, &mut starts, run_start, i)?;
+                    ids.push(id);
+                    starts.push(i);
+                    i += len;
+                    run_start = i;
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        plain(&mut ids, &mut starts, run_start, text.len())?;
+        Ok((ids, starts))
     }
 
     /// The longest special token that `s` starts with (leftmost-longest, as the added-vocabulary

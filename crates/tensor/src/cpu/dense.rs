@@ -34,6 +34,37 @@ pub fn gemm_f32(
     accumulate: bool,
     a: &[f32],
     b: &[f32],
+    dims: (usize, usize, usize),
+    ta: bool,
+    tb: bool,
+    alpha: f32,
+) -> Result<()> {
+    let par = parallelism(dims.0, dims.1, dims.2);
+    gemm_f32_on(par, out, accumulate, a, b, dims, ta, tb, alpha)
+}
+
+/// [`gemm_f32`] on the calling thread alone (inside work that is already split over threads).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32_serial(
+    out: &mut [f32],
+    accumulate: bool,
+    a: &[f32],
+    b: &[f32],
+    dims: (usize, usize, usize),
+    ta: bool,
+    tb: bool,
+    alpha: f32,
+) -> Result<()> {
+    gemm_f32_on(gemm::Parallelism::None, out, accumulate, a, b, dims, ta, tb, alpha)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_f32_on(
+    par: gemm::Parallelism,
+    out: &mut [f32],
+    accumulate: bool,
+    a: &[f32],
+    b: &[f32],
     (m, k, n): (usize, usize, usize),
     ta: bool,
     tb: bool,
@@ -83,7 +114,7 @@ pub fn gemm_f32(
             false,
             false,
             false,
-            parallelism(m, k, n),
+            par,
         );
     }
     Ok(())

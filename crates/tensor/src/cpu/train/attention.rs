@@ -1,8 +1,10 @@
 //! Attention of a training forward over a packed batch, and its backward, on the CPU: causal
 //! within each sequence of the [`SeqLayout`], grouped KV heads, an optional sliding window and
 //! an optional soft cap of the scores. The forward keeps each row's log-sum-exp; the backward
-//! recomputes each probability from it (flash-attention 2's backward), so nothing of size
-//! N x N is ever stored: one row of scores at a time in the forward, none in the backward.
+//! recomputes the probabilities from it tile by tile (flash-attention 2's backward), so nothing
+//! of size T x T is ever stored: a tile of about 64 query rows (the tokens of a tile times the
+//! heads sharing one kv head) against its visible keys at a time, its products on the `gemm`
+//! crate's kernels. Work is split over (sequence, kv head) pairs.
 //!
 //! Per query row `n` and head `h` over its visible keys `j` (scores `s_j`, raw `r_j = scale ·
 //! q·k_j`, `s_j = cap · tanh(r_j / cap)` with a cap, else `r_j`):
@@ -12,9 +14,12 @@
 
 use rayon::prelude::*;
 
+use crate::cpu::dense::gemm_f32_serial;
 use crate::train_op::{AttentionGrads, AttentionOut, SeqLayout, TrainAttention};
-use crate::weight::dot;
 use crate::{Error, Result, Tensor};
+
+/// Query rows (tokens x heads of a kv group) per tile.
+const TILE_ROWS: usize = 64;
 
 /// Checks q, k, v against the layout and the heads; returns (H, Hkv, Dh).
 fn check(
@@ -48,16 +53,83 @@ fn check(
     Ok((h, hkv, dh))
 }
 
-/// The score of one query/key pair (after the optional soft cap) and the cap's slope there.
-#[inline]
-fn score(raw: f32, softcap: Option<f32>) -> (f32, f32) {
-    match softcap {
-        Some(cap) => {
-            let t = (raw / cap).tanh();
-            (cap * t, 1.0 - t * t)
-        }
-        None => (raw, 1.0),
+/// The geometry of one (sequence, kv head) task.
+struct Task<'a> {
+    layout: &'a SeqLayout,
+    a: &'a TrainAttention,
+    /// First row and rows of the sequence.
+    a0: usize,
+    t: usize,
+    kvh: usize,
+    group: usize,
+    dh: usize,
+    /// Row widths of q and of k/v.
+    qw: usize,
+    kw: usize,
+}
+
+impl Task<'_> {
+    /// Tokens per tile.
+    fn tile_tokens(&self) -> usize {
+        (TILE_ROWS / self.group).max(1)
     }
+    /// `(T, Dh)` of kv head `kvh` of this sequence, from `x (N, Hkv*Dh)`.
+    fn gather_kv(&self, x: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.t * self.dh);
+        for r in self.a0..self.a0 + self.t {
+            let o = r * self.kw + self.kvh * self.dh;
+            out.extend_from_slice(&x[o..o + self.dh]);
+        }
+        out
+    }
+    /// `(tokens * group, Dh)` rows of the group's heads for tokens `t0..t1` (token-major), from
+    /// `x (N, H*Dh)`.
+    fn gather_q(&self, x: &[f32], t0: usize, t1: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity((t1 - t0) * self.group * self.dh);
+        for t in t0..t1 {
+            let o = (self.a0 + t) * self.qw + self.kvh * self.group * self.dh;
+            out.extend_from_slice(&x[o..o + self.group * self.dh]);
+        }
+        out
+    }
+    /// Visible keys of tokens `t0..t1` as one range `lo..t1` (sequence-relative), and each
+    /// token's own lower bound.
+    fn key_range(&self, t0: usize, t1: usize) -> (usize, Vec<usize>) {
+        let lows: Vec<usize> = (t0..t1)
+            .map(|t| self.layout.visible(self.a0 + t, self.a.p.window).0 - self.a0)
+            .collect();
+        (lows[0], lows)
+    }
+    /// The scores of a tile, `(rows, L)` for keys `lo..t1`: scaled, soft-capped, masked to
+    /// -inf outside each row's visible keys; and the cap's slope per element.
+    fn scores(&self, q: &[f32], k: &[f32], t0: usize, t1: usize) -> Result<(Vec<f32>, Vec<f32>, usize)> {
+        let (lo, lows) = self.key_range(t0, t1);
+        let l = t1 - lo;
+        let rows = (t1 - t0) * self.group;
+        let mut s = vec![0f32; rows * l];
+        gemm_f32_serial(&mut s, false, q, &k[lo * self.dh..t1 * self.dh], (rows, self.dh, l), false, true, self.a.p.scale)?;
+        let mut slope = vec![1f32; if self.a.softcap.is_some() { rows * l } else { 0 }];
+        for (ri, row) in s.chunks_mut(l).enumerate() {
+            let t = t0 + ri / self.group;
+            let vis = (lows[ri / self.group] - lo)..(t + 1 - lo);
+            for (j, v) in row.iter_mut().enumerate() {
+                if !vis.contains(&j) {
+                    *v = f32::NEG_INFINITY;
+                } else if let Some(cap) = self.a.softcap {
+                    let th = (*v / cap).tanh();
+                    *v = cap * th;
+                    slope[ri * l + j] = 1.0 - th * th;
+                }
+            }
+        }
+        Ok((s, slope, lo))
+    }
+}
+
+fn tasks(layout: &SeqLayout, hkv: usize) -> Vec<(usize, usize)> {
+    (0..layout.sequences())
+        .flat_map(|s| (0..hkv).map(move |g| (s, g)))
+        .collect()
 }
 
 pub fn attention_train(
@@ -71,38 +143,58 @@ pub fn attention_train(
     let n = layout.rows();
     let group = h / hkv;
     let (qw, kw) = (h * dh, hkv * dh);
-    let (qd, kd, vd) = (q.data(), k.data(), v.data());
+    let starts = layout.starts();
+    // Per task: (seq, kvh, out rows (T, group, Dh), lse (T, group)).
+    let parts: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = tasks(layout, hkv)
+        .par_iter()
+        .map(|&(seq, kvh)| -> Result<_> {
+            let task = Task { layout, a, a0: starts[seq], t: starts[seq + 1] - starts[seq], kvh, group, dh, qw, kw };
+            let (kg, vg) = (task.gather_kv(k.data()), task.gather_kv(v.data()));
+            let mut out = vec![0f32; task.t * group * dh];
+            let mut lse = vec![0f32; task.t * group];
+            let step = task.tile_tokens();
+            for t0 in (0..task.t).step_by(step) {
+                let t1 = (t0 + step).min(task.t);
+                let qt = task.gather_q(q.data(), t0, t1);
+                let (mut s, _, lo) = task.scores(&qt, &kg, t0, t1)?;
+                let l = t1 - lo;
+                for (ri, row) in s.chunks_mut(l).enumerate() {
+                    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0f32;
+                    for x in row.iter_mut() {
+                        *x = (*x - m).exp();
+                        sum += *x;
+                    }
+                    let inv = 1.0 / sum;
+                    row.iter_mut().for_each(|x| *x *= inv);
+                    lse[t0 * group + ri] = m + sum.ln();
+                }
+                let rows = (t1 - t0) * group;
+                gemm_f32_serial(
+                    &mut out[t0 * group * dh..t1 * group * dh],
+                    false,
+                    &s,
+                    &vg[lo * dh..t1 * dh],
+                    (rows, l, dh),
+                    false,
+                    false,
+                    1.0,
+                )?;
+            }
+            Ok((seq, kvh, out, lse))
+        })
+        .collect::<Result<_>>()?;
     let mut out = vec![0f32; n * qw];
     let mut lse = vec![0f32; n * h];
-    out.par_chunks_mut(dh)
-        .zip(lse.par_iter_mut())
-        .enumerate()
-        .for_each(|(idx, (o, l))| {
-            let (row, hi) = (idx / h, idx % h);
-            let kvh = hi / group;
-            let (lo, hi_key) = layout.visible(row, a.p.window);
-            let qv = &qd[row * qw + hi * dh..row * qw + (hi + 1) * dh];
-            let scores: Vec<f32> = (lo..hi_key)
-                .map(|j| {
-                    let kr = &kd[j * kw + kvh * dh..j * kw + (kvh + 1) * dh];
-                    score(dot(qv, kr) * a.p.scale, a.softcap).0
-                })
-                .collect();
-            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            o.fill(0.0);
-            for (s, j) in scores.iter().zip(lo..hi_key) {
-                let e = (s - m).exp();
-                sum += e;
-                let vr = &vd[j * kw + kvh * dh..j * kw + (kvh + 1) * dh];
-                for (ov, vv) in o.iter_mut().zip(vr) {
-                    *ov += e * vv;
-                }
-            }
-            let inv = 1.0 / sum;
-            o.iter_mut().for_each(|x| *x *= inv);
-            *l = m + sum.ln();
-        });
+    for (seq, kvh, o, l) in parts {
+        for r in 0..starts[seq + 1] - starts[seq] {
+            let row = starts[seq] + r;
+            let dst = row * qw + kvh * group * dh;
+            out[dst..dst + group * dh].copy_from_slice(&o[r * group * dh..(r + 1) * group * dh]);
+            let ld = row * h + kvh * group;
+            lse[ld..ld + group].copy_from_slice(&l[r * group..(r + 1) * group]);
+        }
+    }
     Ok(AttentionOut {
         out: Tensor::new(&[n, qw], out)?,
         lse: Tensor::new(&[n, h], lse)?,
@@ -141,60 +233,54 @@ pub fn attention_backward(
     let n = layout.rows();
     let group = h / hkv;
     let (qw, kw) = (h * dh, hkv * dh);
-    let (qd, kd, vd) = (q.data(), k.data(), v.data());
-    let (od, ld, gd) = (fwd.out.data(), fwd.lse.data(), dout.data());
-    let scale = a.p.scale;
     let starts = layout.starts();
-    let tasks: Vec<(usize, usize)> = (0..layout.sequences())
-        .flat_map(|s| (0..hkv).map(move |g| (s, g)))
-        .collect();
-    let parts: Vec<TaskGrads> = tasks
+    let parts: Vec<TaskGrads> = tasks(layout, hkv)
         .par_iter()
-        .map(|&(seq, kvh)| {
-            let (a0, a1) = (starts[seq], starts[seq + 1]);
-            let t = a1 - a0;
-            let mut dq = vec![0f32; t * group * dh];
-            let mut dk = vec![0f32; t * dh];
-            let mut dv = vec![0f32; t * dh];
-            for row in a0..a1 {
-                let (lo, hi_key) = layout.visible(row, a.p.window);
-                for gi in 0..group {
-                    let head = kvh * group + gi;
-                    let qo = row * qw + head * dh;
-                    let qv = &qd[qo..qo + dh];
-                    let go = &gd[qo..qo + dh];
-                    let big_d = dot(go, &od[qo..qo + dh]);
-                    let l = ld[row * h + head];
-                    let dqr = &mut dq[((row - a0) * group + gi) * dh..][..dh];
-                    for j in lo..hi_key {
-                        let ko = j * kw + kvh * dh;
-                        let kr = &kd[ko..ko + dh];
-                        let vr = &vd[ko..ko + dh];
-                        let (s, slope) = score(dot(qv, kr) * scale, a.softcap);
-                        let p = (s - l).exp();
-                        let jl = (j - a0) * dh;
-                        for (dvv, gv) in dv[jl..jl + dh].iter_mut().zip(go) {
-                            *dvv += p * gv;
-                        }
-                        let dr = p * (dot(go, vr) - big_d) * slope * scale;
-                        for (d, kv) in dqr.iter_mut().zip(kr) {
-                            *d += dr * kv;
-                        }
-                        for (d, qq) in dk[jl..jl + dh].iter_mut().zip(qv) {
-                            *d += dr * qq;
-                        }
+        .map(|&(seq, kvh)| -> Result<TaskGrads> {
+            let task = Task { layout, a, a0: starts[seq], t: starts[seq + 1] - starts[seq], kvh, group, dh, qw, kw };
+            let (kg, vg) = (task.gather_kv(k.data()), task.gather_kv(v.data()));
+            let mut dq = vec![0f32; task.t * group * dh];
+            let mut dk = vec![0f32; task.t * dh];
+            let mut dv = vec![0f32; task.t * dh];
+            let step = task.tile_tokens();
+            for t0 in (0..task.t).step_by(step) {
+                let t1 = (t0 + step).min(task.t);
+                let rows = (t1 - t0) * group;
+                let qt = task.gather_q(q.data(), t0, t1);
+                let got = task.gather_q(dout.data(), t0, t1);
+                let ot = task.gather_q(fwd.out.data(), t0, t1);
+                let (mut p, slope, lo) = task.scores(&qt, &kg, t0, t1)?;
+                let l = t1 - lo;
+                // P = exp(S - lse), row by row.
+                for (ri, row) in p.chunks_mut(l).enumerate() {
+                    let t = t0 + ri / group;
+                    let lse = fwd.lse.data()[(task.a0 + t) * h + kvh * group + ri % group];
+                    row.iter_mut().for_each(|x| *x = (*x - lse).exp());
+                }
+                // dV[lo..t1] += Pᵀ dO.
+                gemm_f32_serial(&mut dv[lo * dh..t1 * dh], true, &p, &got, (l, rows, dh), true, false, 1.0)?;
+                // dP = dO Vᵀ, then dS = P (dP - D) (times the cap's slope, and the scale).
+                let mut ds = vec![0f32; rows * l];
+                gemm_f32_serial(&mut ds, false, &got, &vg[lo * dh..t1 * dh], (rows, dh, l), false, true, 1.0)?;
+                for ri in 0..rows {
+                    let big_d: f32 = got[ri * dh..(ri + 1) * dh]
+                        .iter()
+                        .zip(&ot[ri * dh..(ri + 1) * dh])
+                        .map(|(x, y)| x * y)
+                        .sum();
+                    for j in 0..l {
+                        let e = ri * l + j;
+                        let sl = if slope.is_empty() { 1.0 } else { slope[e] };
+                        ds[e] = p[e] * (ds[e] - big_d) * sl * a.p.scale;
                     }
                 }
+                // dQ = dS K, dK[lo..t1] += dSᵀ Q.
+                gemm_f32_serial(&mut dq[t0 * group * dh..t1 * group * dh], false, &ds, &kg[lo * dh..t1 * dh], (rows, l, dh), false, false, 1.0)?;
+                gemm_f32_serial(&mut dk[lo * dh..t1 * dh], true, &ds, &qt, (l, rows, dh), true, false, 1.0)?;
             }
-            TaskGrads {
-                seq,
-                kvh,
-                dq,
-                dk,
-                dv,
-            }
+            Ok(TaskGrads { seq, kvh, dq, dk, dv })
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let mut dq = vec![0f32; n * qw];
     let mut dk = vec![0f32; n * kw];
     let mut dv = vec![0f32; n * kw];
