@@ -28,6 +28,17 @@ if [ -x scripts/fetch-tokenizers.sh ]; then
     scripts/fetch-tokenizers.sh "$HF2Q_TEST_TOKENIZERS_DIR"
 fi
 
+echo "== training data (LLaMA-Factory's demo sets, from its PyPI sdist; cached in $CACHE/data)"
+DATA="$CACHE/data"
+if [ ! -f "$DATA/alpaca_en_demo.json" ] || [ ! -f "$DATA/dpo_en_demo.json" ]; then
+    mkdir -p "$DATA"
+    python3 -m pip download --quiet --no-deps --no-binary :all: "llamafactory==0.9.5" -d "$DATA" \
+        && tar -xzf "$DATA/llamafactory-0.9.5.tar.gz" -C "$DATA" --strip-components 2 \
+            llamafactory-0.9.5/data/alpaca_en_demo.json llamafactory-0.9.5/data/dpo_en_demo.json \
+        || echo "warning: could not fetch the llamafactory sdist; training behaviour tests will be skipped" >&2
+fi
+[ -f "$DATA/alpaca_en_demo.json" ] && export HF2Q_TEST_ALPACA_JSON="$DATA/alpaca_en_demo.json"
+
 echo "== tests"
 cargo test --release --locked --workspace -- --test-threads 2
 

@@ -2,7 +2,6 @@
 //! `llama-imatrix` computes it (chunks of --ctx tokens, Σx² of every matmul's input columns),
 //! in llama.cpp's GGUF imatrix format, for `hf2q quantize --imatrix` or `llama-quantize`.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -61,31 +60,13 @@ pub fn run(a: ImatrixArgs) -> Result<()> {
         process_output: a.process_output,
         dataset: a.file.display().to_string(),
     };
-    let tty = std::io::stderr().is_terminal();
     let t0 = Instant::now();
+    let bar = crate::progress::Progress::new("imatrix", 0, crate::progress::Unit::Items("chunks"));
     let (m, run) = collect_imatrix(&mut model, &text, &opts, &mut |i, n, ppl| {
-        let secs = t0.elapsed().as_secs_f64();
-        if tty {
-            let width = 30;
-            let fill = width * i / n.max(1);
-            let eta = secs / i as f64 * (n - i) as f64;
-            eprint!(
-                "\r\x1b[2Kimatrix [{}{}] {i}/{n} chunks, PPL {ppl:.4}, {:.1} s/chunk, ETA {eta:.0} s",
-                "#".repeat(fill),
-                " ".repeat(width - fill),
-                secs / i as f64
-            );
-            if i == n {
-                eprintln!();
-            }
-        } else {
-            // llama-imatrix's running estimate: "[1]12.3456,[2]...".
-            eprint!("[{i}]{ppl:.4},");
-            if i == n {
-                eprintln!();
-            }
-        }
+        bar.set_total(n as u64);
+        bar.set(i as u64, format!("PPL {ppl:.4}"));
     })?;
+    bar.finish(format!("{} chunks", m.chunk_count));
     let secs = t0.elapsed().as_secs_f64();
     m.save(&a.output)
         .with_context(|| format!("writing {}", a.output.display()))?;

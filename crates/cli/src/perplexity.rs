@@ -51,12 +51,12 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         ctx: a.ctx,
         max_chunks: a.chunks,
     };
+    let bar = crate::progress::Progress::new("perplexity", 0, crate::progress::Unit::Items("chunks"));
     let r = perplexity(&model, base.as_ref(), &text, &opts, &mut |i, n, p| {
-        eprint!("[{i}]{p:.4},");
-        if i == n {
-            eprintln!();
-        }
+        bar.set_total(n as u64);
+        bar.set(i as u64, format!("PPL {p:.4}"));
     })?;
+    bar.finish(format!("PPL {:.4}", r.ppl));
     let secs = t0.elapsed().as_secs_f64();
     if a.json {
         let mut v = serde_json::to_value(&r)?;

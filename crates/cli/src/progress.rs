@@ -26,7 +26,7 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     label: String,
     unit: Unit,
-    total: u64,
+    total: std::sync::atomic::AtomicU64,
     start: Instant,
     /// Non-terminal: the last line's time and the current message.
     plain: Mutex<(Instant, u64, String)>,
@@ -60,7 +60,7 @@ impl Progress {
             bar,
             label,
             unit,
-            total,
+            total: std::sync::atomic::AtomicU64::new(total),
             start: Instant::now(),
             plain: Mutex::new((Instant::now(), 0, String::new())),
         }
@@ -70,6 +70,18 @@ impl Progress {
         match unit {
             Unit::Items(what) => format!("{n} {what}"),
             Unit::Bytes => format!("{:.1} MB", n as f64 / 1e6),
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.total.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Changes the amount of work (when it becomes known after the start).
+    pub fn set_total(&self, total: u64) {
+        self.total.store(total, std::sync::atomic::Ordering::Relaxed);
+        if let Some(b) = &self.bar {
+            b.set_length(total);
         }
     }
 
@@ -85,7 +97,7 @@ impl Progress {
                 let mut p = self.plain.lock().unwrap_or_else(|e| e.into_inner());
                 p.1 = done;
                 p.2 = msg;
-                if p.0.elapsed() >= LINE_EVERY && done < self.total {
+                if p.0.elapsed() >= LINE_EVERY && done < self.total() {
                     p.0 = Instant::now();
                     self.line(done, &p.2);
                 }
@@ -95,14 +107,15 @@ impl Progress {
 
     fn line(&self, done: u64, msg: &str) {
         let secs = self.start.elapsed().as_secs_f64();
-        let eta = if done > 0 && self.total > done {
-            format!(", ETA {:.0} s", secs / done as f64 * (self.total - done) as f64)
+        let total = self.total();
+        let eta = if done > 0 && total > done {
+            format!(", ETA {:.0} s", secs / done as f64 * (total - done) as f64)
         } else {
             String::new()
         };
         let of = match self.unit {
-            Unit::Items(what) => format!("{done}/{} {what}", self.total),
-            Unit::Bytes => format!("{:.1}/{:.1} MB", done as f64 / 1e6, self.total as f64 / 1e6),
+            Unit::Items(what) => format!("{done}/{total} {what}"),
+            Unit::Bytes => format!("{:.1}/{:.1} MB", done as f64 / 1e6, total as f64 / 1e6),
         };
         eprintln!("{}: {of} {msg} ({secs:.1} s{eta})", self.label);
     }

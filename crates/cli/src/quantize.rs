@@ -2,7 +2,6 @@
 //! recipes into an mlx-lm folder; `--eval TEXT` measures what it cost (perplexity and KL against
 //! the input) and prints a report card. Also the progress bar shared with `convert`.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -83,62 +82,44 @@ pub struct QuantizeArgs {
     pub eval_chunks: usize,
 }
 
-/// A one-line progress bar on stderr (redrawn in place on a terminal), plus warnings.
+/// The converters' progress (a tensor at a time) on the shared progress display.
 pub struct Bar {
     label: String,
-    tty: bool,
-    state: Mutex<(usize, usize, Instant)>,
+    bar: Mutex<Option<crate::progress::Progress>>,
 }
 
 impl Bar {
     pub fn new(label: impl Into<String>) -> Bar {
         Bar {
             label: label.into(),
-            tty: std::io::stderr().is_terminal(),
-            state: Mutex::new((0, 0, Instant::now())),
+            bar: Mutex::new(None),
         }
     }
 }
 
 impl Progress for Bar {
     fn start(&self, total: usize) {
-        let mut s = self.state.lock().unwrap();
-        *s = (0, total, Instant::now());
+        *self.bar.lock().unwrap() = Some(crate::progress::Progress::new(
+            self.label.clone(),
+            total as u64,
+            crate::progress::Unit::Items("tensors"),
+        ));
     }
     fn tensor(&self, done: usize, name: &str, from: &str, to: &str) {
-        let mut s = self.state.lock().unwrap();
-        s.0 = done;
-        let total = s.1.max(1);
-        if self.tty {
-            let width = 30;
-            let fill = width * done / total;
-            eprint!(
-                "\r\x1b[2K{} [{}{}] {done}/{total} {name} {from} -> {to}",
-                self.label,
-                "#".repeat(fill),
-                " ".repeat(width - fill)
-            );
-        } else if done == total || done.is_multiple_of(50) {
-            eprintln!("{}: {done}/{total} tensors", self.label);
+        if let Some(b) = &*self.bar.lock().unwrap() {
+            b.set(done as u64, format!("{name} {from} -> {to}"));
         }
     }
     fn finish(&self) {
-        let s = self.state.lock().unwrap();
-        if self.tty {
-            eprintln!();
+        if let Some(b) = self.bar.lock().unwrap().take() {
+            b.finish("done");
         }
-        eprintln!(
-            "{}: {} tensors in {:.1} s",
-            self.label,
-            s.0,
-            s.2.elapsed().as_secs_f64()
-        );
     }
     fn warn(&self, msg: &str) {
-        if self.tty {
-            eprint!("\r\x1b[2K");
+        match &*self.bar.lock().unwrap() {
+            Some(b) => b.println(format!("warning: {msg}")),
+            None => eprintln!("warning: {msg}"),
         }
-        eprintln!("warning: {msg}");
     }
 }
 
@@ -322,10 +303,12 @@ fn report_card(
         ctx,
         max_chunks: Some(chunks),
     };
+    let bar = crate::progress::Progress::new("evaluate", 0, crate::progress::Unit::Items("chunks"));
     let rep = perplexity(&quant, Some(&base), &s, &opts, &mut |i, n, p| {
-        eprint!("\r[{i}/{n}] ppl {p:.4}   ")
+        bar.set_total(n as u64);
+        bar.set(i as u64, format!("PPL {p:.4}"));
     })?;
-    eprintln!();
+    bar.finish(format!("{} chunks", rep.n_chunks));
     let kl = rep.kl.as_ref().expect("base given");
     println!("report card: {}", output.display());
     println!(

@@ -29,7 +29,8 @@ form (a quantized GGUF stays quantized); the adapter written to -o is a PEFT ada
 `hf2q run --adapter` and `hf2q chat --adapter` load. Checkpoints (adapter, optimizer state, data \
 position) go to OUT/checkpoint-N every --save-every steps and when the run is stopped with Ctrl-C \
 or SIGTERM; --resume OUT continues from the latest one and ends where an unbroken run ends.",
-        after_help = crate::MODEL_FORMS
+        after_help = crate::MODEL_FORMS,
+        args_override_self = true
     )]
     Sft(SftArgs),
 }

@@ -1,0 +1,175 @@
+//! `hf2q train sft` as a user runs it, on the committed tiny Llama checkpoint (byte-level
+//! vocabulary, its own chat template): a short run writes a PEFT adapter that `hf2q run
+//! --adapter` loads, NDJSON events on stdout with `--json`, and bad input — empty or malformed
+//! data, a template that cannot render, r = 0, a target the model does not have, a resume
+//! folder of another model, an output folder that already holds an adapter — gives a clear
+//! error, a failing exit status, and overwrites nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn tiny(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny").join(name)
+}
+
+fn hf2q(home: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hf2q"))
+        .env("HF2Q_HOME", home)
+        .stdin(Stdio::null())
+        .args(args)
+        .output()
+        .expect("spawn hf2q")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Chats whose answers the tiny model can learn in a few steps.
+fn chats(dir: &Path, n: usize) -> PathBuf {
+    let p = dir.join("chats.jsonl");
+    let mut s = String::new();
+    for i in 0..n {
+        s.push_str(&serde_json::json!({"messages": [
+            {"role": "user", "content": format!("say {i}")},
+            {"role": "assistant", "content": format!("OK {i}!")},
+        ]}).to_string());
+        s.push('\n');
+    }
+    std::fs::write(&p, s).unwrap();
+    p
+}
+
+fn sft<'a>(data: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["train", "sft", "--data", data, "-o", out, "--device", "cpu", "--batch", "2", "--lora-r", "4"];
+    v.extend_from_slice(extra);
+    v
+}
+
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = walk(dir)
+        .into_iter()
+        .map(|p| (p.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&p).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_short_run_writes_an_adapter_that_run_loads() {
+    let h = tempfile::tempdir().unwrap();
+    let data = chats(h.path(), 8);
+    let out = h.path().join("adapter");
+    let model = tiny("tiny-llama");
+    let (d, o, m) = (data.to_str().unwrap(), out.to_str().unwrap(), model.to_str().unwrap());
+    let mut args = sft(d, o, &["--steps", "4", "--json", "--lr", "1e-2"]);
+    args.insert(2, m);
+    let r = hf2q(h.path(), &args);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let events: Vec<serde_json::Value> = text(&r.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(kinds.first(), Some(&"plan"));
+    assert_eq!(kinds.iter().filter(|k| **k == "step").count(), 4);
+    assert_eq!(kinds.last(), Some(&"done"));
+    let step = events.iter().find(|e| e["event"] == "step").unwrap();
+    for k in ["loss", "lr", "grad_norm", "tokens_per_s", "epoch"] {
+        assert!(step[k].is_number(), "step event lacks {k}: {step}");
+    }
+    let plan = &events[0];
+    assert!(plan["train"]["histogram"].is_array());
+    for f in ["adapter_config.json", "adapter_model.safetensors", "train_log.jsonl"] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["r"], 4);
+    let r = hf2q(h.path(), &["run", m, "--adapter", o, "-p", "say 3", "-n", "4", "--temp", "0", "--device", "cpu"]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("adapter:"), "{}", text(&r.stderr));
+}
+
+/// Runs `args` expecting failure with `msg` in stderr.
+fn fails(h: &Path, args: &[&str], msg: &str) {
+    let r = hf2q(h, args);
+    let err = text(&r.stderr);
+    assert!(!r.status.success(), "succeeded: {args:?}");
+    assert!(err.contains(msg), "{args:?}: expected '{msg}' in:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_input_is_named_and_nothing_is_overwritten() {
+    let h = tempfile::tempdir().unwrap();
+    let hp = h.path();
+    let model = tiny("tiny-llama");
+    // Paths as 'static strings, for argument lists built in several places.
+    let leak = |s: &Path| -> &'static str { Box::leak(s.to_str().unwrap().to_string().into_boxed_str()) };
+    let data = chats(hp, 6);
+    let d = leak(&data);
+    let out = hp.join("out");
+    let o = leak(&out);
+    let m: &'static str = leak(&model);
+    let with_model = |mut v: Vec<&'static str>| {
+        v.insert(2, m);
+        v
+    };
+
+    std::fs::write(hp.join("empty.jsonl"), "").unwrap();
+    fails(hp, &with_model(sft(leak(&hp.join("empty.jsonl")), leak(&out), &[])), "no records");
+    std::fs::write(hp.join("bad.jsonl"), "{\"text\": \"a\"}\n{\"text\": \n").unwrap();
+    fails(hp, &with_model(sft(leak(&hp.join("bad.jsonl")), leak(&out), &[])), "bad.jsonl:2: not a JSON object");
+    fails(hp, &with_model(sft(d, o, &["--lora-r", "0"])), "LoRA rank r must be at least 1");
+    fails(hp, &with_model(sft(d, o, &["--targets", "q_proj,wq"])), "unknown LoRA target module 'wq'");
+    assert!(!out.exists(), "a failed run created its output folder");
+
+    // A template that refuses system turns: the record's line is named.
+    let tdir = hp.join("strict-model");
+    std::fs::create_dir(&tdir).unwrap();
+    for e in std::fs::read_dir(&model).unwrap().flatten() {
+        std::fs::copy(e.path(), tdir.join(e.file_name())).unwrap();
+    }
+    let tc = tdir.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    cfg["chat_template"] = serde_json::json!("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System roles are not supported') }}{% endif %}{{ m['content'] }}{% endfor %}");
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    std::fs::write(
+        hp.join("sys.jsonl"),
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\",\"content\":\"b\"}]}\n{\"messages\":[{\"role\":\"system\",\"content\":\"s\"},{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\",\"content\":\"b\"}]}\n",
+    )
+    .unwrap();
+    let mut a = sft(leak(&hp.join("sys.jsonl")), o, &[]);
+    a.insert(2, leak(&tdir));
+    fails(hp, &a, "sys.jsonl:2");
+    fails(hp, &a, "System roles are not supported");
+
+    // A finished adapter is not overwritten by a second run; its checkpoint cannot be resumed
+    // by another model.
+    let r = hf2q(hp, &with_model(sft(d, o, &["--steps", "2", "--save-every", "1"])));
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let before = snapshot(&out);
+    assert!(before.iter().any(|(n, _)| n.starts_with("checkpoint-000001")), "{:?}", before.iter().map(|b| &b.0).collect::<Vec<_>>());
+    fails(hp, &with_model(sft(d, o, &["--steps", "2"])), "already holds an adapter");
+    let mut other = sft(d, leak(&hp.join("other")), &["--steps", "2", "--resume", o]);
+    other.insert(2, leak(&tiny("tiny-qwen2")));
+    fails(hp, &other, "made for another model");
+    let after: Vec<_> = snapshot(&out).into_iter().filter(|(n, _)| n != "train_log.jsonl").collect();
+    let before: Vec<_> = before.into_iter().filter(|(n, _)| n != "train_log.jsonl").collect();
+    assert_eq!(before, after, "a refused run changed the output folder");
+}
