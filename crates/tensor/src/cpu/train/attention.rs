@@ -16,8 +16,9 @@ use crate::train_op::{AttentionGrads, AttentionOut, SeqLayout, TrainAttention};
 use crate::weight::dot;
 use crate::{Error, Result, Tensor};
 
-/// Checks q, k, v against the layout and the heads; returns (H, Hkv, Dh).
-fn check(
+/// Checks q, k, v against the layout and the heads; returns (H, Hkv, Dh) (every backend's
+/// check).
+pub(crate) fn check(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
