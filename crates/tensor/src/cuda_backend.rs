@@ -70,6 +70,8 @@ pub struct CudaBackend {
     /// Tests: the training ops fill each new output with NaN before writing it, so that an
     /// element a kernel leaves unwritten shows ([`CudaBackend::set_poison_outputs`]).
     pub(crate) poison: std::sync::atomic::AtomicBool,
+    /// Depth alignment of `linear_low_rank`'s appended products ([`CudaBackend::set_low_rank_align`]).
+    pub(crate) low_rank_align: std::sync::atomic::AtomicUsize,
 }
 
 /// One buffer shared by every captured step: while capturing, each op's output is the next
@@ -231,7 +233,16 @@ impl CudaBackend {
                 wanted: 0,
             }),
             poison: std::sync::atomic::AtomicBool::new(false),
+            low_rank_align: std::sync::atomic::AtomicUsize::new(crate::cuda_train::LOW_RANK_ALIGN),
         })
+    }
+
+    /// The multiple the depth of `linear_low_rank`'s products is padded to with zeros (benches;
+    /// 8 at least).
+    #[doc(hidden)]
+    pub fn set_low_rank_align(&self, n: usize) {
+        self.low_rank_align
+            .store(n.max(8).next_multiple_of(8), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the training ops fill their outputs with NaN first (tests; default off).

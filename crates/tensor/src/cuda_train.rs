@@ -6,8 +6,11 @@
 //! - f32 throughout: RoPE, RMSNorm and gated-activation backward, dropout (the same mask bit for
 //!   bit), add_scaled / scale / AdamW (bit for bit: no fused multiply-adds), sum_squares (f64),
 //!   `matmul` (cuBLAS sgemm without TF32, or our f32 kernels).
+//! - f16 operands, f32 sums: `linear_low_rank` (x, u, the weight and B rounded to f16, as the
+//!   inference products' one-pass mode rounds them: 2^-11 relative each).
 //! - bf16 operands, f32 sums (the products that dominate a step, on tensor cores):
-//!   `linear_backward_input` (dy and the dequantized weight rounded to bf16), attention forward
+//!   `linear_backward_input` and its low-rank form (dy, du, A and the dequantized weight
+//!   rounded to bf16), attention forward
 //!   and backward (q, k, v, dout, P and dS rounded to bf16 on the Dh = 64 / 128 kernels; other
 //!   head widths run f32 kernels), `lm_head_logprobs` (h, the weight and the logits' gradient
 //!   in bf16; logits and the softmax in f32). Each rounding is 2^-9 relative: about 1e-3 to
@@ -16,6 +19,7 @@
 //! Not here: the inference ops (`cuda_backend.rs`) and the kernels' own layout (`cuda/`).
 
 mod head;
+mod lowrank;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -41,6 +45,11 @@ const HEAD_CHUNK_LOGITS: usize = 64 << 20;
 /// Most weight values dequantized at once by `linear_backward_input` (bf16, 256 MiB): every
 /// matrix of an 8B model in one piece.
 const WEIGHT_CHUNK_VALUES: usize = 128 << 20;
+
+/// The multiple the depth of a product with an appended low-rank term is padded to (with zero
+/// columns): 8, 64 and 128 measured within 2 % of each other on the H200 (cuda/NOTES.md), 64
+/// the best by a little.
+pub(crate) const LOW_RANK_ALIGN: usize = 64;
 
 /// A batch layout on the device: `seq (N, 2)` (start, end) of each row's sequence, uploaded once
 /// per [`SeqLayout`] into its `device` slot.
@@ -455,6 +464,39 @@ impl TrainBackend for CudaBackend {
         if !self.backward_input_bf16(dyp, w, dxp, n)? {
             self.backward_input_f32(dyp, w, dxp, n)?;
         }
+        Ok(dx)
+    }
+
+    fn linear_low_rank(
+        &self,
+        x: &Tensor,
+        w: &QTensor,
+        bias: Option<&[f32]>,
+        u: &Tensor,
+        b: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor> {
+        if let Some(y) = lowrank::forward(self, x, w, bias, u, b, scale)? {
+            return Ok(y);
+        }
+        let mut y = self.linear(x, w, bias)?;
+        self.matmul_acc(&mut y, u, b, MatmulSpec::NT.scaled(scale))?;
+        Ok(y)
+    }
+
+    fn linear_backward_input_low_rank(
+        &self,
+        dy: &Tensor,
+        w: &QTensor,
+        du: &Tensor,
+        a: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor> {
+        if let Some(dx) = lowrank::backward_input(self, dy, w, du, a, scale)? {
+            return Ok(dx);
+        }
+        let mut dx = self.linear_backward_input(dy, w)?;
+        self.matmul_acc(&mut dx, du, a, MatmulSpec::NN.scaled(scale))?;
         Ok(dx)
     }
 

@@ -696,6 +696,72 @@ fn linear_backward_input_every_format() {
         .is_err());
 }
 
+#[test]
+fn linear_low_rank_forward_and_backward() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng::new("low_rank");
+    use GgmlType::*;
+    // Awkward shapes with a bias, a 1B layer's gate (Q4_K) and down (BF16) at 1024 tokens with
+    // r = 16, and widths that take the composed path (C not a multiple of 8).
+    let cases = [
+        (Fmt::Ggml(Q8_0), 37, 75, 96, 5, true, 0.5),
+        (Fmt::Ggml(Q4_K), 1024, 8192, 2048, 16, false, 0.05),
+        (Fmt::Ggml(BF16), 1024, 2048, 8192, 16, false, 0.05),
+        (Fmt::Ggml(F32), 9, 12, 100, 3, true, 0.5),
+    ];
+    for (f, n, rows, cols, r, bias, mag) in cases {
+        let w = make_weight(&mut rng, f, rows, cols, mag);
+        let (x, u, b) = (
+            rng.tensor(&[n, cols], 1.0),
+            rng.tensor(&[n, r], 1.0),
+            rng.tensor(&[rows, r], 0.1),
+        );
+        let bv = rng.vec(rows, 0.5);
+        let bias = bias.then_some(&bv[..]);
+        let want = CPU.linear_low_rank(&x, &w, bias, &u, &b, 2.0).unwrap();
+        let (dx, du, db) = (
+            be.upload(&x).unwrap(),
+            be.upload(&u).unwrap(),
+            be.upload(&b).unwrap(),
+        );
+        let got = be.linear_low_rank(&dx, &w, bias, &du, &db, 2.0).unwrap();
+        // f16 operands (2^-11 each): a tenth of the bf16 budget.
+        let what = format!("linear_low_rank {f:?} ({n}, {cols}) -> {rows}, r {r}");
+        assert_close(&what, &host(&be, &got), want.data(), TOL_BF16 / 5.0);
+        let (dy, dug, a) = (
+            rng.tensor(&[n, rows], 1.0),
+            rng.tensor(&[n, r], 1.0),
+            rng.tensor(&[r, cols], 0.1),
+        );
+        let want = CPU
+            .linear_backward_input_low_rank(&dy, &w, &dug, &a, 2.0)
+            .unwrap();
+        let got = be
+            .linear_backward_input_low_rank(
+                &be.upload(&dy).unwrap(),
+                &w,
+                &be.upload(&dug).unwrap(),
+                &be.upload(&a).unwrap(),
+                2.0,
+            )
+            .unwrap();
+        assert_close(
+            &format!("{what}, input gradient"),
+            &host(&be, &got),
+            want.data(),
+            TOL_BF16,
+        );
+    }
+    let w = make_weight(&mut rng, Fmt::Ggml(F32), 8, 16, 1.0);
+    let x = be.upload(&rng.tensor(&[2, 16], 1.0)).unwrap();
+    let u = be.upload(&rng.tensor(&[2, 4], 1.0)).unwrap();
+    let b = be.upload(&rng.tensor(&[7, 4], 1.0)).unwrap();
+    assert!(
+        be.linear_low_rank(&x, &w, None, &u, &b, 1.0).is_err(),
+        "B rows != R"
+    );
+}
+
 /// The output layer against the CPU at `(n, d, vocab)`, `draws` random rows given a target.
 fn run_head(
     be: &CudaBackend,
@@ -799,15 +865,6 @@ fn lm_head_logprobs_chunked() {
         be.lm_head_logprobs(&h, &w, &[1], None, None).is_err(),
         "targets per row"
     );
-}
-
-/// Warms a kernel cache for another machine: `HF2Q_FILL_CACHE=folder` compiles every program
-/// for sm_90 under a 13.0 driver into `folder/cuda-kernels` (NVRTC only, no GPU).
-#[test]
-#[ignore]
-fn fill_kernel_cache() {
-    let dir = std::path::PathBuf::from(std::env::var("HF2Q_FILL_CACHE").expect("HF2Q_FILL_CACHE"));
-    hf2q_tensor::cuda::fill_cache_for(&dir.join("cuda-kernels"), (9, 0), 13000).unwrap();
 }
 
 #[path = "cuda_train/bench.rs"]

@@ -311,7 +311,8 @@ pub fn compile_all_for(
 /// Compiles every embedded program for compute capability `cc` into the cache folder `dir`, as
 /// [`super::CudaDev::open`] would look them up on a device whose driver reports
 /// `driver_version` (e.g. 13000): warming the cache of another machine, whose first open then
-/// loads instead of compiling (an entry that does not match is simply compiled there).
+/// loads instead of compiling (an entry that does not match is simply compiled there). Valid
+/// entries already in `dir` are kept.
 #[doc(hidden)]
 pub fn fill_cache_for(dir: &Path, cc: (i32, i32), driver_version: i32) -> Result<()> {
     let info = DeviceInfo {
@@ -323,9 +324,22 @@ pub fn fill_cache_for(dir: &Path, cc: (i32, i32), driver_version: i32) -> Result
         driver_version,
     };
     for &p in Program::ALL.iter() {
-        cubin_for(p, &info, Some(dir), true)?;
+        cubin_for(p, &info, Some(dir), false)?;
     }
     Ok(())
+}
+
+/// [`compile_all_for`] of the one embedded program named `file` (e.g. `train_attn.cu`).
+#[doc(hidden)]
+pub fn compile_program_for(file: &str, cc: (i32, i32), extra: &[&str]) -> Result<(Vec<u8>, String)> {
+    let arch = format!("--gpu-architecture=sm_{}{}", cc.0, cc.1);
+    let p = Program::ALL
+        .iter()
+        .copied()
+        .find(|&p| source(p).0 == file)
+        .ok_or_else(|| Error::Msg(format!("cuda: no embedded program {file}")))?;
+    let (name, text) = source(p);
+    compile_with(name, text, &arch, extra)
 }
 
 /// Compiles one source for compute capability `cc` (see [`super::CudaDev::compile`]).

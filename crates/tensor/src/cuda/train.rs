@@ -229,6 +229,17 @@ impl CudaDev {
     /// `g` on bf16 operands with f32 sums into f32 `c`, on tensor cores through cuBLAS GemmEx;
     /// `Ok(false)` (nothing enqueued) where [`CudaDev::train_blas`] gives no handle.
     pub(crate) fn gemm_bf16(&self, g: &Gemm) -> Result<bool> {
+        self.gemm_half(g, true)
+    }
+
+    /// [`CudaDev::gemm_bf16`] on f16 operands (`bf16` false): three more bits of each operand,
+    /// for forward products (activations within f16's range).
+    pub(crate) fn gemm_half(&self, g: &Gemm, bf16: bool) -> Result<bool> {
+        let ty = if bf16 {
+            bsys::cudaDataType_t::CUDA_R_16BF
+        } else {
+            bsys::cudaDataType_t::CUDA_R_16F
+        };
         let Some(h) = self.train_blas()? else {
             return Ok(false);
         };
@@ -259,10 +270,10 @@ impl CudaDev {
                 k,
                 &g.alpha as *const f32 as *const c_void,
                 g.b as *const c_void,
-                bsys::cudaDataType_t::CUDA_R_16BF,
+                ty,
                 ldb,
                 g.a as *const c_void,
-                bsys::cudaDataType_t::CUDA_R_16BF,
+                ty,
                 lda,
                 &beta as *const f32 as *const c_void,
                 g.c as *mut c_void,
@@ -274,6 +285,85 @@ impl CudaDev {
         }
         .map_err(blas_err("bf16 product"))?;
         Ok(true)
+    }
+
+    /// Rows `row0 .. row0 + n` of `w` as f16 into `out` (`ld` values per row, columns a multiple
+    /// of 8): the dequantizer of the prefill products (`deqh_KIND`).
+    pub(crate) fn dequantize_rows_f16(
+        &self,
+        w: &DeviceWeight,
+        out: u64,
+        ld: usize,
+        (row0, n): (usize, usize),
+    ) -> Result<()> {
+        if row0 + n > w.rows || ld < w.cols || !w.cols.is_multiple_of(8) || !ld.is_multiple_of(8) {
+            return Err(shape(format!(
+                "dequantize '{}' to f16: rows {row0}..{} of {}, {ld} values per row for {}",
+                w.name,
+                row0 + n,
+                w.rows,
+                w.cols
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = &w.kernels[super::weight::DEQH_KERNEL];
+        let wa = w.args(self);
+        let (lo, ldi, r0, ni) = (
+            0u64,
+            to_i32("ld", ld)?,
+            to_i32("row", row0)?,
+            to_i32("rows", n)?,
+        );
+        let grid = blocks(n * w.cols / 8, 256)?;
+        launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; wa, out, lo, ldi, r0, ni)
+    }
+
+    /// Columns `col0 .. col0 + w` of `dst` (`rows` rows of `ld` 16-bit values) = `src (rows, w)`
+    /// times `scale`, as bf16 or f16, followed by `pad` zeros.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pack_cols(
+        &self,
+        (src, dst): (u64, u64),
+        (rows, w, ld): (usize, usize, usize),
+        col0: usize,
+        pad: usize,
+        scale: f32,
+        bf16: bool,
+    ) -> Result<()> {
+        let (ri, wi, ldi, c0, padi, bi) = (
+            to_i32("rows", rows)?,
+            to_i32("width", w)?,
+            to_i32("ld", ld)?,
+            to_i32("column", col0)?,
+            to_i32("pad", pad)?,
+            flag(bf16),
+        );
+        let mut a: Vec<*mut c_void> = vec![
+            &src as *const u64 as *mut c_void,
+            &dst as *const u64 as *mut c_void,
+            &ri as *const i32 as *mut c_void,
+            &wi as *const i32 as *mut c_void,
+            &ldi as *const i32 as *mut c_void,
+            &c0 as *const i32 as *mut c_void,
+            &padi as *const i32 as *mut c_void,
+            &scale as *const f32 as *mut c_void,
+            &bi as *const i32 as *mut c_void,
+        ];
+        self.elementwise("pack_cols", rows * (w + pad).div_ceil(4), &mut a)
+    }
+
+    /// `out (t, rows) += bias` for every row (the prefill products' bias kernel).
+    pub(crate) fn add_bias_rows(&self, out: u64, bias: u64, t: usize, rows: usize) -> Result<()> {
+        if t * rows == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "add_bias_rows")?;
+        let (n, ri) = ((t * rows) as i64, to_i32("rows", rows)?);
+        launch!(self, f, (blocks(t * rows, 256)?, 1, 1), (256, 1, 1), 0; out, bias, n, ri)
     }
 
     /// Rows `row0 .. row0 + n` of `w` dequantized into `out` (`ld` values per row), as bf16 or,

@@ -2,7 +2,8 @@
 //! of Llama-3.2-1B and Llama-3.1-8B (batch 8 x 1024 tokens), timed with CUDA events around
 //! back-to-back eager calls (warmed up; median of five batches), with the achieved TFLOP/s (products,
 //! attention: useful flops only) or GB/s (element-wise ops: bytes each must read and write).
-//! `HF2Q_CUDA_BENCH=1b` or `=8b` runs one model.
+//! `HF2Q_CUDA_BENCH=1b` or `=8b` runs one model. Also here, ignored: the kernels' register
+//! report and warming a kernel cache for another machine (NVRTC only).
 
 use rayon::prelude::*;
 
@@ -156,6 +157,69 @@ fn bench_train() {
                 row("linear forward (f16, one pass)", &shape, ms, flops, 0.0);
                 be.device().set_prefill_gemm(PrefillGemm::Pairs);
             }
+        }
+        // A product with the LoRA term appended along its depth, against the product and a
+        // pass over its output (the gate and the down projection, Q4_K).
+        for &(m, rows, cols) in &[mats[3], mats[4]] {
+            let w = big_weight(GgmlType::Q4_K, rows, cols);
+            let flops = 2.0 * (n * rows * (cols + r)) as f64;
+            let shape = format!("{} {m} Q4_K {n}x{rows}x{cols} r {r}", s.name);
+            let (x, u) = (
+                fast_tensor(&be, &[n, cols], 1.0, 20),
+                fast_tensor(&be, &[n, r], 1.0, 21),
+            );
+            let b = fast_tensor(&be, &[rows, r], 0.05, 22);
+            for align in [8, 64, 128] {
+                be.set_low_rank_align(align);
+                let ms = time_ms(&be, 5, || {
+                    drop(be.linear_low_rank(&x, &w, None, &u, &b, 2.0).unwrap())
+                });
+                row(
+                    &format!("linear_low_rank (f16, one product, depth % {align})"),
+                    &shape,
+                    ms,
+                    flops,
+                    0.0,
+                );
+                let (dy, du) = (
+                    fast_tensor(&be, &[n, rows], 1.0, 23),
+                    fast_tensor(&be, &[n, r], 1.0, 24),
+                );
+                let a = fast_tensor(&be, &[r, cols], 0.05, 25);
+                let ms = time_ms(&be, 5, || {
+                    drop(
+                        be.linear_backward_input_low_rank(&dy, &w, &du, &a, 2.0)
+                            .unwrap(),
+                    )
+                });
+                row(
+                    &format!("linear_backward_input_low_rank (bf16, depth % {align})"),
+                    &shape,
+                    ms,
+                    flops,
+                    0.0,
+                );
+            }
+            be.set_low_rank_align(64);
+            be.device().set_prefill_gemm(PrefillGemm::F16);
+            let ms = time_ms(&be, 5, || {
+                let mut y = be.linear(&x, &w, None).unwrap();
+                be.matmul_acc(&mut y, &u, &b, MatmulSpec::NT.scaled(2.0))
+                    .unwrap();
+            });
+            be.device().set_prefill_gemm(PrefillGemm::Pairs);
+            row("linear + matmul_acc (composed)", &shape, ms, flops, 0.0);
+            let (dy, du) = (
+                fast_tensor(&be, &[n, rows], 1.0, 23),
+                fast_tensor(&be, &[n, r], 1.0, 24),
+            );
+            let a = fast_tensor(&be, &[r, cols], 0.05, 25);
+            let ms = time_ms(&be, 5, || {
+                let mut dx = be.linear_backward_input(&dy, &w).unwrap();
+                be.matmul_acc(&mut dx, &du, &a, MatmulSpec::NN.scaled(2.0))
+                    .unwrap();
+            });
+            row("linear_backward_input + matmul_acc", &shape, ms, flops, 0.0);
         }
         // Attention: useful flops 4 · visible keys · Dh per (row, head) forward (QKᵀ, PV),
         // 2.5 times that backward (S, dP, dV, dK, dQ; the kernels recompute S and dP twice).
@@ -335,4 +399,32 @@ fn bench_train() {
             4.0 * np as f64,
         );
     }
+}
+
+/// Registers and spills of the training kernels for sm_90 (NVRTC only):
+/// `cargo test --test cuda_train train_kernel_resources -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn train_kernel_resources() {
+    for file in ["train.cu", "train_attn.cu"] {
+        let (_, log) =
+            hf2q_tensor::cuda::compile_program_for(file, (9, 0), &["--ptxas-options=-v"]).unwrap();
+        let mut func = String::new();
+        for line in log.lines() {
+            if let Some(i) = line.find("entry function '") {
+                func = line[i + 16..].split('\'').next().unwrap_or("").to_string();
+            } else if line.contains("Used") || line.contains("spill") {
+                println!("{file} {func}: {}", line.trim());
+            }
+        }
+    }
+}
+
+/// Warms a kernel cache for another machine: `HF2Q_FILL_CACHE=folder` compiles every program
+/// for sm_90 under a 13.0 driver into `folder/cuda-kernels` (NVRTC only, no GPU).
+#[test]
+#[ignore]
+fn fill_kernel_cache() {
+    let dir = std::path::PathBuf::from(std::env::var("HF2Q_FILL_CACHE").expect("HF2Q_FILL_CACHE"));
+    hf2q_tensor::cuda::fill_cache_for(&dir.join("cuda-kernels"), (9, 0), 13000).unwrap();
 }

@@ -197,6 +197,34 @@ extern "C" __global__ void to_bf16_scaled(const float* __restrict__ x, u16* __re
     }
 }
 
+// Columns col0 .. col0 + w of dst (rows of ld 16-bit values) = src (rows, w) times scale, as
+// bf16 (bf16 != 0) or f16, then `pad` zeros: the operands of a product with a low-rank term
+// appended along its depth ([x | s u] and [W | B], cuda_train/lowrank.rs). Four values per
+// thread, with one float4 load and one 8-byte store where every offset is a multiple of 4
+// (element by element the conversion of an (8192, 8192) input ran at a third of the bandwidth).
+extern "C" __global__ void pack_cols(const float* __restrict__ src, u16* __restrict__ dst,
+                                     int rows, int w, int ld, int col0, int pad, float scale,
+                                     int bf16) {
+    pdl_wait();
+    const int span = w + pad, per = (span + 3) >> 2;
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)rows * per) return;
+    const int r = (int)(idx / per), j0 = (int)(idx % per) * 4;
+    u16* o = dst + (i64)r * ld + col0 + j0;
+    if (((w | pad | ld | col0) & 3) == 0) {
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (j0 < w) v = *(const float4*)(src + (i64)r * w + j0);
+        v = make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
+        *(uint2*)o = bf16 ? make_uint2(pack_bf2(v.x, v.y), pack_bf2(v.z, v.w))
+                          : make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
+    } else {
+        for (int j = j0; j < j0 + 4 && j < span; j++) {
+            const float v = j < w ? src[(i64)r * w + j] * scale : 0.0f;
+            o[j - j0] = bf16 ? f2bf(v) : f2h(v);
+        }
+    }
+}
+
 // out row r (D values) = h row rows[r], as bf16 (bf16 != 0) or f32; one thread per value.
 extern "C" __global__ void gather_rows(const float* __restrict__ h, const i32* __restrict__ rows,
                                        void* __restrict__ out, int n, int D, int bf16) {
