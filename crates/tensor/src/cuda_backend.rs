@@ -67,6 +67,11 @@ pub struct CudaBackend {
     capturing: std::sync::atomic::AtomicBool,
     /// Where the activations of a captured step live (see [`Arena`]).
     arena: Mutex<Arena>,
+    /// Tests: the training ops fill each new output with NaN before writing it, so that an
+    /// element a kernel leaves unwritten shows ([`CudaBackend::set_poison_outputs`]).
+    pub(crate) poison: std::sync::atomic::AtomicBool,
+    /// Depth alignment of `linear_low_rank`'s appended products ([`CudaBackend::set_low_rank_align`]).
+    pub(crate) low_rank_align: std::sync::atomic::AtomicUsize,
 }
 
 /// One buffer shared by every captured step: while capturing, each op's output is the next
@@ -227,7 +232,23 @@ impl CudaBackend {
                 used: 0,
                 wanted: 0,
             }),
+            poison: std::sync::atomic::AtomicBool::new(false),
+            low_rank_align: std::sync::atomic::AtomicUsize::new(crate::cuda_train::LOW_RANK_ALIGN),
         })
+    }
+
+    /// The multiple the depth of `linear_low_rank`'s products is padded to with zeros (benches;
+    /// 8 at least).
+    #[doc(hidden)]
+    pub fn set_low_rank_align(&self, n: usize) {
+        self.low_rank_align
+            .store(n.max(8).next_multiple_of(8), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the training ops fill their outputs with NaN first (tests; default off).
+    #[doc(hidden)]
+    pub fn set_poison_outputs(&self, on: bool) {
+        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// [`Backend::linear_many`] (of `rms_norm(x)` with `norm`) as one one-token launch, or
@@ -334,7 +355,7 @@ impl CudaBackend {
 
     /// A new device tensor of `shape`: zero-filled, or while capturing the next piece of the
     /// arena (uninitialised: every op writes all of its output).
-    fn alloc(&self, shape: &[usize]) -> Result<Tensor> {
+    pub(crate) fn alloc(&self, shape: &[usize]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
         if self.capturing() {
             let mut a = lock(&self.arena);
@@ -382,7 +403,7 @@ impl CudaBackend {
         })
     }
 
-    fn weight(&self, w: &QTensor) -> Result<Arc<DeviceWeight>> {
+    pub(crate) fn weight(&self, w: &QTensor) -> Result<Arc<DeviceWeight>> {
         let (key, bytes) = weight_key(w);
         if let Some((_, d)) = lock(&self.weights).get(&key) {
             return Ok(d.clone());
@@ -392,7 +413,7 @@ impl CudaBackend {
         Ok(d)
     }
 
-    fn vector(&self, v: &[f32]) -> Result<Arc<CudaSlice<f32>>> {
+    pub(crate) fn vector(&self, v: &[f32]) -> Result<Arc<CudaSlice<f32>>> {
         let key = (v.as_ptr() as usize, v.len());
         if let Some((host, d)) = lock(&self.vectors).get(&key) {
             if host.as_slice() == v {
@@ -404,7 +425,7 @@ impl CudaBackend {
         Ok(d)
     }
 
-    fn rope_table(&self, p: &RopeParams) -> Result<Arc<RopeTable>> {
+    pub(crate) fn rope_table(&self, p: &RopeParams) -> Result<Arc<RopeTable>> {
         let mut key = vec![
             p.style as u32,
             p.theta.to_bits(),
@@ -422,7 +443,7 @@ impl CudaBackend {
         Ok(t)
     }
 
-    fn capturing(&self) -> bool {
+    pub(crate) fn capturing(&self) -> bool {
         self.capturing.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -1002,11 +1023,11 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn matmul(&self, _a: &Tensor, _b: &Tensor, _spec: MatmulSpec) -> Result<Tensor> {
-        Err(Error::Msg("cuda matmul: not yet implemented".into()))
+    fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor> {
+        crate::cuda_train::matmul(self, a, b, spec)
     }
 
-    fn matmul_acc(&self, _out: &mut Tensor, _a: &Tensor, _b: &Tensor, _spec: MatmulSpec) -> Result<()> {
-        Err(Error::Msg("cuda matmul_acc: not yet implemented".into()))
+    fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()> {
+        crate::cuda_train::matmul_acc(self, out, a, b, spec)
     }
 }

@@ -12,6 +12,7 @@
 pub mod cpu;
 pub mod cuda;
 pub mod cuda_backend;
+mod cuda_train;
 pub mod dtype;
 pub mod error;
 pub mod io;

@@ -14,7 +14,7 @@
 use std::any::Any;
 use std::sync::{Arc, OnceLock};
 
-use crate::op::{AttentionParams, Backend, GateAct, RopeParams};
+use crate::op::{AttentionParams, Backend, GateAct, MatmulSpec, RopeParams};
 use crate::{Error, QTensor, Result, Tensor};
 
 /// Where each sequence of a packed batch starts: sequence `s` holds rows
@@ -226,6 +226,43 @@ pub trait TrainBackend: Backend {
     /// `dy (N, R) · W (R, C) -> (N, C)`: the gradient of `linear`'s input through a frozen
     /// weight of any stored format (dequantized on the fly, as the forward reads it).
     fn linear_backward_input(&self, dy: &Tensor, w: &QTensor) -> Result<Tensor>;
+
+    /// `x (N, C) · Wᵀ (+ bias) + scale · u · Bᵀ`, `u (N, r)`, `B (R, r)`: a product through a
+    /// frozen weight plus a low-rank term (a LoRA adapter's `B (A x)`, `u` computed by the
+    /// caller). The default composes [`Backend::linear`] and [`Backend::matmul_acc`]; a GPU
+    /// appends the term along the product's depth, so one product does both and the (N, R)
+    /// output is written once.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_low_rank(
+        &self,
+        x: &Tensor,
+        w: &QTensor,
+        bias: Option<&[f32]>,
+        u: &Tensor,
+        b: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let mut y = self.linear(x, w, bias)?;
+        self.matmul_acc(&mut y, u, b, MatmulSpec::NT.scaled(scale))?;
+        Ok(y)
+    }
+
+    /// `dy (N, R) · W + scale · du · A`, `du (N, r)`, `A (r, C)`: the input gradient of
+    /// [`TrainBackend::linear_low_rank`] when the low-rank path reads the same `x` (no dropout
+    /// between them). The default composes [`TrainBackend::linear_backward_input`] and
+    /// [`Backend::matmul_acc`].
+    fn linear_backward_input_low_rank(
+        &self,
+        dy: &Tensor,
+        w: &QTensor,
+        du: &Tensor,
+        a: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let mut dx = self.linear_backward_input(dy, w)?;
+        self.matmul_acc(&mut dx, du, a, MatmulSpec::NN.scaled(scale))?;
+        Ok(dx)
+    }
 
     /// `x` with each element zeroed with probability `p` and the rest scaled by `1 / (1 - p)`,
     /// the mask a pure function of `(seed, element index)` (so a backward recomputes it, and

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 mod attention;
 pub mod dense;
 pub mod kernels;
-mod train;
+pub(crate) mod train;
 
 pub(crate) use attention::KvRead;
 

@@ -187,6 +187,21 @@ impl CudaDev {
         }));
     }
 
+    /// The cuBLAS handle on this device's stream (started on first use), or `None` where the
+    /// library is missing. The handle lives as long as the device (the slot is never emptied
+    /// once ready); one thread drives the stream, as for every op.
+    pub(crate) fn blas_handle(&self) -> Result<Option<bsys::cublasHandle_t>> {
+        let mut slot = self
+            .blas
+            .lock()
+            .map_err(|_| Error::Msg("cuda: cuBLAS lock poisoned".into()))?;
+        self.start_blas(&mut slot);
+        Ok(match &*slot {
+            BlasSlot::Ready(st) => Some(*st.blas.handle()),
+            _ => None,
+        })
+    }
+
     pub(crate) fn capturing(&self) -> Result<bool> {
         let s = self
             .stream

@@ -21,7 +21,7 @@ use super::{cuda_err, default_cache_dir, DeviceInfo, Program};
 use crate::{Error, Result};
 
 /// Headers every program may `#include "..."` by these names.
-const HEADERS: [(&str, &str); 7] = [
+const HEADERS: [(&str, &str); 8] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
     ("linear.cuh", include_str!("kernels/linear.cuh")),
@@ -29,6 +29,7 @@ const HEADERS: [(&str, &str); 7] = [
     ("matvec_q8.cuh", include_str!("kernels/matvec_q8.cuh")),
     ("matvec_p8.cuh", include_str!("kernels/matvec_p8.cuh")),
     ("mmq.cuh", include_str!("kernels/mmq.cuh")),
+    ("train.cuh", include_str!("kernels/train.cuh")),
 ];
 
 fn source(p: Program) -> (&'static str, &'static str) {
@@ -38,6 +39,8 @@ fn source(p: Program) -> (&'static str, &'static str) {
         Program::LinearLegacy => ("linear_legacy.cu", include_str!("kernels/linear_legacy.cu")),
         Program::LinearKquant => ("linear_kquant.cu", include_str!("kernels/linear_kquant.cu")),
         Program::LinearMlx => ("linear_mlx.cu", include_str!("kernels/linear_mlx.cu")),
+        Program::Train => ("train.cu", include_str!("kernels/train.cu")),
+        Program::TrainAttn => ("train_attn.cu", include_str!("kernels/train_attn.cu")),
     }
 }
 
@@ -303,6 +306,40 @@ pub fn compile_all_for(
             Ok((name, cubin, log))
         })
         .collect()
+}
+
+/// Compiles every embedded program for compute capability `cc` into the cache folder `dir`, as
+/// [`super::CudaDev::open`] would look them up on a device whose driver reports
+/// `driver_version` (e.g. 13000): warming the cache of another machine, whose first open then
+/// loads instead of compiling (an entry that does not match is simply compiled there). Valid
+/// entries already in `dir` are kept.
+#[doc(hidden)]
+pub fn fill_cache_for(dir: &Path, cc: (i32, i32), driver_version: i32) -> Result<()> {
+    let info = DeviceInfo {
+        ordinal: 0,
+        name: String::new(),
+        compute_capability: cc,
+        total_memory: 0,
+        multiprocessors: 0,
+        driver_version,
+    };
+    for &p in Program::ALL.iter() {
+        cubin_for(p, &info, Some(dir), false)?;
+    }
+    Ok(())
+}
+
+/// [`compile_all_for`] of the one embedded program named `file` (e.g. `train_attn.cu`).
+#[doc(hidden)]
+pub fn compile_program_for(file: &str, cc: (i32, i32), extra: &[&str]) -> Result<(Vec<u8>, String)> {
+    let arch = format!("--gpu-architecture=sm_{}{}", cc.0, cc.1);
+    let p = Program::ALL
+        .iter()
+        .copied()
+        .find(|&p| source(p).0 == file)
+        .ok_or_else(|| Error::Msg(format!("cuda: no embedded program {file}")))?;
+    let (name, text) = source(p);
+    compile_with(name, text, &arch, extra)
 }
 
 /// Compiles one source for compute capability `cc` (see [`super::CudaDev::compile`]).

@@ -38,6 +38,7 @@ mod blas;
 mod compile;
 mod mmq;
 mod ops;
+pub(crate) mod train;
 mod weight;
 
 use std::collections::HashMap;
@@ -51,7 +52,9 @@ pub use cudarc::driver::{
 };
 
 pub use blas::PrefillGemm;
-pub use compile::{compile_all_for, compile_for, kernel_cache_dir, nvrtc_available};
+pub use compile::{
+    compile_all_for, compile_for, compile_program_for, fill_cache_for, kernel_cache_dir, nvrtc_available,
+};
 pub use ops::{
     DeviceKvCache, DevicePtrMutF32, KvDtype, MvMode, RopeTable, RowNorm, SampleArgs, MAX_HEAD_DIM,
     SAMPLE_MAX_K,
@@ -87,15 +90,21 @@ pub(crate) enum Program {
     LinearLegacy,
     LinearKquant,
     LinearMlx,
+    /// The training op set's element-wise, row and dense-product kernels (`train.cu`).
+    Train,
+    /// Attention of a training forward and its backward (`train_attn.cu`).
+    TrainAttn,
 }
 
 impl Program {
-    const ALL: [Program; 5] = [
+    const ALL: [Program; 7] = [
         Program::Elementwise,
         Program::Attention,
         Program::LinearLegacy,
         Program::LinearKquant,
         Program::LinearMlx,
+        Program::Train,
+        Program::TrainAttn,
     ];
 }
 
@@ -242,6 +251,23 @@ impl CudaDev {
         // SAFETY: every buffer this device uses is used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        // Freed stream-ordered memory stays in the device's pool across synchronisations (by
+        // default it is handed back at each one, so a training step would map its gigabytes of
+        // activations again after every host wait). Best effort: without it, only slower.
+        // SAFETY: writes one pool handle, then sets one u64 attribute of that pool.
+        unsafe {
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                == sys::CUresult::CUDA_SUCCESS
+            {
+                let mut keep = u64::MAX;
+                let _ = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut std::ffi::c_void,
+                );
+            }
+        }
         let mut driver_version = 0i32;
         // SAFETY: writes one int.
         unsafe { sys::cuDriverGetVersion(&mut driver_version) }
@@ -455,12 +481,20 @@ impl CudaDev {
         let f = module
             .load_function(name)
             .map_err(cuda_err(format_args!("loading kernel {name}")))?;
-        if name.starts_with("attn_prefill") {
-            // Q, K and V tiles for Dh = 256 take about 82 KB of shared memory, above the 48 KB
-            // a kernel gets without asking.
+        // Q, K and V tiles of the prefill attention for Dh = 256 take about 82 KB of shared
+        // memory, the training attention's double-buffered tiles up to 104 KB: above the 48 KB
+        // a kernel gets without asking.
+        let smem = if name.starts_with("attn_prefill") {
+            Some(ops::PREFILL_MAX_SMEM)
+        } else if name.starts_with("ta_") {
+            Some(train::TRAIN_ATTN_MAX_SMEM)
+        } else {
+            None
+        };
+        if let Some(smem) = smem {
             f.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ops::PREFILL_MAX_SMEM as i32,
+                smem as i32,
             )
             .map_err(cuda_err(format_args!(
                 "raising the shared memory of {name}"

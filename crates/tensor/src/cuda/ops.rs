@@ -310,11 +310,11 @@ macro_rules! launch {
 }
 pub(crate) use launch;
 
-fn shape(msg: String) -> Error {
+pub(crate) fn shape(msg: String) -> Error {
     Error::Shape(format!("cuda: {msg}"))
 }
 
-fn need(what: &str, have: usize, want: usize) -> Result<()> {
+pub(crate) fn need(what: &str, have: usize, want: usize) -> Result<()> {
     if have < want {
         return Err(shape(format!(
             "{what} holds {have} elements, {want} needed"
@@ -329,11 +329,11 @@ fn need_linear(w: &DeviceWeight, input: usize, output: usize) -> Result<()> {
     need(&format!("linear '{}' output", w.name), output, w.rows)
 }
 
-fn to_i32(what: &str, v: usize) -> Result<i32> {
+pub(crate) fn to_i32(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| shape(format!("{what} = {v} does not fit 32 bits")))
 }
 
-fn blocks(n: usize, per: usize) -> Result<u32> {
+pub(crate) fn blocks(n: usize, per: usize) -> Result<u32> {
     u32::try_from(n.div_ceil(per)).map_err(|_| shape(format!("{n} elements is too many")))
 }
 
@@ -413,6 +413,18 @@ pub struct RopeTable {
     style: RopeStyle,
     dims: usize,
     linear_scale: f32,
+}
+
+impl RopeTable {
+    /// (device address of the inverse frequencies, rotated pairs, NEOX style, linear scale).
+    pub(crate) fn parts(&self, dev: &CudaDev) -> (u64, usize, bool, f32) {
+        (
+            self.inv_freq.device_ptr(dev.stream()).0,
+            self.dims / 2,
+            self.style == RopeStyle::Neox,
+            self.linear_scale,
+        )
+    }
 }
 
 impl CudaDev {

@@ -69,7 +69,7 @@ pub struct DeviceWeight {
     /// q4_ks: byte offset of the per-super-block `d` / `dmin` in `data`; q6_ks: of the per-unit
     /// scales and `d` (passed as `biases`).
     supers_at: Option<usize>,
-    /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed, deqh.
+    /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed, deqh, deqt.
     pub(crate) kernels: Vec<CudaFunction>,
     /// The one-token kernels of `kernels/matvec.cuh` (plain/fused `mvf`, gated `mvg`), for the
     /// formats that have them when the columns are a multiple of 32.
@@ -206,6 +206,8 @@ pub(crate) fn mv_kernel(nt: usize) -> usize {
 pub(crate) const GEMM_KERNEL: usize = 4;
 pub(crate) const EMBED_KERNEL: usize = 5;
 pub(crate) const DEQH_KERNEL: usize = 6;
+/// Rows to bf16 or f32 (`deqt_KIND`: the training products through a frozen weight).
+pub(crate) const DEQT_KERNEL: usize = 7;
 
 impl std::fmt::Debug for DeviceWeight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -376,7 +378,7 @@ impl CudaDev {
                 )
             }
         };
-        let kernels = ["mv1", "mv2", "mv4", "mv8", "gemm", "embed", "deqh"]
+        let kernels = ["mv1", "mv2", "mv4", "mv8", "gemm", "embed", "deqh", "deqt"]
             .iter()
             .map(|k| self.function(program, &format!("{k}_{kind}")))
             .collect::<Result<Vec<_>>>()?;

@@ -21,8 +21,9 @@ use crate::{Error, Result, Tensor};
 /// Query rows (tokens x heads of a kv group) per tile.
 const TILE_ROWS: usize = 64;
 
-/// Checks q, k, v against the layout and the heads; returns (H, Hkv, Dh).
-fn check(
+/// Checks q, k, v against the layout and the heads; returns (H, Hkv, Dh) (every backend's
+/// check).
+pub(crate) fn check(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

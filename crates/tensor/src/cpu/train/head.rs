@@ -48,18 +48,14 @@ pub fn row_logprob(z: &mut [f32], target: usize, softcap: Option<f32>, g: Option
     (logp, best == target)
 }
 
-/// The whole op over a backend's two products: `logits(h_rows) -> (rows, V)` and
-/// `back(dz_rows (rows, V)) -> (rows, D)`. `vocab` bounds the targets.
-pub fn lm_head_chunked(
-    h: &Tensor,
+/// Checks the targets and gradient weights of `n` rows against a vocabulary of `vocab` (every
+/// backend's check).
+pub(crate) fn check_head(
+    n: usize,
     vocab: usize,
     targets: &[i32],
-    softcap: Option<f32>,
     grad: Option<&[f32]>,
-    logits: &dyn Fn(&Tensor) -> Result<Tensor>,
-    back: &dyn Fn(&Tensor) -> Result<Tensor>,
-) -> Result<HeadOut> {
-    let (n, d) = h.dims2();
+) -> Result<()> {
     if targets.len() != n || grad.is_some_and(|g| g.len() != n) {
         return Err(Error::Shape(format!(
             "lm head: {n} rows, {} targets, {:?} gradient weights",
@@ -72,6 +68,22 @@ pub fn lm_head_chunked(
             "lm head: target {bad} is outside the vocabulary of {vocab}"
         )));
     }
+    Ok(())
+}
+
+/// The whole op over a backend's two products: `logits(h_rows) -> (rows, V)` and
+/// `back(dz_rows (rows, V)) -> (rows, D)`. `vocab` bounds the targets.
+pub fn lm_head_chunked(
+    h: &Tensor,
+    vocab: usize,
+    targets: &[i32],
+    softcap: Option<f32>,
+    grad: Option<&[f32]>,
+    logits: &dyn Fn(&Tensor) -> Result<Tensor>,
+    back: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<HeadOut> {
+    let (n, d) = h.dims2();
+    check_head(n, vocab, targets, grad)?;
     let rows: Vec<usize> = (0..n).filter(|&i| targets[i] >= 0).collect();
     let mut logp = vec![0f32; n];
     let mut hit = vec![false; n];

@@ -5,7 +5,7 @@
 //! kernels for speed).
 
 mod act;
-mod attention;
+pub(crate) mod attention;
 pub mod head;
 mod norm;
 mod rope;
@@ -195,12 +195,12 @@ impl TrainBackend for CpuBackend {
 /// The scalars of one AdamW step, in the order `torch.optim.AdamW` (single-tensor, not fused)
 /// computes them, so that an update rounds as PyTorch's does.
 pub struct AdamCoefficients {
-    decay: f32,
-    beta1: f32,
-    beta2: f32,
-    step_size: f32,
-    bias2_sqrt: f32,
-    eps: f32,
+    pub(crate) decay: f32,
+    pub(crate) beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) step_size: f32,
+    pub(crate) bias2_sqrt: f32,
+    pub(crate) eps: f32,
 }
 
 impl AdamCoefficients {

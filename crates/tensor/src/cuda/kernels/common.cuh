@@ -63,6 +63,20 @@ __device__ __forceinline__ float byte_magic(u32 w, int k) {
 
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
+// f32 to bf16, round to nearest even (the training kernels' operands).
+__device__ __forceinline__ u16 f2bf(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Two floats to a packed bf16x2 word (low half = a), round to nearest even.
+__device__ __forceinline__ u32 pack_bf2(float a, float b) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
 // s + the squares of v's four values (fused multiply-adds, in order).
 __device__ __forceinline__ float sumsq4(float4 v, float s) {
     s = fmaf(v.x, v.x, s);

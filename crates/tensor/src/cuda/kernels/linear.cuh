@@ -344,9 +344,45 @@ __device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out,
     }
 }
 
+// Rows row0 .. row0 + n of the weight as bf16 (f32out = 0) or f32 (f32out = 1), row-major with
+// ld elements per row, any C: the operand of the training products through a frozen weight
+// (`linear_backward_input`, the output layer; cuda/train.rs). One thread per group of eight, the
+// same dequantizer as every other kernel; bf16 keeps the exponent range of a gradient product.
+template <class F>
+__device__ __forceinline__ void deqt_impl(const WRef w, void* __restrict__ out, int ld, int row0,
+                                          int n, int f32out) {
+    const int ng = (w.cols + 7) >> 3;
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)n * ng) return;
+    const int r = (int)(idx / ng), g = (int)(idx % ng), row = row0 + r;
+    const bool al = (w.cols & 7) == 0;
+    float v[8];
+    if (al)
+        F::template deq8<true>(w, row_ptr(w, row), row, g, v);
+    else
+        F::template deq8<false>(w, row_ptr(w, row), row, g, v);
+    const i64 at = (i64)r * ld + 8 * g;
+    if (f32out) {
+        float* o = (float*)out + at;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (8 * g + i < w.cols) o[i] = v[i];
+    } else {
+        u16* o = (u16*)out + at;
+        if (al && (ld & 7) == 0) {
+            *(uint4*)o = make_uint4(pack_bf2(v[0], v[1]), pack_bf2(v[2], v[3]),
+                                    pack_bf2(v[4], v[5]), pack_bf2(v[6], v[7]));
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                if (8 * g + i < w.cols) o[i] = f2bf(v[i]);
+        }
+    }
+}
+
 // The kernels of one format: mv{1,2,4,8}_NAME (matrix-vector for up to that many tokens),
-// gemm_NAME (tiled, any T), embed_NAME and deqh_NAME (rows to f16). The host looks them up by
-// these names.
+// gemm_NAME (tiled, any T), embed_NAME, deqh_NAME (rows to f16) and deqt_NAME (rows to bf16
+// or f32). The host looks them up by these names.
 #define HF2Q_LINEAR_KERNELS(NAME, FMT)                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         mv1_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T,          \
@@ -386,4 +422,9 @@ __device__ __forceinline__ void deqh_impl(const WRef w, u16* __restrict__ out,
         deqh_##NAME(WRef w, u16* o, u16* lo, int ld, int row0, int n) {                        \
         pdl_wait();                                                                            \
         deqh_impl<FMT>(w, o, lo, ld, row0, n);                                                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        deqt_##NAME(WRef w, void* o, int ld, int row0, int n, int f32out) {                    \
+        pdl_wait();                                                                            \
+        deqt_impl<FMT>(w, o, ld, row0, n, f32out);                                             \
     }
