@@ -528,28 +528,22 @@ impl Model {
         self.name.as_deref()
     }
     /// The training op set of the backend this model runs on (the GPU when one is set).
-    pub fn train_backend(&self) -> Result<&dyn hf2q_tensor::train_op::TrainBackend> {
+    pub fn train_backend(&self) -> &dyn hf2q_tensor::train_op::TrainBackend {
         match &self.cuda {
-            Some(_) => Err(Error::Msg(
-                "training on the GPU is not available in this build".into(),
-            )),
-            None => Ok(&self.backend),
+            Some(c) => &**c,
+            None => &self.backend,
         }
     }
 
     /// [`Model::train_backend`] as a handle that does not borrow the model (an optimizer
     /// updates the adapters through it while it holds the model mutably).
-    pub fn train_backend_handle(
-        &self,
-    ) -> Result<Arc<dyn hf2q_tensor::train_op::TrainBackend>> {
+    pub fn train_backend_handle(&self) -> Arc<dyn hf2q_tensor::train_op::TrainBackend> {
         match &self.cuda {
-            Some(_) => Err(Error::Msg(
-                "training on the GPU is not available in this build".into(),
-            )),
-            None => Ok(Arc::new(CpuBackend {
+            Some(c) => c.clone(),
+            None => Arc::new(CpuBackend {
                 matmul: self.backend.matmul,
                 ..CpuBackend::default()
-            })),
+            }),
         }
     }
 

@@ -96,7 +96,7 @@ impl Model {
     /// dropout.
     pub fn eval_pass(&self, batch: &TrainBatch) -> Result<PassOut> {
         self.check_batch(batch)?;
-        let be = self.train_backend()?;
+        let be = self.train_backend();
         let cx = TrainCtx {
             be,
             layout: &batch.layout,
@@ -130,7 +130,7 @@ impl Model {
                 batch.layout.rows()
             )));
         }
-        let be: &dyn TrainBackend = self.train_backend()?;
+        let be: &dyn TrainBackend = self.train_backend();
         let cx = TrainCtx {
             be,
             layout: &batch.layout,

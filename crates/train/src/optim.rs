@@ -47,7 +47,7 @@ pub struct AdamW {
 
 impl AdamW {
     pub fn new(model: &Model, config: AdamWConfig) -> Result<AdamW> {
-        let be = model.train_backend_handle()?;
+        let be = model.train_backend_handle();
         let moments = model
             .adapters()
             .iter()

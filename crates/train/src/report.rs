@@ -104,6 +104,10 @@ pub struct StepReport {
     pub tokens: usize,
     pub tokens_per_s: f64,
     pub elapsed_s: f64,
+    /// On a GPU: device memory in use after the step (the driver's total minus free: the
+    /// context and the allocator's pool included), GiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_memory_gib: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -275,7 +275,13 @@ impl<'m> Trainer<'m> {
             kind: cfg.schedule,
         };
         let device = match model.cuda() {
-            Some(c) => c.device().info().name.clone(),
+            Some(c) => {
+                // Training products run on one f16/bf16 pass: the inference default (f16
+                // pairs, three products per weight) buys a precision the bf16 backward does
+                // not keep, at three times the tensor-core work.
+                c.device().set_prefill_gemm(hf2q_tensor::cuda::PrefillGemm::F16);
+                c.device().info().name.clone()
+            }
             None => "cpu".to_string(),
         };
         let checkpoint = match cfg.checkpointing {
@@ -381,7 +387,7 @@ impl<'m> Trainer<'m> {
             // A step whose samples have nothing to learn (every target cut away): no update.
             return Ok((0.0, 0.0, 0.0, 0.0, tokens));
         }
-        let be = self.model.train_backend_handle()?;
+        let be = self.model.train_backend_handle();
         let norm = clip_grad_norm(&*be, grads, self.cfg.max_grad_norm)?;
         let lr = self.schedule.lr(self.state.step);
         self.adam.update(self.model, grads, lr)?;
@@ -427,6 +433,11 @@ impl<'m> Trainer<'m> {
                 tokens,
                 tokens_per_s: tokens as f64 / dt.max(1e-9),
                 elapsed_s: start.elapsed().as_secs_f64(),
+                device_memory_gib: self
+                    .model
+                    .cuda()
+                    .and_then(|c| c.device().memory().ok())
+                    .map(|(free, total)| (total - free) as f64 / (1u64 << 30) as f64),
             }));
             let at_end = self.state.step == self.state.total_steps;
             if let Some(every) = self.cfg.eval_every {

@@ -333,7 +333,7 @@ fn twenty_adamw_steps_follow_peft_loss_curve() {
             total: steps,
             kind: ScheduleKind::Cosine,
         };
-        let be = m.train_backend_handle().unwrap();
+        let be = m.train_backend_handle();
         let curve = golden["curve"].as_array().unwrap();
         let opts = PassOptions { checkpoint: false, dropout: false, seed: 0 };
         let w = mean_weights(&batch);

@@ -58,14 +58,18 @@ impl Linear {
         Ok(be.linear_add(x, &self.w, residual)?)
     }
 
-    /// The training forward of `x (N, C) -> (N, R)`: the adapter's input dropout applies.
+    /// The training forward of `x (N, C) -> (N, R)`: the adapter's input dropout applies; the
+    /// base product and the adapter's `B` term are one product where the backend fuses them.
     pub fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
-        let mut y = cx.be.linear(x, &self.w, self.b.as_deref())?;
-        let lora = match &self.lora {
-            Some(l) => Some(l.forward_train(cx, x, &mut y)?),
-            None => None,
-        };
-        Ok((y, LinearSaved { lora }))
+        let bias = self.b.as_deref();
+        match &self.lora {
+            Some(l) => {
+                let s = l.project(cx, x)?;
+                let y = cx.be.linear_low_rank(x, &self.w, bias, l.xa(&s), &l.b, l.scale)?;
+                Ok((y, LinearSaved { lora: Some(s) }))
+            }
+            None => Ok((cx.be.linear(x, &self.w, bias)?, LinearSaved { lora: None })),
+        }
     }
 
     /// From `dy (N, R)`: the input's gradient `(N, C)` (through the frozen weight and the
@@ -78,10 +82,18 @@ impl Linear {
         dy: &Tensor,
         grads: &mut LoraGrads,
     ) -> Result<Tensor> {
-        let mut dx = cx.be.linear_backward_input(dy, &self.w)?;
-        if let (Some(l), Some(s)) = (&self.lora, &saved.lora) {
-            l.backward(cx, x, s, dy, &mut dx, grads)?;
+        match (&self.lora, &saved.lora) {
+            (Some(l), Some(s)) => {
+                let dxa = l.backward_factors(cx, x, s, dy, grads)?;
+                if l.drops(cx) {
+                    let mut dx = cx.be.linear_backward_input(dy, &self.w)?;
+                    l.input_grad(cx, &dxa, &mut dx)?;
+                    Ok(dx)
+                } else {
+                    Ok(cx.be.linear_backward_input_low_rank(dy, &self.w, &dxa, &l.a, 1.0)?)
+                }
+            }
+            _ => Ok(cx.be.linear_backward_input(dy, &self.w)?),
         }
-        Ok(dx)
     }
 }

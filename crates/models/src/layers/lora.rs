@@ -100,13 +100,18 @@ pub struct LoraSaved {
 }
 
 impl Lora {
-    /// `y (N, R) += scale · (dropout(x) Aᵀ) Bᵀ` for `x (N, C)`; dropout only in training.
-    pub fn forward_train(&self, cx: &TrainCtx, x: &Tensor, y: &mut Tensor) -> Result<LoraSaved> {
+    /// `dropout(x) · Aᵀ (N, r)` for `x (N, C)`: the adapter's first factor, what its
+    /// forward keeps (the caller adds `scale · xa · Bᵀ` to the base product, in one product
+    /// where the backend fuses them: `TrainBackend::linear_low_rank`).
+    pub fn project(&self, cx: &TrainCtx, x: &Tensor) -> Result<LoraSaved> {
         let xd = self.dropped(cx, x)?;
         let xa = cx.be.matmul(xd.as_ref().unwrap_or(x), &self.a, MatmulSpec::NT)?;
-        cx.be
-            .matmul_acc(y, &xa, &self.b, MatmulSpec::NT.scaled(self.scale))?;
         Ok(LoraSaved { xa })
+    }
+
+    /// The saved projection (the input of `B`).
+    pub fn xa<'s>(&self, saved: &'s LoraSaved) -> &'s Tensor {
+        &saved.xa
     }
 
     /// The inference forward: `y += scale · (x Aᵀ) Bᵀ`.
@@ -115,32 +120,38 @@ impl Lora {
         Ok(be.matmul_acc(y, &xa, &self.b, MatmulSpec::NT.scaled(self.scale))?)
     }
 
-    /// Accumulates `dA`, `dB` from `dy (N, R)` and adds the adapter's part of the input's
-    /// gradient into `dx (N, C)`:
-    /// `dB += s dyᵀ xa`, `dxa = s dy B`, `dA += dxaᵀ dropout(x)`, `dx += mask(dxa A)`.
-    pub fn backward(
+    /// Whether this pass draws a dropout mask on the adapter's input.
+    pub fn drops(&self, cx: &TrainCtx) -> bool {
+        cx.dropout && self.dropout > 0.0
+    }
+
+    /// Accumulates `dA`, `dB` from `dy (N, R)` and returns `dxa = scale · dy · B (N, r)`, the
+    /// gradient of the projection: `dB += s dyᵀ xa`, `dA += dxaᵀ dropout(x)`. The input's
+    /// gradient through the adapter is `mask(dxa · A)` ([`Lora::input_grad`]).
+    pub fn backward_factors(
         &self,
         cx: &TrainCtx,
         x: &Tensor,
         saved: &LoraSaved,
         dy: &Tensor,
-        dx: &mut Tensor,
         grads: &mut LoraGrads,
-    ) -> Result<()> {
+    ) -> Result<Tensor> {
         let be = cx.be;
         let xd = self.dropped(cx, x)?;
         let (da, db) = grads.slot(be, self)?;
         be.matmul_acc(db, dy, &saved.xa, MatmulSpec::TN.scaled(self.scale))?;
         let dxa = be.matmul(dy, &self.b, MatmulSpec::NN.scaled(self.scale))?;
         be.matmul_acc(da, &dxa, xd.as_ref().unwrap_or(x), MatmulSpec::TN)?;
-        if xd.is_some() {
-            let part = be.matmul(&dxa, &self.a, MatmulSpec::NN)?;
-            let masked = be.dropout(&part, self.dropout, cx.dropout_seed(self.id))?;
-            be.add_assign(dx, &masked)?;
-        } else {
-            be.matmul_acc(dx, &dxa, &self.a, MatmulSpec::NN)?;
-        }
-        Ok(())
+        Ok(dxa)
+    }
+
+    /// `dx += mask(dxa · A)`: the adapter's part of the input's gradient, for passes with
+    /// dropout (without it the backend folds `dxa · A` into the base product's backward).
+    pub fn input_grad(&self, cx: &TrainCtx, dxa: &Tensor, dx: &mut Tensor) -> Result<()> {
+        let be = cx.be;
+        let part = be.matmul(dxa, &self.a, MatmulSpec::NN)?;
+        let masked = be.dropout(&part, self.dropout, cx.dropout_seed(self.id))?;
+        Ok(be.add_assign(dx, &masked)?)
     }
 
     /// `dropout(x)` when it applies in this pass (`None`: the input as it is).
