@@ -2,7 +2,10 @@
 # LoRA training speed on the CPU: hf2q against mlx-lm's LoRA trainer (`mlx[cpu]`), same model,
 # data, rank, targets, batch and sequence length, in one run, alternating the two.
 #
-#   bench/train_cpu.sh [STEPS] [ROUNDS]
+#   bench/train_cpu.sh [STEPS] [ROUNDS] [MLX_STEPS]
+#
+# (mlx-lm's CPU backend ran at 1-2 tokens/s here, one core busy: MLX_STEPS, default 3, keeps its
+# share of the run to about a quarter of an hour.)
 #
 # Model: SmolLM2-135M-Instruct (the default model), converted to a float32 Hugging Face folder
 # that both load (hf2q also trains on the Q4_1 GGUF directly: reported as a third row). Data:
@@ -15,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-20}
 ROUNDS=${2:-2}
+MLX_STEPS=${3:-3}
 CACHE="${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-test}"
 WORK="${WORK:-/tmp/hf2q-train-bench}"
 BIN=target/release/hf2q
@@ -49,7 +53,7 @@ data: $WORK/data
 fine_tune_type: lora
 num_layers: -1
 batch_size: 4
-iters: $STEPS
+iters: $MLX_STEPS
 val_batches: 1
 steps_per_eval: 100000
 steps_per_report: 1
@@ -78,12 +82,17 @@ for line in sys.stdin:
         toks += e["tokens"]; secs += e["tokens"] / e["tokens_per_s"]
 print(f"{toks / secs:.1f}")'
 }
-mlx_rate() {
+mlx_rate() { # mlx-lm prints a table: iter, train loss, tok/s, tokens (ANSI colours stripped)
     "$VENV/bin/mlx_lm.lora" -c "$WORK/mlx.yaml" 2>&1 | python3 -c '
 import re, sys
-rates = [float(m.group(1)) for m in (re.search(r"Tokens/sec ([0-9.]+)", l) for l in sys.stdin) if m]
+rates = []
+for line in sys.stdin:
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+    m = re.match(r"\s*(\d+)\s+([0-9.]+)\s*[\u25bc\u25b2]?\s+([0-9.]+)\s+([0-9.]+)k?\s*$", line)
+    if m:
+        rates.append(float(m.group(3)))
 rates = rates[1:] or rates
-print(f"{sum(rates) / max(len(rates), 1):.1f}")'
+print(f"{sum(rates) / max(len(rates), 1):.1f}" if rates else "failed")'
 }
 
 echo "| round | hf2q (f32 HF folder) | hf2q (Q4_1 GGUF) | mlx-lm (f32 HF folder) |"

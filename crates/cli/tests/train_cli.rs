@@ -173,3 +173,26 @@ fn bad_input_is_named_and_nothing_is_overwritten() {
     let before: Vec<_> = before.into_iter().filter(|(n, _)| n != "train_log.jsonl").collect();
     assert_eq!(before, after, "a refused run changed the output folder");
 }
+
+/// A base in another stored form trains too: the tiny Llama converted to an MLX 4-bit folder
+/// (affine weights, dequantized on the fly in the backward) and to a Q8_0 GGUF.
+#[test]
+fn mlx_and_gguf_bases_train() {
+    let h = tempfile::tempdir().unwrap();
+    let hp = h.path();
+    let data = chats(hp, 6);
+    let model = tiny("tiny-llama");
+    let m = model.to_str().unwrap();
+    for (name, to, ty) in [("mlx4", "mlx", "mlx4"), ("q8.gguf", "gguf", "Q8_0")] {
+        let conv = hp.join(name);
+        let c = conv.to_str().unwrap();
+        let r = hf2q(hp, &["convert", m, c, "--to", to, "--type", ty]);
+        assert!(r.status.success(), "convert {name}: {}", text(&r.stderr));
+        let out = hp.join(format!("out-{name}"));
+        let mut args = sft(data.to_str().unwrap(), out.to_str().unwrap(), &["--steps", "2"]);
+        args.insert(2, c);
+        let r = hf2q(hp, &args);
+        assert!(r.status.success(), "train on {name}: {}", text(&r.stderr));
+        assert!(out.join("adapter_model.safetensors").is_file());
+    }
+}
