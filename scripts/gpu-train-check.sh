@@ -8,8 +8,9 @@
 # BIN_DIR holds binaries built elsewhere: hf2q, cuda_train (`cargo test --release -p
 # hf2q-tensor --test cuda_train --no-run`), gpu_trainer (`... -p hf2q-train --test gpu_trainer
 # --no-run`); BIN_DIR/home is used as HF2Q_HOME (a kernel cache filled beforehand is reused).
-# SHAPES: llama-3.2-1b, llama-3.1-8b or both (default: llama-3.2-1b). TESTS=0 skips the tests
-# and goldens; PEFT=0 skips the PEFT runs. Writes logs and results under $OUT (or /tmp).
+# SHAPES: llama-3.2-1b, llama-3.1-8b or both (default: llama-3.2-1b). OPS=0, TRAINER=0 and
+# GOLDENS=0 skip the op tests, the trainer test and the goldens; PEFT=0 skips the PEFT runs.
+# Writes logs and results under $OUT (or /tmp).
 set -uo pipefail
 BIN=$(cd "${1:?usage: gpu-train-check.sh BIN_DIR [SHAPES]}" && pwd)
 SHAPES=${2:-llama-3.2-1b}
@@ -25,17 +26,21 @@ SUM="$OUT_DIR/summary.md"
 TOK="$ROOT/crates/models/tests/fixtures/tiny/tiny-llama"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 
-if [ "${TESTS:-1}" = 1 ]; then
+if [ "${OPS:-1}" = 1 ]; then
     echo "== CUDA training op tests"
     (cd "$ROOT/crates/tensor" && "$BIN/cuda_train" --test-threads 1) >"$OUT_DIR/cuda_train.log" 2>&1 \
         && echo "| CUDA training op tests | pass |" >>"$SUM" || echo "| CUDA training op tests | FAIL |" >>"$SUM"
     tail -3 "$OUT_DIR/cuda_train.log"
+fi
+if [ "${TRAINER:-1}" = 1 ]; then
     echo "== GPU trainer vs CPU trainer (tiny models, a synthesized SmolLM2 shape)"
     "$BIN/hf2q" synth --shape smollm2-135m --type q8_0 --vocab-from "$TOK" "$WORK/smollm2-synth.gguf" >/dev/null 2>&1
     (cd "$ROOT/crates/train" && HF2Q_TEST_SMOLLM2_GGUF="$WORK/smollm2-synth.gguf" "$BIN/gpu_trainer" --test-threads 1 --nocapture) \
         >"$OUT_DIR/gpu_trainer.log" 2>&1 \
         && echo "| GPU trainer vs CPU | pass |" >>"$SUM" || echo "| GPU trainer vs CPU | FAIL |" >>"$SUM"
-    grep -E "loss cpu|adapter decode|test result" "$OUT_DIR/gpu_trainer.log"
+    grep -E "loss cpu|adapter decode|test result|worst" "$OUT_DIR/gpu_trainer.log"
+fi
+if [ "${GOLDENS:-1}" = 1 ]; then
     echo "== PEFT goldens (tiny checkpoints)"
     python3 "$ROOT/scripts/goldens/make_peft_goldens.py" --fixtures "$ROOT/crates/train/tests/fixtures/peft" \
         --tiny "$ROOT/crates/models/tests/fixtures/tiny" --out "$WORK/goldens" >"$OUT_DIR/goldens.log" 2>&1 \

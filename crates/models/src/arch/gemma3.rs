@@ -71,13 +71,15 @@ impl Block for Gemma3Block {
     fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let (be, eps, off) = (cx.be, self.eps, self.offset);
         let h = be.rms_norm(x, &self.input_norm, eps, off)?;
+        // The sums are written into new tensors, never into `x` or `x1`: both are kept for the
+        // backward, and a device tensor's clone shares its buffer.
         let (a, sa) = self.attn.forward_train(cx, &h)?;
-        let mut x1 = x.clone();
-        be.add_assign(&mut x1, &be.rms_norm(&a, &self.post_attn_norm, eps, off)?)?;
+        let mut x1 = be.rms_norm(&a, &self.post_attn_norm, eps, off)?;
+        be.add_assign(&mut x1, x)?;
         let h2 = be.rms_norm(&x1, &self.pre_ffn_norm, eps, off)?;
         let (m, sm) = self.mlp.forward_train(cx, &h2)?;
-        let mut x2 = x1.clone();
-        be.add_assign(&mut x2, &be.rms_norm(&m, &self.post_ffn_norm, eps, off)?)?;
+        let mut x2 = be.rms_norm(&m, &self.post_ffn_norm, eps, off)?;
+        be.add_assign(&mut x2, &x1)?;
         Ok((
             x2,
             Box::new(Gemma3Saved {

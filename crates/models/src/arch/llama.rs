@@ -68,13 +68,13 @@ impl Block for LlamaBlock {
     fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let be = cx.be;
         let h1 = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
-        let (a, sa) = self.attn.forward_train(cx, &h1)?;
-        let mut x1 = x.clone();
-        be.add_assign(&mut x1, &a)?;
+        // The sums are written into the halves' outputs, never into `x` or `x1`: both are kept
+        // for the backward, and a device tensor's clone shares its buffer.
+        let (mut x1, sa) = self.attn.forward_train(cx, &h1)?;
+        be.add_assign(&mut x1, x)?;
         let h2 = be.rms_norm(&x1, &self.mlp_norm, self.eps, 0.0)?;
-        let (m, sm) = self.mlp.forward_train(cx, &h2)?;
-        let mut x2 = x1.clone();
-        be.add_assign(&mut x2, &m)?;
+        let (mut x2, sm) = self.mlp.forward_train(cx, &h2)?;
+        be.add_assign(&mut x2, &x1)?;
         Ok((
             x2,
             Box::new(LlamaSaved {
