@@ -9,7 +9,9 @@
 # hf2q-tensor --test cuda_train --no-run`), gpu_trainer (`... -p hf2q-train --test gpu_trainer
 # --no-run`); BIN_DIR/home is used as HF2Q_HOME (a kernel cache filled beforehand is reused).
 # SHAPES: llama-3.2-1b, llama-3.1-8b or both (default: llama-3.2-1b). OPS=0, TRAINER=0 and
-# GOLDENS=0 skip the op tests, the trainer test and the goldens; PEFT=0 skips the PEFT runs.
+# GOLDENS=0 skip the op tests, the trainer test and the goldens; PEFT=0 skips the PEFT runs;
+# CKPTS lists hf2q's --grad-checkpoint settings to time (default "on off"); Q4=0 skips the
+# Q4_K_M base.
 # Writes logs and results under $OUT (or /tmp).
 set -uo pipefail
 BIN=$(cd "${1:?usage: gpu-train-check.sh BIN_DIR [SHAPES]}" && pwd)
@@ -83,14 +85,16 @@ peft() { # shape, extra flag -> "tokens/s peak_GiB"
 echo "| shape | weights | run | tokens/s | peak GiB |" >>"$SUM"
 echo "|---|---|---|---|---|" >>"$SUM"
 for shape in $SHAPES; do
-    for ty in bf16 q4_k_m; do
+    for ty in bf16 $([ "${Q4:-1}" = 1 ] && echo q4_k_m); do
         f="$WORK/$shape-$ty.gguf"
         [ -f "$f" ] || "$BIN/hf2q" synth --shape "$shape" --type "$ty" --vocab-from "$TOK" "$f" >/dev/null 2>&1
     done
-    for ck in on off; do
+    for ck in ${CKPTS:-on off}; do
         r=$(ours "$WORK/$shape-bf16.gguf" "$ck"); echo "| $shape | bf16 | hf2q, checkpointing $ck | ${r% *} | ${r#* } |" | tee -a "$SUM"
     done
-    r=$(ours "$WORK/$shape-q4_k_m.gguf" on); echo "| $shape | q4_k_m | hf2q, checkpointing on | ${r% *} | ${r#* } |" | tee -a "$SUM"
+    if [ "${Q4:-1}" = 1 ]; then
+        r=$(ours "$WORK/$shape-q4_k_m.gguf" on); echo "| $shape | q4_k_m | hf2q, checkpointing on | ${r% *} | ${r#* } |" | tee -a "$SUM"
+    fi
     if [ "${PEFT:-1}" = 1 ]; then
         r=$(peft "$shape" --checkpointing); echo "| $shape | bf16 | PEFT, checkpointing on | ${r% *} | ${r#* } |" | tee -a "$SUM"
         [ "$shape" = llama-3.2-1b ] && { r=$(peft "$shape" ""); echo "| $shape | bf16 | PEFT, checkpointing off | ${r% *} | ${r#* } |" | tee -a "$SUM"; }

@@ -106,9 +106,10 @@ pub struct SftArgs {
     /// Clip the gradients' global norm to this (0 = off).
     #[arg(long, value_name = "N", default_value_t = 1.0)]
     pub max_grad_norm: f32,
-    /// Recompute each block's forward in its backward (less memory, one more forward): auto is
-    /// on on a GPU, off on the CPU.
-    #[arg(long, value_name = "WHEN", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    /// Recompute blocks' forward in their backward (less memory, one more forward): on, off,
+    /// a number N (the first N blocks; the others keep their activations), or auto (on on a
+    /// GPU, off on the CPU).
+    #[arg(long, value_name = "WHEN", default_value = "auto")]
     pub grad_checkpoint: String,
     /// Evaluate on the validation data every N steps.
     #[arg(long, value_name = "N")]
@@ -173,7 +174,10 @@ fn config(a: &SftArgs) -> Result<TrainConfig> {
         checkpointing: match a.grad_checkpoint.as_str() {
             "on" => Checkpointing::On,
             "off" => Checkpointing::Off,
-            _ => Checkpointing::Auto,
+            "auto" => Checkpointing::Auto,
+            n => Checkpointing::Blocks(n.parse().map_err(|_| {
+                anyhow::anyhow!("--grad-checkpoint takes on, off, auto or a number of blocks, not '{n}'")
+            })?),
         },
         eval_every: a.eval_every,
         save_every: a.save_every,
@@ -280,7 +284,10 @@ impl Observer for CliObserver {
                     p.trainable_parameters,
                     p.total_steps,
                     p.device,
-                    if p.gradient_checkpointing { ", gradient checkpointing" } else { "" }
+                    match p.recomputed_blocks {
+                        0 => String::new(),
+                        n => format!(", gradient checkpointing of {n} blocks"),
+                    }
                 );
                 let bar = Progress::new("train", p.total_steps, Unit::Items("steps"));
                 bar.set(p.start_step, "");

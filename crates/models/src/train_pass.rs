@@ -1,7 +1,7 @@
 //! One training pass over a packed batch: the forward through every block (keeping each
-//! block's input, and with `checkpoint: false` everything its backward needs), the fused output
+//! block's input, and for blocks not recomputed everything its backward needs), the fused output
 //! layer and log-softmax at the targets, then the backward block by block in reverse, each
-//! block recomputing its forward from its input first when checkpointing. The adapters'
+//! block recomputing its forward from its input first where it is checkpointed. The adapters'
 //! gradients accumulate into a [`LoraGrads`]; nothing else of the model has one.
 //!
 //! The loss is the caller's: a pass takes per-row weights `g` and back-propagates
@@ -38,9 +38,11 @@ impl TrainBatch {
 /// How a pass runs.
 #[derive(Clone, Copy, Debug)]
 pub struct PassOptions {
-    /// Keep only each block's input and recompute its forward in the backward (memory of one
-    /// block's activations instead of all of them, for one more forward).
-    pub checkpoint: bool,
+    /// Blocks, counted from the first, that keep only their input and recompute their forward
+    /// in the backward (gradient checkpointing: 0 keeps every block's activations, the number
+    /// of blocks or more keeps none). The last blocks are the ones kept: their state is used
+    /// first and freed first in the backward.
+    pub recompute_blocks: usize,
     /// Adapter dropout on (training) or off.
     pub dropout: bool,
     /// The pass's dropout stream.
@@ -78,15 +80,15 @@ impl Model {
         &self,
         cx: &TrainCtx,
         ids: &[u32],
-        keep: bool,
+        recompute: usize,
     ) -> Result<(Tensor, Vec<(Tensor, Option<Saved>)>)> {
         let be = cx.be;
         let (embed, _, _) = self.ends();
         let mut x = be.embedding(embed, ids, self.config.embed_scale)?;
         let mut inputs = Vec::with_capacity(self.blocks().len());
-        for block in self.blocks() {
+        for (i, block) in self.blocks().iter().enumerate() {
             let (y, saved) = block.forward_train(cx, &x)?;
-            inputs.push((x, keep.then_some(saved)));
+            inputs.push((x, (i >= recompute).then_some(saved)));
             x = y;
         }
         Ok((x, inputs))
@@ -103,7 +105,7 @@ impl Model {
             dropout: false,
             seed: 0,
         };
-        let (x, _) = self.forward_blocks(&cx, &batch.ids, false)?;
+        let (x, _) = self.forward_blocks(&cx, &batch.ids, usize::MAX)?;
         let (_, norm, head) = self.ends();
         let h = be.rms_norm(&x, norm, self.config.rms_eps, self.config.norm_offset)?;
         let out = be.lm_head_logprobs(&h, head, &batch.targets, self.config.final_logit_softcap, None)?;
@@ -137,7 +139,7 @@ impl Model {
             dropout: opts.dropout,
             seed: opts.seed,
         };
-        let (x, mut inputs) = self.forward_blocks(&cx, &batch.ids, !opts.checkpoint)?;
+        let (x, mut inputs) = self.forward_blocks(&cx, &batch.ids, opts.recompute_blocks)?;
         let (_, norm, head) = self.ends();
         let (eps, off) = (self.config.rms_eps, self.config.norm_offset);
         let h = be.rms_norm(&x, norm, eps, off)?;

@@ -82,7 +82,8 @@ pub struct Plan {
     pub trainable_parameters: usize,
     pub adapters: usize,
     pub device: String,
-    pub gradient_checkpointing: bool,
+    /// Blocks that recompute their forward in the backward (gradient checkpointing).
+    pub recomputed_blocks: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]

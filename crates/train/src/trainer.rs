@@ -24,14 +24,18 @@ use crate::render::{RenderConfig, Renderer, Sample};
 use crate::report::{EvalReport, Event, LengthReport, Observer, Plan, StepReport};
 use crate::{Error, Result};
 
-/// When to recompute each block's forward in its backward instead of storing it.
+/// Which blocks recompute their forward in their backward instead of storing it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Checkpointing {
-    /// On a GPU when storing every block's activations would take more than half its free
-    /// memory; off on the CPU.
+    /// Every block on a GPU, none on the CPU.
     Auto,
+    /// Every block.
     On,
+    /// None.
     Off,
+    /// The first N blocks (the others keep their activations: a middle ground between the
+    /// memory of `On` and the speed of `Off`).
+    Blocks(usize),
 }
 
 /// How long to train: whole epochs, or a number of optimizer steps.
@@ -193,7 +197,8 @@ pub struct Trainer<'m> {
     adam: AdamW,
     state: TrainState,
     schedule: Schedule,
-    checkpoint: bool,
+    /// Blocks recomputed in the backward (see [`Checkpointing`]).
+    recompute: usize,
     device: String,
 }
 
@@ -284,10 +289,13 @@ impl<'m> Trainer<'m> {
             }
             None => "cpu".to_string(),
         };
-        let checkpoint = match cfg.checkpointing {
-            Checkpointing::On => true,
-            Checkpointing::Off => false,
-            Checkpointing::Auto => model.cuda().is_some(),
+        let blocks = model.config.n_layers;
+        let recompute = match cfg.checkpointing {
+            Checkpointing::On => blocks,
+            Checkpointing::Off => 0,
+            Checkpointing::Blocks(n) => n.min(blocks),
+            Checkpointing::Auto if model.cuda().is_some() => blocks,
+            Checkpointing::Auto => 0,
         };
         std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
         let base_name = model
@@ -303,7 +311,7 @@ impl<'m> Trainer<'m> {
             adam,
             state,
             schedule,
-            checkpoint,
+            recompute,
             device,
         })
     }
@@ -322,7 +330,7 @@ impl<'m> Trainer<'m> {
             trainable_parameters: self.model.adapters().iter().map(|(_, l)| l.a.len() + l.b.len()).sum(),
             adapters: self.model.adapters().len(),
             device: self.device.clone(),
-            gradient_checkpointing: self.checkpoint,
+            recomputed_blocks: self.recompute,
         }
     }
 
@@ -370,7 +378,7 @@ impl<'m> Trainer<'m> {
                 .map(|&t| if t >= 0 { -1.0 / n.max(1) as f32 } else { 0.0 })
                 .collect();
             let opts = PassOptions {
-                checkpoint: self.checkpoint,
+                recompute_blocks: self.recompute,
                 dropout: true,
                 seed: SplitMix(self.state.seed ^ (self.state.step << 16) ^ k as u64).next_u64(),
             };

@@ -78,7 +78,7 @@ fn pass(m: &Model, b: &TrainBatch, checkpoint: bool) -> (f64, Vec<Vec<f32>>) {
     let w: Vec<f32> = b.targets.iter().map(|&t| if t >= 0 { -1.0 / n } else { 0.0 }).collect();
     let mut g = LoraGrads::new();
     let out = m
-        .train_pass(b, &w, &PassOptions { checkpoint, dropout: false, seed: 0 }, &mut g)
+        .train_pass(b, &w, &PassOptions { recompute_blocks: if checkpoint { usize::MAX } else { 0 }, dropout: false, seed: 0 }, &mut g)
         .unwrap();
     let be = m.train_backend();
     let grads = m

@@ -236,7 +236,7 @@ fn loss_and_every_lora_gradient_match_peft() {
         let Some((mut m, dir, golden, batch)) = setup(&case) else { continue };
         m.load_adapter(&dir.join("ours_random")).unwrap();
         let mut grads = LoraGrads::new();
-        let opts = PassOptions { checkpoint: true, dropout: false, seed: 0 };
+        let opts = PassOptions { recompute_blocks: usize::MAX, dropout: false, seed: 0 };
         let out = m.train_pass(&batch, &mean_weights(&batch), &opts, &mut grads).unwrap();
         let loss = loss_of(&out, &batch);
         let want = golden["loss"].as_f64().unwrap();
@@ -335,7 +335,7 @@ fn twenty_adamw_steps_follow_peft_loss_curve() {
         };
         let be = m.train_backend_handle();
         let curve = golden["curve"].as_array().unwrap();
-        let opts = PassOptions { checkpoint: false, dropout: false, seed: 0 };
+        let opts = PassOptions { recompute_blocks: 0, dropout: false, seed: 0 };
         let w = mean_weights(&batch);
         let mut worst = 0f64;
         for step in 0..steps {
