@@ -309,19 +309,8 @@ impl TrainBackend for CudaBackend {
         inverse: bool,
     ) -> Result<()> {
         layout.check(x, "rope")?;
-        let (n, width) = x.dims2();
-        if n_heads == 0 || width % n_heads != 0 {
-            return Err(Error::Shape(format!(
-                "rope: width {width} is not {n_heads} heads"
-            )));
-        }
-        let dh = width / n_heads;
-        if p.dims > dh || !p.dims.is_multiple_of(2) {
-            return Err(Error::Shape(format!(
-                "rope: {} rotated dims for head width {dh}",
-                p.dims
-            )));
-        }
+        let n = x.dims2().0;
+        let dh = crate::op::check_rope(x, n_heads, p)?;
         if n == 0 || p.dims == 0 {
             return Ok(());
         }
@@ -398,14 +387,7 @@ impl TrainBackend for CudaBackend {
         offset: f32,
         dy: &Tensor,
     ) -> Result<Tensor> {
-        same_shape(x, dy, "rms_norm_backward")?;
-        let (rows, c) = x.dims2();
-        if w.len() != c {
-            return Err(Error::Shape(format!(
-                "rms_norm_backward: weight has {} values, rows have {c}",
-                w.len()
-            )));
-        }
+        let (rows, c) = crate::train_op::check_norm_backward(x, w, dy)?;
         let dx = self.out(x.shape())?;
         if x.is_empty() {
             return Ok(dx);

@@ -280,6 +280,25 @@ pub fn check_rows(x: &Tensor, start: usize, len: usize) -> Result<usize> {
     Ok(c)
 }
 
+/// Checks a RoPE call (every backend's): `x (T, nh*Dh)` splits into `n_heads` heads and the
+/// rotated dimensions fit a head and are even. Returns Dh.
+pub fn check_rope(x: &Tensor, n_heads: usize, p: &RopeParams) -> Result<usize> {
+    let (_, width) = x.dims2();
+    if n_heads == 0 || width % n_heads != 0 {
+        return Err(crate::Error::Shape(format!(
+            "rope: width {width} is not {n_heads} heads"
+        )));
+    }
+    let dh = width / n_heads;
+    if p.dims > dh || !p.dims.is_multiple_of(2) {
+        return Err(crate::Error::Shape(format!(
+            "rope: {} rotated dims for head width {dh}",
+            p.dims
+        )));
+    }
+    Ok(dh)
+}
+
 /// The activation of a gated MLP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GateAct {

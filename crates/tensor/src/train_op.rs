@@ -301,6 +301,20 @@ pub trait TrainBackend: Backend {
     ) -> Result<()>;
 }
 
+/// Checks an RMSNorm backward (every backend's): `x` and `dy` of one shape `(rows, C)`, `w`
+/// of C values. Returns `(rows, C)`.
+pub fn check_norm_backward(x: &Tensor, w: &[f32], dy: &Tensor) -> Result<(usize, usize)> {
+    crate::op::same_shape(x, dy, "rms_norm_backward")?;
+    let (rows, c) = x.dims2();
+    if w.len() != c {
+        return Err(Error::Shape(format!(
+            "rms_norm_backward: weight has {} values, rows have {c}",
+            w.len()
+        )));
+    }
+    Ok((rows, c))
+}
+
 /// The mask value of element `i` under `(seed, p)`: keep (true) with probability `1 - p`. A
 /// counter-based hash (SplitMix64's finalizer over `seed ^ i·φ`), the same on every backend.
 #[inline]

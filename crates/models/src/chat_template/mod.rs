@@ -384,24 +384,7 @@ pub fn encode_chat_json(
     messages: &[serde_json::Value],
     opts: &RenderOptions,
 ) -> Result<Vec<u32>> {
-    let specials: Vec<&str> = tok.special_tokens().collect();
-    let segs = tmpl.render_segments_impl(messages, opts, &specials)?;
-    let mut text = String::new();
-    let mut allowed = Vec::new();
-    for s in &segs {
-        let start = text.len();
-        text.push_str(&s.text);
-        if !s.is_content {
-            allowed.push((start, text.len()));
-        }
-    }
-    let mut ids = tok.encode_with_special_spans(&text, &allowed)?;
-    if let (true, Some(bos)) = (tok.add_bos(), tok.bos_id()) {
-        if ids.first() != Some(&bos) {
-            ids.insert(0, bos);
-        }
-    }
-    Ok(ids)
+    Ok(encode_chat_offsets(tok, tmpl, messages, opts)?.ids)
 }
 
 /// A chat tokenized for training: the rendered text, its ids and the byte offset in `text` where
@@ -430,7 +413,7 @@ pub fn encode_chat_offsets(
             allowed.push((start, text.len()));
         }
     }
-    let (mut ids, mut starts) = tok.encode_with_special_spans_offsets(&text, &allowed)?;
+    let (mut ids, mut starts) = tok.encode_with_special_spans(&text, &allowed)?;
     if let (true, Some(bos)) = (tok.add_bos(), tok.bos_id()) {
         if ids.first() != Some(&bos) {
             ids.insert(0, bos);

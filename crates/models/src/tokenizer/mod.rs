@@ -339,64 +339,16 @@ impl Tokenizer {
     /// The `tokenizers` encode pipeline (added tokens -> normalizer -> pre-tokenizer -> model)
     /// run with `plain_added`, so special tokens stay text.
     fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
-        let mut pre = self
-            .plain_added
-            .extract_and_normalize(self.inner.get_normalizer(), text);
-        if let Some(pt) = self.inner.get_pre_tokenizer() {
-            pt.pre_tokenize(&mut pre)
-                .map_err(|e| tok_err("pre-tokenize", e))?;
-        }
-        let model = self.inner.get_model();
-        pre.tokenize(|n| model.tokenize(n.get()))
-            .map_err(|e| tok_err("encode", e))?;
-        let enc = pre
-            .into_encoding(None, 0, OffsetType::None)
-            .map_err(|e| tok_err("encode", e))?;
-        Ok(enc.get_ids().to_vec())
+        Ok(self.encode_plain_offsets(text)?.0)
     }
 
     /// Encodes text whose special-token strings count only inside the given byte ranges
     /// (`allowed`, sorted, non-overlapping). Outside them special strings are plain text. Runs of
     /// text between recognised special tokens are encoded whole, so the ids equal those of
     /// `encode(text, false, true)` whenever no special string lies outside `allowed`.
-    /// No BOS/EOS is added.
+    /// No BOS/EOS is added. Also returns the byte offset in `text` where each token starts
+    /// (for masking a training target by the text it came from).
     pub(crate) fn encode_with_special_spans(
-        &self,
-        text: &str,
-        allowed: &[(usize, usize)],
-    ) -> Result<Vec<u32>> {
-        let mut ids = Vec::new();
-        let mut run_start = 0;
-        for &(lo, hi) in allowed {
-            if lo > hi || hi > text.len() || lo < run_start {
-                return Err(Error::Tokenizer(format!(
-                    "bad special span {lo}..{hi} for a text of {} bytes",
-                    text.len()
-                )));
-            }
-            let mut i = lo;
-            while i < hi {
-                if !text.is_char_boundary(i) {
-                    i += 1;
-                    continue;
-                }
-                if let Some((len, id)) = self.special_at(&text[i..hi]) {
-                    ids.extend(self.encode_plain(&text[run_start..i])?);
-                    ids.push(id);
-                    i += len;
-                    run_start = i;
-                } else {
-                    i += 1;
-                }
-            }
-        }
-        ids.extend(self.encode_plain(&text[run_start..])?);
-        Ok(ids)
-    }
-
-    /// [`Tokenizer::encode_with_special_spans`] with the byte offset in `text` where each
-    /// token starts (for masking a training target by the text it came from).
-    pub(crate) fn encode_with_special_spans_offsets(
         &self,
         text: &str,
         allowed: &[(usize, usize)],

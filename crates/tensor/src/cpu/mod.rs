@@ -319,18 +319,7 @@ impl Backend for CpuBackend {
 
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {
         let (_, width) = x.dims2();
-        if n_heads == 0 || width % n_heads != 0 {
-            return Err(Error::Shape(format!(
-                "rope: width {width} is not {n_heads} heads"
-            )));
-        }
-        let dh = width / n_heads;
-        if p.dims > dh || !p.dims.is_multiple_of(2) {
-            return Err(Error::Shape(format!(
-                "rope: {} rotated dims for head width {dh}",
-                p.dims
-            )));
-        }
+        let dh = crate::op::check_rope(x, n_heads, p)?;
         let inv = p.inv_freqs();
         let half = p.dims / 2;
         x.data_mut()

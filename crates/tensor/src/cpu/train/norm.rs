@@ -6,8 +6,7 @@
 
 use rayon::prelude::*;
 
-use crate::op::same_shape;
-use crate::{Error, Result, Tensor};
+use crate::{Result, Tensor};
 
 /// `x, dy (rows, C)`, `w (C)` -> `dx (rows, C)`.
 pub fn rms_norm_backward(
@@ -17,14 +16,7 @@ pub fn rms_norm_backward(
     offset: f32,
     dy: &Tensor,
 ) -> Result<Tensor> {
-    same_shape(x, dy, "rms_norm_backward")?;
-    let (_, c) = x.dims2();
-    if w.len() != c {
-        return Err(Error::Shape(format!(
-            "rms_norm_backward: weight has {} values, rows have {c}",
-            w.len()
-        )));
-    }
+    let (_, c) = crate::train_op::check_norm_backward(x, w, dy)?;
     let mut dx = vec![0f32; x.len()];
     dx.par_chunks_mut(c.max(1))
         .zip(x.data().par_chunks(c.max(1)))

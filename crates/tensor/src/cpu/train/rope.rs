@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use crate::op::{RopeParams, RopeStyle};
 use crate::train_op::SeqLayout;
-use crate::{Error, Result, Tensor};
+use crate::{Result, Tensor};
 
 /// Rotates `x (N, nh*Dh)` in place; `inverse` rotates by `-angle`.
 pub fn rope_rows(
@@ -20,18 +20,7 @@ pub fn rope_rows(
 ) -> Result<()> {
     layout.check(x, "rope")?;
     let (_, width) = x.dims2();
-    if n_heads == 0 || width % n_heads != 0 {
-        return Err(Error::Shape(format!(
-            "rope: width {width} is not {n_heads} heads"
-        )));
-    }
-    let dh = width / n_heads;
-    if p.dims > dh || !p.dims.is_multiple_of(2) {
-        return Err(Error::Shape(format!(
-            "rope: {} rotated dims for head width {dh}",
-            p.dims
-        )));
-    }
+    let dh = crate::op::check_rope(x, n_heads, p)?;
     let inv = p.inv_freqs();
     let half = p.dims / 2;
     let sign = if inverse { -1.0f32 } else { 1.0 };
