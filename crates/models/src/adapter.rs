@@ -43,7 +43,7 @@ pub struct LoraConfig {
     pub rslora: bool,
     /// PEFT `lora_dropout`.
     pub dropout: f32,
-    /// Short module names (`q_proj`, ...), sorted.
+    /// Short module names (`q_proj`, ...).
     pub targets: Vec<String>,
     /// PEFT `layers_to_transform`: only these layers (`None`: all).
     pub layers: Option<Vec<usize>>,
