@@ -17,6 +17,7 @@ pub mod sampler;
 pub mod source;
 pub mod stop;
 pub mod synth;
+pub mod tool_calls;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
