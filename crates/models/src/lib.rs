@@ -4,6 +4,7 @@
 pub mod arch;
 pub mod chat_template;
 pub mod config;
+pub mod constraint;
 pub mod convert;
 pub mod error;
 pub mod generate;

@@ -13,6 +13,7 @@
 //! brings its own runtime model. The engine does not run on the async runtime: model steps are
 //! long CPU-bound calls, so they get a dedicated thread and talk to handlers through channels.
 
+pub mod chat_tools;
 pub mod engine;
 pub mod error;
 pub mod metrics;

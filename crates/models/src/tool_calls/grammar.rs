@@ -14,6 +14,7 @@
 use serde_json::{json, Value};
 
 use super::ToolFormat;
+use crate::constraint::{adapt_schema, JSON_WHITESPACE};
 
 /// A tool as the grammar sees it: its name and the schema its arguments must follow.
 #[derive(Clone, Debug)]
@@ -39,9 +40,6 @@ pub struct LazyGrammar {
     pub lark: String,
 }
 
-/// Most whitespace the tool-call JSON may have in one place: bounded so that a model cannot
-/// loop on whitespace inside a constrained call (models write at most an indentation).
-const JSON_WS: &str = r"[\x20\x0A\x0D\x09]{1,32}";
 
 fn lit(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
@@ -55,12 +53,15 @@ fn mark(text: &str, token: &dyn Fn(&str) -> Option<u32>) -> String {
     }
 }
 
+/// A `%json` sub-grammar, adapted and with bounded whitespace as [`crate::constraint`] does
+/// for a whole reply.
 fn json_rule(schema: &Value) -> String {
     let mut s = schema.clone();
+    adapt_schema(&mut s);
     if let Some(o) = s.as_object_mut() {
         o.insert(
             "x-guidance".into(),
-            json!({"whitespace_pattern": JSON_WS, "lenient": false}),
+            json!({"whitespace_pattern": JSON_WHITESPACE}),
         );
     }
     format!("%json {s}")
@@ -104,9 +105,13 @@ pub fn required(
     parallel: bool,
     token: &dyn Fn(&str) -> Option<u32>,
 ) -> String {
+    // A separator may also end the reply, so that the model can stop after any call (after
+    // a newline, a forced next opener made models loop on calls).
     let more = |block: &str, sep: &str| {
-        if parallel {
-            format!("start: {block} ({sep} {block})*\n")
+        if parallel && sep != "\"\"" {
+            format!("start: {block} ({sep} {block})* {sep}?\n")
+        } else if parallel {
+            format!("start: {block}+\n")
         } else {
             format!("start: {block}\n")
         }
@@ -172,9 +177,9 @@ pub fn lazy(
             // The reply after the first opener: the rest of that call, then more whole ones.
             let close = mark("</tool_call>", token);
             let rest = if parallel {
-                "start: \"\\n\" call \"\\n\" CLOSE (\"\\n\" block)*\n"
+                "start: \"\\n\" call \"\\n\" CLOSE (\"\\n\" block)* \"\\n\"?\n"
             } else {
-                "start: \"\\n\" call \"\\n\" CLOSE\n"
+                "start: \"\\n\" call \"\\n\" CLOSE \"\\n\"?\n"
             };
             let lark = format!(
                 "{}block: {} \"\\n\" call \"\\n\" CLOSE\n{}",

@@ -4,7 +4,8 @@
 //!
 //! Formats (the families hf2q runs, after the parsers of vLLM and llama.cpp):
 //! - [`ToolFormat::Hermes`]: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
-//!   repeated for parallel calls (Hermes 2/3, Qwen2.5, Qwen3);
+//!   repeated for parallel calls (Hermes 2/3, Qwen2.5, Qwen3); a reply that is only the call
+//!   object, bare or in a ```` ```json ```` fence, counts too (Qwen2.5-Coder writes that);
 //! - [`ToolFormat::Llama3Json`]: the whole reply is `{"name": ..., "parameters": {...}}`
 //!   (Llama 3.1/3.2/3.3), optionally after `<|python_tag|>`, several separated by `;`;
 //! - [`ToolFormat::Mistral`]: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the

@@ -319,7 +319,12 @@ impl ToolCallParser {
     }
 
     fn feed_text(&mut self, c: char) {
-        let json_at_start = matches!(self.format, ToolFormat::Llama3Json | ToolFormat::Generic);
+        // Hermes models also write a bare (or fenced) call object without the tags:
+        // Qwen2.5-Coder does.
+        let json_at_start = matches!(
+            self.format,
+            ToolFormat::Llama3Json | ToolFormat::Generic | ToolFormat::Hermes
+        );
         if self.at_start && !c.is_whitespace() {
             self.at_start = false;
             if json_at_start && c == '{' {
@@ -332,7 +337,7 @@ impl ToolCallParser {
                 self.feed_json_char('{');
                 return;
             }
-            if self.format == ToolFormat::Generic && c == '`' {
+            if matches!(self.format, ToolFormat::Generic | ToolFormat::Hermes) && c == '`' {
                 let mut buf = std::mem::take(&mut self.held);
                 buf.push(c);
                 self.mode = Mode::Fence(buf);

@@ -59,6 +59,19 @@ fn hermes_single_parallel_and_text() {
 }
 
 #[test]
+fn hermes_fenced_call_without_tags() {
+    // Recorded from Qwen2.5-Coder-0.5B-Instruct Q4_K_M (hf2q serve, temperature 0, the Qwen2.5
+    // template with one tool get_weather, "What is the weather in Paris?").
+    let t = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\n    \"city\": \"Paris\"\n  }\n}\n```";
+    let r = parse(ToolFormat::Hermes, t);
+    assert_eq!(r.content, "");
+    assert_eq!(r.calls.len(), 1, "{r:?}");
+    let v: serde_json::Value = serde_json::from_str(&r.calls[0].arguments).unwrap();
+    assert_eq!(v, serde_json::json!({"city": "Paris"}));
+    check_streaming(ToolFormat::Hermes, t);
+}
+
+#[test]
 fn hermes_plain_text_passes_through() {
     let t = "The weather <b>is</b> nice; use <tool_ for tags.";
     let r = parse(ToolFormat::Hermes, t);
@@ -238,13 +251,13 @@ fn grammars_name_their_tools() {
     }];
     let tok = |s: &str| (s == "<tool_call>").then_some(7).or((s == "</tool_call>").then_some(8));
     let g = grammar::required(ToolFormat::Hermes, &tools, true, &tok);
-    assert!(g.starts_with("start: block (\"\\n\" block)*"), "{g}");
+    assert!(g.starts_with("start: block (\"\\n\" block)* \"\\n\"?\n"), "{g}");
     assert!(g.contains("<[7]> \"\\n\" call \"\\n\" <[8]>"), "{g}");
     assert!(g.contains("\"const\":\"get_weather\""), "{g}");
     let lazy = grammar::lazy(ToolFormat::Hermes, &tools, false, &tok);
     assert_eq!(lazy.len(), 1);
     assert_eq!(lazy[0].trigger, grammar::Trigger::Token(7));
-    assert!(lazy[0].lark.starts_with("start: \"\\n\" call \"\\n\" <[8]>\n"), "{}", lazy[0].lark);
+    assert!(lazy[0].lark.starts_with("start: \"\\n\" call \"\\n\" <[8]> \"\\n\"?\n"), "{}", lazy[0].lark);
     // Without the markup tokens there is no lazy trigger for Hermes.
     assert!(grammar::lazy(ToolFormat::Hermes, &tools, false, &|_| None).is_empty());
 }

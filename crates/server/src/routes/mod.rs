@@ -19,6 +19,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use hf2q_models::chat_template::ChatTemplate;
+use hf2q_models::constraint::ConstraintEnv;
+use hf2q_models::tool_calls::ToolFormat;
 use serde_json::Value;
 
 use crate::engine::Engine;
@@ -34,6 +36,11 @@ pub struct AppState {
     pub template: ChatTemplate,
     /// Unix time the server started (the model's `created`).
     pub created: u64,
+    /// The tool-call format of the template's model, and whether the template renders `tools`.
+    pub tool_format: ToolFormat,
+    pub renders_tools: bool,
+    /// Constrained decoding's token trie, built on the first request that needs it.
+    constraint_env: std::sync::OnceLock<Result<ConstraintEnv, String>>,
 }
 
 pub type Shared = Arc<AppState>;
@@ -49,12 +56,34 @@ impl AppState {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let tool_format = ToolFormat::detect(template.source());
+        let renders_tools = ToolFormat::template_renders_tools(template.source());
         Ok(AppState {
             engine,
             cfg,
             template,
             created,
+            tool_format,
+            renders_tools,
+            constraint_env: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The model's constraint environment (built once; tens to hundreds of milliseconds, so
+    /// call it off the async runtime).
+    pub fn constraint_env(&self) -> ApiResult<&ConstraintEnv> {
+        let model = self.engine.model();
+        self.constraint_env
+            .get_or_init(|| {
+                ConstraintEnv::new(model.tokenizer(), model.vocab_size()).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| {
+                ApiError::unsupported(
+                    "response_format",
+                    format!("constrained decoding is not available for this model: {e}"),
+                )
+            })
     }
 
     pub fn limits(&self) -> Limits {
