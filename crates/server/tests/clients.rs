@@ -81,6 +81,35 @@ async fn official_openai_python_client() {
     assert!(out.contains(" 0 failed"), "{out}");
 }
 
+/// The Python interpreter with `openai` importable, or `None` (the test prints "skipped").
+fn openai_python(test: &str) -> Option<PathBuf> {
+    let python = env_path("HF2Q_TEST_PYTHON", test)?;
+    let probe = Command::new(&python).args(["-c", "import openai"]).output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("{test}: skipped ({} cannot import openai)", python.display());
+        return None;
+    }
+    Some(python)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_openai_python_client_tools_and_structured_output() {
+    let test = "official_openai_python_client_tools_and_structured_output";
+    let Some(python) = openai_python(test) else {
+        return;
+    };
+    let Some(model) = qwen25(test) else {
+        return;
+    };
+    let h = start(model, real_cfg("qwen")).await;
+    let mut cmd = Command::new(python);
+    cmd.arg(script("tools_client.py"))
+        .arg(format!("http://{}", h.addr))
+        .arg("qwen");
+    let out = run_ok(cmd, "openai client (tools)").await;
+    assert!(out.contains(" 0 failed"), "{out}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn web_chat_in_headless_chromium() {
     let test = "web_chat_in_headless_chromium";
