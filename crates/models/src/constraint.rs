@@ -113,7 +113,12 @@ impl ConstraintEnv {
                 ))
             }
         };
-        let mut factory = ParserFactory::new_simple(&env).map_err(grammar_err)?;
+        // llguidance's JSON token slices (precomputed token sets for common lexemes), plus our
+        // bounded whitespace: without it every step after a JSON token walks the whole
+        // vocabulary for the whitespace lexeme (mean mask time 1.6x on Llama 3's vocabulary).
+        let mut slices = llguidance::earley::SlicedBiasComputer::json_slices();
+        slices.push(JSON_WHITESPACE.to_string());
+        let mut factory = ParserFactory::new(&env, Default::default(), &slices).map_err(grammar_err)?;
         factory.quiet();
         Ok(ConstraintEnv {
             factory: Arc::new(factory),
