@@ -3,8 +3,10 @@
 //!
 //! Layer order, outermost first: request metrics -> CORS (answers preflights before auth, as
 //! browsers send no credentials on them) -> body limit -> routes; the API key guards the `/v1`,
-//! `/tokenize`, `/detokenize` and `/metrics` routes, never `/health` or the static web chat.
+//! `/tokenize`, `/detokenize`, `/metrics` and `/api/agent` routes, never `/health` or the static
+//! web chat; `/api/agent` is also same-origin only.
 
+mod agent;
 mod generate;
 mod misc;
 
@@ -41,6 +43,8 @@ pub struct AppState {
     pub renders_tools: bool,
     /// Constrained decoding's token trie, built on the first request that needs it.
     constraint_env: std::sync::OnceLock<Result<ConstraintEnv, String>>,
+    /// Agent mode's tools and approvals (`--workspace`), or `None` when off.
+    pub agent: Option<crate::agent::Agent>,
 }
 
 pub type Shared = Arc<AppState>;
@@ -60,12 +64,13 @@ impl AppState {
         let renders_tools = ToolFormat::template_renders_tools(template.source());
         Ok(AppState {
             engine,
-            cfg,
             template,
             created,
             tool_format,
             renders_tools,
             constraint_env: std::sync::OnceLock::new(),
+            agent: cfg.agent.clone().map(crate::agent::Agent::new),
+            cfg,
         })
     }
 
@@ -118,6 +123,17 @@ pub fn router(state: Shared) -> Router {
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
         .route("/metrics", get(misc::metrics))
+        .merge(
+            Router::new()
+                .route("/api/agent", get(agent::info))
+                .route("/api/agent/tool", post(agent::tool))
+                .route("/api/agent/approvals", get(agent::approvals))
+                .route(
+                    "/api/agent/approvals/{id}",
+                    get(agent::approval).post(agent::decide),
+                )
+                .route_layer(middleware::from_fn(agent::same_origin)),
+        )
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let public = Router::new()
         .route("/health", get(misc::health))
