@@ -252,6 +252,41 @@ pub fn adapt_schema(schema: &mut Value) {
     }
 }
 
+/// Whether a reply begins with a JSON object: its first non-whitespace character is `{`,
+/// possibly after a Markdown fence line (```` ```json ````).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum JsonStart {
+    Undecided,
+    Yes,
+    No,
+}
+
+fn json_start(text: &[u8]) -> JsonStart {
+    let t = text.trim_ascii_start();
+    let Some(&first) = t.first() else {
+        return JsonStart::Undecided;
+    };
+    match first {
+        b'{' => JsonStart::Yes,
+        b'`' => {
+            for fence in [&b"```json\n"[..], b"```\n"] {
+                if fence.starts_with(t) {
+                    return JsonStart::Undecided;
+                }
+                if let Some(rest) = t.strip_prefix(fence) {
+                    return match rest.trim_ascii_start().first() {
+                        None => JsonStart::Undecided,
+                        Some(b'{') => JsonStart::Yes,
+                        Some(_) => JsonStart::No,
+                    };
+                }
+            }
+            JsonStart::No
+        }
+        _ => JsonStart::No,
+    }
+}
+
 /// One compiled grammar, ready to start sequences (each gets its own copy).
 pub struct Grammar {
     matcher: Matcher,
@@ -384,7 +419,7 @@ impl Constraint {
                 if (id as usize) < trie.vocab_size() {
                     text.extend_from_slice(trie.token(id));
                 }
-                let first = text.iter().copied().find(|b| !b.is_ascii_whitespace());
+                let start = json_start(text);
                 let mut fired: Option<State> = None;
                 grammars.retain(|(t, g)| {
                     if fired.is_some() {
@@ -395,9 +430,9 @@ impl Constraint {
                             fired = Some(State::Active(g.matcher.deep_clone()));
                             true
                         }
-                        Trigger::JsonStart => match first {
-                            None => true,
-                            Some(b'{') => {
+                        Trigger::JsonStart => match start {
+                            JsonStart::Undecided => true,
+                            JsonStart::Yes => {
                                 let mut m = g.matcher.deep_clone();
                                 // The reply so far (unconstrained) must fit the grammar;
                                 // when it does not, the model is writing something else.
@@ -407,7 +442,7 @@ impl Constraint {
                                 });
                                 true
                             }
-                            Some(_) => false,
+                            JsonStart::No => false,
                         },
                         Trigger::Token(_) => true,
                     }
@@ -420,5 +455,53 @@ impl Constraint {
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_start_sees_bare_and_fenced_objects() {
+        use JsonStart::*;
+        for (t, want) in [
+            ("", Undecided),
+            ("  \n", Undecided),
+            ("{", Yes),
+            ("\n {\"a\"", Yes),
+            ("`", Undecided),
+            ("```js", Undecided),
+            ("```py", No),
+            ("```json", Undecided),
+            ("```json\n", Undecided),
+            ("```json\n{", Yes),
+            ("```\n  {", Yes),
+            ("```json\nnot", No),
+            ("Sure", No),
+        ] {
+            assert_eq!(json_start(t.as_bytes()), want, "{t:?}");
+        }
+    }
+
+    #[test]
+    fn formats_become_strict_patterns_and_numbers_get_bounds() {
+        let mut s = json!({"type": "object", "properties": {
+            "d": {"type": "string", "format": "date"},
+            "p": {"type": "string", "format": "email", "pattern": "^x$"},
+            "n": {"type": "number"},
+            "i": {"type": "integer", "maximum": 5},
+            "c": {"const": {"format": "date"}}}});
+        adapt_schema(&mut s);
+        let p = &s["properties"];
+        assert!(p["d"].get("format").is_none());
+        assert!(p["d"]["pattern"].as_str().unwrap().starts_with("^(?:[0-9]{4}-"));
+        assert_eq!(p["p"]["format"], "email", "an own pattern is kept as given");
+        assert_eq!(p["n"]["multipleOf"], json!(1e-10));
+        assert_eq!(p["n"]["minimum"], json!(-SAFE_INT));
+        assert_eq!(p["i"]["maximum"], 5);
+        assert_eq!(p["i"]["minimum"], json!(-SAFE_INT));
+        assert!(p["i"].get("multipleOf").is_none());
+        assert_eq!(p["c"]["const"], json!({"format": "date"}), "data is not a schema");
     }
 }

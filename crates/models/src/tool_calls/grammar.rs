@@ -28,8 +28,9 @@ pub struct GrammarTool {
 pub enum Trigger {
     /// When this token is sampled; the grammar constrains what follows it.
     Token(u32),
-    /// When the reply's first non-whitespace character is `{`; the grammar constrains the
-    /// reply from its start (the tokens so far are fed to it).
+    /// When the reply's first non-whitespace character is `{` (possibly after a ```` ```json ````
+    /// fence line); the grammar constrains the reply from its start (the tokens so far are fed
+    /// to it).
     JsonStart,
 }
 
@@ -160,6 +161,13 @@ pub fn required(
     }
 }
 
+/// A bare-calls grammar as a [`Trigger::JsonStart`] grammar: the reply from its start, with
+/// leading whitespace and an optional Markdown fence around the calls.
+fn json_start(calls: &str) -> String {
+    calls.replacen("start: ", "start: WS? FENCE? ", 1).replacen("\n", " FENCE_END?\n", 1)
+        + "WS: /[ \\t\\n]+/\nFENCE: /```(json)?\\n/\nFENCE_END: /\\n?```/\n"
+}
+
 /// The lazy grammars for `tool_choice: auto`: each starts at its trigger. Empty when the
 /// format's call opener is not a single token and calls cannot start at the reply's start.
 pub fn lazy(
@@ -188,13 +196,21 @@ pub fn lazy(
                 call_rules(tools, "arguments")
             )
             .replace("CLOSE", &close);
-            vec![LazyGrammar {
-                trigger: Trigger::Token(open),
-                lark,
-            }]
+            // Hermes models also answer with the bare call object (see the parser).
+            let bare = required(ToolFormat::Generic, tools, parallel, token);
+            vec![
+                LazyGrammar {
+                    trigger: Trigger::Token(open),
+                    lark,
+                },
+                LazyGrammar {
+                    trigger: Trigger::JsonStart,
+                    lark: json_start(&bare),
+                },
+            ]
         }
         ToolFormat::Llama3Json | ToolFormat::Generic => {
-            let lark = full.replacen("start: ", "start: WS? ", 1) + "WS: /[ \\t\\n]+/\n";
+            let lark = json_start(&full);
             let mut v = vec![LazyGrammar {
                 trigger: Trigger::JsonStart,
                 lark,

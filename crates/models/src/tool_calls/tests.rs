@@ -255,8 +255,9 @@ fn grammars_name_their_tools() {
     assert!(g.contains("<[7]> \"\\n\" call \"\\n\" <[8]>"), "{g}");
     assert!(g.contains("\"const\":\"get_weather\""), "{g}");
     let lazy = grammar::lazy(ToolFormat::Hermes, &tools, false, &tok);
-    assert_eq!(lazy.len(), 1);
+    assert_eq!(lazy.len(), 2);
     assert_eq!(lazy[0].trigger, grammar::Trigger::Token(7));
+    assert_eq!(lazy[1].trigger, grammar::Trigger::JsonStart);
     assert!(lazy[0].lark.starts_with("start: \"\\n\" call \"\\n\" <[8]> \"\\n\"?\n"), "{}", lazy[0].lark);
     // Without the markup tokens there is no lazy trigger for Hermes.
     assert!(grammar::lazy(ToolFormat::Hermes, &tools, false, &|_| None).is_empty());

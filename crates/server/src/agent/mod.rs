@@ -64,6 +64,12 @@ pub enum ToolError {
 
 pub type ToolResult = Result<String, ToolError>;
 
+/// The system prompt of agent mode (the page and `hf2q chat --agent` put it first).
+pub const SYSTEM_PROMPT: &str = "You are an assistant working in a folder of files (the \
+workspace). Use the tools to look at files and change them when the user asks. Paths are \
+relative to the workspace folder (. is the folder itself). Call a tool only \
+when it is needed; after a tool result, answer the user briefly.";
+
 /// Tools that change something: they need an approval.
 pub const CHANGING: &[&str] = &["write_file", "edit_file", "run_command"];
 
@@ -73,7 +79,7 @@ pub fn tool_definitions() -> Value {
         json!({"type": "function", "function": {"name": name, "description": desc,
             "parameters": {"type": "object", "properties": props, "required": required}}})
     };
-    let path = json!({"type": "string", "description": "a path relative to the workspace"});
+    let path = json!({"type": "string", "description": "a path relative to the workspace folder; . is the folder itself"});
     json!([
         f("list_dir", "List the files and folders in a folder of the workspace.",
           json!({"path": path}), &["path"]),

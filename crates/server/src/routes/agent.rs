@@ -21,7 +21,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::{json_body, Shared};
-use crate::agent::{tool_definitions, Agent, Decision, Outcome, ToolError};
+use crate::agent::{tool_definitions, Agent, Decision, Outcome, ToolError, SYSTEM_PROMPT};
 use crate::error::{ApiError, ApiResult};
 
 fn forbidden(message: impl Into<String>) -> ApiError {
@@ -59,6 +59,7 @@ pub async fn info(State(st): State<Shared>) -> Json<Value> {
             "enabled": true,
             "workspace": a.cfg.workspace.root().display().to_string(),
             "tools": tool_definitions(),
+            "system_prompt": SYSTEM_PROMPT,
             "approval_timeout_s": a.cfg.approval_timeout.as_secs_f64(),
             "command_timeout_s": a.cfg.command_timeout.as_secs_f64(),
         }),

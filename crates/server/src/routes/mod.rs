@@ -139,6 +139,7 @@ pub fn router(state: Shared) -> Router {
         .route("/health", get(misc::health))
         .route("/", get(crate::ui::index))
         .route("/app.js", get(crate::ui::app_js))
+        .route("/agent.js", get(crate::ui::agent_js))
         .route("/style.css", get(crate::ui::style_css));
     Router::new()
         .merge(protected)
