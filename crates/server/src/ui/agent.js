@@ -1,7 +1,8 @@
 // hf2q web chat, agent mode: runs the model's tool calls through /api/agent and shows each
 // call, its approval and its result in the transcript. Read-only tools run at once; a change
 // (write_file, edit_file, run_command) comes back "pending" with the exact diff or command,
-// and runs only when the person approves it here. Loaded after app.js (shares its globals).
+// and runs only when the person approves it here. Loaded before app.js, whose globals
+// ($, state, headers, render, ...) these functions use when called.
 "use strict";
 
 /// GET /api/agent: whether the server has a workspace, and the tool definitions.
@@ -101,12 +102,17 @@ async function runToolCall(chat, call, signal) {
   const el = $("messages").lastElementChild;
   let j;
   try {
+    try { JSON.parse(call.function.arguments || "{}"); } catch (_) {
+      throw new Error("the call was cut off (its arguments are not complete JSON); it was not run");
+    }
     j = await agentPost("/api/agent/tool", { chat_id: chat.id, name: call.function.name, arguments: call.function.arguments });
     if (j.status === "pending") {
       m.status = "waiting for approval";
       m.preview = j.approval.preview;
       fillToolMessage(el, m);
+      $("status").textContent = "waiting for your approval";
       const d = await askApproval(el, j.approval, signal);
+      $("status").textContent = "generating…";
       if (d === "expired") {
         j = { status: "denied", reason: "no decision within the time limit" };
       } else {

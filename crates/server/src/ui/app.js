@@ -312,7 +312,8 @@ async function send(text) {
         top_k: num("top-k", (v) => parseInt(v, 10)),
         max_tokens: num("max-tokens", (v) => parseInt(v, 10)),
       };
-      if (agent) body.tools = state.agent.tools;
+      // One call per turn: small models otherwise fire several at once and spiral.
+      if (agent) { body.tools = state.agent.tools; body.parallel_tool_calls = false; }
       const out = await streamReply(body, reply, el, controller.signal);
       usage = out.usage;
       if (usage) completion += usage.completion_tokens;
