@@ -9,7 +9,8 @@
 //!    apart (paid once per request, like the compile). Random tokens are a harder workload
 //!    than a model's (long tokens inside strings, odd escapes).
 //! 2. Decode speed with a schema active and without, on a model (`HF2Q_BENCH_MODEL`, e.g.
-//!    SmolLM2's GGUF): greedy, 128 tokens, fast CPU kernels, after a warm-up run.
+//!    SmolLM2's GGUF): greedy, 128 tokens, fast CPU kernels (or the GPU with
+//!    `HF2Q_BENCH_DEVICE=cuda`: the mask then goes into the decode graph), after a warm-up run.
 //!
 //!     HF2Q_TEST_TOKENIZERS_DIR=... HF2Q_BENCH_MODEL=model.gguf \
 //!         cargo bench -p hf2q-models --bench constrained
@@ -153,9 +154,16 @@ fn mask_bench(dir: &Path) {
     );
 }
 
-fn decode_bench(path: &Path) {
+fn decode_bench(path: &Path, cuda: bool) {
     let mut model = Model::load(path).unwrap();
     model.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+    if cuda {
+        let dev = hf2q_tensor::cuda::CudaDev::open(0)
+            .expect("a working CUDA driver")
+            .expect("a CUDA device");
+        let be = hf2q_tensor::cuda_backend::CudaBackend::new(dev, hf2q_tensor::cuda::KvDtype::F16).unwrap();
+        model.set_cuda(Some(std::sync::Arc::new(be)));
+    }
     model.warm_up().unwrap();
     let env = ConstraintEnv::new(model.tokenizer(), model.vocab_size()).unwrap();
     // Long enough that the grammar never ends within the 128 tokens.
@@ -197,8 +205,9 @@ fn decode_bench(path: &Path) {
     let mean = |v: &Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
     let (free, with) = (mean(&rates[0]), mean(&rates[1]));
     println!(
-        "| decode 128 tokens, {} | unconstrained {free:.1} tok/s | with a schema {with:.1} tok/s | ratio {:.3} |",
+        "| decode 128 tokens, {}, {} | unconstrained {free:.1} tok/s | with a schema {with:.1} tok/s | ratio {:.3} |",
         path.file_name().unwrap_or_default().to_string_lossy(),
+        if cuda { "GPU" } else { "CPU" },
         with / free
     );
 }
@@ -217,7 +226,7 @@ fn main() {
             rayon::ThreadPoolBuilder::new()
                 .build()
                 .unwrap()
-                .install(|| decode_bench(Path::new(&p)))
+                .install(|| decode_bench(Path::new(&p), std::env::var("HF2Q_BENCH_DEVICE").as_deref() == Ok("cuda")))
         }
         _ => println!("decode benchmark skipped: HF2Q_BENCH_MODEL is not set"),
     }
