@@ -169,7 +169,7 @@ impl ConstraintEnv {
 
     /// A constraint active from the first generated token.
     pub fn constraint(&self, g: &Grammar) -> Constraint {
-        Constraint::new(self, State::Active(g.matcher.deep_clone()))
+        Constraint::new(self, State::Active(Box::new(g.matcher.deep_clone())))
     }
 
     /// A constraint that switches on at the first trigger that fires.
@@ -307,7 +307,7 @@ impl std::fmt::Debug for Grammar {
 }
 
 enum State {
-    Active(Matcher),
+    Active(Box<Matcher>),
     /// Lazy: not triggered yet. `seen`: the ids generated so far; `text`: their bytes.
     Waiting {
         grammars: Vec<(Trigger, Grammar)>,
@@ -322,7 +322,7 @@ impl Clone for State {
     /// Copies are independent: a parser and its caches are cloned deeply.
     fn clone(&self) -> Self {
         match self {
-            State::Active(m) => State::Active(m.deep_clone()),
+            State::Active(m) => State::Active(Box::new(m.deep_clone())),
             State::Waiting {
                 grammars,
                 seen,
@@ -427,7 +427,7 @@ impl Constraint {
                     }
                     match t {
                         Trigger::Token(tid) if *tid == id => {
-                            fired = Some(State::Active(g.matcher.deep_clone()));
+                            fired = Some(State::Active(Box::new(g.matcher.deep_clone())));
                             true
                         }
                         Trigger::JsonStart => match start {
@@ -437,7 +437,7 @@ impl Constraint {
                                 // The reply so far (unconstrained) must fit the grammar;
                                 // when it does not, the model is writing something else.
                                 fired = Some(match m.consume_tokens(seen) {
-                                    Ok(()) => State::Active(m),
+                                    Ok(()) => State::Active(Box::new(m)),
                                     Err(_) => State::Off,
                                 });
                                 true

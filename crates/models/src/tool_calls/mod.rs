@@ -10,8 +10,8 @@
 //!   (Llama 3.1/3.2/3.3), optionally after `<|python_tag|>`, several separated by `;`;
 //! - [`ToolFormat::Mistral`]: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the
 //!   newer `[TOOL_CALLS]name[ARGS]{...}`;
-//! - [`ToolFormat::FunctionGemma`]: `<start_function_call>call:name{key:<escape>v<escape>}
-//!   <end_function_call>`;
+//! - [`ToolFormat::FunctionGemma`]: `call:name{key:<escape>v<escape>}` between
+//!   `<start_function_call>` and `<end_function_call>`;
 //! - [`ToolFormat::Generic`]: templates that know no tools. The tools are described in the
 //!   system prompt ([`generic_tool_prompt`]) and calls are JSON objects, one per line, as in
 //!   Llama 3; Gemma 3's ```` ```tool_code ```` blocks (`name(key="v")`) are read too.
