@@ -43,6 +43,8 @@ echo "== tests"
 cargo test --release --locked --workspace -- --test-threads 2
 
 # ---- hf2q serve (issue 4): real clients against a real server -----------------------------------
+# (with Qwen2.5-Coder: tool calls and structured output through the openai client, and the web
+# chat's agent mode in Chromium over a fixture workspace)
 # The official `openai` Python package (in a venv), playwright-core (npm) driving Debian's chromium,
 # and the release binary itself (SIGTERM drain). Each tool is installed into the cache on first
 # use; one that cannot be installed makes its test print "skipped".

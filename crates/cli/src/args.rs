@@ -290,3 +290,32 @@ pub fn print_stats(st: &hf2q_models::generate::GenerateStats) {
         st.decode_tokens_per_sec()
     );
 }
+
+/// Agent mode's flags, shared by `serve` and `chat`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AgentArgs {
+    /// Agent mode over folder DIR: the model may list, read and search its files at once, and
+    /// write or edit files and run commands there after you approve each action (or allow a
+    /// tool for the rest of the chat). Off without it.
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<std::path::PathBuf>,
+    /// Seconds a command of the agent may run before it is killed.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub command_timeout: f64,
+}
+
+impl AgentArgs {
+    /// The agent configuration, or `None` without `--workspace`.
+    pub fn config(&self) -> Result<Option<hf2q_server::agent::AgentConfig>> {
+        let Some(dir) = &self.workspace else {
+            return Ok(None);
+        };
+        if !(self.command_timeout > 0.0 && self.command_timeout <= 86400.0) {
+            bail!("--command-timeout must be between 0 and 86400 seconds");
+        }
+        let mut c = hf2q_server::agent::AgentConfig::new(dir)
+            .with_context(|| format!("--workspace {}", dir.display()))?;
+        c.command_timeout = std::time::Duration::from_secs_f64(self.command_timeout);
+        Ok(Some(c))
+    }
+}

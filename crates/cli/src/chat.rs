@@ -31,6 +31,12 @@ pub struct ChatArgs {
     /// Print token counts and speed after every reply.
     #[arg(long)]
     pub stats: bool,
+    /// Agent mode (needs --workspace): the model may use the workspace tools; every change and
+    /// command asks for your approval first.
+    #[arg(long, requires = "workspace")]
+    pub agent: bool,
+    #[command(flatten)]
+    pub agent_args: args::AgentArgs,
     #[command(flatten)]
     pub sample: SampleArgs,
 }
@@ -159,6 +165,7 @@ impl Conversation<'_> {
 
 pub fn chat(a: ChatArgs) -> Result<()> {
     let params = a.sample.params(a.max_tokens)?;
+    let agent_cfg = if a.agent { a.agent_args.config()? } else { None };
     let (path, mut model) = args::load_model(a.model.as_deref())?;
     a.sample.configure(&mut model)?;
     let ctx = a.sample.context(&model)?;
@@ -188,6 +195,14 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         .unwrap_or_else(|| path.display().to_string());
     eprintln!("hf2q chat with {name} (context {ctx} tokens). /help for commands, Ctrl-D to quit.");
 
+    let mut agent = match agent_cfg {
+        Some(cfg) => {
+            let ag = crate::agent_chat::AgentChat::new(&model, cfg, ctx)?;
+            eprintln!("agent mode: workspace {} (changes and commands ask first)", ag.workspace());
+            Some(ag)
+        }
+        None => None,
+    };
     let mut conv = Conversation {
         model: &model,
         session: model.session(ctx),
@@ -215,6 +230,9 @@ pub fn chat(a: ChatArgs) -> Result<()> {
                 "help" | "?" => eprintln!("{HELP}"),
                 "reset" | "clear" => {
                     conv.reset();
+                    if let Some(ag) = agent.as_mut() {
+                        ag.messages.clear();
+                    }
                     eprintln!("(new conversation)");
                 }
                 "system" if rest.is_empty() => match &conv.system {
@@ -224,13 +242,20 @@ pub fn chat(a: ChatArgs) -> Result<()> {
                 "system" => {
                     conv.system = Some(rest.to_string());
                     conv.reset();
+                    if let Some(ag) = agent.as_mut() {
+                        ag.messages.clear();
+                    }
                     eprintln!("(system prompt set; new conversation)");
                 }
                 _ => eprintln!("unknown command /{name}; /help lists the commands"),
             }
             continue;
         }
-        if let Err(e) = conv.turn(text, &params, &stop, a.stats) {
+        let r = match agent.as_mut() {
+            Some(ag) => ag.turn(conv.system.as_deref(), text, &params, &mut rl),
+            None => conv.turn(text, &params, &stop, a.stats),
+        };
+        if let Err(e) = r {
             eprintln!("error: {e:#}");
         }
     }

@@ -1,6 +1,7 @@
 //! `hf2q`: the command-line front end. Each subcommand lives in its own module; this file is
 //! the argument grammar (clap derive, which is also the `--help` text) and error reporting.
 
+mod agent_chat;
 mod args;
 mod bench;
 mod chat;

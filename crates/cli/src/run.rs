@@ -5,7 +5,8 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use hf2q_models::generate::{generate, GenerateStats};
+use hf2q_models::constraint::{ConstraintEnv, GrammarSpec};
+use hf2q_models::generate::{generate_constrained, GenerateStats};
 
 use crate::args::{self, SampleArgs};
 
@@ -33,6 +34,14 @@ pub struct RunArgs {
     /// streaming.
     #[arg(long)]
     pub json: bool,
+    /// Constrain the reply to JSON that follows the JSON Schema in FILE (constrained decoding:
+    /// other tokens are never sampled).
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<PathBuf>,
+    /// Constrain the reply to the Lark grammar in FILE (llguidance's dialect: `start:` rule,
+    /// `%json {...}` for embedded schemas).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
     #[command(flatten)]
     pub sample: SampleArgs,
 }
@@ -53,9 +62,23 @@ fn read_prompt(a: &RunArgs) -> Result<String> {
     }
 }
 
+/// The `--json-schema` / `--grammar` constraint, read and checked before the model loads.
+fn read_grammar(a: &RunArgs) -> Result<Option<GrammarSpec>> {
+    let read = |p: &PathBuf| {
+        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+    };
+    if let Some(p) = &a.json_schema {
+        let v: serde_json::Value = serde_json::from_str(&read(p)?)
+            .with_context(|| format!("{} is not JSON", p.display()))?;
+        return Ok(Some(GrammarSpec::JsonSchema(v)));
+    }
+    Ok(a.grammar.as_ref().map(read).transpose()?.map(GrammarSpec::Lark))
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
     // Check everything cheap before loading (or pulling) the model.
     let params = a.sample.params(a.max_tokens)?;
+    let spec = read_grammar(&a)?;
     let prompt = read_prompt(&a)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -78,6 +101,15 @@ pub fn run(a: RunArgs) -> Result<()> {
     if ids.is_empty() {
         bail!("the prompt produced no tokens");
     }
+    let mut constraint = match &spec {
+        Some(spec) => {
+            let env = ConstraintEnv::new(model.tokenizer(), model.vocab_size())?;
+            let what = if a.json_schema.is_some() { "--json-schema" } else { "--grammar" };
+            let g = env.compile(spec).with_context(|| format!("{what}: cannot constrain to it"))?;
+            Some(env.constraint(&g))
+        }
+        None => None,
+    };
     let mut session = model.session(ctx);
 
     let mut text = String::new();
@@ -99,7 +131,7 @@ pub fn run(a: RunArgs) -> Result<()> {
                 }
             }
         };
-        generate(&mut session, &ids, &params, &mut on_text)?
+        generate_constrained(&mut session, &ids, &params, constraint.as_mut(), &mut on_text)?
     };
     if let Some(e) = write_failed {
         if e.kind() != std::io::ErrorKind::BrokenPipe {

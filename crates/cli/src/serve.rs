@@ -78,6 +78,8 @@ pub struct ServeArgs {
     pub device: args::DeviceChoice,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
     pub kv_type: args::KvTypeChoice,
+    #[command(flatten)]
+    pub agent: args::AgentArgs,
 }
 
 /// `512M`, `4G`, `1.5GiB`, `1000000` (bytes) -> bytes.
@@ -159,6 +161,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             step_delay: Duration::ZERO,
             prefix_cache: !a.no_prefix_cache,
         },
+        agent: a.agent.config()?,
     };
     cfg.validate()?;
     let (path, mut model) = args::load_model(Some(&arg))?;
@@ -197,6 +200,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         cfg.engine.max_seqs,
         if cfg.engine.prefix_cache { "on" } else { "off" }
     );
+    if let Some(ag) = &cfg.agent {
+        eprintln!(
+            "agent mode on: workspace {} (changes and commands wait for approval in the web chat)",
+            ag.workspace.root().display()
+        );
+    }
     hf2q_server::run(model, cfg)?;
     eprintln!("stopped");
     Ok(())

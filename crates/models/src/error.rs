@@ -17,6 +17,10 @@ pub enum Error {
     Tokenizer(String),
     #[error("chat template: {0}")]
     Template(String),
+    /// A grammar or JSON Schema that constrained decoding cannot use (the message names the
+    /// feature), or a failure while constraining.
+    #[error("grammar: {0}")]
+    Grammar(String),
     #[error("{0}")]
     Msg(String),
 }

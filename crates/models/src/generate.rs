@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::constraint::Constraint;
 use crate::model::Session;
-use crate::sampler::{Sampler, SamplerConfig};
+use crate::sampler::{apply_mask, Sampler, SamplerConfig};
 use crate::stop::StopMatcher;
 use crate::tokenizer::DecodeStream;
 use crate::{Error, Result};
@@ -118,6 +119,19 @@ pub trait LogitsSource {
         let mut logits = self.decode(token)?;
         Ok(sampler.sample(&mut logits, history))
     }
+    /// [`LogitsSource::decode_sampled`] with only the tokens of `mask` allowed
+    /// ([`crate::constraint`]'s bits).
+    fn decode_masked(
+        &mut self,
+        token: u32,
+        sampler: &mut Sampler,
+        history: &[u32],
+        mask: &[u32],
+    ) -> Result<u32> {
+        let mut logits = self.decode(token)?;
+        apply_mask(&mut logits, mask);
+        Ok(sampler.sample(&mut logits, history))
+    }
     /// Tokens in the cache.
     fn pos(&self) -> usize;
     /// Most tokens the cache can hold.
@@ -138,6 +152,15 @@ impl LogitsSource for Session<'_> {
         history: &[u32],
     ) -> Result<u32> {
         Session::decode_sampled(self, token, sampler, history)
+    }
+    fn decode_masked(
+        &mut self,
+        token: u32,
+        sampler: &mut Sampler,
+        history: &[u32],
+        mask: &[u32],
+    ) -> Result<u32> {
+        Session::decode_sampled_masked(self, token, sampler, history, mask)
     }
     fn pos(&self) -> usize {
         Session::pos(self)
@@ -174,9 +197,29 @@ pub fn generate(
     params: &GenerateParams,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<GenerateStats> {
+    generate_constrained(session, prompt, params, None, on_text)
+}
+
+/// [`generate`] with the output constrained by `constraint` ([`crate::constraint`]): each
+/// step's mask is applied before sampling (on a GPU, before the on-device pick).
+pub fn generate_constrained(
+    session: &mut Session<'_>,
+    prompt: &[u32],
+    params: &GenerateParams,
+    constraint: Option<&mut Constraint>,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<GenerateStats> {
     let tok = session.model().tokenizer();
     let mut stream = tok.decoder();
-    generate_with(session, prompt, params, tok.eog_ids(), &mut stream, on_text)
+    generate_with_constraint(
+        session,
+        prompt,
+        params,
+        tok.eog_ids(),
+        &mut stream,
+        constraint,
+        on_text,
+    )
 }
 
 /// The loop itself, over any [`LogitsSource`] and [`TokenText`]; `eog` lists the
@@ -187,6 +230,19 @@ pub fn generate_with(
     params: &GenerateParams,
     eog: &[u32],
     text: &mut dyn TokenText,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<GenerateStats> {
+    generate_with_constraint(src, prompt, params, eog, text, None, on_text)
+}
+
+/// [`generate_with`] under an optional constraint.
+pub fn generate_with_constraint(
+    src: &mut dyn LogitsSource,
+    prompt: &[u32],
+    params: &GenerateParams,
+    eog: &[u32],
+    text: &mut dyn TokenText,
+    mut constraint: Option<&mut Constraint>,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<GenerateStats> {
     params.sampler.validate()?;
@@ -220,8 +276,18 @@ pub fn generate_with(
     while tokens.len() < params.max_tokens {
         let id = match picked.take() {
             Some(id) => id,
-            None => sampler.sample(&mut logits, &history),
+            None => {
+                if let Some(c) = constraint.as_deref_mut() {
+                    if let Some(m) = c.mask()? {
+                        apply_mask(&mut logits, m);
+                    }
+                }
+                sampler.sample(&mut logits, &history)
+            }
         };
+        if let Some(c) = constraint.as_deref_mut() {
+            c.commit(id)?;
+        }
         tokens.push(id);
         if keep > 0 {
             // Bounded history: drop the older half when it grows past 2 * keep.
@@ -249,7 +315,14 @@ pub fn generate_with(
             finish = FinishReason::Length;
             break;
         }
-        picked = Some(src.decode_sampled(id, &mut sampler, &history)?);
+        let mask = match constraint.as_deref_mut() {
+            Some(c) => c.mask()?,
+            None => None,
+        };
+        picked = Some(match mask {
+            Some(m) => src.decode_masked(id, &mut sampler, &history, m)?,
+            None => src.decode_sampled(id, &mut sampler, &history)?,
+        });
     }
     if finish != FinishReason::Cancelled && stop.matched().is_none() {
         // Text still pending in the detokenizer, then in the stop matcher. A stop string may

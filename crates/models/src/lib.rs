@@ -5,6 +5,7 @@ pub mod adapter;
 pub mod arch;
 pub mod chat_template;
 pub mod config;
+pub mod constraint;
 pub mod convert;
 pub mod error;
 pub mod generate;
@@ -18,6 +19,7 @@ pub mod sampler;
 pub mod source;
 pub mod stop;
 pub mod synth;
+pub mod tool_calls;
 pub mod tokenizer;
 pub mod train_pass;
 

@@ -440,12 +440,17 @@ impl Model {
     /// capture yet (not every layer on the device: the first step runs eagerly). With
     /// [`StepMode::Argmax`] or [`StepMode::Sample`] the graph ends in picking the token on the
     /// device and only its id comes back.
+    ///
+    /// `mask`: the allowed-token bits of a constrained step (pick modes only): the graph bans
+    /// the other tokens before its pick (a masked graph, captured once per cache like the
+    /// others).
     fn decode_graph(
         &self,
         cache: &mut KvCache,
         pos0: usize,
         token: u32,
         mode: StepMode,
+        mask: Option<&[u32]>,
     ) -> Result<Option<StepOut>> {
         let Some(cuda) = self.cuda.as_ref().filter(|_| self.cuda_graphs) else {
             return Ok(None);
@@ -478,11 +483,18 @@ impl Model {
             StepMode::Argmax => StepOutput::Argmax,
             StepMode::Sample(_) => StepOutput::Sample,
         };
-        let mut graph = match cache.graph.take().filter(|g| g.output() == kind) {
+        if mask.is_some() && kind == StepOutput::Logits {
+            return Ok(None);
+        }
+        let mut graph = match cache
+            .graph
+            .take()
+            .filter(|g| g.output() == kind && g.is_masked() == mask.is_some())
+        {
             Some(g) => g,
             None => {
                 let vocab = self.lm_head.rows;
-                cuda.capture(&[token], pos0, vocab, kind, || {
+                let step = || {
                     let mut item = [BatchItem {
                         cache: &mut *cache,
                         pos0,
@@ -490,7 +502,12 @@ impl Model {
                     }];
                     let h = self.hidden_batch(&mut item)?;
                     self.logits(&h)
-                })?
+                };
+                if mask.is_some() {
+                    cuda.capture_masked(&[token], pos0, vocab, kind, step)?
+                } else {
+                    cuda.capture(&[token], pos0, vocab, kind, step)?
+                }
             }
         };
         let out = match mode {
@@ -498,10 +515,10 @@ impl Model {
                 .replay(&mut graph, &[token], pos0)
                 .map(|l| StepOut::Logits(l.into_data())),
             StepMode::Argmax => cuda
-                .replay_pick(&mut graph, &[token], pos0, None)
+                .replay_pick(&mut graph, &[token], pos0, None, mask)
                 .map(|ids| StepOut::Token(ids[0])),
             StepMode::Sample(a) => cuda
-                .replay_pick(&mut graph, &[token], pos0, Some(a))
+                .replay_pick(&mut graph, &[token], pos0, Some(a), mask)
                 .map(|ids| StepOut::Token(ids[0])),
         };
         cache.graph = Some(graph);
@@ -619,7 +636,7 @@ impl<'m> Session<'m> {
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
         match self
             .model
-            .decode_graph(&mut self.cache, self.pos, token, StepMode::Logits)?
+            .decode_graph(&mut self.cache, self.pos, token, StepMode::Logits, None)?
         {
             Some(StepOut::Logits(l)) => {
                 self.pos += 1;
@@ -634,7 +651,7 @@ impl<'m> Session<'m> {
     pub fn decode_greedy(&mut self, token: u32) -> Result<u32> {
         match self
             .model
-            .decode_graph(&mut self.cache, self.pos, token, StepMode::Argmax)?
+            .decode_graph(&mut self.cache, self.pos, token, StepMode::Argmax, None)?
         {
             Some(StepOut::Token(id)) => {
                 self.pos += 1;
@@ -664,6 +681,7 @@ impl<'m> Session<'m> {
                     self.pos,
                     token,
                     StepMode::Sample(args),
+                    None,
                 )? {
                     sampler.device_drew();
                     self.pos += 1;
@@ -673,6 +691,40 @@ impl<'m> Session<'m> {
         }
         // The host draw (it uses the uniform number already drawn above, if any).
         let mut logits = self.decode(token)?;
+        Ok(sampler.sample(&mut logits, history))
+    }
+    /// [`Session::decode_sampled`] with only the tokens of `mask` allowed (constrained
+    /// decoding; bits as [`crate::constraint`] makes them). On a GPU the mask is uploaded and
+    /// applied inside the replayed graph before the on-device pick (argmax or draw); on the
+    /// CPU, or when the draw needs the host, it is applied to the logits before sampling.
+    pub fn decode_sampled_masked(
+        &mut self,
+        token: u32,
+        sampler: &mut crate::sampler::Sampler,
+        history: &[u32],
+        mask: &[u32],
+    ) -> Result<u32> {
+        if self.model.cuda.is_some() {
+            let mode = if sampler.config().is_plain_greedy() {
+                Some(StepMode::Argmax)
+            } else {
+                sampler.device_args().map(StepMode::Sample)
+            };
+            if let Some(mode) = mode {
+                let out =
+                    self.model
+                        .decode_graph(&mut self.cache, self.pos, token, mode, Some(mask))?;
+                if let Some(StepOut::Token(id)) = out {
+                    if matches!(mode, StepMode::Sample(_)) {
+                        sampler.device_drew();
+                    }
+                    self.pos += 1;
+                    return Ok(id);
+                }
+            }
+        }
+        let mut logits = self.decode(token)?;
+        crate::sampler::apply_mask(&mut logits, mask);
         Ok(sampler.sample(&mut logits, history))
     }
     /// The captured decode graph's node count (GPU, after the first decoded token), for

@@ -26,7 +26,8 @@
 //! piece is `f32::exp` from the system math library; an ulp of difference there can change a
 //! draw only when the uniform lands within ~1e-7 of a bucket boundary.
 //!
-//! Not here: grammar constraints, mirostat, DRY, XTC, typical-p (not yet needed).
+//! Grammar constraints are a mask applied before the chain ([`apply_mask`], masks from
+//! [`crate::constraint`]). Not here: mirostat, DRY, XTC, typical-p (not yet needed).
 //!
 //! Allocation: `Sampler` keeps its candidate and penalty buffers; `sample` does not allocate
 //! after the first call.
@@ -428,9 +429,43 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// Bans every token a constraint's mask does not allow: logit `i` becomes `-inf` unless bit
+/// `i % 32` of word `i / 32` is set ([`crate::constraint`]). Apply it before [`Sampler::sample`]:
+/// every later step keeps a banned token banned, and greedy picks the best allowed one. Logits
+/// past the mask's words are banned too.
+pub fn apply_mask(logits: &mut [f32], mask: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        match mask.get(w).copied().unwrap_or(0) {
+            u32::MAX => {}
+            0 => chunk.fill(f32::NEG_INFINITY),
+            bits => {
+                for (b, l) in chunk.iter_mut().enumerate() {
+                    if bits & (1 << b) == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mask_bans_unset_bits() {
+        let mut l: Vec<f32> = (0..70).map(|i| i as f32).collect();
+        // Word 0 allows ids 1 and 3; word 1 everything; word 2 (ids 64..70) nothing.
+        apply_mask(&mut l, &[0b1010, u32::MAX, 0]);
+        let allowed: Vec<usize> = (0..70).filter(|&i| l[i].is_finite()).collect();
+        assert_eq!(allowed, [1, 3].into_iter().chain(32..64).collect::<Vec<_>>());
+        assert_eq!(argmax(&l), 63);
+        // A short mask bans the rest.
+        let mut l = vec![1.0f32; 40];
+        apply_mask(&mut l, &[u32::MAX]);
+        assert!(l[32..].iter().all(|v| *v == f32::NEG_INFINITY));
+    }
 
     fn cfg(temperature: f32) -> SamplerConfig {
         SamplerConfig {

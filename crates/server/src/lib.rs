@@ -2,8 +2,9 @@
 //! web chat.
 //!
 //! Layout: [`engine`] owns the model on its own thread and schedules sequences into batched
-//! forward steps; [`openai`] is the wire format; [`routes`] the HTTP surface; [`metrics`] the
-//! Prometheus page; [`ui`] the embedded web chat. [`start`] wires them to a socket; [`run`] is
+//! forward steps; [`openai`] is the wire format, [`chat_tools`] its tool-calling and
+//! structured-output part; [`routes`] the HTTP surface; [`metrics`] the Prometheus page; [`ui`]
+//! the embedded web chat; [`agent`] the workspace tools and approvals of agent mode. [`start`] wires them to a socket; [`run`] is
 //! the blocking entry point of the CLI (signals, drain, exit status).
 //!
 //! HTTP stack: tokio + axum (over hyper 1). axum gives routing, extractors with typed
@@ -13,6 +14,8 @@
 //! brings its own runtime model. The engine does not run on the async runtime: model steps are
 //! long CPU-bound calls, so they get a dedicated thread and talk to handlers through channels.
 
+pub mod agent;
+pub mod chat_tools;
 pub mod engine;
 pub mod error;
 pub mod metrics;
@@ -54,6 +57,8 @@ pub struct ServerConfig {
     /// `/health` reports 503 when the engine is busy and has not finished a step for this long.
     pub stuck_after: Duration,
     pub engine: EngineConfig,
+    /// Agent mode (`--workspace DIR`): the `/api/agent` tools over this folder. Off when `None`.
+    pub agent: Option<agent::AgentConfig>,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +74,7 @@ impl Default for ServerConfig {
             drain_timeout: Duration::from_secs(30),
             stuck_after: Duration::from_secs(60),
             engine: EngineConfig::default(),
+            agent: None,
         }
     }
 }

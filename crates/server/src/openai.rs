@@ -13,10 +13,11 @@
 //! Presence / frequency / repetition penalties look at the last 64 tokens (prompt included), as
 //! the CLI's sampler does.
 
-use hf2q_models::chat_template::ChatMessage;
+use hf2q_models::constraint::GrammarSpec;
 use hf2q_models::sampler::SamplerConfig;
 use serde_json::{json, Map, Value};
 
+use crate::chat_tools::{self, ToolsRequest};
 use crate::engine::TokenLogprob;
 use crate::error::{ApiError, ApiResult};
 
@@ -51,7 +52,13 @@ pub struct Common {
 #[derive(Clone, Debug)]
 pub struct ChatRequest {
     pub common: Common,
-    pub messages: Vec<ChatMessage>,
+    /// The messages as chat templates take them: `role` (system, user, assistant, tool),
+    /// `content` (a string), and `tool_calls` / `tool_call_id` / `name` where given.
+    pub messages: Vec<Value>,
+    /// `tools`, `tool_choice`, `parallel_tool_calls` (none when no tools are given).
+    pub tools: Option<ToolsRequest>,
+    /// `response_format` other than text.
+    pub response_format: Option<GrammarSpec>,
     /// `Some(k)` when `logprobs: true` (k = `top_logprobs`, default 0).
     pub logprobs: Option<usize>,
 }
@@ -335,27 +342,14 @@ pub fn parse_chat(v: &Value, lim: Limits) -> ApiResult<ChatRequest> {
         .as_object()
         .ok_or_else(|| ApiError::wrong_type("body", "a JSON object"))?;
     check_known(m, CHAT_FIELDS)?;
-    let tools_empty = |v: &Value| v.as_array().is_some_and(|a| a.is_empty());
-    refuse_unless(m, "tools", tools_empty, "tool calling")?;
-    refuse_unless(
-        m,
-        "tool_choice",
-        |v| v == "none" || v == "auto",
-        "tool calling",
-    )?;
-    refuse_unless(m, "functions", tools_empty, "function calling")?;
-    refuse_unless(
-        m,
-        "function_call",
-        |v| v == "none" || v == "auto",
-        "function calling",
-    )?;
-    refuse_unless(
-        m,
-        "response_format",
-        |v| v.get("type").is_some_and(|t| t == "text"),
-        "structured output (json_object / json_schema)",
-    )?;
+    let tools = chat_tools::parse_tools(m)?;
+    let response_format = chat_tools::parse_response_format(m)?;
+    if response_format.is_some() && tools.as_ref().is_some_and(ToolsRequest::active) {
+        return Err(ApiError::unsupported(
+            "response_format",
+            "'response_format' together with active 'tools' is not supported: use tool_choice 'none', or a tool whose parameters are the schema",
+        ));
+    }
     refuse_unless(
         m,
         "modalities",
@@ -367,7 +361,6 @@ pub fn parse_chat(v: &Value, lim: Limits) -> ApiResult<ChatRequest> {
     refuse_unless(m, "reasoning_effort", |_| false, "reasoning effort")?;
     refuse_unless(m, "web_search_options", |_| false, "web search")?;
     boolean(m, "store")?;
-    boolean(m, "parallel_tool_calls")?;
     let common = parse_common(m, lim, "max_completion_tokens")?;
     let logprobs = match boolean(m, "logprobs")? {
         Some(true) => {
@@ -401,11 +394,13 @@ pub fn parse_chat(v: &Value, lim: Limits) -> ApiResult<ChatRequest> {
     Ok(ChatRequest {
         common,
         messages,
+        tools,
+        response_format,
         logprobs,
     })
 }
 
-fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
+fn parse_message(i: usize, v: &Value) -> ApiResult<Value> {
     let p = |f: &str| format!("messages[{i}].{f}");
     let m = v
         .as_object()
@@ -417,27 +412,54 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
     };
     let role = match role {
         "system" | "developer" => "system",
-        "user" | "assistant" => role,
-        "tool" | "function" => {
+        "user" | "assistant" | "tool" => role,
+        "function" => {
             return Err(ApiError::unsupported(
                 &p("role"),
-                format!("messages with role '{role}' are not supported (no tool calling yet)"),
+                "messages with the legacy role 'function' are not supported; use role 'tool'",
             ))
         }
         other => {
             return Err(ApiError::invalid(
                 &p("role"),
-                format!("unknown role '{other}' (expected system, developer, user or assistant)"),
+                format!("unknown role '{other}' (expected system, developer, user, assistant or tool)"),
             ))
         }
     };
-    if present(m, "tool_calls").is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()))
-        || present(m, "function_call").is_some()
-    {
+    if present(m, "function_call").is_some() {
         return Err(ApiError::unsupported(
-            &p("tool_calls"),
-            "assistant tool calls are not supported yet",
+            &p("function_call"),
+            "the legacy 'function_call' is not supported; use 'tool_calls'",
         ));
+    }
+    let mut out = Map::new();
+    out.insert("role".into(), role.into());
+    match present(m, "tool_calls") {
+        Some(t) if role == "assistant" => {
+            let calls = chat_tools::parse_assistant_calls(t, &p("tool_calls"))?;
+            if !calls.is_empty() {
+                out.insert("tool_calls".into(), Value::Array(calls));
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                &p("tool_calls"),
+                "only assistant messages carry 'tool_calls'",
+            ))
+        }
+        None => {}
+    }
+    for k in ["tool_call_id", "name"] {
+        match present(m, k) {
+            Some(Value::String(s)) => {
+                out.insert(k.into(), s.clone().into());
+            }
+            Some(_) => return Err(ApiError::wrong_type(&p(k), "a string")),
+            None => {}
+        }
+    }
+    if role == "tool" && !out.contains_key("tool_call_id") && !out.contains_key("name") {
+        return Err(ApiError::missing(&p("tool_call_id")));
     }
     for k in m.keys() {
         if ![
@@ -445,6 +467,7 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
             "content",
             "name",
             "tool_calls",
+            "tool_call_id",
             "function_call",
             "refusal",
         ]
@@ -487,7 +510,8 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<ChatMessage> {
             ))
         }
     };
-    Ok(ChatMessage::new(role, content))
+    out.insert("content".into(), content.into());
+    Ok(Value::Object(out))
 }
 
 /// Parses a `/v1/completions` body.
@@ -587,6 +611,8 @@ pub struct ChoiceOut {
     pub index: usize,
     pub text: String,
     pub finish: String,
+    /// Chat: the message's `tool_calls` (OpenAI's shape); none for a text reply.
+    pub tool_calls: Vec<Value>,
 }
 
 /// The `usage` object; `cached` is how many prompt tokens came from the prefix cache (OpenAI's
@@ -661,9 +687,16 @@ pub fn chat_response(meta: &RespMeta, choices: Vec<(ChoiceOut, Value)>, usage: V
     let choices: Vec<Value> = choices
         .into_iter()
         .map(|(c, lp)| {
+            let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
+            if !c.tool_calls.is_empty() {
+                if c.text.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] = Value::Array(c.tool_calls);
+            }
             json!({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": null},
+                "message": message,
                 "logprobs": lp,
                 "finish_reason": c.finish,
             })
@@ -758,7 +791,8 @@ mod tests {
     fn minimal_chat() {
         let r =
             chat(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
-        assert_eq!(r.messages, vec![ChatMessage::new("user", "hi")]);
+        assert_eq!(r.messages, vec![json!({"role": "user", "content": "hi"})]);
+        assert!(r.tools.is_none() && r.response_format.is_none());
         assert_eq!(r.common.n, 1);
         assert_eq!(r.common.sampler.temperature, 1.0);
         assert!(!r.common.stream);
@@ -772,9 +806,9 @@ mod tests {
             {"role": "assistant", "content": null},
         ]}))
         .unwrap();
-        assert_eq!(r.messages[0].role, "system");
-        assert_eq!(r.messages[1].content, "a\nb");
-        assert_eq!(r.messages[2].content, "");
+        assert_eq!(r.messages[0]["role"], "system");
+        assert_eq!(r.messages[1]["content"], "a\nb");
+        assert_eq!(r.messages[2]["content"], "");
         let e = chat(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})).unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.message.contains("image_url"), "{e}");
@@ -863,13 +897,33 @@ mod tests {
             ),
             (
                 json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+                422,
+                "tools[0].function",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a b"}}]}),
                 400,
-                "tools",
+                "tools[0].function.name",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+                400,
+                "tool_choice",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+                400,
+                "tool_choice",
             ),
             (
                 json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}),
+                422,
+                "response_format.json_schema",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}),
                 400,
-                "response_format",
+                "response_format.type",
             ),
             (
                 json!({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}),
@@ -878,8 +932,13 @@ mod tests {
             ),
             (
                 json!({"messages": [{"role": "tool", "content": "x"}]}),
+                422,
+                "messages[0].tool_call_id",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}),
                 400,
-                "messages[0].role",
+                "messages[0].tool_calls",
             ),
             (
                 json!({"messages": [{"role": "wizard", "content": "x"}]}),

@@ -81,21 +81,86 @@ async fn official_openai_python_client() {
     assert!(out.contains(" 0 failed"), "{out}");
 }
 
+/// The Python interpreter with `openai` importable, or `None` (the test prints "skipped").
+fn openai_python(test: &str) -> Option<PathBuf> {
+    let python = env_path("HF2Q_TEST_PYTHON", test)?;
+    let probe = Command::new(&python).args(["-c", "import openai"]).output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("{test}: skipped ({} cannot import openai)", python.display());
+        return None;
+    }
+    Some(python)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn web_chat_in_headless_chromium() {
-    let test = "web_chat_in_headless_chromium";
-    let Some(chromium) = env_path("HF2Q_TEST_CHROMIUM", test) else {
+async fn official_openai_python_client_tools_and_structured_output() {
+    let test = "official_openai_python_client_tools_and_structured_output";
+    let Some(python) = openai_python(test) else {
         return;
     };
-    let Some(modules) = env_path("HF2Q_TEST_NODE_MODULES", test) else {
+    let Some(model) = qwen25(test) else {
         return;
     };
+    let h = start(model, real_cfg("qwen")).await;
+    let mut cmd = Command::new(python);
+    cmd.arg(script("tools_client.py"))
+        .arg(format!("http://{}", h.addr))
+        .arg("qwen");
+    let out = run_ok(cmd, "openai client (tools)").await;
+    assert!(out.contains(" 0 failed"), "{out}");
+}
+
+/// Chromium and a node_modules folder with playwright-core, or `None` ("skipped").
+fn browser(test: &str) -> Option<(PathBuf, PathBuf)> {
+    let chromium = env_path("HF2Q_TEST_CHROMIUM", test)?;
+    let modules = env_path("HF2Q_TEST_NODE_MODULES", test)?;
     if !modules.join("playwright-core").is_dir()
         || Command::new("node").arg("--version").output().is_err()
     {
         eprintln!("{test}: skipped (node or playwright-core is missing)");
-        return;
+        return None;
     }
+    Some((chromium, modules))
+}
+
+/// Agent mode in the web chat, with Qwen2.5-Coder-0.5B and a fixture workspace: a listing runs
+/// at once, a file is written after the click on Approve, a denied command does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_chat_agent_mode_in_headless_chromium() {
+    let test = "web_chat_agent_mode_in_headless_chromium";
+    let Some((chromium, modules)) = browser(test) else {
+        return;
+    };
+    let Some(model) = qwen25(test) else {
+        return;
+    };
+    let ws = tempfile::tempdir().unwrap();
+    std::fs::write(ws.path().join("readme.md"), "# Fixture\n").unwrap();
+    std::fs::create_dir(ws.path().join("src")).unwrap();
+    std::fs::write(ws.path().join("src/main.rs"), "fn main() {}\n").unwrap();
+    let mut c = real_cfg("qwen");
+    c.agent = Some(hf2q_server::agent::AgentConfig::new(ws.path()).unwrap());
+    let h = start(model, c).await;
+    let profile = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new("node");
+    cmd.env("NODE_PATH", &modules)
+        .arg(script("agent.cjs"))
+        .arg(format!("http://{}", h.addr))
+        .arg(&chromium)
+        .arg(profile.path())
+        .arg(ws.path());
+    let out = run_ok(cmd, "web chat agent").await;
+    assert!(out.contains(" 0 failed"), "{out}");
+    assert!(ws.path().join("notes.txt").exists());
+    assert!(!ws.path().join("ran.txt").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_chat_in_headless_chromium() {
+    let test = "web_chat_in_headless_chromium";
+    let Some((chromium, modules)) = browser(test) else {
+        return;
+    };
     let mut c = cfg();
     // Slow enough that the stop button is pressed mid-reply (~40 tokens/s).
     c.engine.step_delay = Duration::from_millis(25);

@@ -401,13 +401,13 @@ async fn validation_errors() {
         .await
         .error(400);
     assert_eq!(e["code"], "context_length_exceeded");
-    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]})).await.error(400);
-    assert!(
-        e["message"].as_str().unwrap().contains("not supported"),
-        "{e}"
-    );
+    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "no spaces"}}]})).await.error(400);
+    assert_eq!(e["param"], "tools[0].function.name", "{e}");
     let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {}}})).await.error(400);
-    assert_eq!(e["param"], "response_format");
+    assert_eq!(e["param"], "response_format.json_schema.name", "{e}");
+    let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "if": {}, "then": {}}}}})).await.error(400);
+    assert_eq!(e["param"], "response_format.json_schema.schema", "{e}");
+    assert_eq!(e["code"], "unsupported_schema", "{e}");
     let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "whatever": 1}))
         .await
         .error(400);
@@ -697,6 +697,8 @@ async fn queued_request_times_out_with_503() {
         logprobs: None,
         ignore_eos: true,
         deadline,
+        constraint: None,
+        keep_tokens: vec![],
     };
     let mut first = engine.submit(req(None)).unwrap();
     let mut second = engine

@@ -119,6 +119,9 @@ pub struct StepGraph {
     ids: Option<CudaSlice<u32>>,
     /// Sample graphs: the settings the sampling kernel reads.
     sample_args: Option<CudaSlice<SampleArgs>>,
+    /// Masked pick graphs: the allowed-token bits (`ceil(V / 32)` words) applied to the logits
+    /// before the pick, written before each replay (constrained decoding).
+    mask: Option<CudaSlice<u32>>,
     /// The arena the graph's activations live in (kept alive while the graph is).
     _arena: Option<Arc<CudaSlice<u8>>>,
     shape: Vec<usize>,
@@ -129,6 +132,10 @@ impl StepGraph {
     /// What this graph ends in.
     pub fn output(&self) -> StepOutput {
         self.kind
+    }
+    /// Whether the pick applies a token mask first ([`CudaBackend::capture_masked`]).
+    pub fn is_masked(&self) -> bool {
+        self.mask.is_some()
     }
     /// Nodes of the captured graph (kernels, copies, allocations): the work of one replay.
     pub fn node_count(&self) -> usize {
@@ -495,9 +502,39 @@ impl CudaBackend {
         pos0: usize,
         out_len: usize,
         kind: StepOutput,
+        step: impl FnMut() -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<StepGraph, E> {
+        self.capture_with(ids, pos0, out_len, kind, false, step)
+    }
+
+    /// [`CudaBackend::capture`] of a pick graph ([`StepOutput::Argmax`] or
+    /// [`StepOutput::Sample`]) that first bans the tokens a mask does not allow: the mask is a
+    /// device buffer the replay writes ([`CudaBackend::replay_pick`]'s `mask`), so the graph
+    /// stays the same for every step of a constrained sequence.
+    pub fn capture_masked<E: From<Error>>(
+        &self,
+        ids: &[u32],
+        pos0: usize,
+        out_len: usize,
+        kind: StepOutput,
+        step: impl FnMut() -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<StepGraph, E> {
+        if kind == StepOutput::Logits {
+            return Err(Error::Msg("cuda capture: a masked graph must pick tokens".into()).into());
+        }
+        self.capture_with(ids, pos0, out_len, kind, true, step)
+    }
+
+    fn capture_with<E: From<Error>>(
+        &self,
+        ids: &[u32],
+        pos0: usize,
+        out_len: usize,
+        kind: StepOutput,
+        masked: bool,
         mut step: impl FnMut() -> std::result::Result<Tensor, E>,
     ) -> std::result::Result<StepGraph, E> {
-        let g = self.capture_once(ids, pos0, out_len, kind, &mut step)?;
+        let g = self.capture_once(ids, pos0, out_len, kind, masked, &mut step)?;
         let (wanted, size) = {
             let a = lock(&self.arena);
             (a.wanted, a.size)
@@ -515,7 +552,7 @@ impl CudaBackend {
             a.buf = Some(Arc::new(buf));
             a.size = wanted;
         }
-        self.capture_once(ids, pos0, out_len, kind, &mut step)
+        self.capture_once(ids, pos0, out_len, kind, masked, &mut step)
     }
 
     fn capture_once<E: From<Error>>(
@@ -524,6 +561,7 @@ impl CudaBackend {
         pos0: usize,
         out_len: usize,
         kind: StepOutput,
+        masked: bool,
         step: &mut impl FnMut() -> std::result::Result<Tensor, E>,
     ) -> std::result::Result<StepGraph, E> {
         use std::sync::atomic::Ordering::Relaxed;
@@ -541,6 +579,12 @@ impl CudaBackend {
         };
         let sample_args = if kind == StepOutput::Sample {
             Some(self.dev.alloc::<SampleArgs>(1)?)
+        } else {
+            None
+        };
+        // One row's width of bits (every row of a step shares the mask).
+        let mask = if masked {
+            Some(self.dev.alloc::<u32>((out_len / ids.len().max(1)).div_ceil(32).max(1))?)
         } else {
             None
         };
@@ -570,6 +614,11 @@ impl CudaBackend {
                     ))
                     .into());
                 }
+                if let Some(m) = &mask {
+                    // In place: the logits are not read after the pick.
+                    let mut logits = self.raw(&y, "capture")?;
+                    self.dev.apply_token_mask(&mut logits, rows, cols, m)?;
+                }
                 match &sample_args {
                     Some(a) => self.dev.sample(&src, rows, cols, a, p)?,
                     None => self.dev.argmax(&src, rows, cols, p)?,
@@ -588,6 +637,7 @@ impl CudaBackend {
             kind,
             ids: picked,
             sample_args,
+            mask,
             shape,
             tokens: ids.len(),
         })
@@ -610,13 +660,16 @@ impl CudaBackend {
 
     /// Runs a graph that picks tokens ([`StepOutput::Argmax`], or [`StepOutput::Sample`] with
     /// `sample` settings) for `ids` at `pos0` and returns the token picked from each row: the
-    /// only data that crosses to the host.
+    /// only data that crosses to the host. A masked graph ([`CudaBackend::capture_masked`])
+    /// takes this step's allowed-token bits in `mask` (uploaded before the launch); others
+    /// take `None`.
     pub fn replay_pick(
         &self,
         g: &mut StepGraph,
         ids: &[u32],
         pos0: usize,
         sample: Option<SampleArgs>,
+        mask: Option<&[u32]>,
     ) -> Result<Vec<u32>> {
         if ids.len() != g.tokens {
             return Err(Error::Shape(format!(
@@ -646,6 +699,25 @@ impl CudaBackend {
                 return Err(Error::Msg(
                     "cuda replay: sampling settings do not match the graph".into(),
                 ))
+            }
+        }
+        match (g.mask.as_mut(), mask) {
+            (Some(buf), Some(m)) => {
+                if m.len() != buf.len() {
+                    return Err(Error::Shape(format!(
+                        "cuda replay: a token mask of {} words for a graph of {}",
+                        m.len(),
+                        buf.len()
+                    )));
+                }
+                self.dev.write(buf, m)?
+            }
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(Error::Msg("cuda replay: this graph needs a token mask".into()))
+            }
+            (None, Some(_)) => {
+                return Err(Error::Msg("cuda replay: this graph takes no token mask".into()))
             }
         }
         self.write_inputs(ids, pos0)?;

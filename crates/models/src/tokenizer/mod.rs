@@ -486,6 +486,12 @@ impl Tokenizer {
         self.chat_template.as_deref()
     }
 
+    /// The underlying `tokenizers` pipeline (what constrained decoding builds its token trie
+    /// from, [`crate::constraint`]).
+    pub fn hf_tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// The `tokenizers` pipeline as a Hugging Face `tokenizer.json` document (used to write an
     /// HF folder from a GGUF source).
     pub fn to_tokenizer_json(&self) -> Result<String> {

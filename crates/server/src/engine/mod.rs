@@ -36,6 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use hf2q_models::constraint::Constraint;
 use hf2q_models::generate::FinishReason;
 use hf2q_models::sampler::SamplerConfig;
 use hf2q_models::Model;
@@ -95,6 +96,11 @@ pub struct GenRequest {
     pub ignore_eos: bool,
     /// After this instant a queued request fails (503) and a running one ends (`length`).
     pub deadline: Option<Instant>,
+    /// Constrained decoding: the mask of each step is applied before sampling.
+    pub constraint: Option<Constraint>,
+    /// Special tokens whose text is kept in the output (tool-call markup such as
+    /// `<|python_tag|>`); other special tokens are skipped when decoding.
+    pub keep_tokens: Vec<u32>,
 }
 
 /// Log-probabilities of one generated token (over the model's distribution, before sampling

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use hf2q_models::generate::FinishReason;
 use hf2q_models::kv_cache::{KvCache, KvType};
-use hf2q_models::sampler::Sampler;
+use hf2q_models::sampler::{apply_mask, Sampler};
 use hf2q_models::stop::StopMatcher;
 use hf2q_models::tokenizer::DecodeStream;
 use hf2q_models::{BatchItem, Model};
@@ -49,6 +49,7 @@ struct Seq<'m> {
     next: Option<u32>,
     sampler: Sampler,
     stop: StopMatcher,
+    tok: &'m hf2q_models::tokenizer::Tokenizer,
     text: DecodeStream<'m>,
     /// Recent prompt + generated ids, for the penalties.
     history: Vec<u32>,
@@ -80,6 +81,7 @@ impl<'m> Seq<'m> {
             next: None,
             sampler: Sampler::new(p.req.sampler.clone(), model.vocab_size()),
             stop: StopMatcher::new(&p.req.stop),
+            tok: model.tokenizer(),
             text: model.tokenizer().decoder(),
             history,
             generated: 0,
@@ -105,7 +107,19 @@ impl<'m> Seq<'m> {
     /// sequence ends.
     fn sample(&mut self, mut logits: Vec<f32>, eog: &[u32], sh: &Shared, now: Instant) {
         let raw = self.p.req.logprobs.map(|k| (logits.clone(), k));
+        if let Some(c) = self.p.req.constraint.as_mut() {
+            match c.mask() {
+                Ok(Some(m)) => apply_mask(&mut logits, m),
+                Ok(None) => {}
+                Err(e) => return self.fail(sh, format!("constrained decoding failed: {e}")),
+            }
+        }
         let id = self.sampler.sample(&mut logits, &self.history);
+        if let Some(c) = self.p.req.constraint.as_mut() {
+            if let Err(e) = c.commit(id) {
+                return self.fail(sh, format!("constrained decoding failed: {e}"));
+            }
+        }
         self.generated += 1;
         let m = &sh.metrics;
         m.completion_tokens.fetch_add(1, Ordering::Relaxed);
@@ -131,7 +145,16 @@ impl<'m> Seq<'m> {
         if let Some((raw, k)) = raw {
             self.lps.push(logprobs(&raw, id, k));
         }
-        if let Some(piece) = self.text.push(id) {
+        let kept = if self.p.req.keep_tokens.contains(&id) {
+            // Markup the output's parser needs: flush what is pending, then its own text.
+            let mut t = self.text.flush().unwrap_or_default();
+            t.push_str(self.tok.token_to_str(id).unwrap_or_default());
+            self.text = self.tok.decoder();
+            Some(t)
+        } else {
+            self.text.push(id)
+        };
+        if let Some(piece) = kept {
             let out = self.stop.push(&piece);
             if out.matched.is_some() {
                 // The tokens that completed the stop string are not part of the output.
@@ -151,6 +174,16 @@ impl<'m> Seq<'m> {
             return;
         }
         self.next = Some(id);
+    }
+
+    /// Ends the sequence with a server error (nothing more is sent for it).
+    fn fail(&mut self, sh: &Shared, message: String) {
+        self.send(Event::Error {
+            status: 500,
+            message,
+        });
+        sh.metrics.count_finished("error");
+        self.done = Some(FinishReason::Cancelled);
     }
 
     fn emit(&mut self, text: String) {

@@ -25,11 +25,15 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, SelectAll, Stream, StreamExt};
-use hf2q_models::chat_template::encode_chat;
+use hf2q_models::chat_template::{encode_chat_json, RenderOptions};
+use hf2q_models::constraint::Constraint;
+use hf2q_models::tool_calls::ToolFormat;
 use hf2q_models::Model;
 use serde_json::{json, Value};
 
 use super::{json_body, Shared};
+use crate::chat_tools::output::{message_calls, StreamCalls};
+use crate::chat_tools::{render, ToolsRequest};
 use crate::engine::{Event, GenRequest, SubmitError, Ticket, TokenLogprob};
 use crate::error::{ApiError, ApiResult};
 use crate::openai::{self, ChoiceOut, Common, Prompt, RespMeta};
@@ -70,15 +74,44 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
     let req = openai::parse_chat(&v, st.limits())?;
     st.check_model(req.common.model.as_deref())?;
     let st2 = st.clone();
-    let messages = req.messages;
-    let prompt = blocking(move || {
+    let (messages, tools, rf) = (req.messages, req.tools, req.response_format);
+    let tools2 = tools.clone();
+    let (prompt, extras) = blocking(move || {
         let model = st2.engine.model();
-        encode_chat(model.tokenizer(), &st2.template, &messages, true).map_err(|e| {
+        let tok = model.tokenizer();
+        let fmt = st2.tool_format;
+        let (msgs, tools_var) =
+            render::template_inputs(&messages, tools2.as_ref(), fmt, st2.renders_tools);
+        let opts = RenderOptions {
+            add_generation_prompt: true,
+            tools: tools_var.as_ref(),
+            extra: None,
+        };
+        let ids = encode_chat_json(tok, &st2.template, &msgs, &opts).map_err(|e| {
             ApiError::invalid(
                 "messages",
                 format!("the chat template could not render these messages: {e}"),
             )
-        })
+        })?;
+        let active = tools2.as_ref().is_some_and(ToolsRequest::active);
+        let constraint = if rf.is_some() || active {
+            let env = st2.constraint_env()?;
+            render::constraint(env, tok, fmt, tools2.as_ref(), rf.as_ref())?
+        } else {
+            None
+        };
+        let keep_tokens = if active {
+            render::markup_tokens(fmt, tok)
+        } else {
+            Vec::new()
+        };
+        Ok((
+            ids,
+            Extras {
+                constraint,
+                keep_tokens,
+            },
+        ))
     })
     .await?;
     let (jobs, prompt_tokens) = submit(
@@ -86,8 +119,12 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
         &req.common,
         vec![(prompt, String::new())],
         req.logprobs,
+        extras,
     )?;
     let meta = meta(&st, "chatcmpl");
+    let calls = tools
+        .filter(ToolsRequest::active)
+        .map(|t| (st.tool_format, t));
     respond(
         &st,
         Kind::Chat,
@@ -96,9 +133,20 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
         jobs,
         prompt_tokens,
         req.logprobs.is_some(),
+        calls,
     )
     .await
 }
+
+/// What a chat request adds to its engine requests.
+#[derive(Default)]
+struct Extras {
+    constraint: Option<Constraint>,
+    keep_tokens: Vec<u32>,
+}
+
+/// The tool calls a chat reply is parsed for: the model's format and the request's tools.
+type Calls = Option<(ToolFormat, ToolsRequest)>;
 
 async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
     let v = json_body(body, st.cfg.max_body_bytes)?;
@@ -134,7 +182,7 @@ async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> A
             .collect::<ApiResult<Vec<_>>>()
     })
     .await?;
-    let (jobs, prompt_tokens) = submit(&st, &req.common, encoded, req.logprobs)?;
+    let (jobs, prompt_tokens) = submit(&st, &req.common, encoded, req.logprobs, Extras::default())?;
     let meta = meta(&st, "cmpl");
     respond(
         &st,
@@ -144,6 +192,7 @@ async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> A
         jobs,
         prompt_tokens,
         req.logprobs.is_some(),
+        None,
     )
     .await
 }
@@ -183,6 +232,7 @@ fn submit(
     c: &Common,
     prompts: Vec<(Vec<u32>, String)>,
     logprobs: Option<usize>,
+    extras: Extras,
 ) -> ApiResult<(Vec<Job>, usize)> {
     let ctx = st.cfg.engine.ctx_size;
     let deadline =
@@ -234,6 +284,8 @@ fn submit(
                 logprobs,
                 ignore_eos: c.ignore_eos,
                 deadline,
+                constraint: extras.constraint.clone(),
+                keep_tokens: extras.keep_tokens.clone(),
             });
             echoes.push(echo.clone());
         }
@@ -266,6 +318,7 @@ fn text_of(model: &Arc<Model>) -> TextOf {
     Arc::new(move |id| m.tokenizer().decode(&[id], false).unwrap_or_default())
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn respond(
     st: &Shared,
     kind: Kind,
@@ -274,6 +327,7 @@ async fn respond(
     jobs: Vec<Job>,
     prompt_tokens: usize,
     logprobs: bool,
+    calls: Calls,
 ) -> ApiResult<Response> {
     let text_of = text_of(st.engine.model());
     if c.stream {
@@ -284,6 +338,7 @@ async fn respond(
             c.include_usage,
             prompt_tokens,
             logprobs.then_some(text_of),
+            calls,
         );
         let body = Body::from_stream(s.into_stream());
         let resp = Response::builder()
@@ -301,7 +356,15 @@ async fn respond(
     let mut completion_tokens = 0;
     let mut cached = CachedTokens::default();
     for (r, prompt) in results.into_iter().zip(prompts) {
-        let (choice, lps, n, echo_len, c) = r?;
+        let (mut choice, lps, n, echo_len, c) = r?;
+        if let Some((fmt, tools)) = &calls {
+            let (content, tool_calls) = message_calls(*fmt, tools, &choice.text);
+            if !tool_calls.is_empty() && choice.finish == "stop" {
+                choice.finish = "tool_calls".into();
+            }
+            choice.text = content;
+            choice.tool_calls = tool_calls;
+        }
         completion_tokens += n;
         cached.add(prompt, c);
         let lp = match kind {
@@ -363,6 +426,7 @@ async fn collect(mut job: Job) -> ApiResult<Collected> {
                     index: job.index,
                     text,
                     finish: finish.as_str().to_string(),
+                    tool_calls: Vec::new(),
                 };
                 return Ok((choice, lps, completion_tokens, echo_len, cached_tokens));
             }
@@ -400,6 +464,8 @@ struct SseState {
     text_of: Option<TextOf>,
     /// Per choice, the text length sent so far (legacy `text_offset`).
     offsets: Vec<usize>,
+    /// Per choice, its tool-call parser when the request has active tools.
+    calls: Vec<Option<StreamCalls>>,
     ended: bool,
 }
 
@@ -411,8 +477,13 @@ impl SseState {
         include_usage: bool,
         prompt_tokens: usize,
         text_of: Option<TextOf>,
+        calls: Calls,
     ) -> SseState {
+        let n = jobs.len();
         let mut s = SseState {
+            calls: (0..n)
+                .map(|_| calls.as_ref().map(|(f, t)| StreamCalls::new(*f, t)))
+                .collect(),
             kind,
             meta,
             events: SelectAll::new(),
@@ -483,6 +554,11 @@ impl SseState {
                     return;
                 }
                 self.offsets[index] += text.len();
+                if let Some(Some(calls)) = self.calls.get_mut(index) {
+                    let deltas = calls.push(&text);
+                    self.push_deltas(index, deltas, lp);
+                    return;
+                }
                 let choice = match self.kind {
                     Kind::Chat => {
                         openai::chat_chunk_choice(index, json!({"content": text}), lp, None)
@@ -500,18 +576,26 @@ impl SseState {
                 self.completion_tokens += completion_tokens;
                 let prompt = self.prompt_of.get(index).copied().unwrap_or(0);
                 self.cached.add(prompt, cached_tokens);
+                let mut finish = finish.as_str();
+                if let Some(Some(calls)) = self.calls.get_mut(index) {
+                    let deltas = calls.finish();
+                    if calls.has_calls() && finish == "stop" {
+                        finish = "tool_calls";
+                    }
+                    self.push_deltas(index, deltas, Value::Null);
+                }
                 let choice = match self.kind {
                     Kind::Chat => openai::chat_chunk_choice(
                         index,
                         json!({}),
                         Value::Null,
-                        Some(finish.as_str()),
+                        Some(finish),
                     ),
                     Kind::Completion => openai::completion_chunk_choice(
                         index,
                         "",
                         Value::Null,
-                        Some(finish.as_str()),
+                        Some(finish),
                     ),
                 };
                 self.push_choice(choice);
@@ -538,6 +622,19 @@ impl SseState {
                 self.queue.push_back(openai::sse(&e.body()));
                 self.ended = true;
             }
+        }
+    }
+
+    /// Chat chunks for tool-call deltas; the log-probabilities of the text they came from ride
+    /// on the first (or on an empty delta when the text is still held back).
+    fn push_deltas(&mut self, index: usize, deltas: Vec<Value>, mut lp: Value) {
+        if deltas.is_empty() && !lp.is_null() {
+            self.push_choice(openai::chat_chunk_choice(index, json!({}), lp, None));
+            return;
+        }
+        for d in deltas {
+            let l = std::mem::take(&mut lp);
+            self.push_choice(openai::chat_chunk_choice(index, d, l, None));
         }
     }
 

@@ -10,7 +10,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use hf2q_models::chat_template::encode_chat;
+use hf2q_models::chat_template::{encode_chat_json, RenderOptions};
 use serde_json::{json, Value};
 
 use super::{json_body, Shared};
@@ -130,7 +130,11 @@ pub async fn tokenize(
     let tok = model.tokenizer();
     let ids = if let Some(msgs) = m.get("messages") {
         let req = openai::parse_chat(&json!({"messages": msgs}), st.limits())?;
-        encode_chat(tok, &st.template, &req.messages, true)
+        let opts = RenderOptions {
+            add_generation_prompt: true,
+            ..Default::default()
+        };
+        encode_chat_json(tok, &st.template, &req.messages, &opts)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?
     } else {
         let text = match m.get("content").or_else(|| m.get("prompt")) {

@@ -3,8 +3,10 @@
 //!
 //! Layer order, outermost first: request metrics -> CORS (answers preflights before auth, as
 //! browsers send no credentials on them) -> body limit -> routes; the API key guards the `/v1`,
-//! `/tokenize`, `/detokenize` and `/metrics` routes, never `/health` or the static web chat.
+//! `/tokenize`, `/detokenize`, `/metrics` and `/api/agent` routes, never `/health` or the static
+//! web chat; `/api/agent` is also same-origin only.
 
+mod agent;
 mod generate;
 mod misc;
 
@@ -19,6 +21,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use hf2q_models::chat_template::ChatTemplate;
+use hf2q_models::constraint::ConstraintEnv;
+use hf2q_models::tool_calls::ToolFormat;
 use serde_json::Value;
 
 use crate::engine::Engine;
@@ -34,6 +38,13 @@ pub struct AppState {
     pub template: ChatTemplate,
     /// Unix time the server started (the model's `created`).
     pub created: u64,
+    /// The tool-call format of the template's model, and whether the template renders `tools`.
+    pub tool_format: ToolFormat,
+    pub renders_tools: bool,
+    /// Constrained decoding's token trie, built on the first request that needs it.
+    constraint_env: std::sync::OnceLock<Result<ConstraintEnv, String>>,
+    /// Agent mode's tools and approvals (`--workspace`), or `None` when off.
+    pub agent: Option<crate::agent::Agent>,
 }
 
 pub type Shared = Arc<AppState>;
@@ -49,12 +60,35 @@ impl AppState {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let tool_format = ToolFormat::detect(template.source());
+        let renders_tools = ToolFormat::template_renders_tools(template.source());
         Ok(AppState {
             engine,
-            cfg,
             template,
             created,
+            tool_format,
+            renders_tools,
+            constraint_env: std::sync::OnceLock::new(),
+            agent: cfg.agent.clone().map(crate::agent::Agent::new),
+            cfg,
         })
+    }
+
+    /// The model's constraint environment (built once; tens to hundreds of milliseconds, so
+    /// call it off the async runtime).
+    pub fn constraint_env(&self) -> ApiResult<&ConstraintEnv> {
+        let model = self.engine.model();
+        self.constraint_env
+            .get_or_init(|| {
+                ConstraintEnv::new(model.tokenizer(), model.vocab_size()).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| {
+                ApiError::unsupported(
+                    "response_format",
+                    format!("constrained decoding is not available for this model: {e}"),
+                )
+            })
     }
 
     pub fn limits(&self) -> Limits {
@@ -89,11 +123,23 @@ pub fn router(state: Shared) -> Router {
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
         .route("/metrics", get(misc::metrics))
+        .merge(
+            Router::new()
+                .route("/api/agent", get(agent::info))
+                .route("/api/agent/tool", post(agent::tool))
+                .route("/api/agent/approvals", get(agent::approvals))
+                .route(
+                    "/api/agent/approvals/{id}",
+                    get(agent::approval).post(agent::decide),
+                )
+                .route_layer(middleware::from_fn(agent::same_origin)),
+        )
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let public = Router::new()
         .route("/health", get(misc::health))
         .route("/", get(crate::ui::index))
         .route("/app.js", get(crate::ui::app_js))
+        .route("/agent.js", get(crate::ui::agent_js))
         .route("/style.css", get(crate::ui::style_css));
     Router::new()
         .merge(protected)

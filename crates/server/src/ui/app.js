@@ -1,5 +1,7 @@
 // hf2q web chat: plain JavaScript over the public OpenAI-style API (/v1/models,
 // /v1/chat/completions with streaming). Conversations and settings live in localStorage.
+// Agent mode (agent.js) adds the workspace tools: the loop runs here, tools run through
+// /api/agent, and changes wait for the person's approval.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -25,16 +27,25 @@ function saveChats() {
   localStorage.setItem(STORE_CURRENT, JSON.stringify(state.current));
 }
 
-const SETTING_FIELDS = ["system-prompt", "temperature", "top-p", "top-k", "max-tokens", "api-key"];
+const SETTING_FIELDS = ["system-prompt", "temperature", "top-p", "top-k", "max-tokens", "api-key", "agent-mode"];
+
+function field(f) {
+  const el = $(f);
+  return el.type === "checkbox" ? el.checked : el.value;
+}
 
 function loadSettings() {
   const s = load(STORE_SETTINGS, {});
-  for (const f of SETTING_FIELDS) if (s[f] !== undefined) $(f).value = s[f];
+  for (const f of SETTING_FIELDS) {
+    if (s[f] === undefined) continue;
+    if ($(f).type === "checkbox") $(f).checked = s[f] === true;
+    else $(f).value = s[f];
+  }
 }
 
 function saveSettings() {
   const s = {};
-  for (const f of SETTING_FIELDS) s[f] = $(f).value;
+  for (const f of SETTING_FIELDS) s[f] = field(f);
   localStorage.setItem(STORE_SETTINGS, JSON.stringify(s));
 }
 
@@ -137,8 +148,16 @@ function messageEl(m) {
 }
 
 function fillMessage(div, m) {
+  if (m.role === "tool") { fillToolMessage(div, m); return; }
   if (m.role === "assistant" && !m.error) div.innerHTML = markdown(m.content);
   else div.textContent = m.content;
+  for (const c of m.tool_calls || []) {
+    if (!c) continue;
+    const t = document.createElement("div");
+    t.className = "toolcall";
+    t.textContent = "→ " + c.function.name + " " + c.function.arguments;
+    div.append(t);
+  }
   if (m.note) {
     const n = document.createElement("div");
     n.className = "note";
@@ -192,6 +211,67 @@ function num(id, parse) {
   return Number.isFinite(v) ? v : undefined;
 }
 
+/// The API form of a stored message (UI-only fields dropped).
+function apiMessage(m) {
+  const out = { role: m.role, content: m.content };
+  if (m.tool_calls && m.tool_calls.length) out.tool_calls = m.tool_calls;
+  if (m.role === "tool") { out.tool_call_id = m.tool_call_id; out.name = m.name; }
+  return out;
+}
+
+/// Streams one completion into `reply` (content and tool_calls deltas); returns
+/// { finish, usage }. Throws on an HTTP or stream error.
+async function streamReply(body, reply, el, signal) {
+  const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
+  if (!r.ok) {
+    let msg = r.status + " " + r.statusText;
+    try { const j = await r.json(); if (j.error) msg = j.error.message; } catch (_) { /* not JSON */ }
+    throw new Error(msg);
+  }
+  const box = $("messages");
+  const reader = r.body.getReader();
+  const dec = new TextDecoder();
+  let buf = "";
+  let lastSave = 0;
+  let usage = null;
+  let finish = null;
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += dec.decode(value, { stream: true });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const frame = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      for (const line of frame.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") continue;
+        const j = JSON.parse(data);
+        if (j.error) throw new Error(j.error.message);
+        if (j.usage) usage = j.usage;
+        for (const c of j.choices || []) {
+          if (c.delta && c.delta.content) reply.content += c.delta.content;
+          for (const t of (c.delta && c.delta.tool_calls) || []) {
+            reply.tool_calls = reply.tool_calls || [];
+            if (t.id) reply.tool_calls[t.index] = { id: t.id, type: "function", function: { name: t.function.name, arguments: "" } };
+            const call = reply.tool_calls[t.index];
+            if (call && t.function && t.function.arguments) call.function.arguments += t.function.arguments;
+          }
+          if (c.finish_reason) finish = c.finish_reason;
+        }
+      }
+    }
+    fillMessage(el, reply);
+    box.scrollTop = box.scrollHeight;
+    if (performance.now() - lastSave > 1000) { saveChats(); lastSave = performance.now(); }
+  }
+  return { finish, usage };
+}
+
+/// Most model turns of one agent reply (each may call tools).
+const AGENT_STEPS = 8;
+
 async function send(text) {
   let chat = currentChat();
   if (!chat) {
@@ -201,91 +281,67 @@ async function send(text) {
   }
   if (!chat.title) chat.title = text.slice(0, 40);
   chat.messages.push({ role: "user", content: text });
-  const reply = { role: "assistant", content: "" };
-  chat.messages.push(reply);
-  saveChats();
-  render();
-  const box = $("messages");
-  const el = box.lastElementChild;
-  el.classList.add("streaming");
-
-  const history = chat.messages.slice(0, -1).filter((m) => !m.error).map((m) => ({ role: m.role, content: m.content }));
-  const system = $("system-prompt").value.trim();
-  const body = {
-    model: state.model || undefined,
-    messages: system ? [{ role: "system", content: system }, ...history] : history,
-    stream: true,
-    stream_options: { include_usage: true },
-    temperature: num("temperature", parseFloat),
-    top_p: num("top-p", parseFloat),
-    top_k: num("top-k", (v) => parseInt(v, 10)),
-    max_tokens: num("max-tokens", (v) => parseInt(v, 10)),
-  };
+  const agent = agentOn();
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
-  $("status").textContent = "generating…";
   const t0 = performance.now();
   let usage = null;
-  let finish = null;
+  let completion = 0;
+  let reply = null;
+  let el = null;
   try {
-    const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal });
-    if (!r.ok) {
-      let msg = r.status + " " + r.statusText;
-      try { const j = await r.json(); if (j.error) msg = j.error.message; } catch (_) { /* not JSON */ }
-      throw new Error(msg);
-    }
-    const reader = r.body.getReader();
-    const dec = new TextDecoder();
-    let buf = "";
-    let lastSave = 0;
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += dec.decode(value, { stream: true });
-      let cut;
-      while ((cut = buf.indexOf("\n\n")) >= 0) {
-        const frame = buf.slice(0, cut);
-        buf = buf.slice(cut + 2);
-        for (const line of frame.split("\n")) {
-          if (!line.startsWith("data: ")) continue;
-          const data = line.slice(6);
-          if (data === "[DONE]") continue;
-          const j = JSON.parse(data);
-          if (j.error) throw new Error(j.error.message);
-          if (j.usage) usage = j.usage;
-          for (const c of j.choices || []) {
-            if (c.delta && c.delta.content) reply.content += c.delta.content;
-            if (c.finish_reason) finish = c.finish_reason;
-          }
-        }
+    for (let step = 0; step < (agent ? AGENT_STEPS : 1); step++) {
+      reply = { role: "assistant", content: "" };
+      chat.messages.push(reply);
+      saveChats();
+      render();
+      el = $("messages").lastElementChild;
+      el.classList.add("streaming");
+      $("status").textContent = "generating…";
+      const history = chat.messages.slice(0, -1).filter((m) => !m.error).map(apiMessage);
+      let system = $("system-prompt").value.trim();
+      if (agent) system = state.agent.system_prompt + (system ? "\n\n" + system : "");
+      const body = {
+        model: state.model || undefined,
+        messages: system ? [{ role: "system", content: system }, ...history] : history,
+        stream: true,
+        stream_options: { include_usage: true },
+        temperature: num("temperature", parseFloat),
+        top_p: num("top-p", parseFloat),
+        top_k: num("top-k", (v) => parseInt(v, 10)),
+        max_tokens: num("max-tokens", (v) => parseInt(v, 10)),
+      };
+      // One call per turn: small models otherwise fire several at once and spiral.
+      if (agent) { body.tools = state.agent.tools; body.parallel_tool_calls = false; }
+      const out = await streamReply(body, reply, el, controller.signal);
+      usage = out.usage;
+      if (usage) completion += usage.completion_tokens;
+      el.classList.remove("streaming");
+      if (out.finish === "length") reply.note = "stopped at the token limit";
+      if (!agent || !reply.tool_calls || !reply.tool_calls.length) break;
+      reply.tool_calls = reply.tool_calls.filter(Boolean);
+      for (const call of reply.tool_calls) {
+        if (controller.signal.aborted) break;
+        await runToolCall(chat, call, controller.signal);
       }
-      fillMessage(el, reply);
-      box.scrollTop = box.scrollHeight;
-      if (performance.now() - lastSave > 1000) { saveChats(); lastSave = performance.now(); }
+      if (step === AGENT_STEPS - 1) reply.note = "stopped after " + AGENT_STEPS + " tool rounds";
     }
     const secs = (performance.now() - t0) / 1000;
-    if (usage) {
-      $("status").textContent = `${usage.completion_tokens} tokens in ${secs.toFixed(1)} s (${(usage.completion_tokens / secs).toFixed(1)} tok/s)`;
-    } else {
-      $("status").textContent = "";
-    }
-    if (finish === "length") reply.note = "stopped at the token limit";
+    $("status").textContent = usage ? `${completion} tokens in ${secs.toFixed(1)} s (${(completion / secs).toFixed(1)} tok/s)` : "";
   } catch (e) {
     if (e.name === "AbortError") {
-      reply.note = "stopped";
+      if (reply) reply.note = "stopped";
       $("status").textContent = "stopped";
-    } else {
+    } else if (reply) {
       reply.error = true;
       reply.content = reply.content ? reply.content + "\n\n" + e.message : "Error: " + e.message;
       $("status").textContent = "error";
     }
   } finally {
     state.controller = null;
-    el.classList.remove("streaming");
-    el.className = "msg assistant" + (reply.error ? " error" : "");
-    fillMessage(el, reply);
     saveChats();
+    render();
     setBusy(false);
   }
 }
@@ -299,6 +355,7 @@ function init() {
   loadSettings();
   render();
   loadModel();
+  loadAgent();
 
   $("composer").addEventListener("submit", (ev) => {
     ev.preventDefault();
@@ -326,7 +383,7 @@ function init() {
     s.hidden = !s.hidden;
     $("settings-toggle").setAttribute("aria-expanded", String(!s.hidden));
   });
-  for (const f of SETTING_FIELDS) $(f).addEventListener("change", () => { saveSettings(); if (f === "api-key") loadModel(); });
+  for (const f of SETTING_FIELDS) $(f).addEventListener("change", () => { saveSettings(); if (f === "api-key") { loadModel(); loadAgent(); } });
   $("messages").addEventListener("click", (ev) => {
     const b = ev.target.closest("button.copy");
     if (!b) return;

@@ -80,10 +80,11 @@ def test_errors():
         client.chat.completions.create(
             model=MODEL, messages=MSGS, max_tokens=2,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
         raise AssertionError("expected 400")
     except openai.BadRequestError as e:
-        assert e.status_code == 400 and "not supported" in str(e), e
+        assert e.status_code == 400 and e.body["param"] == "tool_choice", e.body
     try:
         client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=-3)
         raise AssertionError("expected 400")

@@ -36,6 +36,33 @@ pub fn smollm2(test: &str) -> Option<Arc<Model>> {
     }
 }
 
+/// Qwen2.5-Coder-0.5B-Instruct (Hermes-style tool calls) when `HF2Q_TEST_QWEN25_GGUF` names
+/// it, on the fast CPU kernels the server runs with; prints "skipped" otherwise.
+pub fn qwen25(test: &str) -> Option<Arc<Model>> {
+    match std::env::var("HF2Q_TEST_QWEN25_GGUF") {
+        Ok(p) if !p.is_empty() => {
+            let mut m = Model::load(Path::new(&p)).expect("Qwen2.5 GGUF");
+            m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+            m.warm_up().expect("warm-up");
+            Some(Arc::new(m))
+        }
+        _ => {
+            eprintln!("{test}: skipped (HF2Q_TEST_QWEN25_GGUF is not set)");
+            None
+        }
+    }
+}
+
+/// A server config for a real model: a context that holds tool prompts.
+pub fn real_cfg(model_id: &str) -> ServerConfig {
+    let mut c = cfg();
+    c.model_id = model_id.into();
+    c.engine.ctx_size = 2048;
+    c.engine.kv_mem_bytes = 512 << 20;
+    c.engine.max_batch_tokens = 512;
+    c
+}
+
 pub fn cfg() -> ServerConfig {
     ServerConfig {
         port: 0,

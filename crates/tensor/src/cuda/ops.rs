@@ -1286,6 +1286,28 @@ impl CudaDev {
         launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; xp, yp, ni)
     }
 
+    /// Constrained decoding: sets `logits (rows, cols)` to -inf wherever the bit of its column in
+    /// `mask` (`ceil(cols / 32)` words, shared by every row) is clear.
+    pub fn apply_token_mask(
+        &self,
+        logits: &mut impl DevicePtrMut<f32>,
+        rows: usize,
+        cols: usize,
+        mask: &impl DevicePtr<u32>,
+    ) -> Result<()> {
+        let n = rows * cols;
+        need("token mask logits", logits.len(), n)?;
+        need("token mask", mask.len(), cols.div_ceil(32))?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "apply_token_mask")?;
+        let (xp, mp) = (self.ptr_mut(logits), self.ptr(mask));
+        let (c, ni) = (to_i32("columns", cols)?, n as i64);
+        launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; xp, mp, c, ni)
+    }
+
     /// The shared checks of the one-token-per-row kernels (argmax, sampling): sizes, at least one
     /// column; `None` for no rows. Returns the input and output pointers, the column count and
     /// the grid (one block per row).

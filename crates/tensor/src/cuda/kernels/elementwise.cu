@@ -126,6 +126,18 @@ extern "C" __global__ void add_assign(float* __restrict__ x, const float* __rest
     if (i < n) x[i] += y[i];
 }
 
+// Constrained decoding: logits (rows, C) whose bit in `mask` (ceil(C / 32) words, the same for
+// every row; bit i % 32 of word i / 32 = token i allowed) is clear become -inf, so the pick that
+// follows (argmax or sampling) chooses among the allowed tokens only. One thread per logit.
+extern "C" __global__ void apply_token_mask(float* __restrict__ x, const u32* __restrict__ mask,
+                                            int C, i64 n) {
+    pdl_wait();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int col = (int)(i % C);
+    if (!((mask[col >> 5] >> (col & 31)) & 1u)) x[i] = -__int_as_float(0x7f800000);
+}
+
 // Activations to f16 (round to nearest even) for the cuBLAS prefill product, four per thread.
 extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
     pdl_wait();
