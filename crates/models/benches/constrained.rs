@@ -48,14 +48,21 @@ fn replay(tok: &Tokenizer, env: &ConstraintEnv) -> Vec<f64> {
     let mut times = Vec::new();
     for i in inst {
         let name = i["name"].as_str().unwrap();
-        let g = env.compile(&GrammarSpec::JsonSchema(by_name[name].clone())).unwrap();
+        let g = env
+            .compile(&GrammarSpec::JsonSchema(by_name[name].clone()))
+            .unwrap();
         let mut c = env.constraint(&g);
-        let ids = tok.encode(i["text"].as_str().unwrap(), false, false).unwrap();
+        let ids = tok
+            .encode(i["text"].as_str().unwrap(), false, false)
+            .unwrap();
         for (step, &id) in ids.iter().enumerate() {
             let t = Instant::now();
             let m = c.mask().unwrap().unwrap();
             let dt = t.elapsed().as_secs_f64();
-            assert!(m[id as usize / 32] >> (id % 32) & 1 == 1, "{name}: token {step} not allowed");
+            assert!(
+                m[id as usize / 32] >> (id % 32) & 1 == 1,
+                "{name}: token {step} not allowed"
+            );
             if step > 0 {
                 times.push(dt);
             }
@@ -136,7 +143,10 @@ fn mask_bench(dir: &Path) {
     compile.sort_by(f64::total_cmp);
     first.sort_by(f64::total_cmp);
     let v = tok.vocab_size();
-    stats(&format!("mask per token, real replies, {v} tokens"), replay(&tok, &env));
+    stats(
+        &format!("mask per token, real replies, {v} tokens"),
+        replay(&tok, &env),
+    );
     stats(&format!("mask per token, random walks, {v} tokens"), times);
     println!(
         "| compile per schema ({}) | mean {:.2} ms | p50 {:.2} ms | max {:.2} ms | trie + slices once: {:.0} ms |",
@@ -161,7 +171,8 @@ fn decode_bench(path: &Path, cuda: bool) {
         let dev = hf2q_tensor::cuda::CudaDev::open(0)
             .expect("a working CUDA driver")
             .expect("a CUDA device");
-        let be = hf2q_tensor::cuda_backend::CudaBackend::new(dev, hf2q_tensor::cuda::KvDtype::F16).unwrap();
+        let be = hf2q_tensor::cuda_backend::CudaBackend::new(dev, hf2q_tensor::cuda::KvDtype::F16)
+            .unwrap();
         model.set_cuda(Some(std::sync::Arc::new(be)));
     }
     model.warm_up().unwrap();
@@ -171,14 +182,21 @@ fn decode_bench(path: &Path, cuda: bool) {
         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                        "name": {"type": "string", "maxLength": 12}},
         "required": ["id", "name"], "additionalProperties": false}});
-    let g = env.compile(&GrammarSpec::JsonSchema(schema.clone())).unwrap();
+    let g = env
+        .compile(&GrammarSpec::JsonSchema(schema.clone()))
+        .unwrap();
     let tmpl = model
         .chat_template()
         .cloned()
         .unwrap_or_else(|| ChatTemplate::for_tokenizer(model.tokenizer()).unwrap());
     let ask = format!("List 40 people as JSON following this schema: {schema}");
-    let prompt =
-        encode_chat(model.tokenizer(), &tmpl, &[ChatMessage::new("user", ask)], true).unwrap();
+    let prompt = encode_chat(
+        model.tokenizer(),
+        &tmpl,
+        &[ChatMessage::new("user", ask)],
+        true,
+    )
+    .unwrap();
     let params = GenerateParams {
         max_tokens: 128,
         sampler: SamplerConfig::greedy(),
@@ -226,7 +244,12 @@ fn main() {
             rayon::ThreadPoolBuilder::new()
                 .build()
                 .unwrap()
-                .install(|| decode_bench(Path::new(&p), std::env::var("HF2Q_BENCH_DEVICE").as_deref() == Ok("cuda")))
+                .install(|| {
+                    decode_bench(
+                        Path::new(&p),
+                        std::env::var("HF2Q_BENCH_DEVICE").as_deref() == Ok("cuda"),
+                    )
+                })
         }
         _ => println!("decode benchmark skipped: HF2Q_BENCH_MODEL is not set"),
     }

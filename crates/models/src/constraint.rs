@@ -118,7 +118,8 @@ impl ConstraintEnv {
         // vocabulary for the whitespace lexeme (mean mask time 1.6x on Llama 3's vocabulary).
         let mut slices = llguidance::earley::SlicedBiasComputer::json_slices();
         slices.push(JSON_WHITESPACE.to_string());
-        let mut factory = ParserFactory::new(&env, Default::default(), &slices).map_err(grammar_err)?;
+        let mut factory =
+            ParserFactory::new(&env, Default::default(), &slices).map_err(grammar_err)?;
         factory.quiet();
         Ok(ConstraintEnv {
             factory: Arc::new(factory),
@@ -152,7 +153,9 @@ impl ConstraintEnv {
                     }
                     Some(_) => {}
                     None if boolean => {}
-                    None => return Err(grammar_err("a JSON Schema must be an object or a boolean")),
+                    None => {
+                        return Err(grammar_err("a JSON Schema must be an object or a boolean"))
+                    }
                 }
                 adapt_schema(&mut s);
                 TopLevelGrammar::from_json_schema(s)
@@ -495,13 +498,20 @@ mod tests {
         adapt_schema(&mut s);
         let p = &s["properties"];
         assert!(p["d"].get("format").is_none());
-        assert!(p["d"]["pattern"].as_str().unwrap().starts_with("^(?:[0-9]{4}-"));
+        assert!(p["d"]["pattern"]
+            .as_str()
+            .unwrap()
+            .starts_with("^(?:[0-9]{4}-"));
         assert_eq!(p["p"]["format"], "email", "an own pattern is kept as given");
         assert_eq!(p["n"]["multipleOf"], json!(1e-10));
         assert_eq!(p["n"]["minimum"], json!(-SAFE_INT));
         assert_eq!(p["i"]["maximum"], 5);
         assert_eq!(p["i"]["minimum"], json!(-SAFE_INT));
         assert!(p["i"].get("multipleOf").is_none());
-        assert_eq!(p["c"]["const"], json!({"format": "date"}), "data is not a schema");
+        assert_eq!(
+            p["c"]["const"],
+            json!({"format": "date"}),
+            "data is not a schema"
+        );
     }
 }

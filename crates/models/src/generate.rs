@@ -132,6 +132,20 @@ pub trait LogitsSource {
         apply_mask(&mut logits, mask);
         Ok(sampler.sample(&mut logits, history))
     }
+    /// [`LogitsSource::decode_masked`] with the mask taken from `constraint`, which has
+    /// committed `token` (a source may compute the mask while it computes the logits).
+    fn decode_constrained(
+        &mut self,
+        token: u32,
+        sampler: &mut Sampler,
+        history: &[u32],
+        constraint: &mut Constraint,
+    ) -> Result<u32> {
+        match constraint.mask()? {
+            Some(m) => self.decode_masked(token, sampler, history, m),
+            None => self.decode_sampled(token, sampler, history),
+        }
+    }
     /// Tokens in the cache.
     fn pos(&self) -> usize;
     /// Most tokens the cache can hold.
@@ -161,6 +175,15 @@ impl LogitsSource for Session<'_> {
         mask: &[u32],
     ) -> Result<u32> {
         Session::decode_sampled_masked(self, token, sampler, history, mask)
+    }
+    fn decode_constrained(
+        &mut self,
+        token: u32,
+        sampler: &mut Sampler,
+        history: &[u32],
+        constraint: &mut Constraint,
+    ) -> Result<u32> {
+        Session::decode_constrained(self, token, sampler, history, constraint)
     }
     fn pos(&self) -> usize {
         Session::pos(self)
@@ -315,12 +338,8 @@ pub fn generate_with_constraint(
             finish = FinishReason::Length;
             break;
         }
-        let mask = match constraint.as_deref_mut() {
-            Some(c) => c.mask()?,
-            None => None,
-        };
-        picked = Some(match mask {
-            Some(m) => src.decode_masked(id, &mut sampler, &history, m)?,
+        picked = Some(match constraint.as_deref_mut() {
+            Some(c) => src.decode_constrained(id, &mut sampler, &history, c)?,
             None => src.decode_sampled(id, &mut sampler, &history)?,
         });
     }

@@ -19,8 +19,8 @@ pub mod sampler;
 pub mod source;
 pub mod stop;
 pub mod synth;
-pub mod tool_calls;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod train_pass;
 
 pub use error::{Error, Result};

@@ -450,7 +450,7 @@ impl Model {
         pos0: usize,
         token: u32,
         mode: StepMode,
-        mask: Option<&[u32]>,
+        mask: Option<StepMask<'_>>,
     ) -> Result<Option<StepOut>> {
         let Some(cuda) = self.cuda.as_ref().filter(|_| self.cuda_graphs) else {
             return Ok(None);
@@ -510,15 +510,26 @@ impl Model {
                 }
             }
         };
-        let out = match mode {
-            StepMode::Logits => cuda
+        let sample = match mode {
+            StepMode::Sample(a) => Some(a),
+            _ => None,
+        };
+        let out = match (mode, mask) {
+            (StepMode::Logits, _) => cuda
                 .replay(&mut graph, &[token], pos0)
-                .map(|l| StepOut::Logits(l.into_data())),
-            StepMode::Argmax => cuda
-                .replay_pick(&mut graph, &[token], pos0, None, mask)
-                .map(|ids| StepOut::Token(ids[0])),
-            StepMode::Sample(a) => cuda
-                .replay_pick(&mut graph, &[token], pos0, Some(a), mask)
+                .map(|l| StepOut::Logits(l.into_data()))
+                .map_err(Error::from),
+            (_, None) => cuda
+                .replay_pick(&mut graph, &[token], pos0, sample, None)
+                .map(|ids| StepOut::Token(ids[0]))
+                .map_err(Error::from),
+            (_, Some(StepMask::Bits(m))) => cuda
+                .replay_pick(&mut graph, &[token], pos0, sample, Some(m))
+                .map(|ids| StepOut::Token(ids[0]))
+                .map_err(Error::from),
+            // The grammar computes this step's mask while the forward runs.
+            (_, Some(StepMask::Constraint(c))) => cuda
+                .replay_pick_overlapped(&mut graph, &[token], pos0, sample, move || c.mask())
                 .map(|ids| StepOut::Token(ids[0])),
         };
         cache.graph = Some(graph);
@@ -579,6 +590,13 @@ enum StepMode {
     Logits,
     Argmax,
     Sample(SampleArgs),
+}
+
+/// The token mask of a constrained decode step: bits known before the step, or the constraint
+/// that computes them (on a GPU, while the forward runs).
+enum StepMask<'a> {
+    Bits(&'a [u32]),
+    Constraint(&'a mut crate::constraint::Constraint),
 }
 
 /// What a replayed decode graph returns.
@@ -704,6 +722,31 @@ impl<'m> Session<'m> {
         history: &[u32],
         mask: &[u32],
     ) -> Result<u32> {
+        self.decode_pick_masked(token, sampler, history, StepMask::Bits(mask))
+    }
+    /// [`Session::decode_sampled_masked`] with the mask taken from `constraint` (which has
+    /// committed every token so far). On a GPU the grammar computes the mask while the forward
+    /// pass runs, so its time is hidden behind the step's.
+    pub fn decode_constrained(
+        &mut self,
+        token: u32,
+        sampler: &mut crate::sampler::Sampler,
+        history: &[u32],
+        constraint: &mut crate::constraint::Constraint,
+    ) -> Result<u32> {
+        if !constraint.is_active() {
+            // Nothing constrains this step (a lazy grammar not yet triggered).
+            return self.decode_sampled(token, sampler, history);
+        }
+        self.decode_pick_masked(token, sampler, history, StepMask::Constraint(constraint))
+    }
+    fn decode_pick_masked(
+        &mut self,
+        token: u32,
+        sampler: &mut crate::sampler::Sampler,
+        history: &[u32],
+        mut mask: StepMask<'_>,
+    ) -> Result<u32> {
         if self.model.cuda.is_some() {
             let mode = if sampler.config().is_plain_greedy() {
                 Some(StepMode::Argmax)
@@ -711,9 +754,17 @@ impl<'m> Session<'m> {
                 sampler.device_args().map(StepMode::Sample)
             };
             if let Some(mode) = mode {
-                let out =
-                    self.model
-                        .decode_graph(&mut self.cache, self.pos, token, mode, Some(mask))?;
+                let reborrowed = match &mut mask {
+                    StepMask::Bits(m) => StepMask::Bits(m),
+                    StepMask::Constraint(c) => StepMask::Constraint(c),
+                };
+                let out = self.model.decode_graph(
+                    &mut self.cache,
+                    self.pos,
+                    token,
+                    mode,
+                    Some(reborrowed),
+                )?;
                 if let Some(StepOut::Token(id)) = out {
                     if matches!(mode, StepMode::Sample(_)) {
                         sampler.device_drew();
@@ -724,7 +775,13 @@ impl<'m> Session<'m> {
             }
         }
         let mut logits = self.decode(token)?;
-        crate::sampler::apply_mask(&mut logits, mask);
+        let bits = match mask {
+            StepMask::Bits(m) => Some(m),
+            StepMask::Constraint(c) => c.mask()?,
+        };
+        if let Some(m) = bits {
+            crate::sampler::apply_mask(&mut logits, m);
+        }
         Ok(sampler.sample(&mut logits, history))
     }
     /// The captured decode graph's node count (GPU, after the first decoded token), for

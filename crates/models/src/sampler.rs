@@ -459,7 +459,10 @@ mod tests {
         // Word 0 allows ids 1 and 3; word 1 everything; word 2 (ids 64..70) nothing.
         apply_mask(&mut l, &[0b1010, u32::MAX, 0]);
         let allowed: Vec<usize> = (0..70).filter(|&i| l[i].is_finite()).collect();
-        assert_eq!(allowed, [1, 3].into_iter().chain(32..64).collect::<Vec<_>>());
+        assert_eq!(
+            allowed,
+            [1, 3].into_iter().chain(32..64).collect::<Vec<_>>()
+        );
         assert_eq!(argmax(&l), 63);
         // A short mask bans the rest.
         let mut l = vec![1.0f32; 40];

@@ -69,7 +69,9 @@ impl Model {
         }
         let v = self.vocab_size();
         if let Some(t) = b.targets.iter().find(|&&t| t >= 0 && t as usize >= v) {
-            return Err(Error::Msg(format!("target {t} is outside the vocabulary of {v}")));
+            return Err(Error::Msg(format!(
+                "target {t} is outside the vocabulary of {v}"
+            )));
         }
         Ok(())
     }
@@ -108,7 +110,13 @@ impl Model {
         let (x, _) = self.forward_blocks(&cx, &batch.ids, usize::MAX)?;
         let (_, norm, head) = self.ends();
         let h = be.rms_norm(&x, norm, self.config.rms_eps, self.config.norm_offset)?;
-        let out = be.lm_head_logprobs(&h, head, &batch.targets, self.config.final_logit_softcap, None)?;
+        let out = be.lm_head_logprobs(
+            &h,
+            head,
+            &batch.targets,
+            self.config.final_logit_softcap,
+            None,
+        )?;
         Ok(PassOut {
             logp: out.logp,
             hit: out.hit,

@@ -36,7 +36,10 @@ fn invalid(schema: &Value, text: &str) -> Option<String> {
         Ok(v) => v,
         Err(e) => return Some(format!("not JSON ({e})")),
     };
-    let errs: Vec<String> = validator(schema).iter_errors(&v).map(|e| e.to_string()).collect();
+    let errs: Vec<String> = validator(schema)
+        .iter_errors(&v)
+        .map(|e| e.to_string())
+        .collect();
     (!errs.is_empty()).then(|| errs.join("; "))
 }
 
@@ -86,7 +89,10 @@ fn tiny_model_outputs_follow_every_schema() {
     let prompt = model.tokenizer().encode("JSON:", true, false).unwrap();
     let (mut stopped, mut cut) = (0, 0);
     for (name, schema) in schemas() {
-        for (i, s) in [SamplerConfig::greedy(), sampled(1), sampled(2)].into_iter().enumerate() {
+        for (i, s) in [SamplerConfig::greedy(), sampled(1), sampled(2)]
+            .into_iter()
+            .enumerate()
+        {
             // A random model fills strings with noise: the byte vocabulary needs many tokens.
             let (text, finish) = generate(&model, Some(&env), &schema, &prompt, s, 200);
             if finish == FinishReason::Length {
@@ -133,10 +139,21 @@ fn real_model_suite(model: &Model, max_tokens: usize) {
         let ask = format!(
             "Reply with only a JSON value (no prose, no code fence) that follows this JSON Schema: {schema}"
         );
-        let prompt = encode_chat(model.tokenizer(), &tmpl, &[ChatMessage::new("user", ask)], true)
-            .unwrap();
-        let (text, finish) =
-            generate(model, Some(&env), &schema, &prompt, SamplerConfig::greedy(), max_tokens);
+        let prompt = encode_chat(
+            model.tokenizer(),
+            &tmpl,
+            &[ChatMessage::new("user", ask)],
+            true,
+        )
+        .unwrap();
+        let (text, finish) = generate(
+            model,
+            Some(&env),
+            &schema,
+            &prompt,
+            SamplerConfig::greedy(),
+            max_tokens,
+        );
         if finish == FinishReason::Length {
             // Whitespace and numbers are bounded, strings here have a maxLength: only schemas
             // whose values may nest without end can run past the limit (a model repeating
@@ -151,8 +168,14 @@ fn real_model_suite(model: &Model, max_tokens: usize) {
         if let Some(why) = invalid(&schema, &text) {
             panic!("{name}: {text:?} does not conform: {why}");
         }
-        let (free, free_finish) =
-            generate(model, None, &schema, &prompt, SamplerConfig::greedy(), max_tokens);
+        let (free, free_finish) = generate(
+            model,
+            None,
+            &schema,
+            &prompt,
+            SamplerConfig::greedy(),
+            max_tokens,
+        );
         if free_finish == FinishReason::Stop && invalid(&schema, &free).is_none() {
             assert_eq!(text, free, "{name}: the unconstrained greedy reply conforms; the constrained one must equal it");
             equal += 1;
@@ -163,7 +186,10 @@ fn real_model_suite(model: &Model, max_tokens: usize) {
 
 #[test]
 fn smollm2_outputs_follow_every_schema() {
-    let Some(m) = real_model("HF2Q_TEST_SMOLLM2_GGUF", "smollm2_outputs_follow_every_schema") else {
+    let Some(m) = real_model(
+        "HF2Q_TEST_SMOLLM2_GGUF",
+        "smollm2_outputs_follow_every_schema",
+    ) else {
         return;
     };
     real_model_suite(&m, 160);
@@ -171,7 +197,10 @@ fn smollm2_outputs_follow_every_schema() {
 
 #[test]
 fn qwen25_outputs_follow_every_schema() {
-    let Some(m) = real_model("HF2Q_TEST_QWEN25_GGUF", "qwen25_outputs_follow_every_schema") else {
+    let Some(m) = real_model(
+        "HF2Q_TEST_QWEN25_GGUF",
+        "qwen25_outputs_follow_every_schema",
+    ) else {
         return;
     };
     real_model_suite(&m, 160);
@@ -184,9 +213,13 @@ fn bad_schemas_and_grammars_are_named_errors() {
             .unwrap();
     let env = ConstraintEnv::new(model.tokenizer(), model.vocab_size()).unwrap();
     let bad = |spec: GrammarSpec| env.compile(&spec).map(|_| ()).unwrap_err().to_string();
-    let e = bad(GrammarSpec::JsonSchema(serde_json::json!({"type": "object", "if": {"type": "object"}, "then": {"required": ["a"]}})));
+    let e = bad(GrammarSpec::JsonSchema(
+        serde_json::json!({"type": "object", "if": {"type": "object"}, "then": {"required": ["a"]}}),
+    ));
     assert!(e.contains("if") || e.contains("then"), "{e}");
-    let e = bad(GrammarSpec::JsonSchema(serde_json::json!({"type": "frobnicate"})));
+    let e = bad(GrammarSpec::JsonSchema(
+        serde_json::json!({"type": "frobnicate"}),
+    ));
     assert!(e.contains("frobnicate"), "{e}");
     let e = bad(GrammarSpec::JsonSchema(serde_json::json!([1, 2])));
     assert!(e.contains("object or a boolean"), "{e}");
@@ -223,7 +256,10 @@ fn lark_grammar_constrains_the_tiny_model() {
         assert_eq!(st.finish_reason, FinishReason::Stop, "{text:?}");
         let (word, num) = text.split_once(", ").unwrap_or_else(|| panic!("{text:?}"));
         assert!(word == "yes" || word == "no", "{text:?}");
-        assert!(num.parse::<u32>().is_ok_and(|n| (1..100).contains(&n)), "{text:?}");
+        assert!(
+            num.parse::<u32>().is_ok_and(|n| (1..100).contains(&n)),
+            "{text:?}"
+        );
     }
 }
 
@@ -242,8 +278,14 @@ fn tool_call_grammars_of_every_format_yield_valid_calls() {
         "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
         "required": ["unit", "days"], "additionalProperties": false});
     let tools = vec![
-        GrammarTool { name: "get_weather".into(), arguments: schema.clone() },
-        GrammarTool { name: "now".into(), arguments: serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false}) },
+        GrammarTool {
+            name: "get_weather".into(),
+            arguments: schema.clone(),
+        },
+        GrammarTool {
+            name: "now".into(),
+            arguments: serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false}),
+        },
     ];
     let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
     let prompt = model.tokenizer().encode("Call:", true, false).unwrap();
@@ -283,13 +325,23 @@ fn tool_call_grammars_of_every_format_yield_valid_calls() {
                 // Markup as text: the reply's text holds it, so it can be parsed back.
                 for seed in 0..3 {
                     let mut c = env.constraint(&g);
-                    let params = GenerateParams { max_tokens: 200, sampler: sampled(seed), ..Default::default() };
+                    let params = GenerateParams {
+                        max_tokens: 200,
+                        sampler: sampled(seed),
+                        ..Default::default()
+                    };
                     let mut session = model.session(prompt.len() + 201);
                     let mut text = String::new();
-                    let st = generate_constrained(&mut session, &prompt, &params, Some(&mut c), &mut |t| {
-                        text.push_str(t);
-                        true
-                    })
+                    let st = generate_constrained(
+                        &mut session,
+                        &prompt,
+                        &params,
+                        Some(&mut c),
+                        &mut |t| {
+                            text.push_str(t);
+                            true
+                        },
+                    )
                     .unwrap();
                     if st.finish_reason == FinishReason::Length {
                         continue;
@@ -304,7 +356,11 @@ fn tool_call_grammars_of_every_format_yield_valid_calls() {
                     assert!(parallel || r.calls.len() == 1, "{f:?}: {text:?}");
                     for call in &r.calls {
                         let args: Value = serde_json::from_str(&call.arguments).unwrap();
-                        let s = if call.name == "now" { &tools[1].arguments } else { &schema };
+                        let s = if call.name == "now" {
+                            &tools[1].arguments
+                        } else {
+                            &schema
+                        };
                         assert!(invalid(s, &call.arguments).is_none(), "{f:?}: {args}");
                     }
                 }

@@ -338,7 +338,7 @@ fn masked_decode_on_the_device_picks_only_allowed_tokens() {
         },
     ] {
         let run = |model: &mut Model, gpu_on: bool| -> Vec<u32> {
-            model.set_cuda(gpu_on.then(|| gpu.clone()));
+            model.set_cuda(gpu_on.then(|| gpu.clone())).unwrap();
             model.set_matmul_path(MatmulPath::Reference);
             let mut s = model.session(64);
             let mut sampler = Sampler::new(cfg.clone(), v);
@@ -348,7 +348,8 @@ fn masked_decode_on_the_device_picks_only_allowed_tokens() {
             let mut out = vec![tok];
             for t in 1..12 {
                 tok = if gpu_on {
-                    s.decode_sampled_masked(tok, &mut sampler, &[], &mask(t)).unwrap()
+                    s.decode_sampled_masked(tok, &mut sampler, &[], &mask(t))
+                        .unwrap()
                 } else {
                     let mut l = s.decode(tok).unwrap();
                     apply_mask(&mut l, &mask(t));
@@ -361,8 +362,62 @@ fn masked_decode_on_the_device_picks_only_allowed_tokens() {
         let host = run(&mut model, false);
         let device = run(&mut model, true);
         for (t, &id) in device.iter().enumerate() {
-            assert!(mask(t)[id as usize / 32] >> (id % 32) & 1 == 1, "step {t}: banned {id}");
+            assert!(
+                mask(t)[id as usize / 32] >> (id % 32) & 1 == 1,
+                "step {t}: banned {id}"
+            );
         }
         assert_eq!(device, host, "{cfg:?}");
+    }
+}
+
+/// Constrained generation on the GPU with the grammar's mask computed while the forward runs
+/// (`Session::decode_constrained` through `generate_constrained`): the same tokens as on the
+/// CPU, where each mask is computed before its step, for a greedy and a seeded draw. A mask
+/// applied one step late or early would change the tokens (the grammar's masks differ from
+/// step to step) or trip the constraint's commit.
+#[test]
+fn overlapped_grammar_masks_give_the_host_tokens() {
+    use hf2q_models::constraint::{ConstraintEnv, GrammarSpec};
+    use hf2q_models::generate::{generate_constrained, GenerateParams};
+    use hf2q_models::sampler::SamplerConfig;
+    let Some(gpu) = gpu() else { return };
+    let mut model = Model::load(&tiny("tiny-llama")).unwrap();
+    let env = ConstraintEnv::new(model.tokenizer(), model.vocab_size()).unwrap();
+    let schema = serde_json::json!({"type": "object",
+        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"], "additionalProperties": false});
+    let g = env.compile(&GrammarSpec::JsonSchema(schema)).unwrap();
+    let prompt = ids(6, model.vocab_size());
+    for sampler in [
+        SamplerConfig::greedy(),
+        SamplerConfig {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: Some(3),
+            ..SamplerConfig::default()
+        },
+    ] {
+        let params = GenerateParams {
+            max_tokens: 24,
+            sampler: sampler.clone(),
+            ..Default::default()
+        };
+        let mut run = |gpu_on: bool| -> Vec<u32> {
+            model.set_cuda(gpu_on.then(|| gpu.clone())).unwrap();
+            model.set_matmul_path(MatmulPath::Reference);
+            let mut c = env.constraint(&g);
+            let mut s = model.session(64);
+            generate_constrained(&mut s, &prompt, &params, Some(&mut c), &mut |_| true)
+                .unwrap()
+                .tokens
+        };
+        let host = run(false);
+        let device = run(true);
+        eprintln!("constrained {sampler:?}: {} tokens", device.len());
+        assert!(device.len() > 4, "{device:?}");
+        assert_eq!(device, host, "{sampler:?}");
     }
 }

@@ -21,7 +21,9 @@ use hf2q_tensor::train_op::SeqLayout;
 use hf2q_tensor::Tensor;
 
 fn tiny(name: &str) -> Model {
-    let p: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name);
+    let p: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tiny")
+        .join(name);
     let mut m = Model::load(&p).unwrap();
     m.set_matmul_path(MatmulPath::Reference);
     m.set_kv_type(KvType::F32);
@@ -56,7 +58,9 @@ fn with_adapters(m: &mut Model, r: &mut Rng) {
 /// some rows unlabelled.
 fn batch() -> TrainBatch {
     let seqs: [Vec<u32>; 2] = [
-        (0..7).map(|i| if i == 0 { 256 } else { 60 + i * 3 }).collect(),
+        (0..7)
+            .map(|i| if i == 0 { 256 } else { 60 + i * 3 })
+            .collect(),
         (0..12).map(|i| 70 + (i * 7) % 40).collect(),
     ];
     let mut ids = Vec::new();
@@ -125,11 +129,19 @@ fn adapter_gradients_match_finite_differences_and_checkpointing() {
         with_adapters(&mut m, &mut rng);
         let b = batch();
         let n = b.labelled() as f32;
-        let w: Vec<f32> = b.targets.iter().map(|&t| if t >= 0 { -1.0 / n } else { 0.0 }).collect();
+        let w: Vec<f32> = b
+            .targets
+            .iter()
+            .map(|&t| if t >= 0 { -1.0 / n } else { 0.0 })
+            .collect();
         // No block recomputed, the first of two, both.
         let mut grads = [LoraGrads::new(), LoraGrads::new(), LoraGrads::new()];
         for (g, recompute_blocks) in grads.iter_mut().zip([0, 1, usize::MAX]) {
-            let opts = PassOptions { recompute_blocks, dropout: false, seed: 0 };
+            let opts = PassOptions {
+                recompute_blocks,
+                dropout: false,
+                seed: 0,
+            };
             m.train_pass(&b, &w, &opts, g).unwrap();
         }
         for other in &grads[1..] {
@@ -151,14 +163,30 @@ fn adapter_gradients_match_finite_differences_and_checkpointing() {
         let mut analytic = 0f64;
         for ((_, l), (da, db)) in m.adapters().iter().zip(&dirs) {
             let (ga, gb) = grads[0].get(l.id).expect("every adapter has a gradient");
-            analytic += ga.data().iter().zip(da).map(|(g, d)| (g * d) as f64).sum::<f64>();
-            analytic += gb.data().iter().zip(db).map(|(g, d)| (g * d) as f64).sum::<f64>();
+            analytic += ga
+                .data()
+                .iter()
+                .zip(da)
+                .map(|(g, d)| (g * d) as f64)
+                .sum::<f64>();
+            analytic += gb
+                .data()
+                .iter()
+                .zip(db)
+                .map(|(g, d)| (g * d) as f64)
+                .sum::<f64>();
         }
         let eps = 1e-3f32;
         let shift = |m: &mut Model, s: f32| {
             for ((_, l), (da, db)) in m.adapters_mut().into_iter().zip(&dirs) {
-                l.a.data_mut().iter_mut().zip(da).for_each(|(x, d)| *x += s * d);
-                l.b.data_mut().iter_mut().zip(db).for_each(|(x, d)| *x += s * d);
+                l.a.data_mut()
+                    .iter_mut()
+                    .zip(da)
+                    .for_each(|(x, d)| *x += s * d);
+                l.b.data_mut()
+                    .iter_mut()
+                    .zip(db)
+                    .for_each(|(x, d)| *x += s * d);
             }
         };
         shift(&mut m, eps);
@@ -170,6 +198,9 @@ fn adapter_gradients_match_finite_differences_and_checkpointing() {
         // quotient, so small derivatives are held to an absolute bound instead.
         let rel = (analytic - numeric).abs() / numeric.abs().max(1.0);
         eprintln!("{name}: directional derivative {analytic:.6} vs {numeric:.6} ({rel:.1e})");
-        assert!(rel < 2e-3, "{name}: directional derivative {analytic} vs {numeric} ({rel:.2e})");
+        assert!(
+            rel < 2e-3,
+            "{name}: directional derivative {analytic} vs {numeric} ({rel:.2e})"
+        );
     }
 }

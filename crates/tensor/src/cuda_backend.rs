@@ -122,6 +122,10 @@ pub struct StepGraph {
     /// Masked pick graphs: the allowed-token bits (`ceil(V / 32)` words) applied to the logits
     /// before the pick, written before each replay (constrained decoding).
     mask: Option<CudaSlice<u32>>,
+    /// Masked pick graphs: the mask and the pick as a second, small graph over `out`, launched
+    /// after `graph` (the forward) so the host can compute the mask while the forward runs
+    /// ([`CudaBackend::replay_pick_overlapped`]).
+    tail: Option<crate::cuda::DeviceGraph>,
     /// The arena the graph's activations live in (kept alive while the graph is).
     _arena: Option<Arc<CudaSlice<u8>>>,
     shape: Vec<usize>,
@@ -248,8 +252,10 @@ impl CudaBackend {
     /// 8 at least).
     #[doc(hidden)]
     pub fn set_low_rank_align(&self, n: usize) {
-        self.low_rank_align
-            .store(n.max(8).next_multiple_of(8), std::sync::atomic::Ordering::Relaxed);
+        self.low_rank_align.store(
+            n.max(8).next_multiple_of(8),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Whether the training ops fill their outputs with NaN first (tests; default off).
@@ -584,7 +590,10 @@ impl CudaBackend {
         };
         // One row's width of bits (every row of a step shares the mask).
         let mask = if masked {
-            Some(self.dev.alloc::<u32>((out_len / ids.len().max(1)).div_ceil(32).max(1))?)
+            Some(
+                self.dev
+                    .alloc::<u32>((out_len / ids.len().max(1)).div_ceil(32).max(1))?,
+            )
         } else {
             None
         };
@@ -614,14 +623,12 @@ impl CudaBackend {
                     ))
                     .into());
                 }
-                if let Some(m) = &mask {
-                    // In place: the logits are not read after the pick.
-                    let mut logits = self.raw(&y, "capture")?;
-                    self.dev.apply_token_mask(&mut logits, rows, cols, m)?;
-                }
-                match &sample_args {
-                    Some(a) => self.dev.sample(&src, rows, cols, a, p)?,
-                    None => self.dev.argmax(&src, rows, cols, p)?,
+                // A masked pick goes into the tail graph, captured below.
+                if mask.is_none() {
+                    match &sample_args {
+                        Some(a) => self.dev.sample(&src, rows, cols, a, p)?,
+                        None => self.dev.argmax(&src, rows, cols, p)?,
+                    }
                 }
             }
             Ok(y.shape().to_vec())
@@ -630,14 +637,35 @@ impl CudaBackend {
         // End the capture whatever happened, so the stream is usable again.
         let graph = self.dev.end_capture();
         let shape = recorded?;
+        let graph = graph?;
+        let tail = match (&mask, picked.as_mut()) {
+            (Some(m), Some(p)) => {
+                // (rows, cols) = (tokens, V): the mask bans in place in the graph's own copy
+                // of the logits, then the pick reads it.
+                let (rows, cols) = (ids.len(), out_len / ids.len().max(1));
+                self.dev.begin_capture()?;
+                let recorded = (|| -> Result<()> {
+                    self.dev.apply_token_mask(&mut out, rows, cols, m)?;
+                    match &sample_args {
+                        Some(a) => self.dev.sample(&out, rows, cols, a, p),
+                        None => self.dev.argmax(&out, rows, cols, p),
+                    }
+                })();
+                let tail = self.dev.end_capture();
+                recorded?;
+                Some(tail?)
+            }
+            _ => None,
+        };
         Ok(StepGraph {
-            graph: graph?,
+            graph,
             out,
             _arena: lock(&self.arena).buf.clone(),
             kind,
             ids: picked,
             sample_args,
             mask,
+            tail,
             shape,
             tokens: ids.len(),
         })
@@ -671,6 +699,72 @@ impl CudaBackend {
         sample: Option<SampleArgs>,
         mask: Option<&[u32]>,
     ) -> Result<Vec<u32>> {
+        match mask {
+            None => self.replay_pick_unmasked(g, ids, pos0, sample),
+            Some(m) => self.replay_pick_overlapped(g, ids, pos0, sample, || Ok(Some(m))),
+        }
+    }
+
+    /// [`CudaBackend::replay_pick`] of a masked graph whose mask the host computes while the
+    /// forward runs: the forward is launched, then `mask` is called (its `None`: every token
+    /// allowed), then the mask is uploaded and the pick (the graph's small tail) launched behind
+    /// it on the same stream. Constrained decoding hides the grammar's work this way.
+    pub fn replay_pick_overlapped<'m, E: From<Error>>(
+        &self,
+        g: &mut StepGraph,
+        ids: &[u32],
+        pos0: usize,
+        sample: Option<SampleArgs>,
+        mask: impl FnOnce() -> std::result::Result<Option<&'m [u32]>, E>,
+    ) -> std::result::Result<Vec<u32>, E> {
+        if g.tail.is_none() || g.mask.is_none() {
+            return Err(Error::Msg("cuda replay: this graph takes no token mask".into()).into());
+        }
+        self.check_pick(g, ids, sample)?;
+        self.write_inputs(ids, pos0)?;
+        self.dev.launch_graph(&g.graph)?;
+        let bits = mask()?;
+        let buf = g.mask.as_mut().expect("checked above");
+        match bits {
+            Some(m) if m.len() == buf.len() => self.dev.write(buf, m)?,
+            Some(m) => {
+                return Err(Error::Shape(format!(
+                    "cuda replay: a token mask of {} words for a graph of {}",
+                    m.len(),
+                    buf.len()
+                ))
+                .into())
+            }
+            None => self.dev.write(buf, &vec![u32::MAX; buf.len()])?,
+        }
+        self.dev
+            .launch_graph(g.tail.as_ref().expect("checked above"))?;
+        Ok(self
+            .dev
+            .read(g.ids.as_ref().expect("a masked graph picks"))?)
+    }
+
+    fn replay_pick_unmasked(
+        &self,
+        g: &mut StepGraph,
+        ids: &[u32],
+        pos0: usize,
+        sample: Option<SampleArgs>,
+    ) -> Result<Vec<u32>> {
+        if g.mask.is_some() {
+            return Err(Error::Msg(
+                "cuda replay: this graph needs a token mask".into(),
+            ));
+        }
+        self.check_pick(g, ids, sample)?;
+        self.write_inputs(ids, pos0)?;
+        self.dev.launch_graph(&g.graph)?;
+        self.dev
+            .read(g.ids.as_ref().expect("checked: a pick graph"))
+    }
+
+    /// Checks a pick replay's inputs against its graph and writes the sampling settings.
+    fn check_pick(&self, g: &mut StepGraph, ids: &[u32], sample: Option<SampleArgs>) -> Result<()> {
         if ids.len() != g.tokens {
             return Err(Error::Shape(format!(
                 "cuda replay: the graph takes {} tokens, {} given",
@@ -678,9 +772,9 @@ impl CudaBackend {
                 ids.len()
             )));
         }
-        let Some(picked) = g.ids.as_ref() else {
+        if g.ids.is_none() {
             return Err(Error::Msg("cuda replay: this graph returns logits".into()));
-        };
+        }
         match (g.sample_args.as_mut(), sample) {
             (Some(buf), Some(a)) => {
                 if !(a.temperature > 0.0)
@@ -701,28 +795,7 @@ impl CudaBackend {
                 ))
             }
         }
-        match (g.mask.as_mut(), mask) {
-            (Some(buf), Some(m)) => {
-                if m.len() != buf.len() {
-                    return Err(Error::Shape(format!(
-                        "cuda replay: a token mask of {} words for a graph of {}",
-                        m.len(),
-                        buf.len()
-                    )));
-                }
-                self.dev.write(buf, m)?
-            }
-            (None, None) => {}
-            (Some(_), None) => {
-                return Err(Error::Msg("cuda replay: this graph needs a token mask".into()))
-            }
-            (None, Some(_)) => {
-                return Err(Error::Msg("cuda replay: this graph takes no token mask".into()))
-            }
-        }
-        self.write_inputs(ids, pos0)?;
-        self.dev.launch_graph(&g.graph)?;
-        self.dev.read(picked)
+        Ok(())
     }
 
     /// A device copy of a host tensor (tests, and host inputs at the model's edge).

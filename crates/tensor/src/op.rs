@@ -145,8 +145,7 @@ pub trait Backend: Send + Sync {
     /// training's gradient products; weights in their stored form go through `linear`).
     fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor>;
     /// `out += alpha · op(a) · op(b)`, `out (M, N)`.
-    fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec)
-        -> Result<()>;
+    fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()>;
 
     // Fused forms of common sequences. The defaults compose the ops above; a backend overrides
     // them where one kernel does the work of several (the GPU at decode), with the same result

@@ -52,7 +52,11 @@ fn fd(x: &[f64], c: &[f64], f: &dyn Fn(&[f64]) -> Vec<f64>) -> Vec<f64> {
 
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
-    let num: f64 = got.iter().zip(want).map(|(g, w)| (*g as f64 - w).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|w| w * w).sum();
     (num / den.max(1e-300)).sqrt()
 }
@@ -69,7 +73,10 @@ fn rms_norm_ref(x: &[f64], w: &[f64], eps: f64, offset: f64) -> Vec<f64> {
     x.chunks(c)
         .flat_map(|r| {
             let inv = 1.0 / (r.iter().map(|v| v * v).sum::<f64>() / c as f64 + eps).sqrt();
-            r.iter().zip(w).map(move |(v, wi)| v * inv * (wi + offset)).collect::<Vec<_>>()
+            r.iter()
+                .zip(w)
+                .map(move |(v, wi)| v * inv * (wi + offset))
+                .collect::<Vec<_>>()
         })
         .collect()
 }
@@ -195,10 +202,20 @@ fn rms_norm_backward_matches_finite_differences() {
         let eps = 1e-5;
         let wf: Vec<f32> = w.iter().map(|&v| v as f32).collect();
         let got = BE
-            .rms_norm_backward(&t32(&[rows, c], &x), &wf, eps as f32, offset as f32, &t32(&[rows, c], &dy))
+            .rms_norm_backward(
+                &t32(&[rows, c], &x),
+                &wf,
+                eps as f32,
+                offset as f32,
+                &t32(&[rows, c], &dy),
+            )
             .unwrap();
         let want = fd(&x, &dy, &|xx| rms_norm_ref(xx, &w, eps, offset));
-        assert_close(&format!("rms_norm {rows}x{c} offset {offset}"), got.data(), &want);
+        assert_close(
+            &format!("rms_norm {rows}x{c} offset {offset}"),
+            got.data(),
+            &want,
+        );
     }
 }
 
@@ -240,7 +257,12 @@ fn attention_forward_and_backward_match_the_reference() {
     let lengths = [5, 1, 7];
     let layout = SeqLayout::from_lengths(&lengths).unwrap();
     let n = layout.rows();
-    for (window, softcap) in [(None, None), (Some(3), None), (None, Some(2.0)), (Some(2), Some(1.5))] {
+    for (window, softcap) in [
+        (None, None),
+        (Some(3), None),
+        (None, Some(2.0)),
+        (Some(2), Some(1.5)),
+    ] {
         let a = TrainAttention {
             p: AttentionParams {
                 n_heads: 4,
@@ -259,7 +281,11 @@ fn attention_forward_and_backward_match_the_reference() {
         let (qt, kt, vt) = (t32(&[n, qw], &q), t32(&[n, kw], &k), t32(&[n, kw], &v));
         let fwd = BE.attention_train(&qt, &kt, &vt, &layout, &a).unwrap();
         let case = format!("window {window:?} softcap {softcap:?}");
-        assert_close(&format!("attention forward {case}"), fwd.out.data(), &attention_ref(&q, &k, &v, &lengths, &a));
+        assert_close(
+            &format!("attention forward {case}"),
+            fwd.out.data(),
+            &attention_ref(&q, &k, &v, &lengths, &a),
+        );
         let g = BE
             .attention_backward(&qt, &kt, &vt, &fwd, &t32(&[n, qw], &dout), &layout, &a)
             .unwrap();
@@ -278,17 +304,39 @@ fn attention_never_crosses_sequences() {
     let mut r = Rng(0x5eed_0004);
     let layout = SeqLayout::from_lengths(&[3, 4]).unwrap();
     let a = TrainAttention {
-        p: AttentionParams { n_heads: 2, n_kv_heads: 1, head_dim: 4, scale: 0.5, window: None },
+        p: AttentionParams {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            scale: 0.5,
+            window: None,
+        },
         softcap: None,
     };
     let q = r.vec(7 * 8, 1.0);
     let k = r.vec(7 * 4, 1.0);
     let mut v = r.vec(7 * 4, 1.0);
-    let o1 = BE.attention_train(&t32(&[7, 8], &q), &t32(&[7, 4], &k), &t32(&[7, 4], &v), &layout, &a).unwrap();
+    let o1 = BE
+        .attention_train(
+            &t32(&[7, 8], &q),
+            &t32(&[7, 4], &k),
+            &t32(&[7, 4], &v),
+            &layout,
+            &a,
+        )
+        .unwrap();
     for x in v[12..].iter_mut() {
         *x += 10.0;
     }
-    let o2 = BE.attention_train(&t32(&[7, 8], &q), &t32(&[7, 4], &k), &t32(&[7, 4], &v), &layout, &a).unwrap();
+    let o2 = BE
+        .attention_train(
+            &t32(&[7, 8], &q),
+            &t32(&[7, 4], &k),
+            &t32(&[7, 4], &v),
+            &layout,
+            &a,
+        )
+        .unwrap();
     assert_eq!(o1.out.data()[..24], o2.out.data()[..24]);
     assert_ne!(o1.out.data()[24..], o2.out.data()[24..]);
 }
@@ -305,10 +353,21 @@ fn gated_activations_backward_match_finite_differences() {
             .gated_act_backward(&t32(&[n], &g), &t32(&[n], &u), &t32(&[n], &dy), act)
             .unwrap();
         let f = |gg: &[f64], uu: &[f64]| -> Vec<f64> {
-            gg.iter().zip(uu).map(|(a, b)| act_ref(act, *a) * b).collect()
+            gg.iter()
+                .zip(uu)
+                .map(|(a, b)| act_ref(act, *a) * b)
+                .collect()
         };
-        assert_close(&format!("{act:?} dgate"), dg.data(), &fd(&g, &dy, &|x| f(x, &u)));
-        assert_close(&format!("{act:?} dup"), du.data(), &fd(&u, &dy, &|x| f(&g, x)));
+        assert_close(
+            &format!("{act:?} dgate"),
+            dg.data(),
+            &fd(&g, &dy, &|x| f(x, &u)),
+        );
+        assert_close(
+            &format!("{act:?} dup"),
+            du.data(),
+            &fd(&u, &dy, &|x| f(&g, x)),
+        );
         // The forward the backward is the derivative of is the backend's own.
         let y = match act {
             GateAct::Silu => BE.silu_mul(&t32(&[n], &g), &t32(&[n], &u)).unwrap(),
@@ -332,17 +391,32 @@ fn quantized(ty: GgmlType, rows: usize, cols: usize, r: &mut Rng) -> (QTensor, V
 fn linear_backward_input_through_every_stored_format() {
     let mut r = Rng(0x5eed_0006);
     let (rows, cols, n) = (19, 256, 3);
-    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+    for ty in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ] {
         let (w, deq) = quantized(ty, rows, cols, &mut r);
         let x = r.vec(n * cols, 1.0);
         let dy = r.vec(n * rows, 1.0);
         let got = BE.linear_backward_input(&t32(&[n, rows], &dy), &w).unwrap();
         let f = |xx: &[f64]| -> Vec<f64> {
             xx.chunks(cols)
-                .flat_map(|xr| deq.chunks(cols).map(move |wr| xr.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>()))
+                .flat_map(|xr| {
+                    deq.chunks(cols)
+                        .map(move |wr| xr.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>())
+                })
                 .collect()
         };
-        assert_close(&format!("linear backward {ty}"), got.data(), &fd(&x, &dy, &f));
+        assert_close(
+            &format!("linear backward {ty}"),
+            got.data(),
+            &fd(&x, &dy, &f),
+        );
     }
 }
 
@@ -351,26 +425,41 @@ fn lm_head_logprobs_and_gradient_match_the_reference() {
     let mut r = Rng(0x5eed_0007);
     let (n, d, v) = (6, 16, 37);
     let wv = r.vec(v * d, 1.0);
-    let w = QTensor::from_f32("lm_head", v, d, &wv.iter().map(|&x| x as f32).collect::<Vec<_>>()).unwrap();
+    let w = QTensor::from_f32(
+        "lm_head",
+        v,
+        d,
+        &wv.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+    )
+    .unwrap();
     let h = r.vec(n * d, 1.0);
     let targets = [3, -100, 0, 36, 17, -1];
     let g: Vec<f64> = r.vec(n, 1.0);
     let gf: Vec<f32> = g.iter().map(|&x| x as f32).collect();
     for cap in [None, Some(2.5f32)] {
-        let out = BE.lm_head_logprobs(&t32(&[n, d], &h), &w, &targets, cap, Some(&gf)).unwrap();
+        let out = BE
+            .lm_head_logprobs(&t32(&[n, d], &h), &w, &targets, cap, Some(&gf))
+            .unwrap();
         let capd = cap.map(|c| c as f64);
         let want = logprobs_ref(&h, &wv, v, &targets, capd);
         assert_close(&format!("logp cap {cap:?}"), &out.logp, &want);
         let dh = fd(&h, &g, &|x| logprobs_ref(x, &wv, v, &targets, capd));
         assert_close(&format!("dh cap {cap:?}"), out.dh.unwrap().data(), &dh);
-        assert!(!out.hit[1] && !out.hit[5], "rows without a target never count as hits");
+        assert!(
+            !out.hit[1] && !out.hit[5],
+            "rows without a target never count as hits"
+        );
         // Without weights: the same log-probabilities, no gradient.
-        let plain = BE.lm_head_logprobs(&t32(&[n, d], &h), &w, &targets, cap, None).unwrap();
+        let plain = BE
+            .lm_head_logprobs(&t32(&[n, d], &h), &w, &targets, cap, None)
+            .unwrap();
         assert_eq!(plain.logp, out.logp);
         assert!(plain.dh.is_none());
     }
     // A target outside the vocabulary is an error, not a panic.
-    assert!(BE.lm_head_logprobs(&t32(&[n, d], &h), &w, &[0, 0, 0, 0, 0, 37], None, None).is_err());
+    assert!(BE
+        .lm_head_logprobs(&t32(&[n, d], &h), &w, &[0, 0, 0, 0, 0, 37], None, None)
+        .is_err());
 }
 
 #[test]
@@ -381,7 +470,10 @@ fn dropout_backward_is_the_same_mask() {
     let again = BE.dropout(&t32(&[10, 100], &x), 0.3, 99).unwrap();
     assert_eq!(y, again, "the mask is a function of the seed");
     let zeroed = y.data().iter().filter(|&&v| v == 0.0).count();
-    assert!((200..400).contains(&zeroed), "{zeroed} of 1000 dropped at p = 0.3");
+    assert!(
+        (200..400).contains(&zeroed),
+        "{zeroed} of 1000 dropped at p = 0.3"
+    );
     for (yv, xv) in y.data().iter().zip(&x) {
         assert!(*yv == 0.0 || ((*yv as f64) - xv / 0.7).abs() < 1e-5);
     }
@@ -399,8 +491,16 @@ fn adamw_follows_torch_formula() {
     let (mut pr, mut mr, mut vr) = (p0.clone(), vec![0f64; n], vec![0f64; n]);
     for step in 1..=5u64 {
         let g = r.vec(n, 0.5);
-        let s = AdamStep { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step };
-        BE.adamw(&mut p, &t32(&[n], &g), &mut m, &mut v, &s).unwrap();
+        let s = AdamStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step,
+        };
+        BE.adamw(&mut p, &t32(&[n], &g), &mut m, &mut v, &s)
+            .unwrap();
         for i in 0..n {
             pr[i] *= 1.0 - 1e-2 * 0.1;
             mr[i] = 0.9 * mr[i] + 0.1 * g[i];
@@ -422,7 +522,9 @@ fn dense_products_of_the_backend() {
     let b = r.vec(5 * 3, 1.0);
     let at = t32(&[4, 3], &a);
     let bt = t32(&[5, 3], &b);
-    let y = BE.matmul(&at, &bt, hf2q_tensor::op::MatmulSpec::NT.scaled(0.5)).unwrap();
+    let y = BE
+        .matmul(&at, &bt, hf2q_tensor::op::MatmulSpec::NT.scaled(0.5))
+        .unwrap();
     assert_eq!(y.shape(), &[4, 5]);
     for i in 0..4 {
         for j in 0..5 {
@@ -430,5 +532,7 @@ fn dense_products_of_the_backend() {
             assert!((y.data()[i * 5 + j] as f64 - want).abs() < 1e-5);
         }
     }
-    assert!(BE.matmul(&at, &bt, hf2q_tensor::op::MatmulSpec::NN).is_err());
+    assert!(BE
+        .matmul(&at, &bt, hf2q_tensor::op::MatmulSpec::NN)
+        .is_err());
 }

@@ -109,11 +109,17 @@ impl Block for Gemma3Block {
         let dm = be.rms_norm_backward(&s.m, &self.post_ffn_norm, eps, off, &dy)?;
         let dh2 = self.mlp.backward(cx, &s.h2, &s.mlp, &dm, grads)?;
         let mut dx1 = dy;
-        be.add_assign(&mut dx1, &be.rms_norm_backward(&s.x1, &self.pre_ffn_norm, eps, off, &dh2)?)?;
+        be.add_assign(
+            &mut dx1,
+            &be.rms_norm_backward(&s.x1, &self.pre_ffn_norm, eps, off, &dh2)?,
+        )?;
         let da = be.rms_norm_backward(&s.a, &self.post_attn_norm, eps, off, &dx1)?;
         let dh = self.attn.backward(cx, &s.h, &s.attn, &da, grads)?;
         let mut dx = dx1;
-        be.add_assign(&mut dx, &be.rms_norm_backward(x, &self.input_norm, eps, off, &dh)?)?;
+        be.add_assign(
+            &mut dx,
+            &be.rms_norm_backward(x, &self.input_norm, eps, off, &dh)?,
+        )?;
         Ok(dx)
     }
 

@@ -100,10 +100,16 @@ impl Block for LlamaBlock {
         // x2 = x1 + mlp(norm(x1)); x1 = x + attn(norm(x)).
         let dh2 = self.mlp.backward(cx, &s.h2, &s.mlp, &dy, grads)?;
         let mut dx1 = dy;
-        be.add_assign(&mut dx1, &be.rms_norm_backward(&s.x1, &self.mlp_norm, self.eps, 0.0, &dh2)?)?;
+        be.add_assign(
+            &mut dx1,
+            &be.rms_norm_backward(&s.x1, &self.mlp_norm, self.eps, 0.0, &dh2)?,
+        )?;
         let dh1 = self.attn.backward(cx, &s.h1, &s.attn, &dx1, grads)?;
         let mut dx = dx1;
-        be.add_assign(&mut dx, &be.rms_norm_backward(x, &self.attn_norm, self.eps, 0.0, &dh1)?)?;
+        be.add_assign(
+            &mut dx,
+            &be.rms_norm_backward(x, &self.attn_norm, self.eps, 0.0, &dh1)?,
+        )?;
         Ok(dx)
     }
 

@@ -64,7 +64,15 @@ pub fn attention_mlp_linears_mut<'a>(
     a: &'a mut Attention,
     m: &'a mut Mlp,
 ) -> Vec<(&'static str, &'a mut Linear)> {
-    let l = [&mut a.q, &mut a.k, &mut a.v, &mut a.o, &mut m.gate, &mut m.up, &mut m.down];
+    let l = [
+        &mut a.q,
+        &mut a.k,
+        &mut a.v,
+        &mut a.o,
+        &mut m.gate,
+        &mut m.up,
+        &mut m.down,
+    ];
     LINEAR_PATHS.into_iter().zip(l).collect()
 }
 

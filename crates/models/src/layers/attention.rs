@@ -239,7 +239,15 @@ impl Attention {
         let (be, p) = (cx.be, &self.params);
         let [sq, sk, sv, so] = &s.lin;
         let dout = self.o.backward(cx, &s.att.out, so, dy, grads)?;
-        let g = be.attention_backward(&s.q, &s.k, &s.v, &s.att, &dout, cx.layout, &self.train_params())?;
+        let g = be.attention_backward(
+            &s.q,
+            &s.k,
+            &s.v,
+            &s.att,
+            &dout,
+            cx.layout,
+            &self.train_params(),
+        )?;
         let (mut dq, mut dk) = (g.dq, g.dk);
         be.rope_rows(&mut dq, p.n_heads, cx.layout, &self.rope, true)?;
         be.rope_rows(&mut dk, p.n_kv_heads, cx.layout, &self.rope, true)?;
@@ -266,7 +274,13 @@ impl Attention {
         let (t, width) = dy.dims2();
         let dh = self.params.head_dim;
         let x = pre.clone().reshape(&[t * heads, dh])?;
-        let g = cx.be.rms_norm_backward(&x, w, self.eps, self.norm_offset, &dy.reshape(&[t * heads, dh])?)?;
+        let g = cx.be.rms_norm_backward(
+            &x,
+            w,
+            self.eps,
+            self.norm_offset,
+            &dy.reshape(&[t * heads, dh])?,
+        )?;
         Ok(g.reshape(&[t, width])?)
     }
 }

@@ -65,7 +65,9 @@ impl Linear {
         match &self.lora {
             Some(l) => {
                 let s = l.project(cx, x)?;
-                let y = cx.be.linear_low_rank(x, &self.w, bias, l.xa(&s), &l.b, l.scale)?;
+                let y = cx
+                    .be
+                    .linear_low_rank(x, &self.w, bias, l.xa(&s), &l.b, l.scale)?;
                 Ok((y, LinearSaved { lora: Some(s) }))
             }
             None => Ok((cx.be.linear(x, &self.w, bias)?, LinearSaved { lora: None })),
@@ -90,7 +92,9 @@ impl Linear {
                     l.input_grad(cx, &dxa, &mut dx)?;
                     Ok(dx)
                 } else {
-                    Ok(cx.be.linear_backward_input_low_rank(dy, &self.w, &dxa, &l.a, 1.0)?)
+                    Ok(cx
+                        .be
+                        .linear_backward_input_low_rank(dy, &self.w, &dxa, &l.a, 1.0)?)
                 }
             }
             _ => Ok(cx.be.linear_backward_input(dy, &self.w)?),

@@ -105,7 +105,9 @@ impl Lora {
     /// where the backend fuses them: `TrainBackend::linear_low_rank`).
     pub fn project(&self, cx: &TrainCtx, x: &Tensor) -> Result<LoraSaved> {
         let xd = self.dropped(cx, x)?;
-        let xa = cx.be.matmul(xd.as_ref().unwrap_or(x), &self.a, MatmulSpec::NT)?;
+        let xa = cx
+            .be
+            .matmul(xd.as_ref().unwrap_or(x), &self.a, MatmulSpec::NT)?;
         Ok(LoraSaved { xa })
     }
 
@@ -115,7 +117,12 @@ impl Lora {
     }
 
     /// The inference forward: `y += scale · (x Aᵀ) Bᵀ`.
-    pub fn forward(&self, be: &dyn hf2q_tensor::op::Backend, x: &Tensor, y: &mut Tensor) -> Result<()> {
+    pub fn forward(
+        &self,
+        be: &dyn hf2q_tensor::op::Backend,
+        x: &Tensor,
+        y: &mut Tensor,
+    ) -> Result<()> {
         let xa = be.matmul(x, &self.a, MatmulSpec::NT)?;
         Ok(be.matmul_acc(y, &xa, &self.b, MatmulSpec::NT.scaled(self.scale))?)
     }
@@ -157,7 +164,11 @@ impl Lora {
     /// `dropout(x)` when it applies in this pass (`None`: the input as it is).
     fn dropped(&self, cx: &TrainCtx, x: &Tensor) -> Result<Option<Tensor>> {
         if cx.dropout && self.dropout > 0.0 {
-            Ok(Some(cx.be.dropout(x, self.dropout, cx.dropout_seed(self.id))?))
+            Ok(Some(cx.be.dropout(
+                x,
+                self.dropout,
+                cx.dropout_seed(self.id),
+            )?))
         } else {
             Ok(None)
         }

@@ -97,7 +97,8 @@ impl Mlp {
         let da = self.down.backward(cx, &s.a, sd, dy, grads)?;
         let (dg, du) = cx.be.gated_act_backward(&s.g, &s.u, &da, self.gate_act())?;
         let mut dh = self.gate.backward(cx, h, sg, &dg, grads)?;
-        cx.be.add_assign(&mut dh, &self.up.backward(cx, h, su, &du, grads)?)?;
+        cx.be
+            .add_assign(&mut dh, &self.up.backward(cx, h, su, &du, grads)?)?;
         Ok(dh)
     }
 

@@ -356,12 +356,13 @@ impl Tokenizer {
         let mut ids = Vec::new();
         let mut starts = Vec::new();
         let mut run_start = 0;
-        let plain = |ids: &mut Vec<u32>, starts: &mut Vec<usize>, lo: usize, hi: usize| -> Result<()> {
-            let (i, o) = self.encode_plain_offsets(&text[lo..hi])?;
-            ids.extend(i);
-            starts.extend(o.into_iter().map(|x| x + lo));
-            Ok(())
-        };
+        let plain =
+            |ids: &mut Vec<u32>, starts: &mut Vec<usize>, lo: usize, hi: usize| -> Result<()> {
+                let (i, o) = self.encode_plain_offsets(&text[lo..hi])?;
+                ids.extend(i);
+                starts.extend(o.into_iter().map(|x| x + lo));
+                Ok(())
+            };
         for &(lo, hi) in allowed {
             if lo > hi || hi > text.len() || lo < run_start {
                 return Err(Error::Tokenizer(format!(

@@ -11,7 +11,11 @@ use super::ToolCall;
 
 fn call(name: &str, args: Value) -> Option<ToolCall> {
     let name = name.trim();
-    if name.is_empty() || !name.chars().all(|c| c.is_alphanumeric() || "_-.".contains(c)) {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_alphanumeric() || "_-.".contains(c))
+    {
         return None;
     }
     Some(ToolCall {
@@ -25,7 +29,9 @@ fn call(name: &str, args: Value) -> Option<ToolCall> {
 pub(super) fn mistral_v11(body: &str) -> Option<ToolCall> {
     let (head, args) = body.split_once("[ARGS]")?;
     let name = head.split("[CALL_ID]").next()?;
-    let id = head.split_once("[CALL_ID]").map(|(_, i)| i.trim().to_string());
+    let id = head
+        .split_once("[CALL_ID]")
+        .map(|(_, i)| i.trim().to_string());
     let v: Value = serde_json::from_str(args.trim()).ok()?;
     if !v.is_object() {
         return None;
@@ -53,7 +59,10 @@ pub(super) fn function_gemma(body: &str) -> Option<ToolCall> {
 pub(super) fn tool_code(body: &str) -> Option<Vec<ToolCall>> {
     let mut calls = Vec::new();
     for line in body.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        let line = line.strip_prefix("print(").and_then(|l| l.strip_suffix(')')).unwrap_or(line);
+        let line = line
+            .strip_prefix("print(")
+            .and_then(|l| l.strip_suffix(')'))
+            .unwrap_or(line);
         let open = line.find('(')?;
         let mut r = Reader::new(&line[open + 1..]);
         let mut args = Map::new();

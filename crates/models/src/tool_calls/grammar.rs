@@ -41,7 +41,6 @@ pub struct LazyGrammar {
     pub lark: String,
 }
 
-
 fn lit(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
@@ -128,12 +127,24 @@ pub fn required(
             )
         }
         ToolFormat::Llama3Json => {
-            format!("{}{}", more("call", "\"; \""), call_rules(tools, "parameters"))
+            format!(
+                "{}{}",
+                more("call", "\"; \""),
+                call_rules(tools, "parameters")
+            )
         }
-        ToolFormat::Generic => format!("{}{}", more("call", "\"\\n\""), call_rules(tools, "arguments")),
+        ToolFormat::Generic => format!(
+            "{}{}",
+            more("call", "\"\\n\""),
+            call_rules(tools, "arguments")
+        ),
         ToolFormat::Mistral { v11: false } => {
             let open = mark("[TOOL_CALLS]", token);
-            let list = if parallel { "call (\", \" call)*" } else { "call" };
+            let list = if parallel {
+                "call (\", \" call)*"
+            } else {
+                "call"
+            };
             format!(
                 "start: {open} \"[\" {list} \"]\"\n{}",
                 call_rules(tools, "arguments")
@@ -164,7 +175,9 @@ pub fn required(
 /// A bare-calls grammar as a [`Trigger::JsonStart`] grammar: the reply from its start, with
 /// leading whitespace and an optional Markdown fence around the calls.
 fn json_start(calls: &str) -> String {
-    calls.replacen("start: ", "start: WS? FENCE? ", 1).replacen("\n", " FENCE_END?\n", 1)
+    calls
+        .replacen("start: ", "start: WS? FENCE? ", 1)
+        .replacen("\n", " FENCE_END?\n", 1)
         + "WS: /[ \\t\\n]+/\nFENCE: /```(json)?\\n/\nFENCE_END: /\\n?```/\n"
 }
 

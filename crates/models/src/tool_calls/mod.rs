@@ -176,9 +176,8 @@ pub fn collect(events: Vec<ToolEvent>) -> ParsedReply {
 /// The system-prompt text that describes `tools` to a model whose template does not render
 /// them, asking for the [`ToolFormat::Generic`] call format.
 pub fn generic_tool_prompt(tools: &[ToolSpec]) -> String {
-    let mut s = String::from(
-        "You can call these tools (JSON Schema of each tool's arguments given):\n",
-    );
+    let mut s =
+        String::from("You can call these tools (JSON Schema of each tool's arguments given):\n");
     for t in tools {
         let mut v = serde_json::json!({"name": t.name, "parameters": t.parameters});
         if let Some(d) = &t.description {

@@ -19,7 +19,9 @@ pub(super) enum Found {
     Id(String),
     /// The arguments value starts; `object` is true for `{...}`, false for anything else
     /// (a string that encodes the arguments, or a scalar).
-    ArgsStart { object: bool },
+    ArgsStart {
+        object: bool,
+    },
     /// A character of the arguments value, raw.
     Args(char),
     ArgsEnd,

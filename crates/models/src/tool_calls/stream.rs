@@ -347,7 +347,9 @@ impl ToolCallParser {
         self.held.push(c);
         let openers = self.openers();
         if let Some(op) = openers.iter().find(|o| self.held.ends_with(**o)) {
-            let before = self.held[..self.held.len() - op.len()].trim_end().to_string();
+            let before = self.held[..self.held.len() - op.len()]
+                .trim_end()
+                .to_string();
             self.held.clear();
             self.content(&before);
             self.open(op);
@@ -575,7 +577,9 @@ impl ToolCallParser {
                     seg.sep = true;
                     return;
                 }
-                (Body::Objects, '{') | (Body::List, '{') if seg.body == Body::Objects || seg.done == 0 || seg.sep => {
+                (Body::Objects, '{') | (Body::List, '{')
+                    if seg.body == Body::Objects || seg.done == 0 || seg.sep =>
+                {
                     seg.sep = false;
                     seg.raw = c.to_string();
                     seg.phase = Phase::Obj(Box::new(ObjState::new()));

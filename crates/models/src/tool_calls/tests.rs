@@ -75,7 +75,13 @@ fn hermes_fenced_call_without_tags() {
 fn hermes_plain_text_passes_through() {
     let t = "The weather <b>is</b> nice; use <tool_ for tags.";
     let r = parse(ToolFormat::Hermes, t);
-    assert_eq!(r, ParsedReply { content: t.into(), calls: vec![] });
+    assert_eq!(
+        r,
+        ParsedReply {
+            content: t.into(),
+            calls: vec![]
+        }
+    );
     check_streaming(ToolFormat::Hermes, t);
 }
 
@@ -123,7 +129,10 @@ fn malformed_truncated_and_unknown_calls_are_content() {
     let t = "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"run\", \"argu";
     let r = parse(ToolFormat::Hermes, t);
     assert_eq!(r.calls, vec![call("now", "{}")]);
-    assert!(r.content.starts_with("<tool_call>\n{\"name\": \"run\""), "{r:?}");
+    assert!(
+        r.content.starts_with("<tool_call>\n{\"name\": \"run\""),
+        "{r:?}"
+    );
 }
 
 #[test]
@@ -140,7 +149,10 @@ fn streaming_events_follow_openai_order() {
         ev.extend(p.push(piece));
     }
     ev.extend(p.finish());
-    let starts = ev.iter().filter(|e| matches!(e, ToolEvent::Start { .. })).count();
+    let starts = ev
+        .iter()
+        .filter(|e| matches!(e, ToolEvent::Start { .. }))
+        .count();
     let args: Vec<&str> = ev
         .iter()
         .filter_map(|e| match e {
@@ -151,7 +163,10 @@ fn streaming_events_follow_openai_order() {
     assert_eq!(starts, 1);
     assert!(args.len() >= 2, "arguments arrive in fragments: {ev:?}");
     assert_eq!(args.concat(), "{\"city\": \"Paris\"}");
-    assert!(!ev.iter().any(|e| matches!(e, ToolEvent::Content(_))), "{ev:?}");
+    assert!(
+        !ev.iter().any(|e| matches!(e, ToolEvent::Content(_))),
+        "{ev:?}"
+    );
 }
 
 #[test]
@@ -187,10 +202,15 @@ fn mistral_list_and_v11() {
     let r = parse(f, t);
     assert_eq!(
         r.calls,
-        vec![call("get_weather", "{\"city\":\"Paris\"}"), call("now", "{}")]
+        vec![
+            call("get_weather", "{\"city\":\"Paris\"}"),
+            call("now", "{}")
+        ]
     );
     check_streaming(f, t);
-    assert!(parse(f, "[TOOL_CALLS]get_weather[ARGS]{\"city\": ").calls.is_empty());
+    assert!(parse(f, "[TOOL_CALLS]get_weather[ARGS]{\"city\": ")
+        .calls
+        .is_empty());
 }
 
 #[test]
@@ -199,7 +219,10 @@ fn function_gemma_blocks() {
     let r = parse(ToolFormat::FunctionGemma, t);
     assert_eq!(r.calls.len(), 1, "{r:?}");
     let v: serde_json::Value = serde_json::from_str(&r.calls[0].arguments).unwrap();
-    assert_eq!(v, serde_json::json!({"city": "Paris, FR", "days": 3, "metric": true}));
+    assert_eq!(
+        v,
+        serde_json::json!({"city": "Paris, FR", "days": 3, "metric": true})
+    );
     check_streaming(ToolFormat::FunctionGemma, t);
     let bad = "<start_function_call>call:get_weather{city:<escape>Par";
     assert_eq!(parse(ToolFormat::FunctionGemma, bad).content, bad);
@@ -221,7 +244,10 @@ fn generic_json_lines_fences_and_tool_code() {
     let t = "I will look.\n```tool_code\nget_weather(city=\"Paris\", days=2)\n```";
     let r = parse(f, t);
     assert_eq!(r.content, "I will look.");
-    assert_eq!(r.calls, vec![call("get_weather", "{\"city\":\"Paris\",\"days\":2}")]);
+    assert_eq!(
+        r.calls,
+        vec![call("get_weather", "{\"city\":\"Paris\",\"days\":2}")]
+    );
     check_streaming(f, t);
 }
 
@@ -229,14 +255,26 @@ fn generic_json_lines_fences_and_tool_code() {
 fn detection_from_templates() {
     let cases = [
         ("{{- '<tool_call>\\n' }}", ToolFormat::Hermes),
-        ("{{- '[TOOL_CALLS]' + tool_calls|tojson }}", ToolFormat::Mistral { v11: false }),
-        ("[TOOL_CALLS]{{ name }}[ARGS]{{ args }}", ToolFormat::Mistral { v11: true }),
-        ("{{ '<start_function_call>call:' }}", ToolFormat::FunctionGemma),
+        (
+            "{{- '[TOOL_CALLS]' + tool_calls|tojson }}",
+            ToolFormat::Mistral { v11: false },
+        ),
+        (
+            "[TOOL_CALLS]{{ name }}[ARGS]{{ args }}",
+            ToolFormat::Mistral { v11: true },
+        ),
+        (
+            "{{ '<start_function_call>call:' }}",
+            ToolFormat::FunctionGemma,
+        ),
         (
             "{%- if tools %}<|start_header_id|>{{ '\"parameters\": ' }}",
             ToolFormat::Llama3Json,
         ),
-        ("{{ '<|im_start|>' + message['role'] }}", ToolFormat::Generic),
+        (
+            "{{ '<|im_start|>' + message['role'] }}",
+            ToolFormat::Generic,
+        ),
     ];
     for (t, f) in cases {
         assert_eq!(ToolFormat::detect(t), f, "{t}");
@@ -249,16 +287,29 @@ fn grammars_name_their_tools() {
         name: "get_weather".into(),
         arguments: serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
     }];
-    let tok = |s: &str| (s == "<tool_call>").then_some(7).or((s == "</tool_call>").then_some(8));
+    let tok = |s: &str| {
+        (s == "<tool_call>")
+            .then_some(7)
+            .or((s == "</tool_call>").then_some(8))
+    };
     let g = grammar::required(ToolFormat::Hermes, &tools, true, &tok);
-    assert!(g.starts_with("start: block (\"\\n\" block)* \"\\n\"?\n"), "{g}");
+    assert!(
+        g.starts_with("start: block (\"\\n\" block)* \"\\n\"?\n"),
+        "{g}"
+    );
     assert!(g.contains("<[7]> \"\\n\" call \"\\n\" <[8]>"), "{g}");
     assert!(g.contains("\"const\":\"get_weather\""), "{g}");
     let lazy = grammar::lazy(ToolFormat::Hermes, &tools, false, &tok);
     assert_eq!(lazy.len(), 2);
     assert_eq!(lazy[0].trigger, grammar::Trigger::Token(7));
     assert_eq!(lazy[1].trigger, grammar::Trigger::JsonStart);
-    assert!(lazy[0].lark.starts_with("start: \"\\n\" call \"\\n\" <[8]> \"\\n\"?\n"), "{}", lazy[0].lark);
+    assert!(
+        lazy[0]
+            .lark
+            .starts_with("start: \"\\n\" call \"\\n\" <[8]> \"\\n\"?\n"),
+        "{}",
+        lazy[0].lark
+    );
     // Without the markup tokens there is no lazy trigger for Hermes.
     assert!(grammar::lazy(ToolFormat::Hermes, &tools, false, &|_| None).is_empty());
 }

@@ -55,7 +55,17 @@ pub fn gemm_f32_serial(
     tb: bool,
     alpha: f32,
 ) -> Result<()> {
-    gemm_f32_on(gemm::Parallelism::None, out, accumulate, a, b, dims, ta, tb, alpha)
+    gemm_f32_on(
+        gemm::Parallelism::None,
+        out,
+        accumulate,
+        a,
+        b,
+        dims,
+        ta,
+        tb,
+        alpha,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -215,7 +225,13 @@ fn backward_input_chunked(
 mod tests {
     use super::*;
 
-    fn naive(a: &[f32], b: &[f32], (m, k, n): (usize, usize, usize), ta: bool, tb: bool) -> Vec<f32> {
+    fn naive(
+        a: &[f32],
+        b: &[f32],
+        (m, k, n): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+    ) -> Vec<f32> {
         let mut out = vec![0f32; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -234,8 +250,12 @@ mod tests {
     #[test]
     fn every_transpose_matches_naive() {
         let (m, k, n) = (13, 70, 9);
-        let a: Vec<f32> = (0..m * k).map(|i| ((i * 37) % 19) as f32 * 0.1 - 0.9).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| ((i * 53) % 23) as f32 * 0.07 - 0.8).collect();
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 37) % 19) as f32 * 0.1 - 0.9)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 53) % 23) as f32 * 0.07 - 0.8)
+            .collect();
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             let want = naive(&a, &b, (m, k, n), ta, tb);
             let mut out = vec![1f32; m * n];
@@ -249,9 +269,13 @@ mod tests {
     #[test]
     fn backward_input_through_quantized_rows() {
         let (r, c, n) = (40, 64, 5);
-        let w: Vec<f32> = (0..r * c).map(|i| ((i * 7) % 29) as f32 * 0.05 - 0.7).collect();
+        let w: Vec<f32> = (0..r * c)
+            .map(|i| ((i * 7) % 29) as f32 * 0.05 - 0.7)
+            .collect();
         let q = QTensor::from_f32("w", r, c, &w).unwrap();
-        let dy: Vec<f32> = (0..n * r).map(|i| ((i * 11) % 13) as f32 * 0.1 - 0.6).collect();
+        let dy: Vec<f32> = (0..n * r)
+            .map(|i| ((i * 11) % 13) as f32 * 0.1 - 0.6)
+            .collect();
         let dyt = Tensor::new(&[n, r], dy.clone()).unwrap();
         let want = naive(&dy, &w, (n, r, c), false, false);
         // One chunk, and chunks of 3 rows (the last one short).

@@ -331,7 +331,11 @@ pub fn fill_cache_for(dir: &Path, cc: (i32, i32), driver_version: i32) -> Result
 
 /// [`compile_all_for`] of the one embedded program named `file` (e.g. `train_attn.cu`).
 #[doc(hidden)]
-pub fn compile_program_for(file: &str, cc: (i32, i32), extra: &[&str]) -> Result<(Vec<u8>, String)> {
+pub fn compile_program_for(
+    file: &str,
+    cc: (i32, i32),
+    extra: &[&str],
+) -> Result<(Vec<u8>, String)> {
     let arch = format!("--gpu-architecture=sm_{}{}", cc.0, cc.1);
     let p = Program::ALL
         .iter()

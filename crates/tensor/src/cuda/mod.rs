@@ -53,7 +53,8 @@ pub use cudarc::driver::{
 
 pub use blas::PrefillGemm;
 pub use compile::{
-    compile_all_for, compile_for, compile_program_for, fill_cache_for, kernel_cache_dir, nvrtc_available,
+    compile_all_for, compile_for, compile_program_for, fill_cache_for, kernel_cache_dir,
+    nvrtc_available,
 };
 pub use ops::{
     DeviceKvCache, DevicePtrMutF32, KvDtype, MvMode, RopeTable, RowNorm, SampleArgs, MAX_HEAD_DIM,

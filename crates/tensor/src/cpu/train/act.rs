@@ -51,5 +51,8 @@ pub fn gated_act_backward(
             (d * u * slope, d * a)
         })
         .unzip();
-    Ok((Tensor::new(gate.shape(), dg)?, Tensor::new(gate.shape(), du)?))
+    Ok((
+        Tensor::new(gate.shape(), dg)?,
+        Tensor::new(gate.shape(), du)?,
+    ))
 }

@@ -103,13 +103,35 @@ impl Task<'_> {
     }
     /// The scores of a tile, `(rows, L)` for keys `lo..t1`: scaled, soft-capped, masked to
     /// -inf outside each row's visible keys; and the cap's slope per element.
-    fn scores(&self, q: &[f32], k: &[f32], t0: usize, t1: usize) -> Result<(Vec<f32>, Vec<f32>, usize)> {
+    fn scores(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        t0: usize,
+        t1: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>, usize)> {
         let (lo, lows) = self.key_range(t0, t1);
         let l = t1 - lo;
         let rows = (t1 - t0) * self.group;
         let mut s = vec![0f32; rows * l];
-        gemm_f32_serial(&mut s, false, q, &k[lo * self.dh..t1 * self.dh], (rows, self.dh, l), false, true, self.a.p.scale)?;
-        let mut slope = vec![1f32; if self.a.softcap.is_some() { rows * l } else { 0 }];
+        gemm_f32_serial(
+            &mut s,
+            false,
+            q,
+            &k[lo * self.dh..t1 * self.dh],
+            (rows, self.dh, l),
+            false,
+            true,
+            self.a.p.scale,
+        )?;
+        let mut slope = vec![
+            1f32;
+            if self.a.softcap.is_some() {
+                rows * l
+            } else {
+                0
+            }
+        ];
         for (ri, row) in s.chunks_mut(l).enumerate() {
             let t = t0 + ri / self.group;
             let vis = (lows[ri / self.group] - lo)..(t + 1 - lo);
@@ -149,7 +171,17 @@ pub fn attention_train(
     let parts: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = tasks(layout, hkv)
         .par_iter()
         .map(|&(seq, kvh)| -> Result<_> {
-            let task = Task { layout, a, a0: starts[seq], t: starts[seq + 1] - starts[seq], kvh, group, dh, qw, kw };
+            let task = Task {
+                layout,
+                a,
+                a0: starts[seq],
+                t: starts[seq + 1] - starts[seq],
+                kvh,
+                group,
+                dh,
+                qw,
+                kw,
+            };
             let (kg, vg) = (task.gather_kv(k.data()), task.gather_kv(v.data()));
             let mut out = vec![0f32; task.t * group * dh];
             let mut lse = vec![0f32; task.t * group];
@@ -238,7 +270,17 @@ pub fn attention_backward(
     let parts: Vec<TaskGrads> = tasks(layout, hkv)
         .par_iter()
         .map(|&(seq, kvh)| -> Result<TaskGrads> {
-            let task = Task { layout, a, a0: starts[seq], t: starts[seq + 1] - starts[seq], kvh, group, dh, qw, kw };
+            let task = Task {
+                layout,
+                a,
+                a0: starts[seq],
+                t: starts[seq + 1] - starts[seq],
+                kvh,
+                group,
+                dh,
+                qw,
+                kw,
+            };
             let (kg, vg) = (task.gather_kv(k.data()), task.gather_kv(v.data()));
             let mut dq = vec![0f32; task.t * group * dh];
             let mut dk = vec![0f32; task.t * dh];
@@ -259,10 +301,28 @@ pub fn attention_backward(
                     row.iter_mut().for_each(|x| *x = (*x - lse).exp());
                 }
                 // dV[lo..t1] += Pᵀ dO.
-                gemm_f32_serial(&mut dv[lo * dh..t1 * dh], true, &p, &got, (l, rows, dh), true, false, 1.0)?;
+                gemm_f32_serial(
+                    &mut dv[lo * dh..t1 * dh],
+                    true,
+                    &p,
+                    &got,
+                    (l, rows, dh),
+                    true,
+                    false,
+                    1.0,
+                )?;
                 // dP = dO Vᵀ, then dS = P (dP - D) (times the cap's slope, and the scale).
                 let mut ds = vec![0f32; rows * l];
-                gemm_f32_serial(&mut ds, false, &got, &vg[lo * dh..t1 * dh], (rows, dh, l), false, true, 1.0)?;
+                gemm_f32_serial(
+                    &mut ds,
+                    false,
+                    &got,
+                    &vg[lo * dh..t1 * dh],
+                    (rows, dh, l),
+                    false,
+                    true,
+                    1.0,
+                )?;
                 for ri in 0..rows {
                     let big_d: f32 = got[ri * dh..(ri + 1) * dh]
                         .iter()
@@ -276,10 +336,34 @@ pub fn attention_backward(
                     }
                 }
                 // dQ = dS K, dK[lo..t1] += dSᵀ Q.
-                gemm_f32_serial(&mut dq[t0 * group * dh..t1 * group * dh], false, &ds, &kg[lo * dh..t1 * dh], (rows, l, dh), false, false, 1.0)?;
-                gemm_f32_serial(&mut dk[lo * dh..t1 * dh], true, &ds, &qt, (l, rows, dh), true, false, 1.0)?;
+                gemm_f32_serial(
+                    &mut dq[t0 * group * dh..t1 * group * dh],
+                    false,
+                    &ds,
+                    &kg[lo * dh..t1 * dh],
+                    (rows, l, dh),
+                    false,
+                    false,
+                    1.0,
+                )?;
+                gemm_f32_serial(
+                    &mut dk[lo * dh..t1 * dh],
+                    true,
+                    &ds,
+                    &qt,
+                    (l, rows, dh),
+                    true,
+                    false,
+                    1.0,
+                )?;
             }
-            Ok(TaskGrads { seq, kvh, dq, dk, dv })
+            Ok(TaskGrads {
+                seq,
+                kvh,
+                dq,
+                dk,
+                dv,
+            })
         })
         .collect::<Result<_>>()?;
     let mut dq = vec![0f32; n * qw];

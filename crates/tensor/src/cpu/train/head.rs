@@ -17,7 +17,12 @@ pub const HEAD_CHUNK_VALUES: usize = 8 << 20;
 
 /// Soft-caps one row of logits in place; returns `(logp of target, target is the argmax)` and,
 /// with `g`, leaves `∂(g · logp)/∂z_raw` in `z`.
-pub fn row_logprob(z: &mut [f32], target: usize, softcap: Option<f32>, g: Option<f32>) -> (f32, bool) {
+pub fn row_logprob(
+    z: &mut [f32],
+    target: usize,
+    softcap: Option<f32>,
+    g: Option<f32>,
+) -> (f32, bool) {
     if let Some(cap) = softcap {
         z.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
     }

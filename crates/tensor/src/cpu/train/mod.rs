@@ -108,7 +108,9 @@ impl TrainBackend for CpuBackend {
 
     fn dropout(&self, x: &Tensor, p: f32, seed: u64) -> Result<Tensor> {
         if !(0.0..1.0).contains(&p) {
-            return Err(Error::Shape(format!("dropout probability {p} is not in [0, 1)")));
+            return Err(Error::Shape(format!(
+                "dropout probability {p} is not in [0, 1)"
+            )));
         }
         if p == 0.0 {
             return Ok(x.clone());
