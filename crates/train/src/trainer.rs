@@ -56,7 +56,7 @@ pub enum Objective {
 
 impl Objective {
     /// Samples that stay together (a pair for DPO).
-    fn group(&self) -> usize {
+    pub fn group(&self) -> usize {
         match self {
             Objective::Sft => 1,
             Objective::Dpo { .. } => 2,
