@@ -25,7 +25,7 @@ use hf2q_tensor::train_op::SeqLayout;
 use hf2q_train::data::Dataset;
 use hf2q_train::dpo::{self, Reference};
 use hf2q_train::report::{Event, Observer};
-use hf2q_train::trainer::{prepare, Length, Objective, TrainConfig, Trainer};
+use hf2q_train::trainer::{prepare, Length, Objective, Outcome, TrainConfig, Trainer};
 use serde_json::Value;
 
 const CASES: [&str; 2] = ["tiny-llama", "tiny-qwen3"];
@@ -191,4 +191,48 @@ fn a_fresh_adapter_starts_at_ln2_with_zero_rewards() {
     // The adapter written is the init adapter's shape (rank 4 of the fixture), trained.
     let cfg = hf2q_models::adapter::read_peft_config(&tmp.path().join("out")).unwrap();
     assert_eq!(cfg.config.r, 4);
+}
+
+/// Sets the stop flag once `at` steps are done.
+struct StopAt<'a>(u64, &'a AtomicBool);
+impl Observer for StopAt<'_> {
+    fn event(&mut self, e: &Event) {
+        if let Event::Step(s) = e {
+            if s.step == self.0 {
+                self.1.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stopped_and_resumed_dpo_run_ends_where_an_unbroken_one_ends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = Dataset::load_pairs(&pairs_file(tmp.path())).unwrap();
+    let reference = root().join("tests/fixtures/dpo/tiny-llama/dpo_ref");
+    let cfg = TrainConfig {
+        length: Length::Steps(6),
+        batch: 2,
+        lr: 1e-2,
+        objective: Objective::Dpo { beta: 0.2, ref_adapter: Some(reference) },
+        ..TrainConfig::default()
+    };
+    let run = |out: &Path, stop_at: Option<u64>, resume: Option<&Path>| -> (Outcome, Vec<u8>) {
+        let mut m = load("tiny-llama");
+        let prepared = prepare(&m, &data, None, &cfg).unwrap();
+        let mut t = Trainer::new(&mut m, cfg.clone(), prepared, out, resume, false).unwrap();
+        let stop = AtomicBool::new(false);
+        let o = match stop_at {
+            Some(n) => t.run(&mut StopAt(n, &stop), &stop).unwrap(),
+            None => t.run(&mut Steps(Vec::new()), &stop).unwrap(),
+        };
+        (o, std::fs::read(out.join("adapter_model.safetensors")).unwrap_or_default())
+    };
+    let (_, unbroken) = run(&tmp.path().join("a"), None, None);
+    let out_b = tmp.path().join("b");
+    let (first, _) = run(&out_b, Some(3), None);
+    let Outcome::Stopped { step: 3, checkpoint } = first else { panic!("{first:?}") };
+    let (_, resumed) = run(&out_b, None, Some(&checkpoint));
+    assert!(!unbroken.is_empty());
+    assert_eq!(resumed, unbroken, "the resumed DPO run ended elsewhere");
 }
