@@ -35,7 +35,9 @@ impl Reference {
     }
 
     /// The PEFT adapter in `dir` as the reference. Call before the policy's adapters are
-    /// attached: the model is left with no adapter.
+    /// attached (the model is left with no adapter) and after the model's backend is set (its
+    /// factors are placed where the backend keeps tensors; `Model::set_cuda` does not move
+    /// adapters that are swapped out).
     pub fn load(model: &mut Model, dir: &Path) -> Result<Reference> {
         model.load_adapter(dir)?;
         let mut r = Reference::default();
