@@ -143,7 +143,7 @@ pub struct DpoMetrics {
 /// The loss terms of a micro-batch's pairs: their stats and `∂(Σ pair losses)/∂π` of every
 /// sequence `(S)`.
 pub fn pair_terms(policy: &[f64], reference: &[f64], beta: f64) -> Result<(PairStats, Vec<f64>)> {
-    if policy.len() != reference.len() || policy.len() % 2 != 0 {
+    if policy.len() != reference.len() || !policy.len().is_multiple_of(2) {
         return Err(Error::Msg(format!(
             "{} policy and {} reference log-probabilities: a DPO batch holds whole pairs",
             policy.len(),
@@ -190,7 +190,13 @@ pub fn policy_pass(
         let (st, d) = pair_terms(&pi, reference, beta).map_err(|e| hf2q_models::Error::Msg(e.to_string()))?;
         let seq = batch.layout.seq_of();
         let w = (0..batch.targets.len())
-            .map(|row| if batch.targets[row] >= 0 { (d[seq[row] as usize] * norm) as f32 } else { 0.0 })
+            .map(|row| {
+                if batch.targets[row] >= 0 {
+                    (d[seq[row] as usize] * norm) as f32
+                } else {
+                    0.0
+                }
+            })
             .collect();
         stats = Some(st);
         Ok(w)
@@ -228,7 +234,15 @@ mod tests {
         let (st, d) = pair_terms(&[-3.5, -7.25, -1.0, -2.0], &[-3.5, -7.25, -1.0, -2.0], 0.1).unwrap();
         assert_eq!(st.loss / 2.0, std::f64::consts::LN_2);
         let m = st.metrics();
-        assert_eq!((m.rewards_chosen, m.rewards_rejected, m.rewards_margins, m.rewards_accuracies), (0.0, 0.0, 0.0, 0.0));
+        assert_eq!(
+            (
+                m.rewards_chosen,
+                m.rewards_rejected,
+                m.rewards_margins,
+                m.rewards_accuracies
+            ),
+            (0.0, 0.0, 0.0, 0.0)
+        );
         assert_eq!(d, [-0.05, 0.05, -0.05, 0.05]);
     }
 

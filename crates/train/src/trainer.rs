@@ -156,7 +156,7 @@ impl TrainConfig {
             return bad("--max-grad-norm must be positive".into());
         }
         if let Objective::Dpo { beta, .. } = self.objective {
-            if !(beta.is_finite() && beta > 0.0) {
+            if beta <= 0.0 || !beta.is_finite() {
                 return bad(format!("--beta {beta} must be positive"));
             }
         }

@@ -47,7 +47,14 @@ fn read_json(p: &Path) -> Value {
 }
 
 fn batch_of(fx: &Value) -> TrainBatch {
-    let nums = |k: &str| fx[k].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect::<Vec<_>>();
+    let nums = |k: &str| {
+        fx[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect::<Vec<_>>()
+    };
     let lengths: Vec<usize> = nums("lengths").into_iter().map(|x| x as usize).collect();
     TrainBatch {
         ids: nums("ids").into_iter().map(|x| x as u32).collect(),
@@ -76,24 +83,45 @@ fn loss_metrics_and_lora_gradients_match_trl_formula_with_peft() {
                 "base" => Reference::base(),
                 _ => Reference::load(&mut m, &dir.join("dpo_ref")).unwrap(),
             };
-            m.load_adapter(&root().join("tests/fixtures/peft").join(name).join("ours_random")).unwrap();
+            m.load_adapter(&root().join("tests/fixtures/peft").join(name).join("ours_random"))
+                .unwrap();
             let refs = reference.logps(&mut m, &batch).unwrap();
             let mut grads = LoraGrads::new();
-            let opts = PassOptions { recompute_blocks: recompute, dropout: false, seed: 0 };
+            let opts = PassOptions {
+                recompute_blocks: recompute,
+                dropout: false,
+                seed: 0,
+            };
             let pairs = batch.layout.sequences() / 2;
             let st = dpo::policy_pass(&m, &batch, &refs, beta, pairs, &opts, &mut grads).unwrap();
             let want = |k: &str| g[k].as_f64().unwrap();
-            let wants = |k: &str| g[k].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect::<Vec<_>>();
+            let wants = |k: &str| {
+                g[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect::<Vec<_>>()
+            };
             for (i, (a, b)) in refs.iter().zip(wants("ref_logps")).enumerate() {
-                assert!((a - b).abs() < 1e-4, "{name} {case}: reference log-prob {i}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() < 1e-4,
+                    "{name} {case}: reference log-prob {i}: {a} vs {b}"
+                );
             }
             let pol = [st.logp_chosen, st.logp_rejected];
             let want_pol = wants("policy_logps");
             let sum_c: f64 = want_pol.iter().step_by(2).sum();
             let sum_r: f64 = want_pol.iter().skip(1).step_by(2).sum();
-            assert!((pol[0] - sum_c).abs() < 2e-4 && (pol[1] - sum_r).abs() < 2e-4, "{name} {case}: policy {pol:?} vs {want_pol:?}");
+            assert!(
+                (pol[0] - sum_c).abs() < 2e-4 && (pol[1] - sum_r).abs() < 2e-4,
+                "{name} {case}: policy {pol:?} vs {want_pol:?}"
+            );
             let loss = st.mean_loss();
-            assert!((loss - want("loss")).abs() < 1e-5, "{name} {case}: loss {loss} vs {}", want("loss"));
+            assert!(
+                (loss - want("loss")).abs() < 1e-5,
+                "{name} {case}: loss {loss} vs {}",
+                want("loss")
+            );
             let met = st.metrics();
             for (k, v) in [
                 ("rewards/chosen", met.rewards_chosen),
@@ -115,13 +143,18 @@ fn loss_metrics_and_lora_gradients_match_trl_formula_with_peft() {
                 m.b_rows_to_peft(&module, &mut gbv, rows, r).unwrap();
                 for (suffix, got) in [("lora_A", ga.data().to_vec()), ("lora_B", gbv)] {
                     let key = format!("base_model.model.{module}.{suffix}.weight");
-                    let info = st_file.tensor(&key).unwrap_or_else(|| panic!("{name}: no golden {key}"));
+                    let info = st_file
+                        .tensor(&key)
+                        .unwrap_or_else(|| panic!("{name}: no golden {key}"));
                     let e = rel_l2(&got, &st_file.to_f32(info).unwrap());
                     worst = worst.max(e);
                     assert!(e < 1e-3, "{name} {case}: {key} relative error {e:.2e}");
                 }
             }
-            eprintln!("{name} {case}: loss {loss:.6} (PEFT {:.6}), worst gradient error {worst:.2e}", want("loss"));
+            eprintln!(
+                "{name} {case}: loss {loss:.6} (PEFT {:.6}), worst gradient error {worst:.2e}",
+                want("loss")
+            );
         }
     }
 }
@@ -167,21 +200,35 @@ fn a_fresh_adapter_starts_at_ln2_with_zero_rewards() {
     let base_cfg = TrainConfig {
         length: Length::Steps(2),
         batch: 2,
-        objective: Objective::Dpo { beta: 0.1, ref_adapter: None },
+        objective: Objective::Dpo {
+            beta: 0.1,
+            ref_adapter: None,
+        },
         ..TrainConfig::default()
     };
     let mut m = load("tiny-llama");
     let s = first_step(&mut m, base_cfg.clone(), tmp.path());
     assert_eq!(s["loss"].as_f64().unwrap(), std::f64::consts::LN_2, "{s}");
-    for k in ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"] {
+    for k in [
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+    ] {
         assert_eq!(s[k].as_f64().unwrap(), 0.0, "{k}: {s}");
     }
-    assert!(s["logps/chosen"].as_f64().unwrap() < 0.0 && s["grad_norm"].as_f64().unwrap() > 0.0, "{s}");
+    assert!(
+        s["logps/chosen"].as_f64().unwrap() < 0.0 && s["grad_norm"].as_f64().unwrap() > 0.0,
+        "{s}"
+    );
     // Starting from a trained adapter with the same adapter as the reference: equal again.
     let adapter = root().join("tests/fixtures/peft/tiny-llama/ours_random");
     let cfg = TrainConfig {
         init_adapter: Some(adapter.clone()),
-        objective: Objective::Dpo { beta: 0.1, ref_adapter: Some(adapter) },
+        objective: Objective::Dpo {
+            beta: 0.1,
+            ref_adapter: Some(adapter),
+        },
         ..base_cfg
     };
     let mut m = load("tiny-llama");
@@ -214,7 +261,10 @@ fn a_stopped_and_resumed_dpo_run_ends_where_an_unbroken_one_ends() {
         length: Length::Steps(6),
         batch: 2,
         lr: 1e-2,
-        objective: Objective::Dpo { beta: 0.2, ref_adapter: Some(reference) },
+        objective: Objective::Dpo {
+            beta: 0.2,
+            ref_adapter: Some(reference),
+        },
         ..TrainConfig::default()
     };
     let run = |out: &Path, stop_at: Option<u64>, resume: Option<&Path>| -> (Outcome, Vec<u8>) {
@@ -226,12 +276,17 @@ fn a_stopped_and_resumed_dpo_run_ends_where_an_unbroken_one_ends() {
             Some(n) => t.run(&mut StopAt(n, &stop), &stop).unwrap(),
             None => t.run(&mut Steps(Vec::new()), &stop).unwrap(),
         };
-        (o, std::fs::read(out.join("adapter_model.safetensors")).unwrap_or_default())
+        (
+            o,
+            std::fs::read(out.join("adapter_model.safetensors")).unwrap_or_default(),
+        )
     };
     let (_, unbroken) = run(&tmp.path().join("a"), None, None);
     let out_b = tmp.path().join("b");
     let (first, _) = run(&out_b, Some(3), None);
-    let Outcome::Stopped { step: 3, checkpoint } = first else { panic!("{first:?}") };
+    let Outcome::Stopped { step: 3, checkpoint } = first else {
+        panic!("{first:?}")
+    };
     let (_, resumed) = run(&out_b, None, Some(&checkpoint));
     assert!(!unbroken.is_empty());
     assert_eq!(resumed, unbroken, "the resumed DPO run ended elsewhere");
