@@ -10,6 +10,8 @@
 # --no-run`); BIN_DIR/home is used as HF2Q_HOME (a kernel cache filled beforehand is reused).
 # SHAPES: llama-3.2-1b, llama-3.1-8b or both (default: llama-3.2-1b). OPS=0, TRAINER=0 and
 # GOLDENS=0 skip the op tests, the trainer test and the goldens; PEFT=0 skips the PEFT runs;
+# DPO=0 skips the DPO comparison (bench/train_dpo_gpu.py: hf2q train dpo against TRL-style DPO
+# with PEFT, 1B shape, 8 pairs x 512 tokens per side);
 # CKPTS lists hf2q's --grad-checkpoint settings to time (default "on off"); Q4=0 skips the
 # Q4_K_M base.
 # Writes logs and results under $OUT (or /tmp).
@@ -100,4 +102,10 @@ for shape in $SHAPES; do
         [ "$shape" = llama-3.2-1b ] && { r=$(peft "$shape" ""); echo "| $shape | bf16 | PEFT, checkpointing off | ${r% *} | ${r#* } |" | tee -a "$SUM"; }
     fi
 done
+if [ "${DPO:-1}" = 1 ]; then
+    echo "== DPO: hf2q train dpo against TRL-style DPO with PEFT"
+    python3 "$ROOT/bench/train_dpo_gpu.py" --hf2q "$BIN/hf2q" --work "$WORK/dpo" >"$OUT_DIR/dpo.md" 2>"$OUT_DIR/dpo.err" \
+        || echo "| DPO bench | FAIL (see dpo.err) |" >>"$SUM"
+    cat "$OUT_DIR/dpo.md"
+fi
 echo; cat "$SUM"

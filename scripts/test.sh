@@ -38,6 +38,7 @@ if [ ! -f "$DATA/alpaca_en_demo.json" ] || [ ! -f "$DATA/dpo_en_demo.json" ]; th
         || echo "warning: could not fetch the llamafactory sdist; training behaviour tests will be skipped" >&2
 fi
 [ -f "$DATA/alpaca_en_demo.json" ] && export HF2Q_TEST_ALPACA_JSON="$DATA/alpaca_en_demo.json"
+[ -f "$DATA/dpo_en_demo.json" ] && export HF2Q_TEST_DPO_JSON="$DATA/dpo_en_demo.json"
 
 echo "== tests"
 cargo test --release --locked --workspace -- --test-threads 2

@@ -1,4 +1,5 @@
-//! `hf2q train sft`: LoRA supervised fine-tuning from the command line, over `hf2q-train`.
+//! `hf2q train sft` and `hf2q train dpo`: LoRA fine-tuning from the command line, over
+//! `hf2q-train` (one flag set; DPO adds --beta, --adapter, --ref-adapter).
 //! Flags, the progress bar, NDJSON events (`--json`, one object per line on stdout; also
 //! appended to `OUT/train_log.jsonl`), and the stop signal: Ctrl-C or SIGTERM saves a checkpoint
 //! after the step in progress and exits cleanly; a second one exits at once.
@@ -12,7 +13,7 @@ use hf2q_models::adapter::LoraConfig;
 use hf2q_train::data::Dataset;
 use hf2q_train::optim::{AdamWConfig, ScheduleKind};
 use hf2q_train::report::{Event, Observer};
-use hf2q_train::trainer::{prepare, Checkpointing, Length, Outcome, TrainConfig, Trainer};
+use hf2q_train::trainer::{prepare, Checkpointing, Length, Objective, Outcome, TrainConfig, Trainer};
 
 use crate::args::{self, DeviceChoice, KvTypeChoice, MatmulChoice};
 use crate::progress::{Progress, Unit};
@@ -33,6 +34,28 @@ or SIGTERM; --resume OUT continues from the latest one and ends where an unbroke
         args_override_self = true
     )]
     Sft(SftArgs),
+    /// Direct Preference Optimization with LoRA: prefer the chosen reply of each pair.
+    #[command(
+        long_about = "Direct Preference Optimization (TRL's sigmoid loss) with LoRA adapters. Reads preference pairs: `prompt`/`chosen`/`rejected` as strings or as message lists (TRL's shapes; `chosen`/`rejected` alone as whole conversations sharing their first turns), or LLaMA-Factory's `conversations` with `chosen`/`rejected` `{from, value}` objects. Each reply's log-probability is summed over its own tokens only; the reference policy is the same base with the adapter switched off (no second copy of the weights), or --ref-adapter DIR. --adapter DIR starts from a trained adapter (usually an SFT one; pass it as --ref-adapter too to keep it as the reference). The step's metrics use TRL's names (rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen, logps/rejected). Checkpoints, --resume, validation and the output are as for `hf2q train sft`; a pair counts as one sample of --batch.",
+        after_help = crate::MODEL_FORMS,
+        args_override_self = true
+    )]
+    Dpo(DpoArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct DpoArgs {
+    #[command(flatten)]
+    pub common: SftArgs,
+    /// DPO's beta: how far the policy may move from the reference (higher: closer).
+    #[arg(long, value_name = "B", default_value_t = 0.1)]
+    pub beta: f32,
+    /// Start from this PEFT adapter (its rank, alpha and targets replace the --lora-* flags).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
+    /// The reference policy: the base with this adapter [default: the base alone].
+    #[arg(long, value_name = "DIR")]
+    pub ref_adapter: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -137,7 +160,23 @@ static STOP: AtomicBool = AtomicBool::new(false);
 
 pub fn run(cmd: TrainCmd) -> Result<()> {
     match cmd {
-        TrainCmd::Sft(a) => sft(a),
+        TrainCmd::Sft(a) => {
+            let cfg = config(&a)?;
+            train(&a, cfg)
+        }
+        TrainCmd::Dpo(a) => {
+            if a.common.train_on_prompt {
+                anyhow::bail!("--train-on-prompt does not apply to DPO (a reply's log-probability covers the reply only)");
+            }
+            let mut cfg = config(&a.common)?;
+            cfg.objective = Objective::Dpo {
+                beta: a.beta,
+                ref_adapter: a.ref_adapter.clone(),
+            };
+            cfg.init_adapter = a.adapter.clone();
+            cfg.validate()?;
+            train(&a.common, cfg)
+        }
     }
 }
 
@@ -182,26 +221,33 @@ fn config(a: &SftArgs) -> Result<TrainConfig> {
         eval_every: a.eval_every,
         save_every: a.save_every,
         valid_split: a.valid_split,
+        ..TrainConfig::default()
     };
     cfg.validate()?;
     Ok(cfg)
 }
 
-fn sft(a: SftArgs) -> Result<()> {
-    let cfg = config(&a)?;
-    let train = Dataset::load(&a.data)?;
-    let valid = a.valid.as_deref().map(Dataset::load).transpose()?;
+/// Runs SFT or DPO (`cfg.objective`) with the shared flags of `a`.
+fn train(a: &SftArgs, cfg: TrainConfig) -> Result<()> {
+    let load = match cfg.objective {
+        Objective::Sft => Dataset::load,
+        Objective::Dpo { .. } => Dataset::load_pairs,
+    };
+    let train = load(&a.data)?;
+    let valid = a.valid.as_deref().map(load).transpose()?;
     let (_, mut model) = args::load_model(a.model.as_deref())?;
     model.set_matmul_path(a.matmul.path());
     model.set_cuda(args::open_device(a.device, KvTypeChoice::F16)?)?;
     let data = prepare(&model, &train, valid.as_ref(), &cfg)?;
+    let per = cfg.objective.group();
     eprintln!(
-        "data: {} training records ({}){}",
-        train.records.len(),
+        "data: {} training {} ({}){}",
+        train.records.len() / per,
+        if per == 2 { "pairs" } else { "records" },
         train.shape.name(),
         valid
             .as_ref()
-            .map(|v| format!(", {} validation records", v.records.len()))
+            .map(|v| format!(", {} validation {}", v.records.len() / per, if per == 2 { "pairs" } else { "records" }))
             .unwrap_or_default()
     );
     let mut trainer = Trainer::new(&mut model, cfg, data, &a.output, a.resume.as_deref(), a.overwrite)?;
@@ -295,14 +341,25 @@ impl Observer for CliObserver {
             }
             Event::Step(s) => {
                 if let Some(b) = &self.bar {
+                    let dpo = s
+                        .dpo
+                        .as_ref()
+                        .map(|d| format!(" margin {:.3} acc {:.2}", d.rewards_margins, d.rewards_accuracies))
+                        .unwrap_or_default();
                     b.set(
                         s.step,
-                        format!("loss {:.4} lr {:.2e} {:.0} tok/s", s.loss, s.lr, s.tokens_per_s),
+                        format!("loss {:.4}{dpo} lr {:.2e} {:.0} tok/s", s.loss, s.lr, s.tokens_per_s),
                     );
                 }
             }
             Event::Eval(v) => {
-                let text = format!("eval at step {}: loss {:.4}, accuracy {:.3}", v.step, v.loss, v.accuracy);
+                let mut text = format!("eval at step {}: loss {:.4}, accuracy {:.3}", v.step, v.loss, v.accuracy);
+                if let Some(d) = &v.dpo {
+                    text += &format!(
+                        ", rewards/margins {:.4}, rewards/accuracies {:.3}, logps chosen {:.2} rejected {:.2}",
+                        d.rewards_margins, d.rewards_accuracies, d.logps_chosen, d.logps_rejected
+                    );
+                }
                 match &self.bar {
                     Some(b) => b.println(text),
                     None => eprintln!("{text}"),

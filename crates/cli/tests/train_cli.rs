@@ -196,3 +196,91 @@ fn mlx_and_gguf_bases_train() {
         assert!(out.join("adapter_model.safetensors").is_file());
     }
 }
+
+/// Preference pairs in LLaMA-Factory's shape (a JSON array): chosen replies end with "!".
+fn pairs(dir: &Path, n: usize) -> PathBuf {
+    let p = dir.join("pairs.json");
+    let v: Vec<serde_json::Value> = (0..n)
+        .map(|i| {
+            serde_json::json!({
+                "conversations": [{"from": "human", "value": format!("say {i}")}],
+                "chosen": {"from": "gpt", "value": format!("OK {i}!")},
+                "rejected": {"from": "gpt", "value": format!("no {i}.")},
+            })
+        })
+        .collect();
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    p
+}
+
+fn events(out: &Output) -> Vec<serde_json::Value> {
+    text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .collect()
+}
+
+#[test]
+fn dpo_writes_an_adapter_with_trl_metrics_and_starts_from_one() {
+    let h = tempfile::tempdir().unwrap();
+    let data = pairs(h.path(), 8);
+    let out = h.path().join("dpo");
+    let model = tiny("tiny-llama");
+    let (d, o, m) = (data.to_str().unwrap(), out.to_str().unwrap(), model.to_str().unwrap());
+    let base = ["train", "dpo", m, "--data", d, "--device", "cpu", "--batch", "2", "--lora-r", "4", "--json"];
+    let mut args = base.to_vec();
+    args.extend(["-o", o, "--steps", "3", "--lr", "1e-2", "--valid-split", "0.25", "--beta", "0.2"]);
+    let r = hf2q(h.path(), &args);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let ev = events(&r);
+    let steps: Vec<&serde_json::Value> = ev.iter().filter(|e| e["event"] == "step").collect();
+    assert_eq!(steps.len(), 3);
+    for k in ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"] {
+        assert!(steps[0][k].is_number(), "step event lacks {k}: {}", steps[0]);
+    }
+    // A fresh adapter: the first step's loss is ln 2 exactly (printed as the f64 it is).
+    assert_eq!(steps[0]["loss"].as_f64().unwrap(), std::f64::consts::LN_2, "{}", steps[0]);
+    let eval = ev.iter().find(|e| e["event"] == "eval").expect("an eval event");
+    assert!(eval["rewards/accuracies"].is_number(), "{eval}");
+    assert_eq!(ev[0]["train"]["samples"], 12, "6 training pairs = 12 samples: {}", ev[0]);
+    assert!(text(&r.stderr).contains("8 training pairs"), "{}", text(&r.stderr));
+    for f in ["adapter_config.json", "adapter_model.safetensors", "train_log.jsonl"] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    // Start from that adapter with it as the reference: the policy equals the reference again.
+    let out2 = h.path().join("dpo2");
+    let mut args = base.to_vec();
+    args.extend(["-o", out2.to_str().unwrap(), "--steps", "1", "--adapter", o, "--ref-adapter", o]);
+    let r = hf2q(h.path(), &args);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let step = events(&r).into_iter().find(|e| e["event"] == "step").unwrap();
+    assert_eq!(step["loss"].as_f64().unwrap(), std::f64::consts::LN_2, "{step}");
+    assert_eq!(step["rewards/margins"].as_f64().unwrap(), 0.0, "{step}");
+}
+
+#[test]
+fn dpo_names_bad_pairs_and_writes_nothing() {
+    let h = tempfile::tempdir().unwrap();
+    let hp = h.path();
+    let m = tiny("tiny-llama");
+    let out = hp.join("out");
+    let run = |data: &Path, extra: &[&str], msg: &str| {
+        let mut args = vec!["train", "dpo", m.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap(), "--device", "cpu"];
+        args.extend_from_slice(extra);
+        fails(hp, &args, msg);
+    };
+    let bad = hp.join("pairs.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"prompt\": \"Q\", \"chosen\": \"a\", \"rejected\": \"b\"}\n{\"prompt\": \"Q\", \"chosen\": \"a\"}\n",
+    )
+    .unwrap();
+    run(&bad, &[], "pairs.jsonl:2: not a preference pair (fields: prompt, chosen)");
+    let sft_data = chats(hp, 3);
+    run(&sft_data, &[], "chats.jsonl:1: not a preference pair");
+    let good = pairs(hp, 4);
+    run(&good, &["--beta", "0"], "--beta 0 must be positive");
+    run(&good, &["--train-on-prompt"], "--train-on-prompt does not apply to DPO");
+    run(&good, &["--ref-adapter", hp.join("nowhere").to_str().unwrap()], "nowhere");
+    assert!(!out.join("adapter_config.json").exists(), "a failed run wrote an adapter");
+}

@@ -6,7 +6,13 @@
 //!
 //! The loss is the caller's: a pass takes per-row weights `g` and back-propagates
 //! `Σ_n g_n · log p(target_n)`. SFT's mean cross-entropy over T labelled tokens is
-//! `g_n = −1/T` on labelled rows; DPO's weights come from its loss.
+//! `g_n = −1/T` on labelled rows, known before the pass ([`Model::train_pass`]). DPO's
+//! weights depend on the pass's own log-probabilities (`∂loss/∂log p` of each sequence's sum):
+//! [`Model::train_pass_with`] runs the blocks forward once, the output layer once forward only,
+//! asks the caller for the weights, then runs the output layer again with them and the
+//! backward (one more output-layer forward, no second pass through the blocks). The reference
+//! policy of DPO is the same base with other adapters (or none) swapped in for a forward-only
+//! [`Model::eval_pass`] ([`Model::swap_adapters`]: no second copy of any weight).
 //!
 //! Not here: batching, loss normalisation across micro-batches, optimizers (`hf2q-train`).
 
@@ -55,6 +61,12 @@ pub struct PassOptions {
 pub struct PassOut {
     pub logp: Vec<f32>,
     pub hit: Vec<bool>,
+}
+
+/// The loss weights of a pass: known before it, or made from its log-probabilities.
+enum Weights<'a> {
+    Fixed(&'a [f32]),
+    FromLogp(&'a mut dyn FnMut(&PassOut) -> Result<Vec<f32>>),
 }
 
 impl Model {
@@ -132,13 +144,50 @@ impl Model {
         opts: &PassOptions,
         grads: &mut LoraGrads,
     ) -> Result<PassOut> {
+        self.pass(batch, Weights::Fixed(weights), opts, grads)
+    }
+
+    /// [`Model::train_pass`] with weights that depend on the pass's log-probabilities:
+    /// `weights(&out)` gets every row's `log p(target)` of this very forward (dropout masks
+    /// included) and returns the `(N)` weights to back-propagate.
+    pub fn train_pass_with(
+        &self,
+        batch: &TrainBatch,
+        weights: &mut dyn FnMut(&PassOut) -> Result<Vec<f32>>,
+        opts: &PassOptions,
+        grads: &mut LoraGrads,
+    ) -> Result<PassOut> {
+        self.pass(batch, Weights::FromLogp(weights), opts, grads)
+    }
+
+    /// Swaps the model's adapters with `set` (one slot per `Linear`, in block order; an empty
+    /// or short `set` counts as no adapter on the missing slots). Swapping twice restores the
+    /// model: `swap_adapters(&mut ref_set); eval; swap_adapters(&mut ref_set)` evaluates under
+    /// the reference adapters (an empty set: the bare base) without copying a weight.
+    pub fn swap_adapters(&mut self, set: &mut Vec<Option<crate::layers::lora::Lora>>) {
+        let mut i = 0;
+        for block in self.blocks_mut() {
+            for (_, lin) in block.linears_mut() {
+                if set.len() <= i {
+                    set.push(None);
+                }
+                std::mem::swap(&mut lin.lora, &mut set[i]);
+                i += 1;
+            }
+        }
+    }
+
+    fn pass(&self, batch: &TrainBatch, weights: Weights, opts: &PassOptions, grads: &mut LoraGrads) -> Result<PassOut> {
         self.check_batch(batch)?;
-        if weights.len() != batch.layout.rows() {
-            return Err(Error::Msg(format!(
-                "{} loss weights for a batch of {} rows",
-                weights.len(),
-                batch.layout.rows()
-            )));
+        let rows = batch.layout.rows();
+        let check = |w: &[f32]| -> Result<()> {
+            if w.len() != rows {
+                return Err(Error::Msg(format!("{} loss weights for a batch of {rows} rows", w.len())));
+            }
+            Ok(())
+        };
+        if let Weights::Fixed(w) = &weights {
+            check(w)?;
         }
         let be: &dyn TrainBackend = self.train_backend();
         let cx = TrainCtx {
@@ -151,13 +200,21 @@ impl Model {
         let (_, norm, head) = self.ends();
         let (eps, off) = (self.config.rms_eps, self.config.norm_offset);
         let h = be.rms_norm(&x, norm, eps, off)?;
-        let out = be.lm_head_logprobs(
-            &h,
-            head,
-            &batch.targets,
-            self.config.final_logit_softcap,
-            Some(weights),
-        )?;
+        let softcap = self.config.final_logit_softcap;
+        let computed;
+        let weights: &[f32] = match weights {
+            Weights::Fixed(w) => w,
+            Weights::FromLogp(f) => {
+                let fwd = be.lm_head_logprobs(&h, head, &batch.targets, softcap, None)?;
+                computed = f(&PassOut {
+                    logp: fwd.logp,
+                    hit: fwd.hit,
+                })?;
+                check(&computed)?;
+                &computed
+            }
+        };
+        let out = be.lm_head_logprobs(&h, head, &batch.targets, softcap, Some(weights))?;
         drop(h);
         let dh = out
             .dh

@@ -41,30 +41,35 @@ impl SplitMix {
     }
 }
 
-/// The sample indices of each micro-batch of epoch `epoch`, in order.
+/// The sample indices of each micro-batch of epoch `epoch`, in order. Samples go in groups
+/// of `group` consecutive samples that stay together and in order (1 for SFT; 2 for DPO's
+/// chosen and rejected of a pair); `batch` counts groups (or bins of groups with packing).
 pub fn epoch_batches(
     samples: &[Sample],
     seed: u64,
     epoch: u64,
     batch: usize,
     packing: Option<usize>,
+    group: usize,
 ) -> Vec<Vec<usize>> {
-    let mut order: Vec<usize> = (0..samples.len()).collect();
+    let group = group.max(1);
+    let mut order: Vec<usize> = (0..samples.len() / group).collect();
     SplitMix(seed ^ (epoch + 1).wrapping_mul(0xA24B_AED4_963E_E407)).shuffle(&mut order);
+    let members = |u: usize| (u * group..(u + 1) * group).collect::<Vec<usize>>();
     let units: Vec<Vec<usize>> = match packing {
-        None => order.into_iter().map(|i| vec![i]).collect(),
+        None => order.into_iter().map(members).collect(),
         Some(cap) => {
             let mut bins: Vec<Vec<usize>> = Vec::new();
             let mut fill = 0usize;
-            for i in order {
-                let len = samples[i].ids.len();
+            for u in order {
+                let len: usize = members(u).iter().map(|&i| samples[i].ids.len()).sum();
                 match bins.last_mut() {
                     Some(b) if fill + len <= cap => {
-                        b.push(i);
+                        b.extend(members(u));
                         fill += len;
                     }
                     _ => {
-                        bins.push(vec![i]);
+                        bins.push(members(u));
                         fill = len;
                     }
                 }
@@ -117,9 +122,9 @@ mod tests {
     #[test]
     fn epochs_are_seeded_permutations() {
         let s: Vec<Sample> = (1..=10).map(sample).collect();
-        let a = epoch_batches(&s, 7, 0, 3, None);
-        assert_eq!(a, epoch_batches(&s, 7, 0, 3, None));
-        assert_ne!(a, epoch_batches(&s, 7, 1, 3, None));
+        let a = epoch_batches(&s, 7, 0, 3, None, 1);
+        assert_eq!(a, epoch_batches(&s, 7, 0, 3, None, 1));
+        assert_ne!(a, epoch_batches(&s, 7, 1, 3, None, 1));
         let mut all: Vec<usize> = a.iter().flatten().copied().collect();
         all.sort();
         assert_eq!(all, (0..10).collect::<Vec<_>>());
@@ -127,9 +132,22 @@ mod tests {
     }
 
     #[test]
+    fn groups_stay_together() {
+        let s: Vec<Sample> = (1..=8).map(sample).collect();
+        let b = epoch_batches(&s, 3, 0, 2, None, 2);
+        assert_eq!(b.len(), 2);
+        for picks in &b {
+            assert_eq!(picks.len(), 4);
+            for pair in picks.chunks(2) {
+                assert!(pair[0] % 2 == 0 && pair[1] == pair[0] + 1, "{picks:?}");
+            }
+        }
+    }
+
+    #[test]
     fn packing_fills_bins_up_to_the_cap() {
         let s: Vec<Sample> = [4, 4, 4, 9, 2].into_iter().map(sample).collect();
-        let b = epoch_batches(&s, 1, 0, 1, Some(10));
+        let b = epoch_batches(&s, 1, 0, 1, Some(10), 1);
         for picks in &b {
             let tokens: usize = picks.iter().map(|&i| s[i].ids.len()).sum();
             assert!(tokens <= 10, "{picks:?}");

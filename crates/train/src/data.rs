@@ -8,6 +8,17 @@
 //! | prompt / completion | `prompt`, `completion`: strings (plain text) or message lists (a conversation) | plain text, loss on the completion |
 //! | text | `text` | plain text, loss on every token |
 //!
+//! Preference pairs (DPO, [`Dataset::load_pairs`]), in TRL's and LLaMA-Factory's shapes:
+//!
+//! | shape | fields | becomes |
+//! |---|---|---|
+//! | text pairs | `prompt`, `chosen`, `rejected`: strings | two plain texts, loss on each completion |
+//! | message pairs | `prompt`: messages; `chosen`, `rejected`: assistant message lists | two conversations, only the reply learned |
+//! | implicit-prompt pairs | `chosen`, `rejected`: whole conversations (the shared first turns are the prompt) | the same |
+//! | ShareGPT pairs (LLaMA-Factory) | `conversations: [{from, value}]`, `chosen`, `rejected`: one `{from, value}` each | the same |
+//!
+//! A pair becomes two consecutive records, chosen then rejected.
+//!
 //! A file is JSONL (one record a line, blank lines skipped) or one JSON array; every record of a
 //! file must have the same shape. A malformed record is an error naming its file and line (JSONL)
 //! or index (array), and what is wrong.
@@ -34,6 +45,9 @@ pub enum Record {
     Chat(Vec<Turn>),
     /// Plain text (no template): `prompt` (not learned, may be empty) then `completion`.
     Text { prompt: String, completion: String },
+    /// A conversation of which only the assistant turns from `turns[reply_from]` on are
+    /// learned (a preference pair's reply after its prompt).
+    Reply { turns: Vec<Turn>, reply_from: usize },
 }
 
 /// The shapes of [`Record`] files (see the module header).
@@ -44,6 +58,10 @@ pub enum Shape {
     Alpaca,
     PromptCompletion,
     Text,
+    PairText,
+    PairMessages,
+    PairImplicit,
+    PairShareGpt,
 }
 
 impl Shape {
@@ -54,6 +72,21 @@ impl Shape {
             Shape::Alpaca => "alpaca",
             Shape::PromptCompletion => "prompt/completion",
             Shape::Text => "text",
+            Shape::PairText => "prompt/chosen/rejected text",
+            Shape::PairMessages => "prompt/chosen/rejected messages",
+            Shape::PairImplicit => "chosen/rejected conversations",
+            Shape::PairShareGpt => "conversations/chosen/rejected",
+        }
+    }
+    fn of_pair(obj: &Map<String, Value>) -> Option<Shape> {
+        if !(obj.contains_key("chosen") && obj.contains_key("rejected")) {
+            None
+        } else if obj.contains_key("conversations") {
+            Some(Shape::PairShareGpt)
+        } else if let Some(p) = obj.get("prompt") {
+            Some(if p.is_array() { Shape::PairMessages } else { Shape::PairText })
+        } else {
+            Some(Shape::PairImplicit)
         }
     }
     fn of(obj: &Map<String, Value>) -> Option<Shape> {
@@ -93,8 +126,24 @@ impl Dataset {
         Self::parse(path, &text)
     }
 
+    /// Reads and checks every preference pair of `path`: records `2i` and `2i + 1` are pair
+    /// i's chosen and rejected replies.
+    pub fn load_pairs(path: &Path) -> Result<Dataset> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::parse_pairs(path, &text)
+    }
+
     /// [`Dataset::load`] of text already read (`path` names it in errors).
     pub fn parse(path: &Path, text: &str) -> Result<Dataset> {
+        Self::parse_as(path, text, false)
+    }
+
+    /// [`Dataset::load_pairs`] of text already read.
+    pub fn parse_pairs(path: &Path, text: &str) -> Result<Dataset> {
+        Self::parse_as(path, text, true)
+    }
+
+    fn parse_as(path: &Path, text: &str, pairs: bool) -> Result<Dataset> {
         let err = |line: usize, msg: String| Error::Data {
             path: path.to_path_buf(),
             line,
@@ -133,12 +182,22 @@ impl Dataset {
             let obj = v
                 .as_object()
                 .ok_or_else(|| fail("a record must be a JSON object".into()))?;
-            let s = Shape::of(obj).ok_or_else(|| {
-                fail(format!(
-                    "unknown record shape (fields: {}); expected messages, conversations, instruction/output, prompt/completion or text",
-                    obj.keys().cloned().collect::<Vec<_>>().join(", ")
-                ))
-            })?;
+            let fields = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
+            let s = if pairs {
+                Shape::of_pair(obj).ok_or_else(|| {
+                    fail(format!(
+                        "not a preference pair (fields: {}); expected prompt/chosen/rejected, chosen/rejected or conversations/chosen/rejected",
+                        fields()
+                    ))
+                })?
+            } else {
+                Shape::of(obj).ok_or_else(|| {
+                    fail(format!(
+                        "unknown record shape (fields: {}); expected messages, conversations, instruction/output, prompt/completion or text",
+                        fields()
+                    ))
+                })?
+            };
             match shape {
                 None => shape = Some(s),
                 Some(first) if first != s => {
@@ -150,8 +209,14 @@ impl Dataset {
                 }
                 _ => {}
             }
-            records.push(record(obj, s).map_err(fail)?);
-            origins.push(origin);
+            if pairs {
+                let (c, r) = pair(obj, s).map_err(fail)?;
+                records.extend([c, r]);
+                origins.extend([origin, origin]);
+            } else {
+                records.push(record(obj, s).map_err(fail)?);
+                origins.push(origin);
+            }
         }
         Ok(Dataset {
             path: path.to_path_buf(),
@@ -246,6 +311,75 @@ fn turns(v: &Value, sharegpt: bool, key: &str) -> std::result::Result<Vec<Turn>,
         .collect()
 }
 
+/// The chosen and rejected records of a preference pair.
+fn pair(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<(Record, Record), String> {
+    let reply = |prompt: &[Turn], side: &str, reply: Vec<Turn>| -> std::result::Result<Record, String> {
+        if !reply.iter().any(|t| t.role == "assistant") {
+            return Err(format!("'{side}' has no assistant message"));
+        }
+        let mut turns = prompt.to_vec();
+        let reply_from = turns.len();
+        turns.extend(reply);
+        Ok(Record::Reply { turns, reply_from })
+    };
+    match shape {
+        Shape::PairText => {
+            let prompt = string_field(obj, "prompt")?;
+            let side = |k: &str| -> std::result::Result<Record, String> {
+                let completion = string_field(obj, k)?;
+                if completion.is_empty() {
+                    return Err(format!("'{k}' is empty"));
+                }
+                Ok(Record::Text {
+                    prompt: prompt.clone(),
+                    completion,
+                })
+            };
+            Ok((side("chosen")?, side("rejected")?))
+        }
+        Shape::PairMessages => {
+            let prompt = turns(&obj["prompt"], false, "prompt")?;
+            let c = reply(&prompt, "chosen", turns(&obj["chosen"], false, "chosen")?)?;
+            let r = reply(&prompt, "rejected", turns(&obj["rejected"], false, "rejected")?)?;
+            Ok((c, r))
+        }
+        Shape::PairImplicit => {
+            let c = turns(&obj["chosen"], false, "chosen")?;
+            let r = turns(&obj["rejected"], false, "rejected")?;
+            let shared = c.iter().zip(&r).take_while(|(a, b)| a == b).count();
+            if shared == 0 {
+                return Err("'chosen' and 'rejected' share no prompt (their first messages differ); give 'prompt' explicitly".into());
+            }
+            Ok((
+                reply(&c[..shared], "chosen", c[shared..].to_vec())?,
+                reply(&r[..shared], "rejected", r[shared..].to_vec())?,
+            ))
+        }
+        Shape::PairShareGpt => {
+            let mut prompt = Vec::new();
+            if let Ok(s) = string_field(obj, "system") {
+                if !s.is_empty() {
+                    prompt.push(Turn {
+                        role: "system".into(),
+                        content: s,
+                    });
+                }
+            }
+            prompt.extend(turns(&obj["conversations"], true, "conversations")?);
+            let one = |k: &str| -> std::result::Result<Vec<Turn>, String> {
+                match &obj[k] {
+                    v @ Value::Object(_) => turns(&Value::Array(vec![v.clone()]), true, k),
+                    v => Err(format!("'{k}' must be a {{from, value}} object, not {}", kind(v))),
+                }
+            };
+            let c = reply(&prompt, "chosen", one("chosen")?)?;
+            let r = reply(&prompt, "rejected", one("rejected")?)?;
+            Ok((c, r))
+        }
+        other => Err(format!("a {} record is not a preference pair", other.name())),
+    }
+}
+
 fn record(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<Record, String> {
     let rec = match shape {
         Shape::Messages => Record::Chat(turns(&obj["messages"], false, "messages")?),
@@ -303,6 +437,7 @@ fn record(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<Record,
             prompt: String::new(),
             completion: string_field(obj, "text")?,
         },
+        pair => return Err(format!("a {} record is a preference pair, not an SFT record", pair.name())),
     };
     if let Record::Chat(t) = &rec {
         if !t.iter().any(|x| x.role == "assistant") {
@@ -354,6 +489,43 @@ mod tests {
         assert!(matches!(&d.records[0], Record::Chat(t) if t.len() == 2));
         let d = parse(r#"{"text":"plain"}"#).unwrap();
         assert_eq!(d.shape, Shape::Text);
+    }
+
+    #[test]
+    fn pair_shapes_are_read() {
+        let p = |t: &str| Dataset::parse_pairs(Path::new("p.jsonl"), t);
+        let d = p(r#"{"prompt":"Q:","chosen":" yes","rejected":" no"}"#).unwrap();
+        assert_eq!(d.shape, Shape::PairText);
+        assert_eq!(d.records.len(), 2);
+        assert_eq!(d.records[1], Record::Text { prompt: "Q:".into(), completion: " no".into() });
+        let d = p(r#"{"prompt":[{"role":"user","content":"hi"}],"chosen":[{"role":"assistant","content":"A"}],"rejected":[{"role":"assistant","content":"B"}]}"#).unwrap();
+        assert_eq!(d.shape, Shape::PairMessages);
+        assert!(matches!(&d.records[0], Record::Reply { turns, reply_from: 1 } if turns[1].content == "A"));
+        let d = p(r#"{"chosen":[{"role":"user","content":"hi"},{"role":"assistant","content":"A"}],"rejected":[{"role":"user","content":"hi"},{"role":"assistant","content":"B"}]}"#).unwrap();
+        assert_eq!(d.shape, Shape::PairImplicit);
+        assert!(matches!(&d.records[1], Record::Reply { turns, reply_from: 1 } if turns[1].content == "B"));
+        let d = Dataset::parse_pairs(
+            Path::new("dpo.json"),
+            r#"[{"conversations":[{"from":"human","value":"hi"}],"chosen":{"from":"gpt","value":"A"},"rejected":{"from":"gpt","value":"B"}}]"#,
+        )
+        .unwrap();
+        assert_eq!(d.shape, Shape::PairShareGpt);
+        assert_eq!(d.origins, vec![0, 0]);
+        assert!(matches!(&d.records[0], Record::Reply { turns, reply_from: 1 } if turns[0].role == "user" && turns[1].role == "assistant"));
+    }
+
+    #[test]
+    fn bad_pairs_name_their_line() {
+        let p = |t: &str| Dataset::parse_pairs(Path::new("p.jsonl"), t).unwrap_err().to_string();
+        let ok = r#"{"prompt":"Q","chosen":"a","rejected":"b"}"#;
+        assert_eq!(p(&format!("{ok}\n{}", r#"{"prompt":"Q","chosen":"a","rejected":3}"#)), "p.jsonl:2: 'rejected' must be a string, not a number");
+        assert!(p(&format!("{ok}\n\n{}", r#"{"text":"a"}"#)).starts_with("p.jsonl:3: not a preference pair (fields: text)"));
+        assert!(p(&format!("{ok}\n{{bad")).starts_with("p.jsonl:2: not a JSON object"));
+        assert_eq!(p(r#"{"prompt":"Q","chosen":"","rejected":"b"}"#), "p.jsonl:1: 'chosen' is empty");
+        let e = p(r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"user","content":"y"}],"rejected":[{"role":"assistant","content":"z"}]}"#);
+        assert_eq!(e, "p.jsonl:1: 'chosen' has no assistant message");
+        let e = p(r#"{"conversations":[{"from":"human","value":"x"}],"chosen":"a","rejected":{"from":"gpt","value":"b"}}"#);
+        assert!(e.contains("'chosen' must be a {from, value} object, not a string"), "{e}");
     }
 
     #[test]

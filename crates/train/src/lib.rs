@@ -5,7 +5,8 @@
 //! - [`render`]: records to token ids and the tokens learned (chat template, assistant-only);
 //! - [`batch`]: seeded epochs, packed micro-batches;
 //! - [`optim`]: AdamW, clipping, schedules;
-//! - [`trainer`]: the loop (accumulation, evaluation, checkpoints, resume, stop);
+//! - [`dpo`]: DPO's loss over preference pairs and its reference policy;
+//! - [`trainer`]: the loop (SFT or DPO) (accumulation, evaluation, checkpoints, resume, stop);
 //! - [`checkpoint`], [`report`]: what a run writes and says.
 //!
 //! Not here: the model's forward and backward (`hf2q_models::train_pass`), adapter files
@@ -14,6 +15,7 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod data;
+pub mod dpo;
 pub mod error;
 pub mod optim;
 pub mod render;

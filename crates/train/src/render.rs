@@ -9,6 +9,8 @@
 //!   prefix (one that rewrites earlier turns) is an error naming the turn.
 //! - Plain text is `prompt` + `completion` + EOS (BOS first where the model wants one); the
 //!   completion and the EOS are learned.
+//! - A preference pair's reply (`Record::Reply`) is a conversation whose assistant turns are
+//!   learned only from the reply's first turn on (the prompt's earlier assistant turns are not).
 //! - `train_on_prompt` learns every token but the first.
 //!
 //! Sequences longer than `max_len` are cut to `max_len` tokens (the report counts them).
@@ -85,7 +87,8 @@ impl<'m> Renderer<'m> {
     /// The sample of one record; an error message for a record that cannot be rendered.
     pub fn sample(&self, rec: &Record) -> std::result::Result<Sample, String> {
         let (ids, mut learn) = match rec {
-            Record::Chat(turns) => self.chat(turns)?,
+            Record::Chat(turns) => self.chat(turns, 0)?,
+            Record::Reply { turns, reply_from } => self.chat(turns, *reply_from)?,
             Record::Text { prompt, completion } => self.text(prompt, completion)?,
         };
         if self.cfg.train_on_prompt {
@@ -146,7 +149,8 @@ impl<'m> Renderer<'m> {
             .map_err(|e| e.to_string())
     }
 
-    fn chat(&self, turns: &[Turn]) -> std::result::Result<(Vec<u32>, Vec<bool>), String> {
+    /// The conversation's ids, learning its assistant turns from `turns[from]` on.
+    fn chat(&self, turns: &[Turn], from: usize) -> std::result::Result<(Vec<u32>, Vec<bool>), String> {
         let enc = encode_chat_offsets(
             self.model.tokenizer(),
             &self.template,
@@ -160,7 +164,7 @@ impl<'m> Renderer<'m> {
         // Byte spans of the assistant turns in the full render.
         let mut spans = Vec::new();
         for (i, t) in turns.iter().enumerate() {
-            if t.role != "assistant" {
+            if t.role != "assistant" || i < from {
                 continue;
             }
             let before = self.render(&turns[..i], true)?;

@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use crate::dpo::DpoMetrics;
 use crate::render::Sample;
 
 /// Token lengths of a set of samples.
@@ -109,6 +110,10 @@ pub struct StepReport {
     /// context and the allocator's pool included), GiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_memory_gib: Option<f64>,
+    /// DPO: the step's means over pairs (`loss` is then the mean DPO loss, `accuracy` that of
+    /// both replies' learned tokens).
+    #[serde(flatten)]
+    pub dpo: Option<DpoMetrics>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -117,6 +122,9 @@ pub struct EvalReport {
     pub loss: f64,
     pub accuracy: f64,
     pub tokens: usize,
+    /// DPO: the validation pairs' means.
+    #[serde(flatten)]
+    pub dpo: Option<DpoMetrics>,
 }
 
 /// One event of a run.

@@ -1,8 +1,13 @@
-//! The SFT loop: data rendered and checked before the first step, seeded epochs of
+//! The training loop, SFT or DPO ([`Objective`]): data rendered and checked before the first step, seeded epochs of
 //! micro-batches, gradient accumulation with the loss normalised over the whole step's learned
 //! tokens (as transformers' `num_items_in_batch`), global-norm clipping, AdamW under a
 //! warm-up + decay schedule, evaluation, checkpoints and resume, and a stop flag (a signal)
 //! that ends the run with a checkpoint after the step in progress.
+//!
+//! DPO's differences are confined to the step and the evaluation (`crate::dpo`): samples go
+//! in pairs (chosen, rejected) that stay together in the order, the split and every
+//! micro-batch, and the reference policy's log-probabilities come from a forward-only pass
+//! per micro-batch.
 //!
 //! Deterministic on the CPU: the same data, settings and seed give the same adapter, and a run
 //! resumed from a checkpoint ends where an unbroken run ends.
@@ -11,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use hf2q_models::adapter::{LoraConfig, CONFIG_FILE};
+use hf2q_models::adapter::{read_peft_config, LoraConfig, CONFIG_FILE};
 use hf2q_models::layers::lora::LoraGrads;
 use hf2q_models::train_pass::{PassOptions, TrainBatch};
 use hf2q_models::Model;
@@ -19,6 +24,7 @@ use hf2q_models::Model;
 use crate::batch::{epoch_batches, make_batch, SplitMix};
 use crate::checkpoint::{self, LoraSettings, ModelIdentity, TrainState};
 use crate::data::Dataset;
+use crate::dpo::{self, PairStats, Reference};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, Schedule, ScheduleKind};
 use crate::render::{RenderConfig, Renderer, Sample};
 use crate::report::{EvalReport, Event, LengthReport, Observer, Plan, StepReport};
@@ -36,6 +42,26 @@ pub enum Checkpointing {
     /// The first N blocks (the others keep their activations: a middle ground between the
     /// memory of `On` and the speed of `Off`).
     Blocks(usize),
+}
+
+/// What the run optimises.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Objective {
+    /// Mean cross-entropy of the learned tokens.
+    Sft,
+    /// DPO's sigmoid loss over preference pairs (records `2i`, `2i + 1`: chosen, rejected),
+    /// against the base without adapters or the adapter in `ref_adapter`.
+    Dpo { beta: f32, ref_adapter: Option<PathBuf> },
+}
+
+impl Objective {
+    /// Samples that stay together (a pair for DPO).
+    pub fn group(&self) -> usize {
+        match self {
+            Objective::Sft => 1,
+            Objective::Dpo { .. } => 2,
+        }
+    }
 }
 
 /// How long to train: whole epochs, or a number of optimizer steps.
@@ -68,8 +94,11 @@ pub struct TrainConfig {
     pub eval_every: Option<u64>,
     /// Write a checkpoint every N steps.
     pub save_every: Option<u64>,
-    /// Fraction of the training records held out for validation when no file is given.
+    /// Fraction of the training records (pairs) held out for validation when no file is given.
     pub valid_split: f32,
+    pub objective: Objective,
+    /// Start from this PEFT adapter (its settings replace `lora`) instead of a fresh one.
+    pub init_adapter: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -97,6 +126,8 @@ impl Default for TrainConfig {
             eval_every: None,
             save_every: None,
             valid_split: 0.0,
+            objective: Objective::Sft,
+            init_adapter: None,
         }
     }
 }
@@ -123,6 +154,11 @@ impl TrainConfig {
         }
         if self.max_grad_norm.is_some_and(|n| !(n > 0.0)) {
             return bad("--max-grad-norm must be positive".into());
+        }
+        if let Objective::Dpo { beta, .. } = self.objective {
+            if beta <= 0.0 || !beta.is_finite() {
+                return bad(format!("--beta {beta} must be positive"));
+            }
         }
         Ok(())
     }
@@ -152,17 +188,23 @@ pub fn prepare(model: &Model, train: &Dataset, valid: Option<&Dataset>, cfg: &Tr
             .collect()
     };
     let mut all = render(train)?;
+    // Records held out together: a DPO pair's two.
+    let group = cfg.objective.group();
     let valid = match valid {
         Some(v) => render(v)?,
         None if cfg.valid_split > 0.0 => {
-            let n = ((all.len() as f64 * cfg.valid_split as f64).round() as usize).clamp(1, all.len() - 1);
-            let mut idx: Vec<usize> = (0..all.len()).collect();
+            let units = all.len() / group;
+            if units < 2 {
+                return Err(Error::Config("--valid-split needs at least two training records (pairs)".into()));
+            }
+            let n = ((units as f64 * cfg.valid_split as f64).round() as usize).clamp(1, units - 1);
+            let mut idx: Vec<usize> = (0..units).collect();
             SplitMix(cfg.seed ^ 0x5EED_5A1D).shuffle(&mut idx);
             let held: std::collections::HashSet<usize> = idx[..n].iter().copied().collect();
             let mut keep = Vec::new();
             let mut out = Vec::new();
             for (i, s) in all.drain(..).enumerate() {
-                if held.contains(&i) {
+                if held.contains(&(i / group)) {
                     out.push(s);
                 } else {
                     keep.push(s);
@@ -200,6 +242,8 @@ pub struct Trainer<'m> {
     /// Blocks recomputed in the backward (see [`Checkpointing`]).
     recompute: usize,
     device: String,
+    /// DPO's reference policy.
+    reference: Option<Reference>,
 }
 
 /// Steps of one epoch of `micro` micro-batches.
@@ -212,12 +256,15 @@ impl<'m> Trainer<'m> {
     /// (an adapter already there is not overwritten unless `overwrite`), and plans the run.
     pub fn new(
         model: &'m mut Model,
-        cfg: TrainConfig,
+        mut cfg: TrainConfig,
         data: Prepared,
         out: &Path,
         resume: Option<&Path>,
         overwrite: bool,
     ) -> Result<Trainer<'m>> {
+        if let Some(dir) = &cfg.init_adapter {
+            cfg.lora = read_peft_config(dir)?.config;
+        }
         cfg.validate()?;
         if resume.is_none() && out.join(CONFIG_FILE).exists() && !overwrite {
             return Err(Error::Config(format!(
@@ -230,6 +277,12 @@ impl<'m> Trainer<'m> {
             Some(dir) => Some(checkpoint::read_state(dir, model, &cfg.lora)?),
             None => None,
         };
+        // The reference adapter is loaded (and swapped off the model) before the policy's.
+        let reference = match &cfg.objective {
+            Objective::Sft => None,
+            Objective::Dpo { ref_adapter: None, .. } => Some(Reference::base()),
+            Objective::Dpo { ref_adapter: Some(dir), .. } => Some(Reference::load(model, dir)?),
+        };
         match &resume_dir {
             Some(dir) => {
                 let got = model.load_adapter(dir)?;
@@ -237,12 +290,25 @@ impl<'m> Trainer<'m> {
                     return Err(Error::Config(format!("{}: adapter rank {} is not {}", dir.display(), got.r, cfg.lora.r)));
                 }
             }
-            None => {
-                model.attach_lora(&cfg.lora, cfg.seed)?;
-            }
+            None => match &cfg.init_adapter {
+                Some(dir) => {
+                    model.load_adapter(dir)?;
+                }
+                None => {
+                    model.attach_lora(&cfg.lora, cfg.seed)?;
+                }
+            },
         }
         let mut adam = AdamW::new(model, cfg.adam)?;
-        let micro = epoch_batches(&data.train, cfg.seed, 0, cfg.batch, cfg.packing.then_some(cfg.max_seq_len)).len();
+        let micro = epoch_batches(
+            &data.train,
+            cfg.seed,
+            0,
+            cfg.batch,
+            cfg.packing.then_some(cfg.max_seq_len),
+            cfg.objective.group(),
+        )
+        .len();
         let total = match cfg.length {
             Length::Steps(n) => n,
             Length::Epochs(e) => e * steps_per_epoch(micro, cfg.grad_accum),
@@ -313,6 +379,7 @@ impl<'m> Trainer<'m> {
             schedule,
             recompute,
             device,
+            reference,
         })
     }
 
@@ -334,10 +401,29 @@ impl<'m> Trainer<'m> {
         }
     }
 
-    /// The mean loss and accuracy of the validation samples (no dropout).
-    pub fn evaluate(&self) -> Result<Option<EvalReport>> {
+    /// The mean loss and accuracy of the validation samples (no dropout); for DPO, of the
+    /// validation pairs, with their metrics.
+    pub fn evaluate(&mut self) -> Result<Option<EvalReport>> {
         if self.data.valid.is_empty() {
             return Ok(None);
+        }
+        if let (Objective::Dpo { beta, .. }, Some(reference)) = (&self.cfg.objective, &mut self.reference) {
+            let mut st = PairStats::default();
+            let mut tokens = 0;
+            let pairs: Vec<usize> = (0..self.data.valid.len() / 2).collect();
+            for chunk in pairs.chunks(self.cfg.batch) {
+                let picks: Vec<usize> = chunk.iter().flat_map(|&p| [2 * p, 2 * p + 1]).collect();
+                let b = make_batch(&self.data.valid, &picks)?;
+                st.add(&dpo::eval_pairs(self.model, reference, &b, *beta as f64)?);
+                tokens += b.ids.len();
+            }
+            return Ok(Some(EvalReport {
+                step: self.state.step,
+                loss: st.mean_loss(),
+                accuracy: st.token_accuracy(),
+                tokens,
+                dpo: Some(st.metrics()),
+            }));
         }
         let (mut sum, mut hits, mut n, mut tokens) = (0f64, 0usize, 0usize, 0usize);
         let idx: Vec<usize> = (0..self.data.valid.len()).collect();
@@ -358,11 +444,53 @@ impl<'m> Trainer<'m> {
             loss: sum / n.max(1) as f64,
             accuracy: hits as f64 / n.max(1) as f64,
             tokens,
+            dpo: None,
         }))
     }
 
     fn save_checkpoint(&self) -> Result<PathBuf> {
         checkpoint::save(&self.out, self.model, &self.cfg.lora, &self.base_name, &self.adam, &self.state)
+    }
+
+    /// The options of micro-batch `k` of this step's pass (its dropout stream).
+    fn pass_options(&self, k: usize) -> PassOptions {
+        PassOptions {
+            recompute_blocks: self.recompute,
+            dropout: true,
+            seed: SplitMix(self.state.seed ^ (self.state.step << 16) ^ k as u64).next_u64(),
+        }
+    }
+
+    /// Clipping and the optimizer's update: returns `(grad_norm, lr)`.
+    fn update(&mut self, grads: &mut LoraGrads) -> Result<(f64, f32)> {
+        let be = self.model.train_backend_handle();
+        let norm = clip_grad_norm(&*be, grads, self.cfg.max_grad_norm)?;
+        let lr = self.schedule.lr(self.state.step);
+        self.adam.update(self.model, grads, lr)?;
+        Ok((norm, lr))
+    }
+
+    /// One DPO step over micro-batches of whole pairs: the reference's pass, then the
+    /// policy's, per micro-batch; the loss is the mean over the step's pairs.
+    fn step_dpo(&mut self, batches: &[TrainBatch], grads: &mut LoraGrads, beta: f64) -> Result<(PairStats, usize)> {
+        let pairs: usize = batches.iter().map(|b| b.layout.sequences() / 2).sum();
+        let mut st = PairStats::default();
+        let mut tokens = 0;
+        grads.clear();
+        let mut reference = self.reference.take().ok_or_else(|| Error::Msg("DPO without a reference".into()))?;
+        let mut run = || -> Result<()> {
+            for (k, b) in batches.iter().enumerate() {
+                let refs = reference.logps(self.model, b)?;
+                let opts = self.pass_options(k);
+                st.add(&dpo::policy_pass(self.model, b, &refs, beta, pairs, &opts, grads)?);
+                tokens += b.ids.len();
+            }
+            Ok(())
+        };
+        let done = run();
+        self.reference = Some(reference);
+        done?;
+        Ok((st, tokens))
     }
 
     /// One optimizer step over `batches` (the step's micro-batches): returns
@@ -377,11 +505,7 @@ impl<'m> Trainer<'m> {
                 .iter()
                 .map(|&t| if t >= 0 { -1.0 / n.max(1) as f32 } else { 0.0 })
                 .collect();
-            let opts = PassOptions {
-                recompute_blocks: self.recompute,
-                dropout: true,
-                seed: SplitMix(self.state.seed ^ (self.state.step << 16) ^ k as u64).next_u64(),
-            };
+            let opts = self.pass_options(k);
             let out = self.model.train_pass(b, &w, &opts, grads)?;
             for (i, &t) in b.targets.iter().enumerate() {
                 if t >= 0 {
@@ -395,10 +519,7 @@ impl<'m> Trainer<'m> {
             // A step whose samples have nothing to learn (every target cut away): no update.
             return Ok((0.0, 0.0, 0.0, 0.0, tokens));
         }
-        let be = self.model.train_backend_handle();
-        let norm = clip_grad_norm(&*be, grads, self.cfg.max_grad_norm)?;
-        let lr = self.schedule.lr(self.state.step);
-        self.adam.update(self.model, grads, lr)?;
+        let (norm, lr) = self.update(grads)?;
         Ok((sum / n as f64, hits as f64 / n as f64, norm, lr, tokens))
     }
 
@@ -406,17 +527,18 @@ impl<'m> Trainer<'m> {
     /// progress). Writes the adapter into the output folder at the end.
     pub fn run(&mut self, obs: &mut dyn Observer, stop: &AtomicBool) -> Result<Outcome> {
         let packing = self.cfg.packing.then_some(self.cfg.max_seq_len);
-        let micro0 = epoch_batches(&self.data.train, self.cfg.seed, 0, self.cfg.batch, packing).len();
+        let group = self.cfg.objective.group();
+        let micro0 = epoch_batches(&self.data.train, self.cfg.seed, 0, self.cfg.batch, packing, group).len();
         obs.event(&Event::Plan(self.plan(micro0)));
         let start = Instant::now();
         let mut grads = LoraGrads::new();
         let mut last_loss = None;
-        let mut epoch_plan = epoch_batches(&self.data.train, self.cfg.seed, self.state.epoch, self.cfg.batch, packing);
+        let mut epoch_plan = epoch_batches(&self.data.train, self.cfg.seed, self.state.epoch, self.cfg.batch, packing, group);
         while self.state.step < self.state.total_steps {
             if self.state.micro >= epoch_plan.len() {
                 self.state.epoch += 1;
                 self.state.micro = 0;
-                epoch_plan = epoch_batches(&self.data.train, self.cfg.seed, self.state.epoch, self.cfg.batch, packing);
+                epoch_plan = epoch_batches(&self.data.train, self.cfg.seed, self.state.epoch, self.cfg.batch, packing, group);
             }
             let t0 = Instant::now();
             let end = (self.state.micro + self.cfg.grad_accum).min(epoch_plan.len());
@@ -424,7 +546,17 @@ impl<'m> Trainer<'m> {
                 .iter()
                 .map(|p| make_batch(&self.data.train, p))
                 .collect::<Result<Vec<_>>>()?;
-            let (loss, accuracy, grad_norm, lr, tokens) = self.step(&batches, &mut grads)?;
+            let (loss, accuracy, grad_norm, lr, tokens, dpo_metrics) = match self.cfg.objective {
+                Objective::Sft => {
+                    let (l, a, g, lr, t) = self.step(&batches, &mut grads)?;
+                    (l, a, g, lr, t, None)
+                }
+                Objective::Dpo { beta, .. } => {
+                    let (st, t) = self.step_dpo(&batches, &mut grads, beta as f64)?;
+                    let (g, lr) = self.update(&mut grads)?;
+                    (st.mean_loss(), st.token_accuracy(), g, lr, t, Some(st.metrics()))
+                }
+            };
             self.state.micro = end;
             self.state.step += 1;
             self.state.tokens_seen += tokens as u64;
@@ -446,6 +578,7 @@ impl<'m> Trainer<'m> {
                     .cuda()
                     .and_then(|c| c.device().memory().ok())
                     .map(|(free, total)| (total - free) as f64 / (1u64 << 30) as f64),
+                dpo: dpo_metrics,
             }));
             let at_end = self.state.step == self.state.total_steps;
             if let Some(every) = self.cfg.eval_every {

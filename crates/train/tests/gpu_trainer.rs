@@ -159,3 +159,63 @@ fn adapters_apply_in_the_gpu_decode_graph() {
     assert!(worst < 1e-2, "GPU decode with an adapter differs by {worst}");
     assert!(s.graph_nodes().is_some(), "the decode ran without a captured graph");
 }
+
+/// A DPO policy pass on the GPU against the CPU's (the DPO parity batch of two pairs, the
+/// reference a second adapter swapped in on the same backend): loss, rewards and every
+/// gradient within the bf16 budget above.
+#[test]
+fn gpu_dpo_pass_equals_cpu_dpo_pass() {
+    use hf2q_train::dpo::{self, Reference};
+    let Some(gpu) = gpu() else { return };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for name in ["tiny-llama", "tiny-qwen3"] {
+        let fx = root.join("tests/fixtures/dpo").join(name);
+        let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fx.join("golden.json")).unwrap()).unwrap();
+        let nums = |k: &str| golden["batch"][k].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect::<Vec<_>>();
+        let lengths: Vec<usize> = nums("lengths").into_iter().map(|x| x as usize).collect();
+        let b = TrainBatch {
+            ids: nums("ids").into_iter().map(|x| x as u32).collect(),
+            targets: nums("targets").into_iter().map(|x| x as i32).collect(),
+            layout: SeqLayout::from_lengths(&lengths).unwrap(),
+        };
+        let run = |cuda: Option<Arc<CudaBackend>>, checkpoint: bool| {
+            let mut m = Model::load(&root.join("../models/tests/fixtures/tiny").join(name)).unwrap();
+            m.set_matmul_path(MatmulPath::Reference);
+            m.set_cuda(cuda).unwrap();
+            let mut r = Reference::load(&mut m, &fx.join("dpo_ref")).unwrap();
+            m.load_adapter(&root.join("tests/fixtures/peft").join(name).join("ours_random")).unwrap();
+            let refs = r.logps(&mut m, &b).unwrap();
+            let mut g = LoraGrads::new();
+            let opts = PassOptions { recompute_blocks: if checkpoint { usize::MAX } else { 0 }, dropout: false, seed: 0 };
+            let st = dpo::policy_pass(&m, &b, &refs, 0.5, 2, &opts, &mut g).unwrap();
+            let be = m.train_backend();
+            let grads: Vec<Vec<f32>> = m
+                .adapters()
+                .iter()
+                .flat_map(|(_, l)| {
+                    let (a, bb) = g.get(l.id).unwrap();
+                    [be.to_host(a).unwrap().into_data(), be.to_host(bb).unwrap().into_data()]
+                })
+                .collect();
+            (st, grads)
+        };
+        let (cpu, cpu_g) = run(None, false);
+        for checkpoint in [false, true] {
+            let (gst, gpu_g) = run(Some(gpu.clone()), checkpoint);
+            let rel = (gst.mean_loss() - cpu.mean_loss()).abs() / cpu.mean_loss();
+            let worst = cpu_g.iter().zip(&gpu_g).map(|(c, g)| rel_l2(g, c)).fold(0f64, f64::max);
+            let (mc, mg) = (cpu.metrics(), gst.metrics());
+            eprintln!(
+                "{name} DPO (checkpoint {checkpoint}): loss cpu {:.6} gpu {:.6}, margins {:.5} / {:.5}, worst gradient {worst:.2e}",
+                cpu.mean_loss(),
+                gst.mean_loss(),
+                mc.rewards_margins,
+                mg.rewards_margins
+            );
+            assert!(rel < 1e-2, "{name}: DPO loss {} vs {}", gst.mean_loss(), cpu.mean_loss());
+            // Margins are differences of log-prob sums of ~10 tokens: 1e-2 absolute.
+            assert!((mc.rewards_margins - mg.rewards_margins).abs() < 1e-2, "{name}: margins {mg:?} vs {mc:?}");
+            assert!(worst < 5e-2, "{name}: a DPO gradient differs by {worst:.2e}");
+        }
+    }
+}
