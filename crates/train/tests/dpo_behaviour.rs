@@ -166,7 +166,7 @@ fn llamafactory_dpo_demo_set_is_read_and_trained_on() {
     let cfg = TrainConfig {
         length: Length::Steps(1),
         batch: 2,
-        max_seq_len: 4096,
+        max_seq_len: 8192,
         objective: Objective::Dpo {
             beta: 0.1,
             ref_adapter: None,
