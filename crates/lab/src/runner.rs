@@ -436,6 +436,7 @@ impl Inner {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .env("HF2Q_HOME", self.home.root())
             .process_group(0);
         #[cfg(target_os = "linux")]
         // SAFETY: prctl is async-signal-safe; the child gets SIGTERM when the thread that
@@ -581,5 +582,11 @@ fn is_our_child(pid: u32, bin: &Path) -> bool {
     match (exe, bin.canonicalize()) {
         (Ok(e), Ok(b)) => e == b,
         _ => false,
+    }
+}
+
+impl std::fmt::Debug for Lab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lab").field("home", &self.inner.home.root()).finish_non_exhaustive()
     }
 }

@@ -3,11 +3,13 @@
 //!
 //! Layer order, outermost first: request metrics -> CORS (answers preflights before auth, as
 //! browsers send no credentials on them) -> body limit -> routes; the API key guards the `/v1`,
-//! `/tokenize`, `/detokenize`, `/metrics` and `/api/agent` routes, never `/health` or the static
+//! `/tokenize`, `/detokenize`, `/metrics`, `/api/agent` and the Lab's `/api` routes, never `/health` or the static
 //! web chat; `/api/agent` is also same-origin only.
 
 mod agent;
 mod generate;
+mod lab;
+mod lab_models;
 mod misc;
 
 use std::sync::Arc;
@@ -134,6 +136,7 @@ pub fn router(state: Shared) -> Router {
                 )
                 .route_layer(middleware::from_fn(agent::same_origin)),
         )
+        .merge(lab::router())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let public = Router::new()
         .route("/health", get(misc::health))
