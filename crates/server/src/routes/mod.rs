@@ -97,6 +97,7 @@ impl AppState {
         Limits {
             ctx_size: self.cfg.engine.ctx_size,
             vocab: self.engine.model().vocab_size(),
+            sampling: *self.engine.model().generation_defaults(),
         }
     }
 
