@@ -16,7 +16,8 @@ fn hf2q(home: &Path, args: &[&str]) -> Output {
 }
 
 fn tiny_with(dir: &Path, gen: &str) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama");
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama");
     let to = dir.join("tiny");
     std::fs::create_dir_all(&to).unwrap();
     for e in std::fs::read_dir(src).unwrap().flatten() {
@@ -27,7 +28,16 @@ fn tiny_with(dir: &Path, gen: &str) -> PathBuf {
 }
 
 fn run(home: &Path, model: &Path, extra: &[&str]) -> String {
-    let mut args = vec!["run", model.to_str().unwrap(), "-p", "hello", "-n", "24", "--ignore-eos", "--raw"];
+    let mut args = vec![
+        "run",
+        model.to_str().unwrap(),
+        "-p",
+        "hello",
+        "-n",
+        "24",
+        "--ignore-eos",
+        "--raw",
+    ];
     args.extend_from_slice(extra);
     let o = hf2q(home, &args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -43,19 +53,30 @@ fn generation_config_sets_run_s_defaults_and_flags_override_them() {
     assert_eq!(v["generation"]["temperature"], 0.0, "{v}");
     assert_eq!(v["generation"]["source"], "generation_config.json");
     let table = hf2q(d.path(), &["inspect", m.to_str().unwrap()]);
-    assert!(String::from_utf8_lossy(&table.stdout).contains("temperature 0 (generation_config.json)"));
+    assert!(
+        String::from_utf8_lossy(&table.stdout).contains("temperature 0 (generation_config.json)")
+    );
     let greedy = run(d.path(), &m, &["--temp", "0"]);
     for seed in ["1", "2"] {
         assert_eq!(run(d.path(), &m, &["--seed", seed]), greedy, "seed {seed}");
     }
-    let hot: Vec<String> = ["1", "2", "3"].iter().map(|s| run(d.path(), &m, &["--seed", s, "--temp", "1.5"])).collect();
-    assert!(hot.iter().any(|t| *t != greedy), "--temp overrides: {hot:?}");
+    let hot: Vec<String> = ["1", "2", "3"]
+        .iter()
+        .map(|s| run(d.path(), &m, &["--seed", s, "--temp", "1.5"]))
+        .collect();
+    assert!(
+        hot.iter().any(|t| *t != greedy),
+        "--temp overrides: {hot:?}"
+    );
     // A bad value in the file is named, not ignored.
     let bad = tiny_with(&d.path().join("bad"), r#"{"do_sample": true, "top_p": 7}"#);
     let o = hf2q(d.path(), &["inspect", bad.to_str().unwrap()]);
     assert!(!o.status.success());
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(e.contains("generation_config.json") && e.contains("'top_p'"), "{e}");
+    assert!(
+        e.contains("generation_config.json") && e.contains("'top_p'"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -65,8 +86,15 @@ fn smollm2_carries_its_model_card_sampling() {
         return;
     };
     let d = tempfile::tempdir().unwrap();
-    let o = hf2q(d.path(), &["inspect", Path::new(&p).to_str().unwrap(), "--json"]);
+    let o = hf2q(
+        d.path(),
+        &["inspect", Path::new(&p).to_str().unwrap(), "--json"],
+    );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let g = &v["generation"];
-    assert!((g["temperature"].as_f64().unwrap() - 0.2).abs() < 1e-6 && (g["top_p"].as_f64().unwrap() - 0.9).abs() < 1e-6, "{g}");
+    assert!(
+        (g["temperature"].as_f64().unwrap() - 0.2).abs() < 1e-6
+            && (g["top_p"].as_f64().unwrap() - 0.9).abs() < 1e-6,
+        "{g}"
+    );
 }

@@ -37,7 +37,16 @@ impl Server {
     fn start(home: &Path) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_hf2q"))
             .env("HF2Q_HOME", home)
-            .args(["serve", tiny().to_str().unwrap(), "--port", "0", "--api-key", KEY, "--lab-jobs", "2"])
+            .args([
+                "serve",
+                tiny().to_str().unwrap(),
+                "--port",
+                "0",
+                "--api-key",
+                KEY,
+                "--lab-jobs",
+                "2",
+            ])
             .args(["--lab-grace", "10", "-c", "256", "--kv-mem", "64M"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -46,7 +55,10 @@ impl Server {
             .unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let addr = loop {
-            let l = lines.next().expect("server exited before listening").unwrap();
+            let l = lines
+                .next()
+                .expect("server exited before listening")
+                .unwrap();
             if let Some(a) = l.strip_prefix("listening on http://") {
                 break a.trim().to_string();
             }
@@ -62,10 +74,19 @@ impl Server {
     }
 
     /// One request; `headers` replace the default key and JSON content type when given.
-    fn raw(&self, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> (u16, String, String) {
+    fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> (u16, String, String) {
         let mut s = TcpStream::connect(&self.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n", self.addr);
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n",
+            self.addr
+        );
         for (k, v) in headers {
             req.push_str(&format!("{k}: {v}\r\n"));
         }
@@ -77,7 +98,14 @@ impl Server {
         let resp = String::from_utf8_lossy(&resp).into_owned();
         let (head, rest) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
         let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-        let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        };
         (status, head.to_string(), body)
     }
 
@@ -89,11 +117,18 @@ impl Server {
         }
         let b = body.map(|b| b.to_string());
         let (st, _, text) = self.raw(method, path, &h, b.as_deref());
-        (st, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            st,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     fn submit(&self, kind: &str, params: Value) -> i64 {
-        let (st, v) = self.call("POST", "/api/jobs", Some(json!({"kind": kind, "params": params})));
+        let (st, v) = self.call(
+            "POST",
+            "/api/jobs",
+            Some(json!({"kind": kind, "params": params})),
+        );
         assert_eq!(st, 201, "{v}");
         v["id"].as_i64().unwrap()
     }
@@ -106,13 +141,18 @@ impl Server {
             if done(&j) {
                 return j;
             }
-            assert!(t0.elapsed() < Duration::from_secs(120), "job {id} stuck: {j}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "job {id} stuck: {j}"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
 
     fn wait_final(&self, id: i64) -> Value {
-        self.wait(id, |j| !matches!(j["state"].as_str(), Some("queued" | "running")))
+        self.wait(id, |j| {
+            !matches!(j["state"].as_str(), Some("queued" | "running"))
+        })
     }
 
     /// The SSE stream of a job from `after`, read to its end: (ids, events).
@@ -172,10 +212,13 @@ fn parse_sse(body: &str) -> Vec<(u64, Value)> {
 fn chats(path: &Path, n: usize) {
     let mut s = String::new();
     for i in 0..n {
-        s.push_str(&json!({"messages": [
-            {"role": "user", "content": format!("say {i}")},
-            {"role": "assistant", "content": format!("OK {i}!")},
-        ]}).to_string());
+        s.push_str(
+            &json!({"messages": [
+                {"role": "user", "content": format!("say {i}")},
+                {"role": "assistant", "content": format!("OK {i}!")},
+            ]})
+            .to_string(),
+        );
         s.push('\n');
     }
     std::fs::write(path, s).unwrap();
@@ -187,7 +230,11 @@ fn home() -> (tempfile::TempDir, PathBuf) {
     copy_dir(&tiny(), &h.join("models/tiny-llama"));
     std::fs::create_dir_all(h.join("data")).unwrap();
     chats(&h.join("data/chats.jsonl"), 16);
-    std::fs::write(h.join("data/wiki.txt"), "The quick brown fox jumps over the lazy dog. ".repeat(40)).unwrap();
+    std::fs::write(
+        h.join("data/wiki.txt"),
+        "The quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
     (d, h)
 }
 
@@ -200,7 +247,10 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
     std::os::unix::fs::symlink(&outside, h.join("data/out")).unwrap();
     std::os::unix::fs::symlink(&outside, h.join("models/out")).unwrap();
     let s = Server::start(&h);
-    let job = s.submit("perplexity", json!({"model": "models/tiny-llama", "file": "data/wiki.txt", "ctx": 32, "chunks": 1}));
+    let job = s.submit(
+        "perplexity",
+        json!({"model": "models/tiny-llama", "file": "data/wiki.txt", "ctx": 32, "chunks": 1}),
+    );
     let routes: &[(&str, String)] = &[
         ("GET", "/api/jobs".into()),
         ("POST", "/api/jobs".into()),
@@ -222,43 +272,113 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
             }
             let (st, _, text) = s.raw(m, p, &hs, Some(body));
             assert_eq!(st, 401, "{m} {p} with {auth:?}: {text}");
-            assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "invalid_api_key");
+            assert_eq!(
+                serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
+                "invalid_api_key"
+            );
         }
         if *m != "GET" {
             let auth = format!("Bearer {KEY}");
-            let (st, _, text) = s.raw(m, p, &[("Authorization", &auth), ("Content-Type", "application/json"), ("Origin", "http://evil.example")], Some(body));
+            let (st, _, text) = s.raw(
+                m,
+                p,
+                &[
+                    ("Authorization", &auth),
+                    ("Content-Type", "application/json"),
+                    ("Origin", "http://evil.example"),
+                ],
+                Some(body),
+            );
             assert_eq!(st, 403, "cross-origin {m} {p}: {text}");
-            let (st, _, text) = s.raw(m, p, &[("Authorization", &auth), ("Content-Type", "text/plain")], Some(body));
+            let (st, _, text) = s.raw(
+                m,
+                p,
+                &[("Authorization", &auth), ("Content-Type", "text/plain")],
+                Some(body),
+            );
             assert_eq!(st, 415, "text/plain {m} {p}: {text}");
         }
     }
     // The same origin (as the web Lab sends it) is let through.
     let auth = format!("Bearer {KEY}");
     let origin = format!("http://{}", s.addr);
-    let (st, _, text) = s.raw("POST", "/api/jobs", &[("Authorization", &auth), ("Content-Type", "application/json"), ("Origin", &origin)], Some(r#"{"kind":"pull","params":{"name":"no-such-model"}}"#));
+    let (st, _, text) = s.raw(
+        "POST",
+        "/api/jobs",
+        &[
+            ("Authorization", &auth),
+            ("Content-Type", "application/json"),
+            ("Origin", &origin),
+        ],
+        Some(r#"{"kind":"pull","params":{"name":"no-such-model"}}"#),
+    );
     assert_eq!(st, 400, "{text}");
     assert!(text.contains("not a built-in model"), "{text}");
 
     let bad = |params: Value, param: &str, says: &str| {
-        let (st, v) = s.call("POST", "/api/jobs", Some(json!({"kind": "perplexity", "params": params})));
+        let (st, v) = s.call(
+            "POST",
+            "/api/jobs",
+            Some(json!({"kind": "perplexity", "params": params})),
+        );
         assert_eq!(st, 400, "{v}");
         assert_eq!(v["error"]["param"], param, "{v}");
         let m = v["error"]["message"].as_str().unwrap();
         assert!(m.contains(says), "{m}");
     };
     let m = "models/tiny-llama";
-    bad(json!({"model": m, "file": "../outside/secret.txt"}), "file", "leaves $HF2Q_HOME");
-    bad(json!({"model": m, "file": outside.join("secret.txt").to_str().unwrap()}), "file", "absolute");
-    bad(json!({"model": m, "file": "data/out/secret.txt"}), "file", "outside $HF2Q_HOME");
-    bad(json!({"model": "models/out", "file": "data/wiki.txt"}), "model", "outside $HF2Q_HOME");
-    bad(json!({"model": m, "file": "data/wiki.txt", "ctxx": 3}), "ctxx", "unknown parameter");
-    bad(json!({"model": m, "file": "data/wiki.txt", "ctx": "big"}), "ctx", "whole number");
+    bad(
+        json!({"model": m, "file": "../outside/secret.txt"}),
+        "file",
+        "leaves $HF2Q_HOME",
+    );
+    bad(
+        json!({"model": m, "file": outside.join("secret.txt").to_str().unwrap()}),
+        "file",
+        "absolute",
+    );
+    bad(
+        json!({"model": m, "file": "data/out/secret.txt"}),
+        "file",
+        "outside $HF2Q_HOME",
+    );
+    bad(
+        json!({"model": "models/out", "file": "data/wiki.txt"}),
+        "model",
+        "outside $HF2Q_HOME",
+    );
+    bad(
+        json!({"model": m, "file": "data/wiki.txt", "ctxx": 3}),
+        "ctxx",
+        "unknown parameter",
+    );
+    bad(
+        json!({"model": m, "file": "data/wiki.txt", "ctx": "big"}),
+        "ctx",
+        "whole number",
+    );
     let (st, v) = s.call("POST", "/api/jobs", Some(json!({"kind": "quantize", "params": {"model": m, "type": "Q8_0", "output": "../../escape"}})));
-    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("output")), "{v}");
-    let (st, v) = s.call("POST", "/api/jobs", Some(json!({"kind": "dataset", "params": {}})));
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("output")),
+        "{v}"
+    );
+    let (st, v) = s.call(
+        "POST",
+        "/api/jobs",
+        Some(json!({"kind": "dataset", "params": {}})),
+    );
     assert_eq!(st, 501, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("not available yet"));
-    for p in ["/api/models/models/out/secret.txt", "/api/models/models/out", "/api/models/models/..%2F..%2Foutside", "/api/models/data/wiki.txt"] {
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not available yet"));
+    for p in [
+        "/api/models/models/out/secret.txt",
+        "/api/models/models/out",
+        "/api/models/models/..%2F..%2Foutside",
+        "/api/models/data/wiki.txt",
+    ] {
         let (st, v) = s.call("DELETE", p, None);
         assert!(st == 400 || st == 404, "{p}: {st} {v}");
     }
@@ -272,23 +392,42 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
 fn a_quantize_job_is_listed_and_its_events_replay_without_loss() {
     let (_d, h) = home();
     let s = Server::start(&h);
-    let id = s.submit("quantize", json!({"model": "models/tiny-llama", "type": "Q8_0", "output": "tiny-q8"}));
+    let id = s.submit(
+        "quantize",
+        json!({"model": "models/tiny-llama", "type": "Q8_0", "output": "tiny-q8"}),
+    );
     let j = s.wait_final(id);
     assert_eq!(j["state"], "succeeded", "{j}");
     assert_eq!(j["outputs"], json!(["models/tiny-q8.gguf"]));
     let (_, models) = s.call("GET", "/api/models", None);
-    let listed: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["path"].as_str().unwrap()).collect();
-    assert_eq!(listed, ["models/tiny-llama", "models/tiny-q8.gguf"], "{models}");
+    let listed: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        ["models/tiny-llama", "models/tiny-q8.gguf"],
+        "{models}"
+    );
     let q = &models["data"][1];
     assert_eq!(q["info"]["format"], "gguf", "{q}");
     assert_eq!(q["info"]["architecture"], "llama");
-    assert!(models["builtin"].as_array().unwrap().iter().any(|b| b["name"] == "smollm2-135m"));
+    assert!(models["builtin"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|b| b["name"] == "smollm2-135m"));
 
     let all = s.events(id, None);
     let ids: Vec<u64> = all.iter().map(|e| e.0).collect();
     assert_eq!(ids, (1..=ids.len() as u64).collect::<Vec<_>>());
     assert!(all.iter().all(|(i, e)| e["seq"] == *i));
-    assert!(all.iter().any(|(_, e)| e["type"] == "progress"), "quantize --json prints progress");
+    assert!(
+        all.iter().any(|(_, e)| e["type"] == "progress"),
+        "quantize --json prints progress"
+    );
     assert_eq!(all.last().unwrap().1["data"]["state"], "succeeded");
     for k in [1, ids.len() as u64 / 2, ids.len() as u64 - 1] {
         let rest = s.events(id, Some(k));
@@ -319,40 +458,93 @@ fn a_server_killed_during_training_comes_back_interrupted_and_the_resumed_adapte
     let live = s.events(whole, None);
     let j = s.wait_final(whole);
     assert_eq!(j["state"], "succeeded", "{j}");
-    let steps: Vec<u64> = live.iter().filter(|(_, e)| e["type"] == "progress" && e["data"]["event"] == "step").map(|(_, e)| e["data"]["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = live
+        .iter()
+        .filter(|(_, e)| e["type"] == "progress" && e["data"]["event"] == "step")
+        .map(|(_, e)| e["data"]["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
-    let span = live.last().unwrap().1["time"].as_f64().unwrap() - live[0].1["time"].as_f64().unwrap();
-    eprintln!("SSE followed {} events ({} steps) in {span:.2} s: {:.0} events/s", live.len(), steps.len(), live.len() as f64 / span);
+    let span =
+        live.last().unwrap().1["time"].as_f64().unwrap() - live[0].1["time"].as_f64().unwrap();
+    eprintln!(
+        "SSE followed {} events ({} steps) in {span:.2} s: {:.0} events/s",
+        live.len(),
+        steps.len(),
+        live.len() as f64 / span
+    );
 
     let broken = s.submit("train_sft", train_params("broken"));
     let partial = h.join(format!("adapters/.broken.partial-{broken}"));
-    let j = s.wait(broken, |j| j["state"] != "queued" && j["state"] != "running" || partial.join("checkpoint-000050").exists());
+    let j = s.wait(broken, |j| {
+        j["state"] != "queued" && j["state"] != "running"
+            || partial.join("checkpoint-000050").exists()
+    });
     assert_eq!(j["state"], "running", "killed mid-run: {j}");
+    // Its temporary folder (with a checkpoint in it) is not listed among the adapters.
+    let (_, models) = s.call("GET", "/api/models", None);
+    let listed: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        listed.contains(&"adapters/whole") && !listed.iter().any(|p| p.contains("broken")),
+        "{listed:?}"
+    );
     s.kill9();
     let s = Server::start(&h);
     let j = s.wait_final(broken);
     assert_eq!(j["state"], "interrupted", "{j}");
     assert!(!h.join("adapters/broken").exists());
-    let (st, v) = s.call("POST", &format!("/api/jobs/{broken}/resume"), Some(json!({})));
+    let (st, v) = s.call(
+        "POST",
+        &format!("/api/jobs/{broken}/resume"),
+        Some(json!({})),
+    );
     assert_eq!(st, 200, "{v}");
     let j = s.wait_final(broken);
     assert_eq!(j["state"], "succeeded", "{j}");
     assert_eq!(j["attempts"], 2);
-    let argv = s.events(broken, None).into_iter().filter(|(_, e)| e["data"]["state"] == "running").last().unwrap().1;
-    assert!(argv["data"]["argv"].as_array().unwrap().iter().any(|a| a == "--resume"), "{argv}");
+    let argv = s
+        .events(broken, None)
+        .into_iter()
+        .filter(|(_, e)| e["data"]["state"] == "running")
+        .last()
+        .unwrap()
+        .1;
+    assert!(
+        argv["data"]["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--resume"),
+        "{argv}"
+    );
     let a = std::fs::read(h.join("adapters/whole/adapter_model.safetensors")).unwrap();
     let b = std::fs::read(h.join("adapters/broken/adapter_model.safetensors")).unwrap();
-    assert!(a == b, "the resumed adapter differs from the unbroken run's");
+    assert!(
+        a == b,
+        "the resumed adapter differs from the unbroken run's"
+    );
     // Cancel of a running training job: SIGTERM, a checkpoint, `cancelled`, no adapter.
     let c = s.submit("train_sft", train_params("cancelled"));
     let partial = h.join(format!("adapters/.cancelled.partial-{c}"));
     // Its stop handler is in place once its log exists.
-    s.wait(c, |j| j["state"] != "queued" && j["state"] != "running" || partial.join("train_log.jsonl").exists());
+    s.wait(c, |j| {
+        j["state"] != "queued" && j["state"] != "running"
+            || partial.join("train_log.jsonl").exists()
+    });
     let (st, v) = s.call("POST", &format!("/api/jobs/{c}/cancel"), Some(json!({})));
     assert_eq!(st, 200, "{v}");
     let j = s.wait_final(c);
     assert_eq!(j["state"], "cancelled", "{j}");
     assert!(!h.join("adapters/cancelled").exists());
-    let saved: Vec<String> = std::fs::read_dir(&partial).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("checkpoint-")).collect();
+    let saved: Vec<String> = std::fs::read_dir(&partial)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
     assert!(!saved.is_empty(), "SIGTERM saved no checkpoint");
 }

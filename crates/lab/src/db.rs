@@ -173,7 +173,11 @@ impl Db {
 
     pub fn get(&self, id: i64) -> Result<Job> {
         self.conn()
-            .query_row(&format!("SELECT {COLUMNS} FROM jobs WHERE id = ?1"), [id], row)
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM jobs WHERE id = ?1"),
+                [id],
+                row,
+            )
             .optional()?
             .ok_or_else(|| Error::NotFound(format!("there is no job {id}")))
     }
@@ -182,7 +186,9 @@ impl Db {
     pub fn list(&self) -> Result<Vec<Job>> {
         let c = self.conn();
         let mut st = c.prepare(&format!("SELECT {COLUMNS} FROM jobs ORDER BY id DESC"))?;
-        let jobs = st.query_map([], row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+        let jobs = st
+            .query_map([], row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
         Ok(jobs)
     }
 
@@ -233,7 +239,8 @@ impl Db {
     }
 
     pub fn delete(&self, id: i64) -> Result<()> {
-        self.conn().execute("DELETE FROM jobs WHERE id = ?1", [id])?;
+        self.conn()
+            .execute("DELETE FROM jobs WHERE id = ?1", [id])?;
         Ok(())
     }
 }

@@ -71,7 +71,8 @@ impl EventLog {
         let mut line = serde_json::to_string(&ev).unwrap_or_default();
         line.push('\n');
         // One write per line on an O_APPEND file: a reader sees whole lines or nothing of one.
-        f.write_all(line.as_bytes()).map_err(|e| Error::io(&path, e))?;
+        f.write_all(line.as_bytes())
+            .map_err(|e| Error::io(&path, e))?;
         *next += 1;
         drop(open);
         self.tick.send_modify(|t| *t += 1);

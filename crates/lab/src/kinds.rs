@@ -41,13 +41,24 @@ pub const KINDS: &[(&str, Kind)] = &[
 
 impl Kind {
     pub fn parse(s: &str) -> Result<Kind> {
-        KINDS.iter().find(|(n, _)| *n == s).map(|(_, k)| *k).ok_or_else(|| {
-            let names: Vec<_> = KINDS.iter().map(|(n, _)| *n).collect();
-            Error::param("kind", format!("unknown job kind '{s}' (known: {})", names.join(", ")))
-        })
+        KINDS
+            .iter()
+            .find(|(n, _)| *n == s)
+            .map(|(_, k)| *k)
+            .ok_or_else(|| {
+                let names: Vec<_> = KINDS.iter().map(|(n, _)| *n).collect();
+                Error::param(
+                    "kind",
+                    format!("unknown job kind '{s}' (known: {})", names.join(", ")),
+                )
+            })
     }
     pub fn name(self) -> &'static str {
-        KINDS.iter().find(|(_, k)| *k == self).map(|(n, _)| *n).unwrap_or("?")
+        KINDS
+            .iter()
+            .find(|(_, k)| *k == self)
+            .map(|(n, _)| *n)
+            .unwrap_or("?")
     }
     pub fn is_train(self) -> bool {
         matches!(self, Kind::TrainSft | Kind::TrainDpo)
@@ -86,10 +97,20 @@ struct Param {
 }
 
 const fn p(name: &'static str, flag: &'static str, ty: Ty) -> Param {
-    Param { name, flag, ty, required: false }
+    Param {
+        name,
+        flag,
+        ty,
+        required: false,
+    }
 }
 const fn req(name: &'static str, flag: &'static str, ty: Ty) -> Param {
-    Param { name, flag, ty, required: true }
+    Param {
+        name,
+        flag,
+        ty,
+        required: true,
+    }
 }
 
 const DEVICES: &[&str] = &["auto", "cpu", "cuda"];
@@ -264,7 +285,11 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
             let names: Vec<_> = table.iter().map(|p| p.name).collect();
             return Err(Error::param(
                 k,
-                format!("unknown parameter for a {} job (known: {})", kind.name(), names.join(", ")),
+                format!(
+                    "unknown parameter for a {} job (known: {})",
+                    kind.name(),
+                    names.join(", ")
+                ),
             ));
         }
     }
@@ -274,7 +299,10 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
     for prm in table {
         let Some(v) = obj.get(prm.name).filter(|v| !v.is_null()) else {
             if prm.required {
-                return Err(Error::param(prm.name, format!("is required for a {} job", kind.name())));
+                return Err(Error::param(
+                    prm.name,
+                    format!("is required for a {} job", kind.name()),
+                ));
             }
             continue;
         };
@@ -285,7 +313,12 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
                     None
                 }
                 Some(false) => None,
-                None => return Err(Error::param(prm.name, format!("must be true or false, not {v}"))),
+                None => {
+                    return Err(Error::param(
+                        prm.name,
+                        format!("must be true or false, not {v}"),
+                    ))
+                }
             },
             Ty::Model => {
                 let s = scalar(prm.name, v, Ty::Str)?;
@@ -321,11 +354,17 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
         }
     }
     if kind == Kind::Pull {
-        let name = positional.first().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let name = positional
+            .first()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
         if !ctx.builtin_models.contains(&name) {
             return Err(Error::param(
                 "name",
-                format!("'{name}' is not a built-in model (known: {})", ctx.builtin_models.join(", ")),
+                format!(
+                    "'{name}' is not a built-in model (known: {})",
+                    ctx.builtin_models.join(", ")
+                ),
             ));
         }
     }
@@ -348,10 +387,19 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
         Some(v) => match v.as_str() {
             Some("gpu") => Lease::Gpu,
             Some("cpu") => Lease::Cpu,
-            _ => return Err(Error::param(LEASE, format!("must be \"gpu\" or \"cpu\", not {v}"))),
+            _ => {
+                return Err(Error::param(
+                    LEASE,
+                    format!("must be \"gpu\" or \"cpu\", not {v}"),
+                ))
+            }
         },
     };
-    Ok(Plan { argv, outputs, lease })
+    Ok(Plan {
+        argv,
+        outputs,
+        lease,
+    })
 }
 
 /// Quantize to a GGUF type, or convert `--to gguf`: the output is a `.gguf` file.
@@ -395,7 +443,10 @@ mod tests {
         let home = Home::new(d.path()).unwrap();
         std::fs::write(home.root().join("wiki.txt"), "text").unwrap();
         let builtin = vec!["smollm2-135m".to_string()];
-        let ctx = Context { home: &home, builtin_models: &builtin };
+        let ctx = Context {
+            home: &home,
+            builtin_models: &builtin,
+        };
         let pl = plan(
             &ctx,
             Kind::Quantize,
@@ -407,21 +458,62 @@ mod tests {
         let out = home.root().join("models/.small.gguf.partial-5");
         assert_eq!(
             argv,
-            ["quantize", "smollm2-135m", out.to_str().unwrap(), "--type", "Q4_0", "--eval-chunks", "2", "--json"]
+            [
+                "quantize",
+                "smollm2-135m",
+                out.to_str().unwrap(),
+                "--type",
+                "Q4_0",
+                "--eval-chunks",
+                "2",
+                "--json"
+            ]
         );
         assert_eq!(pl.outputs[0].0, home.root().join("models/small.gguf"));
         assert_eq!(pl.lease, Lease::Cpu);
         let err = |kind, v: Value| plan(&ctx, kind, &v, 1).unwrap_err().to_string();
-        assert!(err(Kind::Quantize, json!({"model": "smollm2-135m", "output": "o", "typ": "Q4_0"})).starts_with("typ: unknown parameter"));
-        assert!(err(Kind::Perplexity, json!({"model": "smollm2-135m"})).starts_with("file: is required"));
-        assert!(err(Kind::Perplexity, json!({"model": "smollm2-135m", "file": "wiki.txt", "ctx": -3})).starts_with("ctx: must be a whole number"));
-        assert!(err(Kind::Perplexity, json!({"model": "smollm2-135m", "file": "../wiki.txt"})).contains("leaves $HF2Q_HOME"));
-        assert!(err(Kind::Perplexity, json!({"model": "/etc/passwd", "file": "wiki.txt"})).contains("absolute"));
+        assert!(err(
+            Kind::Quantize,
+            json!({"model": "smollm2-135m", "output": "o", "typ": "Q4_0"})
+        )
+        .starts_with("typ: unknown parameter"));
+        assert!(err(Kind::Perplexity, json!({"model": "smollm2-135m"}))
+            .starts_with("file: is required"));
+        assert!(err(
+            Kind::Perplexity,
+            json!({"model": "smollm2-135m", "file": "wiki.txt", "ctx": -3})
+        )
+        .starts_with("ctx: must be a whole number"));
+        assert!(err(
+            Kind::Perplexity,
+            json!({"model": "smollm2-135m", "file": "../wiki.txt"})
+        )
+        .contains("leaves $HF2Q_HOME"));
+        assert!(err(
+            Kind::Perplexity,
+            json!({"model": "/etc/passwd", "file": "wiki.txt"})
+        )
+        .contains("absolute"));
         assert!(err(Kind::Pull, json!({"name": "gpt-17"})).contains("not a built-in model"));
-        assert!(matches!(plan(&ctx, Kind::Dataset, &json!({}), 1), Err(Error::NotYet(_))));
-        let t = plan(&ctx, Kind::TrainSft, &json!({"data": "wiki.txt", "output": "a", "steps": 3}), 2).unwrap();
+        assert!(matches!(
+            plan(&ctx, Kind::Dataset, &json!({}), 1),
+            Err(Error::NotYet(_))
+        ));
+        let t = plan(
+            &ctx,
+            Kind::TrainSft,
+            &json!({"data": "wiki.txt", "output": "a", "steps": 3}),
+            2,
+        )
+        .unwrap();
         assert_eq!(t.lease, Lease::Gpu);
-        let t = plan(&ctx, Kind::TrainSft, &json!({"data": "wiki.txt", "output": "a", "device": "cpu"}), 2).unwrap();
+        let t = plan(
+            &ctx,
+            Kind::TrainSft,
+            &json!({"data": "wiki.txt", "output": "a", "device": "cpu"}),
+            2,
+        )
+        .unwrap();
         assert_eq!(t.lease, Lease::Cpu);
     }
 }

@@ -47,7 +47,10 @@ impl Home {
                 Component::Normal(_) => {}
                 Component::CurDir => {}
                 Component::ParentDir => {
-                    return Err(Error::path(param, format!("'{name}' leaves $HF2Q_HOME (..)")))
+                    return Err(Error::path(
+                        param,
+                        format!("'{name}' leaves $HF2Q_HOME (..)"),
+                    ))
                 }
                 Component::RootDir | Component::Prefix(_) => {
                     return Err(Error::path(
@@ -76,7 +79,10 @@ impl Home {
         let rel = Self::check_name(param, name)?;
         let p = self.root.join(base).join(rel);
         let c = p.canonicalize().map_err(|e| {
-            Error::path(param, format!("'{name}' cannot be read under $HF2Q_HOME/{base}: {e}"))
+            Error::path(
+                param,
+                format!("'{name}' cannot be read under $HF2Q_HOME/{base}: {e}"),
+            )
         })?;
         self.inside(param, name, &c)?;
         Ok(c)
@@ -92,7 +98,10 @@ impl Home {
             .ok_or_else(|| Error::path(param, format!("'{name}' names no file")))?
             .to_owned();
         if file.to_string_lossy().starts_with('.') {
-            return Err(Error::path(param, format!("'{name}': output names may not start with '.'")));
+            return Err(Error::path(
+                param,
+                format!("'{name}': output names may not start with '.'"),
+            ));
         }
         let parent = p.parent().unwrap_or(&self.root);
         // Check before creating anything: an existing part of the parent may be a link out.

@@ -102,7 +102,13 @@ impl Lab {
             .open(&lock_path)
             .map_err(|e| Error::io(&lock_path, e))?;
         // SAFETY: flock on a file descriptor we own.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&lock),
+                libc::LOCK_EX | libc::LOCK_NB,
+            )
+        } != 0
+        {
             return Err(Error::Conflict(format!(
                 "another hf2q server runs the Lab of {}",
                 home.root().display()
@@ -145,7 +151,8 @@ impl Lab {
         let k = Kind::parse(kind)?;
         kinds::plan(&self.inner.ctx(), k, &params, 0)?;
         let job = self.inner.db.insert(k.name(), &params)?;
-        self.inner.event(job.id, "state", json!({"state": "queued"}));
+        self.inner
+            .event(job.id, "state", json!({"state": "queued"}));
         self.inner.wake.notify_all();
         Ok(job)
     }
@@ -179,7 +186,10 @@ impl Lab {
                 inner.finish(id, State::Cancelled, None, None, &[]);
                 inner.db.get(id)
             }
-            st => Err(Error::Conflict(format!("job {id} is {}: there is nothing to cancel", st.as_str()))),
+            st => Err(Error::Conflict(format!(
+                "job {id} is {}: there is nothing to cancel",
+                st.as_str()
+            ))),
         }
     }
 
@@ -221,7 +231,12 @@ impl Lab {
     pub fn shutdown(&self) {
         self.inner.lock().stop = true;
         self.inner.wake.notify_all();
-        let h = self.inner.scheduler.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let h = self
+            .inner
+            .scheduler
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         if let Some(h) = h {
             let _ = h.join();
         }
@@ -248,7 +263,14 @@ impl Inner {
         }
     }
 
-    fn finish(&self, id: i64, state: State, exit: Option<i32>, error: Option<&str>, outputs: &[String]) {
+    fn finish(
+        &self,
+        id: i64,
+        state: State,
+        exit: Option<i32>,
+        error: Option<&str>,
+        outputs: &[String],
+    ) {
         let f = Finish {
             state,
             exit_status: exit,
@@ -266,32 +288,28 @@ impl Inner {
         self.events.close(id);
     }
 
-    /// The temporary outputs of a job (from its params and id).
+    /// The temporary outputs of a job (from its params and id; the `.gguf` a GGUF output's
+    /// name gets is tried too).
     fn partials(&self, job: &Job) -> Vec<PathBuf> {
-        let Ok(kind) = Kind::parse(&job.kind) else { return Vec::new() };
-        // The outputs' names, without the checks that they are new (the job's may exist now).
-        let Some(obj) = job.params.as_object() else { return Vec::new() };
-        let _ = kind;
-        let mut out = Vec::new();
-        for (k, v) in obj {
-            if k != "output" {
-                continue;
-            }
-            let Some(name) = v.as_str() else { continue };
-            let base = match kind {
-                Kind::Quantize | Kind::Convert => "models",
-                Kind::Imatrix => "imatrix",
-                _ => "adapters",
-            };
-            let dir = self.home.root().join(base);
-            for n in [name.to_string(), format!("{name}.gguf")] {
-                let p = dir.join(&n);
-                if p.starts_with(self.home.root()) && !n.contains("..") {
-                    out.push(crate::paths::partial(&p, job.id));
-                }
-            }
+        let Ok(kind) = Kind::parse(&job.kind) else {
+            return Vec::new();
+        };
+        let base = match kind {
+            Kind::Quantize | Kind::Convert => "models",
+            Kind::Imatrix => "imatrix",
+            _ => "adapters",
+        };
+        let Some(name) = job.params.get("output").and_then(Value::as_str) else {
+            return Vec::new();
+        };
+        if name.contains("..") || Path::new(name).is_absolute() {
+            return Vec::new();
         }
-        out
+        let dir = self.home.root().join(base);
+        [name.to_string(), format!("{name}.gguf")]
+            .iter()
+            .map(|n| crate::paths::partial(&dir.join(n), job.id))
+            .collect()
     }
 
     /// Removes a job's temporary outputs: always when `all`, else all but a training job's
@@ -344,7 +362,12 @@ impl Inner {
         let me = self.clone();
         std::thread::spawn(move || {
             std::thread::sleep(me.cfg.grace);
-            if me.lock().running.get(&id).is_some_and(|r| r.pid == Some(pid)) {
+            if me
+                .lock()
+                .running
+                .get(&id)
+                .is_some_and(|r| r.pid == Some(pid))
+            {
                 signal_group(pid, libc::SIGKILL);
             }
         });
@@ -459,8 +482,16 @@ impl Inner {
         if let Err(e) = self.db.set_running(id, pid) {
             eprintln!("lab: job {id}: cannot record its start: {e}");
         }
-        let argv: Vec<String> = plan.argv.iter().map(|a| a.to_string_lossy().into()).collect();
-        self.event(id, "state", json!({"state": "running", "pid": pid, "argv": argv}));
+        let argv: Vec<String> = plan
+            .argv
+            .iter()
+            .map(|a| a.to_string_lossy().into())
+            .collect();
+        self.event(
+            id,
+            "state",
+            json!({"state": "running", "pid": pid, "argv": argv}),
+        );
         let cancel_now = {
             let mut s = self.lock();
             match s.running.get_mut(&id) {
@@ -509,12 +540,23 @@ impl Inner {
             let _ = h.join();
         }
         let cancelled = self.lock().running.get(&id).is_some_and(|r| r.cancel);
-        let tail: Vec<String> = tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+        let tail: Vec<String> = tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect();
         let status = match status {
             Ok(s) => s,
             Err(e) => {
                 self.remove_partials(job, false);
-                self.finish(id, State::Failed, None, Some(&format!("waiting for the child: {e}")), &[]);
+                self.finish(
+                    id,
+                    State::Failed,
+                    None,
+                    Some(&format!("waiting for the child: {e}")),
+                    &[],
+                );
                 return;
             }
         };
@@ -559,7 +601,8 @@ impl Inner {
                     self.home.relative(tmp)
                 ));
             }
-            std::fs::rename(tmp, fin).map_err(|e| format!("renaming {} into place: {e}", tmp.display()))?;
+            std::fs::rename(tmp, fin)
+                .map_err(|e| format!("renaming {} into place: {e}", tmp.display()))?;
             done.push(self.home.relative(fin));
         }
         Ok(done)
@@ -587,6 +630,8 @@ fn is_our_child(pid: u32, bin: &Path) -> bool {
 
 impl std::fmt::Debug for Lab {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lab").field("home", &self.inner.home.root()).finish_non_exhaustive()
+        f.debug_struct("Lab")
+            .field("home", &self.inner.home.root())
+            .finish_non_exhaustive()
     }
 }

@@ -44,7 +44,9 @@ impl Fixture {
             bin: self.bin.clone(),
             cpu_jobs,
             grace: Duration::from_secs(2),
-            builtin_models: ["fast", "slow", "crash", "lease", "burst"].map(String::from).to_vec(),
+            builtin_models: ["fast", "slow", "crash", "lease", "burst"]
+                .map(String::from)
+                .to_vec(),
         })
         .unwrap()
     }
@@ -61,7 +63,10 @@ fn wait(lab: &Lab, id: i64, what: impl Fn(&Job) -> bool) -> Job {
         if what(&j) {
             return j;
         }
-        assert!(t0.elapsed() < Duration::from_secs(30), "job {id} stuck: {j:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "job {id} stuck: {j:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -91,24 +96,43 @@ fn a_job_runs_publishes_its_output_and_survives_a_reopen() {
     assert_eq!(j.state, State::Succeeded, "{j:?}");
     assert_eq!(j.exit_status, Some(0));
     assert_eq!(j.outputs, ["models/small.gguf"]);
-    assert_eq!(std::fs::read_to_string(f.home().join("models/small.gguf")).unwrap(), "done");
+    assert_eq!(
+        std::fs::read_to_string(f.home().join("models/small.gguf")).unwrap(),
+        "done"
+    );
     assert!(j.started.unwrap() >= j.created && j.ended.unwrap() >= j.started.unwrap());
     let evs = events(&lab, j.id);
-    assert_eq!(evs.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=evs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        evs.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (1..=evs.len() as u64).collect::<Vec<_>>()
+    );
     assert_eq!(states(&evs), ["queued", "running", "succeeded"]);
-    assert!(evs.iter().any(|e| e.kind == "progress" && e.data["done"] == 1));
-    assert!(evs.iter().any(|e| e.kind == "log" && e.data["line"] == "plain line"));
+    assert!(evs
+        .iter()
+        .any(|e| e.kind == "progress" && e.data["done"] == 1));
+    assert!(evs
+        .iter()
+        .any(|e| e.kind == "log" && e.data["line"] == "plain line"));
     // The same name again is refused before it is queued: outputs are never overwritten.
-    let e = lab.submit("quantize", quantize("fast", "small")).unwrap_err().to_string();
+    let e = lab
+        .submit("quantize", quantize("fast", "small"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("already exists"), "{e}");
     lab.shutdown();
     drop(lab);
     let again = f.lab(2);
     let j2 = again.get(j.id).unwrap();
-    assert_eq!((j2.state, j2.outputs.clone()), (State::Succeeded, j.outputs.clone()));
+    assert_eq!(
+        (j2.state, j2.outputs.clone()),
+        (State::Succeeded, j.outputs.clone())
+    );
     again.delete(j.id).unwrap();
     assert!(again.get(j.id).is_err());
-    assert!(f.home().join("models/small.gguf").exists(), "deleting a job keeps its outputs");
+    assert!(
+        f.home().join("models/small.gguf").exists(),
+        "deleting a job keeps its outputs"
+    );
 }
 
 #[test]
@@ -119,18 +143,31 @@ fn crashed_and_killed_children_fail_and_leave_no_output() {
     let c = final_state(&lab, c.id);
     assert_eq!((c.state, c.exit_status), (State::Failed, Some(101)));
     let err = c.error.unwrap();
-    assert!(err.contains("status 101") && err.contains("panicked at model.rs"), "{err}");
+    assert!(
+        err.contains("status 101") && err.contains("panicked at model.rs"),
+        "{err}"
+    );
 
     let k = lab.submit("quantize", quantize("slow", "k")).unwrap();
     // Running and already writing its (temporary) output.
-    let k = wait(&lab, k.id, |_| events(&lab, k.id).iter().filter(|e| e.kind == "progress").count() > 3);
+    let k = wait(&lab, k.id, |_| {
+        events(&lab, k.id)
+            .iter()
+            .filter(|e| e.kind == "progress")
+            .count()
+            > 3
+    });
     let pid = k.pid.unwrap() as i32;
     let partial = f.home().join(format!("models/.k.gguf.partial-{}", k.id));
     assert!(partial.exists());
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let k = final_state(&lab, k.id);
     assert_eq!(k.state, State::Failed);
-    assert!(k.error.as_deref().unwrap().contains("signal 9"), "{:?}", k.error);
+    assert!(
+        k.error.as_deref().unwrap().contains("signal 9"),
+        "{:?}",
+        k.error
+    );
     assert!(k.outputs.is_empty());
     assert!(!partial.exists() && !f.home().join("models/k.gguf").exists());
     // The Lab lives on.
@@ -151,7 +188,10 @@ fn cancel_stops_a_running_job_and_a_queued_one() {
     lab.cancel(a.id).unwrap();
     let a = final_state(&lab, a.id);
     assert_eq!(a.state, State::Cancelled);
-    assert!(t0.elapsed() < Duration::from_secs(2), "SIGTERM ends the script at once");
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "SIGTERM ends the script at once"
+    );
     assert!(a.outputs.is_empty() && !f.home().join("models/a.gguf").exists());
     assert!(lab.cancel(a.id).is_err(), "nothing to cancel");
     assert!(lab.delete(a.id).is_ok());
@@ -161,7 +201,10 @@ fn cancel_stops_a_running_job_and_a_queued_one() {
     assert!(lab.delete(b.id).is_err(), "a queued job is not deleted");
     lab.cancel(b.id).unwrap();
     let b = final_state(&lab, b.id);
-    assert_eq!(states(&events(&lab, b.id))[..3], ["queued", "cancelled", "queued"]);
+    assert_eq!(
+        states(&events(&lab, b.id))[..3],
+        ["queued", "cancelled", "queued"]
+    );
 }
 
 #[test]
@@ -178,7 +221,10 @@ fn two_gpu_jobs_never_run_at_once_and_cpu_jobs_keep_their_limit() {
         assert_eq!(final_state(&lab, *id).state, State::Succeeded);
     }
     let trace = std::fs::read_to_string(f.home().join("trace.log")).unwrap();
-    let marks: Vec<&str> = trace.lines().map(|l| l.split(' ').nth(1).unwrap()).collect();
+    let marks: Vec<&str> = trace
+        .lines()
+        .map(|l| l.split(' ').nth(1).unwrap())
+        .collect();
     assert_eq!(marks.len(), 8);
     for pair in marks.chunks(2) {
         assert_eq!(pair, ["start", "end"], "GPU jobs overlapped:\n{trace}");
@@ -188,7 +234,13 @@ fn two_gpu_jobs_never_run_at_once_and_cpu_jobs_keep_their_limit() {
     lab.shutdown();
     drop(lab);
     let lab = f.lab(2);
-    let ids: Vec<i64> = (0..6).map(|i| lab.submit("quantize", quantize("lease", &format!("c{i}"))).unwrap().id).collect();
+    let ids: Vec<i64> = (0..6)
+        .map(|i| {
+            lab.submit("quantize", quantize("lease", &format!("c{i}")))
+                .unwrap()
+                .id
+        })
+        .collect();
     for id in &ids {
         assert_eq!(final_state(&lab, *id).state, State::Succeeded);
     }
@@ -208,17 +260,31 @@ fn twenty_jobs_at_once_all_end_and_no_event_is_lost() {
     let ids: Vec<i64> = (0..20)
         .map(|i| {
             let model = if i % 5 == 4 { "crash" } else { "burst" };
-            lab.submit("quantize", quantize(model, &format!("j{i}"))).unwrap().id
+            lab.submit("quantize", quantize(model, &format!("j{i}")))
+                .unwrap()
+                .id
         })
         .collect();
     for (i, id) in ids.iter().enumerate() {
         let j = final_state(&lab, *id);
-        let want = if i % 5 == 4 { State::Failed } else { State::Succeeded };
+        let want = if i % 5 == 4 {
+            State::Failed
+        } else {
+            State::Succeeded
+        };
         assert_eq!(j.state, want, "{j:?}");
         if want == State::Succeeded {
             let evs = events(&lab, *id);
-            let done: Vec<u64> = evs.iter().filter(|e| e.kind == "progress").map(|e| e.data["done"].as_u64().unwrap()).collect();
-            assert_eq!(done, (0..400).collect::<Vec<_>>(), "job {id} lost progress lines");
+            let done: Vec<u64> = evs
+                .iter()
+                .filter(|e| e.kind == "progress")
+                .map(|e| e.data["done"].as_u64().unwrap())
+                .collect();
+            assert_eq!(
+                done,
+                (0..400).collect::<Vec<_>>(),
+                "job {id} lost progress lines"
+            );
         }
     }
 }
@@ -237,6 +303,11 @@ fn a_job_left_running_by_a_dead_server_is_interrupted() {
     assert_eq!(j.state, State::Interrupted);
     assert!(j.error.unwrap().contains("server stopped"));
     assert!(Path::new(&f.home().join("lab/events/1.ndjson")).exists());
-    let e = Lab::open(LabConfig { home: f.home(), ..lab.config().clone() }).err().unwrap();
+    let e = Lab::open(LabConfig {
+        home: f.home(),
+        ..lab.config().clone()
+    })
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("another hf2q server"), "{e}");
 }

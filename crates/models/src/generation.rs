@@ -155,17 +155,31 @@ mod tests {
     #[test]
     fn reads_generation_config_as_transformers_does() {
         let g = GenerationDefaults::from_json(&json!({"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1})).unwrap();
-        assert_eq!((g.temperature, g.top_p, g.top_k, g.repetition_penalty), (Some(0.7), Some(0.8), Some(20), Some(1.1)));
+        assert_eq!(
+            (g.temperature, g.top_p, g.top_k, g.repetition_penalty),
+            (Some(0.7), Some(0.8), Some(20), Some(1.1))
+        );
         let mut s = SamplerConfig::default();
         g.apply(&mut s);
         assert_eq!((s.temperature, s.top_p, s.top_k), (0.7, 0.8, 20));
-        assert_eq!(s.min_p, SamplerConfig::default().min_p, "unnamed fields stay");
-        let greedy = GenerationDefaults::from_json(&json!({"do_sample": false, "temperature": 0.7})).unwrap();
+        assert_eq!(
+            s.min_p,
+            SamplerConfig::default().min_p,
+            "unnamed fields stay"
+        );
+        let greedy =
+            GenerationDefaults::from_json(&json!({"do_sample": false, "temperature": 0.7}))
+                .unwrap();
         assert_eq!(greedy.temperature, Some(0.0));
-        assert!(GenerationDefaults::from_json(&json!({"bos_token_id": 1, "temperature": 0.6})).unwrap().is_empty());
+        assert!(
+            GenerationDefaults::from_json(&json!({"bos_token_id": 1, "temperature": 0.6}))
+                .unwrap()
+                .is_empty()
+        );
         let e = GenerationDefaults::from_json(&json!({"do_sample": true, "top_p": 3})).unwrap_err();
         assert!(e.contains("'top_p'"), "{e}");
-        let e = GenerationDefaults::from_json(&json!({"do_sample": true, "top_k": -1})).unwrap_err();
+        let e =
+            GenerationDefaults::from_json(&json!({"do_sample": true, "top_k": -1})).unwrap_err();
         assert!(e.contains("'top_k'"), "{e}");
     }
 }

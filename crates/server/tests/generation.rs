@@ -23,10 +23,15 @@ fn copy_with(gen: &str) -> (tempfile::TempDir, Arc<Model>) {
 
 async fn reply(addr: std::net::SocketAddr, extra: serde_json::Value) -> String {
     let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 24, "ignore_eos": true});
-    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
     let r = post(addr, "/v1/chat/completions", &body).await;
     assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+    r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
 }
 
 #[tokio::test]
@@ -36,7 +41,11 @@ async fn the_model_s_sampling_is_the_default_and_request_fields_override_it() {
     let h = start(model, cfg()).await;
     let greedy = reply(h.addr, json!({"temperature": 0})).await;
     for seed in [1, 2, 3] {
-        assert_eq!(reply(h.addr, json!({"seed": seed})).await, greedy, "seed {seed} without a temperature");
+        assert_eq!(
+            reply(h.addr, json!({"seed": seed})).await,
+            greedy,
+            "seed {seed} without a temperature"
+        );
     }
     // The request's temperature wins: 24 tokens of a random model at temperature 1.5 over
     // three seeds are not all the greedy text.

@@ -36,7 +36,10 @@ pub fn router() -> Router<Shared> {
         .route("/api/jobs/{id}/events", get(events))
         .route("/api/models", get(super::lab_models::list))
         .route("/api/models/pull", post(super::lab_models::pull))
-        .route("/api/models/{*path}", axum::routing::delete(super::lab_models::delete))
+        .route(
+            "/api/models/{*path}",
+            axum::routing::delete(super::lab_models::delete),
+        )
         .route_layer(middleware::from_fn(guard))
 }
 
@@ -48,7 +51,11 @@ async fn guard(req: Request, next: Next) -> Response {
             .headers()
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.split(';').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json")));
+            .is_some_and(|v| {
+                v.split(';')
+                    .next()
+                    .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+            });
         if !json {
             return ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -63,10 +70,11 @@ async fn guard(req: Request, next: Next) -> Response {
 }
 
 pub(super) fn lab(st: &Shared) -> ApiResult<&Lab> {
-    st.cfg
-        .lab
-        .as_ref()
-        .ok_or_else(|| ApiError::not_found("the Lab is off on this server (started with --no-lab, or another server runs it)"))
+    st.cfg.lab.as_ref().ok_or_else(|| {
+        ApiError::not_found(
+            "the Lab is off on this server (started with --no-lab, or another server runs it)",
+        )
+    })
 }
 
 pub(super) fn lab_error(e: hf2q_lab::Error) -> ApiError {
@@ -76,8 +84,11 @@ pub(super) fn lab_error(e: hf2q_lab::Error) -> ApiError {
             ApiError::invalid(&param, format!("{param}: {message}"))
         }
         E::NotFound(m) => ApiError::not_found(m),
-        E::Conflict(m) => ApiError::new(StatusCode::CONFLICT, "invalid_request_error", m).with_code("conflict"),
-        E::NotYet(m) => ApiError::new(StatusCode::NOT_IMPLEMENTED, "invalid_request_error", m).with_code("not_implemented"),
+        E::Conflict(m) => {
+            ApiError::new(StatusCode::CONFLICT, "invalid_request_error", m).with_code("conflict")
+        }
+        E::NotYet(m) => ApiError::new(StatusCode::NOT_IMPLEMENTED, "invalid_request_error", m)
+            .with_code("not_implemented"),
         e => ApiError::internal(e.to_string()),
     }
 }
@@ -99,7 +110,10 @@ async fn list(State(st): State<Shared>) -> ApiResult<Json<Value>> {
     Ok(Json(json!({"object": "list", "data": jobs})))
 }
 
-async fn submit(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
+async fn submit(
+    State(st): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
     let v = json_body(body, st.cfg.max_body_bytes)?;
     let kind = match v.get("kind") {
         Some(Value::String(k)) => k.clone(),
@@ -111,8 +125,14 @@ async fn submit(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -
         Some(p @ Value::Object(_)) => p.clone(),
         Some(_) => return Err(ApiError::wrong_type("params", "an object")),
     };
-    if let Some(k) = v.as_object().and_then(|o| o.keys().find(|k| *k != "kind" && *k != "params")) {
-        return Err(ApiError::invalid(k, format!("unknown field '{k}' (a job is {{\"kind\", \"params\"}})")));
+    if let Some(k) = v
+        .as_object()
+        .and_then(|o| o.keys().find(|k| *k != "kind" && *k != "params"))
+    {
+        return Err(ApiError::invalid(
+            k,
+            format!("unknown field '{k}' (a job is {{\"kind\", \"params\"}})"),
+        ));
     }
     let job = blocking(&st, move |l| l.submit(&kind, params)).await?;
     Ok((StatusCode::CREATED, Json(job)).into_response())
@@ -151,9 +171,17 @@ async fn events(
     Query(q): Query<EventsQuery>,
 ) -> ApiResult<Response> {
     blocking(&st, move |l| l.get(id)).await?;
-    let after = match headers.get("last-event-id").map(|v| v.to_str().map(|s| s.trim().parse::<u64>())) {
+    let after = match headers
+        .get("last-event-id")
+        .map(|v| v.to_str().map(|s| s.trim().parse::<u64>()))
+    {
         Some(Ok(Ok(n))) => n,
-        Some(_) => return Err(ApiError::invalid("Last-Event-ID", "must be an event's sequence number")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "Last-Event-ID",
+                "must be an event's sequence number",
+            ))
+        }
         None => q.after.unwrap_or(0),
     };
     let lab = lab(&st)?.clone();

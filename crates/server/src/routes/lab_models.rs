@@ -37,7 +37,11 @@ fn cache() -> &'static Mutex<HashMap<Key, Value>> {
 
 fn describe(path: &Path) -> Value {
     let meta = std::fs::metadata(path).ok();
-    let key = (path.to_path_buf(), meta.as_ref().map_or(0, |m| m.len()), meta.and_then(|m| m.modified().ok()));
+    let key = (
+        path.to_path_buf(),
+        meta.as_ref().map_or(0, |m| m.len()),
+        meta.and_then(|m| m.modified().ok()),
+    );
     if let Some(v) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return v.clone();
     }
@@ -45,7 +49,10 @@ fn describe(path: &Path) -> Value {
         Ok(m) => json!({"info": m.info()}),
         Err(e) => json!({"error": e.to_string()}),
     };
-    cache().lock().unwrap_or_else(|e| e.into_inner()).insert(key, v.clone());
+    cache()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, v.clone());
     v
 }
 
@@ -60,7 +67,9 @@ fn bytes_of(p: &Path) -> u64 {
 }
 
 fn walk(home: &Home, dir: &Path, depth: usize, out: &mut Vec<Value>) {
-    let Ok(rd) = std::fs::read_dir(dir) else { return };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
     let mut entries: Vec<_> = rd.flatten().collect();
     entries.sort_by_key(|e| e.file_name());
     for e in entries {
@@ -116,7 +125,8 @@ pub async fn list(State(st): State<Shared>) -> ApiResult<Json<Value>> {
             .map(|n| {
                 let dir = home.root().join("models").join(n);
                 let cached = std::fs::read_dir(&dir).is_ok_and(|rd| {
-                    rd.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".gguf"))
+                    rd.flatten()
+                        .any(|e| e.file_name().to_string_lossy().ends_with(".gguf"))
                 });
                 json!({"name": n, "cached": cached})
             })
@@ -124,11 +134,16 @@ pub async fn list(State(st): State<Shared>) -> ApiResult<Json<Value>> {
         Ok((data, builtin))
     })
     .await?;
-    Ok(Json(json!({"object": "list", "data": data, "builtin": builtin})))
+    Ok(Json(
+        json!({"object": "list", "data": data, "builtin": builtin}),
+    ))
 }
 
 /// `POST /api/models/pull {"name"}`: a `pull` job.
-pub async fn pull(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
+pub async fn pull(
+    State(st): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
     let v = json_body(body, st.cfg.max_body_bytes)?;
     let name = match v.get("name") {
         Some(Value::String(n)) => n.clone(),
@@ -141,25 +156,42 @@ pub async fn pull(State(st): State<Shared>, body: Result<Bytes, BytesRejection>)
 
 /// `DELETE /api/models/{path}`: a model file or folder, or an adapter folder, under
 /// `models/` or `adapters/` of the home; a symbolic link is refused, not followed.
-pub async fn delete(State(st): State<Shared>, UrlPath(path): UrlPath<String>) -> ApiResult<Json<Value>> {
+pub async fn delete(
+    State(st): State<Shared>,
+    UrlPath(path): UrlPath<String>,
+) -> ApiResult<Json<Value>> {
     let rel = path.clone();
     blocking(&st, move |lab| {
         let home = lab.home();
         let bad = |m: String| hf2q_lab::Error::path("path", m);
-        let first = Path::new(&rel).components().next().map(|c| c.as_os_str().to_string_lossy().to_string());
+        let first = Path::new(&rel)
+            .components()
+            .next()
+            .map(|c| c.as_os_str().to_string_lossy().to_string());
         if !first.as_deref().is_some_and(|f| ROOTS.contains(&f)) {
-            return Err(bad(format!("'{rel}' is not under models/ or adapters/ of $HF2Q_HOME")));
+            return Err(bad(format!(
+                "'{rel}' is not under models/ or adapters/ of $HF2Q_HOME"
+            )));
         }
         let c = home.existing("path", "", &rel)?;
         let joined = home.root().join(&rel);
         if std::fs::symlink_metadata(&joined).is_ok_and(|m| m.file_type().is_symlink()) {
-            return Err(bad(format!("'{rel}' is a symbolic link; it is not followed")));
+            return Err(bad(format!(
+                "'{rel}' is a symbolic link; it is not followed"
+            )));
         }
         let top = home.root().join(first.unwrap_or_default());
         if c == top || !c.starts_with(&top) {
-            return Err(bad(format!("'{rel}' is not a model under {}", home.relative(&top))));
+            return Err(bad(format!(
+                "'{rel}' is not a model under {}",
+                home.relative(&top)
+            )));
         }
-        let r = if c.is_dir() { std::fs::remove_dir_all(&c) } else { std::fs::remove_file(&c) };
+        let r = if c.is_dir() {
+            std::fs::remove_dir_all(&c)
+        } else {
+            std::fs::remove_file(&c)
+        };
         r.map_err(|e| hf2q_lab::Error::io(&c, e))
     })
     .await?;
