@@ -51,16 +51,18 @@ impl EventLog {
     pub fn append(&self, job: i64, kind: &str, data: Value) -> Result<u64> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let path = self.path(job);
-        if !open.contains_key(&job) {
-            let last = last_seq(&path)?;
-            let f = OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&path)
-                .map_err(|e| Error::io(&path, e))?;
-            open.insert(job, (f, last + 1));
-        }
-        let (f, next) = open.get_mut(&job).expect("inserted above");
+        let (f, next) = match open.entry(job) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let last = last_seq(&path)?;
+                let f = OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(|e| Error::io(&path, e))?;
+                v.insert((f, last + 1))
+            }
+        };
         let seq = *next;
         let ev = Event {
             seq,
