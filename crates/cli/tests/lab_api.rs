@@ -246,6 +246,8 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
     std::fs::write(outside.join("secret.txt"), "secret").unwrap();
     std::os::unix::fs::symlink(&outside, h.join("data/out")).unwrap();
     std::os::unix::fs::symlink(&outside, h.join("models/out")).unwrap();
+    std::fs::create_dir_all(h.join("datasets")).unwrap();
+    std::os::unix::fs::symlink(&outside, h.join("datasets/out")).unwrap();
     let s = Server::start(&h);
     let job = s.submit(
         "perplexity",
@@ -262,6 +264,11 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
         ("GET", "/api/models".into()),
         ("POST", "/api/models/pull".into()),
         ("DELETE", "/api/models/tiny-llama".into()),
+        ("GET", "/api/datasets".into()),
+        ("POST", "/api/datasets".into()),
+        ("GET", "/api/datasets/qa/preview".into()),
+        ("GET", "/api/datasets/qa/stats".into()),
+        ("DELETE", "/api/datasets/qa".into()),
     ];
     let body = r#"{"kind":"perplexity","params":{}}"#;
     for (m, p) in routes {
@@ -365,14 +372,23 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
     );
     let (st, v) = s.call(
         "POST",
-        "/api/jobs",
-        Some(json!({"kind": "dataset", "params": {}})),
+        "/api/datasets",
+        Some(json!({"inputs": ["data/out/secret.txt"], "output": "x"})),
     );
-    assert_eq!(st, 501, "{v}");
-    assert!(v["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("not available yet"));
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("inputs")),
+        "{v}"
+    );
+    for p in [
+        "/api/datasets/..%2Fmodels/stats",
+        "/api/datasets/out/preview",
+        "/api/datasets/out",
+    ] {
+        let m = if p.ends_with("/out") { "DELETE" } else { "GET" };
+        let (st, v) = s.call(m, p, None);
+        assert!(st == 400 || st == 404, "{p}: {st} {v}");
+    }
     for p in [
         "/api/models/models/out/secret.txt",
         "/api/models/models/out",
@@ -383,6 +399,10 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
         assert!(st == 400 || st == 404, "{p}: {st} {v}");
     }
     assert!(outside.join("secret.txt").exists() && h.join("data/wiki.txt").exists());
+    assert!(
+        h.join("datasets/out").exists(),
+        "a link is refused, not removed"
+    );
     // Nothing refused reached the job table.
     let (_, list) = s.call("GET", "/api/jobs", None);
     assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
@@ -439,6 +459,98 @@ fn a_quantize_job_is_listed_and_its_events_replay_without_loss() {
     let (st, _) = s.call("DELETE", &format!("/api/jobs/{id}"), None);
     assert_eq!(st, 200);
     assert_eq!(s.call("GET", &format!("/api/jobs/{id}"), None).0, 404);
+}
+
+#[test]
+fn a_dataset_job_builds_a_split_that_the_api_previews_reports_and_deletes() {
+    let (_d, h) = home();
+    let mut csv = String::from("question,answer\n");
+    for i in 0..20 {
+        csv.push_str(&format!(
+            "What is {i} plus {i}?,\"It is {}, of course.\"\n",
+            2 * i
+        ));
+    }
+    csv.push_str("a row,with,three cells\n");
+    std::fs::write(h.join("data/qa.csv"), csv).unwrap();
+    let s = Server::start(&h);
+    let params = json!({"inputs": ["data/qa.csv"], "output": "qa", "to": "messages",
+        "map": {"instruction": "question", "output": "answer"}, "on_error": "skip",
+        "seed": 5, "model": "models/tiny-llama", "max_len": 16});
+    let (st, v) = s.call("POST", "/api/datasets", Some(params.clone()));
+    assert_eq!(st, 201, "{v}");
+    let id = v["id"].as_i64().unwrap();
+    let j = s.wait_final(id);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    assert_eq!(j["outputs"], json!(["datasets/qa"]));
+    let result = s
+        .events(id, None)
+        .into_iter()
+        .find(|(_, e)| e["type"] == "progress")
+        .expect("the report as an event")
+        .1;
+    assert_eq!(
+        (
+            result["data"]["train"].as_u64(),
+            result["data"]["valid"].as_u64()
+        ),
+        (Some(18), Some(2)),
+        "{result}"
+    );
+
+    let (_, list) = s.call("GET", "/api/datasets", None);
+    assert_eq!(
+        list["data"],
+        json!([{"name": "qa", "path": "datasets/qa", "format": "messages", "train": 18, "valid": 2}]),
+        "{list}"
+    );
+    let files: Vec<&str> = list["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(files, ["data/chats.jsonl", "data/qa.csv"]);
+    let (st, p) = s.call("GET", "/api/datasets/qa/preview?split=valid", None);
+    assert_eq!(st, 200, "{p}");
+    assert_eq!(p["total"], 2);
+    let q = p["data"][0]["messages"][0]["content"].as_str().unwrap();
+    assert!(q.starts_with("What is ") && q.ends_with('?'), "{p}");
+    let (_, p) = s.call("GET", "/api/datasets/qa/preview?offset=16&limit=5", None);
+    assert_eq!(
+        (p["total"].as_u64(), p["data"].as_array().unwrap().len()),
+        (Some(18), 2)
+    );
+    assert_eq!(
+        s.call("GET", "/api/datasets/qa/preview?limit=0", None).0,
+        400
+    );
+    assert_eq!(
+        s.call("GET", "/api/datasets/qa/preview?split=test", None).0,
+        400
+    );
+    let (st, r) = s.call("GET", "/api/datasets/qa/stats", None);
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(
+        (r["rows"].as_u64(), r["skipped"].as_u64()),
+        (Some(21), Some(1)),
+        "{r}"
+    );
+    assert_eq!(r["problems"][0]["line"], 22);
+    assert_eq!(r["tokens"]["records"], 20);
+    assert_eq!(r["tokens"]["max_len"], 16);
+    assert!(r["tokens"]["over_max_len"].as_u64().unwrap() > 0, "{r}");
+    // The same job again: the output exists, so it is refused before it is queued.
+    let (st, v) = s.call("POST", "/api/datasets", Some(params));
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("output")),
+        "{v}"
+    );
+    let (st, _) = s.call("DELETE", "/api/datasets/qa", None);
+    assert_eq!(st, 200);
+    assert!(!h.join("datasets/qa").exists() && h.join("data/qa.csv").exists());
+    assert_eq!(s.call("GET", "/api/datasets/qa/stats", None).0, 400);
 }
 
 fn train_params(output: &str) -> Value {
@@ -509,8 +621,8 @@ fn a_server_killed_during_training_comes_back_interrupted_and_the_resumed_adapte
     let argv = s
         .events(broken, None)
         .into_iter()
-        .filter(|(_, e)| e["data"]["state"] == "running")
-        .last()
+        .rev()
+        .find(|(_, e)| e["data"]["state"] == "running")
         .unwrap()
         .1;
     assert!(

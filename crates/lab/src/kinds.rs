@@ -5,7 +5,8 @@
 //!
 //! Paths: inputs (`file`, `data`, ...) are names relative to `$HF2Q_HOME`; a `model` is a
 //! built-in name or such a name; outputs are names under the kind's folder
-//! (`models/` for quantize and convert, `imatrix/`, `adapters/` for training).
+//! (`models/` for quantize and convert, `imatrix/`, `adapters/` for training, `datasets/` for
+//! the dataset builder).
 //! Not here: running the argv ([`crate::runner`]).
 
 use std::ffi::OsString;
@@ -85,6 +86,10 @@ enum Ty {
     Input,
     /// A new path under this folder of the home.
     Output(&'static str),
+    /// A non-empty list of [`Ty::Input`] names (positional).
+    Inputs,
+    /// An object `{FIELD: COLUMN}`: one `FLAG FIELD=COLUMN` each.
+    Pairs,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -203,6 +208,29 @@ macro_rules! train_params {
 const TRAIN_SFT: &[Param] = train_params!(p("train_on_prompt", "--train-on-prompt", Ty::Bool));
 const TRAIN_DPO: &[Param] = train_params!(p("beta", "--beta", Ty::Float));
 
+const FORMATS: &[&str] = &[
+    "messages",
+    "sharegpt",
+    "alpaca",
+    "prompt_completion",
+    "text",
+    "dpo",
+];
+
+const DATASET: &[Param] = &[
+    req("inputs", "", Ty::Inputs),
+    req("output", "--output", Ty::Output("datasets")),
+    p("to", "--to", Ty::Choice(FORMATS)),
+    p("map", "--map", Ty::Pairs),
+    p("on_error", "--on-error", Ty::Choice(&["reject", "skip"])),
+    p("valid_split", "--valid-split", Ty::Float),
+    p("seed", "--seed", Ty::Int),
+    p("dedup", "--dedup", Ty::Choice(&["none", "exact", "near"])),
+    p("near_threshold", "--near-threshold", Ty::Float),
+    p("model", "--model", Ty::Model),
+    p("max_len", "--max-len", Ty::Int),
+];
+
 const PULL: &[Param] = &[req("name", "", Ty::Str), p("force", "--force", Ty::Bool)];
 
 /// Params every kind takes and the runner (not the child) reads: `lease` ("gpu" or "cpu")
@@ -219,12 +247,7 @@ fn table(kind: Kind) -> Result<&'static [Param]> {
         Kind::TrainSft => TRAIN_SFT,
         Kind::TrainDpo => TRAIN_DPO,
         Kind::Pull => PULL,
-        Kind::Dataset => {
-            return Err(Error::NotYet(
-                "the 'dataset' job kind is not available yet in this build (the dataset builder is still to come)"
-                    .into(),
-            ))
-        }
+        Kind::Dataset => DATASET,
     })
 }
 
@@ -342,6 +365,39 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
                 outputs.push((out, tmp.clone()));
                 Some(tmp.into_os_string())
             }
+            Ty::Inputs => {
+                let list = v.as_array().filter(|l| !l.is_empty()).ok_or_else(|| {
+                    Error::param(
+                        prm.name,
+                        format!("must be a non-empty list of names, not {v}"),
+                    )
+                })?;
+                for item in list {
+                    let s = scalar(prm.name, item, Ty::Str)?;
+                    positional.push(ctx.home.existing(prm.name, "", &s)?.into_os_string());
+                }
+                None
+            }
+            Ty::Pairs => {
+                let m = v.as_object().ok_or_else(|| {
+                    Error::param(
+                        prm.name,
+                        format!("must be an object {{FIELD: COLUMN}}, not {v}"),
+                    )
+                })?;
+                for (field, col) in m {
+                    let c = scalar(prm.name, col, Ty::Str)?;
+                    if field.is_empty() || field.contains('=') {
+                        return Err(Error::param(
+                            prm.name,
+                            format!("'{field}' is not a field name"),
+                        ));
+                    }
+                    flags.push(prm.flag.into());
+                    flags.push(format!("{field}={c}").into());
+                }
+                None
+            }
             ty => Some(scalar(prm.name, v, ty)?.into()),
         };
         if let Some(a) = arg {
@@ -371,6 +427,7 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
     let mut argv: Vec<OsString> = match kind {
         Kind::TrainSft => vec!["train".into(), "sft".into()],
         Kind::TrainDpo => vec!["train".into(), "dpo".into()],
+        Kind::Dataset => vec!["dataset".into(), "build".into()],
         k => vec![k.name().into()],
     };
     argv.extend(positional);
@@ -495,10 +552,47 @@ mod tests {
         )
         .contains("absolute"));
         assert!(err(Kind::Pull, json!({"name": "gpt-17"})).contains("not a built-in model"));
-        assert!(matches!(
-            plan(&ctx, Kind::Dataset, &json!({}), 1),
-            Err(Error::NotYet(_))
-        ));
+        std::fs::create_dir_all(home.root().join("data")).unwrap();
+        std::fs::write(home.root().join("data/qa.csv"), "q,a\n").unwrap();
+        let d = plan(
+            &ctx,
+            Kind::Dataset,
+            &json!({"inputs": ["data/qa.csv", "wiki.txt"], "output": "qa", "map": {"instruction": "q", "output": "a"}, "to": "alpaca"}),
+            4,
+        )
+        .unwrap();
+        let argv: Vec<String> = d.argv.iter().map(|a| a.to_string_lossy().into()).collect();
+        let tmp = home.root().join("datasets/.qa.partial-4");
+        let inp = |n: &str| home.root().join(n).to_string_lossy().to_string();
+        assert_eq!(
+            argv,
+            [
+                "dataset".to_string(),
+                "build".into(),
+                inp("data/qa.csv"),
+                inp("wiki.txt"),
+                "--output".into(),
+                tmp.to_string_lossy().into(),
+                "--to".into(),
+                "alpaca".into(),
+                "--map".into(),
+                "instruction=q".into(),
+                "--map".into(),
+                "output=a".into(),
+                "--json".into()
+            ]
+        );
+        assert!(err(Kind::Dataset, json!({"inputs": [], "output": "x"})).contains("non-empty list"));
+        assert!(err(
+            Kind::Dataset,
+            json!({"inputs": ["../x.csv"], "output": "x"})
+        )
+        .contains("leaves $HF2Q_HOME"));
+        assert!(err(
+            Kind::Dataset,
+            json!({"inputs": ["wiki.txt"], "output": "x", "map": {"a=b": "c"}})
+        )
+        .contains("not a field name"));
         let t = plan(
             &ctx,
             Kind::TrainSft,

@@ -8,8 +8,8 @@
 //! (one GPU job at a time, a limit of CPU jobs), spawns, cancels and records.
 //!
 //! Not here: HTTP (the server crate's `/api` routes call [`Lab`]), the environment (the binary
-//! passes `$HF2Q_HOME` and its own path in [`LabConfig`]), the dataset builder (the `dataset`
-//! kind answers "not yet").
+//! passes `$HF2Q_HOME` and its own path in [`LabConfig`]), what a job does (the `hf2q` commands;
+//! the `dataset` kind runs `hf2q dataset build`).
 
 pub mod db;
 pub mod events;
@@ -42,9 +42,6 @@ pub enum Error {
     /// The job is not in a state that allows the request (e.g. deleting a running job).
     #[error("{0}")]
     Conflict(String),
-    /// A kind the API names but this build does not run yet.
-    #[error("{0}")]
-    NotYet(String),
 }
 
 impl Error {

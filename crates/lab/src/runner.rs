@@ -297,6 +297,7 @@ impl Inner {
         let base = match kind {
             Kind::Quantize | Kind::Convert => "models",
             Kind::Imatrix => "imatrix",
+            Kind::Dataset => "datasets",
             _ => "adapters",
         };
         let Some(name) = job.params.get("output").and_then(Value::as_str) else {

@@ -1,6 +1,7 @@
-//! `/api/jobs` and `/api/models`: the Lab's HTTP surface over [`hf2q_lab::Lab`] (jobs: submit,
-//! list, get, cancel, resume, delete, and the event log as SSE with replay from
-//! `Last-Event-ID`; models: [`super::lab_models`]). Errors in the `/v1` shape. Guarded by the
+//! `/api/jobs`, `/api/models` and `/api/datasets`: the Lab's HTTP surface over
+//! [`hf2q_lab::Lab`] (jobs: submit, list, get, cancel, resume, delete, and the event log as SSE
+//! with replay from `Last-Event-ID`; models: [`super::lab_models`]; datasets:
+//! [`super::lab_datasets`]). Errors in the `/v1` shape. Guarded by the
 //! API key like `/v1` (the caller's layer) and, for state-changing requests, by [`guard`]:
 //! `Content-Type: application/json` and a same-origin `Origin` when one is sent, so a page
 //! elsewhere cannot drive the Lab through a browser.
@@ -39,6 +40,22 @@ pub fn router() -> Router<Shared> {
         .route(
             "/api/models/{*path}",
             axum::routing::delete(super::lab_models::delete),
+        )
+        .route(
+            "/api/datasets",
+            get(super::lab_datasets::list).post(super::lab_datasets::create),
+        )
+        .route(
+            "/api/datasets/{name}",
+            axum::routing::delete(super::lab_datasets::delete),
+        )
+        .route(
+            "/api/datasets/{name}/preview",
+            get(super::lab_datasets::preview),
+        )
+        .route(
+            "/api/datasets/{name}/stats",
+            get(super::lab_datasets::stats),
         )
         .route_layer(middleware::from_fn(guard))
 }
@@ -87,8 +104,6 @@ pub(super) fn lab_error(e: hf2q_lab::Error) -> ApiError {
         E::Conflict(m) => {
             ApiError::new(StatusCode::CONFLICT, "invalid_request_error", m).with_code("conflict")
         }
-        E::NotYet(m) => ApiError::new(StatusCode::NOT_IMPLEMENTED, "invalid_request_error", m)
-            .with_code("not_implemented"),
         e => ApiError::internal(e.to_string()),
     }
 }

@@ -9,6 +9,7 @@
 mod agent;
 mod generate;
 mod lab;
+mod lab_datasets;
 mod lab_models;
 mod misc;
 
