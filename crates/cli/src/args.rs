@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use hf2q_models::chat_template::{self, ChatMessage};
 use hf2q_models::generate::GenerateParams;
+use hf2q_models::generation::GenerationDefaults;
 use hf2q_models::sampler::SamplerConfig;
 use hf2q_models::Model;
 
@@ -19,26 +20,30 @@ fn d() -> SamplerConfig {
     SamplerConfig::default()
 }
 
-/// Sampling and stopping flags (defaults are llama.cpp's).
+/// Sampling and stopping flags. Temperature, top-k, top-p, min-p and the repetition penalty
+/// default to the model's recommended sampling (`hf2q inspect` shows it), else llama.cpp's
+/// defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, penalty 1).
 #[derive(clap::Args, Debug, Clone)]
 pub struct SampleArgs {
-    /// Temperature: higher is more random; 0 = greedy (always the most likely token).
-    #[arg(long, value_name = "T", default_value_t = d().temperature)]
-    pub temp: f32,
-    /// Sample only among the K most likely tokens (0 = all).
-    #[arg(long, value_name = "K", default_value_t = d().top_k)]
-    pub top_k: usize,
+    /// Temperature: higher is more random; 0 = greedy (always the most likely token)
+    /// [default: the model's recommended, else 0.8].
+    #[arg(long, value_name = "T")]
+    pub temp: Option<f32>,
+    /// Sample only among the K most likely tokens (0 = all) [default: the model's, else 40].
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
     /// Nucleus sampling: keep the most likely tokens until their probabilities add up to P
-    /// (1 = off).
-    #[arg(long, value_name = "P", default_value_t = d().top_p)]
-    pub top_p: f32,
-    /// Drop tokens less likely than P times the most likely one (0 = off).
-    #[arg(long, value_name = "P", default_value_t = d().min_p)]
-    pub min_p: f32,
+    /// (1 = off) [default: the model's, else 0.95].
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one (0 = off) [default: the
+    /// model's, else 0.05].
+    #[arg(long, value_name = "P")]
+    pub min_p: Option<f32>,
     /// Penalise tokens seen in the last --repeat-last-n tokens: positive logits are divided by
-    /// it, negative ones multiplied (1 = off).
-    #[arg(long, value_name = "X", default_value_t = d().repetition_penalty)]
-    pub repeat_penalty: f32,
+    /// it, negative ones multiplied (1 = off) [default: the model's, else 1].
+    #[arg(long, value_name = "X")]
+    pub repeat_penalty: Option<f32>,
     /// How many recent tokens (prompt included) the penalties look at.
     #[arg(long, value_name = "N", default_value_t = d().penalty_last_n)]
     pub repeat_last_n: usize,
@@ -200,19 +205,27 @@ impl SampleArgs {
 }
 
 impl SampleArgs {
-    pub fn params(&self, max_tokens: usize) -> Result<GenerateParams> {
-        let sampler = SamplerConfig {
-            temperature: self.temp,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repeat_penalty,
+    /// The generation parameters: the flags given, else the model's recommended sampling
+    /// (`model`), else llama.cpp's defaults.
+    pub fn params(&self, max_tokens: usize, model: &GenerationDefaults) -> Result<GenerateParams> {
+        let mut sampler = SamplerConfig {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             penalty_last_n: self.repeat_last_n,
             seed: self.seed,
             logit_bias: Vec::new(),
+            ..SamplerConfig::default()
         };
+        model.apply(&mut sampler);
+        let given = GenerationDefaults {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            source: "flags",
+        };
+        given.apply(&mut sampler);
         sampler.validate()?;
         Ok(GenerateParams {
             max_tokens,
@@ -245,7 +258,14 @@ impl SampleArgs {
 /// Resolves a model argument (default model when absent) and loads it.
 pub fn load_model(arg: Option<&str>) -> Result<(PathBuf, Model)> {
     let path = pull::resolve_model_arg(arg.unwrap_or(pull::DEFAULT_MODEL))?;
-    let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let mut model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    // A built-in model's file carries no generation_config.json: its card's settings stand in.
+    if model.generation_defaults().is_empty() {
+        let file = path.file_name().map(|f| f.to_string_lossy().to_string());
+        if let Some(k) = pull::KNOWN.iter().find(|k| file.as_deref() == Some(k.file)) {
+            model.set_generation_defaults(k.generation);
+        }
+    }
     Ok((path, model))
 }
 

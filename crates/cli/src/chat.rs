@@ -164,11 +164,13 @@ impl Conversation<'_> {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
-    let params = a.sample.params(a.max_tokens)?;
+    a.sample.params(a.max_tokens, &Default::default())?;
     let agent_cfg = if a.agent { a.agent_args.config()? } else { None };
     let (path, mut model) = args::load_model(a.model.as_deref())?;
     a.sample.configure(&mut model)?;
     let ctx = a.sample.context(&model)?;
+    // The model's recommended sampling under the flags given.
+    let params = a.sample.params(a.max_tokens, model.generation_defaults())?;
     if model.chat_template().is_none() {
         eprintln!("note: this model has no chat template; using a generic one");
     }

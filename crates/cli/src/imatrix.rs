@@ -35,7 +35,7 @@ pub struct ImatrixArgs {
     /// path; `fast` is several times faster and within 1e-6 mean KL of it.
     #[arg(long, value_enum, value_name = "PATH", default_value_t = args::MatmulChoice::Reference)]
     pub matmul: args::MatmulChoice,
-    /// Print a summary as one JSON object on stdout.
+    /// NDJSON on stdout: progress lines, then the summary as the last line.
     #[arg(long)]
     pub json: bool,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
@@ -43,6 +43,7 @@ pub struct ImatrixArgs {
 }
 
 pub fn run(a: ImatrixArgs) -> Result<()> {
+    crate::progress::set_json(a.json);
     if a.output.is_dir() {
         bail!(
             "{} is a folder; -o names the output file",
@@ -75,7 +76,8 @@ pub fn run(a: ImatrixArgs) -> Result<()> {
         v["output"] = serde_json::json!(a.output.display().to_string());
         v["chunk_count"] = serde_json::json!(m.chunk_count);
         v["seconds"] = serde_json::json!(secs);
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        v["event"] = serde_json::json!("result");
+        println!("{}", serde_json::to_string(&v)?);
         return Ok(());
     }
     eprintln!(

@@ -98,6 +98,7 @@ pub fn table(i: &ModelInfo) -> String {
             "chat template",
             if i.chat_template { "yes" } else { "no" }.into(),
         ),
+        ("sampling", i.generation.describe()),
     ];
     let mut out = String::new();
     let w = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);

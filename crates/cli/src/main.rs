@@ -6,6 +6,7 @@ mod args;
 mod bench;
 mod chat;
 mod convert;
+mod dataset;
 mod imatrix;
 mod inspect;
 mod perplexity;
@@ -130,6 +131,10 @@ file: an 8B model takes seconds. llama.cpp and hf2q load the result."
     /// Fine-tune a model with LoRA (`train sft`); writes a PEFT adapter.
     #[command(subcommand)]
     Train(train::TrainCmd),
+    /// Build training data: import CSV/JSON/JSONL, map columns, convert, remove duplicates,
+    /// split; token lengths with a model's template.
+    #[command(subcommand)]
+    Dataset(dataset::DatasetCmd),
 }
 
 #[derive(clap::Args, Debug)]
@@ -244,6 +249,7 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Synth(a) => synth::run(a),
         Cmd::Train(c) => train::run(c),
+        Cmd::Dataset(c) => dataset::run(c),
     }
 }
 

@@ -26,7 +26,7 @@ pub struct PerplexityArgs {
     /// Also compute KL divergence and top-token agreement against this base model.
     #[arg(long, value_name = "MODEL")]
     pub kl_base: Option<String>,
-    /// Print the result as one JSON object on stdout.
+    /// NDJSON on stdout: progress lines, then the result as the last line.
     #[arg(long)]
     pub json: bool,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
@@ -34,6 +34,7 @@ pub struct PerplexityArgs {
 }
 
 pub fn run(a: PerplexityArgs) -> Result<()> {
+    crate::progress::set_json(a.json);
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, mut model) = args::load_model(Some(&a.model))?;
@@ -61,7 +62,8 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     if a.json {
         let mut v = serde_json::to_value(&r)?;
         v["seconds"] = serde_json::json!(secs);
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        v["event"] = serde_json::json!("result");
+        println!("{}", serde_json::to_string(&v)?);
         return Ok(());
     }
     println!("Final estimate: PPL = {:.4} +/- {:.5}", r.ppl, r.ppl_err);

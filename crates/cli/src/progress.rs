@@ -2,7 +2,9 @@
 //! perplexity, train), on `indicatif`: a bar with position, rate and ETA redrawn in place on a
 //! terminal; on a pipe or a file (a log, the Lab's job runner), plain lines at most every few
 //! seconds and at the end, so logs stay readable. Always on stderr: stdout is the command's
-//! own output (paths, JSON).
+//! own output (paths, JSON). With [`set_json`] (a command's `--json`), the same progress is
+//! also printed on stdout as NDJSON (`{"event": "start" | "progress" | "finish", "label", ...}`,
+//! progress lines at most every 250 ms), which the Lab's job runner turns into events.
 
 use std::io::IsTerminal;
 use std::sync::Mutex;
@@ -12,6 +14,25 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// How often a non-terminal progress line is written at most.
 const LINE_EVERY: Duration = Duration::from_secs(5);
+
+/// How often an NDJSON progress line is written at most.
+const JSON_EVERY: Duration = Duration::from_millis(250);
+
+static JSON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// NDJSON progress on stdout from now on (`--json`).
+pub fn set_json(on: bool) {
+    JSON.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn json_line(v: serde_json::Value) {
+    if JSON.load(std::sync::atomic::Ordering::Relaxed) {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{v}");
+        let _ = out.flush();
+    }
+}
 
 /// What the position counts, for the display.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +51,8 @@ pub struct Progress {
     start: Instant,
     /// Non-terminal: the last line's time and the current message.
     plain: Mutex<(Instant, u64, String)>,
+    /// The last NDJSON progress line's time.
+    json_at: Mutex<Option<Instant>>,
 }
 
 impl Progress {
@@ -56,6 +79,7 @@ impl Progress {
         if !tty {
             eprintln!("{label}: {}", Self::amount(unit, total));
         }
+        json_line(serde_json::json!({"event": "start", "label": label, "total": total}));
         Progress {
             bar,
             label,
@@ -63,6 +87,7 @@ impl Progress {
             total: std::sync::atomic::AtomicU64::new(total),
             start: Instant::now(),
             plain: Mutex::new((Instant::now(), 0, String::new())),
+            json_at: Mutex::new(None),
         }
     }
 
@@ -88,6 +113,13 @@ impl Progress {
     /// Moves to `done` units with a short status message (e.g. "loss 1.23").
     pub fn set(&self, done: u64, msg: impl Into<String>) {
         let msg = msg.into();
+        if JSON.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut at = self.json_at.lock().unwrap_or_else(|e| e.into_inner());
+            if at.is_none_or(|t| t.elapsed() >= JSON_EVERY) || done >= self.total() {
+                *at = Some(Instant::now());
+                json_line(serde_json::json!({"event": "progress", "label": self.label, "done": done, "total": self.total(), "message": msg}));
+            }
+        }
         match &self.bar {
             Some(b) => {
                 b.set_position(done);
@@ -133,6 +165,8 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }
+        json_line(serde_json::json!({"event": "finish", "label": self.label, "summary": summary.as_ref(),
+            "seconds": self.start.elapsed().as_secs_f64()}));
         eprintln!(
             "{}: {} ({:.1} s)",
             self.label,

@@ -7,6 +7,7 @@
 //! keeps them in pip's own cache), we unpack with the `zip` crate, check size and sha256, and
 //! rename into `$HF2Q_HOME/models/<name>/` only once verified, so a file in the cache is whole.
 
+use hf2q_models::generation::GenerationDefaults;
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -38,6 +39,20 @@ pub struct KnownModel {
     /// Size in bytes and sha256 of the whole file, from the published packages.
     pub size: u64,
     pub sha256: &'static str,
+    /// The sampling the model's publishers recommend (its card or generation_config.json): the
+    /// defaults of run, chat and serve for it, as a folder's generation_config.json would be.
+    pub generation: GenerationDefaults,
+}
+
+const fn sampling(temperature: Option<f32>, top_k: Option<usize>, top_p: Option<f32>, repetition_penalty: Option<f32>, source: &'static str) -> GenerationDefaults {
+    GenerationDefaults {
+        temperature,
+        top_k,
+        top_p,
+        min_p: None,
+        repetition_penalty,
+        source,
+    }
 }
 
 macro_rules! part {
@@ -62,6 +77,8 @@ pub const KNOWN: &[KnownModel] = &[
         )],
         size: 98_362_432,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        // The SmolLM2-135M-Instruct model card: "temperature=0.2, top_p=0.9".
+        generation: sampling(Some(0.2), None, Some(0.9), None, "SmolLM2-135M-Instruct model card"),
     },
     KnownModel {
         name: "gemma3-270m",
@@ -91,6 +108,9 @@ pub const KNOWN: &[KnownModel] = &[
         ],
         size: 253_113_024,
         sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        // Gemma 3 270M's generation_config.json: do_sample, top_k 64, top_p 0.95 (temperature
+        // unset, i.e. 1); the card itself states no values.
+        generation: sampling(None, Some(64), Some(0.95), None, "Gemma 3 270M generation_config.json"),
     },
     KnownModel {
         name: "qwen2.5-coder-0.5b",
@@ -130,6 +150,10 @@ pub const KNOWN: &[KnownModel] = &[
         ],
         size: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        // The Qwen2.5 Instruct models' generation_config.json: temperature 0.7, top_p 0.8,
+        // top_k 20, repetition_penalty 1.05 (the card states none; the 0.5B Coder file itself
+        // was not at hand to check, the family's values are used).
+        generation: sampling(Some(0.7), Some(20), Some(0.8), Some(1.05), "Qwen2.5 Instruct generation_config.json"),
     },
 ];
 
@@ -520,6 +544,7 @@ mod tests {
             parts,
             size: 11,
             sha256: "",
+            generation: GenerationDefaults::default(),
         };
         let out = d.path().join("out");
         assert_eq!(

@@ -80,6 +80,9 @@ pub struct QuantizeArgs {
     /// Evaluate at most N chunks (the reference CPU forward is slow on long texts).
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub eval_chunks: usize,
+    /// Also print progress as NDJSON on stdout (one object a line).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// The converters' progress (a tensor at a time) on the shared progress display.
@@ -140,6 +143,7 @@ fn parse_type(s: &Option<String>) -> Result<Option<GgmlType>> {
 }
 
 pub fn run(a: QuantizeArgs) -> Result<()> {
+    crate::progress::set_json(a.json);
     if let Some(bpw) = a.target_bpw {
         return run_mixed(&a, bpw);
     }

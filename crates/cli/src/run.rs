@@ -77,7 +77,7 @@ fn read_grammar(a: &RunArgs) -> Result<Option<GrammarSpec>> {
 
 pub fn run(a: RunArgs) -> Result<()> {
     // Check everything cheap before loading (or pulling) the model.
-    let params = a.sample.params(a.max_tokens)?;
+    a.sample.params(a.max_tokens, &Default::default())?;
     let spec = read_grammar(&a)?;
     let prompt = read_prompt(&a)?;
     if prompt.is_empty() {
@@ -86,6 +86,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     let (path, mut model) = args::load_model(a.model.as_deref())?;
     a.sample.configure(&mut model)?;
     let ctx = a.sample.context(&model)?;
+    // The model's recommended sampling under the flags given.
+    let params = a.sample.params(a.max_tokens, model.generation_defaults())?;
     let tok = model.tokenizer();
     let ids = if a.raw {
         // As-is: specials written in the prompt are parsed (the user owns the whole text), and

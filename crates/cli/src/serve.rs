@@ -80,6 +80,51 @@ pub struct ServeArgs {
     pub kv_type: args::KvTypeChoice,
     #[command(flatten)]
     pub agent: args::AgentArgs,
+    #[command(flatten)]
+    pub lab: LabArgs,
+}
+
+/// The Lab's jobs (`/api/jobs`, `/api/models`), kept in `$HF2Q_HOME/lab`.
+#[derive(clap::Args, Debug)]
+pub struct LabArgs {
+    /// Serve no Lab API (`/api/jobs`, `/api/models`).
+    #[arg(long)]
+    pub no_lab: bool,
+    /// Lab CPU jobs (quantize, convert, imatrix, perplexity, pull) running at once; more wait in
+    /// the queue. GPU jobs (training) run one at a time.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub lab_jobs: usize,
+    /// Seconds a cancelled job has between SIGTERM and SIGKILL (training saves a checkpoint).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub lab_grace: f64,
+}
+
+impl LabArgs {
+    /// Opens the Lab of `$HF2Q_HOME`; `None` when off, or (with a warning) when another server
+    /// already runs it.
+    fn open(&self) -> Result<Option<hf2q_lab::Lab>> {
+        if self.no_lab {
+            return Ok(None);
+        }
+        if self.lab_jobs == 0 {
+            bail!("--lab-jobs must be at least 1");
+        }
+        let cfg = hf2q_lab::LabConfig {
+            home: crate::pull::home()?,
+            bin: std::env::current_exe().context("finding the hf2q binary for the Lab's jobs")?,
+            cpu_jobs: self.lab_jobs,
+            grace: secs("lab-grace", self.lab_grace)?,
+            builtin_models: crate::pull::KNOWN.iter().map(|k| k.name.to_string()).collect(),
+        };
+        match hf2q_lab::Lab::open(cfg) {
+            Ok(l) => Ok(Some(l)),
+            Err(e @ hf2q_lab::Error::Conflict(_)) => {
+                eprintln!("warning: {e}; serving without the Lab API");
+                Ok(None)
+            }
+            Err(e) => Err(e).context("opening the Lab"),
+        }
+    }
 }
 
 /// `512M`, `4G`, `1.5GiB`, `1000000` (bytes) -> bytes.
@@ -162,6 +207,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             prefix_cache: !a.no_prefix_cache,
         },
         agent: a.agent.config()?,
+        lab: None,
     };
     cfg.validate()?;
     let (path, mut model) = args::load_model(Some(&arg))?;
@@ -205,6 +251,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             "agent mode on: workspace {} (changes and commands wait for approval in the web chat)",
             ag.workspace.root().display()
         );
+    }
+    cfg.lab = a.lab.open()?;
+    if let Some(l) = &cfg.lab {
+        eprintln!("Lab: jobs in {}", l.home().root().join("lab").display());
     }
     hf2q_server::run(model, cfg)?;
     eprintln!("stopped");

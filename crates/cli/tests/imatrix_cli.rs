@@ -34,7 +34,10 @@ fn imatrix_then_quantize_with_it() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // NDJSON: progress lines, then the summary.
+    let out = String::from_utf8_lossy(&o.stdout);
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(v["event"], "result", "{v}");
     assert_eq!(v["n_chunks"], 3, "{v}");
     assert_eq!(v["chunk_count"], 3, "{v}");
     assert_eq!(v["n_entries"], 14, "{v}");

@@ -9,6 +9,7 @@ pub mod constraint;
 pub mod convert;
 pub mod error;
 pub mod generate;
+pub mod generation;
 pub mod kv_cache;
 pub mod layers;
 pub mod model;

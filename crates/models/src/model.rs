@@ -54,6 +54,8 @@ pub struct ModelInfo {
     pub eog_tokens: Vec<String>,
     pub add_bos: bool,
     pub chat_template: bool,
+    /// Recommended sampling (the defaults of run, chat and serve for this model).
+    pub generation: crate::generation::GenerationDefaults,
 }
 
 pub struct Model {
@@ -78,6 +80,8 @@ pub struct Model {
     cuda_graphs: bool,
     /// What new host KV caches store.
     kv_type: KvType,
+    /// Recommended sampling: the folder's generation_config.json, or what the caller set.
+    generation: crate::generation::GenerationDefaults,
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -128,7 +132,9 @@ impl Model {
                 dir.display()
             )));
         }
-        Self::load_folder(&dir)
+        let mut m = Self::load_folder(&dir)?;
+        m.generation = crate::generation::GenerationDefaults::from_folder(&dir)?;
+        Ok(m)
     }
 
     fn load_gguf(path: &Path) -> Result<Model> {
@@ -218,6 +224,7 @@ impl Model {
             cuda: None,
             cuda_graphs: true,
             kv_type: KvType::default(),
+            generation: Default::default(),
         })
     }
 
@@ -264,7 +271,18 @@ impl Model {
                 .collect(),
             add_bos: tok.add_bos(),
             chat_template: self.template.is_some(),
+            generation: self.generation.clone(),
         }
+    }
+
+    /// The model's recommended sampling (empty when it recommends none).
+    pub fn generation_defaults(&self) -> &crate::generation::GenerationDefaults {
+        &self.generation
+    }
+
+    /// Sets the recommended sampling (e.g. from a model card, for a file that carries none).
+    pub fn set_generation_defaults(&mut self, g: crate::generation::GenerationDefaults) {
+        self.generation = g;
     }
     /// Chooses the CPU matmul path: `Reference` (the default here: f32 activations over
     /// dequantized rows, what golden parity is measured on), `Fast` (SIMD kernels, activations in

@@ -59,6 +59,8 @@ pub struct ServerConfig {
     pub engine: EngineConfig,
     /// Agent mode (`--workspace DIR`): the `/api/agent` tools over this folder. Off when `None`.
     pub agent: Option<agent::AgentConfig>,
+    /// The Lab's jobs and models (`/api/jobs`, `/api/models`). Off when `None`.
+    pub lab: Option<hf2q_lab::Lab>,
 }
 
 impl Default for ServerConfig {
@@ -75,6 +77,7 @@ impl Default for ServerConfig {
             stuck_after: Duration::from_secs(60),
             engine: EngineConfig::default(),
             agent: None,
+            lab: None,
         }
     }
 }

@@ -8,12 +8,14 @@
 //! of being ignored. Response bodies are built with `serde_json` maps whose key order follows
 //! OpenAI's.
 //!
-//! Sampling defaults are OpenAI's (temperature 1, top_p 1, no top-k / min-p); `top_k`, `min_p`,
+//! Sampling defaults are the model's recommended sampling ([`Limits::sampling`]), else OpenAI's
+//! (temperature 1, top_p 1, no top-k / min-p); `top_k`, `min_p`,
 //! `repetition_penalty` and `ignore_eos` are the common extensions of OpenAI-compatible servers.
 //! Presence / frequency / repetition penalties look at the last 64 tokens (prompt included), as
 //! the CLI's sampler does.
 
 use hf2q_models::constraint::GrammarSpec;
+use hf2q_models::generation::GenerationDefaults;
 use hf2q_models::sampler::SamplerConfig;
 use serde_json::{json, Map, Value};
 
@@ -34,6 +36,8 @@ pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 pub struct Limits {
     pub ctx_size: usize,
     pub vocab: usize,
+    /// The model's recommended sampling: the defaults of the fields a request leaves out.
+    pub sampling: GenerationDefaults,
 }
 
 /// Fields shared by both endpoints.
@@ -237,13 +241,18 @@ fn parse_common(m: &Map<String, Value>, lim: Limits, max_tokens_key: &str) -> Ap
     }
     let n = int(m, "n", 1, MAX_CHOICES as i64)?.unwrap_or(1) as usize;
     let mut sampler = SamplerConfig {
-        temperature: float(m, "temperature", 0.0, 2.0)?.unwrap_or(1.0),
-        top_p: float(m, "top_p", 0.0, 1.0)?.unwrap_or(1.0),
-        top_k: int(m, "top_k", -1, i64::MAX)?.unwrap_or(0).max(0) as usize,
-        min_p: float(m, "min_p", 0.0, 1.0)?.unwrap_or(0.0),
+        temperature: float(m, "temperature", 0.0, 2.0)?.or(lim.sampling.temperature).unwrap_or(1.0),
+        top_p: float(m, "top_p", 0.0, 1.0)?.or(lim.sampling.top_p).unwrap_or(1.0),
+        top_k: match int(m, "top_k", -1, i64::MAX)? {
+            Some(k) => k.max(0) as usize,
+            None => lim.sampling.top_k.unwrap_or(0),
+        },
+        min_p: float(m, "min_p", 0.0, 1.0)?.or(lim.sampling.min_p).unwrap_or(0.0),
         presence_penalty: float(m, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         frequency_penalty: float(m, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
-        repetition_penalty: float(m, "repetition_penalty", 0.0, 10.0)?.unwrap_or(1.0),
+        repetition_penalty: float(m, "repetition_penalty", 0.0, 10.0)?
+            .or(lim.sampling.repetition_penalty)
+            .unwrap_or(1.0),
         penalty_last_n: 64,
         seed: None,
         logit_bias: Vec::new(),
@@ -781,6 +790,7 @@ mod tests {
     const LIM: Limits = Limits {
         ctx_size: 100,
         vocab: 50,
+        sampling: GenerationDefaults::NONE,
     };
 
     fn chat(v: Value) -> ApiResult<ChatRequest> {

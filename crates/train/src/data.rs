@@ -89,7 +89,7 @@ impl Shape {
             Some(Shape::PairImplicit)
         }
     }
-    fn of(obj: &Map<String, Value>) -> Option<Shape> {
+    pub(crate) fn of(obj: &Map<String, Value>) -> Option<Shape> {
         if obj.contains_key("messages") {
             Some(Shape::Messages)
         } else if obj.contains_key("conversations") {
@@ -259,7 +259,7 @@ fn string_field(obj: &Map<String, Value>, key: &str) -> std::result::Result<Stri
     }
 }
 
-fn kind(v: &Value) -> &'static str {
+pub(crate) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -271,7 +271,7 @@ fn kind(v: &Value) -> &'static str {
 }
 
 /// Turns of a message list; `from`/`value` (ShareGPT) or `role`/`content` (OpenAI).
-fn turns(v: &Value, sharegpt: bool, key: &str) -> std::result::Result<Vec<Turn>, String> {
+pub(crate) fn turns(v: &Value, sharegpt: bool, key: &str) -> std::result::Result<Vec<Turn>, String> {
     let list = v
         .as_array()
         .ok_or_else(|| format!("'{key}' must be a list of messages, not {}", kind(v)))?;
@@ -380,7 +380,7 @@ fn pair(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<(Record, 
     }
 }
 
-fn record(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<Record, String> {
+pub(crate) fn record(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<Record, String> {
     let rec = match shape {
         Shape::Messages => Record::Chat(turns(&obj["messages"], false, "messages")?),
         Shape::ShareGpt => Record::Chat(turns(&obj["conversations"], true, "conversations")?),

@@ -2,6 +2,8 @@
 //!
 //! - [`data`]: records from JSON/JSONL files (OpenAI messages, ShareGPT, Alpaca,
 //!   prompt/completion, text), errors naming file and line;
+//! - [`dataset`]: the dataset builder (CSV/JSON/JSONL import, conversion, duplicates, split,
+//!   token lengths);
 //! - [`render`]: records to token ids and the tokens learned (chat template, assistant-only);
 //! - [`batch`]: seeded epochs, packed micro-batches;
 //! - [`optim`]: AdamW, clipping, schedules;
@@ -15,6 +17,7 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod data;
+pub mod dataset;
 pub mod dpo;
 pub mod error;
 pub mod optim;

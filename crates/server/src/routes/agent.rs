@@ -48,7 +48,10 @@ pub async fn same_origin(req: Request, next: Next) -> Response {
         .and_then(|v| v.to_str().ok())
         .is_some_and(|s| s == "cross-site");
     if cross_origin || cross_site {
-        return forbidden("agent routes are same-origin only").into_response();
+        return forbidden(
+            "this route takes same-origin requests only (Origin or Sec-Fetch-Site says cross-site)",
+        )
+        .into_response();
     }
     next.run(req).await
 }

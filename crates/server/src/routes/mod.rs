@@ -3,11 +3,14 @@
 //!
 //! Layer order, outermost first: request metrics -> CORS (answers preflights before auth, as
 //! browsers send no credentials on them) -> body limit -> routes; the API key guards the `/v1`,
-//! `/tokenize`, `/detokenize`, `/metrics` and `/api/agent` routes, never `/health` or the static
+//! `/tokenize`, `/detokenize`, `/metrics`, `/api/agent` and the Lab's `/api` routes, never `/health` or the static
 //! web chat; `/api/agent` is also same-origin only.
 
 mod agent;
 mod generate;
+mod lab;
+mod lab_datasets;
+mod lab_models;
 mod misc;
 
 use std::sync::Arc;
@@ -95,6 +98,7 @@ impl AppState {
         Limits {
             ctx_size: self.cfg.engine.ctx_size,
             vocab: self.engine.model().vocab_size(),
+            sampling: *self.engine.model().generation_defaults(),
         }
     }
 
@@ -134,6 +138,7 @@ pub fn router(state: Shared) -> Router {
                 )
                 .route_layer(middleware::from_fn(agent::same_origin)),
         )
+        .merge(lab::router())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let public = Router::new()
         .route("/health", get(misc::health))

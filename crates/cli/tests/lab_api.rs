@@ -1,0 +1,662 @@
+//! The Lab's HTTP API as a client drives it: a real `hf2q serve` on loopback (the committed tiny
+//! Llama as the served model and as the jobs' model, `$HF2Q_HOME` in a temporary folder) and
+//! real child `hf2q` jobs. Proves: every `/api` route refuses a missing or wrong key,
+//! cross-origin and non-JSON state changes, and paths leaving the home (`..`, absolute,
+//! symbolic links out); a quantize job's output is listed with its inspect data; SSE replays
+//! from `Last-Event-ID` without losing an event and follows a live job; a server killed with
+//! SIGKILL during a training job comes back with the job `interrupted`, and the resumed job
+//! ends with the same adapter bytes as an unbroken run.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const KEY: &str = "lab-test-key";
+
+fn tiny() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(home: &Path) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_hf2q"))
+            .env("HF2Q_HOME", home)
+            .args([
+                "serve",
+                tiny().to_str().unwrap(),
+                "--port",
+                "0",
+                "--api-key",
+                KEY,
+                "--lab-jobs",
+                "2",
+            ])
+            .args(["--lab-grace", "10", "-c", "256", "--kv-mem", "64M"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let addr = loop {
+            let l = lines
+                .next()
+                .expect("server exited before listening")
+                .unwrap();
+            if let Some(a) = l.strip_prefix("listening on http://") {
+                break a.trim().to_string();
+            }
+        };
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, addr }
+    }
+
+    fn kill9(mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+
+    /// One request; `headers` replace the default key and JSON content type when given.
+    fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> (u16, String, String) {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n",
+            self.addr
+        );
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        let body = body.unwrap_or("");
+        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+        s.write_all(req.as_bytes()).unwrap();
+        let mut resp = Vec::new();
+        s.read_to_end(&mut resp).unwrap();
+        let resp = String::from_utf8_lossy(&resp).into_owned();
+        let (head, rest) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        };
+        (status, head.to_string(), body)
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let auth = format!("Bearer {KEY}");
+        let mut h = vec![("Authorization", auth.as_str())];
+        if method != "GET" {
+            h.push(("Content-Type", "application/json"));
+        }
+        let b = body.map(|b| b.to_string());
+        let (st, _, text) = self.raw(method, path, &h, b.as_deref());
+        (
+            st,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    fn submit(&self, kind: &str, params: Value) -> i64 {
+        let (st, v) = self.call(
+            "POST",
+            "/api/jobs",
+            Some(json!({"kind": kind, "params": params})),
+        );
+        assert_eq!(st, 201, "{v}");
+        v["id"].as_i64().unwrap()
+    }
+
+    fn wait(&self, id: i64, done: impl Fn(&Value) -> bool) -> Value {
+        let t0 = Instant::now();
+        loop {
+            let (st, j) = self.call("GET", &format!("/api/jobs/{id}"), None);
+            assert_eq!(st, 200, "{j}");
+            if done(&j) {
+                return j;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "job {id} stuck: {j}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn wait_final(&self, id: i64) -> Value {
+        self.wait(id, |j| {
+            !matches!(j["state"].as_str(), Some("queued" | "running"))
+        })
+    }
+
+    /// The SSE stream of a job from `after`, read to its end: (ids, events).
+    fn events(&self, id: i64, after: Option<u64>) -> Vec<(u64, Value)> {
+        let auth = format!("Bearer {KEY}");
+        let last = after.map(|a| a.to_string());
+        let mut h = vec![("Authorization", auth.as_str())];
+        if let Some(l) = &last {
+            h.push(("Last-Event-ID", l.as_str()));
+        }
+        let (st, head, body) = self.raw("GET", &format!("/api/jobs/{id}/events"), &h, None);
+        assert_eq!(st, 200, "{head}");
+        assert!(head.to_ascii_lowercase().contains("text/event-stream"));
+        parse_sse(&body)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((len, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn parse_sse(body: &str) -> Vec<(u64, Value)> {
+    let mut out = Vec::new();
+    for frame in body.split("\n\n") {
+        let mut id = None;
+        let mut data = None;
+        for l in frame.lines() {
+            if let Some(v) = l.strip_prefix("id: ") {
+                id = v.parse().ok();
+            } else if let Some(v) = l.strip_prefix("data: ") {
+                data = serde_json::from_str(v).ok();
+            }
+        }
+        if let (Some(i), Some(d)) = (id, data) {
+            out.push((i, d));
+        }
+    }
+    out
+}
+
+fn chats(path: &Path, n: usize) {
+    let mut s = String::new();
+    for i in 0..n {
+        s.push_str(
+            &json!({"messages": [
+                {"role": "user", "content": format!("say {i}")},
+                {"role": "assistant", "content": format!("OK {i}!")},
+            ]})
+            .to_string(),
+        );
+        s.push('\n');
+    }
+    std::fs::write(path, s).unwrap();
+}
+
+fn home() -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let h = d.path().join("home");
+    copy_dir(&tiny(), &h.join("models/tiny-llama"));
+    std::fs::create_dir_all(h.join("data")).unwrap();
+    chats(&h.join("data/chats.jsonl"), 16);
+    std::fs::write(
+        h.join("data/wiki.txt"),
+        "The quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    (d, h)
+}
+
+#[test]
+fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
+    let (d, h) = home();
+    let outside = d.path().join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("secret.txt"), "secret").unwrap();
+    std::os::unix::fs::symlink(&outside, h.join("data/out")).unwrap();
+    std::os::unix::fs::symlink(&outside, h.join("models/out")).unwrap();
+    std::fs::create_dir_all(h.join("datasets")).unwrap();
+    std::os::unix::fs::symlink(&outside, h.join("datasets/out")).unwrap();
+    let s = Server::start(&h);
+    let job = s.submit(
+        "perplexity",
+        json!({"model": "models/tiny-llama", "file": "data/wiki.txt", "ctx": 32, "chunks": 1}),
+    );
+    let routes: &[(&str, String)] = &[
+        ("GET", "/api/jobs".into()),
+        ("POST", "/api/jobs".into()),
+        ("GET", format!("/api/jobs/{job}")),
+        ("DELETE", format!("/api/jobs/{job}")),
+        ("POST", format!("/api/jobs/{job}/cancel")),
+        ("POST", format!("/api/jobs/{job}/resume")),
+        ("GET", format!("/api/jobs/{job}/events")),
+        ("GET", "/api/models".into()),
+        ("POST", "/api/models/pull".into()),
+        ("DELETE", "/api/models/tiny-llama".into()),
+        ("GET", "/api/datasets".into()),
+        ("POST", "/api/datasets".into()),
+        ("GET", "/api/datasets/qa/preview".into()),
+        ("GET", "/api/datasets/qa/stats".into()),
+        ("DELETE", "/api/datasets/qa".into()),
+    ];
+    let body = r#"{"kind":"perplexity","params":{}}"#;
+    for (m, p) in routes {
+        for auth in [None, Some("Bearer wrong")] {
+            let mut hs = vec![("Content-Type", "application/json")];
+            if let Some(a) = auth {
+                hs.push(("Authorization", a));
+            }
+            let (st, _, text) = s.raw(m, p, &hs, Some(body));
+            assert_eq!(st, 401, "{m} {p} with {auth:?}: {text}");
+            assert_eq!(
+                serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
+                "invalid_api_key"
+            );
+        }
+        if *m != "GET" {
+            let auth = format!("Bearer {KEY}");
+            let (st, _, text) = s.raw(
+                m,
+                p,
+                &[
+                    ("Authorization", &auth),
+                    ("Content-Type", "application/json"),
+                    ("Origin", "http://evil.example"),
+                ],
+                Some(body),
+            );
+            assert_eq!(st, 403, "cross-origin {m} {p}: {text}");
+            let (st, _, text) = s.raw(
+                m,
+                p,
+                &[("Authorization", &auth), ("Content-Type", "text/plain")],
+                Some(body),
+            );
+            assert_eq!(st, 415, "text/plain {m} {p}: {text}");
+        }
+    }
+    // The same origin (as the web Lab sends it) is let through.
+    let auth = format!("Bearer {KEY}");
+    let origin = format!("http://{}", s.addr);
+    let (st, _, text) = s.raw(
+        "POST",
+        "/api/jobs",
+        &[
+            ("Authorization", &auth),
+            ("Content-Type", "application/json"),
+            ("Origin", &origin),
+        ],
+        Some(r#"{"kind":"pull","params":{"name":"no-such-model"}}"#),
+    );
+    assert_eq!(st, 400, "{text}");
+    assert!(text.contains("not a built-in model"), "{text}");
+
+    let bad = |params: Value, param: &str, says: &str| {
+        let (st, v) = s.call(
+            "POST",
+            "/api/jobs",
+            Some(json!({"kind": "perplexity", "params": params})),
+        );
+        assert_eq!(st, 400, "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains(says), "{m}");
+    };
+    let m = "models/tiny-llama";
+    bad(
+        json!({"model": m, "file": "../outside/secret.txt"}),
+        "file",
+        "leaves $HF2Q_HOME",
+    );
+    bad(
+        json!({"model": m, "file": outside.join("secret.txt").to_str().unwrap()}),
+        "file",
+        "absolute",
+    );
+    bad(
+        json!({"model": m, "file": "data/out/secret.txt"}),
+        "file",
+        "outside $HF2Q_HOME",
+    );
+    bad(
+        json!({"model": "models/out", "file": "data/wiki.txt"}),
+        "model",
+        "outside $HF2Q_HOME",
+    );
+    bad(
+        json!({"model": m, "file": "data/wiki.txt", "ctxx": 3}),
+        "ctxx",
+        "unknown parameter",
+    );
+    bad(
+        json!({"model": m, "file": "data/wiki.txt", "ctx": "big"}),
+        "ctx",
+        "whole number",
+    );
+    let (st, v) = s.call("POST", "/api/jobs", Some(json!({"kind": "quantize", "params": {"model": m, "type": "Q8_0", "output": "../../escape"}})));
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("output")),
+        "{v}"
+    );
+    let (st, v) = s.call(
+        "POST",
+        "/api/datasets",
+        Some(json!({"inputs": ["data/out/secret.txt"], "output": "x"})),
+    );
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("inputs")),
+        "{v}"
+    );
+    for p in [
+        "/api/datasets/..%2Fmodels/stats",
+        "/api/datasets/out/preview",
+        "/api/datasets/out",
+    ] {
+        let m = if p.ends_with("/out") { "DELETE" } else { "GET" };
+        let (st, v) = s.call(m, p, None);
+        assert!(st == 400 || st == 404, "{p}: {st} {v}");
+    }
+    for p in [
+        "/api/models/models/out/secret.txt",
+        "/api/models/models/out",
+        "/api/models/models/..%2F..%2Foutside",
+        "/api/models/data/wiki.txt",
+    ] {
+        let (st, v) = s.call("DELETE", p, None);
+        assert!(st == 400 || st == 404, "{p}: {st} {v}");
+    }
+    assert!(outside.join("secret.txt").exists() && h.join("data/wiki.txt").exists());
+    assert!(
+        h.join("datasets/out").exists(),
+        "a link is refused, not removed"
+    );
+    // Nothing refused reached the job table.
+    let (_, list) = s.call("GET", "/api/jobs", None);
+    assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
+}
+
+#[test]
+fn a_quantize_job_is_listed_and_its_events_replay_without_loss() {
+    let (_d, h) = home();
+    let s = Server::start(&h);
+    let id = s.submit(
+        "quantize",
+        json!({"model": "models/tiny-llama", "type": "Q8_0", "output": "tiny-q8"}),
+    );
+    let j = s.wait_final(id);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    assert_eq!(j["outputs"], json!(["models/tiny-q8.gguf"]));
+    let (_, models) = s.call("GET", "/api/models", None);
+    let listed: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        ["models/tiny-llama", "models/tiny-q8.gguf"],
+        "{models}"
+    );
+    let q = &models["data"][1];
+    assert_eq!(q["info"]["format"], "gguf", "{q}");
+    assert_eq!(q["info"]["architecture"], "llama");
+    assert!(models["builtin"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|b| b["name"] == "smollm2-135m"));
+
+    let all = s.events(id, None);
+    let ids: Vec<u64> = all.iter().map(|e| e.0).collect();
+    assert_eq!(ids, (1..=ids.len() as u64).collect::<Vec<_>>());
+    assert!(all.iter().all(|(i, e)| e["seq"] == *i));
+    assert!(
+        all.iter().any(|(_, e)| e["type"] == "progress"),
+        "quantize --json prints progress"
+    );
+    assert_eq!(all.last().unwrap().1["data"]["state"], "succeeded");
+    for k in [1, ids.len() as u64 / 2, ids.len() as u64 - 1] {
+        let rest = s.events(id, Some(k));
+        assert_eq!(rest, all[k as usize..].to_vec(), "replay after {k}");
+    }
+    let (st, _) = s.call("DELETE", "/api/models/models/tiny-q8.gguf", None);
+    assert_eq!(st, 200);
+    assert!(!h.join("models/tiny-q8.gguf").exists());
+    let (st, _) = s.call("DELETE", &format!("/api/jobs/{id}"), None);
+    assert_eq!(st, 200);
+    assert_eq!(s.call("GET", &format!("/api/jobs/{id}"), None).0, 404);
+}
+
+#[test]
+fn a_dataset_job_builds_a_split_that_the_api_previews_reports_and_deletes() {
+    let (_d, h) = home();
+    let mut csv = String::from("question,answer\n");
+    for i in 0..20 {
+        csv.push_str(&format!(
+            "What is {i} plus {i}?,\"It is {}, of course.\"\n",
+            2 * i
+        ));
+    }
+    csv.push_str("a row,with,three cells\n");
+    std::fs::write(h.join("data/qa.csv"), csv).unwrap();
+    let s = Server::start(&h);
+    let params = json!({"inputs": ["data/qa.csv"], "output": "qa", "to": "messages",
+        "map": {"instruction": "question", "output": "answer"}, "on_error": "skip",
+        "seed": 5, "model": "models/tiny-llama", "max_len": 16});
+    let (st, v) = s.call("POST", "/api/datasets", Some(params.clone()));
+    assert_eq!(st, 201, "{v}");
+    let id = v["id"].as_i64().unwrap();
+    let j = s.wait_final(id);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    assert_eq!(j["outputs"], json!(["datasets/qa"]));
+    let result = s
+        .events(id, None)
+        .into_iter()
+        .find(|(_, e)| e["type"] == "progress")
+        .expect("the report as an event")
+        .1;
+    assert_eq!(
+        (
+            result["data"]["train"].as_u64(),
+            result["data"]["valid"].as_u64()
+        ),
+        (Some(18), Some(2)),
+        "{result}"
+    );
+
+    let (_, list) = s.call("GET", "/api/datasets", None);
+    assert_eq!(
+        list["data"],
+        json!([{"name": "qa", "path": "datasets/qa", "format": "messages", "train": 18, "valid": 2}]),
+        "{list}"
+    );
+    let files: Vec<&str> = list["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(files, ["data/chats.jsonl", "data/qa.csv"]);
+    let (st, p) = s.call("GET", "/api/datasets/qa/preview?split=valid", None);
+    assert_eq!(st, 200, "{p}");
+    assert_eq!(p["total"], 2);
+    let q = p["data"][0]["messages"][0]["content"].as_str().unwrap();
+    assert!(q.starts_with("What is ") && q.ends_with('?'), "{p}");
+    let (_, p) = s.call("GET", "/api/datasets/qa/preview?offset=16&limit=5", None);
+    assert_eq!(
+        (p["total"].as_u64(), p["data"].as_array().unwrap().len()),
+        (Some(18), 2)
+    );
+    assert_eq!(
+        s.call("GET", "/api/datasets/qa/preview?limit=0", None).0,
+        400
+    );
+    assert_eq!(
+        s.call("GET", "/api/datasets/qa/preview?split=test", None).0,
+        400
+    );
+    let (st, r) = s.call("GET", "/api/datasets/qa/stats", None);
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(
+        (r["rows"].as_u64(), r["skipped"].as_u64()),
+        (Some(21), Some(1)),
+        "{r}"
+    );
+    assert_eq!(r["problems"][0]["line"], 22);
+    assert_eq!(r["tokens"]["records"], 20);
+    assert_eq!(r["tokens"]["max_len"], 16);
+    assert!(r["tokens"]["over_max_len"].as_u64().unwrap() > 0, "{r}");
+    // The same job again: the output exists, so it is refused before it is queued.
+    let (st, v) = s.call("POST", "/api/datasets", Some(params));
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("output")),
+        "{v}"
+    );
+    let (st, _) = s.call("DELETE", "/api/datasets/qa", None);
+    assert_eq!(st, 200);
+    assert!(!h.join("datasets/qa").exists() && h.join("data/qa.csv").exists());
+    assert_eq!(s.call("GET", "/api/datasets/qa/stats", None).0, 400);
+}
+
+fn train_params(output: &str) -> Value {
+    json!({"model": "models/tiny-llama", "data": "data/chats.jsonl", "output": output,
+           "steps": STEPS, "save_every": 50, "batch": 8, "lora_r": 4, "lr": 0.01, "device": "cpu"})
+}
+
+/// Long enough (a few seconds) for the server to be killed mid-run.
+const STEPS: u64 = 400;
+
+#[test]
+fn a_server_killed_during_training_comes_back_interrupted_and_the_resumed_adapter_is_exact() {
+    let (_d, h) = home();
+    let s = Server::start(&h);
+    let whole = s.submit("train_sft", train_params("whole"));
+    // Follow the unbroken run live over SSE: every step arrives, in order.
+    let live = s.events(whole, None);
+    let j = s.wait_final(whole);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    let steps: Vec<u64> = live
+        .iter()
+        .filter(|(_, e)| e["type"] == "progress" && e["data"]["event"] == "step")
+        .map(|(_, e)| e["data"]["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
+    let span =
+        live.last().unwrap().1["time"].as_f64().unwrap() - live[0].1["time"].as_f64().unwrap();
+    eprintln!(
+        "SSE followed {} events ({} steps) in {span:.2} s: {:.0} events/s",
+        live.len(),
+        steps.len(),
+        live.len() as f64 / span
+    );
+
+    let broken = s.submit("train_sft", train_params("broken"));
+    let partial = h.join(format!("adapters/.broken.partial-{broken}"));
+    let j = s.wait(broken, |j| {
+        j["state"] != "queued" && j["state"] != "running"
+            || partial.join("checkpoint-000050").exists()
+    });
+    assert_eq!(j["state"], "running", "killed mid-run: {j}");
+    // Its temporary folder (with a checkpoint in it) is not listed among the adapters.
+    let (_, models) = s.call("GET", "/api/models", None);
+    let listed: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        listed.contains(&"adapters/whole") && !listed.iter().any(|p| p.contains("broken")),
+        "{listed:?}"
+    );
+    s.kill9();
+    let s = Server::start(&h);
+    let j = s.wait_final(broken);
+    assert_eq!(j["state"], "interrupted", "{j}");
+    assert!(!h.join("adapters/broken").exists());
+    let (st, v) = s.call(
+        "POST",
+        &format!("/api/jobs/{broken}/resume"),
+        Some(json!({})),
+    );
+    assert_eq!(st, 200, "{v}");
+    let j = s.wait_final(broken);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    assert_eq!(j["attempts"], 2);
+    let argv = s
+        .events(broken, None)
+        .into_iter()
+        .rev()
+        .find(|(_, e)| e["data"]["state"] == "running")
+        .unwrap()
+        .1;
+    assert!(
+        argv["data"]["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--resume"),
+        "{argv}"
+    );
+    let a = std::fs::read(h.join("adapters/whole/adapter_model.safetensors")).unwrap();
+    let b = std::fs::read(h.join("adapters/broken/adapter_model.safetensors")).unwrap();
+    assert!(
+        a == b,
+        "the resumed adapter differs from the unbroken run's"
+    );
+    // Cancel of a running training job: SIGTERM, a checkpoint, `cancelled`, no adapter.
+    let c = s.submit("train_sft", train_params("cancelled"));
+    let partial = h.join(format!("adapters/.cancelled.partial-{c}"));
+    // Its stop handler is in place once its log exists.
+    s.wait(c, |j| {
+        j["state"] != "queued" && j["state"] != "running"
+            || partial.join("train_log.jsonl").exists()
+    });
+    let (st, v) = s.call("POST", &format!("/api/jobs/{c}/cancel"), Some(json!({})));
+    assert_eq!(st, 200, "{v}");
+    let j = s.wait_final(c);
+    assert_eq!(j["state"], "cancelled", "{j}");
+    assert!(!h.join("adapters/cancelled").exists());
+    let saved: Vec<String> = std::fs::read_dir(&partial)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    assert!(!saved.is_empty(), "SIGTERM saved no checkpoint");
+}

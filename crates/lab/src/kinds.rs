@@ -1,0 +1,613 @@
+//! Job kinds and their parameters: one table per kind maps a JSON param to the `hf2q` flag it
+//! stands for (the CLI's long flag names, `-` or `_` alike), with its type; [`plan`] checks the
+//! params against the table (unknown, missing, mistyped and out-of-home values are errors that
+//! name the param) and builds the child's argv with outputs at temporary names.
+//!
+//! Paths: inputs (`file`, `data`, ...) are names relative to `$HF2Q_HOME`; a `model` is a
+//! built-in name or such a name; outputs are names under the kind's folder
+//! (`models/` for quantize and convert, `imatrix/`, `adapters/` for training, `datasets/` for
+//! the dataset builder).
+//! Not here: running the argv ([`crate::runner`]).
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::paths::{partial, Home};
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Quantize,
+    Convert,
+    Imatrix,
+    Perplexity,
+    TrainSft,
+    TrainDpo,
+    Pull,
+    Dataset,
+}
+
+pub const KINDS: &[(&str, Kind)] = &[
+    ("quantize", Kind::Quantize),
+    ("convert", Kind::Convert),
+    ("imatrix", Kind::Imatrix),
+    ("perplexity", Kind::Perplexity),
+    ("train_sft", Kind::TrainSft),
+    ("train_dpo", Kind::TrainDpo),
+    ("pull", Kind::Pull),
+    ("dataset", Kind::Dataset),
+];
+
+impl Kind {
+    pub fn parse(s: &str) -> Result<Kind> {
+        KINDS
+            .iter()
+            .find(|(n, _)| *n == s)
+            .map(|(_, k)| *k)
+            .ok_or_else(|| {
+                let names: Vec<_> = KINDS.iter().map(|(n, _)| *n).collect();
+                Error::param(
+                    "kind",
+                    format!("unknown job kind '{s}' (known: {})", names.join(", ")),
+                )
+            })
+    }
+    pub fn name(self) -> &'static str {
+        KINDS
+            .iter()
+            .find(|(_, k)| *k == self)
+            .map(|(n, _)| *n)
+            .unwrap_or("?")
+    }
+    pub fn is_train(self) -> bool {
+        matches!(self, Kind::TrainSft | Kind::TrainDpo)
+    }
+}
+
+/// Which lease a job holds while it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lease {
+    Gpu,
+    Cpu,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Ty {
+    Str,
+    Int,
+    Float,
+    Bool,
+    Choice(&'static [&'static str]),
+    /// A built-in model name or a model path under the home.
+    Model,
+    /// An existing file or folder under the home.
+    Input,
+    /// A new path under this folder of the home.
+    Output(&'static str),
+    /// A non-empty list of [`Ty::Input`] names (positional).
+    Inputs,
+    /// An object `{FIELD: COLUMN}`: one `FLAG FIELD=COLUMN` each.
+    Pairs,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Param {
+    name: &'static str,
+    /// `--flag`, `-o`, or "" for a positional argument (in table order).
+    flag: &'static str,
+    ty: Ty,
+    required: bool,
+}
+
+const fn p(name: &'static str, flag: &'static str, ty: Ty) -> Param {
+    Param {
+        name,
+        flag,
+        ty,
+        required: false,
+    }
+}
+const fn req(name: &'static str, flag: &'static str, ty: Ty) -> Param {
+    Param {
+        name,
+        flag,
+        ty,
+        required: true,
+    }
+}
+
+const DEVICES: &[&str] = &["auto", "cpu", "cuda"];
+const MATMUL: &[&str] = &["fast", "reference"];
+
+const QUANTIZE: &[Param] = &[
+    req("model", "", Ty::Model),
+    req("output", "", Ty::Output("models")),
+    p("type", "--type", Ty::Str),
+    p("target_bpw", "--target-bpw", Ty::Float),
+    p("calib", "--calib", Ty::Input),
+    p("calib_tokens", "--calib-tokens", Ty::Int),
+    p("exhaustive", "--exhaustive", Ty::Bool),
+    p("group_size", "--group-size", Ty::Int),
+    p("imatrix", "--imatrix", Ty::Input),
+    p("pure", "--pure", Ty::Bool),
+    p("output_tensor_type", "--output-tensor-type", Ty::Str),
+    p("token_embedding_type", "--token-embedding-type", Ty::Str),
+    p("eval", "--eval", Ty::Input),
+    p("eval_ctx", "--eval-ctx", Ty::Int),
+    p("eval_chunks", "--eval-chunks", Ty::Int),
+];
+
+const CONVERT: &[Param] = &[
+    req("model", "", Ty::Model),
+    req("output", "", Ty::Output("models")),
+    req("to", "--to", Ty::Choice(&["gguf", "hf", "mlx"])),
+    p("type", "--type", Ty::Str),
+    p("dtype", "--dtype", Ty::Choice(&["f32", "f16", "bf16"])),
+    p("shard_size", "--shard-size", Ty::Int),
+    p("group_size", "--group-size", Ty::Int),
+];
+
+const IMATRIX: &[Param] = &[
+    req("model", "", Ty::Model),
+    req("file", "--file", Ty::Input),
+    req("output", "--output", Ty::Output("imatrix")),
+    p("ctx", "--ctx", Ty::Int),
+    p("chunks", "--chunks", Ty::Int),
+    p("process_output", "--process-output", Ty::Bool),
+    p("matmul", "--matmul", Ty::Choice(MATMUL)),
+    p("kv_type", "--kv-type", Ty::Str),
+];
+
+const PERPLEXITY: &[Param] = &[
+    req("model", "", Ty::Model),
+    req("file", "--file", Ty::Input),
+    p("ctx", "--ctx", Ty::Int),
+    p("chunks", "--chunks", Ty::Int),
+    p("kl_base", "--kl-base", Ty::Model),
+    p("kv_type", "--kv-type", Ty::Str),
+];
+
+/// The flags `train sft` and `train dpo` share.
+macro_rules! train_params {
+    ($($extra:expr),*) => {
+        &[
+            p("model", "", Ty::Model),
+            req("data", "--data", Ty::Input),
+            p("valid", "--valid", Ty::Input),
+            p("valid_split", "--valid-split", Ty::Float),
+            req("output", "--output", Ty::Output("adapters")),
+            p("lora_r", "--lora-r", Ty::Int),
+            p("lora_alpha", "--lora-alpha", Ty::Float),
+            p("lora_dropout", "--lora-dropout", Ty::Float),
+            p("rslora", "--rslora", Ty::Bool),
+            p("targets", "--targets", Ty::Str),
+            p("lr", "--lr", Ty::Float),
+            p("schedule", "--schedule", Ty::Choice(&["cosine", "linear", "constant"])),
+            p("warmup_steps", "--warmup-steps", Ty::Int),
+            p("epochs", "--epochs", Ty::Int),
+            p("steps", "--steps", Ty::Int),
+            p("batch", "--batch", Ty::Int),
+            p("grad_accum", "--grad-accum", Ty::Int),
+            p("max_seq_len", "--max-seq-len", Ty::Int),
+            p("packing", "--packing", Ty::Bool),
+            p("seed", "--seed", Ty::Int),
+            p("weight_decay", "--weight-decay", Ty::Float),
+            p("max_grad_norm", "--max-grad-norm", Ty::Float),
+            p("grad_checkpoint", "--grad-checkpoint", Ty::Str),
+            p("eval_every", "--eval-every", Ty::Int),
+            p("save_every", "--save-every", Ty::Int),
+            p("device", "--device", Ty::Choice(DEVICES)),
+            p("matmul", "--matmul", Ty::Choice(MATMUL)),
+            $($extra),*
+        ]
+    };
+}
+
+const TRAIN_SFT: &[Param] = train_params!(p("train_on_prompt", "--train-on-prompt", Ty::Bool));
+const TRAIN_DPO: &[Param] = train_params!(p("beta", "--beta", Ty::Float));
+
+const FORMATS: &[&str] = &[
+    "messages",
+    "sharegpt",
+    "alpaca",
+    "prompt_completion",
+    "text",
+    "dpo",
+];
+
+const DATASET: &[Param] = &[
+    req("inputs", "", Ty::Inputs),
+    req("output", "--output", Ty::Output("datasets")),
+    p("to", "--to", Ty::Choice(FORMATS)),
+    p("map", "--map", Ty::Pairs),
+    p("on_error", "--on-error", Ty::Choice(&["reject", "skip"])),
+    p("valid_split", "--valid-split", Ty::Float),
+    p("seed", "--seed", Ty::Int),
+    p("dedup", "--dedup", Ty::Choice(&["none", "exact", "near"])),
+    p("near_threshold", "--near-threshold", Ty::Float),
+    p("model", "--model", Ty::Model),
+    p("max_len", "--max-len", Ty::Int),
+];
+
+const PULL: &[Param] = &[req("name", "", Ty::Str), p("force", "--force", Ty::Bool)];
+
+/// Params every kind takes and the runner (not the child) reads: `lease` ("gpu" or "cpu")
+/// overrides which lease the job holds (training holds the GPU lease unless `device` is
+/// "cpu"; everything else a CPU slot).
+const LEASE: &str = "lease";
+
+fn table(kind: Kind) -> Result<&'static [Param]> {
+    Ok(match kind {
+        Kind::Quantize => QUANTIZE,
+        Kind::Convert => CONVERT,
+        Kind::Imatrix => IMATRIX,
+        Kind::Perplexity => PERPLEXITY,
+        Kind::TrainSft => TRAIN_SFT,
+        Kind::TrainDpo => TRAIN_DPO,
+        Kind::Pull => PULL,
+        Kind::Dataset => DATASET,
+    })
+}
+
+/// What the runner needs to start a job.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Arguments after the `hf2q` binary.
+    pub argv: Vec<OsString>,
+    /// (final path, temporary path the child writes): renamed when the child succeeds.
+    pub outputs: Vec<(PathBuf, PathBuf)>,
+    pub lease: Lease,
+}
+
+/// Where the built-in names and the home are, for [`plan`].
+pub struct Context<'a> {
+    pub home: &'a Home,
+    pub builtin_models: &'a [String],
+}
+
+fn normal(key: &str) -> String {
+    key.replace('-', "_")
+}
+
+fn scalar(param: &str, v: &Value, ty: Ty) -> Result<String> {
+    let bad = |what: &str| Error::param(param, format!("must be {what}, not {v}"));
+    Ok(match ty {
+        Ty::Int => match v.as_u64() {
+            Some(n) => n.to_string(),
+            None => return Err(bad("a whole number >= 0")),
+        },
+        Ty::Float => match v.as_f64() {
+            Some(x) if x.is_finite() => x.to_string(),
+            _ => return Err(bad("a number")),
+        },
+        Ty::Choice(options) => match v.as_str() {
+            Some(s) if options.contains(&s) => s.to_string(),
+            _ => return Err(bad(&format!("one of {}", options.join(", ")))),
+        },
+        _ => match v.as_str() {
+            Some(s) if !s.is_empty() && !s.starts_with('-') => s.to_string(),
+            Some(_) => return Err(bad("a non-empty string not starting with '-'")),
+            None => return Err(bad("a string")),
+        },
+    })
+}
+
+/// Checks `params` for `kind` and builds the argv of job `id` (`resume`: a training job's
+/// output folder exists and holds checkpoints to continue from).
+pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> {
+    let table = table(kind)?;
+    let obj: Map<String, Value> = match params {
+        Value::Object(m) => m.iter().map(|(k, v)| (normal(k), v.clone())).collect(),
+        Value::Null => Map::new(),
+        _ => return Err(Error::param("params", "must be a JSON object")),
+    };
+    for k in obj.keys() {
+        if k != LEASE && !table.iter().any(|p| p.name == k) {
+            let names: Vec<_> = table.iter().map(|p| p.name).collect();
+            return Err(Error::param(
+                k,
+                format!(
+                    "unknown parameter for a {} job (known: {})",
+                    kind.name(),
+                    names.join(", ")
+                ),
+            ));
+        }
+    }
+    let mut positional = Vec::new();
+    let mut flags = Vec::new();
+    let mut outputs = Vec::new();
+    for prm in table {
+        let Some(v) = obj.get(prm.name).filter(|v| !v.is_null()) else {
+            if prm.required {
+                return Err(Error::param(
+                    prm.name,
+                    format!("is required for a {} job", kind.name()),
+                ));
+            }
+            continue;
+        };
+        let arg: Option<OsString> = match prm.ty {
+            Ty::Bool => match v.as_bool() {
+                Some(true) => {
+                    flags.push(OsString::from(prm.flag));
+                    None
+                }
+                Some(false) => None,
+                None => {
+                    return Err(Error::param(
+                        prm.name,
+                        format!("must be true or false, not {v}"),
+                    ))
+                }
+            },
+            Ty::Model => {
+                let s = scalar(prm.name, v, Ty::Str)?;
+                if ctx.builtin_models.contains(&s) {
+                    Some(s.into())
+                } else {
+                    Some(ctx.home.existing(prm.name, "", &s)?.into_os_string())
+                }
+            }
+            Ty::Input => {
+                let s = scalar(prm.name, v, Ty::Str)?;
+                Some(ctx.home.existing(prm.name, "", &s)?.into_os_string())
+            }
+            Ty::Output(base) => {
+                let mut s = scalar(prm.name, v, Ty::Str)?;
+                if gguf_output(kind, &obj) && !s.to_ascii_lowercase().ends_with(".gguf") {
+                    s.push_str(".gguf");
+                }
+                let out = ctx.home.new_output(prm.name, base, &s)?;
+                let tmp = partial(&out, id);
+                outputs.push((out, tmp.clone()));
+                Some(tmp.into_os_string())
+            }
+            Ty::Inputs => {
+                let list = v.as_array().filter(|l| !l.is_empty()).ok_or_else(|| {
+                    Error::param(
+                        prm.name,
+                        format!("must be a non-empty list of names, not {v}"),
+                    )
+                })?;
+                for item in list {
+                    let s = scalar(prm.name, item, Ty::Str)?;
+                    positional.push(ctx.home.existing(prm.name, "", &s)?.into_os_string());
+                }
+                None
+            }
+            Ty::Pairs => {
+                let m = v.as_object().ok_or_else(|| {
+                    Error::param(
+                        prm.name,
+                        format!("must be an object {{FIELD: COLUMN}}, not {v}"),
+                    )
+                })?;
+                for (field, col) in m {
+                    let c = scalar(prm.name, col, Ty::Str)?;
+                    if field.is_empty() || field.contains('=') {
+                        return Err(Error::param(
+                            prm.name,
+                            format!("'{field}' is not a field name"),
+                        ));
+                    }
+                    flags.push(prm.flag.into());
+                    flags.push(format!("{field}={c}").into());
+                }
+                None
+            }
+            ty => Some(scalar(prm.name, v, ty)?.into()),
+        };
+        if let Some(a) = arg {
+            if prm.flag.is_empty() {
+                positional.push(a);
+            } else {
+                flags.push(prm.flag.into());
+                flags.push(a);
+            }
+        }
+    }
+    if kind == Kind::Pull {
+        let name = positional
+            .first()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        if !ctx.builtin_models.contains(&name) {
+            return Err(Error::param(
+                "name",
+                format!(
+                    "'{name}' is not a built-in model (known: {})",
+                    ctx.builtin_models.join(", ")
+                ),
+            ));
+        }
+    }
+    let mut argv: Vec<OsString> = match kind {
+        Kind::TrainSft => vec!["train".into(), "sft".into()],
+        Kind::TrainDpo => vec!["train".into(), "dpo".into()],
+        Kind::Dataset => vec!["dataset".into(), "build".into()],
+        k => vec![k.name().into()],
+    };
+    argv.extend(positional);
+    argv.extend(flags);
+    if kind != Kind::Pull {
+        argv.push("--json".into());
+    }
+    let lease = match obj.get(LEASE) {
+        None => match obj.get("device").and_then(Value::as_str) {
+            _ if !kind.is_train() => Lease::Cpu,
+            Some("cpu") => Lease::Cpu,
+            _ => Lease::Gpu,
+        },
+        Some(v) => match v.as_str() {
+            Some("gpu") => Lease::Gpu,
+            Some("cpu") => Lease::Cpu,
+            _ => {
+                return Err(Error::param(
+                    LEASE,
+                    format!("must be \"gpu\" or \"cpu\", not {v}"),
+                ))
+            }
+        },
+    };
+    Ok(Plan {
+        argv,
+        outputs,
+        lease,
+    })
+}
+
+/// Quantize to a GGUF type, or convert `--to gguf`: the output is a `.gguf` file.
+fn gguf_output(kind: Kind, obj: &Map<String, Value>) -> bool {
+    match kind {
+        Kind::Quantize => !obj
+            .get("type")
+            .and_then(Value::as_str)
+            .is_some_and(|t| t.to_ascii_lowercase().starts_with("mlx")),
+        Kind::Convert => obj.get("to").and_then(Value::as_str) == Some("gguf"),
+        _ => false,
+    }
+}
+
+/// A training job's resume: `--resume DIR` when its temporary output folder holds a
+/// checkpoint (else it starts over there).
+pub fn add_resume(plan: &mut Plan) {
+    if let Some((_, tmp)) = plan.outputs.first() {
+        if has_checkpoint(tmp) {
+            plan.argv.push("--resume".into());
+            plan.argv.push(tmp.clone().into_os_string());
+        }
+    }
+}
+
+fn has_checkpoint(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|rd| {
+        rd.flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn params_map_to_flags_and_bad_ones_are_named() {
+        let d = tempfile::tempdir().unwrap();
+        let home = Home::new(d.path()).unwrap();
+        std::fs::write(home.root().join("wiki.txt"), "text").unwrap();
+        let builtin = vec!["smollm2-135m".to_string()];
+        let ctx = Context {
+            home: &home,
+            builtin_models: &builtin,
+        };
+        let pl = plan(
+            &ctx,
+            Kind::Quantize,
+            &json!({"model": "smollm2-135m", "type": "Q4_0", "output": "small", "eval-chunks": 2}),
+            5,
+        )
+        .unwrap();
+        let argv: Vec<String> = pl.argv.iter().map(|a| a.to_string_lossy().into()).collect();
+        let out = home.root().join("models/.small.gguf.partial-5");
+        assert_eq!(
+            argv,
+            [
+                "quantize",
+                "smollm2-135m",
+                out.to_str().unwrap(),
+                "--type",
+                "Q4_0",
+                "--eval-chunks",
+                "2",
+                "--json"
+            ]
+        );
+        assert_eq!(pl.outputs[0].0, home.root().join("models/small.gguf"));
+        assert_eq!(pl.lease, Lease::Cpu);
+        let err = |kind, v: Value| plan(&ctx, kind, &v, 1).unwrap_err().to_string();
+        assert!(err(
+            Kind::Quantize,
+            json!({"model": "smollm2-135m", "output": "o", "typ": "Q4_0"})
+        )
+        .starts_with("typ: unknown parameter"));
+        assert!(err(Kind::Perplexity, json!({"model": "smollm2-135m"}))
+            .starts_with("file: is required"));
+        assert!(err(
+            Kind::Perplexity,
+            json!({"model": "smollm2-135m", "file": "wiki.txt", "ctx": -3})
+        )
+        .starts_with("ctx: must be a whole number"));
+        assert!(err(
+            Kind::Perplexity,
+            json!({"model": "smollm2-135m", "file": "../wiki.txt"})
+        )
+        .contains("leaves $HF2Q_HOME"));
+        assert!(err(
+            Kind::Perplexity,
+            json!({"model": "/etc/passwd", "file": "wiki.txt"})
+        )
+        .contains("absolute"));
+        assert!(err(Kind::Pull, json!({"name": "gpt-17"})).contains("not a built-in model"));
+        std::fs::create_dir_all(home.root().join("data")).unwrap();
+        std::fs::write(home.root().join("data/qa.csv"), "q,a\n").unwrap();
+        let d = plan(
+            &ctx,
+            Kind::Dataset,
+            &json!({"inputs": ["data/qa.csv", "wiki.txt"], "output": "qa", "map": {"instruction": "q", "output": "a"}, "to": "alpaca"}),
+            4,
+        )
+        .unwrap();
+        let argv: Vec<String> = d.argv.iter().map(|a| a.to_string_lossy().into()).collect();
+        let tmp = home.root().join("datasets/.qa.partial-4");
+        let inp = |n: &str| home.root().join(n).to_string_lossy().to_string();
+        assert_eq!(
+            argv,
+            [
+                "dataset".to_string(),
+                "build".into(),
+                inp("data/qa.csv"),
+                inp("wiki.txt"),
+                "--output".into(),
+                tmp.to_string_lossy().into(),
+                "--to".into(),
+                "alpaca".into(),
+                "--map".into(),
+                "instruction=q".into(),
+                "--map".into(),
+                "output=a".into(),
+                "--json".into()
+            ]
+        );
+        assert!(err(Kind::Dataset, json!({"inputs": [], "output": "x"})).contains("non-empty list"));
+        assert!(err(
+            Kind::Dataset,
+            json!({"inputs": ["../x.csv"], "output": "x"})
+        )
+        .contains("leaves $HF2Q_HOME"));
+        assert!(err(
+            Kind::Dataset,
+            json!({"inputs": ["wiki.txt"], "output": "x", "map": {"a=b": "c"}})
+        )
+        .contains("not a field name"));
+        let t = plan(
+            &ctx,
+            Kind::TrainSft,
+            &json!({"data": "wiki.txt", "output": "a", "steps": 3}),
+            2,
+        )
+        .unwrap();
+        assert_eq!(t.lease, Lease::Gpu);
+        let t = plan(
+            &ctx,
+            Kind::TrainSft,
+            &json!({"data": "wiki.txt", "output": "a", "device": "cpu"}),
+            2,
+        )
+        .unwrap();
+        assert_eq!(t.lease, Lease::Cpu);
+    }
+}
