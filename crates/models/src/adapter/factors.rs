@@ -69,11 +69,17 @@ pub struct AdapterFactors {
 
 /// The block path of a short module name.
 pub fn module_path(short: &str) -> Option<&'static str> {
-    MODULE_PATHS.iter().find(|(s, _)| *s == short).map(|(_, p)| *p)
+    MODULE_PATHS
+        .iter()
+        .find(|(s, _)| *s == short)
+        .map(|(_, p)| *p)
 }
 
 fn path_rank(path: &str) -> usize {
-    MODULE_PATHS.iter().position(|(_, p)| *p == path).unwrap_or(usize::MAX)
+    MODULE_PATHS
+        .iter()
+        .position(|(_, p)| *p == path)
+        .unwrap_or(usize::MAX)
 }
 
 /// Non-finite values are an error naming the tensor and the element.
@@ -98,8 +104,7 @@ impl AdapterFactors {
     }
 
     pub(crate) fn sort(&mut self) {
-        self.modules
-            .sort_by_key(|m| (m.layer, path_rank(&m.path)));
+        self.modules.sort_by_key(|m| (m.layer, path_rank(&m.path)));
     }
 
     /// Checks the factors against a base of `n_layers` blocks whose product at `(layer, path)`
@@ -154,7 +159,9 @@ impl AdapterFactors {
             )));
         }
         if self.modules.is_empty() {
-            return Err(Error::Msg(format!("{f}: the adapter targets no module of this model")));
+            return Err(Error::Msg(format!(
+                "{f}: the adapter targets no module of this model"
+            )));
         }
         Ok(())
     }
@@ -243,14 +250,21 @@ pub fn read_peft(dir: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactor
     for ((layer, pi), (an, bn)) in pairs {
         let path = MODULE_PATHS[pi].1;
         let stem = super::peft_stem(layer, path);
-        let an = an.map(str::to_string).unwrap_or(format!("{stem}.lora_A.weight"));
-        let bn = bn.map(str::to_string).unwrap_or(format!("{stem}.lora_B.weight"));
+        let an = an
+            .map(str::to_string)
+            .unwrap_or(format!("{stem}.lora_A.weight"));
+        let bn = bn
+            .map(str::to_string)
+            .unwrap_or(format!("{stem}.lora_B.weight"));
         let (a, ash) = read_f32(&st, &an, &file)?;
         let (b, bsh) = read_f32(&st, &bn, &file)?;
         let r = cfg.rank_for(layer, path);
         let ok = ash.len() == 2 && bsh.len() == 2 && ash[0] == r && bsh[1] == r;
         if !ok {
-            let (cols, rows) = (ash.get(1).copied().unwrap_or(0), bsh.first().copied().unwrap_or(0));
+            let (cols, rows) = (
+                ash.get(1).copied().unwrap_or(0),
+                bsh.first().copied().unwrap_or(0),
+            );
             return Err(Error::Msg(format!(
                 "{f}: '{stem}': lora_A {ash:?} and lora_B {bsh:?}, expected [{r}, {cols}] and [{rows}, {r}] (rank {r} from {CONFIG_FILE})"
             )));
@@ -305,7 +319,14 @@ pub fn write_peft_files(dir: &Path, f: &AdapterFactors, base_name: &str) -> Resu
         bytes.push(m.b.iter().flat_map(|x| x.to_le_bytes()).collect());
     }
     let refs: Vec<_> = (0..names.len())
-        .map(|i| (names[i].clone(), StDtype::F32, shapes[i].clone(), bytes[i].as_slice()))
+        .map(|i| {
+            (
+                names[i].clone(),
+                StDtype::F32,
+                shapes[i].clone(),
+                bytes[i].as_slice(),
+            )
+        })
         .collect();
     let mut config = peft_config_json(&f.config, base_name);
     let mut ranks = serde_json::Map::new();

@@ -19,13 +19,15 @@ pub fn delta(f: &AdapterFactors, m: &super::ModuleFactors) -> Vec<f32> {
     let s = f.scale_of(m);
     let (r, cols) = (m.r, m.cols);
     let mut d = vec![0f32; m.rows * cols];
-    d.par_chunks_mut(cols.max(1)).enumerate().for_each(|(o, row)| {
-        for k in 0..r {
-            let bk = s * m.b[o * r + k];
-            let a = &m.a[k * cols..(k + 1) * cols];
-            row.iter_mut().zip(a).for_each(|(x, &y)| *x += bk * y);
-        }
-    });
+    d.par_chunks_mut(cols.max(1))
+        .enumerate()
+        .for_each(|(o, row)| {
+            for k in 0..r {
+                let bk = s * m.b[o * r + k];
+                let a = &m.a[k * cols..(k + 1) * cols];
+                row.iter_mut().zip(a).for_each(|(x, &y)| *x += bk * y);
+            }
+        });
     d
 }
 
@@ -40,7 +42,8 @@ pub fn fuse_into(src: &mut SourceModel, f: &AdapterFactors, file: &Path) -> Resu
     f.check(file, src.config.n_layers, &dims)?;
     src.deltas.clear();
     for m in &f.modules {
-        src.deltas.insert(format!("{}.weight", m.name()), delta(f, m));
+        src.deltas
+            .insert(format!("{}.weight", m.name()), delta(f, m));
     }
     Ok(f.modules.len())
 }

@@ -115,8 +115,11 @@ pub fn read(path: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
     let arch_name = file
         .get_str("general.architecture")
         .ok_or_else(|| bad("no general.architecture".into()))?;
-    let arch = Arch::from_gguf(arch_name)
-        .ok_or_else(|| bad(format!("general.architecture '{arch_name}' is not supported")))?;
+    let arch = Arch::from_gguf(arch_name).ok_or_else(|| {
+        bad(format!(
+            "general.architecture '{arch_name}' is not supported"
+        ))
+    })?;
     if let Some(b) = base {
         if b.arch != arch {
             return Err(bad(format!(
@@ -128,12 +131,21 @@ pub fn read(path: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
     // llama.cpp reads a missing alpha as 0, which means scale 1.
     let alpha = file.get_f32("adapter.lora.alpha").unwrap_or(0.0);
     if !alpha.is_finite() || alpha < 0.0 {
-        return Err(bad(format!("adapter.lora.alpha {alpha} is not a non-negative number")));
+        return Err(bad(format!(
+            "adapter.lora.alpha {alpha} is not a non-negative number"
+        )));
     }
     let max_layer = file
         .tensors
         .iter()
-        .filter_map(|t| t.name.strip_prefix("blk.")?.split('.').next()?.parse::<usize>().ok())
+        .filter_map(|t| {
+            t.name
+                .strip_prefix("blk.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
         .max();
     let n_layers = base.map_or(max_layer.map_or(0, |l| l + 1), |b| b.n_layers);
     let table = gguf_to_hf_table(arch, n_layers);
@@ -142,7 +154,8 @@ pub fn read(path: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
             "tensor '{name}' does not belong to a LoRA target of this model (layers: {n_layers})"
         ))
     };
-    let mut pairs: BTreeMap<(usize, &'static str), (Option<usize>, Option<usize>)> = BTreeMap::new();
+    let mut pairs: BTreeMap<(usize, &'static str), (Option<usize>, Option<usize>)> =
+        BTreeMap::new();
     for (i, t) in file.tensors.iter().enumerate() {
         let (stem, is_a) = if let Some(s) = t.name.strip_suffix(".lora_a") {
             (s, true)
@@ -168,10 +181,13 @@ pub fn read(path: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
     }
     let mut modules = Vec::new();
     for ((layer, mpath), (ai, bi)) in pairs {
-        let g = hf_to_gguf(arch, &format!("model.layers.{layer}.{mpath}.weight")).unwrap_or_default();
+        let g =
+            hf_to_gguf(arch, &format!("model.layers.{layer}.{mpath}.weight")).unwrap_or_default();
         let (Some(ai), Some(bi)) = (ai, bi) else {
             let half = if ai.is_none() { "lora_a" } else { "lora_b" };
-            return Err(bad(format!("missing tensor '{g}.{half}' (each product needs lora_a and lora_b)")));
+            return Err(bad(format!(
+                "missing tensor '{g}.{half}' (each product needs lora_a and lora_b)"
+            )));
         };
         let (ta, tb) = (&file.tensors[ai], &file.tensors[bi]);
         if ta.dims.len() != 2 || tb.dims.len() != 2 || ta.dims[1] != tb.dims[0] {
@@ -180,7 +196,11 @@ pub fn read(path: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
                 ta.dims, tb.dims
             )));
         }
-        let (cols, r, rows) = (ta.dims[0] as usize, ta.dims[1] as usize, tb.dims[1] as usize);
+        let (cols, r, rows) = (
+            ta.dims[0] as usize,
+            ta.dims[1] as usize,
+            tb.dims[1] as usize,
+        );
         let a = dequantize_rows(ta.ty, file.tensor_data(ta)?.as_slice(), r, cols, &ta.name)?;
         let mut b = dequantize_rows(tb.ty, file.tensor_data(tb)?.as_slice(), rows, r, &tb.name)?;
         check_finite(&a, &format!("{p}: tensor '{}'", ta.name))?;

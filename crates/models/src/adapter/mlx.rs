@@ -77,10 +77,20 @@ pub fn write(dir: &Path, f: &AdapterFactors, base: &ModelConfig) -> Result<()> {
         let stem = m.name();
         names.push(format!("{stem}.lora_a"));
         shapes.push(vec![m.cols, m.r]);
-        bytes.push(transpose(&m.a, m.r, m.cols).iter().flat_map(|x| x.to_le_bytes()).collect());
+        bytes.push(
+            transpose(&m.a, m.r, m.cols)
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+        );
         names.push(format!("{stem}.lora_b"));
         shapes.push(vec![m.r, m.rows]);
-        bytes.push(transpose(&b, m.rows, m.r).iter().flat_map(|x| x.to_le_bytes()).collect());
+        bytes.push(
+            transpose(&b, m.rows, m.r)
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+        );
     }
     let keys: Vec<String> = f
         .config
@@ -100,7 +110,14 @@ pub fn write(dir: &Path, f: &AdapterFactors, base: &ModelConfig) -> Result<()> {
     });
     write_dir_atomically(dir, |tmp| {
         let refs: Vec<_> = (0..names.len())
-            .map(|i| (names[i].clone(), StDtype::F32, shapes[i].clone(), bytes[i].as_slice()))
+            .map(|i| {
+                (
+                    names[i].clone(),
+                    StDtype::F32,
+                    shapes[i].clone(),
+                    bytes[i].as_slice(),
+                )
+            })
             .collect();
         let meta = BTreeMap::from([("format".to_string(), "mlx".to_string())]);
         write_safetensors(&tmp.join(WEIGHTS_FILE), &refs, &meta)?;
@@ -121,7 +138,10 @@ pub fn read(dir: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
     let c = cpath.display();
     let bad = |m: String| Error::Msg(format!("{c}: {m}"));
     let v: Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let ft = v.get("fine_tune_type").and_then(Value::as_str).unwrap_or("lora");
+    let ft = v
+        .get("fine_tune_type")
+        .and_then(Value::as_str)
+        .unwrap_or("lora");
     if ft != "lora" {
         return Err(bad(format!(
             "fine_tune_type '{ft}': only LoRA adapters are supported (not DoRA or full fine-tunes)"
@@ -134,14 +154,15 @@ pub fn read(dir: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
     let rank = lp
         .get("rank")
         .and_then(Value::as_u64)
-        .ok_or_else(|| bad("lora_parameters: missing or invalid 'rank'".into()))? as usize;
-    let scale = lp
-        .get("scale")
-        .and_then(Value::as_f64)
-        .ok_or_else(|| bad("lora_parameters: missing or invalid 'scale' (mlx-lm's LoRA scale)".into()))?
-        as f32;
+        .ok_or_else(|| bad("lora_parameters: missing or invalid 'rank'".into()))?
+        as usize;
+    let scale = lp.get("scale").and_then(Value::as_f64).ok_or_else(|| {
+        bad("lora_parameters: missing or invalid 'scale' (mlx-lm's LoRA scale)".into())
+    })? as f32;
     if !scale.is_finite() || scale <= 0.0 || rank == 0 {
-        return Err(bad(format!("lora_parameters: rank {rank} and scale {scale} must be positive")));
+        return Err(bad(format!(
+            "lora_parameters: rank {rank} and scale {scale} must be positive"
+        )));
     }
     let dropout = lp.get("dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32;
     let wpath = dir.join(WEIGHTS_FILE);
@@ -220,7 +241,9 @@ pub fn read(dir: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
         Some(Value::Array(a)) => {
             let mut t = Vec::new();
             for k in a {
-                let k = k.as_str().ok_or_else(|| bad("keys holds a non-string".into()))?;
+                let k = k
+                    .as_str()
+                    .ok_or_else(|| bad("keys holds a non-string".into()))?;
                 let short = k.rsplit('.').next().unwrap_or(k);
                 if module_path(short) != Some(k) {
                     return Err(bad(format!(

@@ -38,7 +38,13 @@ use crate::{Error, Result};
 
 /// The products a LoRA may target, by PEFT's short module names.
 pub const LINEAR_NAMES: [&str; 7] = [
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
 ];
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -91,7 +97,10 @@ impl LoraConfig {
             return Err(Error::Msg("LoRA rank r must be at least 1".into()));
         }
         if !self.alpha.is_finite() || self.alpha <= 0.0 {
-            return Err(Error::Msg(format!("LoRA alpha {} must be positive", self.alpha)));
+            return Err(Error::Msg(format!(
+                "LoRA alpha {} must be positive",
+                self.alpha
+            )));
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(Error::Msg(format!(
@@ -356,13 +365,11 @@ impl Model {
                 dims.insert((layer, path.to_string()), (lin.w.rows, lin.w.cols));
             }
         }
-        f.check(file, self.config.n_layers, &|l, p| dims.get(&(l, p.to_string())).copied())?;
+        f.check(file, self.config.n_layers, &|l, p| {
+            dims.get(&(l, p.to_string())).copied()
+        })?;
         let permuted = self.permuted_qk();
-        let heads: Vec<Option<usize>> = f
-            .modules
-            .iter()
-            .map(|m| self.qk_heads(&m.path))
-            .collect();
+        let heads: Vec<Option<usize>> = f.modules.iter().map(|m| self.qk_heads(&m.path)).collect();
         let mut by_module = std::collections::HashMap::new();
         for (i, m) in f.modules.iter().enumerate() {
             by_module.insert((m.layer, m.path.clone()), i);
@@ -414,7 +421,11 @@ pub fn detect(path: &Path) -> AdapterFormat {
             .and_then(|mut f| f.read_exact(&mut m))
             .is_ok()
             && &m == b"GGUF";
-        return if gguf { AdapterFormat::GgufLora } else { AdapterFormat::Peft };
+        return if gguf {
+            AdapterFormat::GgufLora
+        } else {
+            AdapterFormat::Peft
+        };
     }
     if path.join(mlx::WEIGHTS_FILE).is_file() && !path.join(WEIGHTS_FILE).is_file() {
         return AdapterFormat::Mlx;
@@ -520,36 +531,49 @@ pub fn read_peft_config(dir: &Path) -> Result<PeftConfig> {
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| Error::Msg(format!("{}: not JSON: {e}", path.display())))?;
     let bad = |m: String| Error::Msg(format!("{}: {m}", path.display()));
-    let obj = v.as_object().ok_or_else(|| bad("not a JSON object".into()))?;
-    let peft_type = obj.get("peft_type").and_then(Value::as_str).unwrap_or("LORA");
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad("not a JSON object".into()))?;
+    let peft_type = obj
+        .get("peft_type")
+        .and_then(Value::as_str)
+        .unwrap_or("LORA");
     if peft_type != "LORA" {
-        return Err(bad(format!("peft_type '{peft_type}': only LORA adapters are supported")));
+        return Err(bad(format!(
+            "peft_type '{peft_type}': only LORA adapters are supported"
+        )));
     }
     let flag = |k: &str| obj.get(k).and_then(Value::as_bool).unwrap_or(false);
     if flag("use_dora") {
         return Err(bad("use_dora: DoRA adapters are not supported".into()));
     }
     if flag("fan_in_fan_out") {
-        return Err(bad("fan_in_fan_out: transposed (Conv1D) layouts are not supported".into()));
+        return Err(bad(
+            "fan_in_fan_out: transposed (Conv1D) layouts are not supported".into(),
+        ));
     }
     if let Some(b) = obj.get("bias").and_then(Value::as_str) {
         if b != "none" {
             return Err(bad(format!("bias '{b}': trained biases are not supported")));
         }
     }
-    if obj.get("modules_to_save").is_some_and(|m| !m.is_null() && m.as_array().is_none_or(|a| !a.is_empty())) {
-        return Err(bad("modules_to_save: full module copies are not supported".into()));
+    if obj
+        .get("modules_to_save")
+        .is_some_and(|m| !m.is_null() && m.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return Err(bad(
+            "modules_to_save: full module copies are not supported".into()
+        ));
     }
     let r = obj
         .get("r")
         .and_then(Value::as_u64)
         .ok_or_else(|| bad("missing or invalid 'r'".into()))? as usize;
-    let alpha = obj
-        .get("lora_alpha")
-        .and_then(Value::as_f64)
-        .unwrap_or(8.0) as f32;
+    let alpha = obj.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0) as f32;
     let targets = match obj.get("target_modules") {
-        Some(Value::String(s)) if s == "all-linear" => LINEAR_NAMES.iter().map(|s| s.to_string()).collect(),
+        Some(Value::String(s)) if s == "all-linear" => {
+            LINEAR_NAMES.iter().map(|s| s.to_string()).collect()
+        }
         Some(Value::String(s)) => {
             return Err(bad(format!(
                 "target_modules as a pattern ('{s}') is not supported: give a list of module names"
@@ -558,7 +582,9 @@ pub fn read_peft_config(dir: &Path) -> Result<PeftConfig> {
         Some(Value::Array(a)) => {
             let mut t = Vec::new();
             for x in a {
-                let s = x.as_str().ok_or_else(|| bad("target_modules holds a non-string".into()))?;
+                let s = x
+                    .as_str()
+                    .ok_or_else(|| bad("target_modules holds a non-string".into()))?;
                 // A dotted path names the same module by its last part.
                 t.push(s.rsplit('.').next().unwrap_or(s).to_string());
             }
@@ -570,7 +596,10 @@ pub fn read_peft_config(dir: &Path) -> Result<PeftConfig> {
     };
     let layers = match obj.get("layers_to_transform") {
         None | Some(Value::Null) => None,
-        Some(Value::Number(n)) => Some(vec![n.as_u64().ok_or_else(|| bad("bad layers_to_transform".into()))? as usize]),
+        Some(Value::Number(n)) => Some(vec![n
+            .as_u64()
+            .ok_or_else(|| bad("bad layers_to_transform".into()))?
+            as usize]),
         Some(Value::Array(a)) => Some(
             a.iter()
                 .map(|x| x.as_u64().map(|n| n as usize))
@@ -597,7 +626,10 @@ pub fn read_peft_config(dir: &Path) -> Result<PeftConfig> {
         r,
         alpha,
         rslora: flag("use_rslora"),
-        dropout: obj.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32,
+        dropout: obj
+            .get("lora_dropout")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0) as f32,
         targets,
         layers,
     };
@@ -626,7 +658,11 @@ pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .ok_or_else(|| Error::Msg(format!("{}: not a file name", path.display())))?
         .to_string_lossy()
         .to_string();
-    let tmp = path.with_file_name(format!(".{name}.partial-{}-{}", std::process::id(), unique_suffix()));
+    let tmp = path.with_file_name(format!(
+        ".{name}.partial-{}-{}",
+        std::process::id(),
+        unique_suffix()
+    ));
     let res = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path));
     if let Err(e) = res {
         let _ = std::fs::remove_file(&tmp);
