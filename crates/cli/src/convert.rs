@@ -32,6 +32,15 @@ pub enum To {
     Peft,
 }
 
+impl To {
+    /// The name `--to` takes.
+    pub fn name(self) -> String {
+        use clap::ValueEnum;
+        self.to_possible_value()
+            .map_or_else(|| format!("{self:?}"), |v| v.get_name().to_string())
+    }
+}
+
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub enum Dtype {
     F32,
@@ -81,7 +90,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         return run_adapter(&a);
     }
     if matches!(a.to, To::GgufLora | To::Peft) {
-        bail!("{}: --to {:?} converts an adapter, and this is not one (no adapter_config.json, not a GGUF with general.type = adapter)", a.input, a.to);
+        bail!("{}: --to {} converts an adapter, and this is not one (no adapter_config.json, not a GGUF with general.type = adapter)", a.input, a.to.name());
     }
     let parsed = match &a.ty {
         Some(t) => Some(QuantTarget::parse(t, a.group_size)?),
@@ -133,6 +142,21 @@ pub fn run(a: ConvertArgs) -> Result<()> {
 /// An adapter from one format to another.
 fn run_adapter(a: &ConvertArgs) -> Result<()> {
     let input = Path::new(&a.input);
+    if a.ty.is_some() || a.dtype.is_some() {
+        bail!(
+            "{}: an adapter is converted as it is (f32 factors): --type and --dtype do not apply",
+            input.display()
+        );
+    }
+    // The output is settled before any reading, so a bad --to is refused first.
+    let to = match a.to {
+        t @ (To::GgufLora | To::Mlx | To::Peft) => t,
+        t => bail!(
+            "{}: an adapter converts --to gguf-lora, mlx or peft, not {}",
+            input.display(),
+            t.name()
+        ),
+    };
     let base = match &a.base {
         Some(b) => Some(open_source(b)?),
         None => None,
@@ -146,15 +170,15 @@ fn run_adapter(a: &ConvertArgs) -> Result<()> {
     let need_base = || {
         cfg.ok_or_else(|| {
             anyhow::anyhow!(
-                "--to {:?} needs --base MODEL (the base's architecture, layer and head counts)",
-                a.to
+                "--to {} needs --base MODEL (the base's architecture, layer and head counts)",
+                a.to.name()
             )
         })
     };
-    match a.to {
+    match to {
         To::GgufLora => adapter::gguf_lora::write(&a.output, &f, need_base()?)?,
         To::Mlx => adapter::mlx::write(&a.output, &f, need_base()?)?,
-        To::Peft => {
+        _ => {
             let name = f
                 .base_model
                 .clone()
@@ -164,7 +188,6 @@ fn run_adapter(a: &ConvertArgs) -> Result<()> {
                 adapter::factors::write_peft_files(tmp, &f, &name)
             })?
         }
-        to => bail!("{}: an adapter converts --to gguf-lora, mlx or peft, not {to:?}", input.display()),
     }
     eprintln!(
         "wrote {} ({} modules, rank {}, from {:?})",

@@ -62,10 +62,7 @@ fn float_dtype(t: &str) -> Result<StDtype> {
 
 pub fn run(a: FuseArgs) -> Result<()> {
     let mut src = open_source(&a.model)?;
-    let f = read_adapter(&a.adapter, Some(&src.config))
-        .with_context(|| format!("reading the adapter {}", a.adapter.display()))?;
-    let n = fuse_into(&mut src, &f, &a.adapter)
-        .with_context(|| format!("fusing {}", a.adapter.display()))?;
+    // The output is settled first, so that a bad --to or --type is refused before any work.
     let to = a.to.unwrap_or(match src.format() {
         Format::Gguf => To::Gguf,
         Format::Mlx => To::Mlx,
@@ -102,8 +99,15 @@ pub fn run(a: FuseArgs) -> Result<()> {
                 dtype: None,
             })
         }
-        (to, _) => bail!("fuse writes a model: --to gguf, hf or mlx, not {to:?}"),
+        (to, _) => bail!(
+            "fuse writes a model: --to gguf, hf or mlx, not {}",
+            to.name()
+        ),
     };
+    let f = read_adapter(&a.adapter, Some(&src.config))
+        .with_context(|| format!("reading the adapter {}", a.adapter.display()))?;
+    let n = fuse_into(&mut src, &f, &a.adapter)
+        .with_context(|| format!("fusing {}", a.adapter.display()))?;
     eprintln!(
         "fusing {} ({n} modules, rank {}) into {}",
         a.adapter.display(),

@@ -239,7 +239,15 @@ fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
     };
     print_summary(&q, &a.output, t0.elapsed().as_secs_f64());
     if let Some(text) = &a.eval {
-        report_card(&src.path, None, &a.output, text, a.eval_ctx, a.eval_chunks, &q)?;
+        report_card(
+            &src.path,
+            None,
+            &a.output,
+            text,
+            a.eval_ctx,
+            a.eval_chunks,
+            &q,
+        )?;
     }
     Ok(())
 }
