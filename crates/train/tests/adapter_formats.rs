@@ -297,6 +297,9 @@ fn assert_same(a: &AdapterFactors, b: &AdapterFactors, what: &str) {
     );
 }
 
+/// (name, shape, f32 values) of every tensor of a safetensors file.
+type NamedTensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 fn refused(path: &Path, msg: &str) {
     let mut m = Model::load(&tiny()).unwrap();
     let e = m
@@ -425,7 +428,7 @@ fn hostile_gguf_and_mlx_adapters_are_refused_by_name() {
     mlx::write(&good, &f0, &cfg).unwrap();
     let copy = |name: &str,
                 cfg_edit: &dyn Fn(&mut serde_json::Value),
-                st_edit: &dyn Fn(&mut Vec<(String, Vec<usize>, Vec<f32>)>)|
+                st_edit: &dyn Fn(&mut NamedTensors)|
      -> PathBuf {
         let out = d(name);
         std::fs::create_dir_all(&out).unwrap();
@@ -462,7 +465,7 @@ fn hostile_gguf_and_mlx_adapters_are_refused_by_name() {
         out
     };
     let none = |_: &mut serde_json::Value| {};
-    let keep = |_: &mut Vec<(String, Vec<usize>, Vec<f32>)>| {};
+    let keep = |_: &mut NamedTensors| {};
     refused(
         &copy("rank", &|c| c["lora_parameters"]["rank"] = 8.into(), &keep),
         "expected [in, 8] and [8, out] (rank 8 from adapter_config.json)",

@@ -67,6 +67,12 @@ pub struct AdapterFactors {
     pub modules: Vec<ModuleFactors>,
 }
 
+/// `(out, in)` of the base's product at `(layer, path)`, or None where the base has none.
+pub type DimsOf<'a> = dyn Fn(usize, &str) -> Option<(usize, usize)> + 'a;
+
+/// A product's two halves as a reader finds them: (A, B), either possibly missing so far.
+pub(crate) type Halves<T> = (Option<T>, Option<T>);
+
 /// The block path of a short module name.
 pub fn module_path(short: &str) -> Option<&'static str> {
     MODULE_PATHS
@@ -111,12 +117,7 @@ impl AdapterFactors {
     /// has `dims(layer, path) = Some((out, in))`: every module the config targets is present,
     /// every module present is targeted and exists in the base, every shape fits.
     /// `file` names the adapter in messages.
-    pub fn check(
-        &self,
-        file: &Path,
-        n_layers: usize,
-        dims: &dyn Fn(usize, &str) -> Option<(usize, usize)>,
-    ) -> Result<()> {
+    pub fn check(&self, file: &Path, n_layers: usize, dims: &DimsOf<'_>) -> Result<()> {
         let f = file.display();
         let mut expected = HashSet::new();
         for layer in 0..n_layers {
@@ -222,7 +223,7 @@ pub fn read_peft(dir: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactor
         ))
     };
     // (layer, path) -> (A?, B?)
-    let mut pairs: BTreeMap<(usize, usize), (Option<&str>, Option<&str>)> = BTreeMap::new();
+    let mut pairs: BTreeMap<(usize, usize), Halves<&str>> = BTreeMap::new();
     for t in &st.tensors {
         let n = t.name.as_str();
         let (stem, is_a) = if let Some(s) = n.strip_suffix(".lora_A.weight") {

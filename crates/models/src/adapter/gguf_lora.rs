@@ -16,7 +16,7 @@ use std::path::Path;
 use hf2q_tensor::io::gguf::{GgufFile, GgufValue, GgufWriter};
 use hf2q_tensor::{Bytes, GgmlType};
 
-use super::factors::{check_finite, layers_of, parse_module, targets_of, ModuleFactors};
+use super::factors::{check_finite, layers_of, parse_module, targets_of, Halves, ModuleFactors};
 use super::{AdapterFactors, LoraConfig};
 use crate::config::{Arch, ModelConfig};
 use crate::convert::source::{dequantize_rows, gguf_to_hf_table, permute_qk_rows};
@@ -154,8 +154,7 @@ pub fn read(path: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
             "tensor '{name}' does not belong to a LoRA target of this model (layers: {n_layers})"
         ))
     };
-    let mut pairs: BTreeMap<(usize, &'static str), (Option<usize>, Option<usize>)> =
-        BTreeMap::new();
+    let mut pairs: BTreeMap<(usize, &'static str), Halves<usize>> = BTreeMap::new();
     for (i, t) in file.tensors.iter().enumerate() {
         let (stem, is_a) = if let Some(s) = t.name.strip_suffix(".lora_a") {
             (s, true)

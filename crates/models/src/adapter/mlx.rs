@@ -15,7 +15,7 @@ use std::path::Path;
 use hf2q_tensor::io::safetensors::{write_safetensors, SafeTensors, StDtype};
 use serde_json::{json, Value};
 
-use super::factors::{check_finite, module_path, parse_module, targets_of, ModuleFactors};
+use super::factors::{check_finite, module_path, parse_module, targets_of, Halves, ModuleFactors};
 use super::{write_dir_atomically, write_file_atomically, AdapterFactors, LoraConfig, CONFIG_FILE};
 use crate::config::ModelConfig;
 use crate::{Error, Result};
@@ -174,7 +174,7 @@ pub fn read(dir: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
             base.map_or("?".to_string(), |b| b.n_layers.to_string())
         ))
     };
-    let mut pairs: BTreeMap<(usize, &'static str), (Option<&str>, Option<&str>)> = BTreeMap::new();
+    let mut pairs: BTreeMap<(usize, &'static str), Halves<&str>> = BTreeMap::new();
     for t in &st.tensors {
         let n = t.name.as_str();
         let (stem, is_a) = if let Some(s) = n.strip_suffix(".lora_a") {
