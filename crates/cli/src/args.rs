@@ -74,9 +74,10 @@ pub struct SampleArgs {
     pub device: DeviceChoice,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
     pub kv_type: KvTypeChoice,
-    /// A LoRA adapter to apply (a PEFT adapter folder: adapter_config.json +
-    /// adapter_model.safetensors, from `hf2q train` or `peft`).
-    #[arg(long, value_name = "DIR")]
+    /// A LoRA adapter to apply: a PEFT folder (adapter_config.json + adapter_model.safetensors,
+    /// from `hf2q train` or `peft`), a llama.cpp LoRA .gguf, or an mlx-lm adapter folder
+    /// (adapters.safetensors); told apart by content.
+    #[arg(long, value_name = "PATH")]
     pub adapter: Option<PathBuf>,
 }
 

@@ -7,6 +7,7 @@ mod bench;
 mod chat;
 mod convert;
 mod dataset;
+mod fuse;
 mod imatrix;
 mod inspect;
 mod perplexity;
@@ -92,9 +93,21 @@ perplexity of the chunks is printed on stderr.",
         after_help = MODEL_FORMS
     )]
     Imatrix(imatrix::ImatrixArgs),
-    /// Convert between GGUF, Hugging Face safetensors and MLX folders.
+    /// Convert between GGUF, Hugging Face safetensors and MLX folders; or an adapter between
+    /// PEFT, llama.cpp's LoRA GGUF and mlx-lm's adapter folder.
     #[command(after_help = MODEL_FORMS)]
     Convert(convert::ConvertArgs),
+    /// Merge a LoRA adapter into its base's weights and write a standalone model.
+    #[command(
+        long_about = "Write MODEL with ADAPTER merged into its weights: each targeted weight is \
+decoded to f32, W + scale * B*A is added, and the sum is written in the requested format and type \
+(by default the base's own format and type, e.g. Q8_0 stays Q8_0). The adapter may be a PEFT \
+folder, a llama.cpp LoRA GGUF or an mlx-lm adapter folder. With --eval TEXT, prints the \
+quantizer's report card (size, bits per weight, perplexity, KL) of the fused model against the \
+unfused base + adapter.",
+        after_help = MODEL_FORMS
+    )]
+    Fuse(fuse::FuseArgs),
     /// Perplexity on a text (as llama-perplexity), optionally KL divergence against a base model.
     #[command(after_help = MODEL_FORMS)]
     Perplexity(perplexity::PerplexityArgs),
@@ -244,6 +257,7 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Quantize(a) => quantize::run(a),
         Cmd::Imatrix(a) => imatrix::run(a),
         Cmd::Convert(a) => convert::run(a),
+        Cmd::Fuse(a) => fuse::run(a),
         Cmd::Perplexity(a) => perplexity::run(a),
         Cmd::Serve(a) => serve::serve(a),
         Cmd::Bench(a) => bench::run(a),

@@ -188,6 +188,7 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     if let Some(text) = &a.eval {
         report_card(
             &src.path,
+            None,
             &a.output,
             text,
             a.eval_ctx,
@@ -242,7 +243,15 @@ fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
     };
     print_summary(&q, &a.output, t0.elapsed().as_secs_f64());
     if let Some(text) = &a.eval {
-        report_card(&src.path, &a.output, text, a.eval_ctx, a.eval_chunks, &q)?;
+        report_card(
+            &src.path,
+            None,
+            &a.output,
+            text,
+            a.eval_ctx,
+            a.eval_chunks,
+            &q,
+        )?;
     }
     Ok(())
 }
@@ -258,7 +267,7 @@ fn tempdir_beside(out: &Path) -> Result<PathBuf> {
     Ok(d)
 }
 
-fn print_summary(r: &QuantizeReport, out: &Path, secs: f64) {
+pub(crate) fn print_summary(r: &QuantizeReport, out: &Path, secs: f64) {
     let w = &r.written;
     let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
     for t in &w.tensors {
@@ -286,9 +295,12 @@ fn print_summary(r: &QuantizeReport, out: &Path, secs: f64) {
     }
 }
 
-/// Perplexity and KL of the output against the input on `text`.
-fn report_card(
+/// Perplexity and KL of the output against the input (with `adapter` applied, when given) on
+/// `text`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn report_card(
     input: &Path,
+    adapter: Option<&Path>,
     output: &Path,
     text: &Path,
     ctx: usize,
@@ -296,7 +308,11 @@ fn report_card(
     r: &QuantizeReport,
 ) -> Result<()> {
     let s = std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
-    let base = Model::load(input).with_context(|| format!("loading {}", input.display()))?;
+    let mut base = Model::load(input).with_context(|| format!("loading {}", input.display()))?;
+    if let Some(a) = adapter {
+        base.load_adapter(a)
+            .with_context(|| format!("loading the adapter {}", a.display()))?;
+    }
     let quant = Model::load(output).with_context(|| format!("loading {}", output.display()))?;
     eprintln!(
         "evaluating on {} ({} chunks of {ctx} tokens at most) ...",

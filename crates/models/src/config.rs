@@ -36,7 +36,7 @@ impl Arch {
             _ => return None,
         })
     }
-    fn from_gguf(arch: &str) -> Option<Arch> {
+    pub fn from_gguf(arch: &str) -> Option<Arch> {
         Some(match arch {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,

@@ -102,6 +102,10 @@ pub struct SourceModel {
     pub dir: Option<PathBuf>,
     /// Every tensor, in the source's own order.
     pub tensors: Vec<SrcTensor>,
+    /// Values added to tensors as they are read, by HF name, in HF layout (`(R, C)` as the
+    /// tensor): a fused adapter's `B·A·scale` (`crate::adapter::fuse`). A tensor with a delta is
+    /// never copied as stored bytes.
+    pub deltas: std::collections::HashMap<String, Vec<f32>>,
 }
 
 /// HF per-layer module names that the name table knows, for inverting it (the mapping itself is
@@ -214,6 +218,7 @@ impl SourceModel {
             hf_config: None,
             dir: None,
             tensors,
+            deltas: Default::default(),
         })
     }
 
@@ -305,6 +310,7 @@ impl SourceModel {
             hf_config: Some(cfg),
             dir: Some(dir.to_path_buf()),
             tensors,
+            deltas: Default::default(),
         })
     }
 
@@ -345,6 +351,9 @@ impl SourceModel {
         let Some(file) = self.gguf_file() else {
             return Ok(None);
         };
+        if self.deltas.contains_key(&t.hf) {
+            return Ok(None);
+        }
         let info = file
             .tensor(&t.gguf)
             .ok_or_else(|| Error::MissingTensor(t.gguf.clone()))?;
@@ -391,6 +400,21 @@ impl SourceModel {
         let have = self.layout();
         if have != want {
             relayout(&self.config, t, &mut v, want)?;
+        }
+        if let Some(d) = self.deltas.get(&t.hf) {
+            if d.len() != v.len() {
+                return Err(Error::Msg(format!(
+                    "tensor '{}': a delta of {} values for {}",
+                    t.hf,
+                    d.len(),
+                    v.len()
+                )));
+            }
+            let mut d = d.clone();
+            if want != Layout::Hf {
+                relayout(&self.config, t, &mut d, want)?;
+            }
+            v.iter_mut().zip(&d).for_each(|(x, y)| *x += y);
         }
         Ok(v)
     }

@@ -9,16 +9,28 @@
 //! memory and in checkpoint (Hugging Face) order on disk, so a saved adapter is the same file
 //! whatever format the base was loaded from.
 //!
+//! Other formats: [`factors`] holds an adapter independent of its file (and PEFT's reader and
+//! writer of it), [`gguf_lora`] llama.cpp's LoRA GGUF, [`mlx`] mlx-lm's adapter folder, [`fuse`]
+//! the sum base + B·A·scale for writing a standalone model. [`Model::load_adapter`] reads all
+//! three formats, told apart by content.
+//!
 //! Not here: training the factors (`hf2q-train`), the layer math (`layers::lora`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use hf2q_tensor::io::safetensors::{write_safetensors, SafeTensors, StDtype};
 use hf2q_tensor::op::RopeStyle;
 use hf2q_tensor::Tensor;
 use serde_json::{json, Value};
 
+pub mod factors;
+pub mod fuse;
+pub mod gguf_lora;
+pub mod mlx;
+
+pub use factors::{AdapterFactors, ModuleFactors};
+
+use crate::config::ModelConfig;
 use crate::convert::source::permute_qk_rows;
 use crate::layers::lora::Lora;
 use crate::model::Model;
@@ -126,7 +138,7 @@ impl LoraConfig {
         Ok(v)
     }
 
-    fn applies(&self, layer: usize, path: &str) -> bool {
+    pub(crate) fn applies(&self, layer: usize, path: &str) -> bool {
         let short = path.rsplit('.').next().unwrap_or(path);
         self.targets.iter().any(|t| t == short)
             && self.layers.as_ref().is_none_or(|l| l.contains(&layer))
@@ -274,27 +286,6 @@ impl Model {
         Ok(())
     }
 
-    /// The adapters' tensors in PEFT's names and layout, `(name, shape, f32 values)`.
-    pub fn adapter_tensors(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-        let be = self.be();
-        let mut out = Vec::new();
-        for (name, l) in self.adapters() {
-            let stem = format!("base_model.model.{name}");
-            let a = be.to_host(&l.a)?;
-            let b = be.to_host(&l.b)?;
-            let mut bv = b.data().to_vec();
-            let (rows, r) = b.dims2();
-            self.b_rows_to_peft(&name, &mut bv, rows, r)?;
-            out.push((
-                format!("{stem}.lora_A.weight"),
-                a.shape().to_vec(),
-                a.into_data(),
-            ));
-            out.push((format!("{stem}.lora_B.weight"), vec![rows, r], bv));
-        }
-        Ok(out)
-    }
-
     /// Writes the attached adapters as a PEFT adapter folder `dir` (built beside it under a
     /// temporary name, then renamed into place: an interrupted save leaves no adapter that looks
     /// complete, and an existing one is replaced only once the new one is whole).
@@ -302,123 +293,172 @@ impl Model {
         write_dir_atomically(dir, |tmp| self.write_adapter_files(tmp, cfg, base_name))
     }
 
+    /// The attached adapters as format-neutral factors (B rows in checkpoint order), with the
+    /// settings `cfg` they were made with.
+    pub fn adapter_factors(&self, cfg: &LoraConfig, base_name: &str) -> Result<AdapterFactors> {
+        let be = self.be();
+        let mut modules = Vec::new();
+        for (name, l) in self.adapters() {
+            let a = be.to_host(&l.a)?;
+            let b = be.to_host(&l.b)?;
+            let mut bv = b.data().to_vec();
+            let (rows, r) = b.dims2();
+            let (_, cols) = a.dims2();
+            self.b_rows_to_peft(&name, &mut bv, rows, r)?;
+            let (layer, path) = factors::parse_module(&name)
+                .ok_or_else(|| Error::Msg(format!("adapter on an unknown module '{name}'")))?;
+            modules.push(ModuleFactors {
+                layer,
+                path: path.to_string(),
+                r,
+                cols,
+                rows,
+                alpha: cfg.alpha,
+                a: a.into_data(),
+                b: bv,
+            });
+        }
+        Ok(AdapterFactors {
+            config: cfg.clone(),
+            base_model: Some(base_name.to_string()),
+            modules,
+        })
+    }
+
     /// Writes the adapter's two files into the existing folder `dir`, each under a temporary
     /// name renamed into place, the config last: until it is there, the folder does not look
     /// like an adapter.
     pub fn write_adapter_files(&self, dir: &Path, cfg: &LoraConfig, base_name: &str) -> Result<()> {
-        let tensors = self.adapter_tensors()?;
-        if tensors.is_empty() {
+        if self.adapters().is_empty() {
             return Err(Error::Msg("the model has no adapter to save".into()));
         }
-        let bytes: Vec<Vec<u8>> = tensors
-            .iter()
-            .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            .collect();
-        let refs: Vec<_> = tensors
-            .iter()
-            .zip(&bytes)
-            .map(|((n, s, _), b)| (n.clone(), StDtype::F32, s.clone(), b.as_slice()))
-            .collect();
-        let config = peft_config_json(cfg, base_name);
-        let mut meta = BTreeMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        write_safetensors(&dir.join(WEIGHTS_FILE), &refs, &meta)?;
-        let text = serde_json::to_string_pretty(&config)
-            .map_err(|e| Error::Msg(format!("adapter config: {e}")))?;
-        write_file_atomically(&dir.join(CONFIG_FILE), (text + "\n").as_bytes())
+        factors::write_peft_files(dir, &self.adapter_factors(cfg, base_name)?, base_name)
     }
 
-    /// Loads a PEFT LoRA adapter folder (ours or `peft`'s) onto this model, replacing any
-    /// attached adapters. Every tensor is checked against the config and the base: a missing
+    /// Loads an adapter onto this model, replacing any attached adapters: a PEFT folder (ours
+    /// or `peft`'s), a llama.cpp LoRA GGUF file or an mlx-lm adapter folder, told apart by
+    /// content ([`detect`]). Every tensor is checked against the config and the base: a missing
     /// or extra tensor, a wrong shape, a rank that disagrees with the config, or a value that is
     /// not finite is an error, and the model is left without adapters.
-    pub fn load_adapter(&mut self, dir: &Path) -> Result<LoraConfig> {
-        let cfg = read_peft_config(dir)?;
+    pub fn load_adapter(&mut self, path: &Path) -> Result<LoraConfig> {
         self.detach_lora();
-        match self.load_adapter_tensors(dir, &cfg) {
-            Ok(()) => Ok(cfg.config),
-            Err(e) => {
-                self.detach_lora();
-                Err(e)
-            }
-        }
+        let f = read_adapter(path, Some(&self.config))?;
+        self.attach_factors(&f, path)?;
+        Ok(f.config)
     }
 
-    fn load_adapter_tensors(&mut self, dir: &Path, cfg: &PeftConfig) -> Result<()> {
-        let path = dir.join(WEIGHTS_FILE);
-        if !path.is_file() {
-            return Err(Error::Msg(format!(
-                "{}: no {WEIGHTS_FILE} (only safetensors adapters are read)",
-                dir.display()
-            )));
+    /// Attaches checked factors (see [`AdapterFactors::check`]); `file` names them in errors.
+    /// On error the model is left without adapters.
+    pub fn attach_factors(&mut self, f: &AdapterFactors, file: &Path) -> Result<()> {
+        self.detach_lora();
+        let res = self.attach_checked(f, file);
+        if res.is_err() {
+            self.detach_lora();
         }
-        let st = SafeTensors::open(&path)?;
-        let mut expected: std::collections::HashSet<String> = std::collections::HashSet::new();
+        res
+    }
+
+    fn attach_checked(&mut self, f: &AdapterFactors, file: &Path) -> Result<()> {
+        let mut dims = std::collections::HashMap::new();
+        for (layer, block) in self.blocks().iter().enumerate() {
+            for (path, lin) in block.linears() {
+                dims.insert((layer, path.to_string()), (lin.w.rows, lin.w.cols));
+            }
+        }
+        f.check(file, self.config.n_layers, &|l, p| {
+            dims.get(&(l, p.to_string())).copied()
+        })?;
         let permuted = self.permuted_qk();
-        let (n_heads, n_kv) = (self.config.n_heads, self.config.n_kv_heads);
+        let heads: Vec<Option<usize>> = f.modules.iter().map(|m| self.qk_heads(&m.path)).collect();
+        let mut by_module = std::collections::HashMap::new();
+        for (i, m) in f.modules.iter().enumerate() {
+            by_module.insert((m.layer, m.path.clone()), i);
+        }
         let mut id = 0;
         for (layer, block) in self.blocks_mut().iter_mut().enumerate() {
-            for (path_in, lin) in block.linears_mut() {
-                if !cfg.config.applies(layer, path_in) {
+            for (path, lin) in block.linears_mut() {
+                let Some(&i) = by_module.get(&(layer, path.to_string())) else {
                     continue;
-                }
-                let stem = peft_stem(layer, path_in);
-                let (an, bn) = (
-                    format!("{stem}.lora_A.weight"),
-                    format!("{stem}.lora_B.weight"),
-                );
-                let (a, ash) = read_f32(&st, &an, &path)?;
-                let (mut b, bsh) = read_f32(&st, &bn, &path)?;
-                let (rows, cols) = (lin.w.rows, lin.w.cols);
-                let r = cfg.rank_for(layer, path_in);
-                if ash != [r, cols] || bsh != [rows, r] {
-                    return Err(Error::Msg(format!(
-                        "{}: '{stem}': lora_A {ash:?} and lora_B {bsh:?}, expected [{r}, {cols}] and [{rows}, {r}] (rank {r} from {CONFIG_FILE})",
-                        path.display()
-                    )));
-                }
-                let heads = if path_in.ends_with("q_proj") {
-                    Some(n_heads)
-                } else if path_in.ends_with("k_proj") {
-                    Some(n_kv)
-                } else {
-                    None
                 };
-                if let (true, Some(h)) = (permuted, heads) {
-                    permute_qk_rows(&mut b, rows, r, h, true)?;
+                let m = &f.modules[i];
+                let mut b = m.b.clone();
+                if let (true, Some(h)) = (permuted, heads[i]) {
+                    permute_qk_rows(&mut b, m.rows, m.r, h, true)?;
                 }
                 lin.lora = Some(Lora {
-                    a: Tensor::new(&[r, cols], a)?,
-                    b: Tensor::new(&[rows, r], b)?,
-                    scale: cfg.scale_for(layer, path_in, r),
-                    dropout: cfg.config.dropout,
+                    a: Tensor::new(&[m.r, m.cols], m.a.clone())?,
+                    b: Tensor::new(&[m.rows, m.r], b)?,
+                    scale: f.scale_of(m),
+                    dropout: f.config.dropout,
                     id,
                 });
                 id += 1;
-                expected.insert(an);
-                expected.insert(bn);
             }
         }
-        if let Some(extra) = st
-            .tensors
-            .iter()
-            .map(|t| &t.name)
-            .find(|n| !expected.contains(*n))
-        {
-            return Err(Error::Msg(format!(
-                "{}: tensor '{extra}' does not belong to a LoRA target of this model (targets: {}; layers: {})",
-                path.display(),
-                cfg.config.targets.join(", "),
-                self.config.n_layers
-            )));
-        }
-        if id == 0 {
-            return Err(Error::Msg(format!(
-                "{}: the adapter targets no module of this model",
-                dir.display()
-            )));
-        }
         self.place_adapters()
+    }
+}
+
+/// The formats an adapter comes in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdapterFormat {
+    /// A PEFT folder (`adapter_config.json` + `adapter_model.safetensors`).
+    Peft,
+    /// llama.cpp's LoRA GGUF (`general.type = adapter`).
+    GgufLora,
+    /// mlx-lm's folder (`adapter_config.json` + `adapters.safetensors`).
+    Mlx,
+}
+
+/// Tells an adapter's format from its content: a file starting with GGUF's magic is a GGUF
+/// LoRA; a folder holding mlx-lm's weights file (or a config with `lora_parameters`) is mlx-lm's;
+/// any other folder is read as PEFT's.
+pub fn detect(path: &Path) -> AdapterFormat {
+    use std::io::Read;
+    if path.is_file() {
+        let mut m = [0u8; 4];
+        let gguf = std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut m))
+            .is_ok()
+            && &m == b"GGUF";
+        return if gguf {
+            AdapterFormat::GgufLora
+        } else {
+            AdapterFormat::Peft
+        };
+    }
+    if path.join(mlx::WEIGHTS_FILE).is_file() && !path.join(WEIGHTS_FILE).is_file() {
+        return AdapterFormat::Mlx;
+    }
+    let mlx_config = std::fs::read_to_string(path.join(CONFIG_FILE))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .is_some_and(|v| v.get("lora_parameters").is_some());
+    if mlx_config {
+        AdapterFormat::Mlx
+    } else {
+        AdapterFormat::Peft
+    }
+}
+
+/// Whether `path` holds an adapter rather than a model: a folder with `adapter_config.json`, or
+/// a GGUF file whose `general.type` is `adapter`.
+pub fn is_adapter(path: &Path) -> bool {
+    if path.is_dir() {
+        return path.join(CONFIG_FILE).is_file();
+    }
+    detect(path) == AdapterFormat::GgufLora
+        && hf2q_tensor::io::gguf::GgufFile::open(path)
+            .is_ok_and(|f| f.get_str("general.type") == Some("adapter"))
+}
+
+/// Reads an adapter in any of the three formats ([`detect`]). `base` (the model it is for)
+/// lets readers refuse tensors of layers the base lacks and undo llama.cpp's q/k row order.
+pub fn read_adapter(path: &Path, base: Option<&ModelConfig>) -> Result<AdapterFactors> {
+    match detect(path) {
+        AdapterFormat::Peft => factors::read_peft(path, base),
+        AdapterFormat::GgufLora => gguf_lora::read(path, base),
+        AdapterFormat::Mlx => mlx::read(path, base),
     }
 }
 
@@ -429,24 +469,8 @@ fn io_err(path: &Path, e: std::io::Error) -> Error {
     }
 }
 
-/// A tensor of the adapter as f32 values with its shape; non-finite values are an error.
-fn read_f32(st: &SafeTensors, name: &str, file: &Path) -> Result<(Vec<f32>, Vec<usize>)> {
-    let info = st
-        .tensor(name)
-        .ok_or_else(|| Error::Msg(format!("{}: missing tensor '{name}'", file.display())))?;
-    let v = st.to_f32(info)?;
-    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-        return Err(Error::Msg(format!(
-            "{}: tensor '{name}' holds a non-finite value ({}) at element {i}",
-            file.display(),
-            v[i]
-        )));
-    }
-    Ok((v, info.shape.clone()))
-}
-
 /// `adapter_config.json` as PEFT writes it for these settings.
-fn peft_config_json(cfg: &LoraConfig, base_name: &str) -> Value {
+pub(crate) fn peft_config_json(cfg: &LoraConfig, base_name: &str) -> Value {
     json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -486,20 +510,15 @@ impl PeftConfig {
             .find(|(k, _)| full == **k || full.ends_with(&format!(".{k}")))
             .map(|(_, v)| v)
     }
-    fn rank_for(&self, layer: usize, path: &str) -> usize {
+    pub(crate) fn rank_for(&self, layer: usize, path: &str) -> usize {
         Self::pattern(&self.rank_pattern, layer, path)
             .copied()
             .unwrap_or(self.config.r)
     }
-    fn scale_for(&self, layer: usize, path: &str, r: usize) -> f32 {
-        let alpha = Self::pattern(&self.alpha_pattern, layer, path)
+    pub(crate) fn alpha_for(&self, layer: usize, path: &str) -> f32 {
+        Self::pattern(&self.alpha_pattern, layer, path)
             .copied()
-            .unwrap_or(self.config.alpha);
-        LoraConfig {
-            alpha,
-            ..self.config.clone()
-        }
-        .scale_for(r)
+            .unwrap_or(self.config.alpha)
     }
 }
 
