@@ -19,6 +19,7 @@ use hf2q_tensor::op::RopeStyle;
 use hf2q_tensor::Tensor;
 use serde_json::{json, Value};
 
+use crate::adapter_set::ReadAdapter;
 use crate::convert::source::permute_qk_rows;
 use crate::layers::lora::Lora;
 use crate::model::Model;
@@ -316,22 +317,31 @@ impl Model {
     }
 
     /// Loads a PEFT LoRA adapter folder (ours or `peft`'s) onto this model, replacing any
-    /// attached adapters. Every tensor is checked against the config and the base: a missing
-    /// or extra tensor, a wrong shape, a rank that disagrees with the config, or a value that is
-    /// not finite is an error, and the model is left without adapters.
+    /// attached adapters. Every tensor is checked against the config and the base (see
+    /// [`Model::read_adapter`]); on an error the model is left without adapters.
     pub fn load_adapter(&mut self, dir: &Path) -> Result<LoraConfig> {
-        let cfg = read_peft_config(dir)?;
         self.detach_lora();
-        match self.load_adapter_tensors(dir, &cfg) {
-            Ok(()) => Ok(cfg.config),
-            Err(e) => {
-                self.detach_lora();
-                Err(e)
+        let read = self.read_adapter(dir)?;
+        let mut factors = read.factors;
+        for block in self.blocks_mut() {
+            for (_, lin) in block.linears_mut() {
+                lin.lora = factors.get_mut(lin.site).and_then(Option::take);
             }
         }
+        if let Err(e) = self.place_adapters() {
+            self.detach_lora();
+            return Err(e);
+        }
+        Ok(read.config)
     }
 
-    fn load_adapter_tensors(&mut self, dir: &Path, cfg: &PeftConfig) -> Result<()> {
+    /// Reads a PEFT LoRA adapter folder for this model without attaching it (for an
+    /// [`crate::adapter_set::AdapterSet`], or [`Model::load_adapter`]). Every tensor is checked
+    /// against the config and the base: a missing or extra tensor, a wrong shape, a rank that
+    /// disagrees with the config, or a value that is not finite is an error. The factors are on
+    /// the host.
+    pub fn read_adapter(&self, dir: &Path) -> Result<ReadAdapter> {
+        let cfg = read_peft_config(dir)?;
         let path = dir.join(WEIGHTS_FILE);
         if !path.is_file() {
             return Err(Error::Msg(format!(
@@ -343,9 +353,10 @@ impl Model {
         let mut expected: std::collections::HashSet<String> = std::collections::HashSet::new();
         let permuted = self.permuted_qk();
         let (n_heads, n_kv) = (self.config.n_heads, self.config.n_kv_heads);
+        let mut factors: Vec<Option<Lora>> = (0..self.sites()).map(|_| None).collect();
         let mut id = 0;
-        for (layer, block) in self.blocks_mut().iter_mut().enumerate() {
-            for (path_in, lin) in block.linears_mut() {
+        for (layer, block) in self.blocks().iter().enumerate() {
+            for (path_in, lin) in block.linears() {
                 if !cfg.config.applies(layer, path_in) {
                     continue;
                 }
@@ -371,7 +382,10 @@ impl Model {
                 if let (true, Some(h)) = (permuted, heads) {
                     permute_qk_rows(&mut b, rows, r, h, true)?;
                 }
-                lin.lora = Some(Lora {
+                let slot = factors.get_mut(lin.site).ok_or_else(|| {
+                    Error::Msg(format!("product site {} out of range", lin.site))
+                })?;
+                *slot = Some(Lora {
                     a: Tensor::new(&[r, cols], a)?,
                     b: Tensor::new(&[rows, r], b)?,
                     scale: cfg.scale_for(layer, path_in, r),
@@ -397,7 +411,10 @@ impl Model {
                 dir.display()
             )));
         }
-        self.place_adapters()
+        Ok(ReadAdapter {
+            config: cfg.config,
+            factors,
+        })
     }
 }
 
