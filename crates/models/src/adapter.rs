@@ -382,9 +382,9 @@ impl Model {
                 if let (true, Some(h)) = (permuted, heads) {
                     permute_qk_rows(&mut b, rows, r, h, true)?;
                 }
-                let slot = factors.get_mut(lin.site).ok_or_else(|| {
-                    Error::Msg(format!("product site {} out of range", lin.site))
-                })?;
+                let slot = factors
+                    .get_mut(lin.site)
+                    .ok_or_else(|| Error::Msg(format!("product site {} out of range", lin.site)))?;
                 *slot = Some(Lora {
                     a: Tensor::new(&[r, cols], a)?,
                     b: Tensor::new(&[rows, r], b)?,

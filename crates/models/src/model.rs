@@ -18,10 +18,10 @@ use serde::Serialize;
 
 use crate::adapter_set::AdapterSet;
 use crate::arch::{load_blocks, Block};
-use crate::layers::served::{BatchLora, Fwd};
 use crate::chat_template::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::kv_cache::{KvCache, SeqRef};
+use crate::layers::served::{BatchLora, Fwd};
 use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -362,7 +362,11 @@ impl Model {
     /// Runs a batch of sequences through the blocks in one forward: their tokens are concatenated
     /// for every matmul, attention runs per sequence over its own cache; `lora`: the rows'
     /// served adapters. Returns the normed hidden states `(ΣT, D)`.
-    fn hidden_batch(&self, items: &mut [BatchItem<'_>], lora: Option<&BatchLora<'_>>) -> Result<Tensor> {
+    fn hidden_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        lora: Option<&BatchLora<'_>>,
+    ) -> Result<Tensor> {
         let be = self.be();
         let cx = Fwd { be, lora };
         let mut ids = Vec::new();
@@ -436,8 +440,11 @@ impl Model {
                         items.len()
                     )));
                 }
-                let seqs: Vec<(usize, Option<usize>)> =
-                    items.iter().zip(slots).map(|(it, s)| (it.tokens.len(), *s)).collect();
+                let seqs: Vec<(usize, Option<usize>)> = items
+                    .iter()
+                    .zip(slots)
+                    .map(|(it, s)| (it.tokens.len(), *s))
+                    .collect();
                 Some(BatchLora::new(set, &seqs)?)
             }
             _ => None,

@@ -13,7 +13,9 @@ use hf2q_tensor::cpu::MatmulPath;
 use hf2q_tensor::Tensor;
 
 fn tiny(name: &str) -> Model {
-    let p: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name);
+    let p: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tiny")
+        .join(name);
     let mut m = Model::load(&p).unwrap();
     m.set_matmul_path(MatmulPath::Reference);
     m.set_kv_type(KvType::F32);
@@ -48,7 +50,10 @@ fn solo(m: &Model, prompt: &[u32], next: u32) -> (Vec<f32>, Vec<f32>) {
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -99,7 +104,9 @@ fn a_mixed_batch_equals_each_sequence_alone_with_its_adapter() {
                 tokens: &s.0,
             })
             .collect();
-        let first = base.step_batch_served(&mut items, Some((&set, &slots))).unwrap();
+        let first = base
+            .step_batch_served(&mut items, Some((&set, &slots)))
+            .unwrap();
         let nexts: Vec<[u32; 1]> = seqs.iter().map(|s| [s.1]).collect();
         let mut items: Vec<BatchItem> = caches
             .iter_mut()
@@ -111,7 +118,9 @@ fn a_mixed_batch_equals_each_sequence_alone_with_its_adapter() {
                 tokens: n,
             })
             .collect();
-        let second = base.step_batch_served(&mut items, Some((&set, &slots))).unwrap();
+        let second = base
+            .step_batch_served(&mut items, Some((&set, &slots)))
+            .unwrap();
 
         for (i, (prompt, next, slot)) in seqs.iter().enumerate() {
             let m = match *slot {
@@ -123,11 +132,17 @@ fn a_mixed_batch_equals_each_sequence_alone_with_its_adapter() {
             let (plain1, _) = solo(&base, prompt, *next);
             // Why 1e-4: f32 sums of the same terms, grouped by a batch of another size.
             let (d1, d2) = (max_diff(&first[i], &want1), max_diff(&second[i], &want2));
-            assert!(d1 < 1e-4 && d2 < 1e-4, "{name} seq {i}: prefill {d1}, decode {d2}");
+            assert!(
+                d1 < 1e-4 && d2 < 1e-4,
+                "{name} seq {i}: prefill {d1}, decode {d2}"
+            );
             // The adapters have a visible effect (so the comparison can fail).
             if slot.is_some() {
                 let effect = max_diff(&want1, &plain1);
-                assert!(effect > 1e-2, "{name} seq {i}: the adapter changes logits by {effect}");
+                assert!(
+                    effect > 1e-2,
+                    "{name} seq {i}: the adapter changes logits by {effect}"
+                );
             }
         }
         // A slot that holds nothing is refused, an emptied one too.
@@ -138,7 +153,9 @@ fn a_mixed_batch_equals_each_sequence_alone_with_its_adapter() {
             pos0: 0,
             tokens: &[1, 2],
         }];
-        let err = base.step_batch_served(&mut one, Some((&set, &[Some(sb)]))).unwrap_err();
+        let err = base
+            .step_batch_served(&mut one, Some((&set, &[Some(sb)])))
+            .unwrap_err();
         assert!(err.to_string().contains("holds no adapter"), "{err}");
         assert_eq!(set.len(), 1);
     }

@@ -59,6 +59,11 @@ pub struct ServerConfig {
     pub engine: EngineConfig,
     /// Agent mode (`--workspace DIR`): the `/api/agent` tools over this folder. Off when `None`.
     pub agent: Option<agent::AgentConfig>,
+    /// LoRA adapters served from the start beside the base: (name, PEFT folder).
+    pub adapters: Vec<(String, std::path::PathBuf)>,
+    /// Folders under which `POST /v1/adapters` may load adapters (canonical paths; empty: run-time
+    /// loading is off).
+    pub adapter_roots: Vec<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -75,6 +80,8 @@ impl Default for ServerConfig {
             stuck_after: Duration::from_secs(60),
             engine: EngineConfig::default(),
             agent: None,
+            adapters: Vec::new(),
+            adapter_roots: Vec::new(),
         }
     }
 }
@@ -111,6 +118,16 @@ impl ServerConfig {
         if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
             return bad("--api-key must not be empty".into());
         }
+        for (i, (name, _)) in self.adapters.iter().enumerate() {
+            if !engine::adapters::valid_name(name) || *name == self.model_id {
+                return bad(format!(
+                    "--adapter {name}=...: an adapter name is 1 to 64 of A-Z a-z 0-9 . _ - and not the base model's name"
+                ));
+            }
+            if self.adapters[..i].iter().any(|(n, _)| n == name) {
+                return bad(format!("--adapter {name}=... is given twice"));
+            }
+        }
         Ok(())
     }
 }
@@ -143,7 +160,20 @@ impl ServerHandle {
 /// tokio runtime.
 pub async fn start(model: Arc<Model>, cfg: ServerConfig) -> Result<ServerHandle, Error> {
     cfg.validate()?;
+    if !cfg.adapters.is_empty() && model.cuda().is_some() {
+        return Err(Error::Config(routes::CUDA_ADAPTERS.into()));
+    }
     let engine = Engine::start(model, cfg.engine.clone())?;
+    for (name, dir) in &cfg.adapters {
+        let read = engine
+            .model()
+            .read_adapter(dir)
+            .map_err(|e| Error::Config(format!("--adapter {name}: {e}")))?;
+        engine
+            .install(name, dir.clone(), read)
+            .await
+            .map_err(|e| Error::Config(format!("--adapter {name}: {e}")))?;
+    }
     let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
     let addr = listener.local_addr()?;
     let state = Arc::new(routes::AppState::new(engine.clone(), cfg.clone())?);

@@ -12,8 +12,8 @@ use crate::kv_cache::SeqRef;
 use crate::layers::attention::{Attention, AttentionSaved};
 use crate::layers::linear::Linear;
 use crate::layers::lora::{LoraGrads, TrainCtx};
-use crate::layers::served::Fwd;
 use crate::layers::mlp::{Mlp, MlpSaved};
+use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
 

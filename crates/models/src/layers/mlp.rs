@@ -50,12 +50,7 @@ impl Mlp {
     }
     /// `x += forward(rms_norm(x))`: a pre-norm block's MLP half (the backend may fold the norm
     /// into the gate and up product).
-    pub fn forward_residual(
-        &self,
-        cx: &Fwd,
-        norm: PreNorm<'_>,
-        x: &mut Tensor,
-    ) -> Result<()> {
+    pub fn forward_residual(&self, cx: &Fwd, norm: PreNorm<'_>, x: &mut Tensor) -> Result<()> {
         let be = cx.be;
         let h = if !self.gate.is_plain(cx) || !self.up.is_plain(cx) {
             let n = be.rms_norm(x, norm.w, norm.eps, norm.offset)?;

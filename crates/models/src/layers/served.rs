@@ -83,7 +83,9 @@ impl<'a> BatchLora<'a> {
 
     /// Whether any adapter of the batch has factors on the product `site`.
     pub fn touches(&self, site: usize) -> bool {
-        self.groups.iter().any(|(s, _)| self.set.lora(*s, site).is_some())
+        self.groups
+            .iter()
+            .any(|(s, _)| self.set.lora(*s, site).is_some())
     }
 
     /// `y (ΣT, R) += scale · (x Aᵀ) Bᵀ` on the rows of each adapter's sequences, `x (ΣT, C)`,
