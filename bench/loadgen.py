@@ -178,9 +178,10 @@ def pct(xs, q):
     return xs[f] + (xs[c] - xs[f]) * (k - f)
 
 
-def run_level(client, model, reqs, concurrency, duration):
+def run_level(client, models, reqs, concurrency, duration):
     """Runs `reqs` with `concurrency` workers (cycling through them for `duration` seconds when
-    set). Returns the list of results and the wall time."""
+    set); request i names `models[i % len(models)]` (the base, or served adapters). Returns the
+    list of results and the wall time."""
     lock = threading.Lock()
     results = []
     nxt = [0]
@@ -194,14 +195,14 @@ def run_level(client, model, reqs, concurrency, duration):
             if duration is not None and time.perf_counter() - t_start >= duration:
                 return None
             nxt[0] += 1
-            return reqs[i % len(reqs)]
+            return reqs[i % len(reqs)] + (models[i % len(models)],)
 
     def worker():
         while True:
             r = take()
             if r is None:
                 return
-            prompt, out_len, p_tokens = r
+            prompt, out_len, p_tokens, model = r
             body = {
                 "model": model,
                 "messages": [{"role": "user", "content": prompt}],
@@ -290,10 +291,13 @@ def main():
     ap.add_argument("--pp", type=int, default=512, help="also measure the prefill rate of a prompt this long (0 = skip)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated model ids that requests take in turn (e.g. served adapters); default: the first of /v1/models")
     a = ap.parse_args()
 
     client = Client(a.base_url, a.api_key, a.timeout)
     model = client.get_json("/v1/models")["data"][0]["id"]
+    models = a.models.split(",") if a.models else [model]
     print(f"model {model}; loading {a.dataset}", file=sys.stderr)
     convs = load_conversations(a.dataset)
     reqs = sample_requests(client, convs, a.num_prompts, a.seed, a.max_prompt_tokens, a.max_output_tokens)
@@ -301,17 +305,17 @@ def main():
         raise SystemExit("no usable conversations")
     print(f"{len(reqs)} requests: prompt tokens mean {statistics.mean(r[2] for r in reqs):.0f}, "
           f"output tokens mean {statistics.mean(r[1] for r in reqs):.0f}", file=sys.stderr)
-    report = {"model": model, "base_url": a.base_url, "num_prompts": len(reqs), "levels": []}
+    report = {"model": model, "models": models, "base_url": a.base_url, "num_prompts": len(reqs), "levels": []}
     if a.pp:
         report[f"pp{a.pp}_tok_per_s"] = prefill_rate(client, model, a.pp, 3)
         print(f"pp{a.pp}: {report[f'pp{a.pp}_tok_per_s']:.1f} tok/s", file=sys.stderr)
     for level in [int(x) for x in a.concurrency.split(",")]:
-        results, wall = run_level(client, model, reqs, level, a.duration)
+        results, wall = run_level(client, models, reqs, level, a.duration)
         s = summarize(level, results, wall)
         report["levels"].append(s)
         print(json.dumps(s), file=sys.stderr)
 
-    print(f"\nmodel {model}, {len(reqs)} ShareGPT prompts per level, outputs capped at {a.max_output_tokens} tokens\n")
+    print(f"\nmodels {', '.join(models)}, {len(reqs)} ShareGPT prompts per level, outputs capped at {a.max_output_tokens} tokens\n")
     print("| clients | requests | errors | output tok/s | total tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | latency p50 (s) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in report["levels"]:

@@ -78,6 +78,15 @@ pub struct ServeArgs {
     pub device: args::DeviceChoice,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
     pub kv_type: args::KvTypeChoice,
+    /// Serve a LoRA adapter (a PEFT folder) beside the base as NAME: requests pick it with
+    /// `"model": "BASE:NAME"` (or `NAME`), and sequences of different adapters share one batch.
+    /// Repeat for several. CPU only.
+    #[arg(long = "adapter", value_name = "NAME=DIR")]
+    pub adapters: Vec<String>,
+    /// Allow `POST /v1/adapters` to load adapter folders under DIR while the server runs
+    /// (`DELETE /v1/adapters/NAME` unloads). Repeat for several. Default: run-time loading off.
+    #[arg(long = "adapter-root", value_name = "DIR")]
+    pub adapter_roots: Vec<std::path::PathBuf>,
     #[command(flatten)]
     pub agent: args::AgentArgs,
     #[command(flatten)]
@@ -124,6 +133,14 @@ impl LabArgs {
             }
             Err(e) => Err(e).context("opening the Lab"),
         }
+    }
+}
+
+/// `NAME=DIR` -> (name, folder).
+fn parse_adapter(s: &str) -> Result<(String, std::path::PathBuf)> {
+    match s.split_once('=') {
+        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => Ok((name.into(), dir.into())),
+        _ => bail!("--adapter '{s}': expected NAME=DIR (e.g. --adapter sql=./sql-lora)"),
     }
 }
 
@@ -208,6 +225,19 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         },
         agent: a.agent.config()?,
         lab: None,
+        adapters: a
+            .adapters
+            .iter()
+            .map(|s| parse_adapter(s))
+            .collect::<Result<_>>()?,
+        adapter_roots: a
+            .adapter_roots
+            .iter()
+            .map(|d| {
+                d.canonicalize()
+                    .with_context(|| format!("--adapter-root {}", d.display()))
+            })
+            .collect::<Result<_>>()?,
     };
     cfg.validate()?;
     let (path, mut model) = args::load_model(Some(&arg))?;
@@ -246,6 +276,20 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         cfg.engine.max_seqs,
         if cfg.engine.prefix_cache { "on" } else { "off" }
     );
+    for (name, dir) in &cfg.adapters {
+        eprintln!("adapter '{}:{name}': {}", cfg.model_id, dir.display());
+    }
+    if let Some(root) = cfg.adapter_roots.first() {
+        eprintln!(
+            "run-time adapters on: POST /v1/adapters loads folders under {}{}",
+            root.display(),
+            if cfg.adapter_roots.len() > 1 {
+                " (and the other --adapter-root folders)"
+            } else {
+                ""
+            }
+        );
+    }
     if let Some(ag) = &cfg.agent {
         eprintln!(
             "agent mode on: workspace {} (changes and commands wait for approval in the web chat)",
@@ -280,5 +324,14 @@ mod tests {
     #[test]
     fn model_names() {
         assert_eq!(default_model_name("smollm2-135m"), "smollm2-135m");
+    }
+
+    #[test]
+    fn adapter_flags() {
+        let (n, d) = parse_adapter("sql=./a=b").unwrap();
+        assert_eq!((n.as_str(), d), ("sql", std::path::PathBuf::from("./a=b")));
+        assert!(parse_adapter("sql").is_err());
+        assert!(parse_adapter("=dir").is_err());
+        assert!(parse_adapter("sql=").is_err());
     }
 }

@@ -2,6 +2,7 @@
 //! MLX, tokenizers, chat templates, sampling and generation.
 
 pub mod adapter;
+pub mod adapter_set;
 pub mod arch;
 pub mod chat_template;
 pub mod config;

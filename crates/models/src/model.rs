@@ -16,10 +16,12 @@ use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
 use serde::Serialize;
 
+use crate::adapter_set::AdapterSet;
 use crate::arch::{load_blocks, Block};
 use crate::chat_template::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::kv_cache::{KvCache, SeqRef};
+use crate::layers::served::{BatchLora, Fwd};
 use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -197,7 +199,14 @@ impl Model {
         let mut config = config;
         // The weights are the truth about the vocabulary size.
         config.vocab_size = lm_head.rows;
-        let blocks = load_blocks(&src, &config)?;
+        let mut blocks = load_blocks(&src, &config)?;
+        let mut site = 0;
+        for b in blocks.iter_mut() {
+            for (_, lin) in b.linears_mut() {
+                lin.site = site;
+                site += 1;
+            }
+        }
         let final_norm = src.vector("model.norm.weight")?;
         let template = match tokenizer.chat_template() {
             Some(t) => Some(ChatTemplate::new(
@@ -363,11 +372,21 @@ impl Model {
         KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit, self.kv_type)
     }
 
+    /// Products of the blocks (the sites of [`crate::layers::linear::Linear`]).
+    pub fn sites(&self) -> usize {
+        self.blocks.iter().map(|b| b.linears().len()).sum()
+    }
+
     /// Runs a batch of sequences through the blocks in one forward: their tokens are concatenated
-    /// for every matmul, attention runs per sequence over its own cache. Returns the normed
-    /// hidden states `(ΣT, D)`.
-    fn hidden_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Tensor> {
+    /// for every matmul, attention runs per sequence over its own cache; `lora`: the rows'
+    /// served adapters. Returns the normed hidden states `(ΣT, D)`.
+    fn hidden_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        lora: Option<&BatchLora<'_>>,
+    ) -> Result<Tensor> {
         let be = self.be();
+        let cx = Fwd { be, lora };
         let mut ids = Vec::new();
         for it in items.iter() {
             if it.tokens.is_empty() {
@@ -402,7 +421,7 @@ impl Model {
                     r
                 })
                 .collect();
-            block.forward(be, &mut x, &mut seqs)?;
+            block.forward(&cx, &mut x, &mut seqs)?;
         }
         Ok(be.rms_norm(
             &x,
@@ -415,11 +434,40 @@ impl Model {
     /// One batched step: for each sequence, feeds its tokens after `pos0` and returns the logits
     /// `(V)` of its last token. The caller advances positions.
     pub fn step_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.step_batch_served(items, None)
+    }
+
+    /// [`Model::step_batch`] with served adapters: `served = (set, slot of each item)` (`None`
+    /// for an item on the base alone). The base products run once over the whole batch; each
+    /// adapter's term over the rows of its items ([`BatchLora`]).
+    pub fn step_batch_served(
+        &self,
+        items: &mut [BatchItem<'_>],
+        served: Option<(&AdapterSet, &[Option<usize>])>,
+    ) -> Result<Vec<Vec<f32>>> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
         let be = self.be();
-        let h = self.hidden_batch(items)?;
+        let lora = match served {
+            Some((set, slots)) if slots.iter().any(Option::is_some) => {
+                if slots.len() != items.len() {
+                    return Err(Error::Msg(format!(
+                        "{} adapter slots for a batch of {} sequences",
+                        slots.len(),
+                        items.len()
+                    )));
+                }
+                let seqs: Vec<(usize, Option<usize>)> = items
+                    .iter()
+                    .zip(slots)
+                    .map(|(it, s)| (it.tokens.len(), *s))
+                    .collect();
+                Some(BatchLora::new(set, &seqs)?)
+            }
+            _ => None,
+        };
+        let h = self.hidden_batch(items, lora.as_ref())?;
         let total = h.dims2().0;
         // The last row of each sequence.
         let last = if items.len() == 1 && items[0].tokens.len() == total {
@@ -518,7 +566,7 @@ impl Model {
                         pos0,
                         tokens: &[token],
                     }];
-                    let h = self.hidden_batch(&mut item)?;
+                    let h = self.hidden_batch(&mut item, None)?;
                     self.logits(&h)
                 };
                 if mask.is_some() {
@@ -814,7 +862,7 @@ impl<'m> Session<'m> {
             pos0: self.pos,
             tokens,
         }];
-        let h = self.model.hidden_batch(&mut item)?;
+        let h = self.model.hidden_batch(&mut item, None)?;
         let l = self.model.be().to_host(&self.model.logits(&h)?)?;
         self.pos += tokens.len();
         Ok(l)

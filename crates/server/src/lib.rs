@@ -61,6 +61,11 @@ pub struct ServerConfig {
     pub agent: Option<agent::AgentConfig>,
     /// The Lab's jobs and models (`/api/jobs`, `/api/models`). Off when `None`.
     pub lab: Option<hf2q_lab::Lab>,
+    /// LoRA adapters served from the start beside the base: (name, PEFT folder).
+    pub adapters: Vec<(String, std::path::PathBuf)>,
+    /// Folders under which `POST /v1/adapters` may load adapters (canonical paths; empty: run-time
+    /// loading is off).
+    pub adapter_roots: Vec<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -78,6 +83,8 @@ impl Default for ServerConfig {
             engine: EngineConfig::default(),
             agent: None,
             lab: None,
+            adapters: Vec::new(),
+            adapter_roots: Vec::new(),
         }
     }
 }
@@ -114,6 +121,16 @@ impl ServerConfig {
         if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
             return bad("--api-key must not be empty".into());
         }
+        for (i, (name, _)) in self.adapters.iter().enumerate() {
+            if !engine::adapters::valid_name(name) || *name == self.model_id {
+                return bad(format!(
+                    "--adapter {name}=...: an adapter name is 1 to 64 of A-Z a-z 0-9 . _ - and not the base model's name"
+                ));
+            }
+            if self.adapters[..i].iter().any(|(n, _)| n == name) {
+                return bad(format!("--adapter {name}=... is given twice"));
+            }
+        }
         Ok(())
     }
 }
@@ -146,7 +163,20 @@ impl ServerHandle {
 /// tokio runtime.
 pub async fn start(model: Arc<Model>, cfg: ServerConfig) -> Result<ServerHandle, Error> {
     cfg.validate()?;
+    if !cfg.adapters.is_empty() && model.cuda().is_some() {
+        return Err(Error::Config(routes::CUDA_ADAPTERS.into()));
+    }
     let engine = Engine::start(model, cfg.engine.clone())?;
+    for (name, dir) in &cfg.adapters {
+        let read = engine
+            .model()
+            .read_adapter(dir)
+            .map_err(|e| Error::Config(format!("--adapter {name}: {e}")))?;
+        engine
+            .install(name, dir.clone(), read)
+            .await
+            .map_err(|e| Error::Config(format!("--adapter {name}: {e}")))?;
+    }
     let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
     let addr = listener.local_addr()?;
     let state = Arc::new(routes::AppState::new(engine.clone(), cfg.clone())?);

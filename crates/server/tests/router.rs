@@ -699,6 +699,7 @@ async fn queued_request_times_out_with_503() {
         deadline,
         constraint: None,
         keep_tokens: vec![],
+        adapter: None,
     };
     let mut first = engine.submit(req(None)).unwrap();
     let mut second = engine

@@ -19,7 +19,6 @@ use hf2q_models::Model;
 use hf2q_tensor::cpu::MatmulPath;
 use hf2q_tensor::cuda::{CudaDev, KvDtype, PrefillGemm};
 use hf2q_tensor::cuda_backend::CudaBackend;
-use hf2q_tensor::op::Backend;
 use hf2q_tensor::train_op::SeqLayout;
 use hf2q_tensor::Tensor;
 

@@ -30,6 +30,7 @@ pub mod mlx;
 
 pub use factors::{AdapterFactors, ModuleFactors};
 
+use crate::adapter_set::ReadAdapter;
 use crate::config::ModelConfig;
 use crate::convert::source::permute_qk_rows;
 use crate::layers::lora::Lora;
@@ -351,14 +352,34 @@ impl Model {
     /// On error the model is left without adapters.
     pub fn attach_factors(&mut self, f: &AdapterFactors, file: &Path) -> Result<()> {
         self.detach_lora();
-        let res = self.attach_checked(f, file);
+        let res = self.lora_by_site(f, file).and_then(|mut by_site| {
+            for block in self.blocks_mut() {
+                for (_, lin) in block.linears_mut() {
+                    lin.lora = by_site.get_mut(lin.site).and_then(Option::take);
+                }
+            }
+            self.place_adapters()
+        });
         if res.is_err() {
             self.detach_lora();
         }
         res
     }
 
-    fn attach_checked(&mut self, f: &AdapterFactors, file: &Path) -> Result<()> {
+    /// Reads an adapter (any format [`Model::load_adapter`] reads) for this model without
+    /// attaching it, for an [`crate::adapter_set::AdapterSet`]: checked as `load_adapter`
+    /// checks it, its factors on the host by product site.
+    pub fn read_adapter(&self, path: &Path) -> Result<ReadAdapter> {
+        let f = read_adapter(path, Some(&self.config))?;
+        Ok(ReadAdapter {
+            factors: self.lora_by_site(&f, path)?,
+            config: f.config,
+        })
+    }
+
+    /// Checks `f` against this model and lays its factors out by product site (`(sites)`, the
+    /// q/k B rows in our RoPE layout where the model permutes them).
+    fn lora_by_site(&self, f: &AdapterFactors, file: &Path) -> Result<Vec<Option<Lora>>> {
         let mut dims = std::collections::HashMap::new();
         for (layer, block) in self.blocks().iter().enumerate() {
             for (path, lin) in block.linears() {
@@ -374,9 +395,10 @@ impl Model {
         for (i, m) in f.modules.iter().enumerate() {
             by_module.insert((m.layer, m.path.clone()), i);
         }
+        let mut by_site: Vec<Option<Lora>> = (0..self.sites()).map(|_| None).collect();
         let mut id = 0;
-        for (layer, block) in self.blocks_mut().iter_mut().enumerate() {
-            for (path, lin) in block.linears_mut() {
+        for (layer, block) in self.blocks().iter().enumerate() {
+            for (path, lin) in block.linears() {
                 let Some(&i) = by_module.get(&(layer, path.to_string())) else {
                     continue;
                 };
@@ -385,7 +407,10 @@ impl Model {
                 if let (true, Some(h)) = (permuted, heads[i]) {
                     permute_qk_rows(&mut b, m.rows, m.r, h, true)?;
                 }
-                lin.lora = Some(Lora {
+                let slot = by_site
+                    .get_mut(lin.site)
+                    .ok_or_else(|| Error::Msg(format!("product site {} out of range", lin.site)))?;
+                *slot = Some(Lora {
                     a: Tensor::new(&[m.r, m.cols], m.a.clone())?,
                     b: Tensor::new(&[m.rows, m.r], b)?,
                     scale: f.scale_of(m),
@@ -395,7 +420,7 @@ impl Model {
                 id += 1;
             }
         }
-        self.place_adapters()
+        Ok(by_site)
     }
 }
 

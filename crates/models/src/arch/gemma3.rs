@@ -3,7 +3,7 @@
 //! GELU-tanh MLP, sliding-window local layers with their own RoPE base.
 //! Reference: transformers' `modeling_gemma3.py` (`Gemma3DecoderLayer`).
 
-use hf2q_tensor::op::{Backend, RopeParams};
+use hf2q_tensor::op::RopeParams;
 use hf2q_tensor::Tensor;
 
 use super::{attention_mlp_linears, attention_mlp_linears_mut, downcast, Block, Saved};
@@ -13,6 +13,7 @@ use crate::layers::attention::{Attention, AttentionSaved};
 use crate::layers::linear::Linear;
 use crate::layers::lora::{LoraGrads, TrainCtx};
 use crate::layers::mlp::{Mlp, MlpSaved};
+use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -56,13 +57,14 @@ impl Gemma3Block {
 }
 
 impl Block for Gemma3Block {
-    fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
+    fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
+        let be = cx.be;
         let h = be.rms_norm(x, &self.input_norm, self.eps, self.offset)?;
-        let a = self.attn.forward(be, &h, seqs)?;
+        let a = self.attn.forward(cx, &h, seqs)?;
         let a = be.rms_norm(&a, &self.post_attn_norm, self.eps, self.offset)?;
         be.add_assign(x, &a)?;
         let h = be.rms_norm(x, &self.pre_ffn_norm, self.eps, self.offset)?;
-        let m = self.mlp.forward(be, &h)?;
+        let m = self.mlp.forward(cx, &h)?;
         let m = be.rms_norm(&m, &self.post_ffn_norm, self.eps, self.offset)?;
         be.add_assign(x, &m)?;
         Ok(())

@@ -2,7 +2,7 @@
 //! both handled by `Attention` from the config): pre-norm attention and pre-norm SiLU MLP.
 //! Reference: transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`.
 
-use hf2q_tensor::op::{Backend, PreNorm, RopeParams};
+use hf2q_tensor::op::{PreNorm, RopeParams};
 use hf2q_tensor::Tensor;
 
 use super::{attention_mlp_linears, attention_mlp_linears_mut, downcast, Block, Saved};
@@ -12,6 +12,7 @@ use crate::layers::attention::{Attention, AttentionSaved};
 use crate::layers::linear::Linear;
 use crate::layers::lora::{LoraGrads, TrainCtx};
 use crate::layers::mlp::{Mlp, MlpSaved};
+use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -49,20 +50,20 @@ impl LlamaBlock {
 }
 
 impl Block for LlamaBlock {
-    fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
+    fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let (eps, offset) = (self.eps, 0.0);
         let attn_norm = PreNorm {
             w: &self.attn_norm,
             eps,
             offset,
         };
-        self.attn.forward_residual(be, attn_norm, seqs, x)?;
+        self.attn.forward_residual(cx, attn_norm, seqs, x)?;
         let mlp_norm = PreNorm {
             w: &self.mlp_norm,
             eps,
             offset,
         };
-        self.mlp.forward_residual(be, mlp_norm, x)
+        self.mlp.forward_residual(cx, mlp_norm, x)
     }
 
     fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)> {

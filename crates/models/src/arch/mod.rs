@@ -4,7 +4,7 @@
 pub mod gemma3;
 pub mod llama;
 
-use hf2q_tensor::op::{Backend, RopeParams};
+use hf2q_tensor::op::RopeParams;
 use hf2q_tensor::Tensor;
 
 use crate::config::{Arch, ModelConfig};
@@ -13,17 +13,19 @@ use crate::layers::attention::Attention;
 use crate::layers::linear::Linear;
 use crate::layers::lora::{LoraGrads, TrainCtx};
 use crate::layers::mlp::Mlp;
+use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
 
 /// What a block's training forward keeps for its backward (each family its own struct).
 pub type Saved = Box<dyn std::any::Any + Send>;
 
-/// One decoder layer: updates the residual stream `x (ΣT, D)` of a batch of sequences in place;
+/// One decoder layer: updates the residual stream `x (ΣT, D)` of a batch of sequences in place
+/// (`cx`: the backend, and the batch's served adapters, which only `Linear` reads);
 /// and the same as a training forward (`x (N, D)` of a packed batch, returning the new
 /// residual stream and what the backward needs) with its backward.
 pub trait Block: Send + Sync {
-    fn forward(&self, be: &dyn Backend, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()>;
+    fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()>;
     fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)>;
     /// From `dy (N, D)`, the gradient of the block's input `x`; adapters' gradients go into
     /// `grads`. `saved` is what `forward_train(x)` returned.

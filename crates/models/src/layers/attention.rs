@@ -10,6 +10,7 @@ use crate::config::ModelConfig;
 use crate::kv_cache::SeqRef;
 use crate::layers::linear::{Linear, LinearSaved};
 use crate::layers::lora::{LoraGrads, TrainCtx};
+use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -83,40 +84,40 @@ impl Attention {
 
     /// `x (ΣT, D)`: the rows of every sequence in `seqs` -> `(ΣT, D)`. Projections run once over
     /// the whole batch; norms, RoPE, cache writes and attention run per sequence.
-    pub fn forward(&self, be: &dyn Backend, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
-        let a = self.heads(be, x, None, seqs)?;
-        self.o.forward(be, &a)
+    pub fn forward(&self, cx: &Fwd, x: &Tensor, seqs: &mut [SeqRef<'_>]) -> Result<Tensor> {
+        let a = self.heads(cx, x, None, seqs)?;
+        self.o.forward(cx, &a)
     }
 
     /// `x += forward(rms_norm(x), seqs)`: a pre-norm block's attention half (the backend may
     /// fold the norm into the q/k/v product).
     pub fn forward_residual(
         &self,
-        be: &dyn Backend,
+        cx: &Fwd,
         norm: PreNorm<'_>,
         seqs: &mut [SeqRef<'_>],
         x: &mut Tensor,
     ) -> Result<()> {
-        let a = self.heads(be, x, Some(norm), seqs)?;
-        self.o.forward_add(be, &a, x)
+        let a = self.heads(cx, x, Some(norm), seqs)?;
+        self.o.forward_add(cx, &a, x)
     }
 
     /// Everything before the output projection: `(ΣT, D) -> (ΣT, H*Dh)`.
     /// With `norm`, of `rms_norm(x)`.
     fn heads(
         &self,
-        be: &dyn Backend,
+        cx: &Fwd,
         x: &Tensor,
         norm: Option<PreNorm<'_>>,
         seqs: &mut [SeqRef<'_>],
     ) -> Result<Tensor> {
-        let p = &self.params;
+        let (be, p) = (cx.be, &self.params);
         let ws = [
             (&self.q.w, self.q.b.as_deref()),
             (&self.k.w, self.k.b.as_deref()),
             (&self.v.w, self.v.b.as_deref()),
         ];
-        let adapted = [&self.q, &self.k, &self.v].iter().any(|l| l.lora.is_some());
+        let adapted = [&self.q, &self.k, &self.v].iter().any(|l| l.adapted(cx));
         let mut qkv = match norm {
             _ if adapted => {
                 let h = match norm {
@@ -124,9 +125,9 @@ impl Attention {
                     None => x.clone(),
                 };
                 vec![
-                    self.q.forward(be, &h)?,
-                    self.k.forward(be, &h)?,
-                    self.v.forward(be, &h)?,
+                    self.q.forward(cx, &h)?,
+                    self.k.forward(cx, &h)?,
+                    self.v.forward(cx, &h)?,
                 ]
             }
             Some(n) => be.norm_linear_many(x, n, &ws)?,

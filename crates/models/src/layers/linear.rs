@@ -1,12 +1,13 @@
 //! `Linear`: `y = x Wᵀ (+ b) (+ LoRA)`. Dense, quantized and LoRA weights differ only in here:
 //! the base weight stays in its stored form (`QTensor`), an optional adapter ([`Lora`]) adds
 //! its low-rank term, and the training forward/backward of the layer live beside the inference
-//! forward.
+//! forward. Served adapters (several on one base, per row of a batch) come through the
+//! forward's context ([`Fwd`]) and are found by the product's `site`.
 
-use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
 
 use crate::layers::lora::{Lora, LoraGrads, LoraSaved, TrainCtx};
+use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -17,6 +18,9 @@ pub struct Linear {
     pub b: Option<Vec<f32>>,
     /// A LoRA adapter on this product, when one is attached.
     pub lora: Option<Lora>,
+    /// This product's index among the model's products (block by block, in
+    /// [`crate::arch::Block::linears`] order): where served adapters keep its factors.
+    pub site: usize,
 }
 
 /// What [`Linear::forward_train`] keeps for the backward (the input itself is kept by the
@@ -34,28 +38,42 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { w, b, lora: None })
+        Ok(Linear {
+            w,
+            b,
+            lora: None,
+            site: 0,
+        })
     }
-    /// Whether the product is the plain stored weight (no bias, no adapter): the only form
-    /// the backends' fused launches take.
-    pub fn is_plain(&self) -> bool {
-        self.b.is_none() && self.lora.is_none()
+    /// Whether an adapter adds to this product in this forward (attached, or served to some
+    /// rows of the batch).
+    pub fn adapted(&self, cx: &Fwd) -> bool {
+        self.lora.is_some() || cx.lora.is_some_and(|b| b.touches(self.site))
+    }
+    /// Whether the product is the plain stored weight in this forward (no bias, no adapter):
+    /// the only form the backends' fused launches take.
+    pub fn is_plain(&self, cx: &Fwd) -> bool {
+        self.b.is_none() && !self.adapted(cx)
     }
     /// `x (T, C) -> (T, R)`.
-    pub fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
+        let be = cx.be;
         let mut y = be.linear(x, &self.w, self.b.as_deref())?;
         if let Some(l) = &self.lora {
             l.forward(be, x, &mut y)?;
         }
+        if let Some(b) = cx.lora {
+            b.apply(be, self.site, x, &mut y)?;
+        }
         Ok(y)
     }
     /// `residual (T, R) += forward(x)`.
-    pub fn forward_add(&self, be: &dyn Backend, x: &Tensor, residual: &mut Tensor) -> Result<()> {
-        if !self.is_plain() {
-            let y = self.forward(be, x)?;
-            return Ok(be.add_assign(residual, &y)?);
+    pub fn forward_add(&self, cx: &Fwd, x: &Tensor, residual: &mut Tensor) -> Result<()> {
+        if !self.is_plain(cx) {
+            let y = self.forward(cx, x)?;
+            return Ok(cx.be.add_assign(residual, &y)?);
         }
-        Ok(be.linear_add(x, &self.w, residual)?)
+        Ok(cx.be.linear_add(x, &self.w, residual)?)
     }
 
     /// The training forward of `x (N, C) -> (N, R)`: the adapter's input dropout applies; the

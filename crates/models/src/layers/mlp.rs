@@ -1,12 +1,13 @@
 //! Gated MLP: `down(act(gate(x)) * up(x))`, SiLU (Llama, Qwen) or GELU-tanh (Gemma); its
 //! training forward and backward.
 
-use hf2q_tensor::op::{Backend, GateAct, PreNorm};
+use hf2q_tensor::op::{GateAct, PreNorm};
 use hf2q_tensor::Tensor;
 
 use crate::config::Activation;
 use crate::layers::linear::{Linear, LinearSaved};
 use crate::layers::lora::{LoraGrads, TrainCtx};
+use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -30,11 +31,11 @@ impl Mlp {
         })
     }
     /// `act(gate(x)) * up(x)`, `(T, D) -> (T, F)`.
-    fn hidden(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
-        let act = self.gate_act();
-        if !self.gate.is_plain() || !self.up.is_plain() {
-            let g = self.gate.forward(be, x)?;
-            let u = self.up.forward(be, x)?;
+    fn hidden(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
+        let (be, act) = (cx.be, self.gate_act());
+        if !self.gate.is_plain(cx) || !self.up.is_plain(cx) {
+            let g = self.gate.forward(cx, x)?;
+            let u = self.up.forward(cx, x)?;
             return Ok(match act {
                 GateAct::Silu => be.silu_mul(&g, &u)?,
                 GateAct::GeluTanh => be.gelu_tanh_mul(&g, &u)?,
@@ -43,25 +44,21 @@ impl Mlp {
         Ok(be.linear_gated(x, &self.gate.w, &self.up.w, act)?)
     }
     /// `x (T, D) -> (T, D)`.
-    pub fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
-        let h = self.hidden(be, x)?;
-        self.down.forward(be, &h)
+    pub fn forward(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
+        let h = self.hidden(cx, x)?;
+        self.down.forward(cx, &h)
     }
     /// `x += forward(rms_norm(x))`: a pre-norm block's MLP half (the backend may fold the norm
     /// into the gate and up product).
-    pub fn forward_residual(
-        &self,
-        be: &dyn Backend,
-        norm: PreNorm<'_>,
-        x: &mut Tensor,
-    ) -> Result<()> {
-        let h = if !self.gate.is_plain() || !self.up.is_plain() {
+    pub fn forward_residual(&self, cx: &Fwd, norm: PreNorm<'_>, x: &mut Tensor) -> Result<()> {
+        let be = cx.be;
+        let h = if !self.gate.is_plain(cx) || !self.up.is_plain(cx) {
             let n = be.rms_norm(x, norm.w, norm.eps, norm.offset)?;
-            self.hidden(be, &n)?
+            self.hidden(cx, &n)?
         } else {
             be.norm_linear_gated(x, norm, &self.gate.w, &self.up.w, self.gate_act())?
         };
-        self.down.forward_add(be, &h, x)
+        self.down.forward_add(cx, &h, x)
     }
 
     /// The training forward of `h (N, D)` -> `(N, D)`.

@@ -3,3 +3,4 @@ pub mod attention;
 pub mod linear;
 pub mod lora;
 pub mod mlp;
+pub mod served;

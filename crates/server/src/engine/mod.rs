@@ -26,16 +26,24 @@
 //! admission needs their blocks, so caching never makes a request wait. Host (CPU) caches only:
 //! with a device backend nothing is kept.
 //!
+//! Served adapters ([`adapters`]): a request may name a LoRA adapter loaded beside the base
+//! (`--adapter`, `POST /v1/adapters`); sequences of different adapters share one batch (the
+//! base products once, each adapter's over its rows: `Model::step_batch_served`), and prefix
+//! cache entries are keyed by the adapter too.
+//!
 //! What it is not: paged attention (the KV layout belongs to `hf2q_models::kv_cache` and is
 //! contiguous per sequence, so a reused prefix is copied, not shared), or preemption.
 
+pub mod adapters;
 mod prefix;
 mod scheduler;
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use hf2q_models::adapter_set::ReadAdapter;
 use hf2q_models::constraint::Constraint;
 use hf2q_models::generate::FinishReason;
 use hf2q_models::sampler::SamplerConfig;
@@ -43,6 +51,7 @@ use hf2q_models::Model;
 use tokio::sync::{mpsc as tmpsc, watch};
 
 use crate::metrics::{Gauges, Metrics};
+use adapters::{AdapterRef, Registry};
 
 /// Positions per KV block (the unit of admission accounting).
 pub const BLOCK_TOKENS: usize = 16;
@@ -101,6 +110,9 @@ pub struct GenRequest {
     /// Special tokens whose text is kept in the output (tool-call markup such as
     /// `<|python_tag|>`); other special tokens are skipped when decoding.
     pub keep_tokens: Vec<u32>,
+    /// The served adapter this sequence runs with (`None`: the base alone). Held until the
+    /// sequence leaves the engine, so an unloaded adapter stays until its requests finish.
+    pub adapter: Option<AdapterRef>,
 }
 
 /// Log-probabilities of one generated token (over the model's distribution, before sampling
@@ -168,9 +180,16 @@ pub struct Shared {
     pub total_blocks: usize,
     pub bytes_per_token: u64,
     pub cfg: EngineConfig,
+    /// The served adapters' names and reference counts.
+    pub adapters: Mutex<Registry>,
 }
 
 impl Shared {
+    /// The adapter registry (a poisoned lock still holds consistent data: every change is one
+    /// map operation).
+    pub fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.adapters.lock().unwrap_or_else(|e| e.into_inner())
+    }
     fn beat(&self) {
         self.heartbeat_ms
             .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
@@ -208,6 +227,8 @@ impl Shared {
 
 enum Cmd {
     Submit(Box<Pending>),
+    /// Put an adapter read from its files into a free slot under a name.
+    Install(Box<Install>),
     /// End every queued and running request with an error (shutdown after the drain timeout).
     AbortAll(String),
     /// Stop the loop (the engine thread exits normally).
@@ -224,6 +245,14 @@ struct Pending {
     cancel: Arc<AtomicBool>,
     arrived: Instant,
     blocks: usize,
+}
+
+/// An adapter to install, and where to answer.
+struct Install {
+    name: String,
+    path: PathBuf,
+    adapter: ReadAdapter,
+    reply: tokio::sync::oneshot::Sender<Result<AdapterRef, String>>,
 }
 
 /// Sets the request's cancel flag when dropped.
@@ -284,6 +313,7 @@ impl Engine {
             total_blocks,
             bytes_per_token,
             cfg,
+            adapters: Mutex::new(Registry::default()),
         });
         let (tx, rx) = mpsc::channel();
         let (m, s) = (model.clone(), shared.clone());
@@ -387,6 +417,34 @@ impl Engine {
             });
         }
         Ok(tickets)
+    }
+
+    /// Installs `adapter` (read from `path` by `Model::read_adapter` of this engine's model)
+    /// under `name`, in a free slot of the engine's set; fails when the name is taken.
+    pub async fn install(
+        &self,
+        name: &str,
+        path: PathBuf,
+        adapter: ReadAdapter,
+    ) -> Result<AdapterRef, String> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let cmd = Install {
+            name: name.to_string(),
+            path,
+            adapter,
+            reply,
+        };
+        if self.shared.is_dead() || self.tx.send(Cmd::Install(Box::new(cmd))).is_err() {
+            return Err("the engine is not running".into());
+        }
+        rx.await
+            .unwrap_or_else(|_| Err("the engine stopped before installing the adapter".into()))
+    }
+
+    /// Unloads adapter `name`: new requests for it fail at once, running ones finish with it,
+    /// then its slot is freed. Returns how many requests still use it (`None`: no such adapter).
+    pub fn unload(&self, name: &str) -> Option<usize> {
+        self.shared.registry().unload(name)
     }
 
     /// From now on new requests get 503; running and queued ones continue.

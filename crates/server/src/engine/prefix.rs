@@ -10,6 +10,9 @@
 //! Reuse copies rows (a memcpy of the prefix, orders of magnitude cheaper than computing it), so
 //! one pooled prefix can serve any number of requests, concurrent ones included, and the pooled
 //! entry never aliases a running sequence's cache. Only host caches are pooled.
+//!
+//! Keys include the served adapter (its unique id, `None` for the base): the same tokens under
+//! another adapter have other keys and values, so an entry only serves its own adapter.
 
 use hf2q_models::kv_cache::KvCache;
 
@@ -25,6 +28,8 @@ pub(super) struct Entry {
     /// that were fed back).
     pub tokens: Vec<u32>,
     pub cache: KvCache,
+    /// The served adapter whose forward made the cache (its unique id; `None`: the base).
+    pub adapter: Option<u64>,
     /// Budget blocks the entry holds.
     pub blocks: usize,
     /// Unique id (stable while other entries come and go).
@@ -72,10 +77,11 @@ impl PrefixPool {
         self.bytes
     }
 
-    /// The entry sharing the longest usable prefix with `prompt`: (entry id, tokens to reuse).
-    pub fn best(&self, prompt: &[u32]) -> Option<(u64, usize)> {
+    /// The entry of `adapter` sharing the longest usable prefix with `prompt`: (entry id,
+    /// tokens to reuse).
+    pub fn best(&self, prompt: &[u32], adapter: Option<u64>) -> Option<(u64, usize)> {
         let mut best: Option<(u64, usize)> = None;
-        for e in &self.entries {
+        for e in self.entries.iter().filter(|e| e.adapter == adapter) {
             let n = usable(common_prefix(&e.tokens, prompt), prompt.len());
             if n > 0 && best.is_none_or(|b| n > b.1) {
                 best = Some((e.id, n));
@@ -126,25 +132,43 @@ impl PrefixPool {
         n
     }
 
-    /// Adds a finished sequence's cache holding `tokens` (already compacted to them), which
-    /// holds `blocks` budget blocks. An entry whose tokens are a prefix of the new one's is
+    /// Drops every entry of `adapter` (unloaded); returns the blocks that left the pool.
+    pub fn drop_adapter(&mut self, adapter: u64) -> usize {
+        let ids: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|e| e.adapter == Some(adapter))
+            .map(|e| e.id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| self.take(id))
+            .map(|e| e.blocks)
+            .sum()
+    }
+
+    /// Adds a finished sequence's cache holding `tokens` (already compacted to them) made with
+    /// `adapter`, which holds `blocks` budget blocks. An entry whose tokens are a prefix of the new one's is
     /// redundant (every match it gives, the new one gives too) and is dropped; if an existing
     /// entry already covers the new one, that one is kept instead. Returns the blocks that left
     /// the pool (the dropped entries', or the new one's when it was not kept).
-    pub fn insert(&mut self, tokens: Vec<u32>, cache: KvCache, blocks: usize) -> usize {
+    pub fn insert(
+        &mut self,
+        tokens: Vec<u32>,
+        cache: KvCache,
+        blocks: usize,
+        adapter: Option<u64>,
+    ) -> usize {
         self.clock += 1;
         let now = self.clock;
-        if let Some(e) = self
-            .entries
-            .iter_mut()
-            .find(|e| e.tokens.len() >= tokens.len() && e.tokens.starts_with(&tokens))
-        {
+        if let Some(e) = self.entries.iter_mut().find(|e| {
+            e.adapter == adapter && e.tokens.len() >= tokens.len() && e.tokens.starts_with(&tokens)
+        }) {
             e.used = now;
             return blocks;
         }
         let (mut freed, mut freed_bytes) = (0, 0);
         self.entries.retain(|e| {
-            let redundant = tokens.starts_with(&e.tokens);
+            let redundant = e.adapter == adapter && tokens.starts_with(&e.tokens);
             if redundant {
                 freed += e.blocks;
                 freed_bytes += e.cache.bytes();
@@ -156,6 +180,7 @@ impl PrefixPool {
         self.entries.push(Entry {
             tokens,
             cache,
+            adapter,
             blocks,
             id: now,
             used: now,
@@ -187,36 +212,52 @@ mod tests {
     #[test]
     fn best_match_and_dedup() {
         let mut p = PrefixPool::default();
-        assert_eq!(p.insert(toks(0..20), cache(), 2), 0);
+        assert_eq!(p.insert(toks(0..20), cache(), 2, None), 0);
         // A longer sequence with the same start replaces it.
-        assert_eq!(p.insert(toks(0..40), cache(), 3), 2);
+        assert_eq!(p.insert(toks(0..40), cache(), 3, None), 2);
         assert_eq!((p.len(), p.blocks()), (1, 3));
         // One that the pool already covers is not added.
-        assert_eq!(p.insert(toks(0..30), cache(), 2), 2);
+        assert_eq!(p.insert(toks(0..30), cache(), 2, None), 2);
         assert_eq!((p.len(), p.blocks()), (1, 3));
         let mut other = toks(0..18);
         other.extend(100..130);
-        p.insert(other.clone(), cache(), 3);
+        p.insert(other.clone(), cache(), 3, None);
         assert_eq!(p.len(), 2);
         let mut prompt = toks(0..25);
         prompt.push(7);
-        let (id, n) = p.best(&prompt).unwrap();
+        let (id, n) = p.best(&prompt, None).unwrap();
         assert_eq!(n, 25);
         assert_eq!(p.get(id).unwrap().tokens.len(), 40);
-        let (id2, n2) = p.best(&other[..28]).unwrap();
+        let (id2, n2) = p.best(&other[..28], None).unwrap();
         assert_eq!((n2, p.get(id2).unwrap().tokens[20]), (27, 102));
-        assert!(p.best(&toks(50..90)).is_none());
-        assert!(p.best(&toks(0..10)).is_none());
+        assert!(p.best(&toks(50..90), None).is_none());
+        assert!(p.best(&toks(0..10), None).is_none());
+    }
+
+    #[test]
+    fn entries_serve_only_their_adapter() {
+        let mut p = PrefixPool::default();
+        p.insert(toks(0..40), cache(), 3, Some(7));
+        assert!(p.best(&toks(0..30), None).is_none());
+        assert!(p.best(&toks(0..30), Some(8)).is_none());
+        assert_eq!(p.best(&toks(0..30), Some(7)).unwrap().1, 29);
+        // The same tokens under another adapter are another entry, not redundant.
+        assert_eq!(p.insert(toks(0..20), cache(), 2, None), 0);
+        assert_eq!(p.insert(toks(0..60), cache(), 4, Some(9)), 0);
+        assert_eq!((p.len(), p.blocks()), (3, 9));
+        assert_eq!(p.drop_adapter(7), 3);
+        assert_eq!((p.len(), p.blocks()), (2, 6));
+        assert!(p.best(&toks(0..30), Some(7)).is_none());
     }
 
     #[test]
     fn eviction_is_lru_and_spares_the_source() {
         let mut p = PrefixPool::default();
-        p.insert(toks(0..20), cache(), 2);
-        p.insert(toks(100..120), cache(), 2);
-        p.insert(toks(200..220), cache(), 2);
-        let (a, _) = p.best(&toks(0..30)).unwrap();
-        let (b, _) = p.best(&toks(100..130)).unwrap();
+        p.insert(toks(0..20), cache(), 2, None);
+        p.insert(toks(100..120), cache(), 2, None);
+        p.insert(toks(200..220), cache(), 2, None);
+        let (a, _) = p.best(&toks(0..30), None).unwrap();
+        let (b, _) = p.best(&toks(100..130), None).unwrap();
         p.touch(a); // b is now the least recently used, then c, then a.
         let mut free = 1;
         assert_eq!(p.evict(3, &mut free, None), 1);

@@ -9,7 +9,8 @@
 //!    new sequence starts from the longest cached prefix of its prompt ([`super::prefix`]);
 //! 4. build the batch under the token budget: every decoding sequence's one token first, then
 //!    chunks of prompts being prefilled (oldest first) with what budget is left;
-//! 5. one `Model::step_batch`; sample for every sequence whose prompt is complete;
+//! 5. one `Model::step_batch_served` (sequences ordered by served adapter, so each adapter's
+//!    rows are one run); sample for every sequence whose prompt is complete;
 //! 6. retire finished sequences: their blocks return to the budget and their caches (compacted)
 //!    to the prefix cache.
 //!
@@ -21,6 +22,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
+use hf2q_models::adapter_set::AdapterSet;
 use hf2q_models::generate::FinishReason;
 use hf2q_models::kv_cache::{KvCache, KvType};
 use hf2q_models::sampler::{apply_mask, Sampler};
@@ -28,8 +30,9 @@ use hf2q_models::stop::StopMatcher;
 use hf2q_models::tokenizer::DecodeStream;
 use hf2q_models::{BatchItem, Model};
 
+use super::adapters::{valid_name, AdapterInfo, AdapterRef};
 use super::prefix::{common_prefix, usable, PrefixPool, MIN_REUSE};
-use super::{Cmd, Event, Pending, Shared, TokenLogprob, BLOCK_TOKENS};
+use super::{Cmd, Event, Install, Pending, Shared, TokenLogprob, BLOCK_TOKENS};
 
 /// One admitted sequence.
 struct Seq<'m> {
@@ -91,6 +94,14 @@ impl<'m> Seq<'m> {
             done: None,
             p,
         }
+    }
+
+    /// The served adapter's slot and unique id (`None`: the base).
+    fn slot(&self) -> Option<usize> {
+        self.p.req.adapter.as_ref().map(|a| a.slot)
+    }
+    fn uid(&self) -> Option<u64> {
+        self.p.req.adapter.as_ref().map(|a| a.uid)
     }
 
     fn cancelled(&self) -> bool {
@@ -281,8 +292,16 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
     // Blocks neither reserved by a running sequence nor held by the prefix cache.
     let mut free_blocks = sh.total_blocks;
     let mut pool = PrefixPool::default();
+    // The served adapters' factors; the registry in `sh` names them.
+    let mut set = AdapterSet::new();
     loop {
         sh.beat();
+        // Unloaded adapters that no request holds any more: free their slots and cached prefixes.
+        let released = sh.registry().take_released();
+        for a in released {
+            set.remove(a.slot);
+            free_blocks += pool.drop_adapter(a.uid);
+        }
         // 1. Commands; block only when idle (with a timeout, to keep the heartbeat fresh).
         let mut cmds: Vec<Cmd> = Vec::new();
         if waiting.is_empty() && running.is_empty() {
@@ -296,6 +315,15 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
         for cmd in cmds {
             match cmd {
                 Cmd::Submit(p) => waiting.push_back(*p),
+                Cmd::Install(i) => {
+                    let Install {
+                        name,
+                        path,
+                        adapter,
+                        reply,
+                    } = *i;
+                    let _ = reply.send(install(model, sh, &mut set, name, path, adapter));
+                }
                 Cmd::AbortAll(why) => {
                     for p in waiting.drain(..) {
                         sh.queued.fetch_sub(1, Ordering::SeqCst);
@@ -409,17 +437,16 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 budget -= n;
             }
         }
-        plan.sort_unstable();
+        // By adapter, then admission order: each adapter's rows are one run of the batch.
+        plan.sort_unstable_by_key(|&(i, _)| (running[i].slot(), i));
         let fed: usize = plan.iter().map(|p| p.1).sum();
         let result = {
             let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
-            let mut pi = 0;
-            for (i, s) in running.iter_mut().enumerate() {
-                if pi >= plan.len() || plan[pi].0 != i {
-                    continue;
-                }
-                let n = plan[pi].1;
-                pi += 1;
+            let mut slots: Vec<Option<usize>> = Vec::with_capacity(plan.len());
+            let mut seqs: Vec<Option<&mut Seq<'_>>> = running.iter_mut().map(Some).collect();
+            for &(i, n) in &plan {
+                let Some(s) = seqs[i].take() else { continue };
+                slots.push(s.slot());
                 let Seq {
                     cache,
                     pos,
@@ -437,7 +464,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                     tokens,
                 });
             }
-            model.step_batch(&mut items)
+            model.step_batch_served(&mut items, Some((&set, &slots)))
         };
         sh.metrics.steps.fetch_add(1, Ordering::Relaxed);
         sh.metrics
@@ -544,7 +571,8 @@ fn offer(s: &mut Seq<'_>, free_blocks: &mut usize, pool: &mut PrefixPool, sh: &S
     }
     *free_blocks -= blocks;
     s.tokens.truncate(pos);
-    *free_blocks += pool.insert(std::mem::take(&mut s.tokens), cache, blocks);
+    let uid = s.uid();
+    *free_blocks += pool.insert(std::mem::take(&mut s.tokens), cache, blocks, uid);
 }
 
 /// The cache a newly admitted request starts with and how many of its prompt tokens it already
@@ -566,14 +594,19 @@ fn start_cache(
         Running(usize),
     }
     let prompt = &p.req.prompt;
+    let adapter = p.req.adapter.as_ref().map(|a| a.uid);
     let limit = cache_limit(p, sh.cfg.ctx_size);
     let mut best: Option<(Src, usize)> = None;
     if sh.cfg.prefix_cache {
         sh.metrics
             .prefix_cache_queries
             .fetch_add(1, Ordering::Relaxed);
-        best = pool.best(prompt).map(|(id, n)| (Src::Pool(id), n));
-        for (i, s) in running.iter().enumerate() {
+        best = pool.best(prompt, adapter).map(|(id, n)| (Src::Pool(id), n));
+        for (i, s) in running
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.uid() == adapter)
+        {
             let n = usable(common_prefix(&s.tokens[..s.pos], prompt), prompt.len());
             if n > best.as_ref().map_or(0, |b| b.1) && s.cache.is_host() {
                 best = Some((Src::Running(i), n));
@@ -619,6 +652,42 @@ fn start_cache(
         }
         None => (model.new_cache(limit), 0),
     }
+}
+
+/// Puts an adapter into a free slot of `set` and registers it under `name`.
+fn install(
+    model: &Model,
+    sh: &Shared,
+    set: &mut AdapterSet,
+    name: String,
+    path: std::path::PathBuf,
+    adapter: hf2q_models::adapter_set::ReadAdapter,
+) -> Result<AdapterRef, String> {
+    if !valid_name(&name) {
+        return Err(format!("'{name}' is not a valid adapter name"));
+    }
+    if sh.registry().contains(&name) {
+        return Err(format!("an adapter named '{name}' is already loaded"));
+    }
+    let cfg = adapter.config.clone();
+    let slot = set.insert(model, adapter).map_err(|e| e.to_string())?;
+    let mut reg = sh.registry();
+    let info = AdapterInfo {
+        name,
+        path,
+        slot,
+        uid: reg.next_uid(),
+        rank: cfg.r,
+        alpha: cfg.alpha,
+        targets: cfg.targets,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    let a = std::sync::Arc::new(info);
+    reg.insert(a.clone());
+    Ok(a)
 }
 
 fn publish(running: &[Seq<'_>], free_blocks: usize, pool: &PrefixPool, sh: &Shared) {

@@ -34,6 +34,7 @@ use serde_json::{json, Value};
 use super::{json_body, Shared};
 use crate::chat_tools::output::{message_calls, StreamCalls};
 use crate::chat_tools::{render, ToolsRequest};
+use crate::engine::adapters::AdapterRef;
 use crate::engine::{Event, GenRequest, SubmitError, Ticket, TokenLogprob};
 use crate::error::{ApiError, ApiResult};
 use crate::openai::{self, ChoiceOut, Common, Prompt, RespMeta};
@@ -72,7 +73,7 @@ pub async fn completions(
 async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
     let v = json_body(body, st.cfg.max_body_bytes)?;
     let req = openai::parse_chat(&v, st.limits())?;
-    st.check_model(req.common.model.as_deref())?;
+    let adapter = st.resolve_model(req.common.model.as_deref())?;
     let st2 = st.clone();
     let (messages, tools, rf) = (req.messages, req.tools, req.response_format);
     let tools2 = tools.clone();
@@ -110,10 +111,15 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
             Extras {
                 constraint,
                 keep_tokens,
+                adapter: None,
             },
         ))
     })
     .await?;
+    let extras = Extras {
+        adapter: adapter.clone(),
+        ..extras
+    };
     let (jobs, prompt_tokens) = submit(
         &st,
         &req.common,
@@ -121,7 +127,7 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
         req.logprobs,
         extras,
     )?;
-    let meta = meta(&st, "chatcmpl");
+    let meta = meta(st.model_id(adapter.as_ref()), "chatcmpl");
     let calls = tools
         .filter(ToolsRequest::active)
         .map(|t| (st.tool_format, t));
@@ -143,6 +149,8 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
 struct Extras {
     constraint: Option<Constraint>,
     keep_tokens: Vec<u32>,
+    /// The served adapter the request names.
+    adapter: Option<AdapterRef>,
 }
 
 /// The tool calls a chat reply is parsed for: the model's format and the request's tools.
@@ -151,7 +159,7 @@ type Calls = Option<(ToolFormat, ToolsRequest)>;
 async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
     let v = json_body(body, st.cfg.max_body_bytes)?;
     let req = openai::parse_completion(&v, st.limits())?;
-    st.check_model(req.common.model.as_deref())?;
+    let adapter = st.resolve_model(req.common.model.as_deref())?;
     let st2 = st.clone();
     let (prompts, echo) = (req.prompts, req.echo);
     let encoded = blocking(move || {
@@ -182,8 +190,12 @@ async fn completions_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> A
             .collect::<ApiResult<Vec<_>>>()
     })
     .await?;
-    let (jobs, prompt_tokens) = submit(&st, &req.common, encoded, req.logprobs, Extras::default())?;
-    let meta = meta(&st, "cmpl");
+    let extras = Extras {
+        adapter: adapter.clone(),
+        ..Extras::default()
+    };
+    let (jobs, prompt_tokens) = submit(&st, &req.common, encoded, req.logprobs, extras)?;
+    let meta = meta(st.model_id(adapter.as_ref()), "cmpl");
     respond(
         &st,
         Kind::Completion,
@@ -205,7 +217,7 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("tokenization failed: {e}")))?
 }
 
-fn meta(st: &Shared, prefix: &str) -> RespMeta {
+fn meta(model: String, prefix: &str) -> RespMeta {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -220,7 +232,7 @@ fn meta(st: &Shared, prefix: &str) -> RespMeta {
     RespMeta {
         id,
         created: now.as_secs(),
-        model: st.cfg.model_id.clone(),
+        model,
     }
 }
 
@@ -286,6 +298,7 @@ fn submit(
                 deadline,
                 constraint: extras.constraint.clone(),
                 keep_tokens: extras.keep_tokens.clone(),
+                adapter: extras.adapter.clone(),
             });
             echoes.push(echo.clone());
         }

@@ -40,13 +40,23 @@ fn model_object(st: &Shared) -> Value {
     })
 }
 
+/// The base, then every served adapter (as `BASE:NAME`).
 pub async fn models(State(st): State<Shared>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [model_object(&st)]}))
+    let mut data = vec![model_object(&st)];
+    let adapters = st.engine.shared().registry().list();
+    data.extend(
+        adapters
+            .iter()
+            .map(|a| super::adapters::adapter_object(&st, a)),
+    );
+    Json(json!({"object": "list", "data": data}))
 }
 
 pub async fn model(State(st): State<Shared>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    st.check_model(Some(&id))?;
-    Ok(Json(model_object(&st)))
+    Ok(Json(match st.resolve_model(Some(&id))? {
+        Some(a) => super::adapters::adapter_object(&st, &a),
+        None => model_object(&st),
+    }))
 }
 
 /// 200 when the engine runs and makes progress; 503 when it is dead, stuck (busy without a

@@ -6,6 +6,7 @@
 //! `/tokenize`, `/detokenize`, `/metrics`, `/api/agent` and the Lab's `/api` routes, never `/health` or the static
 //! web chat; `/api/agent` is also same-origin only.
 
+mod adapters;
 mod agent;
 mod generate;
 mod lab;
@@ -21,13 +22,14 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::Router;
 use hf2q_models::chat_template::ChatTemplate;
 use hf2q_models::constraint::ConstraintEnv;
 use hf2q_models::tool_calls::ToolFormat;
 use serde_json::Value;
 
+use crate::engine::adapters::AdapterRef;
 use crate::engine::Engine;
 use crate::error::{ApiError, ApiResult};
 use crate::openai::Limits;
@@ -102,20 +104,54 @@ impl AppState {
         }
     }
 
-    /// 404 unless `model` is absent (or empty) or names the served model.
+    /// 404 unless `model` is absent (or empty) or names the base or a served adapter.
     pub fn check_model(&self, model: Option<&str>) -> ApiResult<()> {
-        match model {
-            Some(m) if !m.is_empty() && m != self.cfg.model_id => {
-                Err(ApiError::not_found(format!(
-                    "The model '{m}' does not exist: this server serves '{}' (see /v1/models)",
-                    self.cfg.model_id
-                ))
-                .with_code("model_not_found"))
-            }
-            _ => Ok(()),
+        self.resolve_model(model).map(|_| ())
+    }
+
+    /// What a request's `model` names: the base (`None`: absent, empty or the base's id) or a
+    /// served adapter (`BASE:NAME`, or `NAME` alone: adapter names never equal the base's).
+    /// 404 in OpenAI's shape for anything else.
+    pub fn resolve_model(&self, model: Option<&str>) -> ApiResult<Option<AdapterRef>> {
+        let base = &self.cfg.model_id;
+        let m = match model {
+            Some(m) if !m.is_empty() && m != base => m,
+            _ => return Ok(None),
+        };
+        let name = m.strip_prefix(&format!("{base}:")).unwrap_or(m);
+        let reg = self.engine.shared().registry();
+        if let Some(a) = reg.get(name) {
+            return Ok(Some(a));
+        }
+        let names: Vec<String> = reg
+            .list()
+            .iter()
+            .map(|a| format!("'{base}:{}'", a.name))
+            .collect();
+        let also = if names.is_empty() {
+            String::new()
+        } else {
+            format!(" and the adapters {}", names.join(", "))
+        };
+        Err(ApiError::not_found(format!(
+            "The model '{m}' does not exist: this server serves '{base}'{also} (see /v1/models)"
+        ))
+        .with_code("model_not_found"))
+    }
+
+    /// The id a response names: the base's, or `BASE:NAME` for an adapter.
+    pub fn model_id(&self, adapter: Option<&AdapterRef>) -> String {
+        match adapter {
+            Some(a) => format!("{}:{}", self.cfg.model_id, a.name),
+            None => self.cfg.model_id.clone(),
         }
     }
 }
+
+/// Why served adapters are refused on a GPU.
+pub(crate) const CUDA_ADAPTERS: &str =
+    "served adapters (--adapter, POST /v1/adapters) run on the CPU only for now: \
+     start the server with --device cpu, or apply one adapter with `hf2q run --adapter` on the GPU";
 
 /// The application: every route with its layers.
 pub fn router(state: Shared) -> Router {
@@ -124,6 +160,8 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/completions", post(generate::completions))
         .route("/v1/models", get(misc::models))
         .route("/v1/models/{*id}", get(misc::model))
+        .route("/v1/adapters", post(adapters::load))
+        .route("/v1/adapters/{name}", delete(adapters::unload))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
         .route("/metrics", get(misc::metrics))

@@ -82,6 +82,9 @@ impl Format {
             Some(Shape::Alpaca) => Format::Alpaca,
             Some(Shape::PromptCompletion) => Format::PromptCompletion,
             Some(Shape::Text) => Format::Text,
+            Some(Shape::PairText | Shape::PairMessages | Shape::PairImplicit | Shape::PairShareGpt) => {
+                Format::Dpo
+            }
         }
     }
 }
@@ -210,7 +213,8 @@ fn exchange(t: &[Turn]) -> Option<(Option<&str>, &str, &str)> {
 pub fn write(item: &Item, to: Format) -> Result<Value, String> {
     let no = |what: &str| Err(format!("{what} has no {} form", to.name()));
     match item {
-        Item::Sft(Record::Chat(t)) => match to {
+        // A reply after its prompt is, written out, the whole conversation.
+        Item::Sft(Record::Chat(t) | Record::Reply { turns: t, .. }) => match to {
             Format::Messages => Ok(json!({"messages": messages(t)})),
             Format::ShareGpt => Ok(json!({"conversations": sharegpt(t)?})),
             Format::Alpaca => match exchange(t) {
@@ -316,7 +320,7 @@ pub fn text_of(item: &Item) -> String {
             .join("\n")
     };
     match item {
-        Item::Sft(Record::Chat(t)) => join(t),
+        Item::Sft(Record::Chat(t) | Record::Reply { turns: t, .. }) => join(t),
         Item::Sft(Record::Text { prompt, completion }) => format!("{prompt}\n{completion}"),
         Item::Dpo(Preference::Text {
             prompt,

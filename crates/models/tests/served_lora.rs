@@ -1,0 +1,163 @@
+//! Served adapters (`AdapterSet` + `Model::step_batch_served`) on the tiny random checkpoints of
+//! every family: a batch mixing two adapters and the base, in interleaved order, prefill then
+//! decode, gives each sequence the logits of that sequence run alone on a model with its
+//! adapter attached (`Model::load_adapter`, the `run --adapter` path), which is the reference.
+
+use std::path::{Path, PathBuf};
+
+use hf2q_models::adapter::LoraConfig;
+use hf2q_models::adapter_set::AdapterSet;
+use hf2q_models::kv_cache::KvType;
+use hf2q_models::{BatchItem, Model};
+use hf2q_tensor::cpu::MatmulPath;
+use hf2q_tensor::Tensor;
+
+fn tiny(name: &str) -> Model {
+    let p: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tiny")
+        .join(name);
+    let mut m = Model::load(&p).unwrap();
+    m.set_matmul_path(MatmulPath::Reference);
+    m.set_kv_type(KvType::F32);
+    m
+}
+
+/// Saves an adapter of `cfg` with B drawn from `seed` (PEFT's B = 0 would change nothing).
+fn make_adapter(name: &str, cfg: &LoraConfig, seed: u64, dir: &Path) {
+    let mut m = tiny(name);
+    m.attach_lora(cfg, seed).unwrap();
+    let mut s = seed | 1;
+    for (_, l) in m.adapters_mut() {
+        let shape = l.b.shape().to_vec();
+        let v = (0..l.b.len())
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 0.3
+            })
+            .collect();
+        l.b = Tensor::new(&shape, v).unwrap();
+    }
+    m.save_adapter(dir, cfg, name).unwrap();
+}
+
+fn solo(m: &Model, prompt: &[u32], next: u32) -> (Vec<f32>, Vec<f32>) {
+    let mut s = m.session(64);
+    let a = s.prefill(prompt).unwrap();
+    let b = s.decode(next).unwrap();
+    (a, b)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn a_mixed_batch_equals_each_sequence_alone_with_its_adapter() {
+    let tmp = std::env::temp_dir().join(format!("hf2q-served-lora-{}", std::process::id()));
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
+        let (da, db) = (tmp.join(format!("{name}-a")), tmp.join(format!("{name}-b")));
+        let all = LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            ..LoraConfig::default()
+        };
+        let some = LoraConfig {
+            r: 2,
+            alpha: 3.0,
+            rslora: true,
+            targets: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()],
+            ..LoraConfig::default()
+        };
+        make_adapter(name, &all, 11, &da);
+        make_adapter(name, &some, 23, &db);
+
+        let base = tiny(name);
+        let mut set = AdapterSet::new();
+        let sa = set.insert(&base, base.read_adapter(&da).unwrap()).unwrap();
+        let sb = set.insert(&base, base.read_adapter(&db).unwrap()).unwrap();
+        let mut with_a = tiny(name);
+        with_a.load_adapter(&da).unwrap();
+        let mut with_b = tiny(name);
+        with_b.load_adapter(&db).unwrap();
+
+        // (prompt, token fed next, slot): adapters interleaved, so each gathers two runs.
+        let seqs: Vec<(Vec<u32>, u32, Option<usize>)> = vec![
+            ((0..5).map(|i| 40 + i * 3).collect(), 90, Some(sa)),
+            ((0..3).map(|i| 70 + i).collect(), 91, None),
+            ((0..6).map(|i| 50 + i * 5).collect(), 92, Some(sb)),
+            ((0..2).map(|i| 60 + i).collect(), 93, Some(sa)),
+            ((0..4).map(|i| 80 + i * 2).collect(), 94, Some(sb)),
+        ];
+        let slots: Vec<Option<usize>> = seqs.iter().map(|s| s.2).collect();
+        let mut caches: Vec<_> = seqs.iter().map(|_| base.new_cache(64)).collect();
+        let mut items: Vec<BatchItem> = caches
+            .iter_mut()
+            .zip(&seqs)
+            .map(|(c, s)| BatchItem {
+                cache: c,
+                pos0: 0,
+                tokens: &s.0,
+            })
+            .collect();
+        let first = base
+            .step_batch_served(&mut items, Some((&set, &slots)))
+            .unwrap();
+        let nexts: Vec<[u32; 1]> = seqs.iter().map(|s| [s.1]).collect();
+        let mut items: Vec<BatchItem> = caches
+            .iter_mut()
+            .zip(&seqs)
+            .zip(&nexts)
+            .map(|((c, s), n)| BatchItem {
+                cache: c,
+                pos0: s.0.len(),
+                tokens: n,
+            })
+            .collect();
+        let second = base
+            .step_batch_served(&mut items, Some((&set, &slots)))
+            .unwrap();
+
+        for (i, (prompt, next, slot)) in seqs.iter().enumerate() {
+            let m = match *slot {
+                None => &base,
+                Some(s) if s == sa => &with_a,
+                _ => &with_b,
+            };
+            let (want1, want2) = solo(m, prompt, *next);
+            let (plain1, _) = solo(&base, prompt, *next);
+            // Why 1e-4: f32 sums of the same terms, grouped by a batch of another size.
+            let (d1, d2) = (max_diff(&first[i], &want1), max_diff(&second[i], &want2));
+            assert!(
+                d1 < 1e-4 && d2 < 1e-4,
+                "{name} seq {i}: prefill {d1}, decode {d2}"
+            );
+            // The adapters have a visible effect (so the comparison can fail).
+            if slot.is_some() {
+                let effect = max_diff(&want1, &plain1);
+                assert!(
+                    effect > 1e-2,
+                    "{name} seq {i}: the adapter changes logits by {effect}"
+                );
+            }
+        }
+        // A slot that holds nothing is refused, an emptied one too.
+        assert!(set.remove(sb));
+        let mut c = base.new_cache(8);
+        let mut one = [BatchItem {
+            cache: &mut c,
+            pos0: 0,
+            tokens: &[1, 2],
+        }];
+        let err = base
+            .step_batch_served(&mut one, Some((&set, &[Some(sb)])))
+            .unwrap_err();
+        assert!(err.to_string().contains("holds no adapter"), "{err}");
+        assert_eq!(set.len(), 1);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
