@@ -126,7 +126,12 @@ fn fused_models_generate_what_base_plus_adapter_does() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    // `--json` prints NDJSON: progress lines, then the result.
+    let v: serde_json::Value = stdout(&o)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "result")
+        .unwrap_or_else(|| panic!("no result line in:\n{}", stdout(&o)));
     let plain_kl = v["kl"]["mean_kl"].as_f64().unwrap();
     eprintln!(
         "fused Q8_0: mean KL {kl:.2e} nats/token against base + adapter, {plain_kl:.2e} against the plain base"
