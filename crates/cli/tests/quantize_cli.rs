@@ -66,7 +66,13 @@ fn quantize_convert_perplexity_round() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // `--json` prints NDJSON: progress lines, then the result.
+    let out = String::from_utf8_lossy(&o.stdout);
+    let v: serde_json::Value = out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "result")
+        .unwrap_or_else(|| panic!("no result line in:\n{out}"));
     assert!(
         v["ppl"].as_f64().unwrap() > 1.0 && v["kl"]["mean_kl"].as_f64().unwrap() >= 0.0,
         "{v}"
