@@ -86,7 +86,8 @@ impl<'m> AgentChat<'m> {
             }
             for c in &calls {
                 let result = self.run_call(c, rl)?;
-                self.messages.push(json!({"role": "tool", "tool_call_id": c["id"],
+                self.messages
+                    .push(json!({"role": "tool", "tool_call_id": c["id"],
                     "name": c["function"]["name"], "content": result}));
             }
         }
@@ -96,7 +97,11 @@ impl<'m> AgentChat<'m> {
 
     /// Generates one reply, streaming its text and calls; returns the content and the calls
     /// (OpenAI's shape, with the arguments as JSON text and fresh ids).
-    fn model_turn(&self, system: Option<&str>, params: &GenerateParams) -> Result<(String, Vec<Value>)> {
+    fn model_turn(
+        &self,
+        system: Option<&str>,
+        params: &GenerateParams,
+    ) -> Result<(String, Vec<Value>)> {
         let mut all = Vec::with_capacity(self.messages.len() + 1);
         let sys = match system {
             Some(s) => format!("{SYSTEM_PROMPT}\n\n{s}"),
@@ -116,8 +121,9 @@ impl<'m> AgentChat<'m> {
         if ids.len() >= self.ctx {
             bail!("the conversation is {} tokens; the context holds {} (/reset, or a larger --ctx-size)", ids.len(), self.ctx);
         }
-        let mut constraint = render::constraint(&self.env, tok, self.format, Some(&self.tools), None)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut constraint =
+            render::constraint(&self.env, tok, self.format, Some(&self.tools), None)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         let mut parser = ToolCallParser::new(self.format, self.tools.names(), true);
         let mut content = String::new();
         let mut calls: Vec<(String, String)> = Vec::new();
@@ -156,15 +162,23 @@ impl<'m> AgentChat<'m> {
             show(ev, &mut out);
             true
         };
-        generate_constrained(&mut session, &ids, params, constraint.as_mut(), &mut on_text)?;
+        generate_constrained(
+            &mut session,
+            &ids,
+            params,
+            constraint.as_mut(),
+            &mut on_text,
+        )?;
         let ev = parser.finish();
         let mut out = std::io::stdout().lock();
         show(ev, &mut out);
         let _ = writeln!(out);
         let calls = calls
             .into_iter()
-            .map(|(name, args)| json!({"id": call_id(self.format), "type": "function",
-                "function": {"name": name, "arguments": args}}))
+            .map(|(name, args)| {
+                json!({"id": call_id(self.format), "type": "function",
+                "function": {"name": name, "arguments": args}})
+            })
             .collect();
         Ok((content, calls))
     }
@@ -172,8 +186,9 @@ impl<'m> AgentChat<'m> {
     /// Runs one call through the gate, asking in the terminal when it holds it.
     fn run_call(&self, call: &Value, rl: &mut DefaultEditor) -> Result<String> {
         let name = call["function"]["name"].as_str().unwrap_or_default();
-        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap_or("{}"))
-            .unwrap_or_else(|_| json!({}));
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap_or("{}"))
+                .unwrap_or_else(|_| json!({}));
         let mut outcome = self.agent.call(&self.chat_id, name, &args);
         if let Outcome::Pending(id) = &outcome {
             let preview = self.agent.get(id).map(|p| p.preview).unwrap_or_default();
@@ -197,7 +212,9 @@ impl<'m> AgentChat<'m> {
         let text = match outcome {
             Outcome::Done(Ok(r)) => r,
             Outcome::Done(Err(e)) => format!("Error: {e}"),
-            Outcome::Denied(why) => format!("Denied: {why}. Do not retry this action unless the person asks."),
+            Outcome::Denied(why) => {
+                format!("Denied: {why}. Do not retry this action unless the person asks.")
+            }
             Outcome::Pending(_) => "Denied: not approved".into(),
         };
         let shown: String = text.chars().take(2000).collect();

@@ -165,7 +165,11 @@ impl Conversation<'_> {
 
 pub fn chat(a: ChatArgs) -> Result<()> {
     a.sample.params(a.max_tokens, &Default::default())?;
-    let agent_cfg = if a.agent { a.agent_args.config()? } else { None };
+    let agent_cfg = if a.agent {
+        a.agent_args.config()?
+    } else {
+        None
+    };
     let (path, mut model) = args::load_model(a.model.as_deref())?;
     a.sample.configure(&mut model)?;
     let ctx = a.sample.context(&model)?;
@@ -200,7 +204,10 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let mut agent = match agent_cfg {
         Some(cfg) => {
             let ag = crate::agent_chat::AgentChat::new(&model, cfg, ctx)?;
-            eprintln!("agent mode: workspace {} (changes and commands ask first)", ag.workspace());
+            eprintln!(
+                "agent mode: workspace {} (changes and commands ask first)",
+                ag.workspace()
+            );
             Some(ag)
         }
         None => None,

@@ -25,7 +25,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// A model argument is accepted everywhere in one of these forms; shown in `--help`.
-pub(crate) const MODEL_FORMS: &str = "MODEL is a built-in name (smollm2-135m, the default; gemma3-270m; \
+pub(crate) const MODEL_FORMS: &str =
+    "MODEL is a built-in name (smollm2-135m, the default; gemma3-270m; \
 qwen2.5-coder-0.5b), pulled into the cache on first use; or a path: a .gguf file, a Hugging Face \
 folder (config.json + *.safetensors + tokenizer.json), a Hugging Face cache folder \
 (models--ORG--NAME, whose refs/main snapshot is used), or an MLX folder.";

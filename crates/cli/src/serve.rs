@@ -123,7 +123,10 @@ impl LabArgs {
             bin: std::env::current_exe().context("finding the hf2q binary for the Lab's jobs")?,
             cpu_jobs: self.lab_jobs,
             grace: secs("lab-grace", self.lab_grace)?,
-            builtin_models: crate::pull::KNOWN.iter().map(|k| k.name.to_string()).collect(),
+            builtin_models: crate::pull::KNOWN
+                .iter()
+                .map(|k| k.name.to_string())
+                .collect(),
         };
         match hf2q_lab::Lab::open(cfg) {
             Ok(l) => Ok(Some(l)),

@@ -13,7 +13,9 @@ use hf2q_models::adapter::LoraConfig;
 use hf2q_train::data::Dataset;
 use hf2q_train::optim::{AdamWConfig, ScheduleKind};
 use hf2q_train::report::{Event, Observer};
-use hf2q_train::trainer::{prepare, Checkpointing, Length, Objective, Outcome, TrainConfig, Trainer};
+use hf2q_train::trainer::{
+    prepare, Checkpointing, Length, Objective, Outcome, TrainConfig, Trainer,
+};
 
 use crate::args::{self, DeviceChoice, KvTypeChoice, MatmulChoice};
 use crate::progress::{Progress, Unit};
@@ -215,7 +217,9 @@ fn config(a: &SftArgs) -> Result<TrainConfig> {
             "off" => Checkpointing::Off,
             "auto" => Checkpointing::Auto,
             n => Checkpointing::Blocks(n.parse().map_err(|_| {
-                anyhow::anyhow!("--grad-checkpoint takes on, off, auto or a number of blocks, not '{n}'")
+                anyhow::anyhow!(
+                    "--grad-checkpoint takes on, off, auto or a number of blocks, not '{n}'"
+                )
             })?),
         },
         eval_every: a.eval_every,
@@ -247,10 +251,21 @@ fn train(a: &SftArgs, cfg: TrainConfig) -> Result<()> {
         train.shape.name(),
         valid
             .as_ref()
-            .map(|v| format!(", {} validation {}", v.records.len() / per, if per == 2 { "pairs" } else { "records" }))
+            .map(|v| format!(
+                ", {} validation {}",
+                v.records.len() / per,
+                if per == 2 { "pairs" } else { "records" }
+            ))
             .unwrap_or_default()
     );
-    let mut trainer = Trainer::new(&mut model, cfg, data, &a.output, a.resume.as_deref(), a.overwrite)?;
+    let mut trainer = Trainer::new(
+        &mut model,
+        cfg,
+        data,
+        &a.output,
+        a.resume.as_deref(),
+        a.overwrite,
+    )?;
     ctrlc::set_handler(|| {
         if STOP.swap(true, Ordering::SeqCst) {
             eprintln!("\nstopping now");
@@ -344,16 +359,27 @@ impl Observer for CliObserver {
                     let dpo = s
                         .dpo
                         .as_ref()
-                        .map(|d| format!(" margin {:.3} acc {:.2}", d.rewards_margins, d.rewards_accuracies))
+                        .map(|d| {
+                            format!(
+                                " margin {:.3} acc {:.2}",
+                                d.rewards_margins, d.rewards_accuracies
+                            )
+                        })
                         .unwrap_or_default();
                     b.set(
                         s.step,
-                        format!("loss {:.4}{dpo} lr {:.2e} {:.0} tok/s", s.loss, s.lr, s.tokens_per_s),
+                        format!(
+                            "loss {:.4}{dpo} lr {:.2e} {:.0} tok/s",
+                            s.loss, s.lr, s.tokens_per_s
+                        ),
                     );
                 }
             }
             Event::Eval(v) => {
-                let mut text = format!("eval at step {}: loss {:.4}, accuracy {:.3}", v.step, v.loss, v.accuracy);
+                let mut text = format!(
+                    "eval at step {}: loss {:.4}, accuracy {:.3}",
+                    v.step, v.loss, v.accuracy
+                );
                 if let Some(d) = &v.dpo {
                     text += &format!(
                         ", rewards/margins {:.4}, rewards/accuracies {:.3}, logps chosen {:.2} rejected {:.2}",
@@ -375,11 +401,17 @@ impl Observer for CliObserver {
                     b.abandon();
                 }
             }
-            Event::Done { step, loss, adapter, .. } => {
+            Event::Done {
+                step,
+                loss,
+                adapter,
+                ..
+            } => {
                 if let Some(b) = &self.bar {
                     b.finish(format!(
                         "{step} steps, last loss {}; adapter in {adapter}",
-                        loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into())
+                        loss.map(|l| format!("{l:.4}"))
+                            .unwrap_or_else(|| "-".into())
                     ));
                 }
             }

@@ -639,7 +639,8 @@ fn greedy_continuation_matches_llama_cpp() {
 /// what the grammar allows and nothing else); a schema llguidance cannot use is a clear error.
 #[test]
 fn run_with_a_schema_or_a_grammar() {
-    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama");
+    let tiny =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama");
     let h = home();
     let dir = tempfile::tempdir().unwrap();
     let schema = dir.path().join("s.json");
@@ -650,20 +651,70 @@ fn run_with_a_schema_or_a_grammar() {
     .unwrap();
     let t = tiny.to_str().unwrap();
     let s = schema.to_str().unwrap();
-    let o = run(h.path(), &["run", t, "--raw", "--json", "--temp", "0", "-n", "120", "--json-schema", s, "-p", "JSON:"]);
+    let o = run(
+        h.path(),
+        &[
+            "run",
+            t,
+            "--raw",
+            "--json",
+            "--temp",
+            "0",
+            "-n",
+            "120",
+            "--json-schema",
+            s,
+            "-p",
+            "JSON:",
+        ],
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["finish_reason"], "stop", "{v}");
     let reply: serde_json::Value = serde_json::from_str(v["text"].as_str().unwrap()).unwrap();
-    assert!(reply["ok"].is_boolean() && [1, 2, 3].contains(&reply["n"].as_i64().unwrap()), "{reply}");
+    assert!(
+        reply["ok"].is_boolean() && [1, 2, 3].contains(&reply["n"].as_i64().unwrap()),
+        "{reply}"
+    );
     let g = dir.path().join("g.lark");
     std::fs::write(&g, "start: \"yes\" | \"no\"\n").unwrap();
-    let o = run(h.path(), &["run", t, "--raw", "--temp", "0.9", "--seed", "4", "-n", "20", "--grammar", g.to_str().unwrap(), "-p", "Q:"]);
+    let o = run(
+        h.path(),
+        &[
+            "run",
+            t,
+            "--raw",
+            "--temp",
+            "0.9",
+            "--seed",
+            "4",
+            "-n",
+            "20",
+            "--grammar",
+            g.to_str().unwrap(),
+            "-p",
+            "Q:",
+        ],
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(["yes", "no"].contains(&text(&o.stdout).as_str()), "{}", text(&o.stdout));
-    std::fs::write(&schema, r#"{"type":"object","if":{"required":["a"]},"then":{"required":["b"]}}"#).unwrap();
-    let o = run(h.path(), &["run", t, "--raw", "-n", "5", "--json-schema", s, "-p", "x"]);
+    assert!(
+        ["yes", "no"].contains(&text(&o.stdout).as_str()),
+        "{}",
+        text(&o.stdout)
+    );
+    std::fs::write(
+        &schema,
+        r#"{"type":"object","if":{"required":["a"]},"then":{"required":["b"]}}"#,
+    )
+    .unwrap();
+    let o = run(
+        h.path(),
+        &["run", t, "--raw", "-n", "5", "--json-schema", s, "-p", "x"],
+    );
     assert!(!o.status.success());
     let e = text(&o.stderr);
-    assert!(e.contains("--json-schema") && (e.contains("if") || e.contains("then")), "{e}");
+    assert!(
+        e.contains("--json-schema") && (e.contains("if") || e.contains("then")),
+        "{e}"
+    );
 }

@@ -177,12 +177,21 @@ impl Model {
         }
     }
 
-    fn pass(&self, batch: &TrainBatch, weights: Weights, opts: &PassOptions, grads: &mut LoraGrads) -> Result<PassOut> {
+    fn pass(
+        &self,
+        batch: &TrainBatch,
+        weights: Weights,
+        opts: &PassOptions,
+        grads: &mut LoraGrads,
+    ) -> Result<PassOut> {
         self.check_batch(batch)?;
         let rows = batch.layout.rows();
         let check = |w: &[f32]| -> Result<()> {
             if w.len() != rows {
-                return Err(Error::Msg(format!("{} loss weights for a batch of {rows} rows", w.len())));
+                return Err(Error::Msg(format!(
+                    "{} loss weights for a batch of {rows} rows",
+                    w.len()
+                )));
             }
             Ok(())
         };

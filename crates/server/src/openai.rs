@@ -241,13 +241,19 @@ fn parse_common(m: &Map<String, Value>, lim: Limits, max_tokens_key: &str) -> Ap
     }
     let n = int(m, "n", 1, MAX_CHOICES as i64)?.unwrap_or(1) as usize;
     let mut sampler = SamplerConfig {
-        temperature: float(m, "temperature", 0.0, 2.0)?.or(lim.sampling.temperature).unwrap_or(1.0),
-        top_p: float(m, "top_p", 0.0, 1.0)?.or(lim.sampling.top_p).unwrap_or(1.0),
+        temperature: float(m, "temperature", 0.0, 2.0)?
+            .or(lim.sampling.temperature)
+            .unwrap_or(1.0),
+        top_p: float(m, "top_p", 0.0, 1.0)?
+            .or(lim.sampling.top_p)
+            .unwrap_or(1.0),
         top_k: match int(m, "top_k", -1, i64::MAX)? {
             Some(k) => k.max(0) as usize,
             None => lim.sampling.top_k.unwrap_or(0),
         },
-        min_p: float(m, "min_p", 0.0, 1.0)?.or(lim.sampling.min_p).unwrap_or(0.0),
+        min_p: float(m, "min_p", 0.0, 1.0)?
+            .or(lim.sampling.min_p)
+            .unwrap_or(0.0),
         presence_penalty: float(m, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         frequency_penalty: float(m, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         repetition_penalty: float(m, "repetition_penalty", 0.0, 10.0)?
@@ -419,22 +425,23 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<Value> {
         Some(_) => return Err(ApiError::wrong_type(&p("role"), "a string")),
         None => return Err(ApiError::missing(&p("role"))),
     };
-    let role = match role {
-        "system" | "developer" => "system",
-        "user" | "assistant" | "tool" => role,
-        "function" => {
-            return Err(ApiError::unsupported(
+    let role =
+        match role {
+            "system" | "developer" => "system",
+            "user" | "assistant" | "tool" => role,
+            "function" => {
+                return Err(ApiError::unsupported(
+                    &p("role"),
+                    "messages with the legacy role 'function' are not supported; use role 'tool'",
+                ))
+            }
+            other => return Err(ApiError::invalid(
                 &p("role"),
-                "messages with the legacy role 'function' are not supported; use role 'tool'",
-            ))
-        }
-        other => {
-            return Err(ApiError::invalid(
-                &p("role"),
-                format!("unknown role '{other}' (expected system, developer, user, assistant or tool)"),
-            ))
-        }
-    };
+                format!(
+                    "unknown role '{other}' (expected system, developer, user, assistant or tool)"
+                ),
+            )),
+        };
     if present(m, "function_call").is_some() {
         return Err(ApiError::unsupported(
             &p("function_call"),

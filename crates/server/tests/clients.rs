@@ -86,7 +86,10 @@ fn openai_python(test: &str) -> Option<PathBuf> {
     let python = env_path("HF2Q_TEST_PYTHON", test)?;
     let probe = Command::new(&python).args(["-c", "import openai"]).output();
     if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("{test}: skipped ({} cannot import openai)", python.display());
+        eprintln!(
+            "{test}: skipped ({} cannot import openai)",
+            python.display()
+        );
         return None;
     }
     Some(python)

@@ -53,21 +53,38 @@ async fn streamed_json_schema_replies_validate() {
             .iter()
             .filter(|d| d.as_str() != "[DONE]")
             .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-            .filter_map(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_string))
+            .filter_map(|v| {
+                v["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string)
+            })
             .next_back();
         if i % 4 == 0 {
-            let whole = post(h.addr, "/v1/chat/completions", &body(false)).await.json();
-            assert_eq!(whole["choices"][0]["message"]["content"], text.as_str(), "{name}: stream != whole");
+            let whole = post(h.addr, "/v1/chat/completions", &body(false))
+                .await
+                .json();
+            assert_eq!(
+                whole["choices"][0]["message"]["content"],
+                text.as_str(),
+                "{name}: stream != whole"
+            );
         }
         if finish.as_deref() == Some("length") {
             // Only schemas whose values may nest without end can run this long (see the
             // models crate's test).
-            assert!(UNBOUNDED.contains(&name.as_str()), "{name}: cut at the token limit: {text:?}");
+            assert!(
+                UNBOUNDED.contains(&name.as_str()),
+                "{name}: cut at the token limit: {text:?}"
+            );
             cut += 1;
             continue;
         }
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {text:?}: {e}"));
-        let validator = jsonschema::options().should_validate_formats(true).build(&schema).unwrap();
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {text:?}: {e}"));
+        let validator = jsonschema::options()
+            .should_validate_formats(true)
+            .build(&schema)
+            .unwrap();
         let errs: Vec<String> = validator.iter_errors(&v).map(|e| e.to_string()).collect();
         assert!(errs.is_empty(), "{name}: {text} does not conform: {errs:?}");
         ok += 1;

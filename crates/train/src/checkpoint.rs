@@ -144,7 +144,10 @@ pub fn find(path: &Path) -> Result<PathBuf> {
     let mut best: Option<(u64, PathBuf)> = None;
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        if let Some(n) = name.strip_prefix("checkpoint-").and_then(|s| s.parse::<u64>().ok()) {
+        if let Some(n) = name
+            .strip_prefix("checkpoint-")
+            .and_then(|s| s.parse::<u64>().ok())
+        {
             if e.path().join(STATE_FILE).is_file() && best.as_ref().is_none_or(|b| n > b.0) {
                 best = Some((n, e.path()));
             }

@@ -84,7 +84,11 @@ impl Shape {
         } else if obj.contains_key("conversations") {
             Some(Shape::PairShareGpt)
         } else if let Some(p) = obj.get("prompt") {
-            Some(if p.is_array() { Shape::PairMessages } else { Shape::PairText })
+            Some(if p.is_array() {
+                Shape::PairMessages
+            } else {
+                Shape::PairText
+            })
         } else {
             Some(Shape::PairImplicit)
         }
@@ -178,7 +182,16 @@ impl Dataset {
         let mut records = Vec::with_capacity(values.len());
         let mut origins = Vec::with_capacity(values.len());
         for (origin, v) in values {
-            let fail = |m: String| err(origin, if jsonl { m } else { format!("record {origin}: {m}") });
+            let fail = |m: String| {
+                err(
+                    origin,
+                    if jsonl {
+                        m
+                    } else {
+                        format!("record {origin}: {m}")
+                    },
+                )
+            };
             let obj = v
                 .as_object()
                 .ok_or_else(|| fail("a record must be a JSON object".into()))?;
@@ -271,14 +284,22 @@ pub(crate) fn kind(v: &Value) -> &'static str {
 }
 
 /// Turns of a message list; `from`/`value` (ShareGPT) or `role`/`content` (OpenAI).
-pub(crate) fn turns(v: &Value, sharegpt: bool, key: &str) -> std::result::Result<Vec<Turn>, String> {
+pub(crate) fn turns(
+    v: &Value,
+    sharegpt: bool,
+    key: &str,
+) -> std::result::Result<Vec<Turn>, String> {
     let list = v
         .as_array()
         .ok_or_else(|| format!("'{key}' must be a list of messages, not {}", kind(v)))?;
     if list.is_empty() {
         return Err(format!("'{key}' is empty"));
     }
-    let (rk, ck) = if sharegpt { ("from", "value") } else { ("role", "content") };
+    let (rk, ck) = if sharegpt {
+        ("from", "value")
+    } else {
+        ("role", "content")
+    };
     list.iter()
         .enumerate()
         .map(|(i, m)| {
@@ -313,15 +334,16 @@ pub(crate) fn turns(v: &Value, sharegpt: bool, key: &str) -> std::result::Result
 
 /// The chosen and rejected records of a preference pair.
 fn pair(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<(Record, Record), String> {
-    let reply = |prompt: &[Turn], side: &str, reply: Vec<Turn>| -> std::result::Result<Record, String> {
-        if !reply.iter().any(|t| t.role == "assistant") {
-            return Err(format!("'{side}' has no assistant message"));
-        }
-        let mut turns = prompt.to_vec();
-        let reply_from = turns.len();
-        turns.extend(reply);
-        Ok(Record::Reply { turns, reply_from })
-    };
+    let reply =
+        |prompt: &[Turn], side: &str, reply: Vec<Turn>| -> std::result::Result<Record, String> {
+            if !reply.iter().any(|t| t.role == "assistant") {
+                return Err(format!("'{side}' has no assistant message"));
+            }
+            let mut turns = prompt.to_vec();
+            let reply_from = turns.len();
+            turns.extend(reply);
+            Ok(Record::Reply { turns, reply_from })
+        };
     match shape {
         Shape::PairText => {
             let prompt = string_field(obj, "prompt")?;
@@ -340,7 +362,11 @@ fn pair(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<(Record, 
         Shape::PairMessages => {
             let prompt = turns(&obj["prompt"], false, "prompt")?;
             let c = reply(&prompt, "chosen", turns(&obj["chosen"], false, "chosen")?)?;
-            let r = reply(&prompt, "rejected", turns(&obj["rejected"], false, "rejected")?)?;
+            let r = reply(
+                &prompt,
+                "rejected",
+                turns(&obj["rejected"], false, "rejected")?,
+            )?;
             Ok((c, r))
         }
         Shape::PairImplicit => {
@@ -369,18 +395,27 @@ fn pair(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<(Record, 
             let one = |k: &str| -> std::result::Result<Vec<Turn>, String> {
                 match &obj[k] {
                     v @ Value::Object(_) => turns(&Value::Array(vec![v.clone()]), true, k),
-                    v => Err(format!("'{k}' must be a {{from, value}} object, not {}", kind(v))),
+                    v => Err(format!(
+                        "'{k}' must be a {{from, value}} object, not {}",
+                        kind(v)
+                    )),
                 }
             };
             let c = reply(&prompt, "chosen", one("chosen")?)?;
             let r = reply(&prompt, "rejected", one("rejected")?)?;
             Ok((c, r))
         }
-        other => Err(format!("a {} record is not a preference pair", other.name())),
+        other => Err(format!(
+            "a {} record is not a preference pair",
+            other.name()
+        )),
     }
 }
 
-pub(crate) fn record(obj: &Map<String, Value>, shape: Shape) -> std::result::Result<Record, String> {
+pub(crate) fn record(
+    obj: &Map<String, Value>,
+    shape: Shape,
+) -> std::result::Result<Record, String> {
     let rec = match shape {
         Shape::Messages => Record::Chat(turns(&obj["messages"], false, "messages")?),
         Shape::ShareGpt => Record::Chat(turns(&obj["conversations"], true, "conversations")?),
@@ -468,8 +503,14 @@ mod tests {
         assert_eq!(
             d.records[0],
             Record::Chat(vec![
-                Turn { role: "user".into(), content: "a".into() },
-                Turn { role: "assistant".into(), content: "b".into() }
+                Turn {
+                    role: "user".into(),
+                    content: "a".into()
+                },
+                Turn {
+                    role: "assistant".into(),
+                    content: "b".into()
+                }
             ])
         );
         assert_eq!(d.origins, vec![2]);
@@ -484,7 +525,13 @@ mod tests {
             r => panic!("{r:?}"),
         }
         let d = parse(r#"{"prompt":"Q: 1+1? A:","completion":" 2"}"#).unwrap();
-        assert_eq!(d.records[0], Record::Text { prompt: "Q: 1+1? A:".into(), completion: " 2".into() });
+        assert_eq!(
+            d.records[0],
+            Record::Text {
+                prompt: "Q: 1+1? A:".into(),
+                completion: " 2".into()
+            }
+        );
         let d = parse(r#"{"prompt":[{"role":"user","content":"x"}],"completion":[{"role":"assistant","content":"y"}]}"#).unwrap();
         assert!(matches!(&d.records[0], Record::Chat(t) if t.len() == 2));
         let d = parse(r#"{"text":"plain"}"#).unwrap();
@@ -497,13 +544,23 @@ mod tests {
         let d = p(r#"{"prompt":"Q:","chosen":" yes","rejected":" no"}"#).unwrap();
         assert_eq!(d.shape, Shape::PairText);
         assert_eq!(d.records.len(), 2);
-        assert_eq!(d.records[1], Record::Text { prompt: "Q:".into(), completion: " no".into() });
+        assert_eq!(
+            d.records[1],
+            Record::Text {
+                prompt: "Q:".into(),
+                completion: " no".into()
+            }
+        );
         let d = p(r#"{"prompt":[{"role":"user","content":"hi"}],"chosen":[{"role":"assistant","content":"A"}],"rejected":[{"role":"assistant","content":"B"}]}"#).unwrap();
         assert_eq!(d.shape, Shape::PairMessages);
-        assert!(matches!(&d.records[0], Record::Reply { turns, reply_from: 1 } if turns[1].content == "A"));
+        assert!(
+            matches!(&d.records[0], Record::Reply { turns, reply_from: 1 } if turns[1].content == "A")
+        );
         let d = p(r#"{"chosen":[{"role":"user","content":"hi"},{"role":"assistant","content":"A"}],"rejected":[{"role":"user","content":"hi"},{"role":"assistant","content":"B"}]}"#).unwrap();
         assert_eq!(d.shape, Shape::PairImplicit);
-        assert!(matches!(&d.records[1], Record::Reply { turns, reply_from: 1 } if turns[1].content == "B"));
+        assert!(
+            matches!(&d.records[1], Record::Reply { turns, reply_from: 1 } if turns[1].content == "B")
+        );
         let d = Dataset::parse_pairs(
             Path::new("dpo.json"),
             r#"[{"conversations":[{"from":"human","value":"hi"}],"chosen":{"from":"gpt","value":"A"},"rejected":{"from":"gpt","value":"B"}}]"#,
@@ -511,40 +568,73 @@ mod tests {
         .unwrap();
         assert_eq!(d.shape, Shape::PairShareGpt);
         assert_eq!(d.origins, vec![0, 0]);
-        assert!(matches!(&d.records[0], Record::Reply { turns, reply_from: 1 } if turns[0].role == "user" && turns[1].role == "assistant"));
+        assert!(
+            matches!(&d.records[0], Record::Reply { turns, reply_from: 1 } if turns[0].role == "user" && turns[1].role == "assistant")
+        );
     }
 
     #[test]
     fn bad_pairs_name_their_line() {
-        let p = |t: &str| Dataset::parse_pairs(Path::new("p.jsonl"), t).unwrap_err().to_string();
+        let p = |t: &str| {
+            Dataset::parse_pairs(Path::new("p.jsonl"), t)
+                .unwrap_err()
+                .to_string()
+        };
         let ok = r#"{"prompt":"Q","chosen":"a","rejected":"b"}"#;
-        assert_eq!(p(&format!("{ok}\n{}", r#"{"prompt":"Q","chosen":"a","rejected":3}"#)), "p.jsonl:2: 'rejected' must be a string, not a number");
-        assert!(p(&format!("{ok}\n\n{}", r#"{"text":"a"}"#)).starts_with("p.jsonl:3: not a preference pair (fields: text)"));
+        assert_eq!(
+            p(&format!(
+                "{ok}\n{}",
+                r#"{"prompt":"Q","chosen":"a","rejected":3}"#
+            )),
+            "p.jsonl:2: 'rejected' must be a string, not a number"
+        );
+        assert!(p(&format!("{ok}\n\n{}", r#"{"text":"a"}"#))
+            .starts_with("p.jsonl:3: not a preference pair (fields: text)"));
         assert!(p(&format!("{ok}\n{{bad")).starts_with("p.jsonl:2: not a JSON object"));
-        assert_eq!(p(r#"{"prompt":"Q","chosen":"","rejected":"b"}"#), "p.jsonl:1: 'chosen' is empty");
-        let e = p(r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"user","content":"y"}],"rejected":[{"role":"assistant","content":"z"}]}"#);
+        assert_eq!(
+            p(r#"{"prompt":"Q","chosen":"","rejected":"b"}"#),
+            "p.jsonl:1: 'chosen' is empty"
+        );
+        let e = p(
+            r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"user","content":"y"}],"rejected":[{"role":"assistant","content":"z"}]}"#,
+        );
         assert_eq!(e, "p.jsonl:1: 'chosen' has no assistant message");
-        let e = p(r#"{"conversations":[{"from":"human","value":"x"}],"chosen":"a","rejected":{"from":"gpt","value":"b"}}"#);
-        assert!(e.contains("'chosen' must be a {from, value} object, not a string"), "{e}");
+        let e = p(
+            r#"{"conversations":[{"from":"human","value":"x"}],"chosen":"a","rejected":{"from":"gpt","value":"b"}}"#,
+        );
+        assert!(
+            e.contains("'chosen' must be a {from, value} object, not a string"),
+            "{e}"
+        );
     }
 
     #[test]
     fn bad_records_name_their_line() {
-        let e = parse("{\"text\":\"a\"}\n{\"text\": 3}\n").unwrap_err().to_string();
+        let e = parse("{\"text\":\"a\"}\n{\"text\": 3}\n")
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "d.jsonl:2: 'text' must be a string, not a number");
-        let e = parse("{\"text\":\"a\"}\n\n{oops\n").unwrap_err().to_string();
+        let e = parse("{\"text\":\"a\"}\n\n{oops\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("d.jsonl:3: not a JSON object"), "{e}");
         let e = parse("{\"text\":\"a\"}\n{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\",\"content\":\"y\"}]}").unwrap_err().to_string();
         assert_eq!(e, "d.jsonl:2: a messages record in a file of text records");
-        let e = parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}").unwrap_err().to_string();
+        let e = parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no assistant turn"), "{e}");
         let e = parse("{\"foo\":1}").unwrap_err().to_string();
         assert!(e.contains("unknown record shape (fields: foo)"), "{e}");
         let e = parse("").unwrap_err().to_string();
         assert!(e.contains("no records"), "{e}");
-        let e = Dataset::parse(Path::new("a.json"), "[{\"text\":\"a\"}, 5]").unwrap_err().to_string();
+        let e = Dataset::parse(Path::new("a.json"), "[{\"text\":\"a\"}, 5]")
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "a.json:1: record 1: a record must be a JSON object");
-        let e = parse("{\"conversations\":[{\"from\":\"robot\",\"value\":\"x\"}]}").unwrap_err().to_string();
+        let e = parse("{\"conversations\":[{\"from\":\"robot\",\"value\":\"x\"}]}")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown speaker 'robot'"), "{e}");
     }
 }

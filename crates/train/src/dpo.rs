@@ -187,7 +187,8 @@ pub fn policy_pass(
     let norm = 1.0 / step_pairs.max(1) as f64;
     let mut weights = |out: &hf2q_models::train_pass::PassOut| -> hf2q_models::Result<Vec<f32>> {
         let pi = sequence_logps(batch, &out.logp);
-        let (st, d) = pair_terms(&pi, reference, beta).map_err(|e| hf2q_models::Error::Msg(e.to_string()))?;
+        let (st, d) =
+            pair_terms(&pi, reference, beta).map_err(|e| hf2q_models::Error::Msg(e.to_string()))?;
         let seq = batch.layout.seq_of();
         let w = (0..batch.targets.len())
             .map(|row| {
@@ -208,7 +209,12 @@ pub fn policy_pass(
 }
 
 /// The stats of a micro-batch of pairs without training (evaluation: no dropout).
-pub fn eval_pairs(model: &mut Model, reference: &mut Reference, batch: &TrainBatch, beta: f64) -> Result<PairStats> {
+pub fn eval_pairs(
+    model: &mut Model,
+    reference: &mut Reference,
+    batch: &TrainBatch,
+    beta: f64,
+) -> Result<PairStats> {
     let refs = reference.logps(model, batch)?;
     let out = model.eval_pass(batch)?;
     let (mut st, _) = pair_terms(&sequence_logps(batch, &out.logp), &refs, beta)?;
@@ -231,7 +237,8 @@ mod tests {
 
     #[test]
     fn equal_policy_and_reference_give_ln2_and_zero_rewards() {
-        let (st, d) = pair_terms(&[-3.5, -7.25, -1.0, -2.0], &[-3.5, -7.25, -1.0, -2.0], 0.1).unwrap();
+        let (st, d) =
+            pair_terms(&[-3.5, -7.25, -1.0, -2.0], &[-3.5, -7.25, -1.0, -2.0], 0.1).unwrap();
         assert_eq!(st.loss / 2.0, std::f64::consts::LN_2);
         let m = st.metrics();
         assert_eq!(
@@ -257,7 +264,10 @@ mod tests {
         let dc = (f(-3.0 + h, -6.5) - f(-3.0 - h, -6.5)) / (2.0 * h);
         let dr = (f(-3.0, -6.5 + h) - f(-3.0, -6.5 - h)) / (2.0 * h);
         // Central differences of a smooth function: error O(h²) plus rounding ~1e-10.
-        assert!((dc - d[0]).abs() < 1e-8 && (dr - d[1]).abs() < 1e-8, "{dc} {dr} {d:?}");
+        assert!(
+            (dc - d[0]).abs() < 1e-8 && (dr - d[1]).abs() < 1e-8,
+            "{dc} {dr} {d:?}"
+        );
         assert_eq!(st.correct, 1);
         assert!(neg_log_sigmoid(-800.0).is_finite() && neg_log_sigmoid(800.0) == 0.0);
         assert!(pair_terms(&[1.0], &[1.0], 0.1).is_err());

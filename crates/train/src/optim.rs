@@ -230,9 +230,19 @@ mod tests {
             total: 20,
             kind: ScheduleKind::Cosine,
         };
-        let want = [0.0, 0.000_666_666_7, 0.001_333_333_3, 0.002, 0.001_982_973_1];
+        let want = [
+            0.0,
+            0.000_666_666_7,
+            0.001_333_333_3,
+            0.002,
+            0.001_982_973_1,
+        ];
         for (i, w) in want.iter().enumerate() {
-            assert!((s.lr(i as u64) - w).abs() < 1e-9, "step {i}: {}", s.lr(i as u64));
+            assert!(
+                (s.lr(i as u64) - w).abs() < 1e-9,
+                "step {i}: {}",
+                s.lr(i as u64)
+            );
         }
         assert!(s.lr(20) < 1e-12);
         let lin = Schedule {

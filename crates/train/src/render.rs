@@ -119,14 +119,22 @@ impl<'m> Renderer<'m> {
         Ok(s)
     }
 
-    fn text(&self, prompt: &str, completion: &str) -> std::result::Result<(Vec<u32>, Vec<bool>), String> {
+    fn text(
+        &self,
+        prompt: &str,
+        completion: &str,
+    ) -> std::result::Result<(Vec<u32>, Vec<bool>), String> {
         let tok = self.model.tokenizer();
         let mut ids = Vec::new();
         if let (true, Some(b)) = (tok.add_bos(), tok.bos_id()) {
             ids.push(b);
         }
-        let p = tok.encode(prompt, false, false).map_err(|e| e.to_string())?;
-        let c = tok.encode(completion, false, false).map_err(|e| e.to_string())?;
+        let p = tok
+            .encode(prompt, false, false)
+            .map_err(|e| e.to_string())?;
+        let c = tok
+            .encode(completion, false, false)
+            .map_err(|e| e.to_string())?;
         ids.extend(&p);
         let start = ids.len();
         ids.extend(&c);
@@ -150,7 +158,11 @@ impl<'m> Renderer<'m> {
     }
 
     /// The conversation's ids, learning its assistant turns from `turns[from]` on.
-    fn chat(&self, turns: &[Turn], from: usize) -> std::result::Result<(Vec<u32>, Vec<bool>), String> {
+    fn chat(
+        &self,
+        turns: &[Turn],
+        from: usize,
+    ) -> std::result::Result<(Vec<u32>, Vec<bool>), String> {
         let enc = encode_chat_offsets(
             self.model.tokenizer(),
             &self.template,

@@ -134,10 +134,21 @@ pub enum Event {
     Plan(Plan),
     Step(StepReport),
     Eval(EvalReport),
-    Checkpoint { step: u64, path: String },
+    Checkpoint {
+        step: u64,
+        path: String,
+    },
     /// Stopped before the end (a signal): a checkpoint to resume from was written.
-    Stopped { step: u64, checkpoint: String },
-    Done { step: u64, adapter: String, loss: Option<f64>, elapsed_s: f64 },
+    Stopped {
+        step: u64,
+        checkpoint: String,
+    },
+    Done {
+        step: u64,
+        adapter: String,
+        loss: Option<f64>,
+        elapsed_s: f64,
+    },
 }
 
 /// Who hears a run's events.

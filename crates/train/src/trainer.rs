@@ -51,7 +51,10 @@ pub enum Objective {
     Sft,
     /// DPO's sigmoid loss over preference pairs (records `2i`, `2i + 1`: chosen, rejected),
     /// against the base without adapters or the adapter in `ref_adapter`.
-    Dpo { beta: f32, ref_adapter: Option<PathBuf> },
+    Dpo {
+        beta: f32,
+        ref_adapter: Option<PathBuf>,
+    },
 }
 
 impl Objective {
@@ -147,10 +150,16 @@ impl TrainConfig {
             return bad("train for at least one epoch or step".into());
         }
         if !(0.0..1.0).contains(&self.valid_split) {
-            return bad(format!("--valid-split {} must be in [0, 1)", self.valid_split));
+            return bad(format!(
+                "--valid-split {} must be in [0, 1)",
+                self.valid_split
+            ));
         }
         if !(0.0..1.0).contains(&self.warmup_ratio) {
-            return bad(format!("warm-up ratio {} must be in [0, 1)", self.warmup_ratio));
+            return bad(format!(
+                "warm-up ratio {} must be in [0, 1)",
+                self.warmup_ratio
+            ));
         }
         if self.max_grad_norm.is_some_and(|n| !(n > 0.0)) {
             return bad("--max-grad-norm must be positive".into());
@@ -172,7 +181,12 @@ pub struct Prepared {
 
 /// Renders every record (an error names the first bad record's file and line) and holds out
 /// the validation part: the `valid` file's records, or a seeded `valid_split` of `train`'s.
-pub fn prepare(model: &Model, train: &Dataset, valid: Option<&Dataset>, cfg: &TrainConfig) -> Result<Prepared> {
+pub fn prepare(
+    model: &Model,
+    train: &Dataset,
+    valid: Option<&Dataset>,
+    cfg: &TrainConfig,
+) -> Result<Prepared> {
     let r = Renderer::new(
         model,
         RenderConfig {
@@ -195,7 +209,9 @@ pub fn prepare(model: &Model, train: &Dataset, valid: Option<&Dataset>, cfg: &Tr
         None if cfg.valid_split > 0.0 => {
             let units = all.len() / group;
             if units < 2 {
-                return Err(Error::Config("--valid-split needs at least two training records (pairs)".into()));
+                return Err(Error::Config(
+                    "--valid-split needs at least two training records (pairs)".into(),
+                ));
             }
             let n = ((units as f64 * cfg.valid_split as f64).round() as usize).clamp(1, units - 1);
             let mut idx: Vec<usize> = (0..units).collect();
@@ -280,14 +296,24 @@ impl<'m> Trainer<'m> {
         // The reference adapter is loaded (and swapped off the model) before the policy's.
         let reference = match &cfg.objective {
             Objective::Sft => None,
-            Objective::Dpo { ref_adapter: None, .. } => Some(Reference::base()),
-            Objective::Dpo { ref_adapter: Some(dir), .. } => Some(Reference::load(model, dir)?),
+            Objective::Dpo {
+                ref_adapter: None, ..
+            } => Some(Reference::base()),
+            Objective::Dpo {
+                ref_adapter: Some(dir),
+                ..
+            } => Some(Reference::load(model, dir)?),
         };
         match &resume_dir {
             Some(dir) => {
                 let got = model.load_adapter(dir)?;
                 if got.r != cfg.lora.r {
-                    return Err(Error::Config(format!("{}: adapter rank {} is not {}", dir.display(), got.r, cfg.lora.r)));
+                    return Err(Error::Config(format!(
+                        "{}: adapter rank {} is not {}",
+                        dir.display(),
+                        got.r,
+                        cfg.lora.r
+                    )));
                 }
             }
             None => match &cfg.init_adapter {
@@ -315,7 +341,10 @@ impl<'m> Trainer<'m> {
         };
         let state = match (resumed, &resume_dir) {
             (Some(s), Some(dir)) => {
-                adam.restore(s.step, checkpoint::read_moments(dir, model.adapters().len())?)?;
+                adam.restore(
+                    s.step,
+                    checkpoint::read_moments(dir, model.adapters().len())?,
+                )?;
                 if s.total_steps != total {
                     return Err(Error::Config(format!(
                         "{}: the checkpoint belongs to a run of {} steps, these settings make {total}",
@@ -350,7 +379,8 @@ impl<'m> Trainer<'m> {
                 // Training products run on one f16/bf16 pass: the inference default (f16
                 // pairs, three products per weight) buys a precision the bf16 backward does
                 // not keep, at three times the tensor-core work.
-                c.device().set_prefill_gemm(hf2q_tensor::cuda::PrefillGemm::F16);
+                c.device()
+                    .set_prefill_gemm(hf2q_tensor::cuda::PrefillGemm::F16);
                 c.device().info().name.clone()
             }
             None => "cpu".to_string(),
@@ -394,7 +424,12 @@ impl<'m> Trainer<'m> {
             total_steps: self.state.total_steps,
             start_step: self.state.step,
             micro_batches_per_epoch: micro,
-            trainable_parameters: self.model.adapters().iter().map(|(_, l)| l.a.len() + l.b.len()).sum(),
+            trainable_parameters: self
+                .model
+                .adapters()
+                .iter()
+                .map(|(_, l)| l.a.len() + l.b.len())
+                .sum(),
             adapters: self.model.adapters().len(),
             device: self.device.clone(),
             recomputed_blocks: self.recompute,
@@ -407,7 +442,9 @@ impl<'m> Trainer<'m> {
         if self.data.valid.is_empty() {
             return Ok(None);
         }
-        if let (Objective::Dpo { beta, .. }, Some(reference)) = (&self.cfg.objective, &mut self.reference) {
+        if let (Objective::Dpo { beta, .. }, Some(reference)) =
+            (&self.cfg.objective, &mut self.reference)
+        {
             let mut st = PairStats::default();
             let mut tokens = 0;
             let pairs: Vec<usize> = (0..self.data.valid.len() / 2).collect();
@@ -449,7 +486,14 @@ impl<'m> Trainer<'m> {
     }
 
     fn save_checkpoint(&self) -> Result<PathBuf> {
-        checkpoint::save(&self.out, self.model, &self.cfg.lora, &self.base_name, &self.adam, &self.state)
+        checkpoint::save(
+            &self.out,
+            self.model,
+            &self.cfg.lora,
+            &self.base_name,
+            &self.adam,
+            &self.state,
+        )
     }
 
     /// The options of micro-batch `k` of this step's pass (its dropout stream).
@@ -472,17 +516,27 @@ impl<'m> Trainer<'m> {
 
     /// One DPO step over micro-batches of whole pairs: the reference's pass, then the
     /// policy's, per micro-batch; the loss is the mean over the step's pairs.
-    fn step_dpo(&mut self, batches: &[TrainBatch], grads: &mut LoraGrads, beta: f64) -> Result<(PairStats, usize)> {
+    fn step_dpo(
+        &mut self,
+        batches: &[TrainBatch],
+        grads: &mut LoraGrads,
+        beta: f64,
+    ) -> Result<(PairStats, usize)> {
         let pairs: usize = batches.iter().map(|b| b.layout.sequences() / 2).sum();
         let mut st = PairStats::default();
         let mut tokens = 0;
         grads.clear();
-        let mut reference = self.reference.take().ok_or_else(|| Error::Msg("DPO without a reference".into()))?;
+        let mut reference = self
+            .reference
+            .take()
+            .ok_or_else(|| Error::Msg("DPO without a reference".into()))?;
         let mut run = || -> Result<()> {
             for (k, b) in batches.iter().enumerate() {
                 let refs = reference.logps(self.model, b)?;
                 let opts = self.pass_options(k);
-                st.add(&dpo::policy_pass(self.model, b, &refs, beta, pairs, &opts, grads)?);
+                st.add(&dpo::policy_pass(
+                    self.model, b, &refs, beta, pairs, &opts, grads,
+                )?);
                 tokens += b.ids.len();
             }
             Ok(())
@@ -495,7 +549,11 @@ impl<'m> Trainer<'m> {
 
     /// One optimizer step over `batches` (the step's micro-batches): returns
     /// `(loss, accuracy, grad_norm, lr, tokens)`.
-    fn step(&mut self, batches: &[TrainBatch], grads: &mut LoraGrads) -> Result<(f64, f64, f64, f32, usize)> {
+    fn step(
+        &mut self,
+        batches: &[TrainBatch],
+        grads: &mut LoraGrads,
+    ) -> Result<(f64, f64, f64, f32, usize)> {
         let n: usize = batches.iter().map(TrainBatch::labelled).sum();
         let (mut sum, mut hits, mut tokens) = (0f64, 0usize, 0usize);
         grads.clear();
@@ -528,17 +586,39 @@ impl<'m> Trainer<'m> {
     pub fn run(&mut self, obs: &mut dyn Observer, stop: &AtomicBool) -> Result<Outcome> {
         let packing = self.cfg.packing.then_some(self.cfg.max_seq_len);
         let group = self.cfg.objective.group();
-        let micro0 = epoch_batches(&self.data.train, self.cfg.seed, 0, self.cfg.batch, packing, group).len();
+        let micro0 = epoch_batches(
+            &self.data.train,
+            self.cfg.seed,
+            0,
+            self.cfg.batch,
+            packing,
+            group,
+        )
+        .len();
         obs.event(&Event::Plan(self.plan(micro0)));
         let start = Instant::now();
         let mut grads = LoraGrads::new();
         let mut last_loss = None;
-        let mut epoch_plan = epoch_batches(&self.data.train, self.cfg.seed, self.state.epoch, self.cfg.batch, packing, group);
+        let mut epoch_plan = epoch_batches(
+            &self.data.train,
+            self.cfg.seed,
+            self.state.epoch,
+            self.cfg.batch,
+            packing,
+            group,
+        );
         while self.state.step < self.state.total_steps {
             if self.state.micro >= epoch_plan.len() {
                 self.state.epoch += 1;
                 self.state.micro = 0;
-                epoch_plan = epoch_batches(&self.data.train, self.cfg.seed, self.state.epoch, self.cfg.batch, packing, group);
+                epoch_plan = epoch_batches(
+                    &self.data.train,
+                    self.cfg.seed,
+                    self.state.epoch,
+                    self.cfg.batch,
+                    packing,
+                    group,
+                );
             }
             let t0 = Instant::now();
             let end = (self.state.micro + self.cfg.grad_accum).min(epoch_plan.len());
@@ -554,7 +634,14 @@ impl<'m> Trainer<'m> {
                 Objective::Dpo { beta, .. } => {
                     let (st, t) = self.step_dpo(&batches, &mut grads, beta as f64)?;
                     let (g, lr) = self.update(&mut grads)?;
-                    (st.mean_loss(), st.token_accuracy(), g, lr, t, Some(st.metrics()))
+                    (
+                        st.mean_loss(),
+                        st.token_accuracy(),
+                        g,
+                        lr,
+                        t,
+                        Some(st.metrics()),
+                    )
                 }
             };
             self.state.micro = end;
@@ -565,7 +652,8 @@ impl<'m> Trainer<'m> {
             obs.event(&Event::Step(StepReport {
                 step: self.state.step,
                 total_steps: self.state.total_steps,
-                epoch: self.state.epoch as f64 + self.state.micro as f64 / epoch_plan.len().max(1) as f64,
+                epoch: self.state.epoch as f64
+                    + self.state.micro as f64 / epoch_plan.len().max(1) as f64,
                 loss,
                 lr,
                 grad_norm,
@@ -612,7 +700,8 @@ impl<'m> Trainer<'m> {
         if let Some(e) = self.evaluate()? {
             obs.event(&Event::Eval(e));
         }
-        self.model.write_adapter_files(&self.out, &self.cfg.lora, &self.base_name)?;
+        self.model
+            .write_adapter_files(&self.out, &self.cfg.lora, &self.base_name)?;
         obs.event(&Event::Done {
             step: self.state.step,
             adapter: self.out.display().to_string(),

@@ -19,7 +19,10 @@ fn model() -> Model {
 
 /// The good adapter's tensors `(name, shape, values)`.
 fn good() -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let st = SafeTensors::open(&root().join("tests/fixtures/peft/tiny-llama/ours_random/adapter_model.safetensors")).unwrap();
+    let st = SafeTensors::open(
+        &root().join("tests/fixtures/peft/tiny-llama/ours_random/adapter_model.safetensors"),
+    )
+    .unwrap();
     st.tensors
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone(), st.to_f32(t).unwrap()))
@@ -28,7 +31,10 @@ fn good() -> Vec<(String, Vec<usize>, Vec<f32>)> {
 
 fn config() -> serde_json::Value {
     serde_json::from_str(
-        &std::fs::read_to_string(root().join("tests/fixtures/peft/tiny-llama/ours_random/adapter_config.json")).unwrap(),
+        &std::fs::read_to_string(
+            root().join("tests/fixtures/peft/tiny-llama/ours_random/adapter_config.json"),
+        )
+        .unwrap(),
     )
     .unwrap()
 }
@@ -36,20 +42,34 @@ fn config() -> serde_json::Value {
 fn write(dir: &Path, cfg: &serde_json::Value, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("adapter_config.json"), cfg.to_string()).unwrap();
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
     let refs: Vec<_> = tensors
         .iter()
         .zip(&bytes)
         .map(|((n, s, _), b)| (n.clone(), StDtype::F32, s.clone(), b.as_slice()))
         .collect();
-    write_safetensors(&dir.join("adapter_model.safetensors"), &refs, &BTreeMap::new()).unwrap();
+    write_safetensors(
+        &dir.join("adapter_model.safetensors"),
+        &refs,
+        &BTreeMap::new(),
+    )
+    .unwrap();
 }
 
 fn refused(dir: &Path, msg: &str) {
     let mut m = model();
-    let e = m.load_adapter(dir).expect_err("loaded a broken adapter").to_string();
+    let e = m
+        .load_adapter(dir)
+        .expect_err("loaded a broken adapter")
+        .to_string();
     assert!(e.contains(msg), "expected '{msg}' in: {e}");
-    assert!(m.adapters().is_empty(), "a refused adapter was left half-loaded");
+    assert!(
+        m.adapters().is_empty(),
+        "a refused adapter was left half-loaded"
+    );
 }
 
 #[test]
@@ -82,7 +102,10 @@ fn broken_adapters_are_refused_and_nothing_is_left_loaded() {
     extra.0 = extra.0.replace("layers.0", "layers.7");
     t.push(extra);
     write(&d("extra"), &config(), &t);
-    refused(&d("extra"), "does not belong to a LoRA target of this model");
+    refused(
+        &d("extra"),
+        "does not belong to a LoRA target of this model",
+    );
 
     let mut t = good();
     t[3].2[2] = f32::NAN;

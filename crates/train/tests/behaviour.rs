@@ -30,14 +30,17 @@ fn env_path(var: &str) -> Option<PathBuf> {
 /// Alpaca records with short answers (under 160 characters), answers uppercased; the held-out
 /// questions are the next records of the same kind.
 fn uppercase_set(alpaca: &Path, dir: &Path) -> (PathBuf, Vec<String>) {
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(alpaca).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(alpaca).unwrap()).unwrap();
     let short: Vec<&serde_json::Value> = v
         .as_array()
         .unwrap()
         .iter()
         .filter(|r| {
             let out = r["output"].as_str().unwrap_or("");
-            out.len() < 160 && r["input"].as_str().unwrap_or("").is_empty() && out.chars().any(char::is_alphabetic)
+            out.len() < 160
+                && r["input"].as_str().unwrap_or("").is_empty()
+                && out.chars().any(char::is_alphabetic)
         })
         .collect();
     assert!(short.len() >= 60, "only {} short records", short.len());
@@ -122,7 +125,10 @@ fn factors(m: &Model) -> Vec<Vec<f32>> {
 
 #[test]
 fn uppercase_answers_are_learned_and_resume_is_exact() {
-    let (Some(gguf), Some(alpaca)) = (env_path("HF2Q_TEST_SMOLLM2_GGUF"), env_path("HF2Q_TEST_ALPACA_JSON")) else {
+    let (Some(gguf), Some(alpaca)) = (
+        env_path("HF2Q_TEST_SMOLLM2_GGUF"),
+        env_path("HF2Q_TEST_ALPACA_JSON"),
+    ) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -136,7 +142,10 @@ fn uppercase_answers_are_learned_and_resume_is_exact() {
 
     // The base model answers in ordinary case.
     let base = load();
-    let base_share: Vec<f64> = held.iter().map(|q| upper_share(&answer(&base, q))).collect();
+    let base_share: Vec<f64> = held
+        .iter()
+        .map(|q| upper_share(&answer(&base, q)))
+        .collect();
     eprintln!("base uppercase shares: {base_share:?}");
     drop(base);
 
@@ -145,7 +154,10 @@ fn uppercase_answers_are_learned_and_resume_is_exact() {
     let prepared = prepare(&m, &data, None, &config()).unwrap();
     let out_a = dir.path().join("a");
     let mut t = Trainer::new(&mut m, config(), prepared, &out_a, None, false).unwrap();
-    assert!(matches!(t.run(&mut Quiet, &AtomicBool::new(false)).unwrap(), Outcome::Done(_)));
+    assert!(matches!(
+        t.run(&mut Quiet, &AtomicBool::new(false)).unwrap(),
+        Outcome::Done(_)
+    ));
     let unbroken = factors(&m);
     let tuned: Vec<(String, f64)> = held
         .iter()
@@ -160,8 +172,15 @@ fn uppercase_answers_are_learned_and_resume_is_exact() {
     }
     let upper = tuned.iter().filter(|(_, s)| *s >= 0.9).count();
     let base_upper = base_share.iter().filter(|s| **s >= 0.9).count();
-    assert!(upper >= 5, "only {upper} of {} held-out answers are in uppercase", held.len());
-    assert!(base_upper <= 1, "the base already answers {base_upper} in uppercase");
+    assert!(
+        upper >= 5,
+        "only {upper} of {} held-out answers are in uppercase",
+        held.len()
+    );
+    assert!(
+        base_upper <= 1,
+        "the base already answers {base_upper} in uppercase"
+    );
 
     // Stopped after 10 steps, then resumed from the checkpoint.
     let mut m = load();
@@ -170,17 +189,34 @@ fn uppercase_answers_are_learned_and_resume_is_exact() {
     let stop = AtomicBool::new(false);
     let mut t = Trainer::new(&mut m, config(), prepared, &out_b, None, false).unwrap();
     let first = t.run(&mut StopAt(10, &stop), &stop).unwrap();
-    let Outcome::Stopped { step: 10, checkpoint } = first else {
+    let Outcome::Stopped {
+        step: 10,
+        checkpoint,
+    } = first
+    else {
         panic!("expected a stop at step 10, got {first:?}");
     };
-    assert!(!out_b.join("adapter_config.json").exists(), "an interrupted run left an adapter");
+    assert!(
+        !out_b.join("adapter_config.json").exists(),
+        "an interrupted run left an adapter"
+    );
     drop(t);
     let mut m = load();
     let prepared = prepare(&m, &data, None, &config()).unwrap();
     let mut t = Trainer::new(&mut m, config(), prepared, &out_b, Some(&checkpoint), false).unwrap();
     assert_eq!(t.state().step, 10);
-    assert!(matches!(t.run(&mut Quiet, &AtomicBool::new(false)).unwrap(), Outcome::Done(_)));
-    assert_eq!(factors(&m), unbroken, "the resumed run ended elsewhere than the unbroken one");
+    assert!(matches!(
+        t.run(&mut Quiet, &AtomicBool::new(false)).unwrap(),
+        Outcome::Done(_)
+    ));
+    assert_eq!(
+        factors(&m),
+        unbroken,
+        "the resumed run ended elsewhere than the unbroken one"
+    );
     let on_disk = std::fs::read(out_b.join("adapter_model.safetensors")).unwrap();
-    assert_eq!(on_disk, std::fs::read(out_a.join("adapter_model.safetensors")).unwrap());
+    assert_eq!(
+        on_disk,
+        std::fs::read(out_a.join("adapter_model.safetensors")).unwrap()
+    );
 }

@@ -43,7 +43,10 @@ fn load(name: &str) -> Model {
 }
 
 fn read_json(p: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+    )
+    .unwrap()
 }
 
 fn batch_of(fx: &Value) -> TrainBatch {
@@ -64,7 +67,11 @@ fn batch_of(fx: &Value) -> TrainBatch {
 }
 
 fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den.max(1e-300)).sqrt()
 }
@@ -83,8 +90,13 @@ fn loss_metrics_and_lora_gradients_match_trl_formula_with_peft() {
                 "base" => Reference::base(),
                 _ => Reference::load(&mut m, &dir.join("dpo_ref")).unwrap(),
             };
-            m.load_adapter(&root().join("tests/fixtures/peft").join(name).join("ours_random"))
-                .unwrap();
+            m.load_adapter(
+                &root()
+                    .join("tests/fixtures/peft")
+                    .join(name)
+                    .join("ours_random"),
+            )
+            .unwrap();
             let refs = reference.logps(&mut m, &batch).unwrap();
             let mut grads = LoraGrads::new();
             let opts = PassOptions {
@@ -132,9 +144,14 @@ fn loss_metrics_and_lora_gradients_match_trl_formula_with_peft() {
                 ("logps/rejected", met.logps_rejected),
             ] {
                 let tol = if k.starts_with("logps") { 1e-4 } else { 1e-5 };
-                assert!((v - want(k)).abs() < tol, "{name} {case}: {k} {v} vs {}", want(k));
+                assert!(
+                    (v - want(k)).abs() < tol,
+                    "{name} {case}: {k} {v} vs {}",
+                    want(k)
+                );
             }
-            let st_file = SafeTensors::open(&dir.join(format!("grads_{case}.safetensors"))).unwrap();
+            let st_file =
+                SafeTensors::open(&dir.join(format!("grads_{case}.safetensors"))).unwrap();
             let mut worst = 0f64;
             for (module, l) in m.adapters() {
                 let (ga, gb) = grads.get(l.id).unwrap();
@@ -190,7 +207,11 @@ fn first_step(m: &mut Model, cfg: TrainConfig, dir: &Path) -> serde_json::Value 
     let mut t = Trainer::new(m, cfg, prepared, &dir.join("out"), None, true).unwrap();
     let mut obs = Steps(Vec::new());
     t.run(&mut obs, &AtomicBool::new(false)).unwrap();
-    let step = obs.0.iter().find(|e| matches!(e, Event::Step(_))).expect("a step");
+    let step = obs
+        .0
+        .iter()
+        .find(|e| matches!(e, Event::Step(_)))
+        .expect("a step");
     serde_json::to_value(step).unwrap()
 }
 
@@ -284,7 +305,11 @@ fn a_stopped_and_resumed_dpo_run_ends_where_an_unbroken_one_ends() {
     let (_, unbroken) = run(&tmp.path().join("a"), None, None);
     let out_b = tmp.path().join("b");
     let (first, _) = run(&out_b, Some(3), None);
-    let Outcome::Stopped { step: 3, checkpoint } = first else {
+    let Outcome::Stopped {
+        step: 3,
+        checkpoint,
+    } = first
+    else {
         panic!("{first:?}")
     };
     let (_, resumed) = run(&out_b, None, Some(&checkpoint));

@@ -26,7 +26,8 @@ fn env_path(var: &str) -> Option<PathBuf> {
 /// Pairs (prompt messages, chosen, rejected) from short Alpaca answers: `train` pairs, then
 /// `held` held-out pairs of other questions.
 fn uppercase_pairs(alpaca: &Path, dir: &Path, train: usize, held: usize) -> (PathBuf, PathBuf) {
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(alpaca).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(alpaca).unwrap()).unwrap();
     let short: Vec<&serde_json::Value> = v
         .as_array()
         .unwrap()
@@ -38,7 +39,11 @@ fn uppercase_pairs(alpaca: &Path, dir: &Path, train: usize, held: usize) -> (Pat
                 && out.chars().filter(|c| c.is_lowercase()).count() > 10
         })
         .collect();
-    assert!(short.len() >= train + held, "only {} short records", short.len());
+    assert!(
+        short.len() >= train + held,
+        "only {} short records",
+        short.len()
+    );
     let write = |name: &str, recs: &[&serde_json::Value]| {
         let p = dir.join(name);
         let lines: Vec<String> = recs
@@ -81,7 +86,10 @@ impl Observer for Log {
 
 #[test]
 fn uppercase_replies_become_preferred_on_held_out_pairs() {
-    let (Some(gguf), Some(alpaca)) = (env_path("HF2Q_TEST_SMOLLM2_GGUF"), env_path("HF2Q_TEST_ALPACA_JSON")) else {
+    let (Some(gguf), Some(alpaca)) = (
+        env_path("HF2Q_TEST_SMOLLM2_GGUF"),
+        env_path("HF2Q_TEST_ALPACA_JSON"),
+    ) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -136,7 +144,10 @@ fn uppercase_replies_become_preferred_on_held_out_pairs() {
         t0.elapsed().as_secs_f64()
     );
     // A fresh adapter is the reference: every reward is 0 before training.
-    assert_eq!((before.rewards_margins, before.rewards_accuracies), (0.0, 0.0));
+    assert_eq!(
+        (before.rewards_margins, before.rewards_accuracies),
+        (0.0, 0.0)
+    );
     assert!(
         margin(&after) > margin(&before) + 1.0,
         "the held-out margin did not rise"
@@ -155,12 +166,19 @@ fn uppercase_replies_become_preferred_on_held_out_pairs() {
 /// pairs starts at ln 2 as any fresh adapter must.
 #[test]
 fn llamafactory_dpo_demo_set_is_read_and_trained_on() {
-    let (Some(gguf), Some(demo)) = (env_path("HF2Q_TEST_SMOLLM2_GGUF"), env_path("HF2Q_TEST_DPO_JSON")) else {
+    let (Some(gguf), Some(demo)) = (
+        env_path("HF2Q_TEST_SMOLLM2_GGUF"),
+        env_path("HF2Q_TEST_DPO_JSON"),
+    ) else {
         return;
     };
     let pairs = Dataset::load_pairs(&demo).unwrap();
     assert_eq!(pairs.shape, hf2q_train::data::Shape::PairShareGpt);
-    assert!(pairs.records.len() >= 200 && pairs.records.len() % 2 == 0, "{} records", pairs.records.len());
+    assert!(
+        pairs.records.len() >= 200 && pairs.records.len() % 2 == 0,
+        "{} records",
+        pairs.records.len()
+    );
     let mut m = Model::load(&gguf).unwrap();
     m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
     let cfg = TrainConfig {
@@ -175,7 +193,13 @@ fn llamafactory_dpo_demo_set_is_read_and_trained_on() {
     };
     let prepared = prepare(&m, &pairs, None, &cfg).unwrap();
     assert_eq!(prepared.train.len(), pairs.records.len());
-    assert!(prepared.train.iter().all(|s| s.learned() > 0 && !s.truncated()), "a reply with no learned token");
+    assert!(
+        prepared
+            .train
+            .iter()
+            .all(|s| s.learned() > 0 && !s.truncated()),
+        "a reply with no learned token"
+    );
     // One step over two short pairs only (the whole set is a benchmark's work, not a test's).
     let short: Vec<_> = prepared
         .train
@@ -205,5 +229,8 @@ fn llamafactory_dpo_demo_set_is_read_and_trained_on() {
             _ => None,
         })
         .unwrap();
-    assert!((first - std::f64::consts::LN_2).abs() < 1e-9, "first step loss {first}");
+    assert!(
+        (first - std::f64::consts::LN_2).abs() < 1e-9,
+        "first step loss {first}"
+    );
 }

@@ -53,20 +53,34 @@ fn models() -> Vec<(String, PathBuf)> {
 /// learned.
 fn batch(vocab: usize) -> TrainBatch {
     let lengths = [150usize, 90];
-    let ids: Vec<u32> = (0..240u32).map(|i| (i * 7919 + 13) % (vocab as u32 - 3)).collect();
+    let ids: Vec<u32> = (0..240u32)
+        .map(|i| (i * 7919 + 13) % (vocab as u32 - 3))
+        .collect();
     let mut targets = Vec::new();
     let mut at = 0;
     for &l in &lengths {
         for k in 0..l {
-            targets.push(if k + 1 < l { ids[at + k + 1] as i32 } else { -100 });
+            targets.push(if k + 1 < l {
+                ids[at + k + 1] as i32
+            } else {
+                -100
+            });
         }
         at += l;
     }
-    TrainBatch { ids, targets, layout: SeqLayout::from_lengths(&lengths).unwrap() }
+    TrainBatch {
+        ids,
+        targets,
+        layout: SeqLayout::from_lengths(&lengths).unwrap(),
+    }
 }
 
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let n: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let n: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
     let d: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (n / d.max(1e-300)).sqrt()
 }
@@ -74,10 +88,23 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 /// Loss and host gradients (in adapter order) of one pass, on whatever backend `m` runs on.
 fn pass(m: &Model, b: &TrainBatch, checkpoint: bool) -> (f64, Vec<Vec<f32>>) {
     let n = b.labelled() as f32;
-    let w: Vec<f32> = b.targets.iter().map(|&t| if t >= 0 { -1.0 / n } else { 0.0 }).collect();
+    let w: Vec<f32> = b
+        .targets
+        .iter()
+        .map(|&t| if t >= 0 { -1.0 / n } else { 0.0 })
+        .collect();
     let mut g = LoraGrads::new();
     let out = m
-        .train_pass(b, &w, &PassOptions { recompute_blocks: if checkpoint { usize::MAX } else { 0 }, dropout: false, seed: 0 }, &mut g)
+        .train_pass(
+            b,
+            &w,
+            &PassOptions {
+                recompute_blocks: if checkpoint { usize::MAX } else { 0 },
+                dropout: false,
+                seed: 0,
+            },
+            &mut g,
+        )
         .unwrap();
     let be = m.train_backend();
     let grads = m
@@ -85,10 +112,16 @@ fn pass(m: &Model, b: &TrainBatch, checkpoint: bool) -> (f64, Vec<Vec<f32>>) {
         .iter()
         .flat_map(|(_, l)| {
             let (a, bb) = g.get(l.id).unwrap();
-            [be.to_host(a).unwrap().into_data(), be.to_host(bb).unwrap().into_data()]
+            [
+                be.to_host(a).unwrap().into_data(),
+                be.to_host(bb).unwrap().into_data(),
+            ]
         })
         .collect();
-    (-out.logp.iter().map(|&x| x as f64).sum::<f64>() / n as f64, grads)
+    (
+        -out.logp.iter().map(|&x| x as f64).sum::<f64>() / n as f64,
+        grads,
+    )
 }
 
 #[test]
@@ -97,11 +130,21 @@ fn gpu_pass_equals_cpu_pass_within_the_bf16_budget() {
     for (name, path) in models() {
         let mut m = Model::load(&path).unwrap();
         m.set_matmul_path(MatmulPath::Reference);
-        m.attach_lora(&LoraConfig { r: 8, alpha: 16.0, ..LoraConfig::default() }, 3).unwrap();
+        m.attach_lora(
+            &LoraConfig {
+                r: 8,
+                alpha: 16.0,
+                ..LoraConfig::default()
+            },
+            3,
+        )
+        .unwrap();
         // Nonzero B, so every factor has a gradient.
         for (i, (_, l)) in m.adapters_mut().into_iter().enumerate() {
             let s = l.b.shape().to_vec();
-            let v = (0..l.b.len()).map(|k| (((k * 31 + i * 17) % 23) as f32 - 11.0) * 1e-3).collect();
+            let v = (0..l.b.len())
+                .map(|k| (((k * 31 + i * 17) % 23) as f32 - 11.0) * 1e-3)
+                .collect();
             l.b = Tensor::new(&s, v).unwrap();
         }
         let b = batch(m.vocab_size());
@@ -117,7 +160,11 @@ fn gpu_pass_equals_cpu_pass_within_the_bf16_budget() {
                     (worst, at) = (e, i);
                 }
             }
-            let names = m.adapters().iter().flat_map(|(n, _)| [format!("{n} A"), format!("{n} B")]).collect::<Vec<_>>();
+            let names = m
+                .adapters()
+                .iter()
+                .flat_map(|(n, _)| [format!("{n} A"), format!("{n} B")])
+                .collect::<Vec<_>>();
             eprintln!("{name}: worst gradient at {}", names[at]);
             eprintln!("{name} (checkpoint {checkpoint}): loss cpu {cpu_loss:.6} gpu {gpu_loss:.6} ({rel:.1e}), worst gradient {worst:.2e}");
             assert!(rel < 1e-2, "{name}: loss {gpu_loss} vs {cpu_loss}");
@@ -132,8 +179,10 @@ fn gpu_pass_equals_cpu_pass_within_the_bf16_budget() {
 #[test]
 fn adapters_apply_in_the_gpu_decode_graph() {
     let Some(gpu) = gpu() else { return };
-    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama");
-    let adapter = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft/tiny-llama/ours_random");
+    let tiny =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-llama");
+    let adapter =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft/tiny-llama/ours_random");
     let mut m = Model::load(&tiny).unwrap();
     m.set_matmul_path(MatmulPath::Reference);
     m.load_adapter(&adapter).unwrap();
@@ -142,8 +191,16 @@ fn adapters_apply_in_the_gpu_decode_graph() {
     let mut base = Model::load(&tiny).unwrap();
     base.set_matmul_path(MatmulPath::Reference);
     let plain = base.session(64).forward_all(&ids).unwrap();
-    let moved = cpu.data().iter().zip(plain.data()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(moved > 1e-2, "the adapter does not change the logits ({moved})");
+    let moved = cpu
+        .data()
+        .iter()
+        .zip(plain.data())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-2,
+        "the adapter does not change the logits ({moved})"
+    );
     m.set_cuda(Some(gpu)).unwrap();
     let mut s = m.session(64);
     s.prefill(&ids[..8]).unwrap();
@@ -152,11 +209,22 @@ fn adapters_apply_in_the_gpu_decode_graph() {
         // From the second step on, each decode is one replay of the captured graph.
         let l = s.decode(t).unwrap();
         let want = cpu.row(8 + k);
-        worst = worst.max(l.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max));
+        worst = worst.max(
+            l.iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max),
+        );
     }
     eprintln!("adapter decode on the GPU: worst logit difference {worst:.2e} (adapter moves logits by {moved:.2e})");
-    assert!(worst < 1e-2, "GPU decode with an adapter differs by {worst}");
-    assert!(s.graph_nodes().is_some(), "the decode ran without a captured graph");
+    assert!(
+        worst < 1e-2,
+        "GPU decode with an adapter differs by {worst}"
+    );
+    assert!(
+        s.graph_nodes().is_some(),
+        "the decode ran without a captured graph"
+    );
 }
 
 /// A DPO policy pass on the GPU against the CPU's (the DPO parity batch of two pairs, the
@@ -169,8 +237,17 @@ fn gpu_dpo_pass_equals_cpu_dpo_pass() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     for name in ["tiny-llama", "tiny-qwen3"] {
         let fx = root.join("tests/fixtures/dpo").join(name);
-        let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fx.join("golden.json")).unwrap()).unwrap();
-        let nums = |k: &str| golden["batch"][k].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect::<Vec<_>>();
+        let golden: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fx.join("golden.json")).unwrap())
+                .unwrap();
+        let nums = |k: &str| {
+            golden["batch"][k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_i64().unwrap())
+                .collect::<Vec<_>>()
+        };
         let lengths: Vec<usize> = nums("lengths").into_iter().map(|x| x as usize).collect();
         let b = TrainBatch {
             ids: nums("ids").into_iter().map(|x| x as u32).collect(),
@@ -178,14 +255,25 @@ fn gpu_dpo_pass_equals_cpu_dpo_pass() {
             layout: SeqLayout::from_lengths(&lengths).unwrap(),
         };
         let run = |cuda: Option<Arc<CudaBackend>>, checkpoint: bool| {
-            let mut m = Model::load(&root.join("../models/tests/fixtures/tiny").join(name)).unwrap();
+            let mut m =
+                Model::load(&root.join("../models/tests/fixtures/tiny").join(name)).unwrap();
             m.set_matmul_path(MatmulPath::Reference);
             m.set_cuda(cuda).unwrap();
             let mut r = Reference::load(&mut m, &fx.join("dpo_ref")).unwrap();
-            m.load_adapter(&root.join("tests/fixtures/peft").join(name).join("ours_random")).unwrap();
+            m.load_adapter(
+                &root
+                    .join("tests/fixtures/peft")
+                    .join(name)
+                    .join("ours_random"),
+            )
+            .unwrap();
             let refs = r.logps(&mut m, &b).unwrap();
             let mut g = LoraGrads::new();
-            let opts = PassOptions { recompute_blocks: if checkpoint { usize::MAX } else { 0 }, dropout: false, seed: 0 };
+            let opts = PassOptions {
+                recompute_blocks: if checkpoint { usize::MAX } else { 0 },
+                dropout: false,
+                seed: 0,
+            };
             let st = dpo::policy_pass(&m, &b, &refs, 0.5, 2, &opts, &mut g).unwrap();
             let be = m.train_backend();
             let grads: Vec<Vec<f32>> = m
@@ -193,7 +281,10 @@ fn gpu_dpo_pass_equals_cpu_dpo_pass() {
                 .iter()
                 .flat_map(|(_, l)| {
                     let (a, bb) = g.get(l.id).unwrap();
-                    [be.to_host(a).unwrap().into_data(), be.to_host(bb).unwrap().into_data()]
+                    [
+                        be.to_host(a).unwrap().into_data(),
+                        be.to_host(bb).unwrap().into_data(),
+                    ]
                 })
                 .collect();
             (st, grads)
@@ -202,7 +293,11 @@ fn gpu_dpo_pass_equals_cpu_dpo_pass() {
         for checkpoint in [false, true] {
             let (gst, gpu_g) = run(Some(gpu.clone()), checkpoint);
             let rel = (gst.mean_loss() - cpu.mean_loss()).abs() / cpu.mean_loss();
-            let worst = cpu_g.iter().zip(&gpu_g).map(|(c, g)| rel_l2(g, c)).fold(0f64, f64::max);
+            let worst = cpu_g
+                .iter()
+                .zip(&gpu_g)
+                .map(|(c, g)| rel_l2(g, c))
+                .fold(0f64, f64::max);
             let (mc, mg) = (cpu.metrics(), gst.metrics());
             eprintln!(
                 "{name} DPO (checkpoint {checkpoint}): loss cpu {:.6} gpu {:.6}, margins {:.5} / {:.5}, worst gradient {worst:.2e}",
@@ -211,10 +306,21 @@ fn gpu_dpo_pass_equals_cpu_dpo_pass() {
                 mc.rewards_margins,
                 mg.rewards_margins
             );
-            assert!(rel < 1e-2, "{name}: DPO loss {} vs {}", gst.mean_loss(), cpu.mean_loss());
+            assert!(
+                rel < 1e-2,
+                "{name}: DPO loss {} vs {}",
+                gst.mean_loss(),
+                cpu.mean_loss()
+            );
             // Margins are differences of log-prob sums of ~10 tokens: 1e-2 absolute.
-            assert!((mc.rewards_margins - mg.rewards_margins).abs() < 1e-2, "{name}: margins {mg:?} vs {mc:?}");
-            assert!(worst < 5e-2, "{name}: a DPO gradient differs by {worst:.2e}");
+            assert!(
+                (mc.rewards_margins - mg.rewards_margins).abs() < 1e-2,
+                "{name}: margins {mg:?} vs {mc:?}"
+            );
+            assert!(
+                worst < 5e-2,
+                "{name}: a DPO gradient differs by {worst:.2e}"
+            );
         }
     }
 }

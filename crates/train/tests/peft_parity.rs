@@ -27,7 +27,6 @@ use hf2q_tensor::kv::KvType;
 use hf2q_tensor::Tensor;
 use serde_json::{json, Value};
 
-
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft")
 }
@@ -99,7 +98,9 @@ fn encode(m: &Model, name: &str, text: &str) -> Vec<u32> {
     if name == "smollm2" {
         m.tokenizer().encode(text, true, false).unwrap()
     } else {
-        std::iter::once(256).chain(text.bytes().map(u32::from)).collect()
+        std::iter::once(256)
+            .chain(text.bytes().map(u32::from))
+            .collect()
     }
 }
 
@@ -154,27 +155,39 @@ impl Rng {
 #[ignore]
 fn write_adapter_fixtures() {
     for case in cases() {
-        let Some(mut m) = load(case.name) else { continue };
+        let Some(mut m) = load(case.name) else {
+            continue;
+        };
         let dir = fixtures().join(case.name);
         std::fs::create_dir_all(&dir).unwrap();
         let batch = make_batch(&m, case.name);
-        std::fs::write(dir.join("batch.json"), serde_json::to_string(&batch).unwrap() + "\n").unwrap();
+        std::fs::write(
+            dir.join("batch.json"),
+            serde_json::to_string(&batch).unwrap() + "\n",
+        )
+        .unwrap();
         let base = if case.name == "smollm2" {
             "HuggingFaceTB/SmolLM2-135M-Instruct".to_string()
         } else {
             case.name.to_string()
         };
         m.attach_lora(&case.lora, 1234).unwrap();
-        m.save_adapter(&dir.join("ours_init"), &case.lora, &base).unwrap();
+        m.save_adapter(&dir.join("ours_init"), &case.lora, &base)
+            .unwrap();
         let mut rng = Rng(0xfeed_f00d);
         for (_, l) in m.adapters_mut() {
             let sa = l.a.shape().to_vec();
             let sb = l.b.shape().to_vec();
-            let a: Vec<f32> = l.a.data().iter().map(|x| x + 0.5 * rng.next() * x.abs().max(0.05)).collect();
+            let a: Vec<f32> =
+                l.a.data()
+                    .iter()
+                    .map(|x| x + 0.5 * rng.next() * x.abs().max(0.05))
+                    .collect();
             l.a = Tensor::new(&sa, a).unwrap();
             l.b = Tensor::new(&sb, (0..l.b.len()).map(|_| 0.05 * rng.next()).collect()).unwrap();
         }
-        m.save_adapter(&dir.join("ours_random"), &case.lora, &base).unwrap();
+        m.save_adapter(&dir.join("ours_random"), &case.lora, &base)
+            .unwrap();
         eprintln!("{}: wrote {}", case.name, dir.display());
     }
 }
@@ -188,19 +201,33 @@ use hf2q_tensor::train_op::SeqLayout;
 use hf2q_train::optim::{clip_grad_norm, AdamW, AdamWConfig, Schedule, ScheduleKind};
 
 fn read_json(p: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
-        .unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+    )
+    .unwrap()
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn batch_of(fx: &Value) -> TrainBatch {
-    let lengths: Vec<usize> = u32s(&fx["lengths"]).into_iter().map(|x| x as usize).collect();
+    let lengths: Vec<usize> = u32s(&fx["lengths"])
+        .into_iter()
+        .map(|x| x as usize)
+        .collect();
     TrainBatch {
         ids: u32s(&fx["ids"]),
-        targets: fx["targets"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap() as i32).collect(),
+        targets: fx["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap() as i32)
+            .collect(),
         layout: SeqLayout::from_lengths(&lengths).unwrap(),
     }
 }
@@ -208,7 +235,10 @@ fn batch_of(fx: &Value) -> TrainBatch {
 /// SFT's weights: the mean over labelled rows.
 fn mean_weights(b: &TrainBatch) -> Vec<f32> {
     let n = b.labelled() as f32;
-    b.targets.iter().map(|&t| if t >= 0 { -1.0 / n } else { 0.0 }).collect()
+    b.targets
+        .iter()
+        .map(|&t| if t >= 0 { -1.0 / n } else { 0.0 })
+        .collect()
 }
 
 fn loss_of(out: &hf2q_models::train_pass::PassOut, b: &TrainBatch) -> f64 {
@@ -216,7 +246,11 @@ fn loss_of(out: &hf2q_models::train_pass::PassOut, b: &TrainBatch) -> f64 {
 }
 
 fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den.max(1e-300)).sqrt()
 }
@@ -233,15 +267,27 @@ fn setup(case: &Case) -> Option<(Model, PathBuf, Value, TrainBatch)> {
 #[test]
 fn loss_and_every_lora_gradient_match_peft() {
     for case in cases() {
-        let Some((mut m, dir, golden, batch)) = setup(&case) else { continue };
+        let Some((mut m, dir, golden, batch)) = setup(&case) else {
+            continue;
+        };
         m.load_adapter(&dir.join("ours_random")).unwrap();
         let mut grads = LoraGrads::new();
-        let opts = PassOptions { recompute_blocks: usize::MAX, dropout: false, seed: 0 };
-        let out = m.train_pass(&batch, &mean_weights(&batch), &opts, &mut grads).unwrap();
+        let opts = PassOptions {
+            recompute_blocks: usize::MAX,
+            dropout: false,
+            seed: 0,
+        };
+        let out = m
+            .train_pass(&batch, &mean_weights(&batch), &opts, &mut grads)
+            .unwrap();
         let loss = loss_of(&out, &batch);
         let want = golden["loss"].as_f64().unwrap();
         let rel = (loss - want).abs() / want.abs();
-        assert!(rel < 1e-5, "{}: loss {loss} vs PEFT {want} ({rel:.2e})", case.name);
+        assert!(
+            rel < 1e-5,
+            "{}: loss {loss} vs PEFT {want} ({rel:.2e})",
+            case.name
+        );
         let st = SafeTensors::open(&dir.join("grads.safetensors")).unwrap();
         let mut worst = 0f64;
         for (name, l) in m.adapters() {
@@ -251,13 +297,18 @@ fn loss_and_every_lora_gradient_match_peft() {
             m.b_rows_to_peft(&name, &mut gbv, rows, r).unwrap();
             for (suffix, got) in [("lora_A", ga.data().to_vec()), ("lora_B", gbv)] {
                 let key = format!("base_model.model.{name}.{suffix}.weight");
-                let info = st.tensor(&key).unwrap_or_else(|| panic!("{}: no golden {key}", case.name));
+                let info = st
+                    .tensor(&key)
+                    .unwrap_or_else(|| panic!("{}: no golden {key}", case.name));
                 let e = rel_l2(&got, &st.to_f32(info).unwrap());
                 worst = worst.max(e);
                 assert!(e < 1e-3, "{}: {key} relative error {e:.2e}", case.name);
             }
         }
-        eprintln!("{}: loss {loss:.6} (PEFT {want:.6}), worst gradient error {worst:.2e}", case.name);
+        eprintln!(
+            "{}: loss {loss:.6} (PEFT {want:.6}), worst gradient error {worst:.2e}",
+            case.name
+        );
     }
 }
 
@@ -276,7 +327,10 @@ fn check_probe(case: &Case, m: &Model, fx: &Value, golden: &Value, key: &str) {
         }
     } else {
         for (i, st) in g["top"].as_array().unwrap().iter().enumerate() {
-            for (id, v) in u32s(&st["top_ids"]).iter().zip(st["top_logits"].as_array().unwrap()) {
+            for (id, v) in u32s(&st["top_ids"])
+                .iter()
+                .zip(st["top_logits"].as_array().unwrap())
+            {
                 worst = worst.max((logits.row(i)[*id as usize] - v.as_f64().unwrap() as f32).abs());
             }
         }
@@ -291,7 +345,9 @@ fn check_probe(case: &Case, m: &Model, fx: &Value, golden: &Value, key: &str) {
 #[test]
 fn peft_reads_our_adapter_as_we_do() {
     for case in cases() {
-        let Some((mut m, dir, golden, _)) = setup(&case) else { continue };
+        let Some((mut m, dir, golden, _)) = setup(&case) else {
+            continue;
+        };
         let fx = read_json(&dir.join("batch.json"));
         m.load_adapter(&dir.join("ours_random")).unwrap();
         check_probe(&case, &m, &fx, &golden, "probe_ours_random");
@@ -301,7 +357,9 @@ fn peft_reads_our_adapter_as_we_do() {
 #[test]
 fn we_read_the_adapter_peft_wrote() {
     for case in cases() {
-        let Some((mut m, dir, golden, _)) = setup(&case) else { continue };
+        let Some((mut m, dir, golden, _)) = setup(&case) else {
+            continue;
+        };
         let fx = read_json(&dir.join("batch.json"));
         let cfg = m.load_adapter(&dir.join("peft_trained")).unwrap();
         assert_eq!(cfg.r, case.lora.r);
@@ -312,7 +370,9 @@ fn we_read_the_adapter_peft_wrote() {
 #[test]
 fn twenty_adamw_steps_follow_peft_loss_curve() {
     for case in cases() {
-        let Some((mut m, dir, golden, batch)) = setup(&case) else { continue };
+        let Some((mut m, dir, golden, batch)) = setup(&case) else {
+            continue;
+        };
         m.load_adapter(&dir.join("ours_init")).unwrap();
         let hp = &golden["hp"];
         let f = |k: &str| hp[k].as_f64().unwrap() as f32;
@@ -335,7 +395,11 @@ fn twenty_adamw_steps_follow_peft_loss_curve() {
         };
         let be = m.train_backend_handle();
         let curve = golden["curve"].as_array().unwrap();
-        let opts = PassOptions { recompute_blocks: 0, dropout: false, seed: 0 };
+        let opts = PassOptions {
+            recompute_blocks: 0,
+            dropout: false,
+            seed: 0,
+        };
         let w = mean_weights(&batch);
         let mut worst = 0f64;
         for step in 0..steps {
@@ -344,12 +408,23 @@ fn twenty_adamw_steps_follow_peft_loss_curve() {
             let loss = loss_of(&out, &batch);
             let want = curve[step as usize].as_f64().unwrap();
             worst = worst.max((loss - want).abs());
-            assert!((loss - want).abs() < 1e-3, "{} step {step}: loss {loss} vs PEFT {want}", case.name);
+            assert!(
+                (loss - want).abs() < 1e-3,
+                "{} step {step}: loss {loss} vs PEFT {want}",
+                case.name
+            );
             let norm = clip_grad_norm(&*be, &mut grads, Some(f("max_grad_norm"))).unwrap();
             let want_norm = golden["grad_norms"][step as usize].as_f64().unwrap();
-            assert!((norm - want_norm).abs() < 1e-3 * want_norm.max(1.0), "{} step {step}: grad norm {norm} vs {want_norm}", case.name);
+            assert!(
+                (norm - want_norm).abs() < 1e-3 * want_norm.max(1.0),
+                "{} step {step}: grad norm {norm} vs {want_norm}",
+                case.name
+            );
             adam.update(&mut m, &grads, sched.lr(step)).unwrap();
         }
-        eprintln!("{}: {steps} steps, worst loss difference {worst:.2e}", case.name);
+        eprintln!(
+            "{}: {steps} steps, worst loss difference {worst:.2e}",
+            case.name
+        );
     }
 }

@@ -37,7 +37,10 @@ fn drain(mut r: impl Read, cap: usize) -> (Vec<u8>, usize) {
 fn show(name: &str, (kept, total): (Vec<u8>, usize)) -> String {
     let mut s = String::from_utf8_lossy(&kept).to_string();
     if total > kept.len() {
-        s.push_str(&format!("\n... ({} more bytes of {name} dropped)", total - kept.len()));
+        s.push_str(&format!(
+            "\n... ({} more bytes of {name} dropped)",
+            total - kept.len()
+        ));
     }
     s
 }
@@ -60,8 +63,14 @@ pub fn run_command(root: &Path, command: &str, timeout: Duration) -> ToolResult 
         .spawn()
         .map_err(|e| ToolError::Failed(format!("cannot start sh: {e}")))?;
     let pgid = child.id() as i32;
-    let out = child.stdout.take().map(|o| std::thread::spawn(move || drain(o, OUTPUT_CAP)));
-    let err = child.stderr.take().map(|e| std::thread::spawn(move || drain(e, OUTPUT_CAP)));
+    let out = child
+        .stdout
+        .take()
+        .map(|o| std::thread::spawn(move || drain(o, OUTPUT_CAP)));
+    let err = child
+        .stderr
+        .take()
+        .map(|e| std::thread::spawn(move || drain(e, OUTPUT_CAP)));
     let t0 = Instant::now();
     let mut timed_out = false;
     let status = loop {

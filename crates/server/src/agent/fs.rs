@@ -150,7 +150,10 @@ impl Workspace {
         let text = self.read_text(&path, rel)?;
         let lines: Vec<&str> = text.lines().collect();
         let start = start.unwrap_or(1).max(1);
-        let end = end.unwrap_or(lines.len()).min(lines.len()).min(start + MAX_LINES - 1);
+        let end = end
+            .unwrap_or(lines.len())
+            .min(lines.len())
+            .min(start + MAX_LINES - 1);
         if lines.is_empty() {
             return Ok("(empty file)".into());
         }
@@ -160,7 +163,9 @@ impl Workspace {
                 lines.len()
             )));
         }
-        let mut out: Vec<String> = (start..=end).map(|i| format!("{i}: {}", lines[i - 1])).collect();
+        let mut out: Vec<String> = (start..=end)
+            .map(|i| format!("{i}: {}", lines[i - 1]))
+            .collect();
         if end < lines.len() {
             out.push(format!("... ({} more lines)", lines.len() - end));
         }
@@ -182,7 +187,9 @@ impl Workspace {
             if hits.len() >= MAX_LINES || files > 10_000 {
                 break;
             }
-            let Ok(meta) = fs::symlink_metadata(&p) else { continue };
+            let Ok(meta) = fs::symlink_metadata(&p) else {
+                continue;
+            };
             if meta.is_dir() {
                 let Ok(rd) = fs::read_dir(&p) else { continue };
                 let mut kids: Vec<PathBuf> = rd
@@ -194,7 +201,9 @@ impl Workspace {
                 stack.extend(kids.into_iter().rev());
             } else if meta.is_file() && (meta.len() as usize) <= MAX_READ_BYTES {
                 files += 1;
-                let Ok(text) = fs::read_to_string(&p) else { continue };
+                let Ok(text) = fs::read_to_string(&p) else {
+                    continue;
+                };
                 for (i, line) in text.lines().enumerate() {
                     if re.is_match(line) {
                         hits.push(format!("{}:{}: {line}", self.rel(&p), i + 1));
@@ -236,18 +245,29 @@ impl Workspace {
             fs::create_dir_all(parent).map_err(|e| ToolError::Failed(format!("{rel}: {e}")))?;
         }
         fs::write(&path, content).map_err(|e| ToolError::Failed(format!("{rel}: {e}")))?;
-        Ok(format!("wrote {} bytes to {}", content.len(), self.rel(&path)))
+        Ok(format!(
+            "wrote {} bytes to {}",
+            content.len(),
+            self.rel(&path)
+        ))
     }
 
     /// The file after replacing the one occurrence of `old` by `new`.
-    fn edited(&self, rel: &str, old: &str, new: &str) -> Result<(PathBuf, String, String), ToolError> {
+    fn edited(
+        &self,
+        rel: &str,
+        old: &str,
+        new: &str,
+    ) -> Result<(PathBuf, String, String), ToolError> {
         if old.is_empty() {
             return Err(ToolError::Failed("old_text must not be empty".into()));
         }
         let path = self.resolve(rel)?;
         let text = self.read_text(&path, rel)?;
         match text.matches(old).count() {
-            0 => Err(ToolError::Failed(format!("old_text does not occur in {rel}"))),
+            0 => Err(ToolError::Failed(format!(
+                "old_text does not occur in {rel}"
+            ))),
             1 => {
                 let after = text.replacen(old, new, 1);
                 Ok((path, text, after))
@@ -292,7 +312,10 @@ pub fn diff(name: &str, old: Option<&str>, new: &str) -> String {
     }
     let ctx = 3;
     let s = pre.saturating_sub(ctx);
-    let (ea, eb) = ((a.len() - post + ctx).min(a.len()), (b.len() - post + ctx).min(b.len()));
+    let (ea, eb) = (
+        (a.len() - post + ctx).min(a.len()),
+        (b.len() - post + ctx).min(b.len()),
+    );
     let mut out = head;
     out.push_str(&format!(
         "@@ -{},{} +{},{} @@\n",

@@ -81,19 +81,42 @@ pub fn tool_definitions() -> Value {
     };
     let path = json!({"type": "string", "description": "a path relative to the workspace folder; . is the folder itself"});
     json!([
-        f("list_dir", "List the files and folders in a folder of the workspace.",
-          json!({"path": path}), &["path"]),
-        f("read_file", "Read lines of a text file of the workspace (1-based, inclusive).",
-          json!({"path": path, "start_line": {"type": "integer"}, "end_line": {"type": "integer"}}), &["path"]),
-        f("search", "Find the lines matching a regular expression in the files under a folder.",
-          json!({"pattern": {"type": "string"}, "path": path}), &["pattern"]),
-        f("write_file", "Create or overwrite a text file in the workspace.",
-          json!({"path": path, "content": {"type": "string"}}), &["path", "content"]),
-        f("edit_file", "Replace the one occurrence of old_text by new_text in a file.",
-          json!({"path": path, "old_text": {"type": "string"}, "new_text": {"type": "string"}}),
-          &["path", "old_text", "new_text"]),
-        f("run_command", "Run a shell command in the workspace folder.",
-          json!({"command": {"type": "string"}}), &["command"]),
+        f(
+            "list_dir",
+            "List the files and folders in a folder of the workspace.",
+            json!({"path": path}),
+            &["path"]
+        ),
+        f(
+            "read_file",
+            "Read lines of a text file of the workspace (1-based, inclusive).",
+            json!({"path": path, "start_line": {"type": "integer"}, "end_line": {"type": "integer"}}),
+            &["path"]
+        ),
+        f(
+            "search",
+            "Find the lines matching a regular expression in the files under a folder.",
+            json!({"pattern": {"type": "string"}, "path": path}),
+            &["pattern"]
+        ),
+        f(
+            "write_file",
+            "Create or overwrite a text file in the workspace.",
+            json!({"path": path, "content": {"type": "string"}}),
+            &["path", "content"]
+        ),
+        f(
+            "edit_file",
+            "Replace the one occurrence of old_text by new_text in a file.",
+            json!({"path": path, "old_text": {"type": "string"}, "new_text": {"type": "string"}}),
+            &["path", "old_text", "new_text"]
+        ),
+        f(
+            "run_command",
+            "Run a shell command in the workspace folder.",
+            json!({"command": {"type": "string"}}),
+            &["command"]
+        ),
     ])
 }
 
@@ -289,11 +312,9 @@ impl Agent {
                 arg(args, "old_text")?,
                 arg(args, "new_text")?,
             ),
-            "run_command" => exec::run_command(
-                ws.root(),
-                arg(args, "command")?,
-                self.cfg.command_timeout,
-            ),
+            "run_command" => {
+                exec::run_command(ws.root(), arg(args, "command")?, self.cfg.command_timeout)
+            }
             other => Err(ToolError::Refused(format!("unknown tool '{other}'"))),
         }
     }

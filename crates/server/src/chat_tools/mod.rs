@@ -56,7 +56,8 @@ impl ToolsRequest {
 fn valid_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 64
-        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        && n.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// `tools`, `tool_choice`, `parallel_tool_calls` (and the legacy `functions` /
@@ -84,7 +85,10 @@ pub fn parse_tools(m: &Map<String, Value>) -> ApiResult<Option<ToolsRequest>> {
     if list.len() > MAX_TOOLS {
         return Err(ApiError::invalid(
             "tools",
-            format!("at most {MAX_TOOLS} tools are allowed, {} given", list.len()),
+            format!(
+                "at most {MAX_TOOLS} tools are allowed, {} given",
+                list.len()
+            ),
         ));
     }
     let mut tools: Vec<ToolSpec> = Vec::with_capacity(list.len());
@@ -108,7 +112,9 @@ pub fn parse_tools(m: &Map<String, Value>) -> ApiResult<Option<ToolsRequest>> {
         if !valid_name(name) {
             return Err(ApiError::invalid(
                 &format!("{p}.function.name"),
-                format!("tool name '{name}' must be 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'"),
+                format!(
+                    "tool name '{name}' must be 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'"
+                ),
             ));
         }
         if tools.iter().any(|x| x.name == name) {
@@ -289,7 +295,9 @@ pub fn parse_assistant_calls(v: &Value, param: &str) -> ApiResult<Vec<Value>> {
             Some(Value::String(s)) => s.clone(),
             Some(_) => return Err(ApiError::wrong_type(&format!("{p}.id"), "a string")),
         };
-        out.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}));
+        out.push(
+            json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}),
+        );
     }
     Ok(out)
 }

@@ -141,7 +141,10 @@ mod tests {
         assert_ne!(a, b);
         assert!(a.starts_with("call_") && a.len() == 29, "{a}");
         let m = call_id(ToolFormat::Mistral { v11: false });
-        assert!(m.len() == 9 && m.chars().all(|c| c.is_ascii_alphanumeric()), "{m}");
+        assert!(
+            m.len() == 9 && m.chars().all(|c| c.is_ascii_alphanumeric()),
+            "{m}"
+        );
     }
 
     #[test]
@@ -160,14 +163,23 @@ mod tests {
         // Reassemble as a client does: per index, id/name once, arguments concatenated.
         let mut calls: Vec<(String, String, String)> = Vec::new();
         for d in &deltas {
-            assert!(d.get("content").is_none(), "markup leaked into content: {d}");
+            assert!(
+                d.get("content").is_none(),
+                "markup leaked into content: {d}"
+            );
             for c in d["tool_calls"].as_array().unwrap() {
                 let i = c["index"].as_u64().unwrap() as usize;
                 if let Some(id) = c["id"].as_str() {
                     assert_eq!(calls.len(), i, "indexes increase by one");
-                    calls.push((id.into(), c["function"]["name"].as_str().unwrap().into(), String::new()));
+                    calls.push((
+                        id.into(),
+                        c["function"]["name"].as_str().unwrap().into(),
+                        String::new(),
+                    ));
                 }
-                calls[i].2.push_str(c["function"]["arguments"].as_str().unwrap());
+                calls[i]
+                    .2
+                    .push_str(c["function"]["arguments"].as_str().unwrap());
             }
         }
         assert_eq!(calls.len(), 2);

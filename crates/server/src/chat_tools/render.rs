@@ -55,7 +55,8 @@ pub fn template_inputs(
                 let text = format!("Tool result ({who}): {content}");
                 match out.last_mut() {
                     Some(prev) if prev["role"] == "user" && prev["tool_result"] == true => {
-                        let joined = format!("{}\n{text}", prev["content"].as_str().unwrap_or_default());
+                        let joined =
+                            format!("{}\n{text}", prev["content"].as_str().unwrap_or_default());
                         prev["content"] = joined.into();
                     }
                     _ => out.push(json!({"role": "user", "content": text, "tool_result": true})),
@@ -73,7 +74,10 @@ pub fn template_inputs(
         let prompt = generic_tool_prompt(&t.tools);
         match out.first_mut() {
             Some(first) if first["role"] == "system" => {
-                let c = format!("{}\n\n{prompt}", first["content"].as_str().unwrap_or_default());
+                let c = format!(
+                    "{}\n\n{prompt}",
+                    first["content"].as_str().unwrap_or_default()
+                );
                 first["content"] = c.into();
             }
             _ => out.insert(0, json!({"role": "system", "content": prompt})),
@@ -154,7 +158,9 @@ pub fn constraint(
     }
     let token = |s: &str| tok.token_to_id(s);
     let internal = |e: ModelError| {
-        ApiError::internal(format!("the tool-call grammar for this model failed to compile: {e}"))
+        ApiError::internal(format!(
+            "the tool-call grammar for this model failed to compile: {e}"
+        ))
     };
     match &t.choice {
         ToolChoice::Required | ToolChoice::Named(_) => {

@@ -38,7 +38,10 @@ fn agent(st: &Shared) -> ApiResult<Agent> {
 /// `Sec-Fetch-Site: cross-site`).
 pub async fn same_origin(req: Request, next: Next) -> Response {
     let h = req.headers();
-    let host = h.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let host = h
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     let cross_origin = h
         .get(header::ORIGIN)
         .and_then(|v| v.to_str().ok())

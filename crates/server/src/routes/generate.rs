@@ -598,18 +598,12 @@ impl SseState {
                     self.push_deltas(index, deltas, Value::Null);
                 }
                 let choice = match self.kind {
-                    Kind::Chat => openai::chat_chunk_choice(
-                        index,
-                        json!({}),
-                        Value::Null,
-                        Some(finish),
-                    ),
-                    Kind::Completion => openai::completion_chunk_choice(
-                        index,
-                        "",
-                        Value::Null,
-                        Some(finish),
-                    ),
+                    Kind::Chat => {
+                        openai::chat_chunk_choice(index, json!({}), Value::Null, Some(finish))
+                    }
+                    Kind::Completion => {
+                        openai::completion_chunk_choice(index, "", Value::Null, Some(finish))
+                    }
                 };
                 self.push_choice(choice);
                 self.remaining -= 1;

@@ -82,9 +82,9 @@ impl Format {
             Some(Shape::Alpaca) => Format::Alpaca,
             Some(Shape::PromptCompletion) => Format::PromptCompletion,
             Some(Shape::Text) => Format::Text,
-            Some(Shape::PairText | Shape::PairMessages | Shape::PairImplicit | Shape::PairShareGpt) => {
-                Format::Dpo
-            }
+            Some(
+                Shape::PairText | Shape::PairMessages | Shape::PairImplicit | Shape::PairShareGpt,
+            ) => Format::Dpo,
         }
     }
 }
