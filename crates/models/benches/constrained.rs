@@ -41,7 +41,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Replays the real replies of `instances.json` (Qwen2.5-Coder's constrained greedy outputs,
 /// made by `scripts/goldens/constrained-instances.sh`), tokenized with `tok`: the mask of every
 /// step is computed and timed, then the reply's next token committed (it must be allowed).
-fn replay(tok: &Tokenizer, env: &ConstraintEnv) -> Vec<f64> {
+fn replay(tok: &Tokenizer, env: &ConstraintEnv, verbose: bool) -> Vec<f64> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/constrained/instances.json");
     let inst: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
     let by_name: std::collections::HashMap<String, Value> = schemas().into_iter().collect();
@@ -66,7 +66,7 @@ fn replay(tok: &Tokenizer, env: &ConstraintEnv) -> Vec<f64> {
             if step > 0 {
                 times.push(dt);
             }
-            if dt > 5e-4 && std::env::var("HF2Q_BENCH_VERBOSE").is_ok() {
+            if dt > 5e-4 && verbose {
                 let before = tok.decode(&ids[..step], false).unwrap_or_default();
                 println!("slow mask: {name} {:.2} ms after {before:?}", dt * 1e3);
             }
@@ -90,7 +90,7 @@ fn stats(label: &str, mut times: Vec<f64>) {
     );
 }
 
-fn mask_bench(dir: &Path) {
+fn mask_bench(dir: &Path, verbose: bool) {
     let tok = Tokenizer::from_hf_files(
         &dir.join("tokenizer.json"),
         Some(&dir.join("tokenizer_config.json")),
@@ -135,7 +135,7 @@ fn mask_bench(dir: &Path) {
             c.commit(id).unwrap();
         }
     }
-    if std::env::var("HF2Q_BENCH_VERBOSE").is_ok() {
+    if verbose {
         for (dt, name, step) in &slow {
             println!("slow mask: {name} step {step}: {:.2} ms", dt * 1e3);
         }
@@ -145,7 +145,7 @@ fn mask_bench(dir: &Path) {
     let v = tok.vocab_size();
     stats(
         &format!("mask per token, real replies, {v} tokens"),
-        replay(&tok, &env),
+        replay(&tok, &env, verbose),
     );
     stats(&format!("mask per token, random walks, {v} tokens"), times);
     println!(
@@ -173,7 +173,7 @@ fn decode_bench(path: &Path, cuda: bool) {
             .expect("a CUDA device");
         let be = hf2q_tensor::cuda_backend::CudaBackend::new(dev, hf2q_tensor::cuda::KvDtype::F16)
             .unwrap();
-        model.set_cuda(Some(std::sync::Arc::new(be)));
+        model.set_cuda(Some(std::sync::Arc::new(be))).unwrap();
     }
     model.warm_up().unwrap();
     let env = ConstraintEnv::new(model.tokenizer(), model.vocab_size()).unwrap();
@@ -230,27 +230,50 @@ fn decode_bench(path: &Path, cuda: bool) {
     );
 }
 
+/// What the bench is pointed at, read from the environment once, in `main`.
+struct BenchConfig {
+    /// `HF2Q_TEST_TOKENIZERS_DIR`: the folder of `scripts/fetch-tokenizers.sh` (mask bench).
+    tokenizers: Option<PathBuf>,
+    /// `HF2Q_BENCH_MODEL`: a model file (decode bench).
+    model: Option<PathBuf>,
+    /// `HF2Q_BENCH_DEVICE=cuda`: decode on the GPU.
+    cuda: bool,
+    /// `HF2Q_BENCH_VERBOSE`: list the slow masks.
+    verbose: bool,
+}
+
+impl BenchConfig {
+    fn from_env() -> BenchConfig {
+        let path = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        BenchConfig {
+            tokenizers: path("HF2Q_TEST_TOKENIZERS_DIR"),
+            model: path("HF2Q_BENCH_MODEL"),
+            cuda: std::env::var("HF2Q_BENCH_DEVICE").as_deref() == Ok("cuda"),
+            verbose: std::env::var("HF2Q_BENCH_VERBOSE").is_ok(),
+        }
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; nothing else is taken.
+    let cfg = BenchConfig::from_env();
     let threads = rayon::current_num_threads();
     println!("(rayon threads: {threads})");
-    match std::env::var("HF2Q_TEST_TOKENIZERS_DIR") {
-        Ok(d) if !d.is_empty() => mask_bench(&PathBuf::from(d).join("llama3")),
-        _ => println!("mask benchmark skipped: HF2Q_TEST_TOKENIZERS_DIR is not set"),
+    match &cfg.tokenizers {
+        Some(d) => mask_bench(&d.join("llama3"), cfg.verbose),
+        None => println!("mask benchmark skipped: HF2Q_TEST_TOKENIZERS_DIR is not set"),
     }
-    match std::env::var("HF2Q_BENCH_MODEL") {
-        Ok(p) if !p.is_empty() => {
-            // Forward passes start from a pool worker, as in the CLI.
-            rayon::ThreadPoolBuilder::new()
-                .build()
-                .unwrap()
-                .install(|| {
-                    decode_bench(
-                        Path::new(&p),
-                        std::env::var("HF2Q_BENCH_DEVICE").as_deref() == Ok("cuda"),
-                    )
-                })
-        }
-        _ => println!("decode benchmark skipped: HF2Q_BENCH_MODEL is not set"),
+    match &cfg.model {
+        // Forward passes start from a pool worker, as in the CLI.
+        Some(p) => rayon::ThreadPoolBuilder::new()
+            .build()
+            .unwrap()
+            .install(|| decode_bench(p, cfg.cuda)),
+        None => println!("decode benchmark skipped: HF2Q_BENCH_MODEL is not set"),
     }
 }

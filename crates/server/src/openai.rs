@@ -425,23 +425,24 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<Value> {
         Some(_) => return Err(ApiError::wrong_type(&p("role"), "a string")),
         None => return Err(ApiError::missing(&p("role"))),
     };
-    let role =
-        match role {
-            "system" | "developer" => "system",
-            "user" | "assistant" | "tool" => role,
-            "function" => {
-                return Err(ApiError::unsupported(
-                    &p("role"),
-                    "messages with the legacy role 'function' are not supported; use role 'tool'",
-                ))
-            }
-            other => return Err(ApiError::invalid(
+    let role = match role {
+        "system" | "developer" => "system",
+        "user" | "assistant" | "tool" => role,
+        "function" => {
+            return Err(ApiError::unsupported(
+                &p("role"),
+                "messages with the legacy role 'function' are not supported; use role 'tool'",
+            ))
+        }
+        other => {
+            return Err(ApiError::invalid(
                 &p("role"),
                 format!(
                     "unknown role '{other}' (expected system, developer, user, assistant or tool)"
                 ),
-            )),
-        };
+            ))
+        }
+    };
     if present(m, "function_call").is_some() {
         return Err(ApiError::unsupported(
             &p("function_call"),

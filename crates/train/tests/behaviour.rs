@@ -6,6 +6,9 @@
 //! unbroken run. Skipped (prints "skipped") without the two files; `scripts/test.sh` fetches
 //! both.
 
+mod common;
+use common::env_path;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -16,16 +19,6 @@ use hf2q_models::Model;
 use hf2q_train::data::Dataset;
 use hf2q_train::report::{Event, Observer, Quiet};
 use hf2q_train::trainer::{prepare, Length, Outcome, TrainConfig, Trainer};
-
-fn env_path(var: &str) -> Option<PathBuf> {
-    match std::env::var(var) {
-        Ok(p) if !p.is_empty() => Some(PathBuf::from(p)),
-        _ => {
-            eprintln!("skipped: {var} is not set");
-            None
-        }
-    }
-}
 
 /// Alpaca records with short answers (under 160 characters), answers uppercased; the held-out
 /// questions are the next records of the same kind.

@@ -5,6 +5,9 @@
 //! held-out pairs' chosen-minus-rejected log-probability margin rises and the held-out
 //! rewards/accuracies exceed 0.8. Skipped (prints "skipped") without the two files.
 
+mod common;
+use common::env_path;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
@@ -12,16 +15,6 @@ use hf2q_models::Model;
 use hf2q_train::data::Dataset;
 use hf2q_train::report::{Event, Observer};
 use hf2q_train::trainer::{prepare, Length, Objective, Outcome, TrainConfig, Trainer};
-
-fn env_path(var: &str) -> Option<PathBuf> {
-    match std::env::var(var) {
-        Ok(p) if !p.is_empty() => Some(PathBuf::from(p)),
-        _ => {
-            eprintln!("skipped: {var} is not set");
-            None
-        }
-    }
-}
 
 /// Pairs (prompt messages, chosen, rejected) from short Alpaca answers: `train` pairs, then
 /// `held` held-out pairs of other questions.
