@@ -300,6 +300,24 @@ fn read_f32(st: &SafeTensors, name: &str, file: &Path) -> Result<(Vec<f32>, Vec<
     Ok((v, info.shape.clone()))
 }
 
+/// f32 tensors gathered for one safetensors file, as `(name, shape, little-endian bytes)`.
+#[derive(Default)]
+pub(crate) struct F32Tensors(Vec<(String, Vec<usize>, Vec<u8>)>);
+
+impl F32Tensors {
+    pub(crate) fn push(&mut self, name: String, shape: Vec<usize>, values: &[f32]) {
+        let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.0.push((name, shape, bytes));
+    }
+    /// The tensors as `write_safetensors` takes them.
+    pub(crate) fn refs(&self) -> Vec<hf2q_tensor::io::safetensors::StTensorRef<'_>> {
+        self.0
+            .iter()
+            .map(|(n, sh, b)| (n.clone(), StDtype::F32, sh.clone(), b.as_slice()))
+            .collect()
+    }
+}
+
 /// Writes factors as a PEFT folder's two files into the existing folder `dir` (each file
 /// atomically, the config last). Per-module ranks and alphas that differ from the config's
 /// become `rank_pattern` / `alpha_pattern` entries keyed by the full module name.
@@ -307,28 +325,13 @@ pub fn write_peft_files(dir: &Path, f: &AdapterFactors, base_name: &str) -> Resu
     if f.modules.is_empty() {
         return Err(Error::Msg("the adapter has no module to save".into()));
     }
-    let mut names = Vec::new();
-    let mut shapes = Vec::new();
-    let mut bytes: Vec<Vec<u8>> = Vec::new();
+    let mut tensors = F32Tensors::default();
     for m in &f.modules {
         let stem = format!("base_model.model.{}", m.name());
-        names.push(format!("{stem}.lora_A.weight"));
-        shapes.push(vec![m.r, m.cols]);
-        bytes.push(m.a.iter().flat_map(|x| x.to_le_bytes()).collect());
-        names.push(format!("{stem}.lora_B.weight"));
-        shapes.push(vec![m.rows, m.r]);
-        bytes.push(m.b.iter().flat_map(|x| x.to_le_bytes()).collect());
+        tensors.push(format!("{stem}.lora_A.weight"), vec![m.r, m.cols], &m.a);
+        tensors.push(format!("{stem}.lora_B.weight"), vec![m.rows, m.r], &m.b);
     }
-    let refs: Vec<_> = (0..names.len())
-        .map(|i| {
-            (
-                names[i].clone(),
-                StDtype::F32,
-                shapes[i].clone(),
-                bytes[i].as_slice(),
-            )
-        })
-        .collect();
+    let refs = tensors.refs();
     let mut config = peft_config_json(&f.config, base_name);
     let mut ranks = serde_json::Map::new();
     let mut alphas = serde_json::Map::new();

@@ -12,10 +12,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use hf2q_tensor::io::safetensors::{write_safetensors, SafeTensors, StDtype};
+use hf2q_tensor::io::safetensors::{write_safetensors, SafeTensors};
 use serde_json::{json, Value};
 
-use super::factors::{check_finite, module_path, parse_module, targets_of, Halves, ModuleFactors};
+use super::factors::{
+    check_finite, module_path, parse_module, targets_of, F32Tensors, Halves, ModuleFactors,
+};
 use super::{write_dir_atomically, write_file_atomically, AdapterFactors, LoraConfig, CONFIG_FILE};
 use crate::config::ModelConfig;
 use crate::{Error, Result};
@@ -65,9 +67,7 @@ pub fn write(dir: &Path, f: &AdapterFactors, base: &ModelConfig) -> Result<()> {
         }
     };
     let scale = f.scale_of(m0);
-    let mut names = Vec::new();
-    let mut shapes = Vec::new();
-    let mut bytes: Vec<Vec<u8>> = Vec::new();
+    let mut tensors = F32Tensors::default();
     for m in &f.modules {
         let s = f.scale_of(m);
         let mut b = m.b.clone();
@@ -75,21 +75,15 @@ pub fn write(dir: &Path, f: &AdapterFactors, base: &ModelConfig) -> Result<()> {
             b.iter_mut().for_each(|x| *x *= s / scale);
         }
         let stem = m.name();
-        names.push(format!("{stem}.lora_a"));
-        shapes.push(vec![m.cols, m.r]);
-        bytes.push(
-            transpose(&m.a, m.r, m.cols)
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
+        tensors.push(
+            format!("{stem}.lora_a"),
+            vec![m.cols, m.r],
+            &transpose(&m.a, m.r, m.cols),
         );
-        names.push(format!("{stem}.lora_b"));
-        shapes.push(vec![m.r, m.rows]);
-        bytes.push(
-            transpose(&b, m.rows, m.r)
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
+        tensors.push(
+            format!("{stem}.lora_b"),
+            vec![m.r, m.rows],
+            &transpose(&b, m.rows, m.r),
         );
     }
     let keys: Vec<String> = f
@@ -109,16 +103,7 @@ pub fn write(dir: &Path, f: &AdapterFactors, base: &ModelConfig) -> Result<()> {
         },
     });
     write_dir_atomically(dir, |tmp| {
-        let refs: Vec<_> = (0..names.len())
-            .map(|i| {
-                (
-                    names[i].clone(),
-                    StDtype::F32,
-                    shapes[i].clone(),
-                    bytes[i].as_slice(),
-                )
-            })
-            .collect();
+        let refs = tensors.refs();
         let meta = BTreeMap::from([("format".to_string(), "mlx".to_string())]);
         write_safetensors(&tmp.join(WEIGHTS_FILE), &refs, &meta)?;
         let text = serde_json::to_string_pretty(&config)
