@@ -75,6 +75,9 @@ pub struct ConvertArgs {
     /// MLX group size when --type does not name one.
     #[arg(long, value_name = "G")]
     pub group_size: Option<usize>,
+    /// NDJSON on stdout: progress events, then one `{"event": "result", ...}` line.
+    #[arg(long)]
+    pub json: bool,
 }
 
 fn st(d: Option<Dtype>) -> Option<StDtype> {
@@ -86,6 +89,7 @@ fn st(d: Option<Dtype>) -> Option<StDtype> {
 }
 
 pub fn run(a: ConvertArgs) -> Result<()> {
+    crate::progress::set_json(a.json);
     if adapter::is_adapter(Path::new(&a.input)) {
         return run_adapter(&a);
     }
@@ -129,13 +133,22 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     let t0 = Instant::now();
     let r = convert(&src, &a.output, &target, &bar)
         .with_context(|| format!("writing {}", a.output.display()))?;
+    let secs = t0.elapsed().as_secs_f64();
     eprintln!(
         "wrote {} ({:.1} MB, {} tensors) in {:.1} s",
         a.output.display(),
         r.bytes_written as f64 / 1e6,
         r.tensors.len(),
-        t0.elapsed().as_secs_f64()
+        secs
     );
+    crate::progress::json_line(serde_json::json!({
+        "event": "result",
+        "output": a.output.display().to_string(),
+        "bytes": r.bytes_written,
+        "tensors": r.tensors.len(),
+        "bits_per_weight": r.bits_per_weight(),
+        "seconds": secs,
+    }));
     Ok(())
 }
 
@@ -196,5 +209,12 @@ fn run_adapter(a: &ConvertArgs) -> Result<()> {
         f.config.r,
         adapter::detect(input)
     );
+    crate::progress::json_line(serde_json::json!({
+        "event": "result",
+        "output": a.output.display().to_string(),
+        "to": a.to.name(),
+        "modules": f.modules.len(),
+        "r": f.config.r,
+    }));
     Ok(())
 }

@@ -20,7 +20,7 @@ use hf2q_tensor::io::safetensors::StDtype;
 use hf2q_tensor::quant::mlx::AffineParams;
 
 use crate::convert::To;
-use crate::quantize::{open_source, print_summary, report_card, Bar};
+use crate::quantize::{json_result, open_source, print_summary, report_card, Bar};
 
 #[derive(clap::Args, Debug)]
 pub struct FuseArgs {
@@ -49,6 +49,10 @@ pub struct FuseArgs {
     /// Evaluate at most N chunks.
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub eval_chunks: usize,
+    /// NDJSON on stdout: progress events, then one `{"event": "result", ...}` line (with the
+    /// report card under `card` when --eval is given).
+    #[arg(long)]
+    pub json: bool,
 }
 
 fn float_dtype(t: &str) -> Result<StDtype> {
@@ -61,6 +65,7 @@ fn float_dtype(t: &str) -> Result<StDtype> {
 }
 
 pub fn run(a: FuseArgs) -> Result<()> {
+    crate::progress::set_json(a.json);
     let mut src = open_source(&a.model)?;
     // The output is settled first, so that a bad --to or --type is refused before any work.
     let to = a.to.unwrap_or(match src.format() {
@@ -122,9 +127,10 @@ pub fn run(a: FuseArgs) -> Result<()> {
         written,
         ..Default::default()
     };
-    print_summary(&q, &a.output, t0.elapsed().as_secs_f64());
-    if let Some(text) = &a.eval {
-        report_card(
+    let secs = t0.elapsed().as_secs_f64();
+    print_summary(&q, &a.output, secs);
+    let card = match &a.eval {
+        Some(text) => Some(report_card(
             &src.path,
             Some(&a.adapter),
             &a.output,
@@ -132,7 +138,9 @@ pub fn run(a: FuseArgs) -> Result<()> {
             a.eval_ctx,
             a.eval_chunks,
             &q,
-        )?;
-    }
+        )?),
+        None => None,
+    };
+    json_result(&q, &a.output, secs, card.as_ref(), serde_json::json!({}));
     Ok(())
 }

@@ -25,8 +25,14 @@ pub fn set_json(on: bool) {
     JSON.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn json_line(v: serde_json::Value) {
-    if JSON.load(std::sync::atomic::Ordering::Relaxed) {
+/// Whether `--json` is on: human text then stays off stdout.
+pub fn json_on() -> bool {
+    JSON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One NDJSON line on stdout, under `--json` only.
+pub fn json_line(v: serde_json::Value) {
+    if json_on() {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{v}");

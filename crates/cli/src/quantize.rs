@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use hf2q_models::convert::source::SourceModel;
 use hf2q_models::convert::Progress;
-use hf2q_models::perplexity::{perplexity, PerplexityOptions};
+use hf2q_models::perplexity::{perplexity, PerplexityOptions, PerplexityReport};
 use hf2q_models::quantize::imatrix::Imatrix;
 use hf2q_models::quantize::mixed::{quantize_mixed, MixedOptions};
 use hf2q_models::quantize::presets::{GgufRecipe, QuantTarget};
@@ -184,9 +184,10 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
         &bar,
     )
     .with_context(|| format!("writing {}", a.output.display()))?;
-    print_summary(&report, &a.output, t0.elapsed().as_secs_f64());
-    if let Some(text) = &a.eval {
-        report_card(
+    let secs = t0.elapsed().as_secs_f64();
+    print_summary(&report, &a.output, secs);
+    let card = match &a.eval {
+        Some(text) => Some(report_card(
             &src.path,
             None,
             &a.output,
@@ -194,8 +195,16 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
             a.eval_ctx,
             a.eval_chunks,
             &report,
-        )?;
-    }
+        )?),
+        None => None,
+    };
+    json_result(
+        &report,
+        &a.output,
+        secs,
+        card.as_ref(),
+        serde_json::json!({}),
+    );
     Ok(())
 }
 
@@ -222,28 +231,31 @@ fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
     let result = quantize_mixed(&src, &a.output, &opts, &bar);
     let _ = std::fs::remove_dir_all(&scratch);
     let (report, alloc) = result.with_context(|| format!("writing {}", a.output.display()))?;
-    println!(
-        "allocation ({} groups, estimated KL {:.5} = sum of per-group measurements):",
-        alloc.groups.len(),
-        alloc.estimated_kl
-    );
-    for g in &alloc.groups {
-        let types: Vec<String> = g.types.iter().map(|t| t.to_string()).collect();
+    if !crate::progress::json_on() {
         println!(
-            "  {:14} {:16} KL {:.5}  {:8.2} MB",
-            g.name,
-            types.join("+"),
-            g.kl,
-            g.bytes as f64 / 1e6
+            "allocation ({} groups, estimated KL {:.5} = sum of per-group measurements):",
+            alloc.groups.len(),
+            alloc.estimated_kl
         );
+        for g in &alloc.groups {
+            let types: Vec<String> = g.types.iter().map(|t| t.to_string()).collect();
+            println!(
+                "  {:14} {:16} KL {:.5}  {:8.2} MB",
+                g.name,
+                types.join("+"),
+                g.kl,
+                g.bytes as f64 / 1e6
+            );
+        }
     }
     let q = QuantizeReport {
         written: report,
         ..Default::default()
     };
-    print_summary(&q, &a.output, t0.elapsed().as_secs_f64());
-    if let Some(text) = &a.eval {
-        report_card(
+    let secs = t0.elapsed().as_secs_f64();
+    print_summary(&q, &a.output, secs);
+    let card = match &a.eval {
+        Some(text) => Some(report_card(
             &src.path,
             None,
             &a.output,
@@ -251,8 +263,24 @@ fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
             a.eval_ctx,
             a.eval_chunks,
             &q,
-        )?;
-    }
+        )?),
+        None => None,
+    };
+    let groups: Vec<serde_json::Value> = alloc
+        .groups
+        .iter()
+        .map(|g| {
+            let types: Vec<String> = g.types.iter().map(|t| t.to_string()).collect();
+            serde_json::json!({"name": g.name, "types": types, "kl": g.kl, "bytes": g.bytes})
+        })
+        .collect();
+    json_result(
+        &q,
+        &a.output,
+        secs,
+        card.as_ref(),
+        serde_json::json!({"allocation": {"groups": groups, "estimated_kl": alloc.estimated_kl}}),
+    );
     Ok(())
 }
 
@@ -296,7 +324,7 @@ pub(crate) fn print_summary(r: &QuantizeReport, out: &Path, secs: f64) {
 }
 
 /// Perplexity and KL of the output against the input (with `adapter` applied, when given) on
-/// `text`.
+/// `text`, printed as a card unless `--json` is on.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn report_card(
     input: &Path,
@@ -306,7 +334,7 @@ pub(crate) fn report_card(
     ctx: usize,
     chunks: usize,
     r: &QuantizeReport,
-) -> Result<()> {
+) -> Result<PerplexityReport> {
     let s = std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
     let mut base = Model::load(input).with_context(|| format!("loading {}", input.display()))?;
     if let Some(a) = adapter {
@@ -329,6 +357,13 @@ pub(crate) fn report_card(
         bar.set(i as u64, format!("PPL {p:.4}"));
     })?;
     bar.finish(format!("{} chunks", rep.n_chunks));
+    if !crate::progress::json_on() {
+        print_card(&rep, output, r);
+    }
+    Ok(rep)
+}
+
+fn print_card(rep: &PerplexityReport, output: &Path, r: &QuantizeReport) {
     let kl = rep.kl.as_ref().expect("base given");
     println!("report card: {}", output.display());
     println!(
@@ -352,5 +387,36 @@ pub(crate) fn report_card(
         "  scored            {} tokens in {} chunks of {}",
         rep.n_scored, rep.n_chunks, rep.ctx
     );
-    Ok(())
+}
+
+/// The closing NDJSON line under `--json`: what was written (size, bits per weight, tensor
+/// types), the seconds it took, the report card (`perplexity --json`'s result against the
+/// input) when one was made, and `extra` fields of the caller.
+pub(crate) fn json_result(
+    r: &QuantizeReport,
+    out: &Path,
+    secs: f64,
+    card: Option<&PerplexityReport>,
+    extra: serde_json::Value,
+) {
+    let w = &r.written;
+    let mut types: std::collections::BTreeMap<String, usize> = Default::default();
+    for t in &w.tensors {
+        *types.entry(t.2.clone()).or_default() += 1;
+    }
+    let mut v = serde_json::json!({
+        "event": "result",
+        "output": out.display().to_string(),
+        "bytes": w.bytes_written,
+        "bits_per_weight": w.bits_per_weight(),
+        "types": types,
+        "fallbacks": r.fallbacks.len(),
+        "imatrix_used": r.imatrix_used,
+        "seconds": secs,
+        "card": card,
+    });
+    if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
+        o.extend(e);
+    }
+    crate::progress::json_line(v);
 }

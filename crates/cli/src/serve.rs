@@ -282,6 +282,24 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     for (name, dir) in &cfg.adapters {
         eprintln!("adapter '{}:{name}': {}", cfg.model_id, dir.display());
     }
+    if let Some(ag) = &cfg.agent {
+        eprintln!(
+            "agent mode on: workspace {} (changes and commands wait for approval in the web chat)",
+            ag.workspace.root().display()
+        );
+    }
+    cfg.lab = a.lab.open()?;
+    if let Some(l) = &cfg.lab {
+        eprintln!("Lab: jobs in {}", l.home().root().join("lab").display());
+        // What the Lab trains can be tried in the chat: its adapters folder is a run-time
+        // adapter root (after any --adapter-root, so relative paths keep meaning those).
+        let dir = l.home().root().join("adapters");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let dir = dir.canonicalize()?;
+        if !cfg.adapter_roots.contains(&dir) {
+            cfg.adapter_roots.push(dir);
+        }
+    }
     if let Some(root) = cfg.adapter_roots.first() {
         eprintln!(
             "run-time adapters on: POST /v1/adapters loads folders under {}{}",
@@ -292,16 +310,6 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 ""
             }
         );
-    }
-    if let Some(ag) = &cfg.agent {
-        eprintln!(
-            "agent mode on: workspace {} (changes and commands wait for approval in the web chat)",
-            ag.workspace.root().display()
-        );
-    }
-    cfg.lab = a.lab.open()?;
-    if let Some(l) = &cfg.lab {
-        eprintln!("Lab: jobs in {}", l.home().root().join("lab").display());
     }
     hf2q_server::run(model, cfg)?;
     eprintln!("stopped");

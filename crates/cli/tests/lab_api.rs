@@ -269,6 +269,9 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
         ("GET", "/api/datasets/qa/preview".into()),
         ("GET", "/api/datasets/qa/stats".into()),
         ("DELETE", "/api/datasets/qa".into()),
+        ("GET", "/api/files".into()),
+        ("POST", "/api/files".into()),
+        ("DELETE", "/api/files/data/wiki.txt".into()),
     ];
     let body = r#"{"kind":"perplexity","params":{}}"#;
     for (m, p) in routes {
@@ -398,6 +401,32 @@ fn every_api_route_refuses_bad_keys_cross_origin_and_paths_out_of_home() {
         let (st, v) = s.call("DELETE", p, None);
         assert!(st == 400 || st == 404, "{p}: {st} {v}");
     }
+    for (name, says) in [
+        ("../outside/x.txt", "leaves $HF2Q_HOME"),
+        ("/tmp/x.txt", "absolute"),
+        ("out/x.txt", "outside $HF2Q_HOME"),
+        ("wiki.txt", "already exists"),
+        ("run.sh", "must end in one of"),
+        (".hidden.txt", "may not start with '.'"),
+    ] {
+        let (st, v) = s.call(
+            "POST",
+            "/api/files",
+            Some(json!({"name": name, "content": "x"})),
+        );
+        assert_eq!(st, 400, "upload {name}: {v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains(says), "upload {name}: {m}");
+    }
+    for p in [
+        "/api/files/data/out/secret.txt",
+        "/api/files/data/out",
+        "/api/files/models/tiny-llama/config.json",
+    ] {
+        let (st, v) = s.call("DELETE", p, None);
+        assert!(st == 400 || st == 404, "{p}: {st} {v}");
+    }
+    assert!(!outside.join("x.txt").exists());
     assert!(outside.join("secret.txt").exists() && h.join("data/wiki.txt").exists());
     assert!(
         h.join("datasets/out").exists(),
@@ -551,6 +580,62 @@ fn a_dataset_job_builds_a_split_that_the_api_previews_reports_and_deletes() {
     assert_eq!(st, 200);
     assert!(!h.join("datasets/qa").exists() && h.join("data/qa.csv").exists());
     assert_eq!(s.call("GET", "/api/datasets/qa/stats", None).0, 400);
+}
+
+#[test]
+fn uploaded_files_are_listed_built_from_and_deleted() {
+    let (_d, h) = home();
+    let s = Server::start(&h);
+    let csv = "q,a\nWhat is one plus one?,Two.\nName a colour.,Blue.\n";
+    let (st, v) = s.call(
+        "POST",
+        "/api/files",
+        Some(json!({"name": "up/qa.csv", "content": csv})),
+    );
+    assert_eq!(st, 201, "{v}");
+    assert_eq!(v, json!({"path": "data/up/qa.csv", "bytes": csv.len()}));
+    assert_eq!(
+        std::fs::read_to_string(h.join("data/up/qa.csv")).unwrap(),
+        csv
+    );
+    // No temporary file is left beside it.
+    let names: Vec<String> = std::fs::read_dir(h.join("data/up"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(names, ["qa.csv"]);
+    let (_, list) = s.call("GET", "/api/files", None);
+    let paths: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"data/up/qa.csv") && paths.contains(&"data/wiki.txt"),
+        "{list}"
+    );
+    // A second upload under the same name is refused and keeps the first.
+    let (st, _) = s.call(
+        "POST",
+        "/api/files",
+        Some(json!({"name": "up/qa.csv", "content": "other"})),
+    );
+    assert_eq!(st, 400);
+    assert_eq!(
+        std::fs::read_to_string(h.join("data/up/qa.csv")).unwrap(),
+        csv
+    );
+    let id = s.submit(
+        "dataset",
+        json!({"inputs": ["data/up/qa.csv"], "output": "up", "map": {"prompt": "q", "completion": "a"}, "valid_split": 0.0}),
+    );
+    assert_eq!(s.wait_final(id)["state"], "succeeded");
+    let (st, v) = s.call("DELETE", "/api/files/data/up/qa.csv", None);
+    assert_eq!((st, &v["deleted"]), (200, &json!(true)), "{v}");
+    assert!(!h.join("data/up/qa.csv").exists());
+    let (st, _) = s.call("DELETE", "/api/files/data/up/qa.csv", None);
+    assert_eq!(st, 400);
 }
 
 fn train_params(output: &str) -> Value {

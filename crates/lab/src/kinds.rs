@@ -27,6 +27,8 @@ pub enum Kind {
     TrainDpo,
     Pull,
     Dataset,
+    Fuse,
+    ExportAdapter,
 }
 
 pub const KINDS: &[(&str, Kind)] = &[
@@ -38,6 +40,8 @@ pub const KINDS: &[(&str, Kind)] = &[
     ("train_dpo", Kind::TrainDpo),
     ("pull", Kind::Pull),
     ("dataset", Kind::Dataset),
+    ("fuse", Kind::Fuse),
+    ("export_adapter", Kind::ExportAdapter),
 ];
 
 impl Kind {
@@ -206,7 +210,11 @@ macro_rules! train_params {
 }
 
 const TRAIN_SFT: &[Param] = train_params!(p("train_on_prompt", "--train-on-prompt", Ty::Bool));
-const TRAIN_DPO: &[Param] = train_params!(p("beta", "--beta", Ty::Float));
+const TRAIN_DPO: &[Param] = train_params!(
+    p("beta", "--beta", Ty::Float),
+    p("adapter", "--adapter", Ty::Input),
+    p("ref_adapter", "--ref-adapter", Ty::Input)
+);
 
 const FORMATS: &[&str] = &[
     "messages",
@@ -231,6 +239,25 @@ const DATASET: &[Param] = &[
     p("max_len", "--max-len", Ty::Int),
 ];
 
+const FUSE: &[Param] = &[
+    req("model", "", Ty::Model),
+    req("adapter", "", Ty::Input),
+    req("output", "", Ty::Output("models")),
+    p("to", "--to", Ty::Choice(&["gguf", "hf", "mlx"])),
+    p("type", "--type", Ty::Str),
+    p("eval", "--eval", Ty::Input),
+    p("eval_ctx", "--eval-ctx", Ty::Int),
+    p("eval_chunks", "--eval-chunks", Ty::Int),
+];
+
+/// `hf2q convert ADAPTER OUT --to ... --base MODEL`: an adapter into another tool's format.
+const EXPORT_ADAPTER: &[Param] = &[
+    req("adapter", "", Ty::Input),
+    req("output", "", Ty::Output("adapters")),
+    req("to", "--to", Ty::Choice(&["gguf-lora", "mlx", "peft"])),
+    p("base", "--base", Ty::Model),
+];
+
 const PULL: &[Param] = &[req("name", "", Ty::Str), p("force", "--force", Ty::Bool)];
 
 /// Params every kind takes and the runner (not the child) reads: `lease` ("gpu" or "cpu")
@@ -248,6 +275,8 @@ fn table(kind: Kind) -> Result<&'static [Param]> {
         Kind::TrainDpo => TRAIN_DPO,
         Kind::Pull => PULL,
         Kind::Dataset => DATASET,
+        Kind::Fuse => FUSE,
+        Kind::ExportAdapter => EXPORT_ADAPTER,
     })
 }
 
@@ -428,6 +457,7 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
         Kind::TrainSft => vec!["train".into(), "sft".into()],
         Kind::TrainDpo => vec!["train".into(), "dpo".into()],
         Kind::Dataset => vec!["dataset".into(), "build".into()],
+        Kind::ExportAdapter => vec!["convert".into()],
         k => vec![k.name().into()],
     };
     argv.extend(positional);
@@ -467,6 +497,16 @@ fn gguf_output(kind: Kind, obj: &Map<String, Value>) -> bool {
             .and_then(Value::as_str)
             .is_some_and(|t| t.to_ascii_lowercase().starts_with("mlx")),
         Kind::Convert => obj.get("to").and_then(Value::as_str) == Some("gguf"),
+        Kind::ExportAdapter => obj.get("to").and_then(Value::as_str) == Some("gguf-lora"),
+        // Fuse writes the base's own format unless `to` says otherwise: GGUF for a built-in
+        // name (a plain name, no folder) or a `.gguf` model.
+        Kind::Fuse => match obj.get("to").and_then(Value::as_str) {
+            Some(t) => t == "gguf",
+            None => obj
+                .get("model")
+                .and_then(Value::as_str)
+                .is_some_and(|m| !m.contains('/') || m.to_ascii_lowercase().ends_with(".gguf")),
+        },
         _ => false,
     }
 }
@@ -493,6 +533,89 @@ fn has_checkpoint(dir: &Path) -> bool {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn fuse_and_export_adapter_run_their_commands() {
+        let d = tempfile::tempdir().unwrap();
+        let home = Home::new(d.path()).unwrap();
+        std::fs::create_dir_all(home.root().join("adapters/upper")).unwrap();
+        let builtin = vec!["smollm2-135m".to_string()];
+        let ctx = Context {
+            home: &home,
+            builtin_models: &builtin,
+        };
+        let argv = |kind, v: Value| -> Vec<String> {
+            plan(&ctx, kind, &v, 7)
+                .unwrap()
+                .argv
+                .iter()
+                .map(|a| a.to_string_lossy().into())
+                .collect()
+        };
+        let adapter = home.root().join("adapters/upper");
+        let a = adapter.to_str().unwrap();
+        let fused = home.root().join("models/.f.gguf.partial-7");
+        assert_eq!(
+            argv(
+                Kind::Fuse,
+                json!({"model": "smollm2-135m", "adapter": "adapters/upper", "output": "f", "type": "Q8_0"})
+            ),
+            [
+                "fuse",
+                "smollm2-135m",
+                a,
+                fused.to_str().unwrap(),
+                "--type",
+                "Q8_0",
+                "--json"
+            ]
+        );
+        let hf = home.root().join("models/.f.partial-7");
+        assert_eq!(
+            argv(
+                Kind::Fuse,
+                json!({"model": "smollm2-135m", "adapter": "adapters/upper", "output": "f", "to": "hf"})
+            ),
+            [
+                "fuse",
+                "smollm2-135m",
+                a,
+                hf.to_str().unwrap(),
+                "--to",
+                "hf",
+                "--json"
+            ]
+        );
+        let lora = home.root().join("adapters/.u.gguf.partial-7");
+        assert_eq!(
+            argv(
+                Kind::ExportAdapter,
+                json!({"adapter": "adapters/upper", "output": "u", "to": "gguf-lora", "base": "smollm2-135m"})
+            ),
+            [
+                "convert",
+                a,
+                lora.to_str().unwrap(),
+                "--to",
+                "gguf-lora",
+                "--base",
+                "smollm2-135m",
+                "--json"
+            ]
+        );
+        let e = plan(
+            &ctx,
+            Kind::ExportAdapter,
+            &json!({"adapter": "adapters/upper", "output": "u", "to": "gguf"}),
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("to: must be one of gguf-lora, mlx, peft"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn params_map_to_flags_and_bad_ones_are_named() {

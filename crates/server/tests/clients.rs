@@ -2,6 +2,8 @@
 //! - the official `openai` Python package (`HF2Q_TEST_PYTHON`: a Python that can import it);
 //! - the web chat in headless Chromium driven by playwright-core (`HF2Q_TEST_CHROMIUM`: the
 //!   browser, `HF2Q_TEST_NODE_MODULES`: a node_modules folder holding playwright-core);
+//! - the web Lab in the same browser against the `hf2q serve` binary and its child jobs
+//!   (`HF2Q_TEST_BIN`, `HF2Q_TEST_SMOLLM2_GGUF`), with screenshots of every section;
 //! - the `hf2q serve` binary itself (`HF2Q_TEST_BIN`): SIGTERM drains and exits 0.
 //!
 //! `scripts/test.sh` installs the tools into caches outside the repository and sets the
@@ -176,6 +178,136 @@ async fn web_chat_in_headless_chromium() {
         .arg(&chromium)
         .arg(profile.path());
     let out = run_ok(cmd, "web chat").await;
+    assert!(out.contains(" 0 failed"), "{out}");
+}
+
+/// A child process killed (and reaped) when the test ends, passed or not.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The question/answer fixture of the Lab test: answers in uppercase, every row distinct.
+fn upper_csv() -> String {
+    let facts = [
+        ("the largest planet", "Jupiter"),
+        ("the closest star to Earth", "the Sun"),
+        ("the capital of Italy", "Rome"),
+        ("the capital of Japan", "Tokyo"),
+        (
+            "the boiling point of water at sea level",
+            "100 degrees Celsius",
+        ),
+        ("the chemical symbol for gold", "Au"),
+        ("the author of Hamlet", "William Shakespeare"),
+        ("the longest river in Africa", "the Nile"),
+        ("the smallest prime number", "two"),
+        ("the capital of Canada", "Ottawa"),
+        ("the fastest land animal", "the cheetah"),
+        ("the main gas in the air", "nitrogen"),
+    ];
+    let mut s = String::from("question,answer\n");
+    for (what, ans) in facts {
+        s.push_str(&format!("What is {what}?,\"{}.\"\n", ans.to_uppercase()));
+        s.push_str(&format!(
+            "Tell me {what}.,\"IT IS {}.\"\n",
+            ans.to_uppercase()
+        ));
+    }
+    s
+}
+
+/// The web Lab in headless Chromium against the real binary: a dataset built from an uploaded
+/// CSV, SmolLM2 quantized to Q4_0 with its report card, a short SFT run whose loss plot moves,
+/// a reload mid-run that finds the job still running with its log replayed, a cancelled job,
+/// and a chat with the trained adapter. Screenshots land in the test's temporary folder
+/// (`lab-screens/`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_lab_in_headless_chromium() {
+    let test = "web_lab_in_headless_chromium";
+    let Some((chromium, modules)) = browser(test) else {
+        return;
+    };
+    let Some(bin) = env_path("HF2Q_TEST_BIN", test) else {
+        return;
+    };
+    let Some(smollm2) = env_path("HF2Q_TEST_SMOLLM2_GGUF", test) else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(home.path().join("models")).unwrap();
+    let model = home.path().join("models/smollm2.gguf");
+    if std::fs::hard_link(&smollm2, &model).is_err() {
+        std::fs::copy(&smollm2, &model).unwrap();
+    }
+    let fixtures = tempfile::tempdir().unwrap();
+    std::fs::write(fixtures.path().join("upper.csv"), upper_csv()).unwrap();
+    // Real English for the report card: this project's README.
+    std::fs::write(
+        fixtures.path().join("eval.txt"),
+        include_str!("../../../README.md"),
+    )
+    .unwrap();
+    let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("lab-screens");
+    std::fs::create_dir_all(&shots).unwrap();
+    let mut server = KillOnDrop(
+        Command::new(bin)
+            .env("HF2Q_HOME", home.path())
+            .args([
+                "serve",
+                model.to_str().unwrap(),
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+            ])
+            .args([
+                "--lab-jobs",
+                "2",
+                "--lab-grace",
+                "20",
+                "-c",
+                "512",
+                "--kv-mem",
+                "64M",
+            ])
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start hf2q serve"),
+    );
+    let stderr = server.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(a) = line.strip_prefix("listening on http://") {
+                let _ = tx.send(a.trim().to_string());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("listening line");
+    let profile = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new("node");
+    cmd.env("NODE_PATH", &modules)
+        .arg(script("lab.cjs"))
+        .arg(format!("http://{addr}"))
+        .arg(&chromium)
+        .arg(profile.path())
+        .arg(fixtures.path())
+        .arg(&shots);
+    let out = run_ok(cmd, "web lab").await;
+    drop(server);
+    eprintln!("{test}: screenshots in {}", shots.display());
     assert!(out.contains(" 0 failed"), "{out}");
 }
 

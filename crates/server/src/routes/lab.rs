@@ -1,4 +1,4 @@
-//! `/api/jobs`, `/api/models` and `/api/datasets`: the Lab's HTTP surface over
+//! `/api/jobs`, `/api/models`, `/api/datasets` and `/api/files`: the Lab's HTTP surface over
 //! [`hf2q_lab::Lab`] (jobs: submit, list, get, cancel, resume, delete, and the event log as SSE
 //! with replay from `Last-Event-ID`; models: [`super::lab_models`]; datasets:
 //! [`super::lab_datasets`]). Errors in the `/v1` shape. Guarded by the
@@ -56,6 +56,14 @@ pub fn router() -> Router<Shared> {
         .route(
             "/api/datasets/{name}/stats",
             get(super::lab_datasets::stats),
+        )
+        .route(
+            "/api/files",
+            get(super::lab_files::list).post(super::lab_files::upload),
+        )
+        .route(
+            "/api/files/{*path}",
+            axum::routing::delete(super::lab_files::delete),
         )
         .route_layer(middleware::from_fn(guard))
 }

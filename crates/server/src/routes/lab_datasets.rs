@@ -84,39 +84,13 @@ pub async fn list(State(st): State<Shared>) -> ApiResult<Json<Value>> {
             }
         }
         let mut files = Vec::new();
-        walk_data(home, &home.root().join("data"), 3, &mut files);
+        super::lab_files::walk_files(home, &home.root().join("data"), 3, DATA_EXTS, &mut files);
         Ok((data, files))
     })
     .await?;
     Ok(Json(
         json!({"object": "list", "data": data, "files": files}),
     ))
-}
-
-fn walk_data(home: &Home, dir: &Path, depth: usize, out: &mut Vec<Value>) {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return;
-    };
-    let mut entries: Vec<_> = rd.flatten().collect();
-    entries.sort_by_key(|e| e.file_name());
-    for e in entries {
-        let name = e.file_name().to_string_lossy().to_string();
-        let p = e.path();
-        let Ok(c) = p.canonicalize() else { continue };
-        if name.starts_with('.') || !c.starts_with(home.root()) {
-            continue;
-        }
-        if c.is_dir() {
-            if depth > 0 {
-                walk_data(home, &p, depth - 1, out);
-            }
-        } else if let Some(ext) = Path::new(&name).extension() {
-            if DATA_EXTS.contains(&ext.to_string_lossy().to_ascii_lowercase().as_str()) {
-                let bytes = std::fs::metadata(&c).map_or(0, |m| m.len());
-                out.push(json!({"path": home.relative(&p), "bytes": bytes}));
-            }
-        }
-    }
 }
 
 /// `POST /api/datasets {params of a dataset job}`: a `dataset` job; 201 with it.

@@ -112,7 +112,7 @@ fn merge(into: &mut Value, from: Value) {
 
 /// `GET /api/models`.
 pub async fn list(State(st): State<Shared>) -> ApiResult<Json<Value>> {
-    let (data, builtin) = blocking(&st, |lab| {
+    let (data, builtin, root) = blocking(&st, |lab| {
         let home = lab.home();
         let mut data = Vec::new();
         for r in ROOTS {
@@ -131,11 +131,11 @@ pub async fn list(State(st): State<Shared>) -> ApiResult<Json<Value>> {
                 json!({"name": n, "cached": cached})
             })
             .collect();
-        Ok((data, builtin))
+        Ok((data, builtin, home.root().display().to_string()))
     })
     .await?;
     Ok(Json(
-        json!({"object": "list", "data": data, "builtin": builtin}),
+        json!({"object": "list", "data": data, "builtin": builtin, "home": root}),
     ))
 }
 

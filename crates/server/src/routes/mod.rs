@@ -11,6 +11,7 @@ mod agent;
 mod generate;
 mod lab;
 mod lab_datasets;
+mod lab_files;
 mod lab_models;
 mod misc;
 
@@ -180,10 +181,7 @@ pub fn router(state: Shared) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let public = Router::new()
         .route("/health", get(misc::health))
-        .route("/", get(crate::ui::index))
-        .route("/app.js", get(crate::ui::app_js))
-        .route("/agent.js", get(crate::ui::agent_js))
-        .route("/style.css", get(crate::ui::style_css));
+        .merge(crate::ui::routes());
     Router::new()
         .merge(protected)
         .merge(public)

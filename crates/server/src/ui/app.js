@@ -1,5 +1,7 @@
 // hf2q web chat: plain JavaScript over the public OpenAI-style API (/v1/models,
-// /v1/chat/completions with streaming). Conversations and settings live in localStorage.
+// /v1/chat/completions with streaming). Conversations and settings live in localStorage. The
+// model picker lists the base and its served adapters (/v1/models). The Lab's sections are in
+// lab*.js.
 // Agent mode (agent.js) adds the workspace tools: the loop runs here, tools run through
 // /api/agent, and changes wait for the person's approval.
 "use strict";
@@ -196,7 +198,17 @@ async function loadModel() {
     const j = await r.json();
     if (!r.ok) throw new Error(j.error ? j.error.message : r.statusText);
     const m = j.data[0];
-    state.model = m.id;
+    const sel = $("model-select");
+    const keep = state.model;
+    sel.textContent = "";
+    for (const x of j.data) {
+      const o = document.createElement("option");
+      o.value = x.id;
+      o.textContent = x.parent ? x.id + " (adapter)" : x.id;
+      sel.append(o);
+    }
+    sel.value = j.data.some((x) => x.id === keep) ? keep : m.id;
+    state.model = sel.value;
     const meta = m.meta || {};
     const params = meta.parameters ? (meta.parameters / 1e6).toFixed(0) + "M parameters" : "";
     $("model-info").textContent = [m.id, [meta.architecture, params].filter(Boolean).join(", "),
@@ -370,6 +382,7 @@ function init() {
       $("composer").requestSubmit();
     }
   });
+  $("model-select").addEventListener("change", () => { state.model = $("model-select").value; });
   $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
   $("new-chat").addEventListener("click", () => {
     if (state.controller) return;

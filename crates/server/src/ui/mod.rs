@@ -1,16 +1,31 @@
-//! The web chat at `/`: plain HTML, CSS and JavaScript embedded in the binary (no build step).
-//! It talks only to the public API (`/v1/models`, `/v1/chat/completions` with streaming), so
-//! it needs nothing the API does not offer; history and settings stay in the browser's
-//! localStorage. In agent mode (`agent.js`, when the server has a workspace) it runs the agent
-//! loop: the model's tool calls go to `/api/agent`, and changes wait for the person's click.
+//! The web Lab at `/`: one page of plain HTML, CSS and JavaScript embedded in the binary (no
+//! build step, no network resource), hash-routed into sections. The chat (`app.js`, with agent
+//! mode in `agent.js`) talks only to the public API (`/v1/models`, `/v1/chat/completions` with
+//! streaming); history and settings stay in the browser's localStorage. The Lab's sections
+//! (`lab.js`: router, API client, plots; `lab-jobs.js`: job logs and the Jobs section;
+//! `lab-pages.js`: Models, Quantize, Datasets; `lab-train.js`: Fine-tune) drive `/api/*`.
+//!
+//! Not here: the routes those call (`crate::routes`).
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
 
+/// Every asset: (URL name, content type, body).
+const ASSETS: &[(&str, &str, &str)] = &[
+    ("app.js", JS, include_str!("app.js")),
+    ("agent.js", JS, include_str!("agent.js")),
+    ("lab.js", JS, include_str!("lab.js")),
+    ("lab-jobs.js", JS, include_str!("lab-jobs.js")),
+    ("lab-pages.js", JS, include_str!("lab-pages.js")),
+    ("lab-train.js", JS, include_str!("lab-train.js")),
+    ("style.css", CSS, include_str!("style.css")),
+    ("lab.css", CSS, include_str!("lab.css")),
+];
+const JS: &str = "text/javascript; charset=utf-8";
+const CSS: &str = "text/css; charset=utf-8";
 const INDEX_HTML: &str = include_str!("index.html");
-const APP_JS: &str = include_str!("app.js");
-const AGENT_JS: &str = include_str!("agent.js");
-const STYLE_CSS: &str = include_str!("style.css");
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
     (
@@ -24,18 +39,18 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
         .into_response()
 }
 
-pub async fn index() -> Response {
+async fn index() -> Response {
     asset("text/html; charset=utf-8", INDEX_HTML)
 }
 
-pub async fn app_js() -> Response {
-    asset("text/javascript; charset=utf-8", APP_JS)
-}
-
-pub async fn agent_js() -> Response {
-    asset("text/javascript; charset=utf-8", AGENT_JS)
-}
-
-pub async fn style_css() -> Response {
-    asset("text/css; charset=utf-8", STYLE_CSS)
+/// `GET /NAME` for every asset in [`ASSETS`], and `GET /` for the page.
+pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    let mut r = Router::new().route("/", get(index));
+    for &(name, ty, body) in ASSETS {
+        r = r.route(
+            &format!("/{name}"),
+            get(move || async move { asset(ty, body) }),
+        );
+    }
+    r
 }
