@@ -86,17 +86,27 @@ fn unquote(s: &str) -> &str {
     s
 }
 
+/// The longest first line taken for an announcement (a longer one is text).
+const PREAMBLE_MAX: usize = 160;
+
+/// How announcing first lines start (lower case).
+const ANNOUNCE: &[&str] = &[
+    "sure",
+    "certainly",
+    "of course",
+    "here is",
+    "here's",
+    "here are",
+];
+
 /// A first line that only announces what follows ("Here is the rewritten text:", "Sure!"),
 /// when more lines follow.
 fn drop_preamble(s: &str) -> &str {
     let s = s.trim();
     if let Some((first, rest)) = s.split_once('\n') {
         let f = first.trim().to_ascii_lowercase();
-        let announces = (f.ends_with(':') && f.len() <= 80)
-            || f.starts_with("sure")
-            || f.starts_with("certainly")
-            || f.starts_with("of course");
-        if announces && !rest.trim().is_empty() && f.len() <= 80 {
+        let announces = f.ends_with(':') || ANNOUNCE.iter().any(|w| f.starts_with(w));
+        if announces && !rest.trim().is_empty() && f.chars().count() <= PREAMBLE_MAX {
             return rest.trim();
         }
     }
@@ -201,6 +211,14 @@ mod tests {
         // A colon line alone is the text, not a preamble.
         assert_eq!(text("Ingredients:", &[]).as_deref(), Some("Ingredients:"));
         assert_eq!(text("Sure!\n", &[]).as_deref(), Some("Sure!"));
+        assert_eq!(
+            text("Here's a sample of product reviews for the category \"positive\" (positive, negative):\n\nGood value.", &[]).as_deref(),
+            Some("Good value.")
+        );
+        assert_eq!(
+            text("Here's a short poem\nabout the sea", &[]).as_deref(),
+            Some("about the sea")
+        );
         assert_eq!(text("“curly”", &[]).as_deref(), Some("curly"));
     }
 

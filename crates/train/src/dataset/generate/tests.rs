@@ -9,11 +9,14 @@ use serde_json::{json, Value};
 use super::*;
 use crate::dataset::{Dedup, Format, OnError};
 
+/// A request as the script saw it: (model, temperature, seed, messages as (role, content)).
+type SeenRequest = (Option<String>, f64, u64, Vec<(String, String)>);
+
 /// Answers the i-th request with `replies[i]` (`None`: an unusable response), and keeps the
 /// requests: (model, temperature, seed, messages as (role, content)).
 struct Script {
     replies: Vec<Option<&'static str>>,
-    seen: RefCell<Vec<(Option<String>, f64, u64, Vec<(String, String)>)>>,
+    seen: RefCell<Vec<SeenRequest>>,
     /// Fail fatally at this request.
     fatal_at: Option<usize>,
 }
