@@ -417,8 +417,8 @@ fn every_template_writes_a_dataset_through_a_served_model() {
     );
     for file in ["train.jsonl", "valid.jsonl", "report.json"] {
         assert_eq!(
-            std::fs::read(out("cls").join(file)).unwrap(),
-            std::fs::read(out("cls2").join(file)).unwrap(),
+            std::fs::read_to_string(out("cls").join(file)).unwrap(),
+            std::fs::read_to_string(out("cls2").join(file)).unwrap(),
             "{file}"
         );
     }
