@@ -1,4 +1,5 @@
-//! `hf2q dataset build` and `hf2q dataset stats`: the dataset builder of `hf2q_train::dataset`
+//! `hf2q dataset build` and `hf2q dataset stats` (and the `generate` subcommand, in
+//! [`crate::dataset_generate`]): the dataset builder of `hf2q_train::dataset`
 //! from the command line. `build` writes `OUT/train.jsonl`, `OUT/valid.jsonl` and
 //! `OUT/report.json` (each through a temporary name); `stats` reports the token lengths of a
 //! file with a model's chat template. `--json` prints the report as one JSON line on stdout (the
@@ -28,6 +29,24 @@ what was read, skipped (with file and line) and removed, and with --model the to
     /// Token lengths of a data file with a model's chat template: percentiles, a histogram, how
     /// many records exceed --max-len.
     Stats(StatsArgs),
+    /// Generate SFT or DPO records with a served model (the /v1 API of `hf2q serve` or any
+    /// OpenAI-compatible server): self-instruct, qa, rephrase, classify, chats, dpo-pairs.
+    #[command(
+        long_about = "Generate training records with a served chat model through its \
+OpenAI-compatible /v1/chat/completions API (--api URL; the key, if the server needs one, is \
+$HF2Q_API_KEY). Templates: self-instruct (--seeds FILE: new tasks in the seeds' style, each then \
+answered), qa (--source FILE|DIR of .txt/.md: a question about each passage, then its answer \
+given the passage), rephrase (--inputs FILE of texts or records, --style TEXT: each answer \
+rewritten in the style), classify (--labels A,B,.. [--about TEXT]: examples per label, answered \
+with the label), chats (--topics FILE, --turns N: the model plays the user and the assistant in \
+turn), dpo-pairs (--prompts FILE: the chosen reply from --chosen-model/--chosen-temperature, the \
+rejected one from --rejected-model/--rejected-temperature). A reply that is empty or cannot be \
+used skips its record and is counted. The records then go through the same duplicate removal, \
+seeded split and report as `dataset build`: OUT/train.jsonl, OUT/valid.jsonl, OUT/report.json \
+(with the template and the generated and skipped counts). Ctrl-C or SIGTERM stops at once and \
+writes nothing."
+    )]
+    Generate(Box<crate::dataset_generate::GenerateArgs>),
 }
 
 #[derive(clap::Args, Debug)]
@@ -98,6 +117,7 @@ pub fn run(c: DatasetCmd) -> Result<()> {
     match c {
         DatasetCmd::Build(a) => build(a),
         DatasetCmd::Stats(a) => stats_cmd(a),
+        DatasetCmd::Generate(a) => crate::dataset_generate::run(*a),
     }
 }
 

@@ -7,6 +7,7 @@ mod bench;
 mod chat;
 mod convert;
 mod dataset;
+mod dataset_generate;
 mod fuse;
 mod imatrix;
 mod inspect;

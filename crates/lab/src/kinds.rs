@@ -6,7 +6,9 @@
 //! Paths: inputs (`file`, `data`, ...) are names relative to `$HF2Q_HOME`; a `model` is a
 //! built-in name or such a name; outputs are names under the kind's folder
 //! (`models/` for quantize and convert, `imatrix/`, `adapters/` for training, `datasets/` for
-//! the dataset builder).
+//! the dataset builder and the generation templates). A `dataset_generate` job reaches the
+//! server the Lab runs in: its `/v1` address is [`Context::api`] (`--api URL` in the argv; the
+//! key goes through the child's environment, never the argv).
 //! Not here: running the argv ([`crate::runner`]).
 
 use std::ffi::OsString;
@@ -29,6 +31,7 @@ pub enum Kind {
     Dataset,
     Fuse,
     ExportAdapter,
+    DatasetGenerate,
 }
 
 pub const KINDS: &[(&str, Kind)] = &[
@@ -42,6 +45,7 @@ pub const KINDS: &[(&str, Kind)] = &[
     ("dataset", Kind::Dataset),
     ("fuse", Kind::Fuse),
     ("export_adapter", Kind::ExportAdapter),
+    ("dataset_generate", Kind::DatasetGenerate),
 ];
 
 impl Kind {
@@ -256,6 +260,44 @@ const EXPORT_ADAPTER: &[Param] = &[
     req("output", "", Ty::Output("adapters")),
     req("to", "--to", Ty::Choice(&["gguf-lora", "mlx", "peft"])),
     p("base", "--base", Ty::Model),
+/// `hf2q dataset generate`'s templates.
+const TEMPLATES: &[&str] = &[
+    "self-instruct",
+    "qa",
+    "rephrase",
+    "classify",
+    "chats",
+    "dpo-pairs",
+];
+
+/// Models here are names the server serves (`BASE:ADAPTER`), not files: plain strings.
+const DATASET_GENERATE: &[Param] = &[
+    req("template", "", Ty::Choice(TEMPLATES)),
+    req("output", "--output", Ty::Output("datasets")),
+    p("model", "--model", Ty::Str),
+    p("seeds", "--seeds", Ty::Input),
+    p("source", "--source", Ty::Input),
+    p("chunk_chars", "--chunk-chars", Ty::Int),
+    p("inputs", "--inputs", Ty::Input),
+    p("style", "--style", Ty::Str),
+    p("labels", "--labels", Ty::Str),
+    p("about", "--about", Ty::Str),
+    p("topics", "--topics", Ty::Input),
+    p("turns", "--turns", Ty::Int),
+    p("prompts", "--prompts", Ty::Input),
+    p("chosen_model", "--chosen-model", Ty::Str),
+    p("rejected_model", "--rejected-model", Ty::Str),
+    p("chosen_temperature", "--chosen-temperature", Ty::Float),
+    p("rejected_temperature", "--rejected-temperature", Ty::Float),
+    p("count", "--count", Ty::Int),
+    p("temperature", "--temperature", Ty::Float),
+    p("max_tokens", "--max-tokens", Ty::Int),
+    p("seed", "--seed", Ty::Int),
+    p("valid_split", "--valid-split", Ty::Float),
+    p("dedup", "--dedup", Ty::Choice(&["none", "exact", "near"])),
+    p("near_threshold", "--near-threshold", Ty::Float),
+    p("to", "--to", Ty::Choice(FORMATS)),
+    p("timeout", "--timeout", Ty::Float),
 ];
 
 const PULL: &[Param] = &[req("name", "", Ty::Str), p("force", "--force", Ty::Bool)];
@@ -277,6 +319,7 @@ fn table(kind: Kind) -> Result<&'static [Param]> {
         Kind::Dataset => DATASET,
         Kind::Fuse => FUSE,
         Kind::ExportAdapter => EXPORT_ADAPTER,
+        Kind::DatasetGenerate => DATASET_GENERATE,
     })
 }
 
@@ -294,6 +337,9 @@ pub struct Plan {
 pub struct Context<'a> {
     pub home: &'a Home,
     pub builtin_models: &'a [String],
+    /// The `/v1` base URL of the server the Lab runs in (`None`: not known, e.g. no server
+    /// listens yet); `dataset_generate` jobs need it.
+    pub api: Option<&'a str>,
 }
 
 fn normal(key: &str) -> String {
@@ -458,10 +504,21 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
         Kind::TrainDpo => vec!["train".into(), "dpo".into()],
         Kind::Dataset => vec!["dataset".into(), "build".into()],
         Kind::ExportAdapter => vec!["convert".into()],
+        Kind::DatasetGenerate => vec!["dataset".into(), "generate".into()],
         k => vec![k.name().into()],
     };
     argv.extend(positional);
     argv.extend(flags);
+    if kind == Kind::DatasetGenerate {
+        let api = ctx.api.ok_or_else(|| {
+            Error::param(
+                "kind",
+                "a dataset_generate job needs the address of the server the Lab runs in, and none is known yet",
+            )
+        })?;
+        argv.push("--api".into());
+        argv.push(api.into());
+    }
     if kind != Kind::Pull {
         argv.push("--json".into());
     }
@@ -543,6 +600,7 @@ mod tests {
         let ctx = Context {
             home: &home,
             builtin_models: &builtin,
+            api: None,
         };
         let argv = |kind, v: Value| -> Vec<String> {
             plan(&ctx, kind, &v, 7)
@@ -626,6 +684,7 @@ mod tests {
         let ctx = Context {
             home: &home,
             builtin_models: &builtin,
+            api: None,
         };
         let pl = plan(
             &ctx,
@@ -732,5 +791,70 @@ mod tests {
         )
         .unwrap();
         assert_eq!(t.lease, Lease::Cpu);
+    }
+
+    #[test]
+    fn a_generation_job_gets_the_servers_address_and_its_inputs_in_the_home() {
+        let d = tempfile::tempdir().unwrap();
+        let home = Home::new(d.path()).unwrap();
+        std::fs::create_dir_all(home.root().join("data")).unwrap();
+        std::fs::write(home.root().join("data/seeds.txt"), "Write a poem.\n").unwrap();
+        let builtin = vec!["smollm2-135m".to_string()];
+        let mut ctx = Context {
+            home: &home,
+            builtin_models: &builtin,
+            api: None,
+        };
+        let params = json!({"template": "self-instruct", "seeds": "data/seeds.txt", "output": "gen",
+            "model": "base:tuned", "count": 3, "temperature": 0.5, "max_tokens": 16});
+        let e = plan(&ctx, Kind::DatasetGenerate, &params, 7).unwrap_err();
+        assert!(
+            e.to_string().contains("needs the address of the server"),
+            "{e}"
+        );
+        ctx.api = Some("http://127.0.0.1:9/v1");
+        let pl = plan(&ctx, Kind::DatasetGenerate, &params, 7).unwrap();
+        let argv: Vec<String> = pl.argv.iter().map(|a| a.to_string_lossy().into()).collect();
+        let root = home.root().to_string_lossy().to_string();
+        assert_eq!(
+            argv,
+            [
+                "dataset".to_string(),
+                "generate".into(),
+                "self-instruct".into(),
+                "--output".into(),
+                format!("{root}/datasets/.gen.partial-7"),
+                "--model".into(),
+                "base:tuned".into(),
+                "--seeds".into(),
+                format!("{root}/data/seeds.txt"),
+                "--count".into(),
+                "3".into(),
+                "--temperature".into(),
+                "0.5".into(),
+                "--max-tokens".into(),
+                "16".into(),
+                "--api".into(),
+                "http://127.0.0.1:9/v1".into(),
+                "--json".into(),
+            ]
+        );
+        assert_eq!(pl.outputs[0].0, home.root().join("datasets/gen"));
+        assert_eq!(pl.lease, Lease::Cpu);
+        let err = |v: Value| {
+            plan(&ctx, Kind::DatasetGenerate, &v, 1)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(json!({"template": "poems", "output": "x"}))
+            .starts_with("template: must be one of"));
+        assert!(
+            err(json!({"template": "qa", "output": "x", "source": "../etc"}))
+                .contains("leaves $HF2Q_HOME")
+        );
+        assert!(
+            err(json!({"template": "qa", "output": "x", "api": "http://elsewhere"}))
+                .starts_with("api: unknown parameter")
+        );
     }
 }

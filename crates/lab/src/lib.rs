@@ -9,7 +9,8 @@
 //!
 //! Not here: HTTP (the server crate's `/api` routes call [`Lab`]), the environment (the binary
 //! passes `$HF2Q_HOME` and its own path in [`LabConfig`]), what a job does (the `hf2q` commands;
-//! the `dataset` kind runs `hf2q dataset build`).
+//! the `dataset` kind runs `hf2q dataset build`, `dataset_generate` runs `hf2q dataset generate`
+//! against the server the Lab runs in, [`Lab::set_api`]).
 
 pub mod db;
 pub mod events;
@@ -20,7 +21,7 @@ pub mod runner;
 pub use db::{Job, State};
 pub use events::Event;
 pub use kinds::Kind;
-pub use runner::{Lab, LabConfig};
+pub use runner::{Lab, LabConfig, ServerApi};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

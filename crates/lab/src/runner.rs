@@ -15,7 +15,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,18 @@ pub struct LabConfig {
     pub builtin_models: Vec<String>,
 }
 
+/// The server the Lab runs in, as its jobs reach it (`dataset_generate` asks its model).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerApi {
+    /// The `/v1` base URL, e.g. `http://127.0.0.1:8080/v1`.
+    pub base_url: String,
+    /// The server's API key: given to the children as `$HF2Q_API_KEY` (never in an argv).
+    pub key: Option<String>,
+}
+
+/// The environment variable a child reads the server's key from.
+pub const API_KEY_ENV: &str = "HF2Q_API_KEY";
+
 #[derive(Clone)]
 pub struct Lab {
     inner: Arc<Inner>,
@@ -57,6 +69,8 @@ struct Inner {
     sched: Mutex<Sched>,
     wake: Condvar,
     scheduler: Mutex<Option<JoinHandle<()>>>,
+    /// Set by the server once it listens.
+    api: RwLock<Option<ServerApi>>,
     /// An exclusive flock on `lab/lock`: one server runs a home's jobs.
     _lock: std::fs::File,
 }
@@ -124,6 +138,7 @@ impl Lab {
             sched: Mutex::new(Sched::default()),
             wake: Condvar::new(),
             scheduler: Mutex::new(None),
+            api: RwLock::new(None),
             _lock: lock,
         });
         inner.recover()?;
@@ -146,10 +161,22 @@ impl Lab {
         &self.inner.cfg
     }
 
+    /// How jobs reach the server the Lab runs in; the server sets it when it listens (jobs
+    /// that need it are refused until then).
+    pub fn set_api(&self, api: ServerApi) {
+        *self.inner.api.write().unwrap_or_else(|e| e.into_inner()) = Some(api);
+    }
+
+    pub fn api(&self) -> Option<ServerApi> {
+        self.inner.api()
+    }
+
     /// Checks and queues a job.
     pub fn submit(&self, kind: &str, params: Value) -> Result<Job> {
         let k = Kind::parse(kind)?;
-        kinds::plan(&self.inner.ctx(), k, &params, 0)?;
+        let api = self.inner.api();
+        let base = api.as_ref().map(|a| a.base_url.as_str());
+        kinds::plan(&self.inner.ctx(base), k, &params, 0)?;
         let job = self.inner.db.insert(k.name(), &params)?;
         self.inner
             .event(job.id, "state", json!({"state": "queued"}));
@@ -248,10 +275,16 @@ impl Inner {
         self.sched.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn ctx(&self) -> Context<'_> {
+    fn api(&self) -> Option<ServerApi> {
+        self.api.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The planning context; `base_url` is the server's address, when known.
+    fn ctx<'a>(&'a self, base_url: Option<&'a str>) -> Context<'a> {
         Context {
             home: &self.home,
             builtin_models: &self.cfg.builtin_models,
+            api: base_url,
         }
     }
 
@@ -297,7 +330,7 @@ impl Inner {
         let base = match kind {
             Kind::Quantize | Kind::Convert => "models",
             Kind::Imatrix => "imatrix",
-            Kind::Dataset => "datasets",
+            Kind::Dataset | Kind::DatasetGenerate => "datasets",
             _ => "adapters",
         };
         let Some(name) = job.params.get("output").and_then(Value::as_str) else {
@@ -383,8 +416,10 @@ impl Inner {
                         if s.running.contains_key(&job.id) {
                             continue;
                         }
+                        let api = self.api();
+                        let base = api.as_ref().map(|a| a.base_url.as_str());
                         let plan = Kind::parse(&job.kind).and_then(|k| {
-                            let mut p = kinds::plan(&self.ctx(), k, &job.params, job.id)?;
+                            let mut p = kinds::plan(&self.ctx(base), k, &job.params, job.id)?;
                             if k.is_train() {
                                 kinds::add_resume(&mut p);
                             }
@@ -462,6 +497,12 @@ impl Inner {
             .stderr(Stdio::piped())
             .env("HF2Q_HOME", self.home.root())
             .process_group(0);
+        // The server's key, for the jobs that call its API; no key of the server's own
+        // environment leaks into a child either way.
+        match self.api().and_then(|a| a.key) {
+            Some(k) => cmd.env(API_KEY_ENV, k),
+            None => cmd.env_remove(API_KEY_ENV),
+        };
         #[cfg(target_os = "linux")]
         // SAFETY: prctl is async-signal-safe; the child gets SIGTERM when the thread that
         // spawned it (this job's thread, alive until the child exits) dies with the server.

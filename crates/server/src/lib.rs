@@ -179,6 +179,12 @@ pub async fn start(model: Arc<Model>, cfg: ServerConfig) -> Result<ServerHandle,
     }
     let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
     let addr = listener.local_addr()?;
+    if let Some(lab) = &cfg.lab {
+        lab.set_api(hf2q_lab::ServerApi {
+            base_url: own_base_url(addr),
+            key: cfg.api_key.clone(),
+        });
+    }
     let state = Arc::new(routes::AppState::new(engine.clone(), cfg.clone())?);
     let app = routes::router(state);
     let (stop, stop_rx) = oneshot::channel();
@@ -195,6 +201,17 @@ pub async fn start(model: Arc<Model>, cfg: ServerConfig) -> Result<ServerHandle,
         stop: Some(stop),
         task,
     })
+}
+
+/// The `/v1` base URL this process reaches the server at: its address, loopback for an
+/// unspecified one (0.0.0.0, ::).
+pub fn own_base_url(addr: SocketAddr) -> String {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        ip => ip,
+    };
+    format!("http://{}/v1", SocketAddr::new(ip, addr.port()))
 }
 
 async fn serve_until(
@@ -289,5 +306,19 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_base_url;
+
+    #[test]
+    fn the_jobs_reach_an_unspecified_address_on_loopback() {
+        let url = |s: &str| own_base_url(s.parse().unwrap());
+        assert_eq!(url("127.0.0.1:8080"), "http://127.0.0.1:8080/v1");
+        assert_eq!(url("0.0.0.0:81"), "http://127.0.0.1:81/v1");
+        assert_eq!(url("[::]:82"), "http://[::1]:82/v1");
+        assert_eq!(url("10.1.2.3:83"), "http://10.1.2.3:83/v1");
     }
 }

@@ -1,9 +1,10 @@
 //! Helpers shared by the CLI integration tests: the binary, the committed tiny checkpoints,
-//! output text and the clean-failure check.
+//! output text, the clean-failure check, and a real `hf2q serve` on loopback.
 #![allow(dead_code)] // each test file uses a part of them
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 
 /// A committed tiny checkpoint (`tiny-llama`, `tiny-qwen3`, ...).
 pub fn fixture(name: &str) -> PathBuf {
@@ -44,4 +45,58 @@ pub fn fails_with(o: &Output, want: &str) {
     assert!(!o.status.success(), "expected failure:\n{e}");
     assert!(e.contains(want), "expected '{want}' in:\n{e}");
     assert!(!e.contains("panicked"), "panic:\n{e}");
+}
+
+/// SmolLM2-135M-Instruct's GGUF when `HF2Q_TEST_SMOLLM2_GGUF` names it; prints "skipped"
+/// otherwise.
+pub fn smollm2(test: &str) -> Option<PathBuf> {
+    match std::env::var("HF2Q_TEST_SMOLLM2_GGUF") {
+        Ok(p) if !p.is_empty() => Some(PathBuf::from(p)),
+        _ => {
+            eprintln!("{test}: skipped (HF2Q_TEST_SMOLLM2_GGUF is not set)");
+            None
+        }
+    }
+}
+
+/// A running `hf2q serve`, killed when dropped.
+pub struct Served {
+    pub child: Child,
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+}
+
+/// Starts `hf2q serve ARGS --port 0` with `$HF2Q_HOME` = `home` and waits until it listens.
+pub fn serve(home: &Path, args: &[&str]) -> Served {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hf2q"))
+        .env("HF2Q_HOME", home)
+        .env_remove("HF2Q_API_KEY")
+        .arg("serve")
+        .args(args)
+        .args(["--port", "0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines
+            .next()
+            .expect("the server exited before listening")
+            .unwrap();
+        if let Some(a) = l.strip_prefix("listening on http://") {
+            break a.trim().to_string();
+        }
+    };
+    // Keep draining stderr so that the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Served { child, addr }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -8,10 +8,13 @@
 //! converted is a [`Problem`] naming its file and line: with [`OnError::Reject`] any problem
 //! fails the build, with [`OnError::Skip`] the row is left out and reported.
 //!
+//! [`generate`] makes records with a served model and puts them through [`build`].
+//!
 //! Not here: token lengths ([`stats`], which needs a model), flags and files (the CLI), jobs
 //! (the Lab).
 
 pub mod dedup;
+pub mod generate;
 pub mod map;
 pub mod read;
 pub mod stats;
@@ -159,6 +162,10 @@ pub struct Report {
     pub tokens: Option<stats::TokenReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// A generated dataset's template and counts (`template`, `generated`, `attempts`,
+    /// `requests`, `truncated`; its skipped attempts are in `skipped` and `problems`).
+    #[serde(flatten)]
+    pub generation: Option<generate::GenReport>,
 }
 
 #[derive(Debug)]
@@ -319,6 +326,7 @@ pub fn build(inputs: &[Input], cfg: &BuildConfig) -> Result<Built> {
             valid_split: cfg.valid_split,
             tokens: None,
             model: None,
+            generation: None,
         },
         train,
         valid,
