@@ -125,7 +125,7 @@ fn variant(src: &SourceModel, m: &[usize], tys: &[GgmlType]) -> Vec<(String, QTe
         .map(|(&i, &ty)| {
             let t = &src.tensors[i];
             let x = src.read_f32(t, src.layout()).unwrap();
-            let q = stored_bytes(&src, t, &x, ty).unwrap();
+            let q = stored_bytes(src, t, &x, ty).unwrap();
             let w = QTensor::ggml(&t.gguf, ty, t.rows(), t.cols(), Bytes::from_vec(q)).unwrap();
             (t.hf.clone(), w)
         })

@@ -38,7 +38,7 @@ use super::{gguf_tensor_order, plan_gguf_keep};
 use crate::convert::gguf_out::{
     metadata_from_gguf, produce, quantize_rows, write_gguf, GgufPlanEntry,
 };
-use crate::convert::source::{dequantize_rows, Layout, SourceModel, SrcTensor};
+use crate::convert::source::{dequantize_rows, Layout, SourceModel, SrcTensor, Stored};
 use crate::convert::{gguf_meta, Progress};
 use crate::{Error, Model, Result};
 
@@ -161,9 +161,50 @@ pub fn stored_bytes(src: &SourceModel, t: &SrcTensor, x: &[f32], ty: GgmlType) -
     }
 }
 
-/// Summed squared difference between `x` and the values `data` (type `ty`) stores.
-fn squared_error(x: &[f32], ty: GgmlType, data: &Bytes, t: &SrcTensor) -> Result<f64> {
-    let y = dequantize_rows(ty, data.as_slice(), t.rows(), t.cols(), &t.gguf)?;
+/// Every how many rows a matrix's quantization error is summed over (rows 0, 8, 16, ...). The
+/// error only scales a group's measured KL from its measured level to the others (a ratio of
+/// two levels' errors over the same rows); an eighth of the rows gives the allocation of all of
+/// them on SmolLM2 (see BENCHMARKS.md) for an eighth of the quantizing of the levels not
+/// measured.
+const SSE_STRIDE: usize = 8;
+
+/// The rows of `x (R, C)` the error is summed over, `(ceil(R / SSE_STRIDE), C)`.
+fn sampled_rows(x: &[f32], cols: usize) -> Vec<f32> {
+    x.chunks(cols)
+        .step_by(SSE_STRIDE)
+        .flatten()
+        .copied()
+        .collect()
+}
+
+/// Summed squared quantization error at `ty` of `t`'s sampled rows `x` ([`sampled_rows`]): read
+/// from `full` (all of `t`'s rows at `ty`) when given, else quantized now.
+fn sampled_error(
+    src: &SourceModel,
+    t: &SrcTensor,
+    x: &[f32],
+    ty: GgmlType,
+    full: Option<&Bytes>,
+) -> Result<f64> {
+    if src.layout() == Layout::Gguf && t.stored == Stored::Ggml(ty) {
+        // The file copies the stored bytes, which the values were read from.
+        return Ok(0.0);
+    }
+    let cols = t.cols();
+    let rows = x.len() / cols;
+    let q = match full {
+        Some(d) => {
+            let rb = ty.row_bytes(cols).unwrap_or(0).max(1);
+            d.as_slice()
+                .chunks(rb)
+                .step_by(SSE_STRIDE)
+                .flatten()
+                .copied()
+                .collect()
+        }
+        None => quantize_rows(ty, x, cols, None, &t.gguf)?,
+    };
+    let y = dequantize_rows(ty, &q, rows, cols, &t.gguf)?;
     Ok(x.iter()
         .zip(&y)
         .map(|(a, b)| ((a - b) as f64).powi(2))
@@ -276,7 +317,12 @@ pub fn plan_mixed(
             .iter()
             .map(|&i| src.read_f32(&src.tensors[i], layout))
             .collect::<Result<_>>()?;
-        let mut made: Vec<Vec<(GgmlType, Bytes, f64)>> = vec![Vec::new(); g.members.len()];
+        let samples: Vec<Vec<f32>> = xs
+            .iter()
+            .zip(&g.members)
+            .map(|(x, &i)| sampled_rows(x, src.tensors[i].cols()))
+            .collect();
+        let mut made: Vec<Vec<(GgmlType, Option<Bytes>, f64)>> = vec![Vec::new(); g.members.len()];
         #[allow(clippy::needless_range_loop)] // l indexes several per-level vectors
         for l in 0..LADDER.len() {
             if !distinct(g, l) {
@@ -290,22 +336,23 @@ pub fn plan_mixed(
             let mut weights = Vec::new();
             for (k, (&i, &ty)) in g.members.iter().zip(&g.types[l]).enumerate() {
                 let t = &src.tensors[i];
-                let (data, e) = match made[k].iter().find(|m| m.0 == ty) {
-                    Some((_, d, e)) => (d.clone(), *e),
+                let at = match made[k].iter().position(|m| m.0 == ty) {
+                    Some(at) => at,
                     None => {
-                        let d = Bytes::from_vec(stored_bytes(src, t, &xs[k], ty)?);
-                        let e = if opts.exhaustive {
-                            0.0
-                        } else {
-                            squared_error(&xs[k], ty, &d, t)?
-                        };
-                        made[k].push((ty, d.clone(), e));
-                        (d, e)
+                        made[k].push((ty, None, f64::NAN));
+                        made[k].len() - 1
                     }
                 };
-                sse += e;
-                if measure {
-                    let w = QTensor::ggml(&t.gguf, ty, t.rows(), t.cols(), data)?;
+                let entry = &mut made[k][at];
+                if measure && entry.1.is_none() {
+                    entry.1 = Some(Bytes::from_vec(stored_bytes(src, t, &xs[k], ty)?));
+                }
+                if !opts.exhaustive && entry.2.is_nan() {
+                    entry.2 = sampled_error(src, t, &samples[k], ty, entry.1.as_ref())?;
+                }
+                sse += entry.2;
+                if let (true, Some(data)) = (measure, &entry.1) {
+                    let w = QTensor::ggml(&t.gguf, ty, t.rows(), t.cols(), data.clone())?;
                     weights.push((t.hf.clone(), w));
                 }
             }
