@@ -27,6 +27,9 @@ use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use hf2q_tensor::kv::{KvStore, KvType};
 
+mod parts;
+mod swap;
+
 /// What `hf2q inspect` prints (also as JSON).
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelInfo {
@@ -403,7 +406,33 @@ impl Model {
             ids.extend_from_slice(it.tokens);
         }
         let mut x = be.embedding(&self.embed, &ids, self.config.embed_scale)?;
-        for (li, block) in self.blocks.iter().enumerate() {
+        self.run_blocks(&cx, 0..self.blocks.len(), &mut x, items)?;
+        Ok(be.rms_norm(
+            &x,
+            &self.final_norm,
+            self.config.rms_eps,
+            self.config.norm_offset,
+        )?)
+    }
+
+    /// Blocks `layers` over the residual stream `x (ΣT, D)` of a batch (see
+    /// [`Model::hidden_batch`]).
+    fn run_blocks(
+        &self,
+        cx: &Fwd<'_>,
+        layers: std::ops::Range<usize>,
+        x: &mut Tensor,
+        items: &mut [BatchItem<'_>],
+    ) -> Result<()> {
+        let n = self.blocks.len();
+        if layers.start > layers.end || layers.end > n {
+            return Err(Error::Msg(format!(
+                "blocks {}..{} of a model of {n}",
+                layers.start, layers.end
+            )));
+        }
+        for li in layers {
+            let block = &self.blocks[li];
             let mut start = 0;
             let mut seqs: Vec<SeqRef<'_>> = items
                 .iter_mut()
@@ -421,14 +450,9 @@ impl Model {
                     r
                 })
                 .collect();
-            block.forward(&cx, &mut x, &mut seqs)?;
+            block.forward(cx, x, &mut seqs)?;
         }
-        Ok(be.rms_norm(
-            &x,
-            &self.final_norm,
-            self.config.rms_eps,
-            self.config.norm_offset,
-        )?)
+        Ok(())
     }
 
     /// One batched step: for each sequence, feeds its tokens after `pos0` and returns the logits

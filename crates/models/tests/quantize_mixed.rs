@@ -54,10 +54,8 @@ fn budget_floors_and_monotonicity() {
     let src = SourceModel::open(&src_path).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let opts = |bpw: f64| MixedOptions {
-        target_bpw: bpw,
-        calib: ids(),
-        scratch: dir.path().join("scratch"),
         exhaustive: true,
+        ..MixedOptions::new(bpw, ids())
     };
     // Every group of a 2-layer model is protected (first or last layer, embeddings): the floor
     // is Q3_K's fallback for 64-wide rows, Q4_0 (4.5 bits) plus F32 norms and biases.
@@ -101,12 +99,14 @@ fn budget_floors_and_monotonicity() {
         &dir.path().join("floor.gguf"),
         &opts(4.75),
         &NoProgress,
+        &NoProgress,
     )
     .unwrap();
     let (report, mixed) = quantize_mixed(
         &src,
         &dir.path().join("mixed.gguf"),
         &opts(7.0),
+        &NoProgress,
         &NoProgress,
     )
     .unwrap();

@@ -246,12 +246,14 @@ async fn web_lab_in_headless_chromium() {
     }
     let fixtures = tempfile::tempdir().unwrap();
     std::fs::write(fixtures.path().join("upper.csv"), upper_csv()).unwrap();
-    // Real English for the report card: this project's README.
-    std::fs::write(
-        fixtures.path().join("eval.txt"),
-        include_str!("../../../README.md"),
-    )
-    .unwrap();
+    // Real English for the report card: the start of this project's README (a few chunks).
+    let readme = include_str!("../../../README.md");
+    let cut = readme
+        .char_indices()
+        .map(|(i, _)| i)
+        .find(|&i| i >= 6000)
+        .unwrap_or(readme.len());
+    std::fs::write(fixtures.path().join("eval.txt"), &readme[..cut]).unwrap();
     let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("lab-screens");
     std::fs::create_dir_all(&shots).unwrap();
     let mut server = KillOnDrop(

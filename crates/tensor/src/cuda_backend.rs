@@ -426,6 +426,12 @@ impl CudaBackend {
         Ok(d)
     }
 
+    /// Drops the device copy of `w` and the handle on its bytes, if it was uploaded (a weight
+    /// taken out of a model); a later use of `w` uploads it again.
+    pub fn forget_weight(&self, w: &QTensor) {
+        lock(&self.weights).remove(&weight_key(w).0);
+    }
+
     pub(crate) fn vector(&self, v: &[f32]) -> Result<Arc<CudaSlice<f32>>> {
         let key = (v.as_ptr() as usize, v.len());
         if let Some((host, d)) = lock(&self.vectors).get(&key) {

@@ -166,7 +166,7 @@ pub fn write_gguf(
 
 /// The bytes of one output tensor: copied when the source already holds them, else decoded,
 /// re-laid-out and quantized.
-fn produce(
+pub(crate) fn produce(
     src: &SourceModel,
     t: &super::source::SrcTensor,
     to: GgmlType,

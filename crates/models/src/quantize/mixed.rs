@@ -6,12 +6,15 @@
 //! 2. **Ladder.** Every group can sit at one level of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0; a
 //!    tensor whose rows do not split into that type's blocks takes llama.cpp's fallback type
 //!    (so SmolLM2's 576-wide matrices climb Q4_0, Q5_0, Q5_1, Q8_0).
-//! 3. **Measure.** For each group, a model is written with only that group quantized
-//!    (everything else as stored in the source), run teacher-forced over the calibration tokens,
-//!    and the mean KL(source || variant) per token is recorded. By default one level is measured
-//!    per group (its cheapest, where the signal is largest) and the other levels' KL is scaled
-//!    from it by the group's weight quantization error (KL of a small perturbation grows with
-//!    its square, which the summed squared error tracks); `exhaustive` measures every level.
+//! 3. **Measure.** For each group, the source model (loaded once, on the fast CPU kernels or a
+//!    GPU) gets only that group's weights replaced by the bytes the output file would store at
+//!    a level, runs teacher-forced over the calibration tokens, and the mean KL(source ||
+//!    variant) per token is recorded ([`super::sensitivity`]: no file is written, and the
+//!    network before the group's layer runs once for all groups). By default one level is
+//!    measured per group (its cheapest, where the signal is largest) and the other levels' KL
+//!    is scaled from it by the group's weight quantization error (KL of a small perturbation
+//!    grows with its square, which the summed squared error tracks); `exhaustive` measures
+//!    every level.
 //! 4. **Spend.** Starting from the floors (embeddings, output, first and last layer at Q3_K or
 //!    better: llama.cpp's presets protect them too), the budget `B x parameters / 8` bytes is
 //!    spent greedily on the upgrade that removes the most measured KL per byte, until no upgrade
@@ -19,18 +22,24 @@
 //!    small perturbations).
 //!
 //! The result is a per-tensor GGUF plan and an allocation table. Measuring costs one forward per
-//! (group, level): minutes on a small model, so keep the calibration text short (a few hundred
-//! tokens).
+//! (group, measured level), from the group's layer on: keep the calibration text short (a few
+//! hundred tokens).
 
 use std::path::Path;
+use std::sync::Arc;
 
-use hf2q_tensor::GgmlType;
+use hf2q_tensor::cpu::MatmulPath;
+use hf2q_tensor::cuda_backend::CudaBackend;
+use hf2q_tensor::{Bytes, GgmlType, QTensor};
 
 use super::rules::{allows_quantization, fallback_type};
+use super::sensitivity::Sensitivity;
 use super::{gguf_tensor_order, plan_gguf_keep};
-use crate::convert::gguf_out::{metadata_from_gguf, quantize_rows, write_gguf, GgufPlanEntry};
-use crate::convert::source::{dequantize_rows, Layout, SourceModel};
-use crate::convert::{gguf_meta, NoProgress, Progress};
+use crate::convert::gguf_out::{
+    metadata_from_gguf, produce, quantize_rows, write_gguf, GgufPlanEntry,
+};
+use crate::convert::source::{dequantize_rows, Layout, SourceModel, SrcTensor, Stored};
+use crate::convert::{gguf_meta, Progress};
 use crate::{Error, Model, Result};
 
 /// The types a group climbs through, cheapest first.
@@ -55,10 +64,25 @@ pub struct MixedOptions {
     pub target_bpw: f64,
     /// Calibration tokens (one sequence, teacher-forced).
     pub calib: Vec<u32>,
-    /// Folder for the temporary measurement models.
-    pub scratch: std::path::PathBuf,
     /// Measure every (group, level) instead of one level per group.
     pub exhaustive: bool,
+    /// The CPU matmul path of the measurement forwards.
+    pub matmul: MatmulPath,
+    /// Measure on this GPU instead of the CPU.
+    pub cuda: Option<Arc<CudaBackend>>,
+}
+
+impl MixedOptions {
+    /// One measured level per group, on the CPU's fast kernels.
+    pub fn new(target_bpw: f64, calib: Vec<u32>) -> MixedOptions {
+        MixedOptions {
+            target_bpw,
+            calib,
+            exhaustive: false,
+            matmul: MatmulPath::Fast,
+            cuda: None,
+        }
+    }
 }
 
 /// One group's outcome.
@@ -114,30 +138,77 @@ fn group_of(name: &str, n_layers: usize, tied: bool) -> Option<(String, bool)> {
     Some((format!("blk.{l}.{kind}"), l == 0 || l + 1 == n_layers))
 }
 
-/// Mean KL(p || q) per row of two (T, V) logit matrices.
-fn mean_kl(p: &[f32], q: &[f32], v: usize) -> f64 {
-    let lsm = |r: &[f32]| -> Vec<f64> {
-        let m = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let z = r.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
-        r.iter().map(|&x| x as f64 - z).collect()
-    };
-    let n = p.len() / v;
-    let mut s = 0.0;
-    for (a, b) in p.chunks(v).zip(q.chunks(v)) {
-        let (la, lb) = (lsm(a), lsm(b));
-        s += la
-            .iter()
-            .zip(&lb)
-            .map(|(x, y)| x.exp() * (x - y))
-            .sum::<f64>()
-            .max(0.0);
+/// Where a group comes in the measuring order: the embeddings, the layers in order, the output.
+fn block_order(group: &str, n_layers: usize) -> usize {
+    match group {
+        "token_embd" => 0,
+        "output" => n_layers + 1,
+        g => g
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(l, _)| l.parse::<usize>().ok())
+            .map_or(n_layers + 1, |l| l + 1),
     }
-    s / n as f64
 }
 
-fn logits(path: &Path, ids: &[u32]) -> Result<Vec<f32>> {
-    let m = Model::load(path)?;
-    Ok(m.session(ids.len()).forward_all(ids)?.into_data())
+/// The bytes of `t` at `ty` as the output file stores them, in the source's layout (`x`: its
+/// values in that layout). Rows are quantized one by one, so the Hugging Face layout's bytes
+/// are the file's (GGUF layout) rows in another order.
+pub fn stored_bytes(src: &SourceModel, t: &SrcTensor, x: &[f32], ty: GgmlType) -> Result<Vec<u8>> {
+    match src.layout() {
+        Layout::Gguf => produce(src, t, ty, None),
+        Layout::Hf => quantize_rows(ty, x, t.cols(), None, &t.gguf),
+    }
+}
+
+/// Every how many rows a matrix's quantization error is summed over (rows 0, 8, 16, ...). The
+/// error only scales a group's measured KL from its measured level to the others (a ratio of
+/// two levels' errors over the same rows); an eighth of the rows gives the allocation of all of
+/// them on SmolLM2 (see BENCHMARKS.md) for an eighth of the quantizing of the levels not
+/// measured.
+const SSE_STRIDE: usize = 8;
+
+/// The rows of `x (R, C)` the error is summed over, `(ceil(R / SSE_STRIDE), C)`.
+fn sampled_rows(x: &[f32], cols: usize) -> Vec<f32> {
+    x.chunks(cols)
+        .step_by(SSE_STRIDE)
+        .flatten()
+        .copied()
+        .collect()
+}
+
+/// Summed squared quantization error at `ty` of `t`'s sampled rows `x` ([`sampled_rows`]): read
+/// from `full` (all of `t`'s rows at `ty`) when given, else quantized now.
+fn sampled_error(
+    src: &SourceModel,
+    t: &SrcTensor,
+    x: &[f32],
+    ty: GgmlType,
+    full: Option<&Bytes>,
+) -> Result<f64> {
+    if src.layout() == Layout::Gguf && t.stored == Stored::Ggml(ty) {
+        // The file copies the stored bytes, which the values were read from.
+        return Ok(0.0);
+    }
+    let cols = t.cols();
+    let rows = x.len() / cols;
+    let q = match full {
+        Some(d) => {
+            let rb = ty.row_bytes(cols).unwrap_or(0).max(1);
+            d.as_slice()
+                .chunks(rb)
+                .step_by(SSE_STRIDE)
+                .flatten()
+                .copied()
+                .collect()
+        }
+        None => quantize_rows(ty, x, cols, None, &t.gguf)?,
+    };
+    let y = dequantize_rows(ty, &q, rows, cols, &t.gguf)?;
+    Ok(x.iter()
+        .zip(&y)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum())
 }
 
 /// Measures every group's sensitivity and chooses a level per group within the budget.
@@ -149,6 +220,12 @@ pub fn plan_mixed(
     if opts.calib.len() < 2 {
         return Err(Error::Msg(
             "mixed precision needs at least 2 calibration tokens".into(),
+        ));
+    }
+    if !src.deltas.is_empty() {
+        return Err(Error::Msg(
+            "mixed precision measures the model as stored; fuse the adapter into a checkpoint first"
+                .into(),
         ));
     }
     let base_plan = plan_gguf_keep(src);
@@ -211,47 +288,13 @@ pub fn plan_mixed(
         )));
     }
 
-    // Weight-space error of every group at every level (cheap: no forward pass).
-    if !opts.exhaustive {
-        for g in &mut groups {
-            let xs: Vec<Vec<f32>> = g
-                .members
-                .iter()
-                .map(|&i| src.read_f32(&src.tensors[i], Layout::Gguf))
-                .collect::<Result<_>>()?;
-            for l in 0..LADDER.len() {
-                if l > 0 && g.types[l] == g.types[l - 1] {
-                    let e = g.sse[l - 1];
-                    g.sse.push(e);
-                    continue;
-                }
-                let mut sse = 0f64;
-                for ((x, &i), &ty) in xs.iter().zip(&g.members).zip(&g.types[l]) {
-                    let cols = src.tensors[i].cols();
-                    let q = quantize_rows(ty, x, cols, None, &src.tensors[i].gguf)?;
-                    let y = dequantize_rows(ty, &q, x.len() / cols, cols, &src.tensors[i].gguf)?;
-                    sse += x
-                        .iter()
-                        .zip(&y)
-                        .map(|(a, b)| ((a - b) as f64).powi(2))
-                        .sum::<f64>();
-                }
-                g.sse.push(sse);
-            }
-        }
-    }
-
-    // Measure.
-    let metadata = match src.gguf_file() {
-        Some(f) => metadata_from_gguf(f, 15),
-        None => gguf_meta::metadata_from_hf(src, 15)?,
-    };
-    std::fs::create_dir_all(&opts.scratch).map_err(|e| Error::Io {
-        path: opts.scratch.clone(),
-        source: e,
-    })?;
-    let base = logits(&src.path, &opts.calib)?;
-    let v = base.len() / opts.calib.len();
+    // Measure, in block order (each measurement reuses the base prefix of the one before).
+    let mut model = Model::load(&src.path)?;
+    model.set_matmul_path(opts.matmul);
+    model.set_cuda(opts.cuda.clone())?;
+    let mut sens = Sensitivity::new(model, opts.calib.clone())?;
+    let layout = src.layout();
+    let n_layers = src.config.n_layers;
     let distinct = |g: &Group, l: usize| l == 0 || g.types[l] != g.types[l - 1];
     let total: usize = if opts.exhaustive {
         groups
@@ -261,18 +304,60 @@ pub fn plan_mixed(
     } else {
         groups.len()
     };
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    order.sort_by_key(|&gi| block_order(&groups[gi].name, n_layers));
     progress.start(total);
-    let variant = opts.scratch.join("measure.gguf");
     let mut done = 0;
-    for g in &mut groups {
+    for gi in order {
+        let g = &mut groups[gi];
+        // Per member: its values in the model's layout, and per type met so far its stored
+        // bytes and their squared error (each (tensor, type) is quantized once).
+        let xs: Vec<Vec<f32>> = g
+            .members
+            .iter()
+            .map(|&i| src.read_f32(&src.tensors[i], layout))
+            .collect::<Result<_>>()?;
+        let samples: Vec<Vec<f32>> = xs
+            .iter()
+            .zip(&g.members)
+            .map(|(x, &i)| sampled_rows(x, src.tensors[i].cols()))
+            .collect();
+        let mut made: Vec<Vec<(GgmlType, Option<Bytes>, f64)>> = vec![Vec::new(); g.members.len()];
         #[allow(clippy::needless_range_loop)] // l indexes several per-level vectors
         for l in 0..LADDER.len() {
             if !distinct(g, l) {
-                let k = g.kl[l - 1];
+                let (k, e) = (g.kl[l - 1], g.sse[l - 1]);
                 g.kl.push(k);
+                g.sse.push(e);
                 continue;
             }
-            if !opts.exhaustive && l > 0 {
+            let measure = opts.exhaustive || l == 0;
+            let mut sse = 0f64;
+            let mut weights = Vec::new();
+            for (k, (&i, &ty)) in g.members.iter().zip(&g.types[l]).enumerate() {
+                let t = &src.tensors[i];
+                let at = match made[k].iter().position(|m| m.0 == ty) {
+                    Some(at) => at,
+                    None => {
+                        made[k].push((ty, None, f64::NAN));
+                        made[k].len() - 1
+                    }
+                };
+                let entry = &mut made[k][at];
+                if measure && entry.1.is_none() {
+                    entry.1 = Some(Bytes::from_vec(stored_bytes(src, t, &xs[k], ty)?));
+                }
+                if !opts.exhaustive && entry.2.is_nan() {
+                    entry.2 = sampled_error(src, t, &samples[k], ty, entry.1.as_ref())?;
+                }
+                sse += entry.2;
+                if let (true, Some(data)) = (measure, &entry.1) {
+                    let w = QTensor::ggml(&t.gguf, ty, t.rows(), t.cols(), data.clone())?;
+                    weights.push((t.hf.clone(), w));
+                }
+            }
+            g.sse.push(sse);
+            if !measure {
                 // Scaled from the measured cheapest level by the squared weight error.
                 let k = if g.sse[0] > 0.0 {
                     g.kl[0] * g.sse[l] / g.sse[0]
@@ -282,15 +367,7 @@ pub fn plan_mixed(
                 g.kl.push(k);
                 continue;
             }
-            let mut plan = base_plan.clone();
-            for (&m, &ty) in g.members.iter().zip(&g.types[l]) {
-                if let Some(e) = plan.iter_mut().find(|e| e.src == m) {
-                    e.to = ty;
-                }
-            }
-            write_gguf(src, &variant, metadata.clone(), &plan, None, &NoProgress)?;
-            let q = logits(&variant, &opts.calib)?;
-            g.kl.push(mean_kl(&base, &q, v));
+            g.kl.push(sens.kl(weights)?);
             done += 1;
             progress.tensor(
                 done,
@@ -300,7 +377,6 @@ pub fn plan_mixed(
             );
         }
     }
-    let _ = std::fs::remove_file(&variant);
     progress.finish();
 
     // Spend the budget.
@@ -358,21 +434,23 @@ pub fn plan_mixed(
     ))
 }
 
-/// Writes a mixed-precision GGUF: [`plan_mixed`], then the file (its `general.file_type` is the
-/// llama.cpp preset whose base type most weights got).
+/// Writes a mixed-precision GGUF: [`plan_mixed`] (its measurements on `measure`), then the file
+/// (on `write`; its `general.file_type` is the llama.cpp preset whose base type most weights
+/// got).
 pub fn quantize_mixed(
     src: &SourceModel,
     out: &Path,
     opts: &MixedOptions,
-    progress: &dyn Progress,
+    measure: &dyn Progress,
+    write: &dyn Progress,
 ) -> Result<(crate::convert::gguf_out::WriteReport, Allocation)> {
-    let (plan, alloc) = plan_mixed(src, opts, progress)?;
+    let (plan, alloc) = plan_mixed(src, opts, measure)?;
     let file_type = super::file_type_of_plan(src, &plan);
     let metadata = match src.gguf_file() {
         Some(f) => metadata_from_gguf(f, file_type),
         None => gguf_meta::metadata_from_hf(src, file_type)?,
     };
-    let report = write_gguf(src, out, metadata, &plan, None, progress)?;
+    let report = write_gguf(src, out, metadata, &plan, None, write)?;
     Ok((report, alloc))
 }
 
@@ -403,13 +481,5 @@ mod tests {
             Some("blk.3.attn".into())
         );
         assert_eq!(group_of("rope_freqs.weight", 30, true), None);
-    }
-
-    #[test]
-    fn kl_is_zero_for_equal_logits_and_positive_otherwise() {
-        let p = [1.0f32, 2.0, 3.0, 0.5, 0.5, 0.5];
-        assert!(mean_kl(&p, &p, 3).abs() < 1e-12);
-        let q = [3.0f32, 2.0, 1.0, 0.5, 0.5, 0.5];
-        assert!(mean_kl(&p, &q, 3) > 0.1);
     }
 }

@@ -6,6 +6,7 @@
 //! - [`imatrix`]: llama.cpp's GGUF importance-matrix format.
 //! - [`collect`]: computing an importance matrix by running a model over a text.
 //! - [`mixed`]: per-group types chosen by measured KL under a bits-per-weight budget.
+//! - [`sensitivity`]: how far swapping weights moves a loaded model's logits (mixed's measure).
 //!
 //! The bytes themselves come from `hf2q_tensor::quant` (ggml's quantizers, byte for byte) and are
 //! written by `crate::convert`.
@@ -15,6 +16,7 @@ pub mod imatrix;
 pub mod mixed;
 pub mod presets;
 pub mod rules;
+pub mod sensitivity;
 
 use std::path::Path;
 

@@ -112,6 +112,15 @@ impl PackedWeights {
         map.insert(key, (data.clone(), p.clone()));
         p
     }
+
+    /// Drops the packed copy of `w` and the handle on its bytes, if one was made (a weight
+    /// taken out of a model); a later use of `w` packs it again.
+    pub fn forget(&self, w: &QTensor) {
+        if let Some((key, _)) = packed_key(w) {
+            let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            guard.0.remove(&key);
+        }
+    }
 }
 
 impl Clone for PackedWeights {
