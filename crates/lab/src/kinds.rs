@@ -260,6 +260,8 @@ const EXPORT_ADAPTER: &[Param] = &[
     req("output", "", Ty::Output("adapters")),
     req("to", "--to", Ty::Choice(&["gguf-lora", "mlx", "peft"])),
     p("base", "--base", Ty::Model),
+];
+
 /// `hf2q dataset generate`'s templates.
 const TEMPLATES: &[&str] = &[
     "self-instruct",
