@@ -263,7 +263,8 @@ function jobPanel(root, id, extra) {
     }
     result.textContent = "";
     if (s.result) result.append(h("div", { class: "muted", text: "result" }), reportCard(s.result));
-    if (s.done) result.append(h("p", { text: `adapter written: ${s.done.adapter} (final loss ${fmtNum(s.done.loss)}, ${fmtSecs(s.done.elapsed_s)})` }));
+    const outs = (job.outputs && job.outputs.length ? job.outputs : s.outputs) || [];
+    if (s.done) result.append(h("p", { text: `adapter written: ${outs[0] || s.done.adapter} (final loss ${fmtNum(s.done.loss)}, ${fmtSecs(s.done.elapsed_s)})` }));
     if (s.stopped) result.append(h("p", { class: "muted", text: `stopped at step ${s.stopped.step}; checkpoint ${s.stopped.checkpoint} (Resume continues from it)` }));
     extraBox.textContent = "";
     if (extra) { const x = extra(s, job); if (x) extraBox.append(x); }

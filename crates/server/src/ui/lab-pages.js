@@ -1,6 +1,7 @@
 // hf2q Lab, the Models (#/models), Quantize (#/quantize) and Datasets (#/datasets) sections:
 // forms that submit jobs through /api, tables over /api/models, /api/files and /api/datasets,
-// and each submitted job's live panel (lab-jobs.js). Fine-tuning is in lab-train.js.
+// and each submitted job's live panel (lab-jobs.js). The generation templates' form is in
+// lab-generate.js, fine-tuning in lab-train.js.
 "use strict";
 
 // ---- Models --------------------------------------------------------------------------------
@@ -162,7 +163,8 @@ function openQuantizeJob(job) {
 
 // ---- Datasets ------------------------------------------------------------------------------
 
-const datasetsPage = { slot: null, view: null };
+/// `refreshed`: functions called after the section's lists are fetched (the generation form).
+const datasetsPage = { slot: null, view: null, refreshed: [] };
 
 function renderFiles() {
   const tb = $("files-table").querySelector("tbody");
@@ -249,6 +251,7 @@ async function refreshDatasetsPage() {
   renderFiles();
   renderDatasets();
   fillSelect($("d-model"), modelOptions(), "no token report");
+  for (const f of datasetsPage.refreshed) f();
 }
 
 LAB_PAGES.datasets = {

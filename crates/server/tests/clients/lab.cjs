@@ -100,6 +100,21 @@ async function main() {
       await shot("datasets");
     });
 
+    await check("Datasets: a template generates records with the served model, previewed live", async () => {
+      await page.selectOption("#g-template", "classify");
+      await page.fill("#g-output", "labels");
+      await page.fill("#g-labels", "question,statement");
+      await page.fill("#g-count", "2");
+      await page.fill("#g-max_tokens", "16");
+      await page.click("#generate-form button[type=submit]");
+      await page.waitForSelector("#g-job .badge.succeeded", { timeout: 120000 });
+      await page.waitForFunction(() => document.querySelectorAll("#g-job .records pre").length > 0);
+      const rec = await page.locator("#g-job .records pre").first().textContent();
+      if (!rec.includes("messages")) throw new Error("not a messages record: " + rec);
+      await page.waitForSelector('#datasets-table tr[data-dataset="labels"]');
+      await shot("datasets-generate");
+    });
+
     await check("Quantize: SmolLM2 to Q4_0 with a report card", async () => {
       await page.click("#lab-nav a[data-page=quantize]");
       await page.waitForFunction((m) => [...document.querySelectorAll("#q-model option")].some((o) => o.value === m), MODEL);
