@@ -133,6 +133,15 @@ fn mapping(m: &MapArgs) -> Result<Vec<(String, String)>> {
         .collect()
 }
 
+/// `--dedup none|exact|near` (clap has checked the value).
+pub(crate) fn dedup_choice(s: &str) -> Dedup {
+    match s {
+        "none" => Dedup::None,
+        "near" => Dedup::Near,
+        _ => Dedup::Exact,
+    }
+}
+
 fn on_error(m: &MapArgs) -> OnError {
     if m.on_error == "skip" {
         OnError::Skip
@@ -214,11 +223,7 @@ fn build(a: BuildArgs) -> Result<()> {
         mapping: mapping(&a.common)?,
         to,
         on_error: on_error(&a.common),
-        dedup: match a.dedup.as_str() {
-            "none" => Dedup::None,
-            "near" => Dedup::Near,
-            _ => Dedup::Exact,
-        },
+        dedup: dedup_choice(&a.dedup),
         near_threshold: a.near_threshold,
         valid_split: a.valid_split,
         seed: a.seed,

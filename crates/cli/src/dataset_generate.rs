@@ -16,7 +16,7 @@ use hf2q_train::dataset::generate::{
     self, parse, sources, CallError, Complete, GenConfig, Observer, Reply, Request, Setting,
     Template,
 };
-use hf2q_train::dataset::{self, BuildConfig, Dedup, Format, OnError};
+use hf2q_train::dataset::{self, BuildConfig, Format, OnError};
 use serde_json::{json, Value};
 
 use crate::progress::{Progress, Unit};
@@ -387,11 +387,7 @@ fn build_config(a: &GenerateArgs) -> Result<BuildConfig> {
         mapping: Vec::new(),
         to,
         on_error: OnError::Reject,
-        dedup: match a.dedup.as_str() {
-            "none" => Dedup::None,
-            "near" => Dedup::Near,
-            _ => Dedup::Exact,
-        },
+        dedup: crate::dataset::dedup_choice(&a.dedup),
         near_threshold: a.near_threshold,
         valid_split: a.valid_split,
         seed: a.seed,

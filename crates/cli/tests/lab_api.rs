@@ -7,10 +7,11 @@
 //! SIGKILL during a training job comes back with the job `interrupted`, and the resumed job
 //! ends with the same adapter bytes as an unbroken run.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -28,49 +29,38 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// The server (killed when dropped) and its `127.0.0.1:PORT`.
 struct Server {
-    child: Child,
+    served: common::Served,
     addr: String,
 }
 
 impl Server {
     fn start(home: &Path) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_hf2q"))
-            .env("HF2Q_HOME", home)
-            .args([
-                "serve",
-                tiny().to_str().unwrap(),
-                "--port",
-                "0",
+        let tiny = tiny();
+        let s = common::serve(
+            home,
+            &[
+                tiny.to_str().unwrap(),
                 "--api-key",
                 KEY,
                 "--lab-jobs",
                 "2",
-            ])
-            .args(["--lab-grace", "10", "-c", "256", "--kv-mem", "64M"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let addr = loop {
-            let l = lines
-                .next()
-                .expect("server exited before listening")
-                .unwrap();
-            if let Some(a) = l.strip_prefix("listening on http://") {
-                break a.trim().to_string();
-            }
-        };
-        // Keep draining stderr so the server never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Server { child, addr }
+                "--lab-grace",
+                "10",
+                "-c",
+                "256",
+                "--kv-mem",
+                "64M",
+            ],
+        );
+        let addr = s.addr.clone();
+        Server { served: s, addr }
     }
 
     fn kill9(mut self) {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
-        let _ = self.child.wait();
+        unsafe { libc::kill(self.served.child.id() as i32, libc::SIGKILL) };
+        let _ = self.served.child.wait();
     }
 
     /// One request; `headers` replace the default key and JSON content type when given.
@@ -167,13 +157,6 @@ impl Server {
         assert_eq!(st, 200, "{head}");
         assert!(head.to_ascii_lowercase().contains("text/event-stream"));
         parse_sse(&body)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
