@@ -104,6 +104,30 @@ fn tok_err(context: &str, e: impl std::fmt::Display) -> Error {
     Error::Tokenizer(format!("{context}: {e}"))
 }
 
+/// Parses a `tokenizer.json`. The text is read as JSON first: the `tokenizers` crate panics
+/// (instead of failing) on some malformed files, e.g. a syntax error inside `decoder`, which its
+/// deserializer meets while buffering an untagged enum; from an already parsed value that path
+/// cannot fail. A panic left in the crate's deserializers is caught and reported as an error too,
+/// so a hostile file is an error, never a crash (fuzz target `tokenizer_json`).
+fn parse_tokenizer_json(bytes: &[u8], context: &str) -> Result<tokenizers::Tokenizer> {
+    let v: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| tok_err(context, format!("not valid JSON: {e}")))?;
+    match std::panic::catch_unwind(move || serde_json::from_value::<tokenizers::Tokenizer>(v)) {
+        Ok(parsed) => parsed.map_err(|e| tok_err(context, e)),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(tok_err(
+                context,
+                format!("the tokenizers library could not read this file ({why})"),
+            ))
+        }
+    }
+}
+
 impl Tokenizer {
     /// Loads a Hugging Face `tokenizer.json`, with the BOS/EOS names, `add_bos_token` /
     /// `add_eos_token` and `chat_template` of `tokenizer_config.json` when given. Newer
@@ -120,8 +144,7 @@ impl Tokenizer {
             path: tokenizer_json.to_path_buf(),
             source: e,
         })?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| tok_err(&tokenizer_json.display().to_string(), e))?;
+        let inner = parse_tokenizer_json(&bytes, &tokenizer_json.display().to_string())?;
         let config = match tokenizer_config_json {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|e| Error::Io {
@@ -152,8 +175,7 @@ impl Tokenizer {
         tokenizer_json: &[u8],
         tokenizer_config_json: Option<&[u8]>,
     ) -> Result<Tokenizer> {
-        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-            .map_err(|e| tok_err("tokenizer.json", e))?;
+        let inner = parse_tokenizer_json(tokenizer_json, "tokenizer.json")?;
         let config = match tokenizer_config_json {
             Some(b) => Some(
                 serde_json::from_slice::<serde_json::Value>(b)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The long fuzz campaign on a many-core machine that has no Rust toolchain: every target under
+# AFL++ at once, in parallel mode (one main and INSTANCES-1 secondary instances per target sharing
+# a queue), for SECONDS, then one summary line per target (scripts/fuzz-stats.sh).
+#
+#   scripts/fuzz-campaign.sh BUNDLE SECONDS OUT_DIR [INSTANCES_PER_TARGET]
+#
+# BUNDLE holds what was built elsewhere: `afl-fuzz` (cargo-afl's AFL++ build) and
+# `hf2q-fuzz-afl` (`cargo afl build --release -p hf2q-fuzz --features afl --bin hf2q-fuzz-afl`,
+# stripped). Seeds come from fuzz/corpus/. INSTANCES_PER_TARGET defaults to the cores divided by
+# the nine targets. OUT_DIR gets per target the instances' fuzzer_stats, crashes and hangs (the
+# queues stay in WORK), and summary.txt. Exit status 1 if anything crashed or hung.
+set -uo pipefail
+BUNDLE=$(cd "${1:?usage: fuzz-campaign.sh BUNDLE SECONDS OUT_DIR [INSTANCES]}" && pwd)
+SECS=${2:?seconds}
+OUT_DIR=${3:?out dir}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${WORK:-/tmp/hf2q-fuzz-campaign}
+TARGETS=$(cd "$ROOT/fuzz/corpus" && ls)
+NT=$(echo "$TARGETS" | wc -w)
+PER=${4:-$(( $(nproc) / NT ))}
+[ "$PER" -ge 1 ] || PER=1
+mkdir -p "$OUT_DIR" "$WORK"
+export AFL_NO_UI=1 AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_AFFINITY=1
+export AFL_SKIP_BIN_CHECK=1 AFL_FORKSRV_INIT_TMOUT=30000
+echo "fuzz campaign: $NT targets x $PER instances, ${SECS}s, $(nproc) cores" | tee "$OUT_DIR/campaign.txt"
+pids=()
+for t in $TARGETS; do
+    for i in $(seq 1 "$PER"); do
+        role="-S s$i"; [ "$i" = 1 ] && role="-M main"
+        # shellcheck disable=SC2086
+        "$BUNDLE/afl-fuzz" -i "$ROOT/fuzz/corpus/$t" -o "$WORK/$t" $role -V "$SECS" -t 5000 \
+            -- "$BUNDLE/hf2q-fuzz-afl" "$t" >"$WORK/$t-$i.log" 2>&1 &
+        pids+=($!)
+    done
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for t in $TARGETS; do
+    for inst in "$WORK/$t"/*/; do
+        n=$(basename "$inst")
+        mkdir -p "$OUT_DIR/$t/$n"
+        cp "$inst/fuzzer_stats" "$OUT_DIR/$t/$n/" 2>/dev/null
+        for k in crashes hangs; do
+            [ -d "$inst/$k" ] && [ -n "$(ls "$inst/$k" | grep -v README)" ] && cp -r "$inst/$k" "$OUT_DIR/$t/$n/"
+        done
+    done
+    [ -f "$OUT_DIR/$t/main/fuzzer_stats" ] || { echo "$t: no stats; log:"; tail -n 15 "$WORK/$t-1.log"; } >>"$OUT_DIR/campaign.txt"
+done
+"$ROOT/scripts/fuzz-stats.sh" $(for t in $TARGETS; do echo "$OUT_DIR/$t"; done) | tee "$OUT_DIR/summary.txt"
