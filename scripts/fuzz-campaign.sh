@@ -16,13 +16,15 @@ SECS=${2:?seconds}
 OUT_DIR=${3:?out dir}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-/tmp/hf2q-fuzz-campaign}
-TARGETS=$(cd "$ROOT/fuzz/corpus" && ls)
+TARGETS=${TARGETS:-$(cd "$ROOT/fuzz/corpus" && ls)}
 NT=$(echo "$TARGETS" | wc -w)
 PER=${4:-$(( $(nproc) / NT ))}
 [ "$PER" -ge 1 ] || PER=1
 mkdir -p "$OUT_DIR" "$WORK"
 export AFL_NO_UI=1 AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_AFFINITY=1
-export AFL_SKIP_BIN_CHECK=1 AFL_FORKSRV_INIT_TMOUT=30000
+export AFL_FORKSRV_INIT_TMOUT=30000
+# Libraries afl-fuzz was linked with that the machine may lack travel in the bundle.
+export LD_LIBRARY_PATH="$BUNDLE${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "fuzz campaign: $NT targets x $PER instances, ${SECS}s, $(nproc) cores" | tee "$OUT_DIR/campaign.txt"
 pids=()
 for t in $TARGETS; do
