@@ -22,7 +22,8 @@ PER=${4:-$(( $(nproc) / NT ))}
 [ "$PER" -ge 1 ] || PER=1
 mkdir -p "$OUT_DIR" "$WORK"
 export AFL_NO_UI=1 AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_AFFINITY=1
-export AFL_FORKSRV_INIT_TMOUT=30000
+# A second run over the same WORK resumes the first (its statistics continue from where they were).
+export AFL_FORKSRV_INIT_TMOUT=30000 AFL_AUTORESUME=1
 # Libraries afl-fuzz was linked with that the machine may lack travel in the bundle.
 export LD_LIBRARY_PATH="$BUNDLE${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "fuzz campaign: $NT targets x $PER instances, ${SECS}s, $(nproc) cores" | tee "$OUT_DIR/campaign.txt"
