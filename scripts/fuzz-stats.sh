@@ -24,6 +24,6 @@ for d in "$@"; do
         END {
             printf "%-16s %4d %12d %7d %8d %9.0f %7d/%-7d %7d %7d %5d\n", name, n, ex, wall, cpu, (cpu > 0 ? ex / cpu : 0), edges, tot, corp, cr, hg
             exit (cr + hg > 0)
-        }' $(find "$d" -name fuzzer_stats | sort) || bad=1
+        }' $(find "$d" -name 'fuzzer_stats*' | sort) || bad=1
 done
 exit $bad

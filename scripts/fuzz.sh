@@ -43,7 +43,7 @@ IN="fuzz/corpus/$TARGET"
 [ -f "$OUT_DIR/default/fuzzer_stats" ] && IN=-
 # No UI (logs, CI); no CPU-frequency or core-dump-pattern checks (settings of the machine that a
 # fuzz run must not change); a hang is an input past 5 s (the slowest seeds take ~0.1 s).
-AFL_NO_UI=1 AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_AFFINITY=1 \
+RAYON_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false AFL_NO_UI=1 AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_AFFINITY=1 \
     cargo afl fuzz -i "$IN" -o "$OUT_DIR" -V "$SECONDS_BUDGET" -t 5000 -- "$BIN" "$TARGET" >"$OUT_DIR/afl.log" 2>&1 \
     || { tail -n 30 "$OUT_DIR/afl.log" >&2; exit 1; }
 scripts/fuzz-stats.sh "$OUT_DIR"
