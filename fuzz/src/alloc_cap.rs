@@ -25,20 +25,16 @@ impl CappedAlloc {
     #[inline]
     fn check(size: usize) {
         if size > CAP.load(Ordering::Relaxed) {
-            // No allocation may happen here: write the message with the raw syscall and abort.
-            let msg = b"hf2q-fuzz: one allocation over the ceiling (a length taken from the input before it was checked?)\n";
-            // SAFETY: writing a static buffer to stderr.
-            unsafe {
-                libc_write(2, msg.as_ptr(), msg.len());
-            }
+            // Lift the ceiling so that the report itself may allocate, then say where and abort.
+            CAP.store(usize::MAX, Ordering::Relaxed);
+            eprintln!(
+                "hf2q-fuzz: one allocation of {size} bytes, over the ceiling (a length taken from \
+                 the input before it was checked?), at:\n{}",
+                std::backtrace::Backtrace::force_capture()
+            );
             std::process::abort();
         }
     }
-}
-
-extern "C" {
-    #[link_name = "write"]
-    fn libc_write(fd: i32, buf: *const u8, count: usize) -> isize;
 }
 
 // SAFETY: delegates to the system allocator; the check only aborts.

@@ -141,6 +141,17 @@ fn tokenizer_json_with_a_broken_decoder_is_an_error() {
     Target::TokenizerJson.run(&join2(json, b"a"));
 }
 
+/// The second: a GGUF file with `general.alignment` = 2^28 was accepted, and writing it back
+/// padded its header to 328 MB (a larger power of two would pad forever).
+#[test]
+fn gguf_with_a_huge_alignment_is_refused() {
+    let bytes = std::fs::read(regressions_dir(Target::Gguf).join("huge-alignment.bin")).unwrap();
+    let e = hf2q_tensor::io::gguf::GgufFile::from_bytes(hf2q_tensor::Bytes::from_vec(bytes))
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("general.alignment"), "{e}");
+}
+
 #[test]
 fn committed_seeds_are_what_the_generator_writes() {
     let dir = tempfile::tempdir().unwrap();

@@ -259,6 +259,11 @@ fn check_version(version: u32) -> Result<()> {
 }
 
 /// The alignment set by a `general.alignment` value: a non-zero power of two.
+/// The largest `general.alignment` accepted: writers use 32 (ggml's default) up to a page; a
+/// larger value only adds padding, and one near 2^63 would make a writer that copies the file pad
+/// forever (found by the `gguf` fuzz target: a round trip asked for 328 MB of padding).
+pub const MAX_ALIGNMENT: u64 = 1 << 20;
+
 pub(crate) fn alignment_from_value(v: &GgufValue) -> Result<u64> {
     let a = v.as_u64().ok_or_else(|| {
         malformed(format!(
@@ -269,6 +274,11 @@ pub(crate) fn alignment_from_value(v: &GgufValue) -> Result<u64> {
     if a == 0 || !a.is_power_of_two() {
         return Err(malformed(format!(
             "{KEY_ALIGNMENT} is {a}; it must be a non-zero power of two"
+        )));
+    }
+    if a > MAX_ALIGNMENT {
+        return Err(malformed(format!(
+            "{KEY_ALIGNMENT} is {a}; more than {MAX_ALIGNMENT} is not accepted"
         )));
     }
     Ok(a)
