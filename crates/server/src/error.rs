@@ -81,11 +81,14 @@ impl ApiError {
         }
     }
     pub fn too_large(limit: usize) -> ApiError {
-        Self::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!("the request body is larger than the server's limit of {limit} bytes"),
-        )
+        ApiError {
+            code: Some("request_too_large"),
+            ..Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!("the request body is larger than the server's limit of {limit} bytes"),
+            )
+        }
     }
     pub fn busy(message: impl Into<String>) -> ApiError {
         ApiError {

@@ -2,12 +2,14 @@
 //! body-size limit, request metrics, JSON errors for unknown routes).
 //!
 //! Layer order, outermost first: request metrics -> CORS (answers preflights before auth, as
-//! browsers send no credentials on them) -> body limit -> routes; the API key guards the `/v1`,
+//! browsers send no credentials on them) -> body limit (413 in OpenAI's shape; see
+//! `body_limit`) -> routes; the API key guards the `/v1`,
 //! `/tokenize`, `/detokenize`, `/metrics`, `/api/agent` and the Lab's `/api` routes, never `/health` or the static
 //! web chat; `/api/agent` is also same-origin only.
 
 mod adapters;
 mod agent;
+mod body_limit;
 mod generate;
 mod lab;
 mod lab_datasets;
@@ -188,6 +190,10 @@ pub fn router(state: Shared) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            body_limit::limit,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), cors))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
