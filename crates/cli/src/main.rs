@@ -222,6 +222,13 @@ fn tune_allocator() {}
 
 fn main() -> ExitCode {
     tune_allocator();
+    // A write past the file-size limit (RLIMIT_FSIZE) fails with EFBIG, reported with the path,
+    // instead of killing the process with SIGXFSZ mid-write.
+    // SAFETY: setting a signal to SIG_IGN before any other thread runs.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         // These two manage their threads: the server's engine runs in a pool of its own, the

@@ -54,12 +54,17 @@ impl EventLog {
         let (f, next) = match open.entry(job) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                let last = last_seq(&path)?;
-                let f = OpenOptions::new()
+                let (last, torn) = last_seq(&path)?;
+                let mut f = OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(&path)
                     .map_err(|e| Error::io(&path, e))?;
+                // A line torn by a killed or full-disk writer is ended here, so that the next
+                // event starts a line of its own (readers skip the torn one).
+                if torn {
+                    f.write_all(b"\n").map_err(|e| Error::io(&path, e))?;
+                }
                 v.insert((f, last + 1))
             }
         };
@@ -126,21 +131,32 @@ impl EventLog {
     }
 }
 
-/// The last sequence number in a log file (0 when absent or empty).
-fn last_seq(path: &Path) -> Result<u64> {
+/// The last sequence number in a log file (0 when absent or empty), and whether its last line
+/// is torn (no final newline).
+fn last_seq(path: &Path) -> Result<(u64, bool)> {
     let f = match File::open(path) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((0, false)),
         Err(e) => return Err(Error::io(path, e)),
     };
     let mut last = 0;
-    for line in BufReader::new(f).lines() {
+    for line in BufReader::new(f).split(b'\n') {
         let line = line.map_err(|e| Error::io(path, e))?;
-        if let Ok(ev) = serde_json::from_str::<Event>(&line) {
+        if let Ok(ev) = serde_json::from_slice::<Event>(&line) {
             last = ev.seq;
         }
     }
-    Ok(last)
+    let mut ends_line = true;
+    let size = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    if size > 0 {
+        let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut b = [0u8; 1];
+        f.seek(SeekFrom::Start(size - 1))
+            .and_then(|_| f.read_exact(&mut b))
+            .map_err(|e| Error::io(path, e))?;
+        ends_line = b[0] == b'\n';
+    }
+    Ok((last, !ends_line))
 }
 
 #[cfg(test)]
@@ -160,5 +176,22 @@ mod tests {
         let (rest, _) = again.read_from(7, off).unwrap();
         assert_eq!(rest.len(), 1);
         assert_eq!(rest[0].data, Value::from("c"));
+    }
+
+    #[test]
+    fn a_torn_last_line_is_skipped_and_ended_before_the_next_event() {
+        let d = tempfile::tempdir().unwrap();
+        let log = EventLog::new(d.path().to_path_buf()).unwrap();
+        log.append(3, "log", Value::from("a")).unwrap();
+        log.close(3);
+        let mut f = OpenOptions::new().append(true).open(log.path(3)).unwrap();
+        f.write_all(br#"{"seq":2,"time":1.0,"ty"#).unwrap();
+        let (evs, off) = log.read_from(3, 0).unwrap();
+        assert_eq!(evs.len(), 1);
+        assert_eq!(log.read_from(3, off).unwrap().0.len(), 0);
+        let again = EventLog::new(d.path().to_path_buf()).unwrap();
+        assert_eq!(again.append(3, "log", Value::from("b")).unwrap(), 2);
+        let (evs, _) = again.read_from(3, 0).unwrap();
+        assert_eq!(evs.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
     }
 }

@@ -683,6 +683,7 @@ pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .ok_or_else(|| Error::Msg(format!("{}: not a file name", path.display())))?
         .to_string_lossy()
         .to_string();
+    hf2q_tensor::io::remove_stale_temps(path);
     let tmp = path.with_file_name(format!(
         ".{name}.partial-{}-{}",
         std::process::id(),
@@ -709,6 +710,7 @@ pub fn write_dir_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) 
         _ => PathBuf::from("."),
     };
     std::fs::create_dir_all(&parent).map_err(|e| io_err(&parent, e))?;
+    hf2q_tensor::io::remove_stale_temps(dir);
     let tag = format!("{}-{}", std::process::id(), unique_suffix());
     let tmp = parent.join(format!(".{name}.partial-{tag}"));
     std::fs::create_dir(&tmp).map_err(|e| io_err(&tmp, e))?;

@@ -57,6 +57,7 @@ pub fn start_dir(out: &Path) -> Result<PathBuf> {
         name.to_string_lossy(),
         std::process::id()
     ));
+    hf2q_tensor::io::remove_stale_temps(out);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::Io {
             path: tmp.clone(),

@@ -403,7 +403,8 @@ fn pad<W: Write + ?Sized>(out: &mut Counting<W>, alignment: u64) -> Result<()> {
 
 /// Writes a file through a temporary name in the same directory (`.<name>.<pid>.<n>.partial`),
 /// flushed and synced, then renamed onto `path`. On failure the temporary file is removed and
-/// `path` is untouched. Shared by the GGUF and safetensors writers.
+/// `path` is untouched; leftovers of killed earlier runs beside `path` are removed first. Every
+/// i/o error names `path`. Shared by the GGUF and safetensors writers.
 pub(crate) fn write_file_atomically(
     path: &Path,
     body: impl FnOnce(&mut dyn Write) -> Result<()>,
@@ -424,14 +425,18 @@ pub(crate) fn write_file_atomically(
         file_name.to_string_lossy(),
         std::process::id()
     ));
+    crate::io::remove_stale_temps(path);
     let result = (|| -> Result<()> {
-        let f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let f = std::fs::File::create(&tmp).map_err(|e| Error::io(path, e))?;
         let mut bw = std::io::BufWriter::with_capacity(1 << 20, f);
-        body(&mut bw)?;
+        body(&mut bw).map_err(|e| match e {
+            Error::IoBare(e) => Error::io(path, e),
+            e => e,
+        })?;
         let f = bw
             .into_inner()
-            .map_err(|e| Error::io(&tmp, e.into_error()))?;
-        f.sync_all().map_err(|e| Error::io(&tmp, e))?;
+            .map_err(|e| Error::io(path, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io(path, e))?;
         std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
     })();
     if result.is_err() {
