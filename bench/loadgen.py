@@ -110,18 +110,10 @@ class Client:
                 return res
             last = None
             done = False
-            while True:
-                line = r.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                if data == b"[DONE]":
+            for chunk in sse_chunks(r):
+                if chunk is None:
                     done = True
                     break
-                chunk = json.loads(data)
                 if "error" in chunk:
                     res["error"] = chunk["error"].get("message", "error")
                     break
@@ -143,6 +135,22 @@ class Client:
         except Exception as e:  # a failed request is a result, not a crash of the generator
             res["error"] = f"{type(e).__name__}: {e}"
         return res
+
+
+def sse_chunks(r):
+    """The JSON chunks of a streamed response in order, then None for `data: [DONE]` (a stream
+    that stops short just ends)."""
+    while True:
+        line = r.readline()
+        if not line:
+            return
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line[6:] == b"[DONE]":
+            yield None
+            return
+        yield json.loads(line[6:])
 
 
 def sample_requests(client, convs, n, seed, max_prompt, max_output):

@@ -143,17 +143,10 @@ def chat(client, body):
             res["ok"] = True
         else:
             parts, done = [], False
-            while True:
-                line = r.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                if line[6:] == b"[DONE]":
+            for chunk in loadgen.sse_chunks(r):
+                if chunk is None:
                     done = True
                     break
-                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     res["error"] = "in stream: " + str(chunk["error"].get("message"))
                     break

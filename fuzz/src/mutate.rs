@@ -11,32 +11,14 @@
 //! Not here: minimisation (`afl-tmin` does it for AFL's crashes; ours are small to begin with).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::Target;
 
-/// A small, fast, seedable generator (SplitMix64); no crate needed for this.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
+/// The trainer's seeded SplitMix64 stream: fast, and the same mutations for the same seed.
+pub use hf2q_train::batch::SplitMix as Rng;
 
 const INTERESTING_8: [u8; 9] = [0, 1, 0x7f, 0x80, 0xff, 16, 32, 64, 100];
 const INTERESTING_32: [u32; 10] = [
@@ -191,7 +173,7 @@ pub fn run(target: Target, corpus: &[Vec<u8>], opts: &RunOptions) -> RunStats {
     let mut stats = RunStats::default();
     let started = Instant::now();
     let watchdog = Watchdog::start(target, opts.findings_dir.clone(), opts.hang_limit);
-    let mut rng = Rng::new(opts.seed);
+    let mut rng = Rng(opts.seed);
     let seeds: Vec<Vec<u8>> = if corpus.is_empty() {
         vec![Vec::new()]
     } else {
@@ -238,16 +220,16 @@ pub fn run(target: Target, corpus: &[Vec<u8>], opts: &RunOptions) -> RunStats {
 /// Aborts the process when one input runs past the limit, after writing it out.
 struct Watchdog {
     state: Arc<Mutex<Option<(Instant, Vec<u8>)>>>,
-    stop: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Watchdog {
     fn start(target: Target, dir: PathBuf, limit: Duration) -> Watchdog {
         let state: Arc<Mutex<Option<(Instant, Vec<u8>)>>> = Arc::new(Mutex::new(None));
-        let stop = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
         let (s, st) = (state.clone(), stop.clone());
         std::thread::spawn(move || {
-            while st.load(Ordering::Relaxed) == 0 {
+            while !st.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(100));
                 let guard = s.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some((t0, input)) = guard.as_ref() {
@@ -277,7 +259,7 @@ impl Watchdog {
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        self.stop.store(1, Ordering::Relaxed);
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -289,7 +271,7 @@ mod tests {
     fn mutations_are_deterministic_per_seed_and_bounded() {
         let base = b"GGUF\x03\x00\x00\x00 some bytes to mutate".to_vec();
         let go = |seed| {
-            let mut rng = Rng::new(seed);
+            let mut rng = Rng(seed);
             let mut d = base.clone();
             for _ in 0..500 {
                 mutate_once(&mut d, b"other input", &mut rng);

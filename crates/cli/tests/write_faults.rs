@@ -66,6 +66,17 @@ fn fails_full(home: &Path, args: &[&str], limit: u64, target: &Path) -> String {
     e.lines().last().unwrap_or_default().to_string()
 }
 
+/// [`fails_full`] with no target (a new one) and no temporary left beside it.
+fn fails_leaving_nothing(home: &Path, args: &[&str], limit: u64, target: &Path) {
+    fails_full(home, args, limit, target);
+    assert!(
+        !target.exists(),
+        "{} left after a failure",
+        target.display()
+    );
+    no_temps(target.parent().unwrap());
+}
+
 /// Spawns `hf2q ARGS` and kills it (SIGKILL) `us` microseconds after a temporary name first
 /// appears under `dir` (or after `us` if none appears before it exits), then reaps it.
 fn killed(home: &Path, args: &[&str], dir: &Path, us: u64) {
@@ -82,17 +93,10 @@ fn killed(home: &Path, args: &[&str], dir: &Path, us: u64) {
     let _ = c.wait();
 }
 
-/// Seeded delays (a small LCG), the same on every run.
-fn delays(seed: u64, n: usize, max_ms: u64) -> Vec<u64> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (x >> 33) % max_ms
-        })
-        .collect()
+/// Seeded delays (the trainer's SplitMix64 stream), the same on every run.
+fn delays(seed: u64, n: usize, max: u64) -> Vec<u64> {
+    let mut rng = hf2q_train::batch::SplitMix(seed);
+    (0..n).map(|_| rng.next_u64() % max).collect()
 }
 
 /// The temporary names of the writers anywhere under `dir` (the target's folder).
@@ -157,13 +161,7 @@ fn file_writer(
     valid: &dyn Fn(&Path),
 ) {
     let dir = target.parent().unwrap();
-    fails_full(home, args, limit, target);
-    assert!(
-        !target.exists(),
-        "{} left after a failure",
-        target.display()
-    );
-    no_temps(dir);
+    fails_leaving_nothing(home, args, limit, target);
     for us in delays(seed, 4, 3000) {
         killed(home, args, dir, us);
         if target.exists() {
@@ -214,13 +212,7 @@ fn quantize_and_imatrix_files() {
 /// one left by a kill is checked and removed before the next run.
 fn dir_writer(home: &Path, args: &[&str], target: &Path, limit: u64, seed: u64) {
     let dir = target.parent().unwrap();
-    fails_full(home, args, limit, target);
-    assert!(
-        !target.exists(),
-        "{} left after a failure",
-        target.display()
-    );
-    no_temps(dir);
+    fails_leaving_nothing(home, args, limit, target);
     for us in delays(seed, 3, 3000) {
         killed(home, args, dir, us);
         if target.exists() {
@@ -343,9 +335,7 @@ fn train_checkpoints_adapters_exports_and_fuse() {
     file_writer(&h, &args, &lora, 4_000, 7, &gguf_ok);
     let amlx = d.path().join("ad-mlx");
     let args = ["convert", s(&out), s(&amlx), "--to", "mlx", "--base", s(&t)];
-    fails_full(&h, &args, 4_000, &amlx);
-    assert!(!amlx.exists());
-    no_temps(d.path());
+    fails_leaving_nothing(&h, &args, 4_000, &amlx);
     ok(&h, &args);
     no_temps(d.path());
     let fused = d.path().join("fused");
@@ -387,29 +377,41 @@ fn dataset_build_files() {
     assert!(out.join("train.jsonl").is_file());
 }
 
-/// The Lab's writers, in a child: this test binary re-run with `LAB_WRITER` set, writing jobs
-/// and events until it is killed.
+/// Marks the folder a [`lab_writer_child`] may write in.
+const LAB_WRITER_MARK: &str = "lab-writer-root";
+
+/// The child of [`lab_db_and_logs_after_kill`]: writes jobs and events into its working folder
+/// until it is killed. Ignored, and a no-op anywhere but in a folder that test marked.
 #[test]
-fn lab_db_and_logs_after_kill() {
-    if let Ok(root) = std::env::var("WRITE_FAULTS_LAB_WRITER") {
-        let root = PathBuf::from(root);
-        let db = hf2q_lab::db::Db::open(&root.join("lab.db")).unwrap();
-        let log = hf2q_lab::events::EventLog::new(root.join("events")).unwrap();
-        loop {
-            let job = db
-                .insert("train", &serde_json::json!({"x": "y".repeat(200)}))
+#[ignore = "the child process of lab_db_and_logs_after_kill"]
+fn lab_writer_child() {
+    let root = std::env::current_dir().unwrap();
+    if !root.join(LAB_WRITER_MARK).is_file() {
+        return;
+    }
+    let db = hf2q_lab::db::Db::open(&root.join("lab.db")).unwrap();
+    let log = hf2q_lab::events::EventLog::new(root.join("events")).unwrap();
+    loop {
+        let job = db
+            .insert("train", &serde_json::json!({"x": "y".repeat(200)}))
+            .unwrap();
+        for i in 0..20 {
+            log.append(job.id, "log", serde_json::json!(format!("line {i}")))
                 .unwrap();
-            for i in 0..20 {
-                log.append(job.id, "log", serde_json::json!(format!("line {i}")))
-                    .unwrap();
-            }
         }
     }
+}
+
+/// The Lab's writers, in a child ([`lab_writer_child`], this test binary run again) killed at
+/// seeded points: the database opens, every job's log is gap-free, a torn line is skipped.
+#[test]
+fn lab_db_and_logs_after_kill() {
     let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join(LAB_WRITER_MARK), b"").unwrap();
     for ms in delays(9, 3, 300) {
         let mut c = Command::new(std::env::current_exe().unwrap())
-            .args(["lab_db_and_logs_after_kill", "--exact", "--nocapture"])
-            .env("WRITE_FAULTS_LAB_WRITER", d.path())
+            .args(["lab_writer_child", "--exact", "--ignored", "--nocapture"])
+            .current_dir(d.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -419,6 +421,10 @@ fn lab_db_and_logs_after_kill() {
         c.wait().unwrap();
         let db = hf2q_lab::db::Db::open(&d.path().join("lab.db")).unwrap();
         let jobs = db.list().unwrap();
+        assert!(
+            !jobs.is_empty(),
+            "the child wrote no job before it was killed"
+        );
         let log = hf2q_lab::events::EventLog::new(d.path().join("events")).unwrap();
         for j in &jobs {
             let (evs, _) = log.read_from(j.id, 0).unwrap();

@@ -139,24 +139,23 @@ fn last_seq(path: &Path) -> Result<(u64, bool)> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((0, false)),
         Err(e) => return Err(Error::io(path, e)),
     };
-    let mut last = 0;
-    for line in BufReader::new(f).split(b'\n') {
-        let line = line.map_err(|e| Error::io(path, e))?;
+    let (mut last, mut torn) = (0, false);
+    let mut r = BufReader::new(f);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        if r.read_until(b'\n', &mut line)
+            .map_err(|e| Error::io(path, e))?
+            == 0
+        {
+            break;
+        }
+        torn = line.last() != Some(&b'\n');
         if let Ok(ev) = serde_json::from_slice::<Event>(&line) {
             last = ev.seq;
         }
     }
-    let mut ends_line = true;
-    let size = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
-    if size > 0 {
-        let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
-        let mut b = [0u8; 1];
-        f.seek(SeekFrom::Start(size - 1))
-            .and_then(|_| f.read_exact(&mut b))
-            .map_err(|e| Error::io(path, e))?;
-        ends_line = b[0] == b'\n';
-    }
-    Ok((last, !ends_line))
+    Ok((last, torn))
 }
 
 #[cfg(test)]

@@ -32,9 +32,7 @@ pub fn run(data: &[u8]) {
             extra: extra.as_ref(),
         };
         let _ = tmpl.render_json(&messages, &opts);
-        if let Ok(segments) = tmpl.render_segments_json(&messages, &opts) {
-            drop(segments);
-        }
+        let _ = tmpl.render_segments_json(&messages, &opts);
         let _ = encode_chat_json(super::tiny::tokenizer(), &tmpl, &messages, &opts);
     }
 }

@@ -676,7 +676,8 @@ pub fn read_peft_config(dir: &Path) -> Result<PeftConfig> {
     })
 }
 
-/// Writes `bytes` to `path` through a temporary name in the same folder, renamed into place.
+/// Writes `bytes` to `path` through a temporary name in the same folder, synced, then renamed
+/// into place; on failure the temporary is removed and the error names `path`.
 pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path
         .file_name()
@@ -689,7 +690,12 @@ pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         std::process::id(),
         unique_suffix()
     ));
-    let res = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path));
+    let res = std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            use std::io::Write;
+            f.write_all(bytes).and_then(|_| f.sync_all())
+        })
+        .and_then(|_| std::fs::rename(&tmp, path));
     if let Err(e) = res {
         let _ = std::fs::remove_file(&tmp);
         return Err(io_err(path, e));

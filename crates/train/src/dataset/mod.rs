@@ -20,7 +20,6 @@ pub mod read;
 pub mod stats;
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::Path;
 
 use serde::Serialize;
@@ -353,20 +352,8 @@ pub fn write_jsonl(path: &Path, records: &[Kept]) -> Result<()> {
     write_atomic(path, text.as_bytes())
 }
 
-/// `bytes` to `path` via `.NAME.tmp` beside it and a rename; on failure the temporary is
-/// removed and the error names `path`.
+/// `bytes` to `path` through a temporary name and a rename (the adapter writer's, which also
+/// clears what killed runs left).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
-    let res = std::fs::File::create(&tmp)
-        .and_then(|mut f| f.write_all(bytes).and_then(|_| f.sync_all()))
-        .and_then(|_| std::fs::rename(&tmp, path));
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
-    }
-    Ok(())
+    Ok(hf2q_models::adapter::write_file_atomically(path, bytes)?)
 }

@@ -258,12 +258,13 @@ fn check_version(version: u32) -> Result<()> {
     }
 }
 
-/// The alignment set by a `general.alignment` value: a non-zero power of two.
 /// The largest `general.alignment` accepted: writers use 32 (ggml's default) up to a page; a
 /// larger value only adds padding, and one near 2^63 would make a writer that copies the file pad
 /// forever (found by the `gguf` fuzz target: a round trip asked for 328 MB of padding).
 pub const MAX_ALIGNMENT: u64 = 1 << 20;
 
+/// The alignment set by a `general.alignment` value: a non-zero power of two, at most
+/// [`MAX_ALIGNMENT`].
 pub(crate) fn alignment_from_value(v: &GgufValue) -> Result<u64> {
     let a = v.as_u64().ok_or_else(|| {
         malformed(format!(
