@@ -7,8 +7,11 @@ Run on a machine with torch + transformers (the GPU machine); no network needed.
    tensor to float32 with the `gguf` package), tokenizes a fixed text with the tokenizer it
    builds from the GGUF, and records teacher-forced top-k logits for the last STEPS positions.
 2. Tiny random-weight Hugging Face checkpoints (`--tiny DIR`): Llama (llama3 rope scaling),
-   Qwen2 (qkv bias), Qwen3 (q/k norm) and Gemma 3 (sliding window, sandwich norms), two layers,
+   Qwen2 (qkv bias), Qwen3 (q/k norm), Gemma 3 (sliding window, sandwich norms), Qwen3-MoE
+   (8 experts, top 2, normalised, one dense layer) and Mixtral (4 experts, top 2), two layers,
    hidden 64, written by transformers with a byte-level tokenizer, plus their full logits.
+   `--only NAME` (repeatable) writes only those; the others are still built, so every model's
+   random weights are the same whichever are written.
 
 Everything runs in float32 with TF32 off so the reference is as exact as the format allows.
 Versions used are written into every fixture (`meta`).
@@ -102,7 +105,7 @@ def byte_tokenizer(dir_):
 
 
 def tiny_configs(vocab):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig, Qwen3MoeConfig, MixtralConfig
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -117,20 +120,31 @@ def tiny_configs(vocab):
                                         rope_local_base_freq=10000.0, sliding_window=4,
                                         layer_types=["sliding_attention", "full_attention"],
                                         query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh"),
+        # Layer 0 routed (8 experts of width 32, top 2, renormalised), layer 1 a dense MLP.
+        "tiny-qwen3-moe": Qwen3MoeConfig(**common, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                         tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                                         mlp_only_layers=[1]),
+        # Every layer routed; Mixtral's `intermediate_size` is the width of one expert.
+        "tiny-mixtral": MixtralConfig(**{**common, "intermediate_size": 48}, rms_norm_eps=1e-5,
+                                      rope_theta=1000000.0, tie_word_embeddings=False, num_local_experts=4,
+                                      num_experts_per_tok=2),
     }
 
 
-def tiny_goldens(out_dir, dev):
+def tiny_goldens(out_dir, dev, only):
     torch.manual_seed(1234)
     for name, cfg in tiny_configs(259).items():
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        # Random init leaves norms at exactly 1 (or 0 for Gemma); perturb every parameter so the
+        # test sees each weight's role. Routers get a larger spread so routing is decisive.
+        for pname, p in model.named_parameters():
+            p.data.add_(torch.randn_like(p) * (0.5 if pname.endswith("mlp.gate.weight") else 0.05))
+        if only and name not in only:
+            continue
         d = os.path.join(out_dir, name)
         os.makedirs(d, exist_ok=True)
         byte_tokenizer(d)
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-        # Random init leaves norms at exactly 1 (or 0 for Gemma); perturb every parameter so the
-        # test sees each weight's role.
-        for p in model.parameters():
-            p.data.add_(torch.randn_like(p) * 0.05)
         model = model.to(dev).eval()
         model.save_pretrained(d, safe_serialization=True)
         ids = [256] + list(range(65, 65 + 19))  # BOS + 19 byte tokens: longer than the window
@@ -145,6 +159,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", action="append", default=[], help="NAME=PATH of a GGUF checkpoint")
     ap.add_argument("--tiny", help="write tiny random HF checkpoints here")
+    ap.add_argument("--only", action="append", default=[], help="with --tiny: write only this model")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = setup()
@@ -153,7 +168,7 @@ def main():
         name, path = spec.split("=", 1)
         gguf_golden(name, path, a.out, dev)
     if a.tiny:
-        tiny_goldens(a.tiny, dev)
+        tiny_goldens(a.tiny, dev, set(a.only))
 
 
 if __name__ == "__main__":

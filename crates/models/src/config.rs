@@ -15,6 +15,8 @@ pub enum Arch {
     Qwen2,
     /// Llama + q/k RMSNorm.
     Qwen3,
+    /// Qwen3 with routed experts in place of the MLP (all layers or some).
+    Qwen3Moe,
     Gemma3,
 }
 
@@ -24,14 +26,17 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
             Arch::Gemma3 => "gemma3",
         }
     }
     fn from_hf(model_type: &str) -> Option<Arch> {
         Some(match model_type {
-            "llama" | "mistral" | "smollm" | "smollm2" => Arch::Llama,
+            // Mixtral is a Llama whose MLPs are experts, as llama.cpp has it.
+            "llama" | "mistral" | "smollm" | "smollm2" | "mixtral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3_moe" => Arch::Qwen3Moe,
             "gemma3" | "gemma3_text" => Arch::Gemma3,
             _ => return None,
         })
@@ -41,9 +46,55 @@ impl Arch {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
             "gemma3" => Arch::Gemma3,
             _ => return None,
         })
+    }
+}
+
+/// Routed experts in place of the MLP ([`hf2q_tensor::moe`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// E
+    pub n_experts: usize,
+    /// k: experts per token.
+    pub n_used: usize,
+    /// F_e: the width of one expert.
+    pub expert_width: usize,
+    /// Renormalise the chosen experts' probabilities to sum to 1.
+    pub renormalize: bool,
+    /// Per layer: true where the MLP is routed (Qwen3-MoE's `mlp_only_layers` and
+    /// `decoder_sparse_step` make some layers dense).
+    pub layers: Vec<bool>,
+}
+
+impl MoeConfig {
+    fn validate(&self, n_layers: usize) -> Result<()> {
+        if self.n_experts == 0 || self.n_experts > 4096 {
+            return Err(bad(format!("{} experts is out of range", self.n_experts)));
+        }
+        if self.n_used == 0 || self.n_used > self.n_experts {
+            return Err(bad(format!(
+                "{} experts per token of {}",
+                self.n_used, self.n_experts
+            )));
+        }
+        if self.expert_width == 0 || self.expert_width > (1 << 24) {
+            return Err(bad(format!(
+                "expert width {} is out of range",
+                self.expert_width
+            )));
+        }
+        if self.layers.len() != n_layers {
+            return Err(bad("the routed-layer pattern does not cover every layer"));
+        }
+        Ok(())
+    }
+    /// Parameters of one token's pass through a routed MLP that are used (k experts) and stored
+    /// (E experts), for `bench` and `inspect`: `3 · D · F_e` per expert.
+    pub fn expert_params(&self, hidden: usize) -> usize {
+        3 * hidden * self.expert_width
     }
 }
 
@@ -105,6 +156,8 @@ pub struct ModelConfig {
     /// Attention score multiplier (1/√Dh, or Gemma's query_pre_attn_scalar^-½).
     pub attn_scale: f32,
     pub final_logit_softcap: Option<f32>,
+    /// Routed experts, for the families that have them.
+    pub moe: Option<MoeConfig>,
 }
 
 fn bad(msg: impl Into<String>) -> Error {
@@ -139,6 +192,9 @@ fn validate(c: &ModelConfig) -> Result<()> {
     if c.sliding_layers.len() != c.n_layers {
         return Err(bad("sliding layer pattern does not cover every layer"));
     }
+    if let Some(m) = &c.moe {
+        m.validate(c.n_layers)?;
+    }
     if !(c.rms_eps > 0.0 && c.rms_eps < 1.0) || !(c.rope_theta > 0.0) {
         return Err(bad(format!(
             "rms_eps {} / rope_theta {} out of range",
@@ -146,6 +202,53 @@ fn validate(c: &ModelConfig) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The experts of a Hugging Face config: Qwen3-MoE (`num_experts`, written `num_local_experts`
+/// by transformers 5, `moe_intermediate_size`, `norm_topk_prob`, dense layers by
+/// `mlp_only_layers` and `decoder_sparse_step`) and Mixtral (`num_local_experts`, the expert
+/// width in `intermediate_size`, always renormalised).
+fn moe_from_hf(v: &Value, model_type: &str, n_layers: usize) -> Result<Option<MoeConfig>> {
+    let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
+    let need = |k: &str| u(k).ok_or_else(|| bad(format!("config.json lacks '{k}'")));
+    let experts = || {
+        u("num_experts")
+            .or_else(|| u("num_local_experts"))
+            .ok_or_else(|| bad("config.json lacks 'num_experts'"))
+    };
+    Ok(match model_type {
+        "mixtral" => Some(MoeConfig {
+            n_experts: experts()?,
+            n_used: need("num_experts_per_tok")?,
+            expert_width: need("intermediate_size")?,
+            renormalize: true,
+            layers: vec![true; n_layers],
+        }),
+        "qwen3_moe" => {
+            let dense: Vec<usize> = v
+                .get("mlp_only_layers")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_u64)
+                        .map(|x| x as usize)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let step = u("decoder_sparse_step").unwrap_or(1);
+            let n_experts = experts()?;
+            Some(MoeConfig {
+                n_experts,
+                n_used: need("num_experts_per_tok")?,
+                expert_width: need("moe_intermediate_size")?,
+                renormalize: v.get("norm_topk_prob").and_then(Value::as_bool) == Some(true),
+                layers: (0..n_layers)
+                    .map(|i| !dense.contains(&i) && step > 0 && (i + 1).is_multiple_of(step))
+                    .collect(),
+            })
+        }
+        _ => None,
+    })
 }
 
 fn gemma_sliding(n_layers: usize, pattern: usize) -> Vec<bool> {
@@ -244,6 +347,7 @@ impl ModelConfig {
         } else {
             (head_dim as f32).powf(-0.5)
         };
+        let moe = moe_from_hf(v, mt, n_layers)?;
         let c = ModelConfig {
             arch,
             vocab_size: req("vocab_size")?,
@@ -268,7 +372,7 @@ impl ModelConfig {
                 .unwrap_or(gemma),
             attention_bias: arch == Arch::Qwen2
                 || v.get("attention_bias").and_then(Value::as_bool) == Some(true),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             activation: if gemma {
                 Activation::GeluTanh
             } else {
@@ -279,6 +383,7 @@ impl ModelConfig {
             sandwich_norms: gemma,
             attn_scale,
             final_logit_softcap: f("final_logit_softcapping"),
+            moe,
         };
         validate(&c)?;
         Ok(c)
@@ -349,7 +454,7 @@ impl ModelConfig {
             sliding_layers,
             tie_embeddings: !has_output,
             attention_bias: arch == Arch::Qwen2,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             activation: if gemma {
                 Activation::GeluTanh
             } else {
@@ -360,6 +465,19 @@ impl ModelConfig {
             sandwich_norms: gemma,
             attn_scale: (head_dim as f32).powf(-0.5),
             final_logit_softcap: f("final_logit_softcapping"),
+            moe: match u("expert_count").filter(|&e| e > 0) {
+                None => None,
+                Some(n_experts) => Some(MoeConfig {
+                    n_experts,
+                    n_used: req("expert_used_count")?,
+                    // Mixtral's GGUF (arch `llama`) keeps the expert width in feed_forward_length.
+                    expert_width: u("expert_feed_forward_length")
+                        .map_or_else(|| req("feed_forward_length"), Ok)?,
+                    // llama.cpp renormalises for these families unless the file says otherwise.
+                    renormalize: g.get_bool(&key("expert_weights_norm")).unwrap_or(true),
+                    layers: vec![true; n_layers],
+                }),
+            },
         };
         validate(&c)?;
         Ok(c)
@@ -428,6 +546,34 @@ mod tests {
             "every 6th layer is global"
         );
         assert!(!g.sliding_layers[5] && !g.sliding_layers[11]);
+    }
+
+    #[test]
+    fn experts_from_hf_configs() {
+        let q = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "qwen3_moe",
+            "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "norm_topk_prob": true, "mlp_only_layers": [0],
+            "decoder_sparse_step": 2})))
+        .unwrap();
+        let m = q.moe.unwrap();
+        assert_eq!((m.n_experts, m.n_used, m.expert_width), (8, 2, 32));
+        assert!(m.renormalize);
+        // Layer 0 dense by mlp_only_layers, layer 2 by the sparse step of 2.
+        assert_eq!(m.layers, vec![false, true, false, true]);
+        let x = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "mixtral",
+            "num_local_experts": 4, "num_experts_per_tok": 2})))
+        .unwrap();
+        assert_eq!(x.arch, Arch::Llama);
+        let m = x.moe.unwrap();
+        assert_eq!((m.n_experts, m.expert_width, m.renormalize), (4, 128, true));
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "mixtral",
+            "num_local_experts": 4, "num_experts_per_tok": 5})))
+        .unwrap_err();
+        assert!(e.to_string().contains("5 experts per token of 4"), "{e}");
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "qwen3_moe",
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32})))
+        .unwrap_err();
+        assert!(e.to_string().contains("num_experts"), "{e}");
     }
 
     #[test]

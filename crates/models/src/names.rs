@@ -25,6 +25,13 @@ const LAYER: &[(&str, &str)] = &[
     ("mlp.down_proj", "ffn_down"),
     ("pre_feedforward_layernorm", "ffn_norm"),
     ("post_feedforward_layernorm", "post_ffw_norm"),
+    // Routed experts: the router (Qwen3-MoE's name, and Mixtral's), and the experts stacked
+    // (one 3-D tensor each; checkpoints store them per expert or fused, see `source.rs`).
+    ("mlp.gate", "ffn_gate_inp"),
+    ("block_sparse_moe.gate", "ffn_gate_inp"),
+    ("mlp.experts.gate_proj", "ffn_gate_exps"),
+    ("mlp.experts.up_proj", "ffn_up_exps"),
+    ("mlp.experts.down_proj", "ffn_down_exps"),
 ];
 
 /// Maps an HF tensor name (`model.layers.3.self_attn.q_proj.weight`) to its GGUF name
@@ -105,5 +112,17 @@ mod tests {
             "output.weight"
         );
         assert!(hf_to_gguf(Arch::Llama, "model.layers.x.mlp.up_proj.weight").is_none());
+        assert_eq!(
+            hf_to_gguf(Arch::Llama, "model.layers.2.block_sparse_moe.gate.weight").unwrap(),
+            "blk.2.ffn_gate_inp.weight"
+        );
+        assert_eq!(
+            hf_to_gguf(
+                Arch::Qwen3Moe,
+                "model.layers.0.mlp.experts.down_proj.weight"
+            )
+            .unwrap(),
+            "blk.0.ffn_down_exps.weight"
+        );
     }
 }

@@ -137,7 +137,14 @@ fn qwen25_matches_transformers() {
     gguf_parity("qwen25", "HF2Q_TEST_QWEN25_GGUF", KvType::F16, GGUF_TOL_F16);
 }
 
-const TINY: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
+const TINY: &[&str] = &[
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma3",
+    "tiny-qwen3-moe",
+    "tiny-mixtral",
+];
 
 #[test]
 fn tiny_hf_checkpoints_match_transformers() {

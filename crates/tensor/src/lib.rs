@@ -6,6 +6,7 @@
 //! - [`io`]: GGUF and safetensors readers and writers; every count and offset checked.
 //! - [`weight`]: a 2-D weight kept in its stored form (quantized blocks, MLX affine, dense).
 //! - [`tensor`] + [`op`] + [`cpu`]: activations, the closed op set and its CPU reference backend.
+//! - [`moe`]: mixture-of-experts routing and expert products over the op set.
 //! - [`train_op`]: the training op set (backward of every op, attention with its log-sum-exp,
 //!   the fused output layer and loss, AdamW), implemented by the CPU and CUDA backends.
 
@@ -17,6 +18,7 @@ pub mod dtype;
 pub mod error;
 pub mod io;
 pub mod kv;
+pub mod moe;
 pub mod op;
 pub mod quant;
 pub mod storage;

@@ -187,6 +187,17 @@ pub trait Backend: Send + Sync {
     ) -> Result<Tensor> {
         linear_gated_composed(self, x, gate, up, act)
     }
+    /// A mixture-of-experts MLP: each row of `x (T, D)` through the experts its row of router
+    /// `logits (T, E)` picks, weighted as `spec` says ([`crate::moe`]) -> `(T, D)`.
+    fn moe_ffn(
+        &self,
+        x: &Tensor,
+        logits: &Tensor,
+        experts: &crate::moe::Experts,
+        spec: &crate::moe::MoeSpec<'_>,
+    ) -> Result<Tensor> {
+        crate::moe::moe_ffn_composed(self, x, logits, experts, spec)
+    }
     /// [`Backend::linear_many`] of `rms_norm(x)` (a pre-norm block's q, k and v).
     fn norm_linear_many(
         &self,

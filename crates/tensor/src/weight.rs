@@ -140,6 +140,49 @@ impl QTensor {
         })
     }
 
+    /// Rows `start..start+n` as a weight of its own named `name`: the stored bytes shared, not
+    /// copied (an MLX weight's scales and biases are copied).
+    pub fn row_range(&self, start: usize, n: usize, name: &str) -> Result<QTensor> {
+        if start.checked_add(n).is_none_or(|end| end > self.rows) {
+            return Err(Error::Shape(format!(
+                "rows {start}..{} of '{}', which has {}",
+                start.saturating_add(n),
+                self.name,
+                self.rows
+            )));
+        }
+        match &self.data {
+            WeightData::Ggml { ty, data } => {
+                let rb = ty.row_bytes(self.cols).expect("checked at construction");
+                QTensor::ggml(
+                    name,
+                    *ty,
+                    n,
+                    self.cols,
+                    data.slice(start * rb..(start + n) * rb)?,
+                )
+            }
+            WeightData::Affine {
+                params,
+                packed,
+                scales,
+                biases,
+            } => {
+                let rb = self.cols * params.bits as usize / 8;
+                let g = self.cols / params.group_size;
+                QTensor::affine(
+                    name,
+                    *params,
+                    n,
+                    self.cols,
+                    packed.slice(start * rb..(start + n) * rb)?,
+                    scales[start * g..(start + n) * g].to_vec(),
+                    biases[start * g..(start + n) * g].to_vec(),
+                )
+            }
+        }
+    }
+
     /// A short description of the stored type, e.g. `Q4_K` or `mlx4g64`.
     pub fn type_name(&self) -> String {
         match &self.data {

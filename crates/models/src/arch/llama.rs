@@ -1,17 +1,23 @@
 //! Llama family block (Llama 2/3, SmolLM, Mistral; Qwen2 adds q/k/v bias, Qwen3 q/k RMSNorm —
-//! both handled by `Attention` from the config): pre-norm attention and pre-norm SiLU MLP.
-//! Reference: transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`.
+//! both handled by `Attention` from the config): pre-norm attention and pre-norm SiLU MLP, the
+//! MLP routed experts where the config says (Mixtral, Qwen3-MoE).
+//! Reference: transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py` /
+//! `modeling_mixtral.py` / `modeling_qwen3_moe.py`.
 
 use hf2q_tensor::op::{PreNorm, RopeParams};
 use hf2q_tensor::Tensor;
 
-use super::{attention_mlp_linears, attention_mlp_linears_mut, downcast, Block, Saved};
+use super::{
+    attention_linears, attention_linears_mut, attention_mlp_linears, attention_mlp_linears_mut,
+    downcast, Block, Saved,
+};
 use crate::config::ModelConfig;
 use crate::kv_cache::SeqRef;
 use crate::layers::attention::{Attention, AttentionSaved};
 use crate::layers::linear::Linear;
 use crate::layers::lora::{LoraGrads, TrainCtx};
-use crate::layers::mlp::{Mlp, MlpSaved};
+use crate::layers::mlp::MlpSaved;
+use crate::layers::moe::Ffn;
 use crate::layers::served::Fwd;
 use crate::source::WeightSource;
 use crate::Result;
@@ -22,7 +28,7 @@ pub struct LlamaBlock {
     attn: Attention,
     /// (D)
     mlp_norm: Vec<f32>,
-    mlp: Mlp,
+    mlp: Ffn,
     eps: f32,
 }
 
@@ -43,7 +49,7 @@ impl LlamaBlock {
             attn_norm: src.vector(&format!("{p}.input_layernorm.weight"))?,
             attn: Attention::load(src, cfg, &p, rope, window)?,
             mlp_norm: src.vector(&format!("{p}.post_attention_layernorm.weight"))?,
-            mlp: Mlp::load(src, &p, cfg.activation)?,
+            mlp: Ffn::load(src, cfg, &p, i)?,
             eps: cfg.rms_eps,
         })
     }
@@ -68,13 +74,14 @@ impl Block for LlamaBlock {
 
     fn forward_train(&self, cx: &TrainCtx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let be = cx.be;
+        let mlp = self.mlp.dense()?;
         let h1 = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
         // The sums are written into the halves' outputs, never into `x` or `x1`: both are kept
         // for the backward, and a device tensor's clone shares its buffer.
         let (mut x1, sa) = self.attn.forward_train(cx, &h1)?;
         be.add_assign(&mut x1, x)?;
         let h2 = be.rms_norm(&x1, &self.mlp_norm, self.eps, 0.0)?;
-        let (mut x2, sm) = self.mlp.forward_train(cx, &h2)?;
+        let (mut x2, sm) = mlp.forward_train(cx, &h2)?;
         be.add_assign(&mut x2, &x1)?;
         Ok((
             x2,
@@ -99,7 +106,7 @@ impl Block for LlamaBlock {
         let be = cx.be;
         let s = downcast::<LlamaSaved>(saved)?;
         // x2 = x1 + mlp(norm(x1)); x1 = x + attn(norm(x)).
-        let dh2 = self.mlp.backward(cx, &s.h2, &s.mlp, &dy, grads)?;
+        let dh2 = self.mlp.dense()?.backward(cx, &s.h2, &s.mlp, &dy, grads)?;
         let mut dx1 = dy;
         be.add_assign(
             &mut dx1,
@@ -114,11 +121,18 @@ impl Block for LlamaBlock {
         Ok(dx)
     }
 
+    /// A routed layer's products are its attention's alone (adapters do not reach experts).
     fn linears(&self) -> Vec<(&'static str, &Linear)> {
-        attention_mlp_linears(&self.attn, &self.mlp)
+        match &self.mlp {
+            Ffn::Dense(m) => attention_mlp_linears(&self.attn, m),
+            Ffn::Routed(_) => attention_linears(&self.attn),
+        }
     }
     fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
-        attention_mlp_linears_mut(&mut self.attn, &mut self.mlp)
+        match &mut self.mlp {
+            Ffn::Dense(m) => attention_mlp_linears_mut(&mut self.attn, m),
+            Ffn::Routed(_) => attention_linears_mut(&mut self.attn),
+        }
     }
 }
 

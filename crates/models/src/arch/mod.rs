@@ -78,6 +78,24 @@ pub fn attention_mlp_linears_mut<'a>(
     LINEAR_PATHS.into_iter().zip(l).collect()
 }
 
+/// [`Block::linears`] of a block whose MLP has no products of its own (routed experts).
+pub fn attention_linears(a: &Attention) -> Vec<(&'static str, &Linear)> {
+    LINEAR_PATHS[..4]
+        .iter()
+        .copied()
+        .zip([&a.q, &a.k, &a.v, &a.o])
+        .collect()
+}
+
+/// [`Block::linears_mut`] of a block whose MLP has no products of its own.
+pub fn attention_linears_mut(a: &mut Attention) -> Vec<(&'static str, &mut Linear)> {
+    LINEAR_PATHS[..4]
+        .iter()
+        .copied()
+        .zip([&mut a.q, &mut a.k, &mut a.v, &mut a.o])
+        .collect()
+}
+
 /// A block's saved state back as its own type.
 pub(crate) fn downcast<T: 'static>(saved: Saved) -> Result<Box<T>> {
     saved
@@ -125,7 +143,7 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
         .map(|i| -> Result<Box<dyn Block>> {
             let rope = rope_for_layer(cfg, i, ff.clone());
             Ok(match cfg.arch {
-                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
                     Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?)
                 }
                 Arch::Gemma3 => Box::new(gemma3::Gemma3Block::load(src, cfg, i, rope)?),

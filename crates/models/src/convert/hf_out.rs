@@ -181,12 +181,32 @@ impl ShardWriter {
     }
 }
 
-fn hf_class(arch: Arch) -> (&'static str, &'static str) {
-    match arch {
+fn hf_class(c: &ModelConfig) -> (&'static str, &'static str) {
+    match c.arch {
+        Arch::Llama if c.moe.is_some() => ("MixtralForCausalLM", "mixtral"),
         Arch::Llama => ("LlamaForCausalLM", "llama"),
         Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
         Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+    }
+}
+
+/// The experts' keys of a config.json (as [`ModelConfig::from_hf_json`] reads them).
+fn insert_moe(m: &mut Map<String, Value>, c: &ModelConfig) {
+    let Some(moe) = &c.moe else { return };
+    m.insert("num_experts_per_tok".into(), json!(moe.n_used));
+    if c.arch == Arch::Qwen3Moe {
+        let dense: Vec<usize> = (0..c.n_layers).filter(|&i| !moe.layers[i]).collect();
+        m.insert("num_experts".into(), json!(moe.n_experts));
+        m.insert("moe_intermediate_size".into(), json!(moe.expert_width));
+        m.insert("norm_topk_prob".into(), json!(moe.renormalize));
+        m.insert("decoder_sparse_step".into(), json!(1));
+        m.insert("mlp_only_layers".into(), json!(dense));
+    } else {
+        // Mixtral: every layer routed, `intermediate_size` is the expert width.
+        m.insert("num_local_experts".into(), json!(moe.n_experts));
+        m.insert("intermediate_size".into(), json!(moe.expert_width));
     }
 }
 
@@ -196,7 +216,7 @@ pub fn config_from_model(
     tok: Option<&Tokenizer>,
     dtype: StDtype,
 ) -> Result<Value> {
-    let (class, model_type) = hf_class(c.arch);
+    let (class, model_type) = hf_class(c);
     let mut m = Map::new();
     m.insert("architectures".into(), json!([class]));
     m.insert("model_type".into(), json!(model_type));
@@ -213,6 +233,7 @@ pub fn config_from_model(
     m.insert("tie_word_embeddings".into(), json!(c.tie_embeddings));
     m.insert("attention_bias".into(), json!(c.attention_bias));
     m.insert("torch_dtype".into(), json!(torch_dtype_name(dtype)));
+    insert_moe(&mut m, c);
     if let Some(t) = tok {
         if let Some(b) = t.bos_id() {
             m.insert("bos_token_id".into(), json!(b));

@@ -100,10 +100,15 @@ impl Mlp {
     }
 
     fn gate_act(&self) -> GateAct {
-        match self.act {
-            Activation::Silu => GateAct::Silu,
-            Activation::GeluTanh => GateAct::GeluTanh,
-        }
+        gate_act(self.act)
+    }
+}
+
+/// The backend's name for a gated MLP's activation.
+pub(crate) fn gate_act(act: Activation) -> GateAct {
+    match act {
+        Activation::Silu => GateAct::Silu,
+        Activation::GeluTanh => GateAct::GeluTanh,
     }
 }
 

@@ -3,4 +3,5 @@ pub mod attention;
 pub mod linear;
 pub mod lora;
 pub mod mlp;
+pub mod moe;
 pub mod served;

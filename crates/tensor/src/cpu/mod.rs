@@ -462,6 +462,40 @@ impl Backend for CpuBackend {
         Ok(x.clone())
     }
 
+    /// Each expert's tokens gathered straight from `x` and its weighted results added straight
+    /// into the output, experts in ascending order (transformers' order of `index_add_`).
+    fn moe_ffn(
+        &self,
+        x: &Tensor,
+        logits: &Tensor,
+        experts: &crate::moe::Experts,
+        spec: &crate::moe::MoeSpec<'_>,
+    ) -> Result<Tensor> {
+        let t = crate::moe::check_moe(x, logits, experts)?;
+        let route = crate::moe::route(logits.data(), experts.n_experts(), spec)?;
+        let d = experts.hidden();
+        let mut out = vec![0f32; t * d];
+        for (e, hits) in route.by_expert(experts.n_experts()).iter().enumerate() {
+            if hits.is_empty() {
+                continue;
+            }
+            let mut xe = Vec::with_capacity(hits.len() * d);
+            for &(tok, _) in hits {
+                xe.extend_from_slice(x.row(tok));
+            }
+            let xe = Tensor::new(&[hits.len(), d], xe)?;
+            let [gate, up, down] = experts.expert(e);
+            let h = self.linear_gated(&xe, gate, up, spec.act)?;
+            let y = self.linear(&h, down, None)?;
+            for (i, &(tok, w)) in hits.iter().enumerate() {
+                for (o, v) in out[tok * d..(tok + 1) * d].iter_mut().zip(y.row(i)) {
+                    *o += w * v;
+                }
+            }
+        }
+        Tensor::new(&[t, d], out)
+    }
+
     fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor> {
         dense::matmul(a, b, spec)
     }

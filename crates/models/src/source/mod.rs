@@ -12,6 +12,8 @@ use serde_json::Value;
 
 use crate::config::{Arch, ModelConfig};
 use crate::names::hf_to_gguf;
+mod experts;
+
 use crate::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,145 @@
+//! A layer's routed experts from any source, as [`Experts`] views of the stored bytes (nothing
+//! copied, nothing dequantized):
+//!
+//! - GGUF: llama.cpp's stacked `blk.N.ffn_{gate,up}_exps` `[D, F, E]` and `ffn_down_exps`
+//!   `[F, D, E]` (ggml order), read as `(E·F, D)` and `(E·D, F)`;
+//! - safetensors, fused as transformers 5 holds them in memory: `mlp.experts.gate_up_proj
+//!   (E, 2F, D)` (gate rows first) and `mlp.experts.down_proj (E, D, F)`;
+//! - safetensors, one tensor per expert as checkpoints ship them: Qwen3-MoE's
+//!   `mlp.experts.E.{gate,up,down}_proj.weight`, Mixtral's `block_sparse_moe.experts.E.{w1,w3,w2}`.
+//!
+//! Not read yet: MLX's `switch_mlp` (refused with a message naming it).
+
+use hf2q_tensor::moe::{expert_name, Experts};
+use hf2q_tensor::QTensor;
+
+use super::{st_dtype_to_ggml, WeightSource};
+use crate::names::hf_to_gguf;
+use crate::{Error, Result};
+
+/// The three parts of an expert, in [`Experts`]' order, by their names in each layout.
+const PARTS: [(&str, &str); 3] = [("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")];
+
+impl WeightSource {
+    /// The `n_experts` experts of the layer under `prefix` (`model.layers.N`).
+    pub fn experts(&self, prefix: &str, n_experts: usize) -> Result<Experts> {
+        match self {
+            WeightSource::Gguf { file, arch } => {
+                let [g, u, d] = PARTS.map(|(p, _)| -> Result<QTensor> {
+                    let hf = format!("{prefix}.mlp.experts.{p}.weight");
+                    let name = hf_to_gguf(*arch, &hf).ok_or_else(|| Error::MissingTensor(hf))?;
+                    let info = file
+                        .tensor(&name)
+                        .ok_or_else(|| Error::MissingTensor(name.clone()))?;
+                    let [c, r, e] = info.dims[..] else {
+                        return Err(Error::Config(format!(
+                            "tensor '{name}' has {} dims, 3 expected (columns, rows, experts)",
+                            info.dims.len()
+                        )));
+                    };
+                    if e != n_experts as u64 {
+                        return Err(Error::Config(format!(
+                            "tensor '{name}' holds {e} experts, the config says {n_experts}"
+                        )));
+                    }
+                    let rows = r
+                        .checked_mul(e)
+                        .and_then(|x| usize::try_from(x).ok())
+                        .ok_or_else(|| Error::Config(format!("tensor '{name}' is too large")))?;
+                    let cols = usize::try_from(c)
+                        .map_err(|_| Error::Config(format!("tensor '{name}' is too large")))?;
+                    Ok(QTensor::ggml(
+                        &name,
+                        info.ty,
+                        rows,
+                        cols,
+                        file.tensor_data(info)?,
+                    )?)
+                });
+                Ok(Experts::from_stacked(n_experts, g?, u?, d?)?)
+            }
+            WeightSource::St { .. } => {
+                for moe in ["mlp", "block_sparse_moe"] {
+                    if self.contains(&format!("{prefix}.{moe}.switch_mlp.gate_proj.weight")) {
+                        return Err(Error::Config(format!(
+                            "{prefix}.{moe}.switch_mlp: MLX experts are not supported yet"
+                        )));
+                    }
+                }
+                if let Some(fused) = self.fused_experts(prefix, n_experts)? {
+                    return Ok(fused);
+                }
+                let per_expert = |e: usize| -> Result<[QTensor; 3]> {
+                    let qwen = format!("{prefix}.mlp.experts.{e}.gate_proj.weight");
+                    let [g, u, d] = PARTS.map(|(q, m)| {
+                        if self.contains(&qwen) {
+                            format!("{prefix}.mlp.experts.{e}.{q}.weight")
+                        } else {
+                            format!("{prefix}.block_sparse_moe.experts.{e}.{m}.weight")
+                        }
+                    });
+                    Ok([self.matrix(&g)?, self.matrix(&u)?, self.matrix(&d)?])
+                };
+                Ok(Experts::from_parts(
+                    (0..n_experts).map(per_expert).collect::<Result<_>>()?,
+                )?)
+            }
+        }
+    }
+
+    /// transformers' fused layout, when the checkpoint has it.
+    fn fused_experts(&self, prefix: &str, n_experts: usize) -> Result<Option<Experts>> {
+        let WeightSource::St { st, prefixes, .. } = self else {
+            return Ok(None);
+        };
+        let gu_name = format!("{prefix}.mlp.experts.gate_up_proj");
+        let Some(gu) = Self::st_name(st, prefixes, &gu_name) else {
+            return Ok(None);
+        };
+        let dn = Self::st_name(st, prefixes, &format!("{prefix}.mlp.experts.down_proj"))
+            .ok_or_else(|| Error::MissingTensor(format!("{prefix}.mlp.experts.down_proj")))?;
+        // Each 3-D tensor as the 2-D weight of its rows: (E·2F, D) and (E·D, F).
+        let stacked = |name: &str| -> Result<(QTensor, [usize; 3])> {
+            let (file, info) = st
+                .get(name)
+                .ok_or_else(|| Error::MissingTensor(name.to_string()))?;
+            let [e, r, c] = info.shape[..] else {
+                return Err(Error::Config(format!(
+                    "tensor '{name}' has shape {:?}, (experts, rows, columns) expected",
+                    info.shape
+                )));
+            };
+            if e != n_experts {
+                return Err(Error::Config(format!(
+                    "tensor '{name}' holds {e} experts, the config says {n_experts}"
+                )));
+            }
+            let ty = st_dtype_to_ggml(info.dtype).ok_or_else(|| {
+                Error::Config(format!(
+                    "tensor '{name}': dtype {:?} is not a float weight",
+                    info.dtype
+                ))
+            })?;
+            let w = QTensor::ggml(name, ty, e * r, c, file.tensor_data(info)?)?;
+            Ok((w, [e, r, c]))
+        };
+        let (gu_w, [_, two_f, d]) = stacked(&gu)?;
+        let (dn_w, [_, dd, f]) = stacked(&dn)?;
+        if two_f != 2 * f || dd != d {
+            return Err(Error::Config(format!(
+                "'{gu}' rows {two_f} x {d} and '{dn}' {dd} x {f} disagree (2F x D and D x F)"
+            )));
+        }
+        let views = (0..n_experts)
+            .map(|e| -> Result<[QTensor; 3]> {
+                let name = expert_name(&gu_w, e);
+                Ok([
+                    gu_w.row_range(e * 2 * f, f, &format!("{name}.gate"))?,
+                    gu_w.row_range(e * 2 * f + f, f, &format!("{name}.up"))?,
+                    dn_w.row_range(e * d, d, &expert_name(&dn_w, e))?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Experts::from_parts(views)?))
+    }
+}

@@ -1,0 +1,432 @@
+//! Mixture-of-experts feed-forward, written once for every family that routes tokens to
+//! experts (Qwen3-MoE, Mixtral, Gemma 4's MoE branch):
+//!
+//! - [`Experts`]: one layer's experts, each a gated MLP, as views of the stored bytes: stacked
+//!   as llama.cpp stores them (`ffn_{gate,up}_exps (E·F, D)`, `ffn_down_exps (E·D, F)`), fused
+//!   (transformers' `gate_up_proj`), or one tensor per expert.
+//! - [`route`]: router logits `(T, E)` -> per token the `k` experts and their weights (softmax
+//!   over all experts in f32, top-k, optional renormalisation and per-expert scale), as
+//!   transformers' routers compute them.
+//! - [`moe_ffn_composed`]: the expert products composed from the closed op set (any backend);
+//!   a backend overrides [`crate::op::Backend::moe_ffn`] with its own gather and scatter.
+//!
+//! Not here: the router product and any norm before it (ordinary ops in the family's block),
+//! shared experts (an ordinary MLP beside this one), training (the experts have no backward).
+
+use crate::op::{Backend, GateAct, MatmulSpec};
+use crate::{Error, QTensor, Result, Tensor};
+
+/// How router logits become expert weights.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeSpec<'a> {
+    /// k: experts per token.
+    pub top_k: usize,
+    /// Divide the chosen probabilities by their sum (Mixtral, Gemma 4; Qwen3-MoE's
+    /// `norm_topk_prob`).
+    pub renormalize: bool,
+    /// Per expert, a multiplier of its weight after renormalising (Gemma 4's
+    /// `per_expert_scale`), `(E)`.
+    pub expert_scale: Option<&'a [f32]>,
+    pub act: GateAct,
+}
+
+/// One layer's experts: `E` gated MLPs of width `F` over hidden size `D`, each held as views
+/// of the stored bytes (nothing copied).
+#[derive(Clone, Debug)]
+pub struct Experts {
+    /// Per expert: gate `(F, D)`, up `(F, D)`, down `(D, F)`.
+    views: Vec<[QTensor; 3]>,
+    /// The stacked tensors the views were cut from, when they came stacked (GGUF's
+    /// `ffn_{gate,up}_exps (E·F, D)` and `ffn_down_exps (E·D, F)`): what a device kernel that
+    /// indexes experts by id reads.
+    stacked: Option<[QTensor; 3]>,
+}
+
+impl Experts {
+    /// From stacked tensors, `gate`, `up` `(E·F, D)` and `down` `(E·D, F)`.
+    pub fn from_stacked(
+        n_experts: usize,
+        gate: QTensor,
+        up: QTensor,
+        down: QTensor,
+    ) -> Result<Experts> {
+        let bad = |m: String| Error::Shape(format!("experts '{}': {m}", gate.name));
+        if n_experts == 0 || !gate.rows.is_multiple_of(n_experts) {
+            return Err(bad(format!(
+                "{} rows do not split into {n_experts} experts",
+                gate.rows
+            )));
+        }
+        let (f, d) = (gate.rows / n_experts, gate.cols);
+        if down.rows != n_experts * d {
+            return Err(bad(format!(
+                "down has {} rows, {} expected for {n_experts} experts",
+                down.rows,
+                n_experts * d
+            )));
+        }
+        let views = (0..n_experts)
+            .map(|e| {
+                Ok([
+                    gate.row_range(e * f, f, &expert_name(&gate, e))?,
+                    up.row_range(e * f, f, &expert_name(&up, e))?,
+                    down.row_range(e * d, d, &expert_name(&down, e))?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut ex = Experts::from_parts(views)?;
+        ex.stacked = Some([gate, up, down]);
+        Ok(ex)
+    }
+
+    /// From the experts' own tensors (checkpoints that store each expert apart).
+    pub fn from_parts(views: Vec<[QTensor; 3]>) -> Result<Experts> {
+        let Some([g0, _, d0]) = views.first() else {
+            return Err(Error::Shape("a layer of experts with no experts".into()));
+        };
+        let (f, d) = (g0.rows, g0.cols);
+        for (e, [g, u, dn]) in views.iter().enumerate() {
+            if (g.rows, g.cols) != (f, d)
+                || (u.rows, u.cols) != (f, d)
+                || (dn.rows, dn.cols) != (d, f)
+            {
+                return Err(Error::Shape(format!(
+                    "expert {e} ('{}'): gate {}x{}, up {}x{}, down {}x{}; expert 0 has gate {f}x{d}, down {}x{}",
+                    g.name, g.rows, g.cols, u.rows, u.cols, dn.rows, dn.cols, d0.rows, d0.cols
+                )));
+            }
+        }
+        Ok(Experts {
+            views,
+            stacked: None,
+        })
+    }
+    /// E
+    pub fn n_experts(&self) -> usize {
+        self.views.len()
+    }
+    /// F: the width of one expert.
+    pub fn width(&self) -> usize {
+        self.views[0][0].rows
+    }
+    /// D
+    pub fn hidden(&self) -> usize {
+        self.views[0][0].cols
+    }
+    /// Expert `e`'s gate `(F, D)`, up `(F, D)` and down `(D, F)`.
+    pub fn expert(&self, e: usize) -> &[QTensor; 3] {
+        &self.views[e]
+    }
+    /// The stacked gate, up and down, when the experts came stacked.
+    pub fn stacked(&self) -> Option<&[QTensor; 3]> {
+        self.stacked.as_ref()
+    }
+    /// Stored bytes of all experts.
+    pub fn stored_bytes(&self) -> usize {
+        self.views.iter().flatten().map(QTensor::stored_bytes).sum()
+    }
+}
+
+/// The name of expert `e`'s part of a stacked tensor, so that messages say which one.
+pub fn expert_name(stacked: &QTensor, e: usize) -> String {
+    format!("{}[expert {e}]", stacked.name)
+}
+
+/// Per token, the chosen experts and their weights: `experts`, `weights` are `(T, k)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    pub top_k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+impl Route {
+    /// T
+    pub fn tokens(&self) -> usize {
+        self.experts.len() / self.top_k.max(1)
+    }
+    /// Per expert `0..n_experts`, the `(token, weight)` pairs routed to it, tokens ascending.
+    pub fn by_expert(&self, n_experts: usize) -> Vec<Vec<(usize, f32)>> {
+        let mut out = vec![Vec::new(); n_experts];
+        for (i, (&e, &w)) in self.experts.iter().zip(&self.weights).enumerate() {
+            out[e as usize].push((i / self.top_k, w));
+        }
+        out
+    }
+}
+
+/// Routes each row of `logits (T, E)`: softmax over the `E` experts (f32, max subtracted), the
+/// `k` largest probabilities (ties to the lower index), optionally
+/// renormalised to sum to 1, then times `expert_scale[e]`.
+pub fn route(logits: &[f32], n_experts: usize, spec: &MoeSpec<'_>) -> Result<Route> {
+    let k = spec.top_k;
+    if n_experts == 0 || k == 0 || k > n_experts || !logits.len().is_multiple_of(n_experts) {
+        return Err(Error::Shape(format!(
+            "routing {} logits over {n_experts} experts, top {k}",
+            logits.len()
+        )));
+    }
+    if let Some(s) = spec.expert_scale {
+        if s.len() != n_experts {
+            return Err(Error::Shape(format!(
+                "{} expert scales for {n_experts} experts",
+                s.len()
+            )));
+        }
+    }
+    let t = logits.len() / n_experts;
+    let mut experts = Vec::with_capacity(t * k);
+    let mut weights = Vec::with_capacity(t * k);
+    let mut order: Vec<u32> = Vec::with_capacity(n_experts);
+    for row in logits.chunks(n_experts) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        order.clear();
+        order.extend(0..n_experts as u32);
+        // NaN logits sort last, so a poisoned row still picks k valid-looking experts.
+        order.sort_by(|&a, &b| {
+            let (pa, pb) = (exps[a as usize], exps[b as usize]);
+            pb.partial_cmp(&pa)
+                .unwrap_or_else(|| pa.is_nan().cmp(&pb.is_nan()))
+                .then(a.cmp(&b))
+        });
+        let chosen = &order[..k];
+        let mut p: Vec<f32> = chosen.iter().map(|&e| exps[e as usize] / sum).collect();
+        if spec.renormalize {
+            let s: f32 = p.iter().sum();
+            if s > 0.0 {
+                p.iter_mut().for_each(|v| *v /= s);
+            }
+        }
+        if let Some(scale) = spec.expert_scale {
+            for (v, &e) in p.iter_mut().zip(chosen) {
+                *v *= scale[e as usize];
+            }
+        }
+        experts.extend_from_slice(chosen);
+        weights.extend(p);
+    }
+    Ok(Route {
+        top_k: k,
+        experts,
+        weights,
+    })
+}
+
+/// Checks the shapes a [`crate::op::Backend::moe_ffn`] gets: `x (T, D)`, `logits (T, E)`.
+pub fn check_moe(x: &Tensor, logits: &Tensor, ex: &Experts) -> Result<usize> {
+    let (t, d) = x.dims2();
+    let (tl, e) = logits.dims2();
+    if d != ex.hidden() || tl != t || e != ex.n_experts() {
+        return Err(Error::Shape(format!(
+            "moe_ffn: x is {t}x{d}, router logits {tl}x{e}, experts {}x{} of width {}",
+            ex.n_experts(),
+            ex.hidden(),
+            ex.width()
+        )));
+    }
+    Ok(t)
+}
+
+/// `Σ_k w_k · down_k(act(gate_k(x)) · up_k(x))` per token, from the op set alone: the routing
+/// on the host (the logits are `T·E` values), then per expert hit its tokens gathered by a
+/// selection product `S (n, T) · x`, its gated MLP, and the weighted results added back by
+/// `Wᵀ (T, n) · y`. Every backend runs this; the CPU overrides it with a direct gather.
+pub fn moe_ffn_composed<B: Backend + ?Sized>(
+    be: &B,
+    x: &Tensor,
+    logits: &Tensor,
+    ex: &Experts,
+    spec: &MoeSpec<'_>,
+) -> Result<Tensor> {
+    let t = check_moe(x, logits, ex)?;
+    let route = route(be.to_host(logits)?.data(), ex.n_experts(), spec)?;
+    let d = ex.hidden();
+    let mut out = be.upload(&Tensor::zeros(&[t, d]))?;
+    for (e, hits) in route.by_expert(ex.n_experts()).iter().enumerate() {
+        if hits.is_empty() {
+            continue;
+        }
+        let n = hits.len();
+        // S (n, T): row i selects token hits[i].0; Wt (T, n): column i carries its weight.
+        let mut sel = vec![0f32; n * t];
+        let mut wt = vec![0f32; t * n];
+        for (i, &(tok, w)) in hits.iter().enumerate() {
+            sel[i * t + tok] = 1.0;
+            wt[tok * n + i] = w;
+        }
+        let sel = be.upload(&Tensor::new(&[n, t], sel)?)?;
+        let wt = be.upload(&Tensor::new(&[t, n], wt)?)?;
+        let xe = be.matmul(&sel, x, MatmulSpec::NN)?;
+        let [g, u, dn] = ex.expert(e);
+        let h = be.linear_gated(&xe, g, u, spec.act)?;
+        let y = be.linear(&h, dn, None)?;
+        be.matmul_acc(&mut out, &wt, &y, MatmulSpec::NN)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(k: usize, renormalize: bool) -> MoeSpec<'static> {
+        MoeSpec {
+            top_k: k,
+            renormalize,
+            expert_scale: None,
+            act: GateAct::Silu,
+        }
+    }
+
+    #[test]
+    fn route_picks_the_largest_and_renormalises() {
+        let logits = [0.0, 2.0, 1.0, -1.0, /* token 1 */ 3.0, 3.0, 0.0, 0.0];
+        let r = route(&logits, 4, &spec(2, false)).unwrap();
+        assert_eq!(r.experts, vec![1, 2, 0, 1], "ties go to the lower index");
+        let z: f32 = [0.0f32, 2.0, 1.0, -1.0]
+            .iter()
+            .map(|l| (l - 2.0).exp())
+            .sum();
+        assert!((r.weights[0] - 1.0 / z).abs() < 1e-6);
+        let r = route(&logits, 4, &spec(2, true)).unwrap();
+        assert!((r.weights[0] + r.weights[1] - 1.0).abs() < 1e-6);
+        assert!((r.weights[2] - 0.5).abs() < 1e-6 && (r.weights[3] - 0.5).abs() < 1e-6);
+        let scale = [1.0, 2.0, 3.0, 4.0];
+        let s = MoeSpec {
+            expert_scale: Some(&scale),
+            ..spec(2, true)
+        };
+        let r2 = route(&logits, 4, &s).unwrap();
+        assert!((r2.weights[0] - 2.0 * r.weights[0]).abs() < 1e-6);
+        assert_eq!(
+            r.by_expert(4)[1],
+            vec![(0, r.weights[0]), (1, r.weights[3])]
+        );
+    }
+
+    #[test]
+    fn route_edge_cases() {
+        // k = E: every expert, weights summing to 1 before any renormalisation.
+        let r = route(&[0.1, 0.2, 0.3], 3, &spec(3, false)).unwrap();
+        assert_eq!(r.experts, vec![2, 1, 0]);
+        assert!((r.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        // k = 1
+        let r = route(&[5.0, -5.0], 2, &spec(1, true)).unwrap();
+        assert_eq!((r.experts[0], r.weights[0]), (0, 1.0));
+        // A NaN logit is never preferred to a number.
+        let r = route(&[f32::NAN, 1.0, 0.0], 3, &spec(1, false)).unwrap();
+        assert_ne!(r.experts[0], 0);
+        for (l, e, k) in [(3, 3, 0), (3, 3, 4), (4, 3, 1), (0, 0, 1)] {
+            assert!(route(&vec![0.0; l], e, &spec(k, false)).is_err());
+        }
+    }
+
+    /// Deterministic values in about [-0.5, 0.5).
+    fn noise(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let h = (i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503))
+                    .wrapping_mul(2246822519);
+                (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// Every token through every expert densely, then weighted as `route` says.
+    fn naive(x: &Tensor, logits: &Tensor, ex: &Experts, s: &MoeSpec<'_>) -> Vec<f32> {
+        let (t, d) = x.dims2();
+        let r = route(logits.data(), ex.n_experts(), s).unwrap();
+        let mut out = vec![0f32; t * d];
+        let (f, mut row) = (ex.width(), vec![0f32; d.max(ex.width())]);
+        for tok in 0..t {
+            for j in 0..r.top_k {
+                let (e, w) = (
+                    r.experts[tok * r.top_k + j] as usize,
+                    r.weights[tok * r.top_k + j],
+                );
+                let [g, u, dn] = ex.expert(e);
+                let mut h = vec![0f32; f];
+                for (i, hi) in h.iter_mut().enumerate() {
+                    g.dequantize_row(i, &mut row[..d]).unwrap();
+                    let a: f32 = row[..d].iter().zip(x.row(tok)).map(|(p, q)| p * q).sum();
+                    u.dequantize_row(i, &mut row[..d]).unwrap();
+                    let b: f32 = row[..d].iter().zip(x.row(tok)).map(|(p, q)| p * q).sum();
+                    *hi = a / (1.0 + (-a).exp()) * b;
+                }
+                for o in 0..d {
+                    dn.dequantize_row(o, &mut row[..f]).unwrap();
+                    out[tok * d + o] +=
+                        w * row[..f].iter().zip(&h).map(|(p, q)| p * q).sum::<f32>();
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn cpu_and_composed_expert_products_match_a_dense_reference() {
+        use crate::cpu::CpuBackend;
+        let (e, f, d, t) = (5, 6, 8, 7);
+        let g = QTensor::from_f32("g", e * f, d, &noise(e * f * d, 1)).unwrap();
+        let u = QTensor::from_f32("u", e * f, d, &noise(e * f * d, 2)).unwrap();
+        let dn = QTensor::from_f32("dn", e * d, f, &noise(e * d * f, 3)).unwrap();
+        let ex = Experts::from_stacked(e, g, u, dn).unwrap();
+        let x = Tensor::new(&[t, d], noise(t * d, 4)).unwrap();
+        // Routers: random; every token to expert 3; expert 0 never chosen.
+        let random = noise(t * e, 5).iter().map(|v| v * 8.0).collect::<Vec<_>>();
+        let one = (0..t * e)
+            .map(|i| if i % e == 3 { 9.0 } else { 0.0 })
+            .collect();
+        let never0 = (0..t * e)
+            .map(|i| if i % e == 0 { -50.0 } else { random[i] })
+            .collect();
+        for (name, l) in [
+            ("random", random.clone()),
+            ("one expert", one),
+            ("expert 0 unused", never0),
+        ] {
+            let logits = Tensor::new(&[t, e], l).unwrap();
+            for k in [1, 2, e] {
+                let s = spec(k, k > 1);
+                let want = naive(&x, &logits, &ex, &s);
+                let cpu = CpuBackend::REFERENCE.moe_ffn(&x, &logits, &ex, &s).unwrap();
+                let composed =
+                    moe_ffn_composed(&CpuBackend::REFERENCE, &x, &logits, &ex, &s).unwrap();
+                for (got, what) in [(cpu.data(), "cpu"), (composed.data(), "composed")] {
+                    let err = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    // f32 sums of 6-8 products in another order: ~1e-7.
+                    assert!(err < 1e-5, "{name}, k={k}, {what}: max |Δ| {err}");
+                }
+            }
+        }
+        let bad = Tensor::new(&[t, e + 1], vec![0.0; t * (e + 1)]).unwrap();
+        assert!(CpuBackend::REFERENCE
+            .moe_ffn(&x, &bad, &ex, &spec(2, true))
+            .is_err());
+    }
+
+    #[test]
+    fn experts_check_their_shapes_and_view_rows() {
+        let (e, f, d) = (3, 2, 4);
+        let vals = |n: usize, off: f32| (0..n).map(|i| i as f32 + off).collect::<Vec<_>>();
+        let g = QTensor::from_f32("g", e * f, d, &vals(e * f * d, 0.0)).unwrap();
+        let u = QTensor::from_f32("u", e * f, d, &vals(e * f * d, 100.0)).unwrap();
+        let dn = QTensor::from_f32("dn", e * d, f, &vals(e * d * f, 200.0)).unwrap();
+        let ex = Experts::from_stacked(e, g.clone(), u.clone(), dn.clone()).unwrap();
+        assert_eq!((ex.n_experts(), ex.width(), ex.hidden()), (3, 2, 4));
+        let mut row = vec![0f32; d];
+        ex.expert(2)[0].dequantize_row(1, &mut row).unwrap();
+        assert_eq!(row, vals(e * f * d, 0.0)[(2 * f + 1) * d..(2 * f + 2) * d]);
+        ex.expert(1)[2].dequantize_row(0, &mut row[..f]).unwrap();
+        assert_eq!(row[..f], vals(e * d * f, 200.0)[d * f..d * f + f]);
+        assert!(Experts::from_stacked(4, g.clone(), u.clone(), dn.clone()).is_err());
+        assert!(Experts::from_stacked(e, g.clone(), u, g).is_err());
+        assert!(Experts::from_parts(vec![]).is_err());
+    }
+}
