@@ -475,7 +475,11 @@ impl ModelConfig {
                         .map_or_else(|| req("feed_forward_length"), Ok)?,
                     // llama.cpp renormalises for these families unless the file says otherwise.
                     renormalize: g.get_bool(&key("expert_weights_norm")).unwrap_or(true),
-                    layers: vec![true; n_layers],
+                    // A layer is routed where its router is stored (llama.cpp writes every
+                    // layer routed; a file with dense layers keeps ffn_gate/up/down there).
+                    layers: (0..n_layers)
+                        .map(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some())
+                        .collect(),
                 }),
             },
         };
