@@ -167,6 +167,27 @@ fn tiny_hf_checkpoints_match_transformers() {
     }
 }
 
+/// The tiny Qwen3-MoE written as a GGUF by gguf-py in llama.cpp's layout (stacked
+/// `ffn_*_exps`, `ffn_gate_inp`; one dense layer), held to the transformers golden of the
+/// safetensors folder it was made from (scripts/fixtures/gen_moe_gguf.py).
+#[test]
+fn gguf_experts_match_transformers() {
+    let path = fixtures().join("moe").join("tiny-qwen3-moe.gguf");
+    let model = reference(Model::load(&path).unwrap_or_else(|e| panic!("{e}")));
+    let g = load_json(&fixtures().join("tiny/tiny-qwen3-moe/golden.json"));
+    let ids = ids_of(&g["ids"]);
+    let logits = model.session(0).forward_all(&ids).unwrap();
+    let mut max_err = 0f32;
+    for (t, row) in g["logits"].as_array().unwrap().iter().enumerate() {
+        for (v, want) in logits.row(t).iter().zip(row.as_array().unwrap()) {
+            max_err = max_err.max((v - want.as_f64().unwrap() as f32).abs());
+        }
+    }
+    eprintln!("tiny-qwen3-moe.gguf: max |Δ| over all logits {max_err:.2e}");
+    // The same f32 weights as the safetensors folder: the tolerance of the tiny checkpoints.
+    assert!(max_err < 1e-4, "max logit error {max_err}");
+}
+
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
