@@ -100,6 +100,23 @@ pub fn table(i: &ModelInfo) -> String {
         ),
         ("sampling", i.generation.describe()),
     ];
+    if let Some(e) = &i.experts {
+        rows.push((
+            "experts",
+            format!(
+                "{}, {} per token, width {}, {} of {} layers routed",
+                e.experts, e.experts_per_token, e.expert_width, e.routed_layers, i.n_layers
+            ),
+        ));
+        rows.push((
+            "active parameters",
+            format!(
+                "{} ({}) per token",
+                human_count(e.active_parameters),
+                e.active_parameters
+            ),
+        ));
+    }
     let mut out = String::new();
     let w = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
     for (k, v) in rows.drain(..) {

@@ -61,6 +61,23 @@ pub struct ModelInfo {
     pub chat_template: bool,
     /// Recommended sampling (the defaults of run, chat and serve for this model).
     pub generation: crate::generation::GenerationDefaults,
+    /// Routed experts, for a mixture of experts.
+    pub experts: Option<ExpertsInfo>,
+}
+
+/// A mixture of experts as `inspect` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertsInfo {
+    /// E
+    pub experts: usize,
+    /// k: experts per token.
+    pub experts_per_token: usize,
+    /// F_e
+    pub expert_width: usize,
+    pub routed_layers: usize,
+    /// Parameters one token's forward reads: all, less the experts it does not use
+    /// (`(E - k) · 3 · D · F_e` per routed layer).
+    pub active_parameters: u64,
 }
 
 pub struct Model {
@@ -284,6 +301,17 @@ impl Model {
             add_bos: tok.add_bos(),
             chat_template: self.template.is_some(),
             generation: self.generation.clone(),
+            experts: c.moe.as_ref().map(|m| {
+                let routed = m.layers.iter().filter(|&&r| r).count();
+                let unused = (m.n_experts - m.n_used) * m.expert_params(c.hidden_size) * routed;
+                ExpertsInfo {
+                    experts: m.n_experts,
+                    experts_per_token: m.n_used,
+                    expert_width: m.expert_width,
+                    routed_layers: routed,
+                    active_parameters: params.saturating_sub(unused as u64),
+                }
+            }),
         }
     }
 

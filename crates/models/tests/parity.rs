@@ -184,6 +184,19 @@ fn gguf_experts_match_transformers() {
         }
     }
     eprintln!("tiny-qwen3-moe.gguf: max |Δ| over all logits {max_err:.2e}");
+    // inspect: 8 experts, 2 used, width 32, layer 0 routed: 6 unused experts of 3·64·32.
+    let info = model.info();
+    let e = info.experts.expect("experts in inspect");
+    assert_eq!(
+        (
+            e.experts,
+            e.experts_per_token,
+            e.expert_width,
+            e.routed_layers
+        ),
+        (8, 2, 32, 1)
+    );
+    assert_eq!(e.active_parameters, info.parameters - 6 * 3 * 64 * 32);
     // The same f32 weights as the safetensors folder: the tolerance of the tiny checkpoints.
     assert!(max_err < 1e-4, "max logit error {max_err}");
 }
