@@ -137,6 +137,19 @@ fn qwen25_matches_transformers() {
     gguf_parity("qwen25", "HF2Q_TEST_QWEN25_GGUF", KvType::F16, GGUF_TOL_F16);
 }
 
+/// The largest |Δ| between `model`'s logits over a tiny golden's ids and the golden's full logits.
+fn max_logit_error(model: &Model, golden: &std::path::Path) -> f32 {
+    let g = load_json(golden);
+    let logits = model.session(0).forward_all(&ids_of(&g["ids"])).unwrap();
+    let mut max_err = 0f32;
+    for (t, row) in g["logits"].as_array().unwrap().iter().enumerate() {
+        for (v, want) in logits.row(t).iter().zip(row.as_array().unwrap()) {
+            max_err = max_err.max((v - want.as_f64().unwrap() as f32).abs());
+        }
+    }
+    max_err
+}
+
 const TINY: &[&str] = &[
     "tiny-llama",
     "tiny-qwen2",
@@ -151,15 +164,7 @@ fn tiny_hf_checkpoints_match_transformers() {
     for name in TINY {
         let dir = fixtures().join("tiny").join(name);
         let model = reference(Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}")));
-        let g = load_json(&dir.join("golden.json"));
-        let ids = ids_of(&g["ids"]);
-        let logits = model.session(0).forward_all(&ids).unwrap();
-        let mut max_err = 0f32;
-        for (t, row) in g["logits"].as_array().unwrap().iter().enumerate() {
-            for (v, want) in logits.row(t).iter().zip(row.as_array().unwrap()) {
-                max_err = max_err.max((v - want.as_f64().unwrap() as f32).abs());
-            }
-        }
+        let max_err = max_logit_error(&model, &dir.join("golden.json"));
         eprintln!("{name}: max |Δ| over all logits {max_err:.2e}");
         // f32 weights on both sides, two layers: only summation order differs (~1e-6); the
         // fixture rounds to 1e-6, so 1e-4 is loose enough and still catches any real error.
@@ -174,15 +179,7 @@ fn tiny_hf_checkpoints_match_transformers() {
 fn gguf_experts_match_transformers() {
     let path = fixtures().join("moe").join("tiny-qwen3-moe.gguf");
     let model = reference(Model::load(&path).unwrap_or_else(|e| panic!("{e}")));
-    let g = load_json(&fixtures().join("tiny/tiny-qwen3-moe/golden.json"));
-    let ids = ids_of(&g["ids"]);
-    let logits = model.session(0).forward_all(&ids).unwrap();
-    let mut max_err = 0f32;
-    for (t, row) in g["logits"].as_array().unwrap().iter().enumerate() {
-        for (v, want) in logits.row(t).iter().zip(row.as_array().unwrap()) {
-            max_err = max_err.max((v - want.as_f64().unwrap() as f32).abs());
-        }
-    }
+    let max_err = max_logit_error(&model, &fixtures().join("tiny/tiny-qwen3-moe/golden.json"));
     eprintln!("tiny-qwen3-moe.gguf: max |Δ| over all logits {max_err:.2e}");
     // inspect: 8 experts, 2 used, width 32, layer 0 routed: 6 unused experts of 3·64·32.
     let info = model.info();
