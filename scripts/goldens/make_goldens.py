@@ -8,8 +8,11 @@ Run on a machine with torch + transformers (the GPU machine); no network needed.
    builds from the GGUF, and records teacher-forced top-k logits for the last STEPS positions.
 2. Tiny random-weight Hugging Face checkpoints (`--tiny DIR`): Llama (llama3 rope scaling),
    Qwen2 (qkv bias), Qwen3 (q/k norm), Gemma 3 (sliding window, sandwich norms), Qwen3-MoE
-   (8 experts, top 2, normalised, one dense layer) and Mixtral (4 experts, top 2), two layers,
-   hidden 64, written by transformers with a byte-level tokenizer, plus their full logits.
+   (8 experts, top 2, normalised, one dense layer), Mixtral (4 experts, top 2) and Gemma 4
+   (dense, and with the routed branch of 8 experts, top 2: sliding and global layers of their
+   own head width and KV heads, keys as values on global layers, proportional RoPE, layer
+   scalars, soft-capped logits), two layers, hidden 64, written by transformers with a
+   byte-level tokenizer, plus their full logits.
    `--only NAME` (repeatable) writes only those; the others are still built, so every model's
    random weights are the same whichever are written.
 
@@ -106,9 +109,17 @@ def byte_tokenizer(dir_):
 
 def tiny_configs(vocab):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig, Qwen3MoeConfig, MixtralConfig
+    from transformers import Gemma4TextConfig
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    gemma4 = dict(**common, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                  attention_k_eq_v=True, rms_norm_eps=1e-6, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0,
+                  hidden_size_per_layer_input=0, num_kv_shared_layers=0, hidden_activation="gelu_pytorch_tanh",
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 1000000.0}})
     return {
         "tiny-llama": LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -129,6 +140,13 @@ def tiny_configs(vocab):
         "tiny-mixtral": MixtralConfig(**{**common, "intermediate_size": 48}, rms_norm_eps=1e-5,
                                       rope_theta=1000000.0, tie_word_embeddings=False, num_local_experts=4,
                                       num_experts_per_tok=2),
+        # Gemma 4 as the 31B (dense) and the 26B-A4B (routed branch) have it: layer 0 sliding
+        # (head width 16, 2 kv heads, window 4), layer 1 global (head width 32, 1 kv head, keys
+        # as values, a quarter of each head rotated), soft-capped logits; no per-layer
+        # embeddings or KV sharing (those are the E2B/E4B models').
+        "tiny-gemma4": Gemma4TextConfig(**gemma4, enable_moe_block=False),
+        "tiny-gemma4-moe": Gemma4TextConfig(**gemma4, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                            moe_intermediate_size=32),
     }
 
 
@@ -139,7 +157,12 @@ def tiny_goldens(out_dir, dev, only):
         # Random init leaves norms at exactly 1 (or 0 for Gemma); perturb every parameter so the
         # test sees each weight's role. Routers get a larger spread so routing is decisive.
         for pname, p in model.named_parameters():
-            p.data.add_(torch.randn_like(p) * (0.5 if pname.endswith("mlp.gate.weight") else 0.05))
+            router = pname.endswith("mlp.gate.weight") or pname.endswith("router.proj.weight")
+            p.data.add_(torch.randn_like(p) * (0.5 if router else 0.05))
+        # Gemma 4's layer scalars are buffers (ones at init): set apart from 1 without drawing.
+        for bname, b in model.named_buffers():
+            if bname.endswith("layer_scalar"):
+                b.fill_(0.75 + 0.125 * int(bname.split(".")[2]))
         if only and name not in only:
             continue
         d = os.path.join(out_dir, name)

@@ -7,6 +7,8 @@ use serde_json::Value;
 
 use crate::{Error, Result};
 
+mod gemma4;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     /// Llama 2/3, SmolLM, Mistral.
@@ -18,6 +20,9 @@ pub enum Arch {
     /// Qwen3 with routed experts in place of the MLP (all layers or some).
     Qwen3Moe,
     Gemma3,
+    /// Gemma 4 (dense, and the mixture of experts): sliding and global layers of their own head
+    /// width and KV heads, keys as values on global layers, a routed branch beside the MLP.
+    Gemma4,
 }
 
 impl Arch {
@@ -28,6 +33,7 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Gemma3 => "gemma3",
+            Arch::Gemma4 => "gemma4",
         }
     }
     fn from_hf(model_type: &str) -> Option<Arch> {
@@ -38,6 +44,7 @@ impl Arch {
             "qwen3" => Arch::Qwen3,
             "qwen3_moe" => Arch::Qwen3Moe,
             "gemma3" | "gemma3_text" => Arch::Gemma3,
+            "gemma4" | "gemma4_text" => Arch::Gemma4,
             _ => return None,
         })
     }
@@ -48,6 +55,7 @@ impl Arch {
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
             "gemma3" => Arch::Gemma3,
+            "gemma4" => Arch::Gemma4,
             _ => return None,
         })
     }
@@ -158,6 +166,32 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f32>,
     /// Routed experts, for the families that have them.
     pub moe: Option<MoeConfig>,
+    /// Per layer: `(Hkv, Dh)` of its attention (Gemma 4's global layers differ from its
+    /// sliding ones; every other family repeats `(n_kv_heads, head_dim)`).
+    pub layer_heads: Vec<(usize, usize)>,
+    /// What only Gemma 4 has.
+    pub gemma4: Option<Gemma4Config>,
+}
+
+/// Gemma 4's own settings (the rest of the family lives in [`ModelConfig`]'s common fields:
+/// per-layer heads in `layer_heads`, the routed branch in `moe`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemma4Config {
+    /// Global layers have no value projection: the keys' projection gives the values.
+    pub k_eq_v: bool,
+    /// The fraction of a global layer's head that RoPE rotates (transformers' proportional
+    /// RoPE: the first `⌊f·Dh/2⌋` frequencies of `θ^(-2i/Dh)`, the others zero).
+    pub global_partial_rotary: f32,
+}
+
+impl ModelConfig {
+    /// `(Hkv, Dh)` of layer `i`'s attention.
+    pub fn heads_of(&self, i: usize) -> (usize, usize) {
+        self.layer_heads
+            .get(i)
+            .copied()
+            .unwrap_or((self.n_kv_heads, self.head_dim))
+    }
 }
 
 fn bad(msg: impl Into<String>) -> Error {
@@ -191,6 +225,22 @@ fn validate(c: &ModelConfig) -> Result<()> {
     }
     if c.sliding_layers.len() != c.n_layers {
         return Err(bad("sliding layer pattern does not cover every layer"));
+    }
+    if c.layer_heads.len() != c.n_layers {
+        return Err(bad("per-layer attention heads do not cover every layer"));
+    }
+    for (i, &(kv, dh)) in c.layer_heads.iter().enumerate() {
+        if kv == 0 || kv > (1 << 16) || dh == 0 || dh > (1 << 16) || !dh.is_multiple_of(2) {
+            return Err(bad(format!(
+                "layer {i}: {kv} kv heads of width {dh} is out of range"
+            )));
+        }
+        if !c.n_heads.is_multiple_of(kv) {
+            return Err(bad(format!(
+                "layer {i}: {} heads is not a multiple of {kv} kv heads",
+                c.n_heads
+            )));
+        }
     }
     if let Some(m) = &c.moe {
         m.validate(c.n_layers)?;
@@ -276,7 +326,7 @@ impl ModelConfig {
         let n_heads = req("num_attention_heads")?;
         let n_layers = req("num_hidden_layers")?;
         let head_dim = u("head_dim").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
-        let gemma = arch == Arch::Gemma3;
+        let gemma = matches!(arch, Arch::Gemma3 | Arch::Gemma4);
         // RoPE settings: transformers >= 5 writes `rope_parameters` (flat, or keyed by layer
         // type for Gemma 3); older files have top-level `rope_theta` + `rope_scaling`.
         let rp = v.get("rope_parameters").filter(|r| r.is_object());
@@ -313,7 +363,10 @@ impl ModelConfig {
                         as usize,
                 })
             }
-            (Some(t), _) if !matches!(t, "default" | "llama3" | "linear") => {
+            // Gemma 4's global layers ("proportional") are read by `gemma4::from_hf`.
+            (Some(t), _)
+                if !matches!(t, "default" | "llama3" | "linear") && arch != Arch::Gemma4 =>
+            {
                 return Err(bad(format!("unsupported RoPE type '{t}'")));
             }
             _ => None,
@@ -384,7 +437,14 @@ impl ModelConfig {
             attn_scale,
             final_logit_softcap: f("final_logit_softcapping"),
             moe,
+            layer_heads: Vec::new(),
+            gemma4: None,
         };
+        let mut c = c;
+        c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
+        if arch == Arch::Gemma4 {
+            gemma4::from_hf(&mut c, v)?;
+        }
         validate(&c)?;
         Ok(c)
     }
@@ -414,7 +474,7 @@ impl ModelConfig {
                 .map(|t| t.len())
                 .unwrap_or(0),
         };
-        let gemma = arch == Arch::Gemma3;
+        let gemma = matches!(arch, Arch::Gemma3 | Arch::Gemma4);
         let sliding_window = u("attention.sliding_window");
         let sliding_layers = if gemma {
             // Every N-th layer is global; llama.cpp writes N when it differs from Gemma 3's 6.
@@ -432,7 +492,11 @@ impl ModelConfig {
             arch,
             vocab_size: vocab,
             hidden_size: hidden,
-            intermediate_size: req("feed_forward_length")?,
+            // A number, or one per layer (Gemma 4): the first layer's.
+            intermediate_size: match g.get_array(&key("feed_forward_length")) {
+                Some(a) => a.values.first().and_then(|x| x.as_u64()).unwrap_or(0) as usize,
+                None => req("feed_forward_length")?,
+            },
             n_layers,
             n_heads,
             n_kv_heads: u("attention.head_count_kv").unwrap_or(n_heads),
@@ -482,7 +546,14 @@ impl ModelConfig {
                         .collect(),
                 }),
             },
+            layer_heads: Vec::new(),
+            gemma4: None,
         };
+        let mut c = c;
+        c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
+        if arch == Arch::Gemma4 {
+            gemma4::from_gguf(&mut c, g)?;
+        }
         validate(&c)?;
         Ok(c)
     }

@@ -1,6 +1,6 @@
 //! Per-sequence key/value cache: one [`KvStore`] per layer (on the host, f16 or f32
 //! `(Hkv, S_cap, Dh)` growing by doubling up to the limit; or on the device, allocated by the
-//! backend on first write).
+//! backend on first write). Layers may differ in `Hkv` and `Dh` ([`KvCache::per_layer`]).
 
 use hf2q_tensor::kv::KvStore;
 pub use hf2q_tensor::kv::KvType;
@@ -38,6 +38,18 @@ impl KvCache {
         KvCache {
             layers: (0..n_layers)
                 .map(|_| KvStore::new(n_kv_heads, head_dim, ty))
+                .collect(),
+            graph: None,
+            limit,
+        }
+    }
+    /// An empty cache of one layer per `(Hkv, Dh)` in `heads` (layers of their own head count
+    /// and width, as Gemma 4's sliding and global layers).
+    pub fn per_layer(heads: &[(usize, usize)], limit: usize, ty: KvType) -> KvCache {
+        KvCache {
+            layers: heads
+                .iter()
+                .map(|&(h, dh)| KvStore::new(h, dh, ty))
                 .collect(),
             graph: None,
             limit,

@@ -400,7 +400,7 @@ impl Model {
             limit
         };
         let c = &self.config;
-        KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, limit, self.kv_type)
+        KvCache::per_layer(&c.layer_heads, limit, self.kv_type)
     }
 
     /// Products of the blocks (the sites of [`crate::layers::linear::Linear`]).

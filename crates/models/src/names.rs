@@ -34,6 +34,37 @@ const LAYER: &[(&str, &str)] = &[
     ("mlp.experts.down_proj", "ffn_down_exps"),
 ];
 
+/// Gemma 4's own per-layer tensors (llama.cpp's `gemma4` names), looked up before [`LAYER`]:
+/// the routed branch beside the MLP (router, its input scale, the per-expert scale, the experts
+/// fused as transformers stores them, or gate and up apart), its norms, and the layer scalar.
+/// Stems are whole (no `.weight` split) where the HF name has no `.weight`.
+const GEMMA4_LAYER: &[(&str, &str)] = &[
+    (
+        "post_attention_layernorm.weight",
+        "post_attention_norm.weight",
+    ),
+    (
+        "pre_feedforward_layernorm_2.weight",
+        "pre_ffw_norm_2.weight",
+    ),
+    (
+        "post_feedforward_layernorm_1.weight",
+        "post_ffw_norm_1.weight",
+    ),
+    (
+        "post_feedforward_layernorm_2.weight",
+        "post_ffw_norm_2.weight",
+    ),
+    ("router.proj.weight", "ffn_gate_inp.weight"),
+    ("router.scale", "ffn_gate_inp.scale"),
+    ("router.per_expert_scale", "ffn_down_exps.scale"),
+    ("experts.gate_up_proj", "ffn_gate_up_exps.weight"),
+    ("experts.gate_proj", "ffn_gate_exps.weight"),
+    ("experts.up_proj", "ffn_up_exps.weight"),
+    ("experts.down_proj", "ffn_down_exps.weight"),
+    ("layer_scalar", "layer_output_scale.weight"),
+];
+
 /// Maps an HF tensor name (`model.layers.3.self_attn.q_proj.weight`) to its GGUF name
 /// (`blk.3.attn_q.weight`), or `None` if the table has no entry.
 pub fn hf_to_gguf(arch: Arch, hf: &str) -> Option<String> {
@@ -48,6 +79,13 @@ pub fn hf_to_gguf(arch: Arch, hf: &str) -> Option<String> {
     };
     if let Some((_, g)) = GLOBAL.iter().find(|(h, _)| *h == stem) {
         return Some(format!("{g}{dot_suffix}"));
+    }
+    if arch == Arch::Gemma4 {
+        let (idx, whole) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+        idx.parse::<usize>().ok()?;
+        if let Some((_, g)) = GEMMA4_LAYER.iter().find(|(h, _)| *h == whole) {
+            return Some(format!("blk.{idx}.{g}"));
+        }
     }
     let rest = stem.strip_prefix("model.layers.")?;
     let (idx, part) = rest.split_once('.')?;
@@ -112,6 +150,47 @@ mod tests {
             "output.weight"
         );
         assert!(hf_to_gguf(Arch::Llama, "model.layers.x.mlp.up_proj.weight").is_none());
+        for (hf, g) in [
+            ("model.layers.2.router.scale", "blk.2.ffn_gate_inp.scale"),
+            (
+                "model.layers.2.router.proj.weight",
+                "blk.2.ffn_gate_inp.weight",
+            ),
+            (
+                "model.layers.0.router.per_expert_scale",
+                "blk.0.ffn_down_exps.scale",
+            ),
+            (
+                "model.layers.1.experts.gate_up_proj",
+                "blk.1.ffn_gate_up_exps.weight",
+            ),
+            (
+                "model.layers.1.layer_scalar",
+                "blk.1.layer_output_scale.weight",
+            ),
+            (
+                "model.layers.1.post_attention_layernorm.weight",
+                "blk.1.post_attention_norm.weight",
+            ),
+            (
+                "model.layers.1.pre_feedforward_layernorm_2.weight",
+                "blk.1.pre_ffw_norm_2.weight",
+            ),
+            (
+                "model.layers.1.pre_feedforward_layernorm.weight",
+                "blk.1.ffn_norm.weight",
+            ),
+            (
+                "model.layers.1.post_feedforward_layernorm.weight",
+                "blk.1.post_ffw_norm.weight",
+            ),
+            (
+                "model.layers.1.self_attn.k_norm.weight",
+                "blk.1.attn_k_norm.weight",
+            ),
+        ] {
+            assert_eq!(hf_to_gguf(Arch::Gemma4, hf).as_deref(), Some(g), "{hf}");
+        }
         assert_eq!(
             hf_to_gguf(Arch::Llama, "model.layers.2.block_sparse_moe.gate.weight").unwrap(),
             "blk.2.ffn_gate_inp.weight"

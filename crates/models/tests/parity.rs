@@ -157,6 +157,8 @@ const TINY: &[&str] = &[
     "tiny-gemma3",
     "tiny-qwen3-moe",
     "tiny-mixtral",
+    "tiny-gemma4",
+    "tiny-gemma4-moe",
 ];
 
 #[test]

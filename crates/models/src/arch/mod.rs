@@ -2,6 +2,7 @@
 //! around the blocks (embedding, final norm, logits) is shared in `model.rs`.
 
 pub mod gemma3;
+pub mod gemma4;
 pub mod llama;
 
 use hf2q_tensor::op::RopeParams;
@@ -124,6 +125,10 @@ pub fn rope_for_layer(cfg: &ModelConfig, i: usize, freq_factors: Option<Vec<f32>
 }
 
 pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn Block>>> {
+    // Gemma 4's layers differ in head width and RoPE: its module builds them all.
+    if cfg.arch == Arch::Gemma4 {
+        return gemma4::load_blocks(src, cfg);
+    }
     // Llama 3 frequency factors: a tensor in GGUF, computed from config.json otherwise.
     let ff = if src.contains("rope_freqs.weight") {
         Some(src.vector("rope_freqs.weight")?)
@@ -147,6 +152,11 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
                     Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?)
                 }
                 Arch::Gemma3 => Box::new(gemma3::Gemma3Block::load(src, cfg, i, rope)?),
+                Arch::Gemma4 => {
+                    return Err(crate::Error::Msg(
+                        "Gemma 4 blocks load in arch::gemma4".into(),
+                    ))
+                }
             })
         })
         .collect()

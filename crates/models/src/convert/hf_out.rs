@@ -189,6 +189,7 @@ fn hf_class(c: &ModelConfig) -> (&'static str, &'static str) {
         Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
         Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
         Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        Arch::Gemma4 => ("Gemma4ForCausalLM", "gemma4_text"),
     }
 }
 

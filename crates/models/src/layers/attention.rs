@@ -1,6 +1,7 @@
 //! Self-attention with grouped KV heads, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3,
 //! Gemma 3), RoPE, optional sliding window, writing into the layer's KV cache; and its training
-//! forward (a packed batch, no cache) and backward.
+//! forward (a packed batch, no cache) and backward. Gemma 4 adds a scale-less RMSNorm of the
+//! values and layers whose keys' projection gives the values (inference only).
 
 use hf2q_tensor::op::{AttentionParams, Backend, PreNorm, RopeParams};
 use hf2q_tensor::train_op::{AttentionOut, TrainAttention};
@@ -26,6 +27,10 @@ pub struct Attention {
     /// (Dh) each, when the family normalises q and k per head.
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// (Dh) of `1 - norm_offset`: RMSNorm of the values without a learned scale (Gemma 4).
+    pub v_norm: Option<Vec<f32>>,
+    /// The values are the keys' projection (Gemma 4's global layers): `v` is not used.
+    pub v_is_k: bool,
     pub rope: RopeParams,
     pub params: AttentionParams,
     pub eps: f32,
@@ -55,6 +60,8 @@ impl Attention {
             o: Linear::load(src, &format!("{prefix}.self_attn.o_proj"), false)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
+            v_norm: None,
+            v_is_k: false,
             rope,
             params: AttentionParams {
                 n_heads: cfg.n_heads,
@@ -112,32 +119,39 @@ impl Attention {
         seqs: &mut [SeqRef<'_>],
     ) -> Result<Tensor> {
         let (be, p) = (cx.be, &self.params);
-        let ws = [
-            (&self.q.w, self.q.b.as_deref()),
-            (&self.k.w, self.k.b.as_deref()),
-            (&self.v.w, self.v.b.as_deref()),
-        ];
-        let adapted = [&self.q, &self.k, &self.v].iter().any(|l| l.adapted(cx));
+        let lins: &[&Linear] = if self.v_is_k {
+            &[&self.q, &self.k]
+        } else {
+            &[&self.q, &self.k, &self.v]
+        };
+        let ws: Vec<(&hf2q_tensor::QTensor, Option<&[f32]>)> =
+            lins.iter().map(|l| (&l.w, l.b.as_deref())).collect();
+        let adapted = lins.iter().any(|l| l.adapted(cx));
         let mut qkv = match norm {
             _ if adapted => {
                 let h = match norm {
                     Some(n) => be.rms_norm(x, n.w, n.eps, n.offset)?,
                     None => x.clone(),
                 };
-                vec![
-                    self.q.forward(cx, &h)?,
-                    self.k.forward(cx, &h)?,
-                    self.v.forward(cx, &h)?,
-                ]
+                lins.iter()
+                    .map(|l| l.forward(cx, &h))
+                    .collect::<Result<Vec<_>>>()?
             }
             Some(n) => be.norm_linear_many(x, n, &ws)?,
             None => be.linear_many(x, &ws)?,
         }
         .into_iter();
-        let (Some(q), Some(k), Some(v)) = (qkv.next(), qkv.next(), qkv.next()) else {
+        let (Some(q), Some(k)) = (qkv.next(), qkv.next()) else {
             return Err(crate::Error::Msg(
-                "linear_many returned fewer than 3 outputs".into(),
+                "linear_many returned fewer outputs than products".into(),
             ));
+        };
+        let v = if self.v_is_k {
+            None
+        } else {
+            Some(qkv.next().ok_or_else(|| {
+                crate::Error::Msg("linear_many returned fewer than 3 outputs".into())
+            })?)
         };
         let qw = q.dims2().1;
         // One sequence covering the batch (decode of one stream, any prefill): no row copies.
@@ -153,7 +167,13 @@ impl Attention {
             };
             let mut qs = self.head_norm(be, rows(&q)?, &self.q_norm, p.n_heads)?;
             let mut ks = self.head_norm(be, rows(&k)?, &self.k_norm, p.n_kv_heads)?;
-            let vs = rows(&v)?;
+            let vs = match &v {
+                Some(v) => rows(v)?,
+                // The keys before their norm and RoPE, as a tensor of their own (a device
+                // tensor's clone would share the keys' buffer).
+                None => be.rows(&k, s.start, s.len)?,
+            };
+            let vs = self.head_norm(be, vs, &self.v_norm, p.n_kv_heads)?;
             be.rope_store(
                 &mut qs,
                 &mut ks,
@@ -201,6 +221,13 @@ impl Attention {
     /// sequences of `cx.layout` (positions restart with each sequence; no cache).
     pub fn forward_train(&self, cx: &TrainCtx, h: &Tensor) -> Result<(Tensor, AttentionSaved)> {
         let (be, p) = (cx.be, &self.params);
+        if self.v_is_k || self.v_norm.is_some() {
+            return Err(crate::Error::Msg(
+                "training attention whose values are normed or are the keys (Gemma 4) is not \
+                 supported yet"
+                    .into(),
+            ));
+        }
         let (q, sq) = self.q.forward_train(cx, h)?;
         let (k, sk) = self.k.forward_train(cx, h)?;
         let (v, sv) = self.v.forward_train(cx, h)?;

@@ -8,6 +8,10 @@
 //! - safetensors, one tensor per expert as checkpoints ship them: Qwen3-MoE's
 //!   `mlp.experts.E.{gate,up,down}_proj.weight`, Mixtral's `block_sparse_moe.experts.E.{w1,w3,w2}`.
 //!
+//! - Gemma 4: `experts.gate_up_proj (E, 2F, D)` and `experts.down_proj (E, D, F)` beside the
+//!   MLP (no `mlp.` in the path); in GGUF `ffn_gate_up_exps` (or gate and up apart) and
+//!   `ffn_down_exps`.
+//!
 //! Not read yet: MLX's `switch_mlp` (refused with a message naming it).
 
 use hf2q_tensor::moe::{expert_name, Experts};
@@ -87,17 +91,83 @@ impl WeightSource {
         }
     }
 
+    /// Gemma 4's experts of the layer under `prefix` (`model.layers.N`), stored beside its MLP.
+    pub fn gemma4_experts(&self, prefix: &str, n_experts: usize) -> Result<Experts> {
+        let stem = format!("{prefix}.experts");
+        match self {
+            WeightSource::Gguf { file, arch } => {
+                let get = |part: &str| -> Result<Option<(QTensor, usize)>> {
+                    let hf = format!("{stem}.{part}");
+                    let name = hf_to_gguf(*arch, &hf).ok_or_else(|| Error::MissingTensor(hf))?;
+                    match file.tensor(&name) {
+                        None => Ok(None),
+                        Some(info) => {
+                            let [c, r, e] = info.dims[..] else {
+                                return Err(Error::Config(format!(
+                                    "tensor '{name}' has {} dims, 3 expected (columns, rows, experts)",
+                                    info.dims.len()
+                                )));
+                            };
+                            if e != n_experts as u64 {
+                                return Err(Error::Config(format!(
+                                    "tensor '{name}' holds {e} experts, the config says {n_experts}"
+                                )));
+                            }
+                            let big = || Error::Config(format!("tensor '{name}' is too large"));
+                            let rows = r
+                                .checked_mul(e)
+                                .and_then(|x| usize::try_from(x).ok())
+                                .ok_or_else(big)?;
+                            let cols = usize::try_from(c).map_err(|_| big())?;
+                            let w =
+                                QTensor::ggml(&name, info.ty, rows, cols, file.tensor_data(info)?)?;
+                            Ok(Some((w, rows / n_experts)))
+                        }
+                    }
+                };
+                let need = |part: &str| -> Result<(QTensor, usize)> {
+                    get(part)?.ok_or_else(|| Error::MissingTensor(format!("{stem}.{part}")))
+                };
+                let (down, d) = need("down_proj")?;
+                match get("gate_up_proj")? {
+                    Some((gu, two_f)) => fused_views(&gu, &down, n_experts, two_f / 2, d),
+                    None => {
+                        let (gate, _) = need("gate_proj")?;
+                        let (up, _) = need("up_proj")?;
+                        Ok(Experts::from_stacked(n_experts, gate, up, down)?)
+                    }
+                }
+            }
+            WeightSource::St { .. } => self
+                .fused_at(
+                    &format!("{stem}.gate_up_proj"),
+                    &format!("{stem}.down_proj"),
+                    n_experts,
+                )?
+                .ok_or_else(|| Error::MissingTensor(format!("{stem}.gate_up_proj"))),
+        }
+    }
+
     /// transformers' fused layout, when the checkpoint has it.
     fn fused_experts(&self, prefix: &str, n_experts: usize) -> Result<Option<Experts>> {
+        self.fused_at(
+            &format!("{prefix}.mlp.experts.gate_up_proj"),
+            &format!("{prefix}.mlp.experts.down_proj"),
+            n_experts,
+        )
+    }
+
+    /// The fused experts `gu_name (E, 2F, D)` and `dn_name (E, D, F)`, when the checkpoint has
+    /// the first.
+    fn fused_at(&self, gu_name: &str, dn_name: &str, n_experts: usize) -> Result<Option<Experts>> {
         let WeightSource::St { st, prefixes, .. } = self else {
             return Ok(None);
         };
-        let gu_name = format!("{prefix}.mlp.experts.gate_up_proj");
-        let Some(gu) = Self::st_name(st, prefixes, &gu_name) else {
+        let Some(gu) = Self::st_name(st, prefixes, gu_name) else {
             return Ok(None);
         };
-        let dn = Self::st_name(st, prefixes, &format!("{prefix}.mlp.experts.down_proj"))
-            .ok_or_else(|| Error::MissingTensor(format!("{prefix}.mlp.experts.down_proj")))?;
+        let dn = Self::st_name(st, prefixes, dn_name)
+            .ok_or_else(|| Error::MissingTensor(dn_name.to_string()))?;
         // Each 3-D tensor as the 2-D weight of its rows: (E·2F, D) and (E·D, F).
         let stacked = |name: &str| -> Result<(QTensor, [usize; 3])> {
             let (file, info) = st
@@ -130,16 +200,28 @@ impl WeightSource {
                 "'{gu}' rows {two_f} x {d} and '{dn}' {dd} x {f} disagree (2F x D and D x F)"
             )));
         }
-        let views = (0..n_experts)
-            .map(|e| -> Result<[QTensor; 3]> {
-                let name = expert_name(&gu_w, e);
-                Ok([
-                    gu_w.row_range(e * 2 * f, f, &format!("{name}.gate"))?,
-                    gu_w.row_range(e * 2 * f + f, f, &format!("{name}.up"))?,
-                    dn_w.row_range(e * d, d, &expert_name(&dn_w, e))?,
-                ])
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Some(Experts::from_parts(views)?))
+        Ok(Some(fused_views(&gu_w, &dn_w, n_experts, f, d)?))
     }
+}
+
+/// Per-expert views of fused experts: `gu (E·2F, D)` (each expert's gate rows, then its up
+/// rows) and `dn (E·D, F)`.
+fn fused_views(
+    gu: &QTensor,
+    dn: &QTensor,
+    n_experts: usize,
+    f: usize,
+    d: usize,
+) -> Result<Experts> {
+    let views = (0..n_experts)
+        .map(|e| -> Result<[QTensor; 3]> {
+            let name = expert_name(gu, e);
+            Ok([
+                gu.row_range(e * 2 * f, f, &format!("{name}.gate"))?,
+                gu.row_range(e * 2 * f + f, f, &format!("{name}.up"))?,
+                dn.row_range(e * d, d, &expert_name(dn, e))?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Experts::from_parts(views)?)
 }

@@ -1,0 +1,209 @@
+//! Gemma 4's config: what a Hugging Face `config.json` (the text model, `text_config` of a
+//! multimodal checkpoint) and llama.cpp's `gemma4.*` GGUF keys say beyond the common fields
+//! [`super::ModelConfig::from_hf_json`] and [`super::ModelConfig::from_gguf`] read.
+//! Reference: transformers' `configuration_gemma4.py` (`Gemma4TextConfig`) and llama.cpp's
+//! `gemma4` loader.
+//!
+//! Refused with a message, not read: per-layer embeddings (`hidden_size_per_layer_input`, the
+//! E2B/E4B models), KV-shared layers (`num_kv_shared_layers`) and bidirectional attention.
+
+use hf2q_tensor::io::gguf::GgufFile;
+use serde_json::Value;
+
+use super::{bad, Gemma4Config, ModelConfig, MoeConfig};
+use crate::Result;
+
+/// What no loader here reads yet, named.
+fn refuse_unsupported(ple: usize, kv_shared: usize) -> Result<()> {
+    if ple > 0 {
+        return Err(bad(format!(
+            "Gemma 4 per-layer embeddings (hidden_size_per_layer_input = {ple}, the E2B/E4B \
+             models) are not supported yet"
+        )));
+    }
+    if kv_shared > 0 {
+        return Err(bad(format!(
+            "Gemma 4 KV-shared layers (num_kv_shared_layers = {kv_shared}) are not supported yet"
+        )));
+    }
+    Ok(())
+}
+
+/// Fills the Gemma 4 parts of `c` (parsed as a Gemma from the common keys) from `config.json`.
+pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
+    let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
+    refuse_unsupported(
+        u("hidden_size_per_layer_input").unwrap_or(0),
+        u("num_kv_shared_layers").unwrap_or(0),
+    )?;
+    if let Some(b) = v.get("use_bidirectional_attention").and_then(Value::as_str) {
+        return Err(bad(format!(
+            "Gemma 4 with use_bidirectional_attention = '{b}' is not supported"
+        )));
+    }
+    if let Some(a) = v.get("hidden_activation").and_then(Value::as_str) {
+        if a != "gelu_pytorch_tanh" {
+            return Err(bad(format!("Gemma 4 activation '{a}' is not supported")));
+        }
+    }
+    let k_eq_v = v.get("attention_k_eq_v").and_then(Value::as_bool) == Some(true);
+    // Global layers: `per_layer_config` as transformers 5.17 writes it (layer index -> its
+    // head_dim and kv heads), else `global_head_dim` (512 when absent, as transformers has it)
+    // and, with keys as values, `num_global_key_value_heads`.
+    let plc = v.get("per_layer_config").and_then(Value::as_object);
+    let global_dh = u("global_head_dim").unwrap_or(512);
+    let global_kv = if k_eq_v {
+        u("num_global_key_value_heads")
+    } else {
+        None
+    };
+    c.layer_heads = (0..c.n_layers)
+        .map(|i| {
+            let base = (c.n_kv_heads, c.head_dim);
+            match plc {
+                Some(p) => {
+                    let Some(o) = p.get(&i.to_string()) else {
+                        return base;
+                    };
+                    let g = |k: &str| o.get(k).and_then(Value::as_u64).map(|x| x as usize);
+                    (
+                        g("num_key_value_heads").unwrap_or(base.0),
+                        g("head_dim").unwrap_or(base.1),
+                    )
+                }
+                None if !c.sliding_layers[i] => (global_kv.unwrap_or(base.0), global_dh),
+                None => base,
+            }
+        })
+        .collect();
+    // RoPE of global layers: proportional (a fraction rotated, the rest left as is) or default.
+    let full = v
+        .get("rope_parameters")
+        .and_then(|r| r.get("full_attention"))
+        .filter(|r| r.is_object());
+    let (partial, factor) = match full {
+        Some(r) => {
+            let ty = r
+                .get("rope_type")
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            let f = |k: &str| r.get(k).and_then(Value::as_f64).map(|x| x as f32);
+            match ty {
+                "proportional" => (
+                    f("partial_rotary_factor").unwrap_or(1.0),
+                    f("factor").unwrap_or(1.0),
+                ),
+                "default" => (1.0, 1.0),
+                t => return Err(bad(format!("unsupported Gemma 4 RoPE type '{t}'"))),
+            }
+        }
+        None => (0.25, 1.0),
+    };
+    if let Some(r) = v
+        .get("rope_parameters")
+        .and_then(|r| r.get("sliding_attention"))
+        .and_then(|r| r.get("rope_type"))
+        .and_then(Value::as_str)
+    {
+        if r != "default" {
+            return Err(bad(format!(
+                "unsupported Gemma 4 sliding-layer RoPE type '{r}'"
+            )));
+        }
+    }
+    if !(partial > 0.0 && partial <= 1.0) {
+        return Err(bad(format!(
+            "partial_rotary_factor {partial} is out of range"
+        )));
+    }
+    c.rope_linear_factor = factor;
+    c.gemma4 = Some(Gemma4Config {
+        k_eq_v,
+        global_partial_rotary: partial,
+    });
+    c.norm_offset = 0.0;
+    c.attn_scale = 1.0;
+    c.rope_theta_local = Some(c.rope_theta_local.unwrap_or(10000.0));
+    c.moe = if v.get("enable_moe_block").and_then(Value::as_bool) == Some(true) {
+        let need = |k: &str| u(k).ok_or_else(|| bad(format!("config.json lacks '{k}'")));
+        Some(MoeConfig {
+            n_experts: need("num_experts")?,
+            n_used: need("top_k_experts")?,
+            expert_width: need("moe_intermediate_size")?,
+            renormalize: true,
+            layers: vec![true; c.n_layers],
+        })
+    } else {
+        None
+    };
+    Ok(())
+}
+
+/// Fills the Gemma 4 parts of `c` from llama.cpp's `gemma4.*` keys: per-layer kv heads
+/// (`attention.head_count_kv`, a number or one per layer), sliding layers
+/// (`attention.sliding_window_pattern`, one bool per layer), head widths (`key_length` of
+/// global layers, `key_length_swa` of sliding ones), `rope.freq_base_swa`. Keys as values are
+/// found per layer by a missing `attn_v`; proportional RoPE comes as `rope_freqs.weight`.
+pub(super) fn from_gguf(c: &mut ModelConfig, g: &GgufFile) -> Result<()> {
+    let key = |k: &str| format!("gemma4.{k}");
+    let u = |k: &str| g.get_u64(&key(k)).map(|x| x as usize);
+    refuse_unsupported(
+        u("embedding_length_per_layer_input").unwrap_or(0),
+        u("attention.shared_kv_layers").unwrap_or(0),
+    )?;
+    let n = c.n_layers;
+    let per_layer = |k: &str| -> Option<Vec<usize>> {
+        let a = g.get_array(&key(k))?;
+        (a.len() == n)
+            .then(|| {
+                a.values
+                    .iter()
+                    .map(|x| x.as_u64().map(|y| y as usize))
+                    .collect()
+            })
+            .flatten()
+    };
+    if let Some(a) = g.get_array(&key("attention.sliding_window_pattern")) {
+        let s: Option<Vec<bool>> = a.values.iter().map(|x| x.as_bool()).collect();
+        match s {
+            Some(s) if s.len() == n => c.sliding_layers = s,
+            _ => {
+                return Err(bad(format!(
+                    "{} is not one bool per layer",
+                    key("attention.sliding_window_pattern")
+                )))
+            }
+        }
+    }
+    let kv = per_layer("attention.head_count_kv");
+    let global_dh = u("attention.key_length").unwrap_or(c.head_dim);
+    let swa_dh = u("attention.key_length_swa").unwrap_or(global_dh);
+    c.layer_heads = (0..n)
+        .map(|i| {
+            let h = kv.as_ref().map_or(c.n_kv_heads, |k| k[i]);
+            (
+                h,
+                if c.sliding_layers[i] {
+                    swa_dh
+                } else {
+                    global_dh
+                },
+            )
+        })
+        .collect();
+    // The common fields speak of the sliding layers (the first layer is one in every Gemma 4).
+    c.n_kv_heads = c.layer_heads[0].0;
+    c.head_dim = c.layer_heads[0].1;
+    c.rope_theta_local = Some(g.get_f32(&key("rope.freq_base_swa")).unwrap_or(10000.0));
+    c.norm_offset = 0.0;
+    c.attn_scale = 1.0;
+    c.gemma4 = Some(Gemma4Config {
+        k_eq_v: (0..n).any(|i| g.tensor(&format!("blk.{i}.attn_v.weight")).is_none()),
+        // The rotated fraction is in `rope_freqs.weight` (loaded by the blocks).
+        global_partial_rotary: 1.0,
+    });
+    if let Some(m) = c.moe.as_mut() {
+        m.renormalize = true;
+    }
+    Ok(())
+}
