@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use hf2q_tensor::cpu::{CpuBackend, LinearObserver, MatmulPath};
@@ -100,6 +101,8 @@ pub struct Model {
     /// Set: every op runs on this GPU instead of `backend`.
     cuda: Option<Arc<CudaBackend>>,
     cuda_graphs: bool,
+    /// A capture was refused (a step has an op that only runs eagerly): decode eagerly.
+    graphs_refused: std::sync::atomic::AtomicBool,
     /// What new host KV caches store.
     kv_type: KvType,
     /// Recommended sampling: the folder's generation_config.json, or what the caller set.
@@ -252,6 +255,7 @@ impl Model {
             backend: CpuBackend::default(),
             cuda: None,
             cuda_graphs: true,
+            graphs_refused: Default::default(),
             kv_type: KvType::default(),
             generation: Default::default(),
         })
@@ -570,7 +574,11 @@ impl Model {
         mode: StepMode,
         mask: Option<StepMask<'_>>,
     ) -> Result<Option<StepOut>> {
-        let Some(cuda) = self.cuda.as_ref().filter(|_| self.cuda_graphs) else {
+        let Some(cuda) = self
+            .cuda
+            .as_ref()
+            .filter(|_| self.cuda_graphs && !self.graphs_refused.load(Ordering::Relaxed))
+        else {
             return Ok(None);
         };
         // A replay reads the id on the device, past every host check: check it here.
@@ -621,10 +629,20 @@ impl Model {
                     let h = self.hidden_batch(&mut item, None)?;
                     self.logits(&h)
                 };
-                if mask.is_some() {
-                    cuda.capture_masked(&[token], pos0, vocab, kind, step)?
+                let captured = if mask.is_some() {
+                    cuda.capture_masked(&[token], pos0, vocab, kind, step)
                 } else {
-                    cuda.capture(&[token], pos0, vocab, kind, step)?
+                    cuda.capture(&[token], pos0, vocab, kind, step)
+                };
+                match captured {
+                    Ok(g) => g,
+                    // A step with an op that only runs eagerly (experts without device
+                    // kernels): this model decodes eagerly from now on.
+                    Err(Error::Tensor(hf2q_tensor::Error::NotCapturable(_))) => {
+                        self.graphs_refused.store(true, Ordering::Relaxed);
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(e),
                 }
             }
         };

@@ -189,7 +189,14 @@ fn decode_consistency(model: &mut Model, gpu: &Arc<CudaBackend>) {
 #[test]
 fn tiny_models_match_cpu_reference() {
     let Some(gpu) = gpu() else { return };
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
+    for name in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma3",
+        "tiny-qwen3-moe",
+        "tiny-mixtral",
+    ] {
         let mut m = Model::load(&tiny(name)).unwrap();
         for ((agree, kl), path) in compare(&mut m, &gpu, 40)
             .into_iter()

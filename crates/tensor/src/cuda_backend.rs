@@ -35,6 +35,7 @@ use crate::cuda::{
     CudaDev, DeviceKvCache, DevicePtrMutF32, DeviceWeight, KvDtype, RopeTable, RowNorm, SampleArgs,
 };
 use crate::kv::{check_fits, DeviceKv, KvStore};
+use crate::moe::{check_moe, moe_ffn_composed, Experts, MoeSpec};
 use crate::op::{
     check_rows, linear_add_composed, linear_gated_composed, linear_many_composed,
     rope_store_composed, same_shape, AttentionParams, Backend, GateAct, MatmulSpec, PreNorm,
@@ -52,11 +53,16 @@ type VectorCache = HashMap<(usize, usize), (Vec<f32>, Arc<CudaSlice<f32>>)>;
 /// reused by another weight (a model loaded after another one was dropped).
 type WeightCache = HashMap<(usize, usize), (crate::Bytes, Arc<DeviceWeight>)>;
 
+/// Experts stored one tensor per expert, stacked once for the device's expert kernels: gate,
+/// up and down by the key of expert 0's gate (whose bytes the entry keeps alive).
+type StackCache = HashMap<(usize, usize), (crate::Bytes, [Arc<DeviceWeight>; 3])>;
+
 /// The GPU backend (see the module header).
 pub struct CudaBackend {
     dev: Arc<CudaDev>,
     kv_dtype: KvDtype,
     weights: Mutex<WeightCache>,
+    stacks: Mutex<StackCache>,
     vectors: Mutex<VectorCache>,
     ropes: Mutex<HashMap<Vec<u32>, Arc<RopeTable>>>,
     /// The `pos0` word the kernels read.
@@ -228,6 +234,7 @@ impl CudaBackend {
             dev,
             kv_dtype,
             weights: Mutex::new(HashMap::new()),
+            stacks: Mutex::new(HashMap::new()),
             vectors: Mutex::new(HashMap::new()),
             ropes: Mutex::new(HashMap::new()),
             pos: Mutex::new(PosWord {
@@ -424,6 +431,86 @@ impl CudaBackend {
         let d = Arc::new(self.dev.upload_weight(w)?);
         lock(&self.weights).insert(key, (bytes.clone(), d.clone()));
         Ok(d)
+    }
+
+    /// A layer's experts as three stacked device matrices (gate, up, down), or None where they
+    /// cannot be (MLX affine parts, or parts of different formats): the stacked tensors they
+    /// came from, or, for experts stored one tensor per expert, their rows concatenated once on
+    /// the host and uploaded.
+    fn expert_weights(&self, ex: &Experts) -> Result<Option<[Arc<DeviceWeight>; 3]>> {
+        if let Some([g, u, d]) = ex.stacked() {
+            return Ok(Some([self.weight(g)?, self.weight(u)?, self.weight(d)?]));
+        }
+        let (key, bytes) = weight_key(&ex.expert(0)[0]);
+        if let Some((_, w)) = lock(&self.stacks).get(&key) {
+            return Ok(Some(w.clone()));
+        }
+        let mut out = Vec::with_capacity(3);
+        for m in 0..3 {
+            let parts: Vec<&QTensor> = (0..ex.n_experts()).map(|e| &ex.expert(e)[m]).collect();
+            let Some(q) = stack_rows(&parts)? else {
+                return Ok(None);
+            };
+            out.push(Arc::new(self.dev.upload_weight(&q)?));
+        }
+        let w: [Arc<DeviceWeight>; 3] = [out[0].clone(), out[1].clone(), out[2].clone()];
+        lock(&self.stacks).insert(key, (bytes.clone(), w.clone()));
+        Ok(Some(w))
+    }
+
+    /// The device path of [`Backend::moe_ffn`]: routing, expert products and the sum over a
+    /// token's experts in five kernels (cuda/moe.rs), nothing on the host. None where it does
+    /// not apply (experts without the one-token kernels, misaligned input), for the composed
+    /// path.
+    fn moe_ffn_device(
+        &self,
+        x: &Tensor,
+        logits: &Tensor,
+        ex: &Experts,
+        spec: &MoeSpec<'_>,
+        t: usize,
+    ) -> Result<Option<Tensor>> {
+        use crate::cuda::moe::{has_id_kernels, MOE_MAX_EXPERTS, MOE_MAX_K};
+        let (e, k, d, f) = (ex.n_experts(), spec.top_k, ex.hidden(), ex.width());
+        let xi = self.raw(x, "moe_ffn")?;
+        if k == 0 || k > e.min(MOE_MAX_K) || e > MOE_MAX_EXPERTS || t * k > 65535 {
+            return Ok(None);
+        }
+        if xi.ptr % 16 != 0 || d % 4 != 0 || f % 4 != 0 {
+            return Ok(None);
+        }
+        let Some([g, u, dn]) = self.expert_weights(ex)? else {
+            return Ok(None);
+        };
+        if !(has_id_kernels(&g) && has_id_kernels(&u) && has_id_kernels(&dn)) {
+            return Ok(None);
+        }
+        let li = self.raw(logits, "moe_ffn")?;
+        let scale = spec.expert_scale.map(|s| self.vector(s)).transpose()?;
+        let (ids, wts) = (self.alloc(&[t, k])?, self.alloc(&[t, k])?);
+        let (mut idi, mut wti) = (self.raw(&ids, "moe_ffn")?, self.raw(&wts, "moe_ffn")?);
+        self.dev.moe_route(
+            &li,
+            t,
+            e,
+            k,
+            spec.renormalize,
+            scale.as_deref(),
+            &mut idi,
+            &mut wti,
+        )?;
+        let h = self.alloc(&[t * k, f])?;
+        let mut hi = self.raw(&h, "moe_ffn")?;
+        let gelu = matches!(spec.act, GateAct::GeluTanh);
+        self.dev
+            .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, &mut hi)?;
+        let y = self.alloc(&[t * k, d])?;
+        let mut yi = self.raw(&y, "moe_ffn")?;
+        self.dev.moe_down(&hi, t * k, &dn, e, &idi, &wti, &mut yi)?;
+        let out = self.alloc(&[t, d])?;
+        let mut oi = self.raw(&out, "moe_ffn")?;
+        self.dev.moe_combine(&yi, t, k, d, &mut oi)?;
+        Ok(Some(out))
     }
 
     /// Drops the device copy of `w` and the handle on its bytes, if it was uploaded (a weight
@@ -825,6 +912,35 @@ fn weight_key(w: &QTensor) -> ((usize, usize), &crate::Bytes) {
     ((b.as_slice().as_ptr() as usize, b.len()), b)
 }
 
+/// Same-format ggml tensors of equal width as one tensor of all their rows, in order (None for
+/// MLX affine parts or mixed formats).
+fn stack_rows(parts: &[&QTensor]) -> Result<Option<QTensor>> {
+    let Some(first) = parts.first() else {
+        return Ok(None);
+    };
+    let crate::WeightData::Ggml { ty, .. } = &first.data else {
+        return Ok(None);
+    };
+    let mut bytes = Vec::new();
+    for p in parts {
+        match &p.data {
+            crate::WeightData::Ggml { ty: t, data } if t == ty && p.cols == first.cols => {
+                bytes.extend_from_slice(data.as_slice())
+            }
+            _ => return Ok(None),
+        }
+    }
+    let rows = parts.iter().map(|p| p.rows).sum();
+    let name = format!("{} (stacked experts)", first.name);
+    Ok(Some(QTensor::ggml(
+        &name,
+        *ty,
+        rows,
+        first.cols,
+        crate::Bytes::from_vec(bytes),
+    )?))
+}
+
 impl Backend for CudaBackend {
     fn embedding(&self, table: &QTensor, ids: &[u32], scale: f32) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
@@ -1172,6 +1288,34 @@ impl Backend for CudaBackend {
             self.dev.write(&mut o, x.data())?;
         }
         Ok(out)
+    }
+
+    /// On the device where the experts have the one-token kernels (cuda/moe.rs), for any
+    /// number of tokens; otherwise the composed form, whose routing reads the logits on the host
+    /// and so cannot run inside a captured graph.
+    fn moe_ffn(
+        &self,
+        x: &Tensor,
+        logits: &Tensor,
+        experts: &Experts,
+        spec: &MoeSpec<'_>,
+    ) -> Result<Tensor> {
+        let t = check_moe(x, logits, experts)?;
+        if t == 0 {
+            return self.upload(&Tensor::zeros(&[0, experts.hidden()]));
+        }
+        if let Some(out) = self.moe_ffn_device(x, logits, experts, spec, t)? {
+            return Ok(out);
+        }
+        if self.capturing() {
+            return Err(Error::NotCapturable(format!(
+                "the experts '{}' ({}) have no device expert kernels; their routing reads the \
+                 logits on the host",
+                experts.expert(0)[0].name,
+                experts.expert(0)[0].type_name()
+            )));
+        }
+        moe_ffn_composed(self, x, logits, experts, spec)
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor> {

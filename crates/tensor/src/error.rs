@@ -22,6 +22,10 @@ pub enum Error {
     Shape(String),
     #[error("{0}")]
     Msg(String),
+    /// An op that cannot run inside a captured GPU graph was asked to while capturing (the
+    /// caller runs the step eagerly instead).
+    #[error("not capturable: {0}")]
+    NotCapturable(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -21,11 +21,13 @@ use super::{cuda_err, default_cache_dir, DeviceInfo, Program};
 use crate::{Error, Result};
 
 /// Headers every program may `#include "..."` by these names.
-const HEADERS: [(&str, &str); 8] = [
+const HEADERS: [(&str, &str); 10] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
     ("linear.cuh", include_str!("kernels/linear.cuh")),
     ("matvec.cuh", include_str!("kernels/matvec.cuh")),
+    ("matvec_id.cuh", include_str!("kernels/matvec_id.cuh")),
+    ("moe_route.cuh", include_str!("kernels/moe_route.cuh")),
     ("matvec_q8.cuh", include_str!("kernels/matvec_q8.cuh")),
     ("matvec_p8.cuh", include_str!("kernels/matvec_p8.cuh")),
     ("mmq.cuh", include_str!("kernels/mmq.cuh")),

@@ -37,6 +37,7 @@
 mod blas;
 mod compile;
 mod mmq;
+pub(crate) mod moe;
 mod ops;
 pub(crate) mod train;
 mod weight;

@@ -75,7 +75,7 @@ impl MvMode {
 
 /// Rows per row group of a format's plain `mvf` and gated `mvg` kernels (`RPW` and `GNR` in
 /// matvec.cuh, chosen by measurement).
-fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
+pub(super) fn mvf_rows_per_group(kind: &str) -> (usize, usize) {
     match kind {
         "q8_0s" => (4, 2),
         "q4_k" => (4, 2),
@@ -428,10 +428,10 @@ impl RopeTable {
 }
 
 impl CudaDev {
-    fn ptr<T>(&self, b: &impl DevicePtr<T>) -> u64 {
+    pub(super) fn ptr<T>(&self, b: &impl DevicePtr<T>) -> u64 {
         b.device_ptr(self.stream()).0
     }
-    fn ptr_mut<T>(&self, b: &mut impl DevicePtrMut<T>) -> u64 {
+    pub(super) fn ptr_mut<T>(&self, b: &mut impl DevicePtrMut<T>) -> u64 {
         b.device_ptr_mut(self.stream()).0
     }
 
@@ -688,7 +688,7 @@ impl CudaDev {
     /// few rows to give every multiprocessor about four blocks, while each lane keeps at least
     /// two blocks of 32 columns. (Capping the split at the blocks the GPU holds at once, so that
     /// none run as a second wave, measured slower: cuda/NOTES.md.)
-    fn mv_split(&self, rows: usize, cols: usize, rows_per_group: usize) -> usize {
+    pub(super) fn mv_split(&self, rows: usize, cols: usize, rows_per_group: usize) -> usize {
         let sms = self.info().multiprocessors as usize;
         mv_split_for(rows, cols, rows_per_group, sms)
     }

@@ -82,6 +82,9 @@ pub struct DeviceWeight {
     pub(crate) fast_p8: Option<MvFns>,
     /// The 8-bit integer prefill product (`kernels/mmq.cuh`), for the formats with `codes8`.
     pub(crate) mmq: Option<CudaFunction>,
+    /// The expert products of `kernels/matvec_id.cuh` (gated `mvgi`, down `mvdi`), for the
+    /// formats of `fast`: this matrix read as stacked experts.
+    pub(crate) fast_id: Option<(CudaFunction, CudaFunction)>,
 }
 
 /// Copies blocks of `block` bytes into slots of `stride` bytes (zero-padded), so that every
@@ -414,6 +417,12 @@ impl CudaDev {
             } else {
                 None
             };
+        let fast_id = if fast.is_some() {
+            let f = |form: &str| self.function(program, &format!("mv{form}i_{kind}"));
+            Some((f("g")?, f("d")?))
+        } else {
+            None
+        };
         let mmq = if w.cols.is_multiple_of(32)
             && matches!(
                 kind,
@@ -429,6 +438,7 @@ impl CudaDev {
             fast_q8,
             fast_p8,
             mmq,
+            fast_id,
             scales_at,
             supers_at,
             name: w.name.clone(),

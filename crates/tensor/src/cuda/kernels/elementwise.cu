@@ -576,3 +576,5 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     out[blockIdx.x] = last;
 }
+
+#include "moe_route.cuh"

@@ -1,6 +1,7 @@
 // Linear / embedding kernels for the 256-element ggml k-quant formats.
 #include "linear.cuh"
 #include "matvec.cuh"
+#include "matvec_id.cuh"
 #include "matvec_q8.cuh"
 #include "matvec_p8.cuh"
 #include "mmq.cuh"
@@ -29,9 +30,13 @@ HF2Q_LINEAR_KERNELS(q6_kp, FQ6_KP)
 HF2Q_LINEAR_KERNELS(q4_ks, FQ4_KS)
 HF2Q_LINEAR_KERNELS(q6_ks, FQ6_KS)
 HF2Q_MATVEC_FAST(q4_k, DQ4_K, HF2Q_MV_MINB_Q4_K)
+HF2Q_MATVEC_ID(q4_k, DQ4_K, HF2Q_MV_MINB_Q4_K)
 HF2Q_MATVEC_FAST(q6_kp, DQ6_KP, HF2Q_MV_MINB_Q6_KP)
+HF2Q_MATVEC_ID(q6_kp, DQ6_KP, HF2Q_MV_MINB_Q6_KP)
 HF2Q_MATVEC_FAST(q4_ks, DQ4_KS, HF2Q_MV_MINB_Q4_KS)
+HF2Q_MATVEC_ID(q4_ks, DQ4_KS, HF2Q_MV_MINB_Q4_KS)
 HF2Q_MATVEC_FAST(q6_ks, DQ6_KS, HF2Q_MV_MINB_Q6_KS)
+HF2Q_MATVEC_ID(q6_ks, DQ6_KS, HF2Q_MV_MINB_Q6_KS)
 HF2Q_MATVEC_Q8(q4_k, EQ4_K)
 HF2Q_MATVEC_P8(q4_k, PQ4_K)
 HF2Q_MATVEC_P8(q4_ks, PQ4_KS)

@@ -1,0 +1,90 @@
+// Mixture-of-experts routing and the sum over a token's experts, on the device (included by
+// elementwise.cu). The expert products between them are matvec_id.cuh's.
+//
+//   moe_route:   logits (T, E) -> ids (T, k) (expert indices, stored as exact floats) and
+//                wts (T, k), one warp per token: the choice of hf2q_tensor::moe::route (softmax
+//                over all E in f32 with the max subtracted, the k largest, ties to the lower
+//                index, NaN never before a number; optional renormalisation, then an optional
+//                per-expert scale).
+//   moe_combine: out (T, D) = sum over j of y (T·k, D) row t·k + j, j ascending.
+#pragma once
+#include "common.cuh"
+
+// Most experts per token the routing kernel takes (the host checks).
+#define MOE_MAX_K 32
+
+// One warp per token; `pr` (dynamic shared memory, E floats) holds the unnormalised
+// probabilities, chosen ones overwritten with -1.
+extern "C" __global__ void __launch_bounds__(32)
+    moe_route(const float* __restrict__ logits, float* __restrict__ ids, float* __restrict__ wts,
+              const float* __restrict__ scale, int E, int k, int renorm) {
+    extern __shared__ float pr[];
+    pdl_wait();
+    const int t = (int)blockIdx.x, lane = (int)threadIdx.x;
+    const float* l = logits + (i64)t * E;
+    float m = -__int_as_float(0x7f800000);
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);  // fmaxf skips NaN, as f32::max
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int e = lane; e < E; e += 32) {
+        const float v = expf(l[e] - m);
+        pr[e] = v;
+        s += v;
+    }
+    s = warp_sum(s);
+    __syncwarp();
+    int chosen[MOE_MAX_K];
+    float p[MOE_MAX_K];
+    float psum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        // This lane's best (largest, then lowest index; a NaN counts below every number, and
+        // a chosen expert below a NaN), then the warp's.
+        float best = -2.0f;
+        int bi = E;
+        for (int e = lane; e < E; e += 32) {
+            float v = pr[e];
+            if (v != v) v = -0.5f;
+            if (v > best) {
+                best = v;
+                bi = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (ov > best || (ov == best && oi < bi)) {
+                best = ov;
+                bi = oi;
+            }
+        }
+        chosen[j] = bi;
+        p[j] = pr[bi] / s;
+        psum += p[j];
+        __syncwarp();
+        if (lane == 0) pr[bi] = -1.0f;
+        __syncwarp();
+    }
+    if (lane == 0) {
+        for (int j = 0; j < k; j++) {
+            float w = p[j];
+            if (renorm && psum > 0.0f) w /= psum;
+            if (scale) w *= scale[chosen[j]];
+            ids[(i64)t * k + j] = (float)chosen[j];
+            wts[(i64)t * k + j] = w;
+        }
+    }
+}
+
+// out[t, i] = sum_j y[t k + j, i]; n = T·D.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, float* __restrict__ out,
+                                       int D, int k, i64 n) {
+    pdl_wait();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const i64 t = i / D, c = i - t * D;
+    const float* r = y + t * k * D + c;
+    float s = 0.0f;
+    for (int j = 0; j < k; j++) s += r[(i64)j * D];
+    out[i] = s;
+}

@@ -1,0 +1,198 @@
+//! Launchers of the mixture-of-experts kernels (`kernels/moe_route.cuh`,
+//! `kernels/matvec_id.cuh`): routing on the device, the gated and down expert products of each
+//! (token, slot) pair read from stacked expert matrices, and the sum of a token's pairs. All
+//! stay on the device, so a decode step with routed layers is still one graph.
+//!
+//! Not here: the choice between this path and the composed one (`CudaBackend::moe_ffn`), the
+//! router product (an ordinary linear).
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+
+use super::ops::{blocks, launch, mvf_rows_per_group, need, shape, to_i32};
+use super::weight::DeviceWeight;
+use super::{cuda_err, CudaDev, Program};
+use crate::Result;
+use std::ffi::c_void;
+
+/// Most experts per token of the routing kernel (`MOE_MAX_K` in moe_route.cuh).
+pub const MOE_MAX_K: usize = 32;
+
+/// Most experts of one layer the routing kernel takes (its shared memory: E floats).
+pub const MOE_MAX_EXPERTS: usize = 8192;
+
+impl CudaDev {
+    /// Routes `t` tokens: `logits (t, E)` -> `ids (t, k)` (expert indices as exact floats) and
+    /// `wts (t, k)`, as `hf2q_tensor::moe::route` does (`scale`: per-expert multipliers, E).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        t: usize,
+        n_experts: usize,
+        k: usize,
+        renormalize: bool,
+        scale: Option<&CudaSlice<f32>>,
+        ids: &mut impl DevicePtrMut<f32>,
+        wts: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        if k == 0 || k > n_experts || k > MOE_MAX_K || n_experts > MOE_MAX_EXPERTS {
+            return Err(shape(format!(
+                "moe routing: top {k} of {n_experts} experts (at most {MOE_MAX_K} of \
+                 {MOE_MAX_EXPERTS})"
+            )));
+        }
+        need("moe routing logits", logits.len(), t * n_experts)?;
+        need("moe routing ids", ids.len(), t * k)?;
+        need("moe routing weights", wts.len(), t * k)?;
+        if let Some(s) = scale {
+            need("moe expert scales", s.len(), n_experts)?;
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "moe_route")?;
+        let (lp, ip, wp) = (self.ptr(logits), self.ptr_mut(ids), self.ptr_mut(wts));
+        let sp = scale.map_or(0u64, |s| self.ptr(s));
+        let (ei, ki, ri) = (n_experts as i32, k as i32, i32::from(renormalize));
+        let grid = u32::try_from(t).map_err(|_| shape(format!("moe routing: {t} tokens")))?;
+        launch!(self, f, (grid, 1, 1), (32, 1, 1), 4 * n_experts; lp, ip, wp, sp, ei, ki, ri)
+    }
+
+    /// `h (t·k, F) = act(x_t · G_eᵀ) * (x_t · U_eᵀ)` for each pair `p = t·k + j` with
+    /// `e = ids[p]`: `gate`, `up` hold `n_experts` stacked experts of `F` rows each; `x (t, D)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gated(
+        &self,
+        x: &impl DevicePtr<f32>,
+        t: usize,
+        k: usize,
+        gate: &DeviceWeight,
+        up: &DeviceWeight,
+        n_experts: usize,
+        gelu: bool,
+        ids: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let f = expert_rows(gate, n_experts)?;
+        if up.kind != gate.kind || up.rows != gate.rows || up.cols != gate.cols {
+            return Err(shape(format!(
+                "moe experts '{}' and '{}' differ in format or shape",
+                gate.name, up.name
+            )));
+        }
+        let pairs = t * k;
+        need("moe input", x.len(), t * gate.cols)?;
+        need("moe ids", ids.len(), pairs)?;
+        need("moe gated output", out.len(), pairs * f)?;
+        let func = &id_kernels(gate)?.0;
+        if pairs == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let (gw, uw) = (gate.args(self), up.args(self));
+        let (xp, op, ip) = (self.ptr(x), self.ptr_mut(out), self.ptr(ids));
+        aligned(xp, gate.cols)?;
+        let nr = mvf_rows_per_group(gate.kind).1;
+        let ks = self.mv_split(f * pairs, gate.cols, nr);
+        let grid = (blocks(f, nr * 4 / ks)?, pair_grid(pairs)?, 1);
+        let (rows, act, ksi, ki) = (to_i32("rows", f)?, i32::from(gelu), ks as i32, k as i32);
+        launch!(self, func, grid, (128, 1, 1), 0; gw, uw, xp, op, ip, rows, act, ksi, ki)
+    }
+
+    /// `y (P, D) = wts[p] · (h_p · Down_eᵀ)` for each pair `p` with `e = ids[p]`: `down` holds
+    /// `n_experts` stacked experts of `D` rows each; `h (P, F)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down(
+        &self,
+        h: &impl DevicePtr<f32>,
+        pairs: usize,
+        down: &DeviceWeight,
+        n_experts: usize,
+        ids: &impl DevicePtr<f32>,
+        wts: &impl DevicePtr<f32>,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let d = expert_rows(down, n_experts)?;
+        need("moe down input", h.len(), pairs * down.cols)?;
+        need("moe ids", ids.len(), pairs)?;
+        need("moe weights", wts.len(), pairs)?;
+        need("moe down output", y.len(), pairs * d)?;
+        let func = &id_kernels(down)?.1;
+        if pairs == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let w = down.args(self);
+        let (hp, yp, ip, wp) = (self.ptr(h), self.ptr_mut(y), self.ptr(ids), self.ptr(wts));
+        aligned(hp, down.cols)?;
+        let rpw = mvf_rows_per_group(down.kind).0;
+        let ks = self.mv_split(d * pairs, down.cols, rpw);
+        let grid = (blocks(d, rpw * 4 / ks)?, pair_grid(pairs)?, 1);
+        let (rows, ksi) = (to_i32("rows", d)?, ks as i32);
+        launch!(self, func, grid, (128, 1, 1), 0; w, hp, yp, ip, wp, rows, ksi)
+    }
+
+    /// `out (t, D) = Σ_j y (t·k + j)`, j ascending.
+    pub fn moe_combine(
+        &self,
+        y: &impl DevicePtr<f32>,
+        t: usize,
+        k: usize,
+        d: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        need("moe combine input", y.len(), t * k * d)?;
+        need("moe combine output", out.len(), t * d)?;
+        if t * d == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "moe_combine")?;
+        let (yp, op) = (self.ptr(y), self.ptr_mut(out));
+        let (di, ki, n) = (to_i32("hidden", d)?, k as i32, (t * d) as i64);
+        launch!(self, f, (blocks(t * d, 256)?, 1, 1), (256, 1, 1), 0; yp, op, di, ki, n)
+    }
+}
+
+/// Whether `w` has the expert kernels (a fast one-token format).
+pub(crate) fn has_id_kernels(w: &DeviceWeight) -> bool {
+    w.fast_id.is_some()
+}
+
+fn id_kernels(
+    w: &DeviceWeight,
+) -> Result<&(cudarc::driver::CudaFunction, cudarc::driver::CudaFunction)> {
+    w.fast_id.as_ref().ok_or_else(|| {
+        shape(format!(
+            "moe experts '{}' ({}) have no expert kernels",
+            w.name, w.kind
+        ))
+    })
+}
+
+/// Rows of one expert of the stacked `w`.
+fn expert_rows(w: &DeviceWeight, n_experts: usize) -> Result<usize> {
+    if n_experts == 0 || !w.rows.is_multiple_of(n_experts) {
+        return Err(shape(format!(
+            "moe experts '{}': {} rows do not split into {n_experts} experts",
+            w.name, w.rows
+        )));
+    }
+    Ok(w.rows / n_experts)
+}
+
+fn pair_grid(pairs: usize) -> Result<u32> {
+    u32::try_from(pairs)
+        .ok()
+        .filter(|&p| p <= 65535)
+        .ok_or_else(|| shape(format!("moe: {pairs} (token, expert) pairs in one launch")))
+}
+
+/// The kernels read rows of `cols` activations with 16-byte loads.
+fn aligned(p: u64, cols: usize) -> Result<()> {
+    if !p.is_multiple_of(16) || !cols.is_multiple_of(4) {
+        return Err(shape("moe: the input is not 16-byte aligned".into()));
+    }
+    Ok(())
+}
