@@ -207,3 +207,80 @@ pub(super) fn from_gguf(c: &mut ModelConfig, g: &GgufFile) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Arch, ModelConfig};
+    use serde_json::json;
+
+    fn text(extra: serde_json::Value) -> serde_json::Value {
+        let mut t = json!({
+            "model_type": "gemma4_text", "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            t[k] = x.clone();
+        }
+        // As a multimodal checkpoint nests it.
+        json!({ "model_type": "gemma4", "text_config": t })
+    }
+
+    #[test]
+    fn global_layers_from_either_form() {
+        // transformers 5.17's per_layer_config.
+        let c = ModelConfig::from_hf_json(&text(json!({"attention_k_eq_v": true,
+            "per_layer_config": {"2": {"head_dim": 32, "num_key_value_heads": 1}}})))
+        .unwrap();
+        assert_eq!(c.arch, Arch::Gemma4);
+        assert_eq!(c.layer_heads, vec![(2, 16), (2, 16), (1, 32)]);
+        assert_eq!((c.attn_scale, c.norm_offset), (1.0, 0.0));
+        let g = c.gemma4.unwrap();
+        assert!(g.k_eq_v);
+        // No rope_parameters: transformers' defaults (a quarter rotated).
+        assert_eq!(g.global_partial_rotary, 0.25);
+        // Earlier files: global_head_dim, and the global kv heads only with keys as values.
+        let c = ModelConfig::from_hf_json(&text(json!({"attention_k_eq_v": true,
+            "global_head_dim": 64, "num_global_key_value_heads": 1})))
+        .unwrap();
+        assert_eq!(c.layer_heads[2], (1, 64));
+        let c = ModelConfig::from_hf_json(&text(json!({"global_head_dim": 64,
+            "num_global_key_value_heads": 1})))
+        .unwrap();
+        assert_eq!(c.layer_heads[2], (2, 64));
+        assert!(c.moe.is_none());
+    }
+
+    #[test]
+    fn routed_branch_and_refusals() {
+        let c = ModelConfig::from_hf_json(&text(json!({"enable_moe_block": true,
+            "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32})))
+        .unwrap();
+        let m = c.moe.unwrap();
+        assert_eq!((m.n_experts, m.n_used, m.expert_width), (8, 2, 32));
+        assert!(m.renormalize && m.layers.iter().all(|&r| r));
+        for (extra, want) in [
+            (
+                json!({"hidden_size_per_layer_input": 256}),
+                "per-layer embeddings",
+            ),
+            (json!({"num_kv_shared_layers": 2}), "KV-shared layers"),
+            (
+                json!({"enable_moe_block": true, "num_experts": 8}),
+                "top_k_experts",
+            ),
+            (
+                json!({"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}),
+                "RoPE type 'yarn'",
+            ),
+            (
+                json!({"per_layer_config": {"2": {"num_key_value_heads": 3}}}),
+                "not a multiple of 3",
+            ),
+        ] {
+            let e = ModelConfig::from_hf_json(&text(extra)).unwrap_err();
+            assert!(e.to_string().contains(want), "{e}");
+        }
+    }
+}
