@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use super::gguf_out::QUANTIZATION_VERSION;
 use super::source::SourceModel;
-use crate::config::Arch;
+use crate::config::{Arch, ModelConfig};
 use crate::{Error, Result};
 
 type Meta = Vec<(String, GgufValue)>;
@@ -403,6 +403,7 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
     } else if let Some(w) = c.sliding_window {
         m.push((k("attention.sliding_window"), u32v(w)));
     }
+    m.extend(moe_metadata(c));
     m.extend(tokenizer_metadata(dir, c.vocab_size)?);
     m.push((
         "general.quantization_version".into(),
@@ -410,6 +411,30 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
     ));
     m.push(("general.file_type".into(), GgufValue::U32(file_type)));
     Ok(m)
+}
+
+/// The mixture-of-experts keys of `c` as llama.cpp's converter writes them: `expert_count` and
+/// `expert_used_count`; Qwen3-MoE's `expert_feed_forward_length` (Mixtral's expert width is its
+/// `feed_forward_length`); `expert_weights_norm` only where the chosen experts' probabilities
+/// are not renormalised (llama.cpp's graphs for these families always renormalise; hf2q reads
+/// the key). Empty for a dense model.
+pub fn moe_metadata(c: &ModelConfig) -> Meta {
+    let Some(moe) = &c.moe else {
+        return Vec::new();
+    };
+    let k = |s: &str| format!("{}.{s}", c.arch.name());
+    let u = |x: usize| GgufValue::U32(x as u32);
+    let mut m: Meta = vec![
+        (k("expert_count"), u(moe.n_experts)),
+        (k("expert_used_count"), u(moe.n_used)),
+    ];
+    if c.arch != Arch::Llama {
+        m.push((k("expert_feed_forward_length"), u(moe.expert_width)));
+    }
+    if !moe.renormalize {
+        m.push((k("expert_weights_norm"), GgufValue::Bool(false)));
+    }
+    m
 }
 
 #[cfg(test)]

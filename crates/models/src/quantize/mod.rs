@@ -22,7 +22,6 @@ use std::path::Path;
 
 use hf2q_tensor::GgmlType;
 
-use crate::config::Arch;
 use crate::convert::gguf_out::{metadata_from_gguf, write_gguf, GgufPlanEntry, WriteReport};
 use crate::convert::source::{SourceModel, SrcTensor, Stored};
 use crate::convert::{gguf_meta, mlx_out, Progress};
@@ -53,13 +52,7 @@ pub struct QuantizeReport {
 
 /// Facts the per-tensor rules read about a model.
 pub fn model_facts(src: &SourceModel) -> ModelFacts {
-    let c = &src.config;
-    ModelFacts {
-        n_layer: c.n_layers,
-        n_head: c.n_heads,
-        n_head_kv: c.n_kv_heads,
-        is_70b: c.arch == Arch::Llama && c.n_layers == 80 && c.n_heads != c.n_kv_heads,
-    }
+    ModelFacts::of(&src.config)
 }
 
 /// Source tensor indices in llama.cpp's order.

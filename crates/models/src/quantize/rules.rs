@@ -1,5 +1,5 @@
 //! Per-tensor GGUF types for a preset: llama.cpp's `llama_tensor_get_type` (`llama-quant.cpp`),
-//! restricted to the presets in [`Preset`] and to dense models (no experts, no Falcon).
+//! restricted to the presets in [`Preset`] and to the architectures hf2q loads (no Falcon).
 //!
 //! The rules depend on the order tensors are visited (the `attn_v` and `ffn_down` counters), so
 //! [`TypeChooser`] must see tensors in the order llama.cpp visits them: by layer, then by name,
@@ -11,6 +11,12 @@
 //! - `attn_v` / `ffn_down` / `attn_output` bumps per preset, with `use_more_bits` choosing layers;
 //! - a type whose block does not divide the row length falls back (Q2_K/Q3_K -> Q4_0, Q4_K ->
 //!   Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16), as `tensor_type_fallback` does.
+//!
+//! Mixtures of experts: the stacked expert tensors (`ffn_{gate,up,down}_exps`, 3-D) follow the
+//! rules of their kind (`ffn_down_exps` is an `ffn_down`), with the layer read from the name
+//! rather than counted (llama.cpp's `layer_info` when the model has experts); the router
+//! `ffn_gate_inp` is never quantized; a model of exactly 8 experts (Mixtral) gets `attn_v` and
+//! `attn_k` in Q8_0 and, for the Q2_K..Q4_K_M presets, `attn_output` in Q5_K.
 
 use hf2q_tensor::GgmlType;
 
@@ -94,6 +100,28 @@ pub struct ModelFacts {
     pub n_head_kv: usize,
     /// Llama 70B (80 layers, grouped-query attention): attn_v gets more bits.
     pub is_70b: bool,
+    /// Routed experts per MoE layer (llama.cpp's `n_expert`); 0 for a dense model.
+    pub n_expert: usize,
+}
+
+impl ModelFacts {
+    /// The facts of a parsed config.
+    pub fn of(c: &crate::config::ModelConfig) -> ModelFacts {
+        ModelFacts {
+            n_layer: c.n_layers,
+            n_head: c.n_heads,
+            n_head_kv: c.n_kv_heads,
+            is_70b: c.arch == crate::config::Arch::Llama
+                && c.n_layers == 80
+                && c.n_heads != c.n_kv_heads,
+            n_expert: c.moe.as_ref().map_or(0, |m| m.n_experts),
+        }
+    }
+}
+
+/// The layer of `blk.N.*` (llama.cpp's `layer_info` for models with experts).
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
 /// One tensor as the rules see it.
@@ -180,7 +208,7 @@ impl TypeChooser {
         let mut ty = default;
         if is_quantized(default) {
             if !self.recipe.pure {
-                ty = self.preset_rule(ty, t, cat);
+                ty = self.preset_rule(ty, t, cat)?;
             }
             ty = self.fallback(t, ty)?;
         }
@@ -188,7 +216,12 @@ impl TypeChooser {
     }
 
     /// `llama_tensor_get_type_impl` for the presets hf2q supports.
-    fn preset_rule(&mut self, mut ty: GgmlType, t: TensorFacts<'_>, cat: Category) -> GgmlType {
+    fn preset_rule(
+        &mut self,
+        mut ty: GgmlType,
+        t: TensorFacts<'_>,
+        cat: Category,
+    ) -> Result<GgmlType> {
         use GgmlType as G;
         use Preset::*;
         let ft = self.recipe.preset;
@@ -225,9 +258,25 @@ impl TypeChooser {
             if m.is_70b && matches!(ty, G::Q3_K | G::Q4_K) {
                 ty = G::Q5_K;
             }
+            if m.n_expert == 8 {
+                ty = G::Q8_0;
+            }
             self.i_attention_wv += 1;
+        } else if cat == Category::AttnK {
+            if m.n_expert == 8 {
+                ty = G::Q8_0;
+            }
         } else if cat == Category::FfnDown {
-            let (i, n) = (self.i_ffn_down, m.n_layer);
+            let n = m.n_layer;
+            // With experts llama.cpp reads the layer from the name (its counter would not match
+            // the layer where experts were stored one tensor each); it counts the same without.
+            let i = if m.n_expert > 1 {
+                layer_of(t.name)
+                    .filter(|&l| l < n)
+                    .ok_or_else(|| bad_layer(t.name, n))?
+            } else {
+                self.i_ffn_down
+            };
             match ft {
                 Q2_K => ty = G::Q3_K,
                 Q3_K_M => ty = if i < n / 16 { G::Q5_K } else { G::Q4_K },
@@ -245,11 +294,17 @@ impl TypeChooser {
             }
             self.i_ffn_down += 1;
         } else if cat == Category::AttnOutput {
-            match ft {
-                Q2_K => ty = G::Q3_K,
-                Q3_K_M => ty = G::Q4_K,
-                Q3_K_L => ty = G::Q5_K,
-                _ => {}
+            if m.n_expert == 8 {
+                if matches!(ft, Q2_K | Q3_K_S | Q3_K_M | Q4_K_S | Q4_K_M) {
+                    ty = G::Q5_K;
+                }
+            } else {
+                match ft {
+                    Q2_K => ty = G::Q3_K,
+                    Q3_K_M => ty = G::Q4_K,
+                    Q3_K_L => ty = G::Q5_K,
+                    _ => {}
+                }
             }
         } else if cat == Category::AttnQkv {
             match ft {
@@ -259,7 +314,7 @@ impl TypeChooser {
                 _ => {}
             }
         }
-        ty
+        Ok(ty)
     }
 
     /// `tensor_type_fallback`.
@@ -297,6 +352,12 @@ pub fn fallback_type(name: &str, cols: usize, ty: GgmlType) -> Result<GgmlType> 
     } else {
         to
     })
+}
+
+fn bad_layer(name: &str, n_layer: usize) -> Error {
+    Error::Msg(format!(
+        "tensor '{name}': no layer number below {n_layer} in its name (a model with experts names its layers blk.N)"
+    ))
 }
 
 pub fn is_quantized(ty: GgmlType) -> bool {
@@ -346,6 +407,7 @@ mod tests {
                 n_head: 9,
                 n_head_kv: 3,
                 is_70b: false,
+                n_expert: 0,
             },
             t,
         )

@@ -1,5 +1,6 @@
 //! Random-weight models at real shapes: a GGUF file with the architecture metadata llama.cpp's
-//! converter writes for a known model (Llama 3.x, Qwen3, SmolLM2, or a tiny test shape), a real
+//! converter writes for a known model (Llama 3.x, Qwen3, SmolLM2, the mixtures of experts
+//! Qwen3-30B-A3B and Mixtral-8x7B, or a tiny test shape), a real
 //! tokenizer copied from another file, and random weights. For speed and load tests of real sizes
 //! where the real weights cannot be had (or moved).
 //!
@@ -8,7 +9,9 @@
 //! [`WEIGHT_STD`] and mean zero (sub-block scales of alternating sign where a format's quants are
 //! not centred). Norm weights are 1.0; Llama 3's `rope_freqs.weight` holds the real frequency
 //! factors. Tensor types follow the preset's per-tensor rules (`crate::quantize::rules`), as
-//! `hf2q quantize` would choose them for the real model.
+//! `hf2q quantize` would choose them for the real model. Routed layers hold llama.cpp's stacked
+//! experts (`ffn_{gate,up,down}_exps`, 3-D, one expert's matrix after another) and an F32
+//! router `ffn_gate_inp` of random weights.
 //!
 //! Generation is deterministic for a seed (each chunk of a tensor has its own generator, so the
 //! thread count does not change the bytes), runs on all cores, and overlaps with writing: one
@@ -36,7 +39,7 @@ mod shapes;
 
 use blocks::tensor_seed;
 pub use blocks::WEIGHT_STD;
-pub use shapes::{Llama3Rope, SynthShape, SHAPES};
+pub use shapes::{Llama3Rope, SynthMoe, SynthShape, SHAPES};
 
 /// llama.cpp's token type for vocabulary padding (`[PAD<i>]` entries of its converter).
 const TOKEN_TYPE_UNUSED: i32 = 5;
@@ -101,10 +104,33 @@ pub fn plan(
             ("attn_v.weight", vec![d, kv], Fill::Random),
             ("attn_output.weight", vec![q, d], Fill::Random),
             ("ffn_norm.weight", vec![d], Fill::Ones),
-            ("ffn_gate.weight", vec![d, f], Fill::Random),
-            ("ffn_up.weight", vec![d, f], Fill::Random),
-            ("ffn_down.weight", vec![f, d], Fill::Random),
         ];
+        match cfg.moe.as_ref().filter(|m| m.layers[l]) {
+            // llama.cpp's shapes: gate/up (D, F_e, E), down (F_e, D, E), router (D, E).
+            Some(m) => layer.extend([
+                ("ffn_gate_inp.weight", vec![d, m.n_experts], Fill::Random),
+                (
+                    "ffn_gate_exps.weight",
+                    vec![d, m.expert_width, m.n_experts],
+                    Fill::Random,
+                ),
+                (
+                    "ffn_up_exps.weight",
+                    vec![d, m.expert_width, m.n_experts],
+                    Fill::Random,
+                ),
+                (
+                    "ffn_down_exps.weight",
+                    vec![m.expert_width, d, m.n_experts],
+                    Fill::Random,
+                ),
+            ]),
+            None => layer.extend([
+                ("ffn_gate.weight", vec![d, f], Fill::Random),
+                ("ffn_up.weight", vec![d, f], Fill::Random),
+                ("ffn_down.weight", vec![f, d], Fill::Random),
+            ]),
+        }
         if cfg.qk_norm {
             layer.push(("attn_q_norm.weight", vec![cfg.head_dim], Fill::Ones));
             layer.push(("attn_k_norm.weight", vec![cfg.head_dim], Fill::Ones));
@@ -116,12 +142,7 @@ pub fn plan(
         );
     }
     t.sort_by(|a, b| gguf_order(&a.0, &b.0));
-    let facts = ModelFacts {
-        n_layer: cfg.n_layers,
-        n_head: cfg.n_heads,
-        n_head_kv: cfg.n_kv_heads,
-        is_70b: cfg.arch == Arch::Llama && cfg.n_layers == 80 && cfg.n_heads != cfg.n_kv_heads,
-    };
+    let facts = ModelFacts::of(cfg);
     let mut chooser = TypeChooser::new(
         recipe,
         facts,
@@ -345,6 +366,7 @@ fn model_metadata(shape: &SynthShape, cfg: &ModelConfig) -> Meta {
         m.push((k("vocab_size"), u(cfg.vocab_size)));
         m.push((k("rope.dimension_count"), u(cfg.head_dim)));
     }
+    m.extend(gguf_meta::moe_metadata(cfg));
     m
 }
 
@@ -495,6 +517,76 @@ mod tests {
             t.iter().map(SynthTensor::numel).sum::<u64>(),
             1_235_814_400 + 32
         );
+    }
+
+    fn q4_k_m() -> GgufRecipe {
+        GgufRecipe {
+            preset: Preset::Q4_K_M,
+            pure: false,
+        }
+    }
+
+    #[test]
+    fn expert_shapes_plan_stacked_experts_with_llama_cpp_types() {
+        // Qwen3-30B-A3B: 30.5B parameters (3.3B active), llama.cpp's shapes and Q4_K_M types.
+        let s = SynthShape::by_name("qwen3-30b-a3b").unwrap();
+        let cfg = s.config(151936).unwrap();
+        let m = cfg.moe.as_ref().unwrap();
+        assert_eq!((m.n_experts, m.n_used, m.expert_width), (128, 8, 768));
+        assert!(m.renormalize && m.layers.iter().all(|&r| r));
+        let (t, fb) = plan(&cfg, q4_k_m()).unwrap();
+        assert!(fb.is_empty());
+        let get = |n: &str| t.iter().find(|x| x.name == n).unwrap();
+        assert_eq!(get("blk.0.ffn_gate_exps.weight").dims, [2048, 768, 128]);
+        assert_eq!(get("blk.0.ffn_up_exps.weight").dims, [2048, 768, 128]);
+        assert_eq!(get("blk.0.ffn_down_exps.weight").dims, [768, 2048, 128]);
+        assert_eq!(get("blk.0.ffn_gate_inp.weight").dims, [2048, 128]);
+        assert_eq!(get("blk.0.ffn_gate_inp.weight").ty, GgmlType::F32);
+        assert!(!t.iter().any(|x| x.name == "blk.0.ffn_down.weight"));
+        assert_eq!(get("token_embd.weight").ty, GgmlType::Q4_K);
+        assert_eq!(get("output.weight").ty, GgmlType::Q6_K);
+        // use_more_bits over 48 layers: 0..6, 42..48, and (i - 6) % 3 == 2.
+        for (l, ty) in [
+            (0, GgmlType::Q6_K),
+            (6, GgmlType::Q4_K),
+            (8, GgmlType::Q6_K),
+        ] {
+            assert_eq!(get(&format!("blk.{l}.ffn_down_exps.weight")).ty, ty, "{l}");
+            assert_eq!(get(&format!("blk.{l}.attn_v.weight")).ty, ty, "{l}");
+        }
+        assert_eq!(get("blk.47.ffn_down_exps.weight").ty, GgmlType::Q6_K);
+        assert_eq!(get("blk.8.ffn_gate_exps.weight").ty, GgmlType::Q4_K);
+        assert_eq!(get("blk.8.attn_k.weight").ty, GgmlType::Q4_K);
+        assert_eq!(t.len(), 3 + 48 * 12);
+        let total: u64 = t.iter().map(SynthTensor::numel).sum();
+        assert_eq!(total, 30_532_122_624);
+        // Mixtral-8x7B: 46.7B parameters; eight experts bump attn_v/attn_k to Q8_0 and
+        // attn_output to Q5_K.
+        let s = SynthShape::by_name("mixtral-8x7b").unwrap();
+        let cfg = s.config(32000).unwrap();
+        assert_eq!(cfg.arch, Arch::Llama);
+        let (t, _) = plan(&cfg, q4_k_m()).unwrap();
+        let get = |n: &str| t.iter().find(|x| x.name == n).unwrap();
+        assert_eq!(get("blk.3.ffn_down_exps.weight").dims, [14336, 4096, 8]);
+        assert_eq!(get("blk.3.ffn_down_exps.weight").ty, GgmlType::Q6_K);
+        assert_eq!(get("blk.4.ffn_down_exps.weight").ty, GgmlType::Q4_K);
+        assert_eq!(get("blk.4.attn_v.weight").ty, GgmlType::Q8_0);
+        assert_eq!(get("blk.4.attn_k.weight").ty, GgmlType::Q8_0);
+        assert_eq!(get("blk.4.attn_output.weight").ty, GgmlType::Q5_K);
+        assert_eq!(get("blk.4.attn_q.weight").ty, GgmlType::Q4_K);
+        let total: u64 = t.iter().map(SynthTensor::numel).sum();
+        assert_eq!(total, 46_702_792_704);
+        // The metadata llama.cpp's loader reads.
+        let meta = model_metadata(&s, &cfg);
+        let has = |k: &str, v: u32| meta.iter().any(|(a, b)| a == k && *b == GgufValue::U32(v));
+        assert!(has("llama.expert_count", 8) && has("llama.expert_used_count", 2));
+        assert!(has("llama.feed_forward_length", 14336));
+        let s = SynthShape::by_name("qwen3-30b-a3b").unwrap();
+        let meta = model_metadata(&s, &s.config(151936).unwrap());
+        let has = |k: &str, v: u32| meta.iter().any(|(a, b)| a == k && *b == GgufValue::U32(v));
+        assert!(has("qwen3moe.expert_count", 128) && has("qwen3moe.expert_used_count", 8));
+        assert!(has("qwen3moe.expert_feed_forward_length", 768));
+        assert!(has("qwen3moe.feed_forward_length", 6144));
     }
 
     #[test]

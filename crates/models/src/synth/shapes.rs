@@ -1,5 +1,6 @@
-//! The model shapes `hf2q synth` knows: the dimensions, vocabulary size and RoPE settings of the
-//! upstream config.json of each model, turned into a [`ModelConfig`] by the loader's own parser.
+//! The model shapes `hf2q synth` knows: the dimensions, vocabulary size, RoPE settings and
+//! experts of the upstream config.json of each model, turned into a [`ModelConfig`] by the
+//! loader's own parser.
 
 use serde_json::json;
 
@@ -15,11 +16,24 @@ pub struct Llama3Rope {
     pub original_max_position: usize,
 }
 
+/// Routed experts of a shape (every layer routed, as in the models listed).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SynthMoe {
+    /// E
+    pub n_experts: usize,
+    /// k: experts per token.
+    pub n_used: usize,
+    /// F_e: the width of one expert (Mixtral: its `intermediate_size`).
+    pub expert_width: usize,
+    /// Qwen3-MoE's `norm_topk_prob` (Mixtral always renormalises).
+    pub renormalize: bool,
+}
+
 /// A model's dimensions and the architecture settings that the GGUF metadata carries.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SynthShape {
     pub name: &'static str,
-    /// `Arch::Llama` or `Arch::Qwen3`.
+    /// `Arch::Llama` (with experts: Mixtral), `Arch::Qwen3` or `Arch::Qwen3Moe`.
     pub arch: Arch,
     /// V; `None`: the tokenizer's own size.
     pub vocab_size: Option<usize>,
@@ -39,6 +53,7 @@ pub struct SynthShape {
     pub rms_eps: f32,
     pub tie_embeddings: bool,
     pub llama3_rope: Option<Llama3Rope>,
+    pub moe: Option<SynthMoe>,
 }
 
 const LLAMA32_ROPE: Llama3Rope = Llama3Rope {
@@ -65,6 +80,7 @@ pub const SHAPES: &[SynthShape] = &[
         rms_eps: 1e-5,
         tie_embeddings: true,
         llama3_rope: Some(LLAMA32_ROPE),
+        moe: None,
     },
     SynthShape {
         name: "llama-3.2-3b",
@@ -81,6 +97,7 @@ pub const SHAPES: &[SynthShape] = &[
         rms_eps: 1e-5,
         tie_embeddings: true,
         llama3_rope: Some(LLAMA32_ROPE),
+        moe: None,
     },
     SynthShape {
         name: "llama-3.1-8b",
@@ -102,6 +119,7 @@ pub const SHAPES: &[SynthShape] = &[
             high_freq_factor: 4.0,
             original_max_position: 8192,
         }),
+        moe: None,
     },
     SynthShape {
         name: "qwen3-8b",
@@ -118,6 +136,53 @@ pub const SHAPES: &[SynthShape] = &[
         rms_eps: 1e-6,
         tie_embeddings: false,
         llama3_rope: None,
+        moe: None,
+    },
+    // Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 per token, every layer routed.
+    SynthShape {
+        name: "qwen3-30b-a3b",
+        arch: Arch::Qwen3Moe,
+        vocab_size: Some(151936),
+        hidden_size: 2048,
+        intermediate_size: 6144,
+        n_layers: 48,
+        n_heads: 32,
+        n_kv_heads: 4,
+        head_dim: 128,
+        context_length: 40960,
+        rope_theta: 1000000.0,
+        rms_eps: 1e-6,
+        tie_embeddings: false,
+        llama3_rope: None,
+        moe: Some(SynthMoe {
+            n_experts: 128,
+            n_used: 8,
+            expert_width: 768,
+            renormalize: true,
+        }),
+    },
+    // mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336, 2 per token.
+    SynthShape {
+        name: "mixtral-8x7b",
+        arch: Arch::Llama,
+        vocab_size: Some(32000),
+        hidden_size: 4096,
+        intermediate_size: 14336,
+        n_layers: 32,
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        context_length: 32768,
+        rope_theta: 1000000.0,
+        rms_eps: 1e-5,
+        tie_embeddings: false,
+        llama3_rope: None,
+        moe: Some(SynthMoe {
+            n_experts: 8,
+            n_used: 2,
+            expert_width: 14336,
+            renormalize: true,
+        }),
     },
     SynthShape {
         name: "smollm2-135m",
@@ -134,6 +199,7 @@ pub const SHAPES: &[SynthShape] = &[
         rms_eps: 1e-5,
         tie_embeddings: true,
         llama3_rope: None,
+        moe: None,
     },
     // Test shapes: seconds to write and run; rows of 256 so that k-quants are exercised.
     SynthShape {
@@ -156,6 +222,7 @@ pub const SHAPES: &[SynthShape] = &[
             high_freq_factor: 4.0,
             original_max_position: 64,
         }),
+        moe: None,
     },
     SynthShape {
         name: "tiny-qwen3",
@@ -172,6 +239,52 @@ pub const SHAPES: &[SynthShape] = &[
         rms_eps: 1e-6,
         tie_embeddings: true,
         llama3_rope: None,
+        moe: None,
+    },
+    SynthShape {
+        name: "tiny-qwen3-moe",
+        arch: Arch::Qwen3Moe,
+        vocab_size: None,
+        hidden_size: 256,
+        intermediate_size: 512,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        context_length: 512,
+        rope_theta: 1000000.0,
+        rms_eps: 1e-6,
+        tie_embeddings: false,
+        llama3_rope: None,
+        moe: Some(SynthMoe {
+            n_experts: 16,
+            n_used: 4,
+            expert_width: 256,
+            renormalize: true,
+        }),
+    },
+    // Eight experts, as Mixtral: llama.cpp's 8-expert rules apply.
+    SynthShape {
+        name: "tiny-mixtral",
+        arch: Arch::Llama,
+        vocab_size: None,
+        hidden_size: 256,
+        intermediate_size: 256,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        context_length: 512,
+        rope_theta: 1000000.0,
+        rms_eps: 1e-5,
+        tie_embeddings: false,
+        llama3_rope: None,
+        moe: Some(SynthMoe {
+            n_experts: 8,
+            n_used: 2,
+            expert_width: 256,
+            renormalize: true,
+        }),
     },
 ];
 
@@ -190,14 +303,25 @@ impl SynthShape {
     /// The shape as a Hugging Face config.json, parsed (and so validated) by the loader's own
     /// [`ModelConfig::from_hf_json`].
     pub fn config(&self, vocab_size: usize) -> Result<ModelConfig> {
-        if !matches!(self.arch, Arch::Llama | Arch::Qwen3) {
-            return Err(Error::Msg(format!(
-                "synthetic models of architecture {} are not supported",
-                self.arch.name()
-            )));
-        }
+        let model_type = match (self.arch, &self.moe) {
+            (Arch::Llama, None) => "llama",
+            (Arch::Llama, Some(_)) => "mixtral",
+            (Arch::Qwen3, None) => "qwen3",
+            (Arch::Qwen3Moe, Some(_)) => "qwen3_moe",
+            _ => {
+                return Err(Error::Msg(format!(
+                    "synthetic models of architecture {}{} are not supported",
+                    self.arch.name(),
+                    if self.moe.is_some() {
+                        " with experts"
+                    } else {
+                        ""
+                    }
+                )))
+            }
+        };
         let mut v = json!({
-            "model_type": self.arch.name(),
+            "model_type": model_type,
             "vocab_size": vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -210,6 +334,18 @@ impl SynthShape {
             "rms_norm_eps": self.rms_eps,
             "tie_word_embeddings": self.tie_embeddings,
         });
+        if let Some(m) = self.moe {
+            v["num_experts_per_tok"] = json!(m.n_used);
+            if self.arch == Arch::Qwen3Moe {
+                v["num_experts"] = json!(m.n_experts);
+                v["moe_intermediate_size"] = json!(m.expert_width);
+                v["norm_topk_prob"] = json!(m.renormalize);
+            } else {
+                // Mixtral: the expert width is intermediate_size.
+                v["num_local_experts"] = json!(m.n_experts);
+                v["intermediate_size"] = json!(m.expert_width);
+            }
+        }
         if let Some(r) = self.llama3_rope {
             v["rope_scaling"] = json!({
                 "rope_type": "llama3",
