@@ -11,7 +11,8 @@ Run on a machine with torch + transformers (the GPU machine); no network needed.
    (8 experts, top 2, normalised, one dense layer), Mixtral (4 experts, top 2) and Gemma 4
    (dense, and with the routed branch of 8 experts, top 2: sliding and global layers of their
    own head width and KV heads, keys as values on global layers, proportional RoPE, layer
-   scalars, soft-capped logits), two layers, hidden 64, written by transformers with a
+   scalars, soft-capped logits; and as the E2B/E4B, four layers with per-layer embeddings and
+   KV-shared layers), two layers unless said, hidden 64, written by transformers with a
    byte-level tokenizer, plus their full logits.
    `--only NAME` (repeatable) writes only those; the others are still built, so every model's
    random weights are the same whichever are written.
@@ -147,6 +148,13 @@ def tiny_configs(vocab):
         "tiny-gemma4": Gemma4TextConfig(**gemma4, enable_moe_block=False),
         "tiny-gemma4-moe": Gemma4TextConfig(**gemma4, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                             moe_intermediate_size=32),
+        # Gemma 4 as the E2B/E4B have it: per-layer embeddings (width 8), the last two of four
+        # layers KV-shared (each reads the last unshared layer of its kind) with double-wide
+        # MLPs, values from their own projection on every layer.
+        "tiny-gemma4-e": Gemma4TextConfig(**{**gemma4, "num_hidden_layers": 4, "attention_k_eq_v": False,
+                                             "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                             "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab,
+                                             "num_kv_shared_layers": 2, "use_double_wide_mlp": True}),
     }
 
 

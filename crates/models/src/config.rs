@@ -182,6 +182,12 @@ pub struct Gemma4Config {
     /// The fraction of a global layer's head that RoPE rotates (transformers' proportional
     /// RoPE: the first `⌊f·Dh/2⌋` frequencies of `θ^(-2i/Dh)`, the others zero).
     pub global_partial_rotary: f32,
+    /// Per layer: the earlier layer whose keys and values it attends over (KV-shared layers,
+    /// the last `num_kv_shared_layers`: the last unshared layer of the same kind), or `None`.
+    pub kv_source: Vec<Option<usize>>,
+    /// Width of the per-layer embeddings (`hidden_size_per_layer_input`, the E2B/E4B models);
+    /// 0: none.
+    pub per_layer_width: usize,
 }
 
 impl ModelConfig {

@@ -86,6 +86,9 @@ impl KvCache {
             .layers
             .iter()
             .map(|l| match l {
+                // A layer that never holds positions (a KV-shared layer reads another's)
+                // stays empty.
+                KvStore::Host(h) if h.bytes() == 0 => Ok(KvStore::Host(h.prefix(0, limit)?)),
                 KvStore::Host(h) => Ok(KvStore::Host(h.prefix(len, limit)?)),
                 KvStore::Device(_) => Err(Error::Msg("device KV cache".into())),
             })

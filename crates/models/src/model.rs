@@ -463,8 +463,26 @@ impl Model {
                 layers.start, layers.end
             )));
         }
+        // The tokens and their embeddings, for blocks that read them (Gemma 4's per-layer
+        // embeddings): gathered again here, so a run from any block has them.
+        let ids: Vec<u32>;
+        let embed;
+        let inputs = if self.blocks[layers.clone()].iter().any(|b| b.wants_inputs()) {
+            ids = items.iter().flat_map(|it| it.tokens.iter().copied()).collect();
+            embed = cx
+                .be
+                .embedding(&self.embed, &ids, self.config.embed_scale)?;
+            Some(crate::arch::BlockInputs {
+                ids: &ids,
+                embed: &embed,
+            })
+        } else {
+            None
+        };
         for li in layers {
             let block = &self.blocks[li];
+            // A KV-shared layer attends over an earlier layer's cache.
+            let kv_li = block.kv_source().filter(|&s| s < li).unwrap_or(li);
             let mut start = 0;
             let mut seqs: Vec<SeqRef<'_>> = items
                 .iter_mut()
@@ -472,7 +490,7 @@ impl Model {
                     let len = it.tokens.len();
                     let limit = it.cache.limit;
                     let r = SeqRef {
-                        kv: &mut it.cache.layers[li],
+                        kv: &mut it.cache.layers[kv_li],
                         start,
                         len,
                         pos0: it.pos0,
@@ -482,7 +500,7 @@ impl Model {
                     r
                 })
                 .collect();
-            block.forward(cx, x, &mut seqs)?;
+            block.forward_with(cx, x, &mut seqs, inputs.as_ref())?;
         }
         Ok(())
     }

@@ -9,6 +9,10 @@ const GLOBAL: &[(&str, &str)] = &[
     ("model.norm", "output_norm"),
     ("lm_head", "output"),
     ("rope_freqs", "rope_freqs"),
+    // Gemma 4's per-layer embeddings (E2B/E4B).
+    ("model.embed_tokens_per_layer", "per_layer_token_embd"),
+    ("model.per_layer_model_projection", "per_layer_model_proj"),
+    ("model.per_layer_projection_norm", "per_layer_proj_norm"),
 ];
 
 /// Per-layer tensors: HF suffix after `model.layers.N.` -> GGUF suffix after `blk.N.`.
@@ -63,6 +67,9 @@ const GEMMA4_LAYER: &[(&str, &str)] = &[
     ("experts.up_proj", "ffn_up_exps.weight"),
     ("experts.down_proj", "ffn_down_exps.weight"),
     ("layer_scalar", "layer_output_scale.weight"),
+    ("per_layer_input_gate.weight", "inp_gate.weight"),
+    ("per_layer_projection.weight", "proj.weight"),
+    ("post_per_layer_input_norm.weight", "post_norm.weight"),
 ];
 
 /// Maps an HF tensor name (`model.layers.3.self_attn.q_proj.weight`) to its GGUF name

@@ -159,6 +159,7 @@ const TINY: &[&str] = &[
     "tiny-mixtral",
     "tiny-gemma4",
     "tiny-gemma4-moe",
+    "tiny-gemma4-e",
 ];
 
 #[test]

@@ -42,6 +42,35 @@ pub trait Block: Send + Sync {
     /// `mlp.down_proj`, ...), in the checkpoint's order.
     fn linears(&self) -> Vec<(&'static str, &Linear)>;
     fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)>;
+
+    /// Whether [`Block::forward_with`] needs the batch's tokens and their embeddings (Gemma 4's
+    /// per-layer embeddings).
+    fn wants_inputs(&self) -> bool {
+        false
+    }
+    /// [`Block::forward`], given the batch's tokens and embeddings when
+    /// [`Block::wants_inputs`].
+    fn forward_with(
+        &self,
+        cx: &Fwd,
+        x: &mut Tensor,
+        seqs: &mut [SeqRef<'_>],
+        _inputs: Option<&BlockInputs<'_>>,
+    ) -> Result<()> {
+        self.forward(cx, x, seqs)
+    }
+    /// The earlier layer whose KV cache this block attends over instead of its own (Gemma 4's
+    /// KV-shared layers, which write none).
+    fn kv_source(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// What a block may read besides the residual stream: the batch's token ids `(ΣT)` and their
+/// scaled embeddings `(ΣT, D)` (the stream entering the first block).
+pub struct BlockInputs<'a> {
+    pub ids: &'a [u32],
+    pub embed: &'a Tensor,
 }
 
 /// The module paths of [`Attention`] and [`Mlp`] products, in the order of

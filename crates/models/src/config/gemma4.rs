@@ -4,8 +4,7 @@
 //! Reference: transformers' `configuration_gemma4.py` (`Gemma4TextConfig`) and llama.cpp's
 //! `gemma4` loader.
 //!
-//! Refused with a message, not read: per-layer embeddings (`hidden_size_per_layer_input`, the
-//! E2B/E4B models), KV-shared layers (`num_kv_shared_layers`) and bidirectional attention.
+//! Refused with a message: bidirectional attention (`use_bidirectional_attention`).
 
 use hf2q_tensor::io::gguf::GgufFile;
 use serde_json::Value;
@@ -13,29 +12,37 @@ use serde_json::Value;
 use super::{bad, Gemma4Config, ModelConfig, MoeConfig};
 use crate::Result;
 
-/// What no loader here reads yet, named.
-fn refuse_unsupported(ple: usize, kv_shared: usize) -> Result<()> {
-    if ple > 0 {
+/// KV-shared layers: each of the last `shared` layers attends over the keys and values of the
+/// last unshared layer of its kind (sliding or global), as transformers' `Gemma4TextAttention`.
+fn kv_sources(sliding: &[bool], shared: usize) -> Result<Vec<Option<usize>>> {
+    let n = sliding.len();
+    if shared >= n && shared > 0 {
         return Err(bad(format!(
-            "Gemma 4 per-layer embeddings (hidden_size_per_layer_input = {ple}, the E2B/E4B \
-             models) are not supported yet"
+            "{shared} KV-shared layers of {n}: no layer computes keys and values"
         )));
     }
-    if kv_shared > 0 {
-        return Err(bad(format!(
-            "Gemma 4 KV-shared layers (num_kv_shared_layers = {kv_shared}) are not supported yet"
-        )));
-    }
-    Ok(())
+    let first = n - shared;
+    (0..n)
+        .map(|i| {
+            if i < first {
+                return Ok(None);
+            }
+            (0..first)
+                .rev()
+                .find(|&j| sliding[j] == sliding[i])
+                .map(Some)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "KV-shared layer {i} has no earlier layer of its kind to share"
+                    ))
+                })
+        })
+        .collect()
 }
 
 /// Fills the Gemma 4 parts of `c` (parsed as a Gemma from the common keys) from `config.json`.
 pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
     let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
-    refuse_unsupported(
-        u("hidden_size_per_layer_input").unwrap_or(0),
-        u("num_kv_shared_layers").unwrap_or(0),
-    )?;
     if let Some(b) = v.get("use_bidirectional_attention").and_then(Value::as_str) {
         return Err(bad(format!(
             "Gemma 4 with use_bidirectional_attention = '{b}' is not supported"
@@ -117,9 +124,18 @@ pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
         )));
     }
     c.rope_linear_factor = factor;
+    let per_layer_width = u("hidden_size_per_layer_input").unwrap_or(0);
+    if per_layer_width > 0 && u("vocab_size_per_layer_input").is_some_and(|pv| pv < c.vocab_size) {
+        return Err(bad(
+            "vocab_size_per_layer_input is smaller than vocab_size: some tokens would have no \
+             per-layer embedding",
+        ));
+    }
     c.gemma4 = Some(Gemma4Config {
         k_eq_v,
         global_partial_rotary: partial,
+        kv_source: kv_sources(&c.sliding_layers, u("num_kv_shared_layers").unwrap_or(0))?,
+        per_layer_width,
     });
     c.norm_offset = 0.0;
     c.attn_scale = 1.0;
@@ -147,10 +163,6 @@ pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
 pub(super) fn from_gguf(c: &mut ModelConfig, g: &GgufFile) -> Result<()> {
     let key = |k: &str| format!("gemma4.{k}");
     let u = |k: &str| g.get_u64(&key(k)).map(|x| x as usize);
-    refuse_unsupported(
-        u("embedding_length_per_layer_input").unwrap_or(0),
-        u("attention.shared_kv_layers").unwrap_or(0),
-    )?;
     let n = c.n_layers;
     let per_layer = |k: &str| -> Option<Vec<usize>> {
         let a = g.get_array(&key(k))?;
@@ -197,10 +209,21 @@ pub(super) fn from_gguf(c: &mut ModelConfig, g: &GgufFile) -> Result<()> {
     c.rope_theta_local = Some(g.get_f32(&key("rope.freq_base_swa")).unwrap_or(10000.0));
     c.norm_offset = 0.0;
     c.attn_scale = 1.0;
+    let kv_source = kv_sources(
+        &c.sliding_layers,
+        u("attention.shared_kv_layers").unwrap_or(0),
+    )?;
     c.gemma4 = Some(Gemma4Config {
-        k_eq_v: (0..n).any(|i| g.tensor(&format!("blk.{i}.attn_v.weight")).is_none()),
+        // Where an unshared global layer has no `attn_v`.
+        k_eq_v: (0..n).any(|i| {
+            !c.sliding_layers[i]
+                && kv_source[i].is_none()
+                && g.tensor(&format!("blk.{i}.attn_v.weight")).is_none()
+        }),
         // The rotated fraction is in `rope_freqs.weight` (loaded by the blocks).
         global_partial_rotary: 1.0,
+        kv_source,
+        per_layer_width: u("embedding_length_per_layer_input").unwrap_or(0),
     });
     if let Some(m) = c.moe.as_mut() {
         m.renormalize = true;
@@ -250,6 +273,15 @@ mod tests {
         .unwrap();
         assert_eq!(c.layer_heads[2], (2, 64));
         assert!(c.moe.is_none());
+        // KV sharing: the last two layers read the last unshared layer of their kind.
+        let c = ModelConfig::from_hf_json(&text(json!({"num_hidden_layers": 5,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                "sliding_attention", "full_attention"], "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8})))
+        .unwrap();
+        let g = c.gemma4.unwrap();
+        assert_eq!(g.kv_source, vec![None, None, None, Some(2), Some(1)]);
+        assert_eq!(g.per_layer_width, 8);
     }
 
     #[test]
@@ -261,11 +293,16 @@ mod tests {
         assert_eq!((m.n_experts, m.n_used, m.expert_width), (8, 2, 32));
         assert!(m.renormalize && m.layers.iter().all(|&r| r));
         for (extra, want) in [
+            (json!({"num_kv_shared_layers": 3}), "no layer computes keys"),
             (
-                json!({"hidden_size_per_layer_input": 256}),
-                "per-layer embeddings",
+                json!({"layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+                    "num_kv_shared_layers": 2}),
+                "no earlier layer of its kind",
             ),
-            (json!({"num_kv_shared_layers": 2}), "KV-shared layers"),
+            (
+                json!({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 50}),
+                "vocab_size_per_layer_input",
+            ),
             (
                 json!({"enable_moe_block": true, "num_experts": 8}),
                 "top_k_experts",

@@ -31,6 +31,9 @@ pub struct Attention {
     pub v_norm: Option<Vec<f32>>,
     /// The values are the keys' projection (Gemma 4's global layers): `v` is not used.
     pub v_is_k: bool,
+    /// Attends over another layer's keys and values (the cache it is given holds them):
+    /// computes and writes none (Gemma 4's KV-shared layers); `k` and `v` are not used.
+    pub kv_shared: bool,
     pub rope: RopeParams,
     pub params: AttentionParams,
     pub eps: f32,
@@ -62,6 +65,7 @@ impl Attention {
             k_norm: norm("k_norm")?,
             v_norm: None,
             v_is_k: false,
+            kv_shared: false,
             rope,
             params: AttentionParams {
                 n_heads: cfg.n_heads,
@@ -119,6 +123,9 @@ impl Attention {
         seqs: &mut [SeqRef<'_>],
     ) -> Result<Tensor> {
         let (be, p) = (cx.be, &self.params);
+        if self.kv_shared {
+            return self.heads_shared(cx, x, norm, seqs);
+        }
         let lins: &[&Linear] = if self.v_is_k {
             &[&self.q, &self.k]
         } else {
@@ -196,6 +203,33 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// [`Attention::heads`] of a KV-shared layer: the queries alone, normed and rotated, over
+    /// the keys and values already in the cache of each sequence.
+    fn heads_shared(
+        &self,
+        cx: &Fwd,
+        x: &Tensor,
+        norm: Option<PreNorm<'_>>,
+        seqs: &mut [SeqRef<'_>],
+    ) -> Result<Tensor> {
+        let (be, p) = (cx.be, &self.params);
+        let q = match norm {
+            Some(n) => self.q.forward(cx, &be.rms_norm(x, n.w, n.eps, n.offset)?)?,
+            None => self.q.forward(cx, x)?,
+        };
+        let mut parts = Vec::with_capacity(seqs.len());
+        for s in seqs.iter() {
+            let mut qs =
+                self.head_norm(be, be.rows(&q, s.start, s.len)?, &self.q_norm, p.n_heads)?;
+            be.rope(&mut qs, p.n_heads, s.pos0, &self.rope)?;
+            parts.push(be.attend(&qs, s.kv, s.pos0, p)?);
+        }
+        let a = be.concat_rows(&parts)?;
+        Ok(a.reshape(&[x.dims2().0, q.dims2().1])?)
+    }
+}
+
 /// What [`Attention::forward_train`] keeps for the backward.
 pub struct AttentionSaved {
     /// (N, H*Dh), (N, Hkv*Dh): q and k before their head norms (when the family has them).
@@ -221,7 +255,7 @@ impl Attention {
     /// sequences of `cx.layout` (positions restart with each sequence; no cache).
     pub fn forward_train(&self, cx: &TrainCtx, h: &Tensor) -> Result<(Tensor, AttentionSaved)> {
         let (be, p) = (cx.be, &self.params);
-        if self.v_is_k || self.v_norm.is_some() {
+        if self.v_is_k || self.v_norm.is_some() || self.kv_shared {
             return Err(crate::Error::Msg(
                 "training attention whose values are normed or are the keys (Gemma 4) is not \
                  supported yet"
