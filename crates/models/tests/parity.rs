@@ -201,34 +201,41 @@ fn gguf_experts_match_transformers() {
     assert!(max_err < 1e-4, "max logit error {max_err}");
 }
 
-/// The tiny Gemma 4 MoE written as a GGUF by gguf-py in llama.cpp's `gemma4` layout (kv heads
-/// and sliding layers per layer, no `attn_v` on the global layer, `rope_freqs`, fused
-/// `ffn_gate_up_exps`, router and per-expert scales, layer output scales), held to the
-/// transformers golden of the safetensors folder it was made from
-/// (scripts/fixtures/gen_gemma4_gguf.py); and `inspect`'s experts of both forms.
+/// The tiny Gemma 4 MoE and E2B-like checkpoints written as GGUF by gguf-py in llama.cpp's
+/// `gemma4` layout (kv heads and sliding layers per layer, no `attn_v` on the MoE's global layer,
+/// `rope_freqs`, fused `ffn_gate_up_exps`, router and per-expert scales, layer output scales;
+/// per-layer embeddings, KV-shared layers without `attn_k`/`attn_v`), held to the transformers
+/// goldens of the safetensors folders they were made from (scripts/fixtures/gen_gemma4_gguf.py);
+/// and `inspect`'s experts of both forms of the MoE.
 #[test]
 fn gguf_gemma4_matches_transformers() {
-    let dir = fixtures().join("tiny/tiny-gemma4-moe");
-    let path = fixtures().join("moe").join("tiny-gemma4-moe.gguf");
-    let model = reference(Model::load(&path).unwrap_or_else(|e| panic!("{e}")));
-    let max_err = max_logit_error(&model, &dir.join("golden.json"));
-    eprintln!("tiny-gemma4-moe.gguf: max |Δ| over all logits {max_err:.2e}");
-    assert!(max_err < 1e-4, "max logit error {max_err}");
-    let hf = Model::load(&dir).unwrap();
-    for info in [model.info(), hf.info()] {
-        // 8 experts, 2 used, width 32, both layers routed: 6 unused experts of 3·64·32 each.
-        let e = info.experts.expect("experts in inspect");
-        assert_eq!(
-            (
-                e.experts,
-                e.experts_per_token,
-                e.expert_width,
-                e.routed_layers
-            ),
-            (8, 2, 32, 2)
-        );
-        assert_eq!(e.active_parameters, info.parameters - 2 * 6 * 3 * 64 * 32);
-        assert_eq!(info.architecture, "gemma4");
+    for name in ["tiny-gemma4-moe", "tiny-gemma4-e"] {
+        let dir = fixtures().join("tiny").join(name);
+        let path = fixtures().join("moe").join(format!("{name}.gguf"));
+        let model = reference(Model::load(&path).unwrap_or_else(|e| panic!("{name}: {e}")));
+        let max_err = max_logit_error(&model, &dir.join("golden.json"));
+        eprintln!("{name}.gguf: max |Δ| over all logits {max_err:.2e}");
+        assert!(max_err < 1e-4, "{name}: max logit error {max_err}");
+        let hf = Model::load(&dir).unwrap();
+        for info in [model.info(), hf.info()] {
+            assert_eq!(info.architecture, "gemma4");
+            if name == "tiny-gemma4-e" {
+                assert!(info.experts.is_none());
+                continue;
+            }
+            // 8 experts, 2 used, width 32, both layers routed: 6 unused experts of 3·64·32.
+            let e = info.experts.expect("experts in inspect");
+            assert_eq!(
+                (
+                    e.experts,
+                    e.experts_per_token,
+                    e.expert_width,
+                    e.routed_layers
+                ),
+                (8, 2, 32, 2)
+            );
+            assert_eq!(e.active_parameters, info.parameters - 2 * 6 * 3 * 64 * 32);
+        }
     }
 }
 
