@@ -23,6 +23,12 @@
 //!   draw ([`StepOutput`]), so a replay returns one token id per row
 //!   ([`CudaBackend::replay_pick`]).
 //! - While capturing, activations come from one arena (`Arena`): the graph holds kernels only.
+//! - Host constants inside a captured step (a small tensor the model code uploads each step,
+//!   such as Gemma 4's `[[1]]` for its layer scalars): a graph cannot copy from host memory, so
+//!   small uploads of eager steps are kept by value (`ConstCache`) and a capture that uploads
+//!   the same values copies them from the device; other uploads refuse the capture
+//!   ([`Error::NotCapturable`]: the model then decodes eagerly), as does an embedding of ids
+//!   other than the step's tokens (a replay reads the tokens' device word).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -57,6 +63,12 @@ type WeightCache = HashMap<(usize, usize), (crate::Bytes, Arc<DeviceWeight>)>;
 /// up and down by the key of expert 0's gate (whose bytes the entry keeps alive).
 type StackCache = HashMap<(usize, usize), (crate::Bytes, [Arc<DeviceWeight>; 3])>;
 
+/// Device copies of the small host tensors eager steps uploaded, by shape and value bits (see
+/// the module header): at most [`CONST_MAX_ENTRIES`] of at most [`CONST_MAX_LEN`] values.
+type ConstCache = HashMap<(Vec<usize>, Vec<u32>), Arc<CudaSlice<f32>>>;
+const CONST_MAX_LEN: usize = 16;
+const CONST_MAX_ENTRIES: usize = 256;
+
 /// The GPU backend (see the module header).
 pub struct CudaBackend {
     dev: Arc<CudaDev>,
@@ -64,6 +76,7 @@ pub struct CudaBackend {
     weights: Mutex<WeightCache>,
     stacks: Mutex<StackCache>,
     vectors: Mutex<VectorCache>,
+    consts: Mutex<ConstCache>,
     ropes: Mutex<HashMap<Vec<u32>, Arc<RopeTable>>>,
     /// The `pos0` word the kernels read.
     pos: Mutex<PosWord>,
@@ -71,6 +84,9 @@ pub struct CudaBackend {
     ids: Mutex<CudaSlice<u32>>,
     /// While a graph is being captured: inputs are not written by the ops.
     capturing: std::sync::atomic::AtomicBool,
+    /// The token ids of the step being captured: its embeddings read them from the device word
+    /// at replay, so an embedding of other ids (Gemma 4's per-layer rows) refuses the capture.
+    step_ids: Mutex<Vec<u32>>,
     /// Where the activations of a captured step live (see [`Arena`]).
     arena: Mutex<Arena>,
     /// Tests: the training ops fill each new output with NaN before writing it, so that an
@@ -236,6 +252,7 @@ impl CudaBackend {
             weights: Mutex::new(HashMap::new()),
             stacks: Mutex::new(HashMap::new()),
             vectors: Mutex::new(HashMap::new()),
+            consts: Mutex::new(HashMap::new()),
             ropes: Mutex::new(HashMap::new()),
             pos: Mutex::new(PosWord {
                 buf: pos,
@@ -243,6 +260,7 @@ impl CudaBackend {
             }),
             ids: Mutex::new(ids),
             capturing: std::sync::atomic::AtomicBool::new(false),
+            step_ids: Mutex::new(Vec::new()),
             arena: Mutex::new(Arena {
                 buf: None,
                 base: 0,
@@ -665,6 +683,7 @@ impl CudaBackend {
     ) -> std::result::Result<StepGraph, E> {
         use std::sync::atomic::Ordering::Relaxed;
         self.write_inputs(ids, pos0)?;
+        *lock(&self.step_ids) = ids.to_vec();
         {
             let mut a = lock(&self.arena);
             a.used = 0;
@@ -894,9 +913,34 @@ impl CudaBackend {
     /// A device copy of a host tensor (tests, and host inputs at the model's edge).
     pub fn upload(&self, x: &Tensor) -> Result<Tensor> {
         let out = self.alloc(x.shape())?;
-        if !x.is_empty() {
-            let mut r = self.raw(&out, "upload")?;
-            self.dev.write(&mut r, x.data())?;
+        if x.is_empty() {
+            return Ok(out);
+        }
+        let key = (x.len() <= CONST_MAX_LEN).then(|| {
+            let bits = x.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (x.shape().to_vec(), bits)
+        });
+        let mut o = self.raw(&out, "upload")?;
+        if self.capturing() {
+            // A graph cannot copy from host memory: the same values from an eager step's copy.
+            let Some(src) = key.and_then(|k| lock(&self.consts).get(&k).cloned()) else {
+                return Err(Error::NotCapturable(format!(
+                    "a host tensor of shape {:?} is uploaded inside the step",
+                    x.shape()
+                )));
+            };
+            self.dev
+                .stream()
+                .memcpy_dtod(&*src, &mut o)
+                .map_err(|e| Error::Msg(format!("cuda: copying a constant: {e}")))?;
+            return Ok(out);
+        }
+        self.dev.write(&mut o, x.data())?;
+        if let Some(k) = key {
+            let mut c = lock(&self.consts);
+            if c.len() < CONST_MAX_ENTRIES && !c.contains_key(&k) {
+                c.insert(k, Arc::new(self.dev.upload(x.data())?));
+            }
         }
         Ok(out)
     }
@@ -956,6 +1000,11 @@ impl Backend for CudaBackend {
         }
         if !self.capturing() {
             self.write_ids(ids)?;
+        } else if *lock(&self.step_ids) != ids {
+            return Err(Error::NotCapturable(
+                "an embedding of ids other than the step's tokens (a replay reads the tokens)"
+                    .into(),
+            ));
         }
         let dids = lock(&self.ids);
         let mut o = self.raw(&out, "embedding")?;
@@ -1101,12 +1150,11 @@ impl Backend for CudaBackend {
         self.dev.add_assign(&mut xi, &yi, n)
     }
 
+    /// In place on the device (one kernel), so soft-capped logits stay inside a captured step.
     fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
-        // Rare (final logits of some families): a host round trip.
-        let mut h = self.to_host(x)?;
-        crate::cpu::CpuBackend::REFERENCE.softcap(&mut h, cap)?;
-        *x = self.upload(&h)?;
-        Ok(())
+        let n = x.len();
+        let mut xi = self.raw(x, "softcap")?;
+        self.dev.softcap(&mut xi, n, cap)
     }
 
     fn rows(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
@@ -1282,12 +1330,7 @@ impl Backend for CudaBackend {
         if !x.is_host() {
             return Ok(x.clone());
         }
-        let out = self.alloc(x.shape())?;
-        if !x.is_empty() {
-            let mut o = self.raw(&out, "upload")?;
-            self.dev.write(&mut o, x.data())?;
-        }
-        Ok(out)
+        CudaBackend::upload(self, x)
     }
 
     /// On the device where the experts have the one-token kernels (cuda/moe.rs), for any

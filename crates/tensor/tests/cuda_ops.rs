@@ -1113,6 +1113,145 @@ fn kv_write_and_attention() {
     }
 }
 
+/// Head widths over 256 (Gemma 4's global layers: 512), whose kernels take 16 dims per lane and
+/// four query heads per decode block: decode and the f32-tile prefill, f16 and f32 caches, GQA
+/// ratios that fill one, two and a part of a head chunk, windows, a history before the chunk.
+#[test]
+fn attention_head_width_512() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new("attention512");
+    let f16 = KvDtype::F16;
+    let f32 = KvDtype::F32;
+    let cases = [
+        // Decode.
+        (8, 1, 512, 256, 0, 1, None, f16),
+        (16, 2, 512, 1024, 700, 1, None, f16),
+        (8, 1, 512, 2048, 1500, 1, Some(1024), f32),
+        (4, 4, 512, 300, 299, 1, Some(37), f16),
+        (12, 2, 512, 512, 100, 1, None, f32),
+        (8, 2, 384, 512, 20, 1, None, f16),
+        // Prefill.
+        (8, 1, 512, 256, 0, 40, None, f16),
+        (16, 2, 512, 1024, 300, 100, None, f32),
+        (8, 2, 512, 600, 0, 257, Some(64), f16),
+        (4, 1, 512, 512, 50, 17, None, f32),
+        (8, 2, 384, 512, 0, 33, None, f32),
+    ];
+    for (h, hkv, dh, cap, pos0, t, window, dtype) in cases {
+        run_attention(
+            &dev,
+            &mut rng,
+            &AttnCase {
+                h,
+                hkv,
+                dh,
+                cap,
+                pos0,
+                t,
+                window,
+                dtype,
+            },
+        );
+    }
+    // Above 256 the width must be a multiple of 16 (a lane's 16 dims), and at most 512.
+    for dh in [264, 520] {
+        let cache = dev.alloc_kv_cache(1, 16, dh, f16).unwrap();
+        let p = AttentionParams {
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: dh,
+            scale: 1.0,
+            window: None,
+        };
+        let (q, pos) = (
+            dev.upload(&vec![0f32; dh]).unwrap(),
+            dev.upload(&[0i32]).unwrap(),
+        );
+        let mut scratch = poisoned(&dev, dev.attention_scratch_len(&p, 16).max(1));
+        let mut out = poisoned(&dev, dh);
+        let r = dev.attention(&q, 1, &cache, &pos, &p, &mut scratch, &mut out);
+        assert!(r.is_err(), "head width {dh} was taken");
+    }
+}
+
+/// Soft capping on the device against the CPU reference: tanhf against Rust's tanh (a couple
+/// of f32 ulps of the result), the division and the product rounded alike; infinities go to
+/// the cap, NaN stays NaN.
+#[test]
+fn softcap_matches_the_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new("softcap");
+    for (n, cap) in [(1usize, 30.0f32), (1000, 30.0), (4097, 50.0), (259, 0.5)] {
+        let mut x = rng.vec(n, 4.0 * cap);
+        if n > 8 {
+            x[..6].copy_from_slice(&[f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e30, -1e-30]);
+        }
+        let mut want = Tensor::new(&[n], x.clone()).unwrap();
+        CpuBackend::REFERENCE.softcap(&mut want, cap).unwrap();
+        let mut xd = dev.upload(&x).unwrap();
+        dev.softcap(&mut xd, n, cap).unwrap();
+        check(
+            &format!("softcap n={n} cap={cap}"),
+            &dev.download(&xd).unwrap(),
+            want.data(),
+            |i| 1e-6 * want.data()[i].abs() + 1e-12,
+        );
+    }
+    let mut xd = dev.upload(&[f32::NAN, 1.0]).unwrap();
+    dev.softcap(&mut xd, 2, 30.0).unwrap();
+    let got = dev.download(&xd).unwrap();
+    assert!(got[0].is_nan() && (got[1] - (1.0f32 / 30.0).tanh() * 30.0).abs() < 1e-6);
+}
+
+/// A captured step may soft-cap (a kernel) and upload the same small host tensor an eager step
+/// uploaded before (Gemma 4's `[[1]]` of its layer scalars: copied from the device inside the
+/// graph); the replay equals the eager step. A host tensor no eager step uploaded refuses the
+/// capture as not capturable.
+#[test]
+fn captured_steps_softcap_and_reuse_uploaded_constants() {
+    use hf2q_tensor::cuda_backend::{CudaBackend, StepOutput};
+    use hf2q_tensor::op::MatmulSpec;
+    let Some(dev) = device() else { return };
+    let be = CudaBackend::new(dev.clone(), KvDtype::F16).unwrap();
+    let mut rng = Rng::new("capture_constants");
+    let n = 1000;
+    let x = rng.vec(n, 100.0);
+    let xd = be
+        .upload(&Tensor::new(&[n, 1], x.clone()).unwrap())
+        .unwrap();
+    let step = || -> Result<Tensor, hf2q_tensor::Error> {
+        let one = Backend::upload(&be, &Tensor::new(&[1, 1], vec![1.0])?)?;
+        let mut y = be.matmul(&xd, &one, MatmulSpec::NN.scaled(0.75))?;
+        be.softcap(&mut y, 30.0)?;
+        Ok(y)
+    };
+    let eager = be.to_host(&step().unwrap()).unwrap();
+    let mut want = Tensor::new(&[n, 1], x.iter().map(|v| v * 0.75).collect()).unwrap();
+    CpuBackend::REFERENCE.softcap(&mut want, 30.0).unwrap();
+    check("eager step", eager.data(), want.data(), |i| {
+        1e-6 * want.data()[i].abs() + 1e-12
+    });
+    let mut g = be.capture(&[0], 0, n, StepOutput::Logits, step).unwrap();
+    for _ in 0..2 {
+        let got = be.replay(&mut g, &[0], 0).unwrap();
+        check("replayed step", got.data(), eager.data(), |i| {
+            1e-6 * eager.data()[i].abs() + 1e-12
+        });
+    }
+    let err = be
+        .capture(&[0], 0, 2, StepOutput::Logits, || {
+            Backend::upload(&be, &Tensor::new(&[2], vec![3.0, 4.0])?)
+        })
+        .unwrap_err();
+    assert!(
+        matches!(err, hf2q_tensor::Error::NotCapturable(_)),
+        "expected a refusal, got {err}"
+    );
+    // The backend still works eagerly after the refused capture.
+    let again = be.to_host(&step().unwrap()).unwrap();
+    assert_eq!(again.data(), eager.data());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Graph capture
 // ---------------------------------------------------------------------------------------------

@@ -484,9 +484,12 @@ impl CudaDev {
             .load_function(name)
             .map_err(cuda_err(format_args!("loading kernel {name}")))?;
         // Q, K and V tiles of the prefill attention for Dh = 256 take about 82 KB of shared
-        // memory, the training attention's double-buffered tiles up to 104 KB: above the 48 KB
-        // a kernel gets without asking.
-        let smem = if name.starts_with("attn_prefill") {
+        // memory (160 KB for Dh = 512, the kernels of 16 dims per lane: a GPU that cannot give
+        // that much fails here, naming the kernel), the training attention's double-buffered
+        // tiles up to 104 KB: above the 48 KB a kernel gets without asking.
+        let smem = if name.starts_with("attn_prefill") && name.ends_with("_16") {
+            Some(ops::PREFILL_WIDE_SMEM)
+        } else if name.starts_with("attn_prefill") {
             Some(ops::PREFILL_MAX_SMEM)
         } else if name.starts_with("ta_") {
             Some(train::TRAIN_ATTN_MAX_SMEM)

@@ -20,6 +20,13 @@ use crate::{Error, Result};
 /// V (32 x Dh) tiles in f32.
 pub(crate) const PREFILL_MAX_SMEM: usize = prefill_smem(256);
 
+/// The same at Dh = 512 (160 KB), for the kernels of 16 dims per lane (`attn_prefill_*_16`),
+/// whose limit alone is raised that far (the others keep theirs).
+pub(crate) const PREFILL_WIDE_SMEM: usize = prefill_smem(MAX_HEAD_DIM);
+
+/// Widest head the kernels of 8 dims per lane take (wider ones take 16 per lane).
+const NARROW_HEAD_DIM: usize = 256;
+
 /// Completion counters of the kernels whose last block finishes the work (one-token attention:
 /// one per kv head and head chunk; argmax: one per row), allocated zeroed with the device; every kernel leaves them
 /// at zero (kernels never overlap: each waits for its predecessor).
@@ -290,8 +297,9 @@ impl<T: DevicePtrMut<f32>> DevicePtrMutF32 for T {
     }
 }
 
-/// Largest head width the attention kernels take.
-pub const MAX_HEAD_DIM: usize = 256;
+/// Largest head width the attention kernels take (Gemma 4's global layers): multiples of 8 up
+/// to 256, of 16 above.
+pub const MAX_HEAD_DIM: usize = 512;
 
 /// Enqueues `func` with the given arguments, each a local of exactly the kernel parameter's C
 /// type (u64 for pointers, i32, i64, f32, or `WeightArgs`).
@@ -1150,9 +1158,11 @@ impl CudaDev {
                 cache.n_kv_heads, cache.head_dim
             )));
         }
-        if dh == 0 || !dh.is_multiple_of(8) || dh > MAX_HEAD_DIM {
+        let step = if dh > NARROW_HEAD_DIM { 16 } else { 8 };
+        if dh == 0 || !dh.is_multiple_of(step) || dh > MAX_HEAD_DIM {
             return Err(shape(format!(
-                "attention: head width {dh} (a multiple of 8 up to {MAX_HEAD_DIM})"
+                "attention: head width {dh} (a multiple of 8 up to {NARROW_HEAD_DIM}, of 16 up \
+                 to {MAX_HEAD_DIM})"
             )));
         }
         if p.window == Some(0) {
@@ -1169,8 +1179,10 @@ impl CudaDev {
             2
         } else if dh <= 128 {
             4
-        } else {
+        } else if dh <= NARROW_HEAD_DIM {
             8
+        } else {
+            16
         };
         let kv = cache.dtype.suffix();
         let (qp, pp, op) = (self.ptr(q), self.ptr(pos0), self.ptr_mut(out));
@@ -1191,7 +1203,9 @@ impl CudaDev {
             let sp = self.ptr_mut(scratch);
             let ns = splits as i32;
             let f = self.function(Program::Attention, &format!("attn_decode_{kv}_{dpl}"))?;
-            let chunks = (h / hkv).div_ceil(8) as u32;
+            // Query heads per block: `AD_HEADS` in attention.cu.
+            let per_block = if dpl >= 16 { 4 } else { 8 };
+            let chunks = (h / hkv).div_ceil(per_block) as u32;
             // The splits are merged by the last block of each (kv head, chunk) to finish, which
             // counts on the device's counters.
             if hkv * chunks as usize > COUNTERS {
@@ -1284,6 +1298,19 @@ impl CudaDev {
         let (xp, yp) = (self.ptr_mut(x), self.ptr(y));
         let ni = n as i64;
         launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; xp, yp, ni)
+    }
+
+    /// `x[i] = tanh(x[i] / cap) * cap` for `n` elements, in place (the CPU reference's
+    /// formula, whatever `cap` is).
+    pub fn softcap(&self, x: &mut impl DevicePtrMut<f32>, n: usize, cap: f32) -> Result<()> {
+        need("softcap values", x.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "softcap")?;
+        let (xp, ni) = (self.ptr_mut(x), n as i64);
+        launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; xp, cap, ni)
     }
 
     /// Constrained decoding: sets `logits (rows, cols)` to -inf wherever the bit of its column in

@@ -10,12 +10,14 @@
 //   o[Dh]) per head and split; the last block of a kv head to finish (a counter in device
 //   memory, reset by that block) merges the splits.
 //   The split count is fixed at launch from the capacity, so a graph stays valid as the
-//   position moves.
+//   position moves. Head widths over 256 (Gemma 4's global layers, 512) take 16 dims per lane
+//   and four query heads per block (registers and the 32 KB of static shared memory).
 // * Prefill with an f16 cache and Dh 64 or 128: tensor cores (`attn_fa_impl`, below).
 // * Other prefills: flash-attention style. Block (16 queries, head); K/V tiles of 32 keys go
 //   through shared memory as f32, each warp owns two queries: lane j scores key j of the tile,
 //   the warp updates its online softmax and accumulates P·V with each lane owning dims
-//   lane + 32 i. Memory is O(tile), never O(T * S). CUDA cores in f32.
+//   lane + 32 i. Memory is O(tile), never O(T * S). CUDA cores in f32. At Dh = 512 the tiles
+//   take 160 KB of shared memory (one block per multiprocessor; the launcher raises the limit).
 #include "common.cuh"
 
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -34,13 +36,27 @@ __device__ __forceinline__ void load_row(const u16* p, float* o) {
             o[2 * i] = h2f((u16)(w[i] & 0xffffu));
             o[2 * i + 1] = h2f((u16)(w[i] >> 16));
         }
-    } else {
+    } else if (N == 8) {
         const uint4 a = *(const uint4*)p;
         const u32 w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             o[2 * i] = h2f((u16)(w[i] & 0xffffu));
             o[2 * i + 1] = h2f((u16)(w[i] >> 16));
+        }
+    } else {
+        // Both 16-byte loads issued before either is converted.
+        uint4 a[N >= 16 ? N / 8 : 1];
+#pragma unroll
+        for (int k = 0; k < N / 8; k++) a[k] = ((const uint4*)p)[k];
+#pragma unroll
+        for (int k = 0; k < N / 8; k++) {
+            const u32 w[4] = {a[k].x, a[k].y, a[k].z, a[k].w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                o[8 * k + 2 * i] = h2f((u16)(w[i] & 0xffffu));
+                o[8 * k + 2 * i + 1] = h2f((u16)(w[i] >> 16));
+            }
         }
     }
 }
@@ -68,6 +84,8 @@ __device__ __forceinline__ float kv_f32(float v) { return v; }
 
 #define AD_WARPS 4
 #define AD_MAXG 8
+// Query heads per decode block at DPL dims per lane: AD_MAXG, four at 16 (Dh over 256).
+#define AD_HEADS(DPL) ((DPL) >= 16 ? 4 : AD_MAXG)
 
 // Visible key range [lo, total) of the query at position qpos.
 __device__ __forceinline__ void visible_range(int qpos, int cap, int window, int& lo, int& total) {
@@ -97,7 +115,7 @@ __device__ __forceinline__ void merge_splits(const float* ph, float* oh, int dh,
     }
 }
 
-template <int DPL, typename KV>
+template <int DPL, typename KV, int MAXG = AD_HEADS(DPL)>
 __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
                                                  const KV* __restrict__ kc,
                                                  const KV* __restrict__ vc,
@@ -105,11 +123,11 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
                                                  float* __restrict__ part, int H, int hkv, int dh,
                                                  int cap, float scale, int window, int nsplit,
                                                  float* __restrict__ out, u32* counters) {
-    __shared__ float sm_m[AD_WARPS][AD_MAXG], sm_l[AD_WARPS][AD_MAXG];
-    __shared__ float sm_acc[AD_WARPS][AD_MAXG][DPL * 32];
+    __shared__ float sm_m[AD_WARPS][MAXG], sm_l[AD_WARPS][MAXG];
+    __shared__ float sm_acc[AD_WARPS][MAXG][DPL * 32];
     const int kvh = blockIdx.x, split = blockIdx.y;
-    const int G = H / hkv, hc0 = blockIdx.z * AD_MAXG;
-    const int ng = min(AD_MAXG, G - hc0), h0 = kvh * G + hc0;
+    const int G = H / hkv, hc0 = blockIdx.z * MAXG;
+    const int ng = min(MAXG, G - hc0), h0 = kvh * G + hc0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int dbase = lane * DPL;
     const bool lane_on = dbase < dh;
@@ -122,9 +140,9 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
     const int s0 = lo + split * per, s1 = min(s0 + per, total);
     pdl_wait();
 
-    float qr[AD_MAXG][DPL], m[AD_MAXG], l[AD_MAXG], acc[AD_MAXG][DPL];
+    float qr[MAXG][DPL], m[MAXG], l[MAXG], acc[MAXG][DPL];
 #pragma unroll
-    for (int hh = 0; hh < AD_MAXG; hh++) {
+    for (int hh = 0; hh < MAXG; hh++) {
         m[hh] = NEG_INF;
         l[hh] = 0.0f;
 #pragma unroll
@@ -156,7 +174,7 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
         for (int c = 0; c < AD_KEYS; c++) {
             if (j0 + c * AD_WARPS >= s1) break;  // warp-uniform
 #pragma unroll
-            for (int hh = 0; hh < AD_MAXG; hh++) {
+            for (int hh = 0; hh < MAXG; hh++) {
                 if (hh < ng) {
                     float s = 0.0f;
 #pragma unroll
@@ -173,7 +191,7 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
         }
     }
 #pragma unroll
-    for (int hh = 0; hh < AD_MAXG; hh++) {
+    for (int hh = 0; hh < MAXG; hh++) {
         if (hh < ng) {
             if (lane == 0) {
                 sm_m[warp][hh] = m[hh];
@@ -541,6 +559,8 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
 HF2Q_ATTN_KERNELS(f16, u16, 2)
 HF2Q_ATTN_KERNELS(f16, u16, 4)
 HF2Q_ATTN_KERNELS(f16, u16, 8)
+HF2Q_ATTN_KERNELS(f16, u16, 16)
 HF2Q_ATTN_KERNELS(f32, float, 2)
 HF2Q_ATTN_KERNELS(f32, float, 4)
 HF2Q_ATTN_KERNELS(f32, float, 8)
+HF2Q_ATTN_KERNELS(f32, float, 16)

@@ -578,3 +578,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 }
 
 #include "moe_route.cuh"
+
+// Soft capping in place (final logits of the Gemma families): x = tanh(x / cap) * cap, in the
+// CPU reference's order (an IEEE division, tanhf, one product). One thread per value.
+extern "C" __global__ void softcap(float* __restrict__ x, float cap, i64 n) {
+    pdl_wait();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = tanhf(x[i] / cap) * cap;
+}
