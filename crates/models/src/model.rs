@@ -576,8 +576,9 @@ impl Model {
     }
 
     /// One-token decode of one sequence as a replayed CUDA graph: `None` when this model does
-    /// not run that way (CPU, graphs off, soft-capped logits) or the cache is not ready for a
-    /// capture yet (not every layer on the device: the first step runs eagerly). With
+    /// not run that way (CPU, graphs off, a step with an op that only runs eagerly) or the cache
+    /// is not ready for a capture yet (not every layer on the device: the first step runs
+    /// eagerly). Soft-capped logits are capped inside the graph. With
     /// [`StepMode::Argmax`] or [`StepMode::Sample`] the graph ends in picking the token on the
     /// device and only its id comes back.
     ///
@@ -606,11 +607,10 @@ impl Model {
                 self.embed.rows
             )));
         }
-        if self.config.final_logit_softcap.is_some()
-            || cache
-                .layers
-                .iter()
-                .any(|l| !matches!(l, KvStore::Device(_)))
+        if cache
+            .layers
+            .iter()
+            .any(|l| !matches!(l, KvStore::Device(_)))
         {
             return Ok(None);
         }

@@ -196,6 +196,8 @@ fn tiny_models_match_cpu_reference() {
         "tiny-gemma3",
         "tiny-qwen3-moe",
         "tiny-mixtral",
+        "tiny-gemma4",
+        "tiny-gemma4-moe",
     ] {
         let mut m = Model::load(&tiny(name)).unwrap();
         for ((agree, kl), path) in compare(&mut m, &gpu, 40)
