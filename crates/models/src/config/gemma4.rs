@@ -53,6 +53,17 @@ pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
             return Err(bad(format!("Gemma 4 activation '{a}' is not supported")));
         }
     }
+    // transformers' defaults where the file is silent (files it writes name every field).
+    c.head_dim = u("head_dim").unwrap_or(256);
+    c.sliding_window = Some(u("sliding_window").unwrap_or(512));
+    if v.get("rope_parameters").is_none_or(|r| !r.is_object()) {
+        c.rope_theta = 1_000_000.0;
+        c.rope_theta_local = Some(10000.0);
+    }
+    // The last layer is global whatever `layer_types` says, as transformers forces it.
+    if let Some(last) = c.sliding_layers.last_mut() {
+        *last = false;
+    }
     let k_eq_v = v.get("attention_k_eq_v").and_then(Value::as_bool) == Some(true);
     // Global layers: `per_layer_config` as transformers 5.17 writes it (layer index -> its
     // head_dim and kv heads), else `global_head_dim` (512 when absent, as transformers has it)
@@ -124,7 +135,7 @@ pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
         )));
     }
     c.rope_linear_factor = factor;
-    let per_layer_width = u("hidden_size_per_layer_input").unwrap_or(0);
+    let per_layer_width = u("hidden_size_per_layer_input").unwrap_or(256);
     if per_layer_width > 0 && u("vocab_size_per_layer_input").is_some_and(|pv| pv < c.vocab_size) {
         return Err(bad(
             "vocab_size_per_layer_input is smaller than vocab_size: some tokens would have no \
@@ -241,6 +252,7 @@ mod tests {
             "model_type": "gemma4_text", "vocab_size": 100, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+            "hidden_size_per_layer_input": 0,
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
         });
         for (k, x) in extra.as_object().unwrap() {
@@ -273,6 +285,18 @@ mod tests {
         .unwrap();
         assert_eq!(c.layer_heads[2], (2, 64));
         assert!(c.moe.is_none());
+        // transformers' defaults: head width 256, window 512, per-layer embeddings of 256,
+        // every 6th layer global and the last one too, global θ 10⁶.
+        let c = ModelConfig::from_hf_json(&json!({"model_type": "gemma4_text",
+            "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2}))
+        .unwrap();
+        assert_eq!((c.head_dim, c.sliding_window), (256, Some(512)));
+        assert_eq!(c.gemma4.as_ref().unwrap().per_layer_width, 256);
+        let globals: Vec<usize> = (0..8).filter(|&i| !c.sliding_layers[i]).collect();
+        assert_eq!(globals, vec![5, 7]);
+        assert_eq!((c.rope_theta, c.rope_theta_local), (1e6, Some(1e4)));
+        assert_eq!(c.layer_heads[5], (2, 512));
         // KV sharing: the last two layers read the last unshared layer of their kind.
         let c = ModelConfig::from_hf_json(&text(json!({"num_hidden_layers": 5,
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
