@@ -182,6 +182,25 @@ pub(crate) fn produce(
     let x = src.read_f32(t, Layout::Gguf)?;
     let weights = imatrix
         .and_then(|m| m.get(&t.gguf))
-        .filter(|w| w.len() == t.cols());
+        .filter(|w| crate::quantize::imatrix_fits(t, w.len()));
+    if t.shape.len() == 3 && t.numel() > 0 {
+        // Stacked experts: each expert's rows quantized as its own matrix (ggml's layout is
+        // contiguous per expert), with that expert's importance weights where the imatrix has
+        // one row per expert, as llama-quantize does.
+        let n_experts = t.shape[0];
+        let per = t.numel() / n_experts;
+        let mut out = Vec::new();
+        for (e, xe) in x.chunks(per).enumerate() {
+            let we = weights.map(|w| {
+                if w.len() == t.cols() {
+                    &w[..]
+                } else {
+                    &w[e * t.cols()..(e + 1) * t.cols()]
+                }
+            });
+            out.extend(quantize_rows(to, xe, t.cols(), we, &t.gguf)?);
+        }
+        return Ok(out);
+    }
     quantize_rows(to, &x, t.cols(), weights, &t.gguf)
 }

@@ -545,6 +545,38 @@ impl Default for HfOptions {
     }
 }
 
+/// The checkpoint tensors (name, shape) one source tensor is written as, in the order of its
+/// values: stacked experts `(E, R, C)` become one matrix per expert under the names the
+/// families' checkpoints use and transformers 5 loads (Qwen3-MoE
+/// `mlp.experts.E.{gate,up,down}_proj.weight`, Mixtral `block_sparse_moe.experts.E.{w1,w3,w2}`),
+/// Mixtral's router is `block_sparse_moe.gate`; every other tensor is itself.
+pub fn checkpoint_tensors(
+    c: &ModelConfig,
+    t: &super::source::SrcTensor,
+) -> Vec<(String, Vec<usize>)> {
+    let mixtral = c.arch == Arch::Llama && c.moe.is_some();
+    if let (Some((layer, part)), &[e, r, k]) = (super::source::stacked_expert(&t.hf), &t.shape[..])
+    {
+        return (0..e)
+            .map(|i| {
+                let name = if mixtral {
+                    let w = ["w1", "w3", "w2"][part];
+                    format!("model.layers.{layer}.block_sparse_moe.experts.{i}.{w}.weight")
+                } else {
+                    let p = super::source::EXPERT_PARTS[part];
+                    format!("model.layers.{layer}.mlp.experts.{i}.{p}.weight")
+                };
+                (name, vec![r, k])
+            })
+            .collect();
+    }
+    let name = match t.hf.strip_suffix(".mlp.gate.weight") {
+        Some(stem) if mixtral => format!("{stem}.block_sparse_moe.gate.weight"),
+        _ => t.hf.clone(),
+    };
+    vec![(name, t.shape.clone())]
+}
+
 /// Writes `src` as a Hugging Face folder at `out` (which must not exist, or be empty).
 pub fn write_hf(
     src: &SourceModel,
@@ -580,16 +612,25 @@ pub fn write_hf(
                 continue; // refused above by the config builder when it matters
             }
             let x = src.read_f32(t, Layout::Hf)?;
-            // Norms and biases stay in the chosen dtype too, as save_pretrained writes them.
-            let bytes = encode_floats(&x, dtype)?;
-            report.tensors.push((
-                t.hf.clone(),
-                t.stored.name(),
-                dtype.name().to_string(),
-                t.numel() as u64,
-                bytes.len() as u64,
-            ));
-            shards.add(t.hf.clone(), dtype, t.shape.clone(), bytes)?;
+            let parts = checkpoint_tensors(&src.config, t);
+            let mut at = 0usize;
+            for (name, shape) in parts {
+                let n: usize = shape.iter().product();
+                let part = x.get(at..at + n).ok_or_else(|| {
+                    Error::Msg(format!("tensor '{}': fewer values than its parts", t.hf))
+                })?;
+                at += n;
+                // Norms and biases stay in the chosen dtype too, as save_pretrained writes them.
+                let bytes = encode_floats(part, dtype)?;
+                report.tensors.push((
+                    name.clone(),
+                    t.stored.name(),
+                    dtype.name().to_string(),
+                    n as u64,
+                    bytes.len() as u64,
+                ));
+                shards.add(name, dtype, shape, bytes)?;
+            }
             progress.tensor(k + 1, &t.hf, &t.stored.name(), dtype.name());
         }
         progress.finish();

@@ -102,6 +102,13 @@ pub fn write_mlx_weighted(
     progress: &dyn Progress,
 ) -> Result<WriteReport> {
     opts.params.validate()?;
+    if let Some(t) = src.tensors.iter().find(|t| t.shape.len() == 3) {
+        return Err(Error::Msg(format!(
+            "{}: MLX output of routed experts (mlx-lm's switch_mlp) is not supported yet; \
+             convert to GGUF or a Hugging Face folder instead",
+            t.hf
+        )));
+    }
     let dtype = opts.dtype.unwrap_or_else(|| default_dtype(src));
     let tmp = start_dir(out)?;
     let result = (|| -> Result<WriteReport> {

@@ -11,6 +11,12 @@
 //!
 //! [`SourceModel::read_f32`] reads a tensor in either layout, converting when the source's layout
 //! differs, so writers never think about it.
+//!
+//! Routed experts (Qwen3-MoE, Mixtral) are listed as llama.cpp stores them whatever the source:
+//! per layer three stacked tensors `mlp.experts.{gate,up,down}_proj.weight` (HF-side names of
+//! `ffn_{gate,up,down}_exps`) of shape `(E, F, D)` / `(E, D, F)`. A folder's per-expert or fused
+//! tensors are read into that form (expert after expert, as ggml's layout is), so every writer
+//! sees one 3-D tensor; [`super::hf_out`] splits it again into the checkpoint's own names.
 
 use std::path::{Path, PathBuf};
 
@@ -127,6 +133,43 @@ const HF_LAYER_PARTS: &[&str] = &[
 ];
 const HF_GLOBALS: &[&str] = &["model.embed_tokens", "model.norm", "lm_head", "rope_freqs"];
 
+/// The router and the stacked experts of a routed layer (Qwen3-MoE and Mixtral alike; Gemma 4
+/// names its own).
+const HF_MOE_PARTS: &[&str] = &[
+    "mlp.gate",
+    "mlp.experts.gate_proj",
+    "mlp.experts.up_proj",
+    "mlp.experts.down_proj",
+];
+
+/// The three stacked expert tensors, in `hf2q_tensor::moe::Experts`' order.
+pub const EXPERT_PARTS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// `(layer, part)` of a stacked experts tensor's HF name
+/// (`model.layers.N.mlp.experts.{gate,up,down}_proj.weight`; part indexes [`EXPERT_PARTS`]).
+pub fn stacked_expert(hf: &str) -> Option<(usize, usize)> {
+    let (l, part) = hf
+        .strip_prefix("model.layers.")?
+        .split_once(".mlp.experts.")?;
+    let part = part.strip_suffix(".weight")?;
+    Some((
+        l.parse().ok()?,
+        EXPERT_PARTS.iter().position(|p| *p == part)?,
+    ))
+}
+
+/// Whether a checkpoint tensor is one of a routed layer's experts (per expert or fused), which
+/// the stacked tensors stand for.
+fn is_expert_part(hf: &str) -> bool {
+    hf.starts_with("model.layers.")
+        && (hf.contains(".mlp.experts.") || hf.contains(".block_sparse_moe.experts."))
+}
+
+/// Whether `c`'s experts are listed as stacked tensors (Gemma 4 keeps its own tensors).
+fn stacks_experts(c: &ModelConfig) -> bool {
+    c.moe.is_some() && c.arch != Arch::Gemma4
+}
+
 /// GGUF name -> HF name for every tensor of an `n_layers` model of `arch`.
 pub fn gguf_to_hf_table(arch: Arch, n_layers: usize) -> std::collections::HashMap<String, String> {
     let mut m = std::collections::HashMap::new();
@@ -142,6 +185,11 @@ pub fn gguf_to_hf_table(arch: Arch, n_layers: usize) -> std::collections::HashMa
         for l in 0..n_layers {
             for p in HF_LAYER_PARTS {
                 add(format!("model.layers.{l}.{p}.{s}"));
+            }
+            if arch != Arch::Gemma4 {
+                for p in HF_MOE_PARTS {
+                    add(format!("model.layers.{l}.{p}.{s}"));
+                }
             }
         }
     }
@@ -232,6 +280,7 @@ impl SourceModel {
         let mut tensors = Vec::new();
         let mut names: Vec<&String> = st.names().collect();
         names.sort();
+        let stacked = stacks_experts(&config);
         for stored_name in names {
             if stored_name.ends_with(".scales") || stored_name.ends_with(".biases") {
                 continue;
@@ -250,6 +299,9 @@ impl SourceModel {
                     })
                 })
                 .unwrap_or_else(|| stored_name.clone());
+            if stacked && is_expert_part(&hf) {
+                continue; // listed below as the stacked tensors
+            }
             let Some(gguf) = hf_to_gguf(config.arch, &hf) else {
                 continue; // vision tower, projector, ...: not part of the text model
             };
@@ -289,6 +341,11 @@ impl SourceModel {
                 "{}: no text-model tensors found",
                 dir.display()
             )));
+        }
+        if let (true, Some(moe)) = (stacked, &config.moe) {
+            for l in (0..config.n_layers).filter(|&l| moe.layers[l]) {
+                tensors.extend(stacked_tensors(&weights, &config, l, moe.n_experts)?);
+            }
         }
         // Llama 3 RoPE scaling lives in config.json here and in a `rope_freqs` tensor in GGUF:
         // a virtual tensor computed from the config stands in for it.
@@ -375,6 +432,7 @@ impl SourceModel {
                     .llama3_freq_factors()
                     .ok_or_else(|| Error::MissingTensor(ROPE_FREQS.into()))?
             }
+            WeightSource::St { .. } if t.shape.len() == 3 => self.read_stacked_experts(t)?,
             WeightSource::St { .. } => {
                 if t.shape.len() == 1 {
                     self.weights.vector(&t.hf)?
@@ -418,6 +476,73 @@ impl SourceModel {
         }
         Ok(v)
     }
+}
+
+impl SourceModel {
+    /// A stacked experts tensor `(E, R, C)` of a folder source: each expert's matrix (per-expert
+    /// or fused in the checkpoint) decoded into its place, experts in parallel.
+    fn read_stacked_experts(&self, t: &SrcTensor) -> Result<Vec<f32>> {
+        let (layer, part) = stacked_expert(&t.hf).ok_or_else(|| {
+            Error::Config(format!(
+                "tensor '{}' has 3 dims and is not a stacked experts tensor",
+                t.hf
+            ))
+        })?;
+        let n_experts = t.shape[0];
+        let ex = self
+            .weights
+            .experts(&format!("model.layers.{layer}"), n_experts)?;
+        let per = t.numel() / n_experts.max(1);
+        let mut out = vec![0f32; t.numel()];
+        out.par_chunks_mut(per.max(1))
+            .enumerate()
+            .try_for_each(|(e, dst)| -> Result<()> {
+                let v = ex.expert(e)[part].to_f32()?;
+                if v.len() != dst.len() {
+                    return Err(Error::Config(format!(
+                        "tensor '{}': expert {e} has {} values, {} expected",
+                        t.hf,
+                        v.len(),
+                        dst.len()
+                    )));
+                }
+                dst.copy_from_slice(&v);
+                Ok(())
+            })?;
+        Ok(out)
+    }
+}
+
+/// The stacked expert tensors of routed layer `layer` of a folder source, shaped and typed from
+/// its first expert (the per-expert or fused tensors are read by [`SourceModel::read_f32`]).
+fn stacked_tensors(
+    weights: &WeightSource,
+    config: &ModelConfig,
+    layer: usize,
+    n_experts: usize,
+) -> Result<Vec<SrcTensor>> {
+    let ex = weights.experts(&format!("model.layers.{layer}"), n_experts)?;
+    EXPERT_PARTS
+        .iter()
+        .enumerate()
+        .map(|(p, part)| {
+            let hf = format!("model.layers.{layer}.mlp.experts.{part}.weight");
+            let v = &ex.expert(0)[p];
+            let hf2q_tensor::WeightData::Ggml { ty, .. } = v.data else {
+                return Err(Error::Config(format!(
+                    "{hf}: quantized (MLX) experts cannot be converted yet"
+                )));
+            };
+            let gguf = hf_to_gguf(config.arch, &hf)
+                .ok_or_else(|| Error::Msg(format!("{hf}: no GGUF name in hf2q's table")))?;
+            Ok(SrcTensor {
+                hf,
+                gguf,
+                shape: vec![n_experts, v.rows, v.cols],
+                stored: Stored::Ggml(ty),
+            })
+        })
+        .collect()
 }
 
 /// Dequantizes `rows` rows of `cols` values of `ty` (in parallel over rows).

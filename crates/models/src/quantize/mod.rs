@@ -80,13 +80,10 @@ pub fn plan_gguf(
     let mut plan = Vec::with_capacity(order.len());
     for i in order {
         let t = &src.tensors[i];
-        // A tensor that is not quantized keeps its type; float sources store 1-D tensors as F32
-        // in GGUF (as llama.cpp's converter does), MLX affine ones cannot stay affine.
-        let current = match t.stored {
-            Stored::Ggml(_) if t.shape.len() == 1 && src.gguf_file().is_none() => GgmlType::F32,
-            Stored::Ggml(ty) => ty,
-            Stored::Affine(_) => GgmlType::F16,
-        };
+        // A tensor that is not quantized keeps its type; float sources store 1-D tensors and
+        // routers as F32 in GGUF (as llama.cpp's converter does), MLX affine ones cannot stay
+        // affine.
+        let current = kept_type(src, t);
         let to = chooser.choose(TensorFacts {
             name: &t.gguf,
             cols: t.cols(),
@@ -129,7 +126,7 @@ pub fn quantize(
                     .iter()
                     .filter(|e| {
                         let t = &src.tensors[e.src];
-                        m.get(&t.gguf).is_some_and(|w| w.len() == t.cols())
+                        m.get(&t.gguf).is_some_and(|w| imatrix_fits(t, w.len()))
                             && Stored::Ggml(e.to) != t.stored
                     })
                     .count(),
@@ -198,6 +195,12 @@ pub fn quantize(
     }
 }
 
+/// Whether an imatrix entry of `n` values fits `t`: one value per column, or for stacked experts
+/// `(E, R, C)` one row of C per expert (llama.cpp's layout for `_exps` entries).
+pub fn imatrix_fits(t: &SrcTensor, n: usize) -> bool {
+    n == t.cols() || (t.shape.len() == 3 && n == t.shape[0] * t.cols())
+}
+
 /// llama.cpp refuses an imatrix entry whose length disagrees with its tensor (except for the
 /// token embeddings, which no matmul reads): a sign the imatrix belongs to another model.
 fn check_imatrix(src: &SourceModel, plan: &[GgufPlanEntry], m: &Imatrix) -> Result<()> {
@@ -210,7 +213,7 @@ fn check_imatrix_entries<'a>(
 ) -> Result<()> {
     for t in tensors {
         if let Some(w) = m.get(&t.gguf) {
-            if w.len() != t.cols() && t.gguf != "token_embd.weight" {
+            if !imatrix_fits(t, w.len()) && t.gguf != "token_embd.weight" {
                 return Err(Error::Msg(format!(
                     "imatrix entry for {} has {} values but the tensor's rows have {} (is the imatrix for another model?)",
                     t.gguf,
@@ -223,19 +226,31 @@ fn check_imatrix_entries<'a>(
     Ok(())
 }
 
-/// Every tensor in its own type (a lossless GGUF conversion): ggml types stay, 1-D tensors of a
-/// float folder become F32 (as llama.cpp's converter writes them), MLX affine weights F16.
+/// The GGUF type of a tensor that is not quantized: a GGUF source's own; from a folder, F32 for
+/// vectors and for a router `ffn_gate_inp` (llama.cpp's converter always writes those in F32),
+/// the stored float type otherwise; MLX affine weights F16.
+fn kept_type(src: &SourceModel, t: &SrcTensor) -> GgmlType {
+    match t.stored {
+        Stored::Ggml(_)
+            if src.gguf_file().is_none()
+                && (t.shape.len() == 1 || t.gguf.contains("ffn_gate_inp")) =>
+        {
+            GgmlType::F32
+        }
+        Stored::Ggml(ty) => ty,
+        Stored::Affine(_) => GgmlType::F16,
+    }
+}
+
+/// Every tensor in its own type (a lossless GGUF conversion): ggml types stay, 1-D tensors and
+/// routers of a float folder become F32 (as llama.cpp's converter writes them), MLX affine
+/// weights F16.
 pub fn plan_gguf_keep(src: &SourceModel) -> Vec<GgufPlanEntry> {
     gguf_tensor_order(src)
         .into_iter()
-        .map(|i| {
-            let t = &src.tensors[i];
-            let to = match t.stored {
-                Stored::Ggml(_) if t.shape.len() == 1 && src.gguf_file().is_none() => GgmlType::F32,
-                Stored::Ggml(ty) => ty,
-                Stored::Affine(_) => GgmlType::F16,
-            };
-            GgufPlanEntry { src: i, to }
+        .map(|i| GgufPlanEntry {
+            src: i,
+            to: kept_type(src, &src.tensors[i]),
         })
         .collect()
 }
