@@ -164,6 +164,12 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
     // Proportional RoPE as GGUF carries it: one divisor per frequency of a global head.
     let ff = if src.contains("rope_freqs.weight") {
         Some(src.vector("rope_freqs.weight")?)
+    } else if src.format() == crate::source::Format::Gguf && cfg.sliding_layers.contains(&false) {
+        // As llama.cpp requires it: without it the global layers' RoPE is unknown.
+        return Err(Error::Config(
+            "Gemma 4 GGUF has no rope_freqs.weight (the proportional RoPE of its global layers)"
+                .into(),
+        ));
     } else {
         None
     };
