@@ -456,8 +456,14 @@ fn bench_model(
             // Decode on a GPU: the share of the bandwidth floor (every weight byte read once per
             // token at the measured copy bandwidth) that was reached.
             let floor_pct = (device == "cuda" && matches!(test, Test::Gen(_))).then(
-                || // Bytes read per token: every weight once, which the file size approximates.
-                100.0 * mean / (H200_COPY_BYTES_PER_S / info.file_bytes as f64),
+                // Bytes read per token: every weight once, which the file size approximates;
+                // of a mixture of experts only the share of its parameters a token uses.
+                || {
+                    let active = info.experts.as_ref().map_or(1.0, |x| {
+                        x.active_parameters as f64 / info.parameters.max(1) as f64
+                    });
+                    100.0 * mean / (H200_COPY_BYTES_PER_S / (info.file_bytes as f64 * active))
+                },
             );
             if let Some(p) = floor_pct {
                 eprintln!("bench: {} = {p:.1}% of the bandwidth floor", test.name());

@@ -517,14 +517,26 @@ impl CudaBackend {
             &mut idi,
             &mut wti,
         )?;
+        // More than one token: pairs taken in expert order (one expert's reads then share L2).
+        // The buffer holds i32 values.
+        let order = if t > 1 {
+            let perm = self.alloc(&[t * k])?;
+            let pp = self.raw(&perm, "moe_ffn")?.ptr;
+            self.dev.moe_sort(&idi, t * k, e, pp)?;
+            Some((perm, pp))
+        } else {
+            None
+        };
+        let pp = order.as_ref().map(|o| o.1);
         let h = self.alloc(&[t * k, f])?;
         let mut hi = self.raw(&h, "moe_ffn")?;
         let gelu = matches!(spec.act, GateAct::GeluTanh);
         self.dev
-            .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, &mut hi)?;
+            .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, pp, &mut hi)?;
         let y = self.alloc(&[t * k, d])?;
         let mut yi = self.raw(&y, "moe_ffn")?;
-        self.dev.moe_down(&hi, t * k, &dn, e, &idi, &wti, &mut yi)?;
+        self.dev
+            .moe_down(&hi, t * k, &dn, e, &idi, &wti, pp, &mut yi)?;
         let out = self.alloc(&[t, d])?;
         let mut oi = self.raw(&out, "moe_ffn")?;
         self.dev.moe_combine(&yi, t, k, d, &mut oi)?;

@@ -72,6 +72,7 @@ impl CudaDev {
         n_experts: usize,
         gelu: bool,
         ids: &impl DevicePtr<f32>,
+        perm: Option<u64>,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let f = expert_rows(gate, n_experts)?;
@@ -91,13 +92,18 @@ impl CudaDev {
         }
         self.bind()?;
         let (gw, uw) = (gate.args(self), up.args(self));
-        let (xp, op, ip) = (self.ptr(x), self.ptr_mut(out), self.ptr(ids));
+        let (xp, op, ip, pp) = (
+            self.ptr(x),
+            self.ptr_mut(out),
+            self.ptr(ids),
+            perm.unwrap_or(0),
+        );
         aligned(xp, gate.cols)?;
         let nr = mvf_rows_per_group(gate.kind).1;
         let ks = self.mv_split(f * pairs, gate.cols, nr);
         let grid = (blocks(f, nr * 4 / ks)?, pair_grid(pairs)?, 1);
         let (rows, act, ksi, ki) = (to_i32("rows", f)?, i32::from(gelu), ks as i32, k as i32);
-        launch!(self, func, grid, (128, 1, 1), 0; gw, uw, xp, op, ip, rows, act, ksi, ki)
+        launch!(self, func, grid, (128, 1, 1), 0; gw, uw, xp, op, ip, pp, rows, act, ksi, ki)
     }
 
     /// `y (P, D) = wts[p] · (h_p · Down_eᵀ)` for each pair `p` with `e = ids[p]`: `down` holds
@@ -111,6 +117,7 @@ impl CudaDev {
         n_experts: usize,
         ids: &impl DevicePtr<f32>,
         wts: &impl DevicePtr<f32>,
+        perm: Option<u64>,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let d = expert_rows(down, n_experts)?;
@@ -125,12 +132,37 @@ impl CudaDev {
         self.bind()?;
         let w = down.args(self);
         let (hp, yp, ip, wp) = (self.ptr(h), self.ptr_mut(y), self.ptr(ids), self.ptr(wts));
+        let pp = perm.unwrap_or(0);
         aligned(hp, down.cols)?;
         let rpw = mvf_rows_per_group(down.kind).0;
         let ks = self.mv_split(d * pairs, down.cols, rpw);
         let grid = (blocks(d, rpw * 4 / ks)?, pair_grid(pairs)?, 1);
         let (rows, ksi) = (to_i32("rows", d)?, ks as i32);
-        launch!(self, func, grid, (128, 1, 1), 0; w, hp, yp, ip, wp, rows, ksi)
+        launch!(self, func, grid, (128, 1, 1), 0; w, hp, yp, ip, wp, pp, rows, ksi)
+    }
+
+    /// `perm (P)` = the pairs `0..P` ordered by their expert `ids[p]` (i32 values written into
+    /// a 4-byte-element buffer at `perm`, which holds at least `pairs`), for
+    /// [`CudaDev::moe_gated`] and [`CudaDev::moe_down`] to take pairs of one expert together.
+    pub fn moe_sort(
+        &self,
+        ids: &impl DevicePtr<f32>,
+        pairs: usize,
+        n_experts: usize,
+        perm: u64,
+    ) -> Result<()> {
+        need("moe ids", ids.len(), pairs)?;
+        if n_experts > MOE_MAX_EXPERTS {
+            return Err(shape(format!("moe sort: {n_experts} experts")));
+        }
+        if pairs == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, "moe_sort")?;
+        let ip = self.ptr(ids);
+        let (pi, ei) = (to_i32("pairs", pairs)?, n_experts as i32);
+        launch!(self, f, (1, 1, 1), (1024, 1, 1), 0; ip, pi, ei, perm)
     }
 
     /// `out (t, D) = Σ_j y (t·k + j)`, j ascending.

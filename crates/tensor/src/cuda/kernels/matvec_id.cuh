@@ -9,7 +9,9 @@
 //   mvdi_NAME: y (P, D) = w_p · (h_p · Down_eᵀ)                grid (row blocks of D, P)
 //
 // Both are the one-token kernels of matvec.cuh (`mvf_rows`, same formats, same sums per row)
-// with the row range moved to the pair's expert. They wait for the previous kernel before
+// with the row range moved to the pair's expert. Block row y takes pair `perm[y]` where `perm`
+// is given (`moe_sort`: pairs ordered by expert, so that the blocks resident at one time read
+// the same expert's rows and most of those reads hit L2; prefill), else pair y (decode). They wait for the previous kernel before
 // reading `ids` (which it wrote), so their weight loads start after it, not during it.
 // Not here: the routing (`moe_route` in moe_route.cuh) and the sum over a token's k pairs
 // (`moe_combine`).
@@ -19,12 +21,13 @@
 template <class F>
 __device__ __forceinline__ void mvgi_impl(const WRef g, const WRef u, const float* __restrict__ x,
                                           float* __restrict__ out,
-                                          const float* __restrict__ ids, int rows, int act,
+                                          const float* __restrict__ ids,
+                                          const int* __restrict__ perm, int rows, int act,
                                           int ks, int k) {
     constexpr int NR = F::GNR;
     __shared__ float red[2][MVF_WARPS][4];
     pdl_wait();
-    const int p = (int)blockIdx.y;
+    const int p = perm ? perm[blockIdx.y] : (int)blockIdx.y;
     const int base = (int)ids[p] * rows;
     const MvPlace pl = mg_place<NR>(ks);
     const float* xp = x + (i64)(p / k) * g.cols;
@@ -36,11 +39,12 @@ __device__ __forceinline__ void mvgi_impl(const WRef g, const WRef u, const floa
 template <class F>
 __device__ __forceinline__ void mvdi_impl(const WRef w, const float* __restrict__ h,
                                           float* __restrict__ y, const float* __restrict__ ids,
-                                          const float* __restrict__ wts, int rows, int ks) {
+                                          const float* __restrict__ wts,
+                                          const int* __restrict__ perm, int rows, int ks) {
     constexpr int RPW = Rpw<F>::V;
     __shared__ float red[1][MVF_WARPS][4];
     pdl_wait();
-    const int p = (int)blockIdx.y;
+    const int p = perm ? perm[blockIdx.y] : (int)blockIdx.y;
     const int base = (int)ids[p] * rows;
     const MvPlace pl = mg_place<RPW>(ks);
     mvf_rows<F, RPW, 1>(w, w, h + (i64)p * w.cols, base + rows, base + pl.row0, ks, red);
@@ -53,12 +57,12 @@ __device__ __forceinline__ void mvdi_impl(const WRef w, const float* __restrict_
 
 #define HF2Q_MATVEC_ID(NAME, DOT, MINB)                                                         \
     extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
-        mvgi_##NAME(WRef g, WRef u, const float* x, float* o, const float* ids, int rows,       \
-                    int act, int ks, int k) {                                                   \
-        mvgi_impl<DOT>(g, u, x, o, ids, rows, act, ks, k);                                      \
+        mvgi_##NAME(WRef g, WRef u, const float* x, float* o, const float* ids,                 \
+                    const int* perm, int rows, int act, int ks, int k) {                        \
+        mvgi_impl<DOT>(g, u, x, o, ids, perm, rows, act, ks, k);                                \
     }                                                                                           \
     extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
         mvdi_##NAME(WRef w, const float* h, float* y, const float* ids, const float* wts,       \
-                    int rows, int ks) {                                                         \
-        mvdi_impl<DOT>(w, h, y, ids, wts, rows, ks);                                            \
+                    const int* perm, int rows, int ks) {                                        \
+        mvdi_impl<DOT>(w, h, y, ids, wts, perm, rows, ks);                                      \
     }

@@ -6,6 +6,9 @@
 //                over all E in f32 with the max subtracted, the k largest, ties to the lower
 //                index, NaN never before a number; optional renormalisation, then an optional
 //                per-expert scale).
+//   moe_sort:    perm (P) = the pairs' indices ordered by expert (a counting sort in one block;
+//                the order among one expert's pairs is arbitrary: each pair's products are
+//                computed alone, so the results do not depend on it).
 //   moe_combine: out (T, D) = sum over j of y (T·k, D) row t·k + j, j ascending.
 #pragma once
 #include "common.cuh"
@@ -74,6 +77,29 @@ extern "C" __global__ void __launch_bounds__(32)
             wts[(i64)t * k + j] = w;
         }
     }
+}
+
+// Most experts `moe_sort` takes (its shared memory: one counter each).
+#define MOE_SORT_MAX_E 8192
+
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_sort(const float* __restrict__ ids, int P, int E, int* __restrict__ perm) {
+    __shared__ int count[MOE_SORT_MAX_E];
+    pdl_wait();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&count[(int)ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0;
+        for (int e = 0; e < E; e++) {
+            const int c = count[e];
+            count[e] = at;
+            at += c;
+        }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) perm[atomicAdd(&count[(int)ids[p]], 1)] = p;
 }
 
 // out[t, i] = sum_j y[t k + j, i]; n = T·D.
