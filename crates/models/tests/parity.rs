@@ -246,6 +246,42 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// A cache's prefix copy resumes as the cache itself would: the logits after feeding the rest
+/// of the tokens to the copy equal those of the full run (every tiny family, Gemma 4's
+/// KV-shared layers, whose own caches stay empty, included), with both cache types.
+#[test]
+fn cache_prefix_copy_resumes_every_tiny_family() {
+    use hf2q_models::BatchItem;
+    let ids: Vec<u32> = (0..12)
+        .map(|i| 256 + (i * 41 % 250))
+        .map(|x| x % 259)
+        .collect();
+    for name in TINY {
+        let mut model = reference(Model::load(&fixtures().join("tiny").join(name)).unwrap());
+        for kv in [KvType::F32, KvType::F16] {
+            model.set_kv_type(kv);
+            let mut full = model.new_cache(64);
+            let want = model
+                .step_batch(&mut [BatchItem {
+                    cache: &mut full,
+                    pos0: 0,
+                    tokens: &ids,
+                }])
+                .unwrap();
+            let mut copy = full.prefix(7, 64).unwrap();
+            let got = model
+                .step_batch(&mut [BatchItem {
+                    cache: &mut copy,
+                    pos0: 7,
+                    tokens: &ids[7..],
+                }])
+                .unwrap();
+            let d = max_diff(&got[0], &want[0]);
+            assert!(d < 1e-5, "{name} {kv:?}: prefix copy differs by {d}");
+        }
+    }
+}
+
 fn cache_consistency(model: &Model, ids: &[u32], tol: f32) -> f32 {
     let full = model.session(0).forward_all(ids).unwrap();
     let mut s = model.session(0);
