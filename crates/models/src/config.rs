@@ -133,9 +133,9 @@ pub struct ModelConfig {
     pub n_layers: usize,
     /// H
     pub n_heads: usize,
-    /// Hkv
+    /// Hkv (Gemma 4: of its sliding layers; `layer_heads` has every layer's).
     pub n_kv_heads: usize,
-    /// Dh
+    /// Dh (Gemma 4: of its sliding layers; `layer_heads` has every layer's).
     pub head_dim: usize,
     pub rms_eps: f32,
     pub rope_theta: f32,
