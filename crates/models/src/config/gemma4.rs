@@ -4,7 +4,8 @@
 //! Reference: transformers' `configuration_gemma4.py` (`Gemma4TextConfig`) and llama.cpp's
 //! `gemma4` loader.
 //!
-//! Refused with a message: bidirectional attention (`use_bidirectional_attention`).
+//! Refused with a message: bidirectional attention of every token
+//! (`use_bidirectional_attention: "all"`; `"vision"` concerns image tokens only).
 
 use hf2q_tensor::io::gguf::GgufFile;
 use serde_json::Value;
@@ -43,7 +44,13 @@ fn kv_sources(sliding: &[bool], shared: usize) -> Result<Vec<Option<usize>>> {
 /// Fills the Gemma 4 parts of `c` (parsed as a Gemma from the common keys) from `config.json`.
 pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
     let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
-    if let Some(b) = v.get("use_bidirectional_attention").and_then(Value::as_str) {
+    // "vision" lets image tokens see each other; text alone stays causal, as here. "all"
+    // makes every token see every other (an encoder): not a causal model.
+    if let Some(b) = v
+        .get("use_bidirectional_attention")
+        .and_then(Value::as_str)
+        .filter(|&b| b != "vision")
+    {
         return Err(bad(format!(
             "Gemma 4 with use_bidirectional_attention = '{b}' is not supported"
         )));
@@ -308,6 +315,45 @@ mod tests {
         assert_eq!(g.per_layer_width, 8);
     }
 
+    /// A multimodal config as the 26B-A4B's is laid out (text model under `text_config`,
+    /// written by an earlier transformers: `global_head_dim`, no `per_layer_config`).
+    #[test]
+    fn a_26b_a4b_like_config() {
+        let mut lt = vec!["sliding_attention"; 30];
+        for i in (5..30).step_by(6) {
+            lt[i] = "full_attention";
+        }
+        let v = json!({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+            "vision_config": {"model_type": "gemma4_vision", "hidden_size": 1152},
+            "audio_config": null, "tie_word_embeddings": true,
+            "text_config": {"model_type": "gemma4_text", "attention_k_eq_v": true,
+                "enable_moe_block": true, "final_logit_softcapping": 30.0, "global_head_dim": 512,
+                "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2816,
+                "hidden_size_per_layer_input": 0, "intermediate_size": 2112, "layer_types": lt,
+                "max_position_embeddings": 262144, "moe_intermediate_size": 704,
+                "num_attention_heads": 16, "num_experts": 128, "num_global_key_value_heads": 2,
+                "num_hidden_layers": 30, "num_key_value_heads": 8, "num_kv_shared_layers": 0,
+                "rms_norm_eps": 1e-6, "sliding_window": 1024, "top_k_experts": 8,
+                "use_bidirectional_attention": "vision", "vocab_size": 262144,
+                "vocab_size_per_layer_input": 262144,
+                "rope_parameters": {
+                    "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                        "rope_type": "proportional"},
+                    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}}});
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.arch, Arch::Gemma4);
+        assert_eq!((c.layer_heads[0], c.layer_heads[5]), ((8, 256), (2, 512)));
+        assert_eq!(c.sliding_window, Some(1024));
+        assert_eq!((c.rope_theta, c.rope_theta_local), (1e6, Some(1e4)));
+        assert_eq!(c.final_logit_softcap, Some(30.0));
+        assert!(c.tie_embeddings);
+        let m = c.moe.unwrap();
+        assert_eq!((m.n_experts, m.n_used, m.expert_width), (128, 8, 704));
+        let g = c.gemma4.unwrap();
+        assert!(g.k_eq_v && g.kv_source.iter().all(Option::is_none));
+        assert_eq!((g.global_partial_rotary, g.per_layer_width), (0.25, 0));
+    }
+
     #[test]
     fn routed_branch_and_refusals() {
         let c = ModelConfig::from_hf_json(&text(json!({"enable_moe_block": true,
@@ -318,6 +364,10 @@ mod tests {
         assert!(m.renormalize && m.layers.iter().all(|&r| r));
         for (extra, want) in [
             (json!({"num_kv_shared_layers": 3}), "no layer computes keys"),
+            (
+                json!({"use_bidirectional_attention": "all"}),
+                "use_bidirectional_attention = 'all'",
+            ),
             (
                 json!({"layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                     "num_kv_shared_layers": 2}),
