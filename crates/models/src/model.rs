@@ -468,7 +468,10 @@ impl Model {
         let ids: Vec<u32>;
         let embed;
         let inputs = if self.blocks[layers.clone()].iter().any(|b| b.wants_inputs()) {
-            ids = items.iter().flat_map(|it| it.tokens.iter().copied()).collect();
+            ids = items
+                .iter()
+                .flat_map(|it| it.tokens.iter().copied())
+                .collect();
             embed = cx
                 .be
                 .embedding(&self.embed, &ids, self.config.embed_scale)?;
