@@ -110,3 +110,33 @@ fn tiny_mixtral_synth_gets_the_eight_expert_rules_and_runs() {
     drop(g);
     runs(&out);
 }
+
+#[test]
+fn decode_bytes_count_k_of_e_experts_and_one_embedding_row() {
+    use hf2q_models::convert::source::decode_bytes;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("q.gguf");
+    write("tiny-qwen3-moe", Preset::Q4_K_M, &out);
+    let g = GgufFile::open(&out).unwrap();
+    let size = |n: &str| g.tensor(n).unwrap().nbytes();
+    let all: u64 = g.tensors.iter().map(|t| t.nbytes()).sum();
+    let experts: u64 = g
+        .tensors
+        .iter()
+        .filter(|t| t.name.contains("_exps"))
+        .map(|t| t.nbytes())
+        .sum();
+    let embd = size("token_embd.weight");
+    let vocab = g.tensor("token_embd.weight").unwrap().dims[1];
+    let d = decode_bytes(&out).unwrap();
+    assert_eq!((d.all, d.experts), (all, experts));
+    // 4 of 16 experts per token; the untied embedding read one row at a time.
+    assert_eq!(
+        d.per_token,
+        all - experts + experts / 4 - embd + embd / vocab
+    );
+    // A dense model with tied embeddings: the output reads the whole table, so every weight.
+    let d = decode_bytes(&fixture("tiny-qwen3")).unwrap();
+    assert_eq!(d.experts, 0);
+    assert_eq!(d.per_token, d.all);
+}

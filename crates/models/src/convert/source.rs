@@ -545,6 +545,76 @@ fn stacked_tensors(
         .collect()
 }
 
+/// Weight bytes read to decode one token, for a bandwidth floor (`hf2q bench`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeBytes {
+    /// Every weight tensor's stored bytes.
+    pub all: u64,
+    /// Stored bytes of the routed experts (the 3-D `*_exps` tensors), all E of them.
+    pub experts: u64,
+    /// What one decoded token reads: every non-expert weight (the token embedding as one row,
+    /// as decode gathers it, unless it is tied and so read whole as the output), plus `k / E`
+    /// of the expert bytes (a token runs `k` of the `E` experts of each routed layer).
+    pub per_token: u64,
+}
+
+/// [`DecodeBytes`] of a model file or folder: a GGUF's tensor table as stored (any
+/// architecture llama.cpp's names cover), a folder's tensors as [`SourceModel`] lists them.
+pub fn decode_bytes(path: &Path) -> Result<DecodeBytes> {
+    // (GGUF name, row-major shape, stored bytes)
+    let (tensors, config): (Vec<(String, Vec<u64>, u64)>, ModelConfig) = if is_gguf_file(path) {
+        let f = GgufFile::open(path)?;
+        let cfg = ModelConfig::from_gguf(&f, f.tensor("output.weight").is_some())?;
+        let t = f
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.shape_row_major(), t.nbytes()))
+            .collect();
+        (t, cfg)
+    } else {
+        let src = SourceModel::open(path)?;
+        let t = src
+            .tensors
+            .iter()
+            .map(|t| {
+                let n = t.numel() as u64;
+                let bytes = match t.stored {
+                    Stored::Ggml(ty) => ty
+                        .row_bytes(t.cols())
+                        .map_or(0, |rb| (rb * t.rows()) as u64),
+                    // Packed quants plus a scale and a bias (16-bit) per group.
+                    Stored::Affine(p) => n * p.bits as u64 / 8 + 4 * n / p.group_size.max(1) as u64,
+                };
+                let shape = t.shape.iter().map(|&d| d as u64).collect();
+                (t.gguf.clone(), shape, bytes)
+            })
+            .collect();
+        (t, src.config)
+    };
+    Ok(decode_bytes_of(&tensors, &config))
+}
+
+pub(crate) fn decode_bytes_of(tensors: &[(String, Vec<u64>, u64)], c: &ModelConfig) -> DecodeBytes {
+    let tied = !tensors.iter().any(|t| t.0 == "output.weight");
+    let (k, e) = c
+        .moe
+        .as_ref()
+        .map_or((1, 1), |m| (m.n_used as u64, m.n_experts.max(1) as u64));
+    let mut d = DecodeBytes::default();
+    for (name, shape, bytes) in tensors {
+        d.all += bytes;
+        if shape.len() == 3 && name.contains("_exps.") {
+            d.experts += bytes;
+            d.per_token += bytes * k / e;
+        } else if name == "token_embd.weight" && !tied {
+            d.per_token += bytes / shape.first().copied().unwrap_or(1).max(1);
+        } else {
+            d.per_token += bytes;
+        }
+    }
+    d
+}
+
 /// Dequantizes `rows` rows of `cols` values of `ty` (in parallel over rows).
 pub fn dequantize_rows(
     ty: GgmlType,

@@ -590,6 +590,41 @@ mod tests {
     }
 
     #[test]
+    fn decode_bytes_of_the_expert_shapes() {
+        // What one decoded token reads at Q4_K_M (bench's bandwidth floor): the non-expert
+        // weights, one embedding row, and k/E of the experts.
+        for (name, vocab, all_gib, token_gib) in [
+            ("qwen3-30b-a3b", 151936, (17.0, 17.6), (1.7, 1.9)),
+            ("mixtral-8x7b", 32000, (26.0, 27.0), (7.0, 7.7)),
+        ] {
+            let cfg = SynthShape::by_name(name).unwrap().config(vocab).unwrap();
+            let (t, _) = plan(&cfg, q4_k_m()).unwrap();
+            let tensors: Vec<(String, Vec<u64>, u64)> = t
+                .iter()
+                .map(|x| {
+                    let rows: u64 = x.dims[1..].iter().product();
+                    let rb = x.ty.row_bytes(x.dims[0] as usize).unwrap() as u64;
+                    let shape = x.dims.iter().rev().copied().collect();
+                    (x.name.clone(), shape, rb * rows)
+                })
+                .collect();
+            let d = crate::convert::source::decode_bytes_of(&tensors, &cfg);
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            eprintln!(
+                "{name} Q4_K_M: {:.2} GiB in all, {:.2} GiB experts, {:.3} GiB per token",
+                gib(d.all),
+                gib(d.experts),
+                gib(d.per_token)
+            );
+            assert!((all_gib.0..all_gib.1).contains(&gib(d.all)), "{name}");
+            assert!(
+                (token_gib.0..token_gib.1).contains(&gib(d.per_token)),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
     fn vocab_padding_marks_unused_tokens() {
         let s = |v: &[&str]| {
             GgufValue::Array(GgufArray {
