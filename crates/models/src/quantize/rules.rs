@@ -491,6 +491,211 @@ mod tests {
         assert_eq!(of(&v, "token_embd.weight"), G::Q8_0);
     }
 
+    /// A mixture of experts' tensor names (stacked experts, routers), Mixtral-8x7B's widths.
+    fn experts_model(n_expert: usize, n_layer: usize) -> (ModelFacts, Vec<(String, usize, usize)>) {
+        let mut t = vec![
+            ("output.weight".to_string(), 4096, 2),
+            ("token_embd.weight".into(), 4096, 2),
+        ];
+        for l in 0..n_layer {
+            for (n, c, d) in [
+                ("attn_k.weight", 4096, 2),
+                ("attn_output.weight", 4096, 2),
+                ("attn_q.weight", 4096, 2),
+                ("attn_v.weight", 4096, 2),
+                ("ffn_down_exps.weight", 14336, 3),
+                ("ffn_gate_exps.weight", 4096, 3),
+                ("ffn_gate_inp.weight", 4096, 2),
+                ("ffn_up_exps.weight", 4096, 3),
+            ] {
+                t.push((format!("blk.{l}.{n}"), c, d));
+            }
+        }
+        t.sort_by(|a, b| gguf_order(&a.0, &b.0));
+        let m = ModelFacts {
+            n_layer,
+            n_head: 32,
+            n_head_kv: 8,
+            is_70b: false,
+            n_expert,
+        };
+        (m, t)
+    }
+
+    fn types_of(
+        (m, t): (ModelFacts, Vec<(String, usize, usize)>),
+        preset: Preset,
+    ) -> Vec<(String, GgmlType)> {
+        let mut c = TypeChooser::new(
+            GgufRecipe {
+                preset,
+                pure: false,
+            },
+            m,
+            Overrides::default(),
+            false,
+            t.iter().map(|x| x.0.as_str()),
+        );
+        t.iter()
+            .map(|(n, cols, d)| {
+                let ty = c
+                    .choose(TensorFacts {
+                        name: n,
+                        cols: *cols,
+                        n_dims: *d,
+                        current: G::F32,
+                    })
+                    .unwrap();
+                (n.clone(), ty)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn experts_follow_llama_cpp_per_preset() {
+        // llama_tensor_get_type_impl read for a model of 8 experts (Mixtral, 32 layers, GQA 4):
+        // attn_v and attn_k Q8_0 whatever the preset; attn_output Q5_K for Q2_K..Q4_K_M only;
+        // ffn_down_exps by the layer in its name; the router kept.
+        // (preset, attn_v, attn_k, attn_output, ffn_down_exps layer 0, layer 4, ffn_up_exps)
+        let want = [
+            (
+                Preset::Q2_K,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q5_K,
+                G::Q3_K,
+                G::Q3_K,
+                G::Q2_K,
+            ),
+            (
+                Preset::Q3_K_S,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q5_K,
+                G::Q3_K,
+                G::Q3_K,
+                G::Q3_K,
+            ),
+            (
+                Preset::Q3_K_M,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q5_K,
+                G::Q5_K,
+                G::Q4_K,
+                G::Q3_K,
+            ),
+            (
+                Preset::Q3_K_L,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q3_K,
+                G::Q5_K,
+                G::Q5_K,
+                G::Q3_K,
+            ),
+            (
+                Preset::Q4_K_S,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q5_K,
+                G::Q5_K,
+                G::Q4_K,
+                G::Q4_K,
+            ),
+            (
+                Preset::Q4_K_M,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q5_K,
+                G::Q6_K,
+                G::Q4_K,
+                G::Q4_K,
+            ),
+            (
+                Preset::Q5_K_M,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q5_K,
+                G::Q6_K,
+                G::Q5_K,
+                G::Q5_K,
+            ),
+            (
+                Preset::Q6_K,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q6_K,
+                G::Q6_K,
+                G::Q6_K,
+                G::Q6_K,
+            ),
+            (
+                Preset::Q8_0,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q8_0,
+            ),
+            (
+                Preset::Q4_0,
+                G::Q8_0,
+                G::Q8_0,
+                G::Q4_0,
+                G::Q4_0,
+                G::Q4_0,
+                G::Q4_0,
+            ),
+        ];
+        for (p, v, k, o, d0, d4, up) in want {
+            let t = types_of(experts_model(8, 32), p);
+            let got = (
+                of(&t, "blk.4.attn_v.weight"),
+                of(&t, "blk.4.attn_k.weight"),
+                of(&t, "blk.4.attn_output.weight"),
+                of(&t, "blk.0.ffn_down_exps.weight"),
+                of(&t, "blk.4.ffn_down_exps.weight"),
+                of(&t, "blk.4.ffn_up_exps.weight"),
+            );
+            assert_eq!(got, (v, k, o, d0, d4, up), "{p:?}");
+            assert_eq!(of(&t, "blk.4.ffn_gate_inp.weight"), G::F32, "{p:?}");
+        }
+        // Other expert counts: no 8-expert bumps (Q4_K_M: attn_v by use_more_bits).
+        let t = types_of(experts_model(128, 48), Preset::Q4_K_M);
+        assert_eq!(of(&t, "blk.0.attn_v.weight"), G::Q6_K);
+        assert_eq!(of(&t, "blk.6.attn_v.weight"), G::Q4_K);
+        assert_eq!(of(&t, "blk.6.attn_k.weight"), G::Q4_K);
+        assert_eq!(of(&t, "blk.6.attn_output.weight"), G::Q4_K);
+        assert_eq!(of(&t, "blk.8.ffn_down_exps.weight"), G::Q6_K);
+        // F16: nothing quantized, the router kept as stored.
+        let t = types_of(experts_model(8, 2), Preset::F16);
+        assert_eq!(of(&t, "blk.0.ffn_down_exps.weight"), G::F16);
+        assert_eq!(of(&t, "blk.0.ffn_gate_inp.weight"), G::F32);
+        // A tensor of a model with experts whose layer cannot be read is refused.
+        let (m, _) = experts_model(8, 2);
+        let mut c = TypeChooser::new(
+            GgufRecipe {
+                preset: Preset::Q4_K_M,
+                pure: false,
+            },
+            m,
+            Overrides::default(),
+            false,
+            ["blk.9.ffn_down_exps.weight"],
+        );
+        let e = c
+            .choose(TensorFacts {
+                name: "blk.9.ffn_down_exps.weight",
+                cols: 256,
+                n_dims: 3,
+                current: G::F32,
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("blk.9.ffn_down_exps"), "{e}");
+    }
+
     #[test]
     fn order_is_layer_then_name() {
         let mut v = vec![
