@@ -6,8 +6,8 @@
 //!   (`scripts/fixtures/gen_moe_gguf.py`), with the MoE keys llama.cpp's loader reads;
 //! - GGUF -> HF writes the per-expert tensors the checkpoints ship (and transformers 5 loads);
 //! - both directions keep the golden logits (f32 throughout: the tiny checkpoints' 1e-4);
-//! - quantize keeps llama.cpp's per-tensor rules for stacked experts and the router, and Q8_0
-//!   stays near the f32 golden.
+//! - quantize keeps llama.cpp's per-tensor rules for stacked experts and the router, Q8_0
+//!   stays near the f32 golden, and an imatrix row per expert weights that expert alone.
 
 use std::path::{Path, PathBuf};
 
@@ -309,4 +309,62 @@ fn mixtral_quantized_rows_fall_back_or_refuse_as_llama_cpp() {
     // tensor.
     let err = quantize_to(&src, "Q8_0", &dir.path().join("q8.gguf")).unwrap_err();
     assert!(err.to_string().contains("ffn_down_exps"), "{err}");
+}
+
+/// llama.cpp's imatrix entries for stacked experts hold one row of importance per expert
+/// (`ne0 · E` values, E counts): each expert's rows are quantized with its own row.
+#[test]
+fn per_expert_imatrix_rows_weight_their_own_expert() {
+    use hf2q_models::quantize::imatrix::{Imatrix, ImatrixEntry};
+    use std::collections::BTreeMap;
+    let dir = tempfile::tempdir().unwrap();
+    let src = SourceModel::open(&tiny("tiny-qwen3-moe")).unwrap();
+    let name = "blk.0.ffn_gate_exps.weight";
+    let (d, e) = (64usize, 8usize);
+    let run = |skew: Option<usize>, out: &Path| -> Vec<u8> {
+        let mut sums = vec![1f32; d * e];
+        if let Some(x) = skew {
+            // Expert x: the first columns matter a thousand times more.
+            sums[x * d..x * d + 8].iter_mut().for_each(|v| *v = 1000.0);
+        }
+        let entry = ImatrixEntry {
+            sums,
+            counts: vec![1.0; e],
+        };
+        let m = Imatrix::new(BTreeMap::from([(name.to_string(), entry)]), vec![], 1, 16);
+        let opts = QuantizeOptions {
+            target: QuantTarget::parse("Q4_K_M", None).unwrap(),
+            overrides: Default::default(),
+            imatrix: Some(m),
+        };
+        let r = quantize(&src, out, &opts, &NoProgress).unwrap();
+        assert_eq!(r.imatrix_used, 1);
+        let g = GgufFile::open(out).unwrap();
+        let t = g.tensor(name).unwrap();
+        g.tensor_data(t).unwrap().as_slice().to_vec()
+    };
+    let flat = run(None, &dir.path().join("a.gguf"));
+    let skewed = run(Some(5), &dir.path().join("b.gguf"));
+    let per = flat.len() / e;
+    for x in 0..e {
+        let same = flat[x * per..(x + 1) * per] == skewed[x * per..(x + 1) * per];
+        assert_eq!(same, x != 5, "expert {x}");
+    }
+    // An entry of another length (7 experts' rows) is refused, naming the tensor.
+    let entry = ImatrixEntry {
+        sums: vec![1.0; d * 7],
+        counts: vec![1.0; 7],
+    };
+    let opts = QuantizeOptions {
+        target: QuantTarget::parse("Q4_K_M", None).unwrap(),
+        overrides: Default::default(),
+        imatrix: Some(Imatrix::new(
+            BTreeMap::from([(name.to_string(), entry)]),
+            vec![],
+            1,
+            16,
+        )),
+    };
+    let err = quantize(&src, &dir.path().join("c.gguf"), &opts, &NoProgress).unwrap_err();
+    assert!(err.to_string().contains(name), "{err}");
 }
