@@ -198,6 +198,7 @@ fn tiny_models_match_cpu_reference() {
         "tiny-mixtral",
         "tiny-gemma4",
         "tiny-gemma4-moe",
+        "tiny-gemma4-e",
     ] {
         let mut m = Model::load(&tiny(name)).unwrap();
         for ((agree, kl), path) in compare(&mut m, &gpu, 40)

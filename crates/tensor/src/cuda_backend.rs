@@ -59,6 +59,24 @@ type VectorCache = HashMap<(usize, usize), (Vec<f32>, Arc<CudaSlice<f32>>)>;
 /// reused by another weight (a model loaded after another one was dropped).
 type WeightCache = HashMap<(usize, usize), (crate::Bytes, Arc<DeviceWeight>)>;
 
+/// Where the device path of a mixture-of-experts MLP gets its router logits: given, or the
+/// product of its input with the router.
+enum RouteIn<'a> {
+    Logits(&'a Tensor),
+    Router(&'a QTensor),
+}
+
+/// What the device path of a mixture-of-experts MLP gave: its output, or nothing because it
+/// added the output into the residual stream itself.
+enum MoeOut {
+    Out(Tensor),
+    Added,
+}
+
+/// Most (token, expert) pairs whose down products are summed into the residual stream by one
+/// kernel (`moe_down_sum`): decode steps; longer batches take the expert-ordered pairs.
+const DOWN_SUM_MAX_PAIRS: usize = 64;
+
 /// Experts stored one tensor per expert, stacked once for the device's expert kernels: gate,
 /// up and down by the key of expert 0's gate (whose bytes the entry keeps alive).
 type StackCache = HashMap<(usize, usize), (crate::Bytes, [Arc<DeviceWeight>; 3])>;
@@ -476,18 +494,20 @@ impl CudaBackend {
         Ok(Some(w))
     }
 
-    /// The device path of [`Backend::moe_ffn`]: routing, expert products and the sum over a
-    /// token's experts in five kernels (cuda/moe.rs), nothing on the host. None where it does
-    /// not apply (experts without the one-token kernels, misaligned input), for the composed
-    /// path.
+    /// The device path of [`Backend::moe_ffn`] and [`Backend::moe_ffn_add`] (`residual`):
+    /// routing, expert products and the sum over a token's experts in four or five kernels
+    /// (cuda/moe.rs), nothing on the host; with a residual and few pairs, three, the last adding
+    /// into it. None where it does not apply (experts without the one-token kernels,
+    /// misaligned input), for the composed path.
     fn moe_ffn_device(
         &self,
         x: &Tensor,
-        logits: &Tensor,
+        route_in: RouteIn<'_>,
         ex: &Experts,
         spec: &MoeSpec<'_>,
         t: usize,
-    ) -> Result<Option<Tensor>> {
+        residual: Option<&mut Tensor>,
+    ) -> Result<Option<MoeOut>> {
         use crate::cuda::moe::{has_id_kernels, MOE_MAX_EXPERTS, MOE_MAX_K};
         let (e, k, d, f) = (ex.n_experts(), spec.top_k, ex.hidden(), ex.width());
         let xi = self.raw(x, "moe_ffn")?;
@@ -503,12 +523,25 @@ impl CudaBackend {
         if !(has_id_kernels(&g) && has_id_kernels(&u) && has_id_kernels(&dn)) {
             return Ok(None);
         }
-        let li = self.raw(logits, "moe_ffn")?;
+        // An f32 router is read by the routing kernel itself; any other is an ordinary product.
+        let (logits, router) = match route_in {
+            RouteIn::Logits(l) => (l.clone(), None),
+            RouteIn::Router(r) => {
+                let rw = self.weight(r)?;
+                if rw.kind == "f32" && rw.rows == e && rw.cols == d {
+                    (x.clone(), Some(rw))
+                } else {
+                    (self.linear(x, r, None)?, None)
+                }
+            }
+        };
+        let li = self.raw(&logits, "moe_ffn")?;
         let scale = spec.expert_scale.map(|s| self.vector(s)).transpose()?;
         let (ids, wts) = (self.alloc(&[t, k])?, self.alloc(&[t, k])?);
         let (mut idi, mut wti) = (self.raw(&ids, "moe_ffn")?, self.raw(&wts, "moe_ffn")?);
         self.dev.moe_route(
             &li,
+            router.as_deref(),
             t,
             e,
             k,
@@ -517,6 +550,25 @@ impl CudaBackend {
             &mut idi,
             &mut wti,
         )?;
+        // A few tokens into a residual stream: the down products, their sum and the add in
+        // one kernel.
+        if let Some(r) = residual.filter(|_| t * k <= DOWN_SUM_MAX_PAIRS) {
+            if r.len() != t * d {
+                return Err(Error::Shape(format!(
+                    "moe_ffn_add: residual of {} values for {t} tokens of {d}",
+                    r.len()
+                )));
+            }
+            let h = self.alloc(&[t * k, f])?;
+            let mut hi = self.raw(&h, "moe_ffn")?;
+            let gelu = matches!(spec.act, GateAct::GeluTanh);
+            self.dev
+                .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, None, &mut hi)?;
+            let mut ri = self.raw(r, "moe_ffn")?;
+            self.dev
+                .moe_down_sum(&hi, t, k, &dn, e, &idi, &wti, true, &mut ri)?;
+            return Ok(Some(MoeOut::Added));
+        }
         // More than one token: pairs taken in expert order (one expert's reads then share L2).
         // The buffer holds i32 values.
         let order = if t > 1 {
@@ -540,7 +592,7 @@ impl CudaBackend {
         let out = self.alloc(&[t, d])?;
         let mut oi = self.raw(&out, "moe_ffn")?;
         self.dev.moe_combine(&yi, t, k, d, &mut oi)?;
-        Ok(Some(out))
+        Ok(Some(MoeOut::Out(out)))
     }
 
     /// Drops the device copy of `w` and the handle on its bytes, if it was uploaded (a weight
@@ -1359,7 +1411,9 @@ impl Backend for CudaBackend {
         if t == 0 {
             return self.upload(&Tensor::zeros(&[0, experts.hidden()]));
         }
-        if let Some(out) = self.moe_ffn_device(x, logits, experts, spec, t)? {
+        if let Some(MoeOut::Out(out)) =
+            self.moe_ffn_device(x, RouteIn::Logits(logits), experts, spec, t, None)?
+        {
             return Ok(out);
         }
         if self.capturing() {
@@ -1371,6 +1425,46 @@ impl Backend for CudaBackend {
             )));
         }
         moe_ffn_composed(self, x, logits, experts, spec)
+    }
+
+    fn moe_ffn_add(
+        &self,
+        x: &Tensor,
+        router: &QTensor,
+        experts: &Experts,
+        spec: &MoeSpec<'_>,
+        residual: &mut Tensor,
+    ) -> Result<()> {
+        let (t, d) = x.dims2();
+        if d != experts.hidden() || router.rows != experts.n_experts() || router.cols != d {
+            return Err(Error::Shape(format!(
+                "moe_ffn_add: x is {t}x{d}, router '{}' {}x{}, experts {}x{}",
+                router.name,
+                router.rows,
+                router.cols,
+                experts.n_experts(),
+                experts.hidden()
+            )));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let y = match self.moe_ffn_device(
+            x,
+            RouteIn::Router(router),
+            experts,
+            spec,
+            t,
+            Some(residual),
+        )? {
+            Some(MoeOut::Added) => return Ok(()),
+            Some(MoeOut::Out(y)) => y,
+            None => {
+                let logits = self.linear(x, router, None)?;
+                self.moe_ffn(x, &logits, experts, spec)?
+            }
+        };
+        self.add_assign(residual, &y)
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor> {

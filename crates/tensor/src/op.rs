@@ -198,6 +198,21 @@ pub trait Backend: Send + Sync {
     ) -> Result<Tensor> {
         crate::moe::moe_ffn_composed(self, x, logits, experts, spec)
     }
+    /// `residual += moe_ffn(x, x · routerᵀ)` (a pre-norm block's routed MLP half, `router
+    /// (E, D)`); a backend may fold the router product into its routing and the add into the
+    /// experts' last product.
+    fn moe_ffn_add(
+        &self,
+        x: &Tensor,
+        router: &QTensor,
+        experts: &crate::moe::Experts,
+        spec: &crate::moe::MoeSpec<'_>,
+        residual: &mut Tensor,
+    ) -> Result<()> {
+        let logits = self.linear(x, router, None)?;
+        let y = self.moe_ffn(x, &logits, experts, spec)?;
+        self.add_assign(residual, &y)
+    }
     /// [`Backend::linear_many`] of `rms_norm(x)` (a pre-norm block's q, k and v).
     fn norm_linear_many(
         &self,

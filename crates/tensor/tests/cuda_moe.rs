@@ -121,6 +121,25 @@ fn run(be: &CudaBackend, x: &Tensor, logits: &Tensor, ex: &Experts, s: &MoeSpec)
     be.to_host(&y).unwrap().into_data()
 }
 
+/// `moe_ffn_add` with a router of its own (f32: folded into the routing kernel; bf16: an ordinary
+/// product first), added into a residual stream, against the CPU's router product, experts and
+/// add.
+fn added(be: &CudaBackend, x: &Tensor, ex: &Experts, s: &MoeSpec, what: &str) {
+    let (t, d) = x.dims2();
+    for ty in [GgmlType::F32, GgmlType::BF16] {
+        let router = weight(ty, "router", ex.n_experts(), d, 31);
+        let logits = CpuBackend::REFERENCE.linear(x, &router, None).unwrap();
+        let want = CpuBackend::REFERENCE.moe_ffn(x, &logits, ex, s).unwrap();
+        let base = noise(t * d, 17, 1.0);
+        let plus: Vec<f32> = want.data().iter().zip(&base).map(|(a, b)| a + b).collect();
+        let mut r = be.upload(&Tensor::new(&[t, d], base).unwrap()).unwrap();
+        let xd = be.upload(x).unwrap();
+        be.moe_ffn_add(&xd, &router, ex, s, &mut r).unwrap();
+        let got = be.to_host(&r).unwrap();
+        close(&format!("{what} (added, {ty:?} router)"), got.data(), &plus);
+    }
+}
+
 #[test]
 fn expert_products_match_the_cpu_every_format() {
     for relaid in [true, false] {
@@ -165,6 +184,9 @@ fn expert_products_match_the_cpu_every_format() {
                                 "{ty:?} relaid {relaid} t {t} {case} k {k} scale {with_scale}"
                             );
                             close(&what, &run(&be, &x, &logits, &stacked, &s), want.data());
+                            if case == "random" {
+                                added(&be, &x, &stacked, &s, &what);
+                            }
                             if t == 3 {
                                 close(
                                     &format!("{what} (per-expert tensors)"),
@@ -204,12 +226,13 @@ fn real_shape_top8_of_128() {
             &run(&be, &x, &logits, &stacked, &s),
             want.data(),
         );
+        added(&be, &x, &stacked, &s, &format!("128 experts t {t}"));
     }
 }
 
-/// The device path inside a captured graph: a replay gives what the eager op gives, and
-/// rewriting the input buffer between replays changes the routing (the choice is made on the
-/// device at replay time, not frozen at capture).
+/// The device path (added into a stream) inside a captured graph: a replay gives what the eager
+/// op gives, and rewriting the input buffer between replays changes the routing (the choice is
+/// made on the device at replay time, not frozen at capture).
 #[test]
 fn moe_step_replays_in_a_graph() {
     let Some(be) = gpu(true) else { return };
@@ -228,8 +251,11 @@ fn moe_step_replays_in_a_graph() {
     let be = Arc::new(be);
     let step = |id: u32| -> hf2q_tensor::Result<Tensor> {
         let x = be.embedding(&table, &[id], 1.0)?;
-        let logits = be.linear(&x, &router, None)?;
-        be.moe_ffn(&x, &logits, &stacked, &s)
+        // The output added into a copy of the input: the fused form for decode (the router
+        // product inside the routing kernel).
+        let mut r = be.rows(&x, 0, 1)?;
+        be.moe_ffn_add(&x, &router, &stacked, &s, &mut r)?;
+        Ok(r)
     };
     let eager: Vec<Vec<f32>> = (0..4u32)
         .map(|id| be.to_host(&step(id).unwrap()).unwrap().into_data())

@@ -57,20 +57,23 @@ impl MoeMlp {
     pub fn forward(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
         let be = cx.be;
         let logits = be.linear(x, &self.router, None)?;
-        let spec = MoeSpec {
+        Ok(be.moe_ffn(x, &logits, &self.experts, &self.spec())?)
+    }
+
+    fn spec(&self) -> MoeSpec<'static> {
+        MoeSpec {
             top_k: self.top_k,
             renormalize: self.renormalize,
             expert_scale: None,
             act: gate_act(self.act),
-        };
-        Ok(be.moe_ffn(x, &logits, &self.experts, &spec)?)
+        }
     }
 
     /// `x += forward(rms_norm(x))`: a pre-norm block's MLP half.
     pub fn forward_residual(&self, cx: &Fwd, norm: PreNorm<'_>, x: &mut Tensor) -> Result<()> {
-        let h = cx.be.rms_norm(x, norm.w, norm.eps, norm.offset)?;
-        let y = self.forward(cx, &h)?;
-        Ok(cx.be.add_assign(x, &y)?)
+        let be = cx.be;
+        let h = be.rms_norm(x, norm.w, norm.eps, norm.offset)?;
+        Ok(be.moe_ffn_add(&h, &self.router, &self.experts, &self.spec(), x)?)
     }
 }
 

@@ -21,12 +21,15 @@ pub const MOE_MAX_K: usize = 32;
 pub const MOE_MAX_EXPERTS: usize = 8192;
 
 impl CudaDev {
-    /// Routes `t` tokens: `logits (t, E)` -> `ids (t, k)` (expert indices as exact floats) and
-    /// `wts (t, k)`, as `hf2q_tensor::moe::route` does (`scale`: per-expert multipliers, E).
+    /// Routes `t` tokens: router logits `(t, E)` -> `ids (t, k)` (expert indices as exact floats)
+    /// and `wts (t, k)`, as `hf2q_tensor::moe::route` does (`scale`: per-expert multipliers, E).
+    /// The logits are `logits`, or with `router` (an f32 `(E, D)` weight) computed in the same
+    /// kernel from `x (t, D)` (which `logits` is then).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_route(
         &self,
         logits: &impl DevicePtr<f32>,
+        router: Option<&DeviceWeight>,
         t: usize,
         n_experts: usize,
         k: usize,
@@ -41,7 +44,23 @@ impl CudaDev {
                  {MOE_MAX_EXPERTS})"
             )));
         }
-        need("moe routing logits", logits.len(), t * n_experts)?;
+        let d = match router {
+            Some(r) => {
+                if r.kind != "f32" || r.rows != n_experts || !r.cols.is_multiple_of(4) {
+                    return Err(shape(format!(
+                        "moe routing: router '{}' is {} {}x{} ({n_experts} f32 rows, a \
+                         multiple of 4 wide, expected)",
+                        r.name, r.kind, r.rows, r.cols
+                    )));
+                }
+                need("moe routing input", logits.len(), t * r.cols)?;
+                r.cols
+            }
+            None => {
+                need("moe routing logits", logits.len(), t * n_experts)?;
+                0
+            }
+        };
         need("moe routing ids", ids.len(), t * k)?;
         need("moe routing weights", wts.len(), t * k)?;
         if let Some(s) = scale {
@@ -52,11 +71,28 @@ impl CudaDev {
         }
         self.bind()?;
         let f = self.function(Program::Elementwise, "moe_route")?;
-        let (lp, ip, wp) = (self.ptr(logits), self.ptr_mut(ids), self.ptr_mut(wts));
+        let (ip, wp) = (self.ptr_mut(ids), self.ptr_mut(wts));
         let sp = scale.map_or(0u64, |s| self.ptr(s));
-        let (ei, ki, ri) = (n_experts as i32, k as i32, i32::from(renormalize));
+        let input = self.ptr(logits);
+        if router.is_some() && !input.is_multiple_of(16) {
+            return Err(shape(
+                "moe routing: the input is not 16-byte aligned".into(),
+            ));
+        }
+        let (lp, xp, rp) = match router {
+            Some(r) => (0u64, input, r.args(self).data),
+            None => (input, 0u64, 0u64),
+        };
+        let (di, ei, ki, ri) = (
+            to_i32("hidden", d)?,
+            n_experts as i32,
+            k as i32,
+            i32::from(renormalize),
+        );
         let grid = u32::try_from(t).map_err(|_| shape(format!("moe routing: {t} tokens")))?;
-        launch!(self, f, (grid, 1, 1), (32, 1, 1), 4 * n_experts; lp, ip, wp, sp, ei, ki, ri)
+        let threads = if router.is_some() { 256 } else { 32 };
+        launch!(self, f, (grid, 1, 1), (threads, 1, 1), 4 * n_experts;
+            lp, xp, rp, di, ip, wp, sp, ei, ki, ri)
     }
 
     /// `h (t·k, F) = act(x_t · G_eᵀ) * (x_t · U_eᵀ)` for each pair `p = t·k + j` with
@@ -86,7 +122,7 @@ impl CudaDev {
         need("moe input", x.len(), t * gate.cols)?;
         need("moe ids", ids.len(), pairs)?;
         need("moe gated output", out.len(), pairs * f)?;
-        let func = &id_kernels(gate)?.0;
+        let func = &id_kernels(gate)?[0];
         if pairs == 0 {
             return Ok(());
         }
@@ -125,7 +161,7 @@ impl CudaDev {
         need("moe ids", ids.len(), pairs)?;
         need("moe weights", wts.len(), pairs)?;
         need("moe down output", y.len(), pairs * d)?;
-        let func = &id_kernels(down)?.1;
+        let func = &id_kernels(down)?[1];
         if pairs == 0 {
             return Ok(());
         }
@@ -139,6 +175,47 @@ impl CudaDev {
         let grid = (blocks(d, rpw * 4 / ks)?, pair_grid(pairs)?, 1);
         let (rows, ksi) = (to_i32("rows", d)?, ks as i32);
         launch!(self, func, grid, (128, 1, 1), 0; w, hp, yp, ip, wp, pp, rows, ksi)
+    }
+
+    /// `out (t, D) (+)= Σ_j wts[t·k + j] · (h_{t·k + j} · Down_eᵀ)`, j ascending (`accumulate`:
+    /// added to `out`, a residual stream): [`CudaDev::moe_down`], [`CudaDev::moe_combine`] and the
+    /// residual add in one kernel, for decode.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_sum(
+        &self,
+        h: &impl DevicePtr<f32>,
+        t: usize,
+        k: usize,
+        down: &DeviceWeight,
+        n_experts: usize,
+        ids: &impl DevicePtr<f32>,
+        wts: &impl DevicePtr<f32>,
+        accumulate: bool,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let d = expert_rows(down, n_experts)?;
+        need("moe down input", h.len(), t * k * down.cols)?;
+        need("moe ids", ids.len(), t * k)?;
+        need("moe weights", wts.len(), t * k)?;
+        need("moe output", out.len(), t * d)?;
+        let func = &id_kernels(down)?[2];
+        if t == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let w = down.args(self);
+        let (hp, op, ip, wp) = (self.ptr(h), self.ptr_mut(out), self.ptr(ids), self.ptr(wts));
+        aligned(hp, down.cols)?;
+        let rpw = mvf_rows_per_group(down.kind).0;
+        let ks = self.mv_split(d * t, down.cols, rpw);
+        let grid = (blocks(d, rpw * 4 / ks)?, pair_grid(t)?, 1);
+        let (rows, ksi, ki, acc) = (
+            to_i32("rows", d)?,
+            ks as i32,
+            k as i32,
+            i32::from(accumulate),
+        );
+        launch!(self, func, grid, (128, 1, 1), 0; w, hp, op, ip, wp, rows, ksi, ki, acc)
     }
 
     /// `perm (P)` = the pairs `0..P` ordered by their expert `ids[p]` (i32 values written into
@@ -192,9 +269,7 @@ pub(crate) fn has_id_kernels(w: &DeviceWeight) -> bool {
     w.fast_id.is_some()
 }
 
-fn id_kernels(
-    w: &DeviceWeight,
-) -> Result<&(cudarc::driver::CudaFunction, cudarc::driver::CudaFunction)> {
+fn id_kernels(w: &DeviceWeight) -> Result<&[cudarc::driver::CudaFunction; 3]> {
     w.fast_id.as_ref().ok_or_else(|| {
         shape(format!(
             "moe experts '{}' ({}) have no expert kernels",

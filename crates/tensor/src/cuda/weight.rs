@@ -82,9 +82,9 @@ pub struct DeviceWeight {
     pub(crate) fast_p8: Option<MvFns>,
     /// The 8-bit integer prefill product (`kernels/mmq.cuh`), for the formats with `codes8`.
     pub(crate) mmq: Option<CudaFunction>,
-    /// The expert products of `kernels/matvec_id.cuh` (gated `mvgi`, down `mvdi`), for the
-    /// formats of `fast`: this matrix read as stacked experts.
-    pub(crate) fast_id: Option<(CudaFunction, CudaFunction)>,
+    /// The expert products of `kernels/matvec_id.cuh` (gated `mvgi`, down `mvdi`, down summed
+    /// per token `mvdc`), for the formats of `fast`: this matrix read as stacked experts.
+    pub(crate) fast_id: Option<[CudaFunction; 3]>,
 }
 
 /// Copies blocks of `block` bytes into slots of `stride` bytes (zero-padded), so that every
@@ -418,8 +418,14 @@ impl CudaDev {
                 None
             };
         let fast_id = if fast.is_some() {
-            let f = |form: &str| self.function(program, &format!("mv{form}i_{kind}"));
-            Some((f("g")?, f("d")?))
+            let f = |form: &str| {
+                let name = match form {
+                    "c" => format!("mvdc_{kind}"),
+                    _ => format!("mv{form}i_{kind}"),
+                };
+                self.function(program, &name)
+            };
+            Some([f("g")?, f("d")?, f("c")?])
         } else {
             None
         };

@@ -55,6 +55,36 @@ __device__ __forceinline__ void mvdi_impl(const WRef w, const float* __restrict_
     }
 }
 
+// out (T, D) (+)= Σ_j wts[t k + j] · (h_{t k + j} · Down_{ids[t k + j]}ᵀ), j ascending: the down
+// products of a token's k pairs, their weighted sum and the residual add in one kernel (decode:
+// two kernels fewer per layer than mvdi + moe_combine + add). Grid (row blocks of D, T); the
+// pairs summed in the order moe_combine sums them.
+template <class F>
+__device__ __forceinline__ void mvdc_impl(const WRef w, const float* __restrict__ h,
+                                          float* __restrict__ out, const float* __restrict__ ids,
+                                          const float* __restrict__ wts, int rows, int ks, int k,
+                                          int accumulate) {
+    constexpr int RPW = Rpw<F>::V;
+    __shared__ float red[1][MVF_WARPS][4];
+    pdl_wait();
+    const int t = (int)blockIdx.y;
+    const MvPlace pl = mg_place<RPW>(ks);
+    const bool store = pl.kpart == 0 && pl.lane < RPW && pl.row0 + pl.lane < rows;
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const int p = t * k + j;
+        const int base = (int)ids[p] * rows;
+        mvf_rows<F, RPW, 1>(w, w, h + (i64)p * w.cols, base + rows, base + pl.row0, ks, red);
+        __syncthreads();
+        if (store) acc += wts[p] * mvf_total(red, 0, pl.warp, pl.ks, pl.lane);
+        __syncthreads();
+    }
+    if (store) {
+        float* o = out + (i64)t * rows + pl.row0 + pl.lane;
+        *o = accumulate ? *o + acc : acc;
+    }
+}
+
 #define HF2Q_MATVEC_ID(NAME, DOT, MINB)                                                         \
     extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
         mvgi_##NAME(WRef g, WRef u, const float* x, float* o, const float* ids,                 \
@@ -65,4 +95,9 @@ __device__ __forceinline__ void mvdi_impl(const WRef w, const float* __restrict_
         mvdi_##NAME(WRef w, const float* h, float* y, const float* ids, const float* wts,       \
                     const int* perm, int rows, int ks) {                                        \
         mvdi_impl<DOT>(w, h, y, ids, wts, perm, rows, ks);                                      \
+    }                                                                                           \
+    extern "C" __global__ void MV_BOUNDS(MINB)                                                  \
+        mvdc_##NAME(WRef w, const float* h, float* o, const float* ids, const float* wts,       \
+                    int rows, int ks, int k, int accumulate) {                                  \
+        mvdc_impl<DOT>(w, h, o, ids, wts, rows, ks, k, accumulate);                             \
     }

@@ -1,8 +1,9 @@
 // Mixture-of-experts routing and the sum over a token's experts, on the device (included by
 // elementwise.cu). The expert products between them are matvec_id.cuh's.
 //
-//   moe_route:   logits (T, E) -> ids (T, k) (expert indices, stored as exact floats) and
-//                wts (T, k), one warp per token: the choice of hf2q_tensor::moe::route (softmax
+//   moe_route:   logits (T, E) (given, or the router product of x) -> ids (T, k) (expert
+//                indices, stored as exact floats) and wts (T, k), one block per token: the
+//                choice of hf2q_tensor::moe::route (softmax
 //                over all E in f32 with the max subtracted, the k largest, ties to the lower
 //                index, NaN never before a number; optional renormalisation, then an optional
 //                per-expert scale).
@@ -16,21 +17,44 @@
 // Most experts per token the routing kernel takes (the host checks).
 #define MOE_MAX_K 32
 
-// One warp per token; `pr` (dynamic shared memory, E floats) holds the unnormalised
-// probabilities, chosen ones overwritten with -1.
-extern "C" __global__ void __launch_bounds__(32)
-    moe_route(const float* __restrict__ logits, float* __restrict__ ids, float* __restrict__ wts,
-              const float* __restrict__ scale, int E, int k, int renorm) {
+// One block per token. Its logits come from `logits (T, E)`, or, where `router` is given (an
+// f32 `(E, D)` matrix), are computed here from `x (T, D)` (one warp per expert row, lanes over
+// float4 pieces: the router product folded into the routing, one kernel fewer per layer).
+// The first warp then chooses; `pr` (dynamic shared memory, E floats) holds the logits, then the
+// unnormalised probabilities, chosen ones overwritten with -1.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_route(const float* __restrict__ logits, const float* __restrict__ x,
+              const float* __restrict__ router, int D, float* __restrict__ ids,
+              float* __restrict__ wts, const float* __restrict__ scale, int E, int k, int renorm) {
     extern __shared__ float pr[];
     pdl_wait();
-    const int t = (int)blockIdx.x, lane = (int)threadIdx.x;
-    const float* l = logits + (i64)t * E;
+    const int t = (int)blockIdx.x, lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+    if (router) {
+        const float4* xr = (const float4*)(x + (i64)t * D);
+        for (int e = warp; e < E; e += (int)blockDim.x >> 5) {
+            const float4* w = (const float4*)(router + (i64)e * D);
+            float s = 0.0f;
+            for (int i = lane; i < D / 4; i += 32) {
+                const float4 a = xr[i], b = w[i];
+                s = fmaf(a.x, b.x, s);
+                s = fmaf(a.y, b.y, s);
+                s = fmaf(a.z, b.z, s);
+                s = fmaf(a.w, b.w, s);
+            }
+            s = warp_sum(s);
+            if (lane == 0) pr[e] = s;
+        }
+    } else {
+        for (int e = (int)threadIdx.x; e < E; e += (int)blockDim.x) pr[e] = logits[(i64)t * E + e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
     float m = -__int_as_float(0x7f800000);
-    for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);  // fmaxf skips NaN, as f32::max
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, pr[e]);  // fmaxf skips NaN, as f32::max
     m = warp_max(m);
     float s = 0.0f;
     for (int e = lane; e < E; e += 32) {
-        const float v = expf(l[e] - m);
+        const float v = expf(pr[e] - m);
         pr[e] = v;
         s += v;
     }
