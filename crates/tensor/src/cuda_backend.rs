@@ -528,7 +528,7 @@ impl CudaBackend {
             RouteIn::Logits(l) => (l.clone(), None),
             RouteIn::Router(r) => {
                 let rw = self.weight(r)?;
-                if rw.kind == "f32" && rw.rows == e && rw.cols == d {
+                if self.dev.moe_fused() && rw.kind == "f32" && rw.rows == e && rw.cols == d {
                     (x.clone(), Some(rw))
                 } else {
                     (self.linear(x, r, None)?, None)
@@ -552,7 +552,7 @@ impl CudaBackend {
         )?;
         // A few tokens into a residual stream: the down products, their sum and the add in
         // one kernel.
-        if let Some(r) = residual.filter(|_| t * k <= DOWN_SUM_MAX_PAIRS) {
+        if let Some(r) = residual.filter(|_| self.dev.moe_fused() && t * k <= DOWN_SUM_MAX_PAIRS) {
             if r.len() != t * d {
                 return Err(Error::Shape(format!(
                     "moe_ffn_add: residual of {} values for {t} tokens of {d}",

@@ -121,8 +121,8 @@ fn run(be: &CudaBackend, x: &Tensor, logits: &Tensor, ex: &Experts, s: &MoeSpec)
     be.to_host(&y).unwrap().into_data()
 }
 
-/// `moe_ffn_add` with a router of its own (f32: folded into the routing kernel; bf16: an ordinary
-/// product first), added into a residual stream, against the CPU's router product, experts and
+/// `moe_ffn_add` with a router of its own (f32, and bf16, which is always an ordinary product
+/// first), in the default and the fused form (`set_moe_fused`), added into a residual stream, against the CPU's router product, experts and
 /// add.
 fn added(be: &CudaBackend, x: &Tensor, ex: &Experts, s: &MoeSpec, what: &str) {
     let (t, d) = x.dims2();
@@ -132,11 +132,20 @@ fn added(be: &CudaBackend, x: &Tensor, ex: &Experts, s: &MoeSpec, what: &str) {
         let want = CpuBackend::REFERENCE.moe_ffn(x, &logits, ex, s).unwrap();
         let base = noise(t * d, 17, 1.0);
         let plus: Vec<f32> = want.data().iter().zip(&base).map(|(a, b)| a + b).collect();
-        let mut r = be.upload(&Tensor::new(&[t, d], base).unwrap()).unwrap();
+        let r0 = Tensor::new(&[t, d], base).unwrap();
         let xd = be.upload(x).unwrap();
-        be.moe_ffn_add(&xd, &router, ex, s, &mut r).unwrap();
-        let got = be.to_host(&r).unwrap();
-        close(&format!("{what} (added, {ty:?} router)"), got.data(), &plus);
+        for fused in [false, true] {
+            be.device().set_moe_fused(fused);
+            let mut r = be.upload(&r0).unwrap();
+            be.moe_ffn_add(&xd, &router, ex, s, &mut r).unwrap();
+            let got = be.to_host(&r).unwrap();
+            close(
+                &format!("{what} (added, {ty:?} router, fused {fused})"),
+                got.data(),
+                &plus,
+            );
+        }
+        be.device().set_moe_fused(false);
     }
 }
 
@@ -251,24 +260,31 @@ fn moe_step_replays_in_a_graph() {
     let be = Arc::new(be);
     let step = |id: u32| -> hf2q_tensor::Result<Tensor> {
         let x = be.embedding(&table, &[id], 1.0)?;
-        // The output added into a copy of the input: the fused form for decode (the router
-        // product inside the routing kernel).
+        // The output added into a copy of the input (decode's form).
         let mut r = be.rows(&x, 0, 1)?;
         be.moe_ffn_add(&x, &router, &stacked, &s, &mut r)?;
         Ok(r)
     };
-    let eager: Vec<Vec<f32>> = (0..4u32)
-        .map(|id| be.to_host(&step(id).unwrap()).unwrap().into_data())
-        .collect();
-    let mut g = be
-        .capture(&[0], 0, d, StepOutput::Logits, || step(0))
-        .unwrap();
-    for (id, want) in eager.iter().enumerate() {
-        let got = be.replay(&mut g, &[id as u32], 0).unwrap();
-        close(&format!("replay of token {id}"), got.data(), want);
+    for fused in [false, true] {
+        be.device().set_moe_fused(fused);
+        let eager: Vec<Vec<f32>> = (0..4u32)
+            .map(|id| be.to_host(&step(id).unwrap()).unwrap().into_data())
+            .collect();
+        let mut g = be
+            .capture(&[0], 0, d, StepOutput::Logits, || step(0))
+            .unwrap();
+        for (id, want) in eager.iter().enumerate() {
+            let got = be.replay(&mut g, &[id as u32], 0).unwrap();
+            close(
+                &format!("replay of token {id}, fused {fused}"),
+                got.data(),
+                want,
+            );
+        }
+        assert_ne!(
+            eager[0], eager[1],
+            "different inputs must route differently"
+        );
     }
-    assert_ne!(
-        eager[0], eager[1],
-        "different inputs must route differently"
-    );
+    be.device().set_moe_fused(false);
 }

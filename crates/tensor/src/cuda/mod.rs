@@ -144,6 +144,8 @@ pub struct CudaDev {
     /// One-token product options: the weights' L2 prefetch before waiting for the previous
     /// kernel, and 8-bit activations (an [`MvMode`] as its discriminant).
     mv_prefetch: std::sync::atomic::AtomicBool,
+    /// Mixture-of-experts decode in its fused form (`CudaDev::set_moe_fused`).
+    moe_fused: std::sync::atomic::AtomicBool,
     /// Where pre-norm products fold their RMSNorm in ([`CudaDev::set_matvec_norm`]).
     mv_norm: std::sync::atomic::AtomicBool,
     mv_act8: std::sync::atomic::AtomicU8,
@@ -316,6 +318,9 @@ impl CudaDev {
             blas_chunk: std::sync::atomic::AtomicUsize::new(0),
             mv_prefetch: std::sync::atomic::AtomicBool::new(
                 std::env::var("HF2Q_CUDA_PREFETCH").as_deref() == Ok("1"),
+            ),
+            moe_fused: std::sync::atomic::AtomicBool::new(
+                std::env::var("HF2Q_CUDA_MOE_FUSED").as_deref() == Ok("1"),
             ),
             mv_norm: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_NORM")),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),

@@ -21,6 +21,22 @@ pub const MOE_MAX_K: usize = 32;
 pub const MOE_MAX_EXPERTS: usize = 8192;
 
 impl CudaDev {
+    /// Whether a decode step's routed MLP takes its fused form: the f32 router product inside
+    /// the routing kernel and the down products summed into the residual stream by one kernel
+    /// (three kernels per layer instead of six). Off by default: on the H200 it measured slower
+    /// (Qwen3-30B-A3B Q4_K_M tg128 158.8 tokens/s against 319.6; the routing kernel reads the
+    /// whole router on one multiprocessor per token, and the summing kernel runs a token's k
+    /// products one after another in 256 blocks; cuda/NOTES.md). `HF2Q_CUDA_MOE_FUSED=1` at
+    /// open turns it on (measurements; tests run both).
+    pub fn set_moe_fused(&self, on: bool) {
+        self.moe_fused
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn moe_fused(&self) -> bool {
+        self.moe_fused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Routes `t` tokens: router logits `(t, E)` -> `ids (t, k)` (expert indices as exact floats)
     /// and `wts (t, k)`, as `hf2q_tensor::moe::route` does (`scale`: per-expert multipliers, E).
     /// The logits are `logits`, or with `router` (an f32 `(E, D)` weight) computed in the same
