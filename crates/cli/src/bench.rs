@@ -455,16 +455,13 @@ fn bench_model(
             let rss = peak_rss_bytes();
             // Decode on a GPU: the share of the bandwidth floor (every weight byte read once per
             // token at the measured copy bandwidth) that was reached.
-            let floor_pct = (device == "cuda" && matches!(test, Test::Gen(_))).then(
-                // Bytes read per token: every weight once, which the file size approximates;
-                // of a mixture of experts only the share of its parameters a token uses.
-                || {
-                    let active = info.experts.as_ref().map_or(1.0, |x| {
-                        x.active_parameters as f64 / info.parameters.max(1) as f64
-                    });
-                    100.0 * mean / (H200_COPY_BYTES_PER_S / (info.file_bytes as f64 * active))
-                },
-            );
+            let floor_pct = (device == "cuda" && matches!(test, Test::Gen(_))).then(|| {
+                // Bytes read per token: every weight once, the embedding as one row, k/E of a
+                // mixture's experts (the file size where the file cannot be measured so).
+                let bytes = hf2q_models::convert::source::decode_bytes(Path::new(&info.path))
+                    .map_or(info.file_bytes, |b| b.per_token);
+                100.0 * mean / (H200_COPY_BYTES_PER_S / bytes as f64)
+            });
             if let Some(p) = floor_pct {
                 eprintln!("bench: {} = {p:.1}% of the bandwidth floor", test.name());
             }
