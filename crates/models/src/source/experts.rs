@@ -24,6 +24,40 @@ use crate::{Error, Result};
 /// The three parts of an expert, in [`Experts`]' order, by their names in each layout.
 const PARTS: [(&str, &str); 3] = [("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")];
 
+/// A GGUF tensor of `n_experts` stacked experts, ggml dims `(columns, rows, experts)`, as one
+/// `(experts · rows, columns)` matrix of its stored bytes.
+fn stacked_tensor(
+    file: &hf2q_tensor::io::gguf::GgufFile,
+    info: &hf2q_tensor::io::gguf::GgufTensorInfo,
+    name: &str,
+    n_experts: usize,
+) -> Result<QTensor> {
+    let [c, r, e] = info.dims[..] else {
+        return Err(Error::Config(format!(
+            "tensor '{name}' has {} dims, 3 expected (columns, rows, experts)",
+            info.dims.len()
+        )));
+    };
+    if e != n_experts as u64 {
+        return Err(Error::Config(format!(
+            "tensor '{name}' holds {e} experts, the config says {n_experts}"
+        )));
+    }
+    let big = || Error::Config(format!("tensor '{name}' is too large"));
+    let rows = r
+        .checked_mul(e)
+        .and_then(|x| usize::try_from(x).ok())
+        .ok_or_else(big)?;
+    let cols = usize::try_from(c).map_err(|_| big())?;
+    Ok(QTensor::ggml(
+        name,
+        info.ty,
+        rows,
+        cols,
+        file.tensor_data(info)?,
+    )?)
+}
+
 impl WeightSource {
     /// The `n_experts` experts of the layer under `prefix` (`model.layers.N`).
     pub fn experts(&self, prefix: &str, n_experts: usize) -> Result<Experts> {
@@ -35,30 +69,7 @@ impl WeightSource {
                     let info = file
                         .tensor(&name)
                         .ok_or_else(|| Error::MissingTensor(name.clone()))?;
-                    let [c, r, e] = info.dims[..] else {
-                        return Err(Error::Config(format!(
-                            "tensor '{name}' has {} dims, 3 expected (columns, rows, experts)",
-                            info.dims.len()
-                        )));
-                    };
-                    if e != n_experts as u64 {
-                        return Err(Error::Config(format!(
-                            "tensor '{name}' holds {e} experts, the config says {n_experts}"
-                        )));
-                    }
-                    let rows = r
-                        .checked_mul(e)
-                        .and_then(|x| usize::try_from(x).ok())
-                        .ok_or_else(|| Error::Config(format!("tensor '{name}' is too large")))?;
-                    let cols = usize::try_from(c)
-                        .map_err(|_| Error::Config(format!("tensor '{name}' is too large")))?;
-                    Ok(QTensor::ggml(
-                        &name,
-                        info.ty,
-                        rows,
-                        cols,
-                        file.tensor_data(info)?,
-                    )?)
+                    stacked_tensor(file, info, &name, n_experts)
                 });
                 Ok(Experts::from_stacked(n_experts, g?, u?, d?)?)
             }
@@ -102,26 +113,9 @@ impl WeightSource {
                     match file.tensor(&name) {
                         None => Ok(None),
                         Some(info) => {
-                            let [c, r, e] = info.dims[..] else {
-                                return Err(Error::Config(format!(
-                                    "tensor '{name}' has {} dims, 3 expected (columns, rows, experts)",
-                                    info.dims.len()
-                                )));
-                            };
-                            if e != n_experts as u64 {
-                                return Err(Error::Config(format!(
-                                    "tensor '{name}' holds {e} experts, the config says {n_experts}"
-                                )));
-                            }
-                            let big = || Error::Config(format!("tensor '{name}' is too large"));
-                            let rows = r
-                                .checked_mul(e)
-                                .and_then(|x| usize::try_from(x).ok())
-                                .ok_or_else(big)?;
-                            let cols = usize::try_from(c).map_err(|_| big())?;
-                            let w =
-                                QTensor::ggml(&name, info.ty, rows, cols, file.tensor_data(info)?)?;
-                            Ok(Some((w, rows / n_experts)))
+                            let w = stacked_tensor(file, info, &name, n_experts)?;
+                            let rows = w.rows / n_experts;
+                            Ok(Some((w, rows)))
                         }
                     }
                 };
