@@ -368,3 +368,17 @@ fn per_expert_imatrix_rows_weight_their_own_expert() {
     let err = quantize(&src, &dir.path().join("c.gguf"), &opts, &NoProgress).unwrap_err();
     assert!(err.to_string().contains(name), "{err}");
 }
+
+/// Gemma 4 to GGUF is refused with a message naming the family, and no file is left behind:
+/// its per-layer keys are not written yet, and a file without them would not load as the model.
+#[test]
+fn gemma4_to_gguf_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("g4.gguf");
+    let src = SourceModel::open(&tiny("tiny-gemma4")).unwrap();
+    let err = convert(&src, &out, &ConvertTarget::Gguf(None), &NoProgress)
+        .expect_err("Gemma 4 to GGUF must be refused")
+        .to_string();
+    assert!(err.contains("Gemma 4"), "{err}");
+    assert!(!out.exists());
+}

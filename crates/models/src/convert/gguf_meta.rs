@@ -342,6 +342,16 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
         .dir
         .as_ref()
         .ok_or_else(|| Error::Msg("metadata_from_hf needs a folder source".into()))?;
+    if c.arch == Arch::Gemma4 {
+        // Its per-layer keys (kv heads, head widths, sliding pattern, MLP widths) and
+        // `rope_freqs.weight` are not written yet: refuse rather than write a file that no
+        // loader reads as the model.
+        return Err(Error::Msg(
+            "converting Gemma 4 to GGUF is not supported yet (its per-layer attention keys and \
+             rope_freqs are not written); run it from the Hugging Face folder"
+                .into(),
+        ));
+    }
     let k = |s: &str| format!("{a}.{s}");
     let u32v = |x: usize| GgufValue::U32(x as u32);
     let name = dir
