@@ -40,6 +40,7 @@ use cudarc::driver::{
 use crate::cuda::{
     CudaDev, DeviceKvCache, DevicePtrMutF32, DeviceWeight, KvDtype, RopeTable, RowNorm, SampleArgs,
 };
+use crate::cuda_moe::{MoeOut, RouteIn};
 use crate::kv::{check_fits, DeviceKv, KvStore};
 use crate::moe::{check_moe, moe_ffn_composed, Experts, MoeSpec};
 use crate::op::{
@@ -59,28 +60,6 @@ type VectorCache = HashMap<(usize, usize), (Vec<f32>, Arc<CudaSlice<f32>>)>;
 /// reused by another weight (a model loaded after another one was dropped).
 type WeightCache = HashMap<(usize, usize), (crate::Bytes, Arc<DeviceWeight>)>;
 
-/// Where the device path of a mixture-of-experts MLP gets its router logits: given, or the
-/// product of its input with the router.
-enum RouteIn<'a> {
-    Logits(&'a Tensor),
-    Router(&'a QTensor),
-}
-
-/// What the device path of a mixture-of-experts MLP gave: its output, or nothing because it
-/// added the output into the residual stream itself.
-enum MoeOut {
-    Out(Tensor),
-    Added,
-}
-
-/// Most (token, expert) pairs whose down products are summed into the residual stream by one
-/// kernel (`moe_down_sum`): decode steps; longer batches take the expert-ordered pairs.
-const DOWN_SUM_MAX_PAIRS: usize = 64;
-
-/// Experts stored one tensor per expert, stacked once for the device's expert kernels: gate,
-/// up and down by the key of expert 0's gate (whose bytes the entry keeps alive).
-type StackCache = HashMap<(usize, usize), (crate::Bytes, [Arc<DeviceWeight>; 3])>;
-
 /// Device copies of the small host tensors eager steps uploaded, by shape and value bits (see
 /// the module header): at most [`CONST_MAX_ENTRIES`] of at most [`CONST_MAX_LEN`] values.
 type ConstCache = HashMap<(Vec<usize>, Vec<u32>), Arc<CudaSlice<f32>>>;
@@ -92,7 +71,7 @@ pub struct CudaBackend {
     dev: Arc<CudaDev>,
     kv_dtype: KvDtype,
     weights: Mutex<WeightCache>,
-    stacks: Mutex<StackCache>,
+    pub(crate) stacks: Mutex<crate::cuda_moe::StackCache>,
     vectors: Mutex<VectorCache>,
     consts: Mutex<ConstCache>,
     ropes: Mutex<HashMap<Vec<u32>, Arc<RopeTable>>>,
@@ -210,8 +189,8 @@ impl std::fmt::Debug for CudaBackend {
 
 /// A device buffer seen through its raw address, so that ops can read and write tensors that
 /// share a buffer. Sound because one stream orders every access (event tracking is off).
-struct Raw<'s> {
-    ptr: sys::CUdeviceptr,
+pub(crate) struct Raw<'s> {
+    pub(crate) ptr: sys::CUdeviceptr,
     len: usize,
     stream: &'s Arc<CudaStream>,
 }
@@ -256,7 +235,7 @@ impl DeviceKv for Kv {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -446,7 +425,7 @@ impl CudaBackend {
 
     /// `x` as a device buffer view; host tensors are an error (model code keeps activations
     /// where the backend put them).
-    fn raw<'s>(&'s self, x: &Tensor, what: &str) -> Result<Raw<'s>> {
+    pub(crate) fn raw<'s>(&'s self, x: &Tensor, what: &str) -> Result<Raw<'s>> {
         let span = x.device_span().ok_or_else(|| {
             Error::Msg(format!(
                 "cuda {what}: the input is a host tensor (expected a device tensor)"
@@ -467,132 +446,6 @@ impl CudaBackend {
         let d = Arc::new(self.dev.upload_weight(w)?);
         lock(&self.weights).insert(key, (bytes.clone(), d.clone()));
         Ok(d)
-    }
-
-    /// A layer's experts as three stacked device matrices (gate, up, down), or None where they
-    /// cannot be (MLX affine parts, or parts of different formats): the stacked tensors they
-    /// came from, or, for experts stored one tensor per expert, their rows concatenated once on
-    /// the host and uploaded.
-    fn expert_weights(&self, ex: &Experts) -> Result<Option<[Arc<DeviceWeight>; 3]>> {
-        if let Some([g, u, d]) = ex.stacked() {
-            return Ok(Some([self.weight(g)?, self.weight(u)?, self.weight(d)?]));
-        }
-        let (key, bytes) = weight_key(&ex.expert(0)[0]);
-        if let Some((_, w)) = lock(&self.stacks).get(&key) {
-            return Ok(Some(w.clone()));
-        }
-        let mut out = Vec::with_capacity(3);
-        for m in 0..3 {
-            let parts: Vec<&QTensor> = (0..ex.n_experts()).map(|e| &ex.expert(e)[m]).collect();
-            let Some(q) = stack_rows(&parts)? else {
-                return Ok(None);
-            };
-            out.push(Arc::new(self.dev.upload_weight(&q)?));
-        }
-        let w: [Arc<DeviceWeight>; 3] = [out[0].clone(), out[1].clone(), out[2].clone()];
-        lock(&self.stacks).insert(key, (bytes.clone(), w.clone()));
-        Ok(Some(w))
-    }
-
-    /// The device path of [`Backend::moe_ffn`] and [`Backend::moe_ffn_add`] (`residual`):
-    /// routing, expert products and the sum over a token's experts in four or five kernels
-    /// (cuda/moe.rs), nothing on the host; with a residual and few pairs, three, the last adding
-    /// into it. None where it does not apply (experts without the one-token kernels,
-    /// misaligned input), for the composed path.
-    fn moe_ffn_device(
-        &self,
-        x: &Tensor,
-        route_in: RouteIn<'_>,
-        ex: &Experts,
-        spec: &MoeSpec<'_>,
-        t: usize,
-        residual: Option<&mut Tensor>,
-    ) -> Result<Option<MoeOut>> {
-        use crate::cuda::moe::{has_id_kernels, MOE_MAX_EXPERTS, MOE_MAX_K};
-        let (e, k, d, f) = (ex.n_experts(), spec.top_k, ex.hidden(), ex.width());
-        let xi = self.raw(x, "moe_ffn")?;
-        if k == 0 || k > e.min(MOE_MAX_K) || e > MOE_MAX_EXPERTS || t * k > 65535 {
-            return Ok(None);
-        }
-        if xi.ptr % 16 != 0 || d % 4 != 0 || f % 4 != 0 {
-            return Ok(None);
-        }
-        let Some([g, u, dn]) = self.expert_weights(ex)? else {
-            return Ok(None);
-        };
-        if !(has_id_kernels(&g) && has_id_kernels(&u) && has_id_kernels(&dn)) {
-            return Ok(None);
-        }
-        // An f32 router is read by the routing kernel itself; any other is an ordinary product.
-        let (logits, router) = match route_in {
-            RouteIn::Logits(l) => (l.clone(), None),
-            RouteIn::Router(r) => {
-                let rw = self.weight(r)?;
-                if self.dev.moe_fused() && rw.kind == "f32" && rw.rows == e && rw.cols == d {
-                    (x.clone(), Some(rw))
-                } else {
-                    (self.linear(x, r, None)?, None)
-                }
-            }
-        };
-        let li = self.raw(&logits, "moe_ffn")?;
-        let scale = spec.expert_scale.map(|s| self.vector(s)).transpose()?;
-        let (ids, wts) = (self.alloc(&[t, k])?, self.alloc(&[t, k])?);
-        let (mut idi, mut wti) = (self.raw(&ids, "moe_ffn")?, self.raw(&wts, "moe_ffn")?);
-        self.dev.moe_route(
-            &li,
-            router.as_deref(),
-            t,
-            e,
-            k,
-            spec.renormalize,
-            scale.as_deref(),
-            &mut idi,
-            &mut wti,
-        )?;
-        // A few tokens into a residual stream: the down products, their sum and the add in
-        // one kernel.
-        if let Some(r) = residual.filter(|_| self.dev.moe_fused() && t * k <= DOWN_SUM_MAX_PAIRS) {
-            if r.len() != t * d {
-                return Err(Error::Shape(format!(
-                    "moe_ffn_add: residual of {} values for {t} tokens of {d}",
-                    r.len()
-                )));
-            }
-            let h = self.alloc(&[t * k, f])?;
-            let mut hi = self.raw(&h, "moe_ffn")?;
-            let gelu = matches!(spec.act, GateAct::GeluTanh);
-            self.dev
-                .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, None, &mut hi)?;
-            let mut ri = self.raw(r, "moe_ffn")?;
-            self.dev
-                .moe_down_sum(&hi, t, k, &dn, e, &idi, &wti, true, &mut ri)?;
-            return Ok(Some(MoeOut::Added));
-        }
-        // More than one token: pairs taken in expert order (one expert's reads then share L2).
-        // The buffer holds i32 values.
-        let order = if t > 1 {
-            let perm = self.alloc(&[t * k])?;
-            let pp = self.raw(&perm, "moe_ffn")?.ptr;
-            self.dev.moe_sort(&idi, t * k, e, pp)?;
-            Some((perm, pp))
-        } else {
-            None
-        };
-        let pp = order.as_ref().map(|o| o.1);
-        let h = self.alloc(&[t * k, f])?;
-        let mut hi = self.raw(&h, "moe_ffn")?;
-        let gelu = matches!(spec.act, GateAct::GeluTanh);
-        self.dev
-            .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, pp, &mut hi)?;
-        let y = self.alloc(&[t * k, d])?;
-        let mut yi = self.raw(&y, "moe_ffn")?;
-        self.dev
-            .moe_down(&hi, t * k, &dn, e, &idi, &wti, pp, &mut yi)?;
-        let out = self.alloc(&[t, d])?;
-        let mut oi = self.raw(&out, "moe_ffn")?;
-        self.dev.moe_combine(&yi, t, k, d, &mut oi)?;
-        Ok(Some(MoeOut::Out(out)))
     }
 
     /// Drops the device copy of `w` and the handle on its bytes, if it was uploaded (a weight
@@ -1012,41 +865,12 @@ impl CudaBackend {
 
 /// Weights are keyed by the address and length of their stored bytes (mapped file or owned
 /// buffer), which the cache keeps alive — two live tensors never share both.
-fn weight_key(w: &QTensor) -> ((usize, usize), &crate::Bytes) {
+pub(crate) fn weight_key(w: &QTensor) -> ((usize, usize), &crate::Bytes) {
     let b = match &w.data {
         crate::WeightData::Ggml { data, .. } => data,
         crate::WeightData::Affine { packed, .. } => packed,
     };
     ((b.as_slice().as_ptr() as usize, b.len()), b)
-}
-
-/// Same-format ggml tensors of equal width as one tensor of all their rows, in order (None for
-/// MLX affine parts or mixed formats).
-fn stack_rows(parts: &[&QTensor]) -> Result<Option<QTensor>> {
-    let Some(first) = parts.first() else {
-        return Ok(None);
-    };
-    let crate::WeightData::Ggml { ty, .. } = &first.data else {
-        return Ok(None);
-    };
-    let mut bytes = Vec::new();
-    for p in parts {
-        match &p.data {
-            crate::WeightData::Ggml { ty: t, data } if t == ty && p.cols == first.cols => {
-                bytes.extend_from_slice(data.as_slice())
-            }
-            _ => return Ok(None),
-        }
-    }
-    let rows = parts.iter().map(|p| p.rows).sum();
-    let name = format!("{} (stacked experts)", first.name);
-    Ok(Some(QTensor::ggml(
-        &name,
-        *ty,
-        rows,
-        first.cols,
-        crate::Bytes::from_vec(bytes),
-    )?))
 }
 
 impl Backend for CudaBackend {

@@ -13,6 +13,7 @@
 pub mod cpu;
 pub mod cuda;
 pub mod cuda_backend;
+mod cuda_moe;
 mod cuda_train;
 pub mod dtype;
 pub mod error;

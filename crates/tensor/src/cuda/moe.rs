@@ -3,8 +3,8 @@
 //! (token, slot) pair read from stacked expert matrices, and the sum of a token's pairs. All
 //! stay on the device, so a decode step with routed layers is still one graph.
 //!
-//! Not here: the choice between this path and the composed one (`CudaBackend::moe_ffn`), the
-//! router product (an ordinary linear).
+//! Not here: the choice between this path and the composed one (`cuda_moe.rs`), the router
+//! product where it is not folded into the routing (an ordinary linear).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
