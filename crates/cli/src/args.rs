@@ -141,6 +141,8 @@ pub fn open_device(
                 "device: {} (compute capability {}.{})",
                 info.name, info.compute_capability.0, info.compute_capability.1
             );
+            // A measurement switch: the fused mixture-of-experts decode (cuda/moe.rs).
+            dev.set_moe_fused(std::env::var("HF2Q_CUDA_MOE_FUSED").as_deref() == Ok("1"));
             Ok(Some(std::sync::Arc::new(CudaBackend::new(
                 dev,
                 kv.kv_type().into(),

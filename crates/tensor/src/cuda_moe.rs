@@ -120,30 +120,20 @@ impl CudaBackend {
             &mut idi,
             &mut wti,
         )?;
-        // A few tokens into a residual stream: the down products, their sum and the add in
-        // one kernel.
-        if let Some(r) =
-            residual.filter(|_| self.device().moe_fused() && t * k <= DOWN_SUM_MAX_PAIRS)
-        {
+        // A few tokens into a residual stream (fused form): the down products, their sum and
+        // the add in one kernel.
+        let fused = residual.filter(|_| self.device().moe_fused() && t * k <= DOWN_SUM_MAX_PAIRS);
+        if let Some(r) = &fused {
             if r.len() != t * d {
                 return Err(Error::Shape(format!(
                     "moe_ffn_add: residual of {} values for {t} tokens of {d}",
                     r.len()
                 )));
             }
-            let h = self.alloc(&[t * k, f])?;
-            let mut hi = self.raw(&h, "moe_ffn")?;
-            let gelu = matches!(spec.act, GateAct::GeluTanh);
-            self.device()
-                .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, None, &mut hi)?;
-            let mut ri = self.raw(r, "moe_ffn")?;
-            self.device()
-                .moe_down_sum(&hi, t, k, &dn, e, &idi, &wti, true, &mut ri)?;
-            return Ok(Some(MoeOut::Added));
         }
-        // More than one token: pairs taken in expert order (one expert's reads then share L2).
-        // The buffer holds i32 values.
-        let order = if t > 1 {
+        // More than one token, unfused: pairs taken in expert order (one expert's reads then
+        // share L2). The buffer holds i32 values.
+        let order = if t > 1 && fused.is_none() {
             let perm = self.alloc(&[t * k])?;
             let pp = self.raw(&perm, "moe_ffn")?.ptr;
             self.device().moe_sort(&idi, t * k, e, pp)?;
@@ -157,6 +147,12 @@ impl CudaBackend {
         let gelu = matches!(spec.act, GateAct::GeluTanh);
         self.device()
             .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, pp, &mut hi)?;
+        if let Some(r) = fused {
+            let mut ri = self.raw(r, "moe_ffn")?;
+            self.device()
+                .moe_down_sum(&hi, t, k, &dn, e, &idi, &wti, true, &mut ri)?;
+            return Ok(Some(MoeOut::Added));
+        }
         let y = self.alloc(&[t * k, d])?;
         let mut yi = self.raw(&y, "moe_ffn")?;
         self.device()

@@ -319,9 +319,7 @@ impl CudaDev {
             mv_prefetch: std::sync::atomic::AtomicBool::new(
                 std::env::var("HF2Q_CUDA_PREFETCH").as_deref() == Ok("1"),
             ),
-            moe_fused: std::sync::atomic::AtomicBool::new(
-                std::env::var("HF2Q_CUDA_MOE_FUSED").as_deref() == Ok("1"),
-            ),
+            moe_fused: std::sync::atomic::AtomicBool::new(false),
             mv_norm: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_NORM")),
             mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
             mv_p8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_P8") as u8),
