@@ -120,6 +120,11 @@ impl CudaBackend {
             &mut idi,
             &mut wti,
         )?;
+        if self.device().int8_experts(t, &[&g, &u, &dn]) {
+            let gelu = matches!(spec.act, GateAct::GeluTanh);
+            let out = self.moe_int8(xi.ptr, t, k, [&g, &u, &dn], e, gelu, &idi, wti.ptr)?;
+            return Ok(Some(MoeOut::Out(out)));
+        }
         // A few tokens into a residual stream (fused form): the down products, their sum and
         // the add in one kernel.
         let fused = residual.filter(|_| self.device().moe_fused() && t * k <= DOWN_SUM_MAX_PAIRS);
@@ -136,7 +141,7 @@ impl CudaBackend {
         let order = if t > 1 && fused.is_none() {
             let perm = self.alloc(&[t * k])?;
             let pp = self.raw(&perm, "moe_ffn")?.ptr;
-            self.device().moe_sort(&idi, t * k, e, pp)?;
+            self.device().moe_sort(&idi, t * k, e, pp, None)?;
             Some((perm, pp))
         } else {
             None
@@ -161,6 +166,55 @@ impl CudaBackend {
         let mut oi = self.raw(&out, "moe_ffn")?;
         self.device().moe_combine(&yi, t, k, d, &mut oi)?;
         Ok(Some(MoeOut::Out(out)))
+    }
+}
+
+impl CudaBackend {
+    /// The routed MLP of a prefill batch on the integer tensor cores: the pairs sorted by
+    /// expert, `x (t, D)` quantized once for the gate and up products of every pair, the gated
+    /// activations `(t·k, F)` quantized for the down products (scaled by the routing weights
+    /// `wts`), then each token's k rows summed. Eight launches whatever the expert count.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_int8(
+        &self,
+        x: u64,
+        t: usize,
+        k: usize,
+        [g, u, dn]: [&DeviceWeight; 3],
+        e: usize,
+        gelu: bool,
+        ids: &crate::cuda_backend::Raw<'_>,
+        wts: u64,
+    ) -> Result<Tensor> {
+        use crate::cuda::quantized_bytes;
+        let dev = self.device();
+        let (p, d, f) = (t * k, g.cols, dn.cols);
+        let ptr = |a: &Tensor| self.raw(a, "moe_ffn").map(|r| r.ptr);
+        // i32 values in f32-sized slots.
+        let (perm, offs) = (self.alloc(&[p])?, self.alloc(&[e + 1])?);
+        let order = (ptr(&perm)?, ptr(&offs)?);
+        dev.moe_sort(ids, p, e, order.0, Some(order.1))?;
+        let xq = self.alloc(&[quantized_bytes(t * d).div_ceil(4)])?;
+        let xqp = ptr(&xq)?;
+        let xs = dev.quantize_split(x, t * d, xqp)?;
+        let (gate, up) = (self.alloc(&[p, f])?, self.alloc(&[p, f])?);
+        dev.mmq_experts((xqp, xs, t), g, e, (order.0, order.1, k), t, 0, ptr(&gate)?)?;
+        dev.mmq_experts((xqp, xs, t), u, e, (order.0, order.1, k), t, 0, ptr(&up)?)?;
+        let h = if gelu {
+            self.gelu_tanh_mul(&gate, &up)?
+        } else {
+            self.silu_mul(&gate, &up)?
+        };
+        drop((gate, up, xq));
+        let hq = self.alloc(&[quantized_bytes(p * f).div_ceil(4)])?;
+        let hqp = ptr(&hq)?;
+        let hs = dev.quantize_split(ptr(&h)?, p * f, hqp)?;
+        let y = self.alloc(&[p, d])?;
+        dev.mmq_experts((hqp, hs, p), dn, e, (order.0, order.1, 1), t, wts, ptr(&y)?)?;
+        let out = self.alloc(&[t, d])?;
+        let (yi, mut oi) = (self.raw(&y, "moe_ffn")?, self.raw(&out, "moe_ffn")?);
+        dev.moe_combine(&yi, t, k, d, &mut oi)?;
+        Ok(out)
     }
 }
 

@@ -5,7 +5,10 @@
 //! Routing cases: random logits, every token to one expert, an expert never chosen, k = 1, 2, 8
 //! and k = E. Tolerance: max |GPU - CPU| <= 1e-4 · max |CPU| + 1e-6. Both dequantize the same
 //! blocks exactly and sum in f32, in different orders: a few hundred roundings at 2^-24 of
-//! values of order 1; a wrong expert, weight or row moves the result by its own size. Without
+//! values of order 1; batches of 9 tokens or more (the integer expert products) also round
+//! the activations to 16 bits twice (at most 2^-15 of a block's largest, before the gate/up
+//! and before the down products); a wrong expert, weight or row moves the result by its own
+//! size. Without
 //! a GPU each test prints "skipped: no CUDA device" and passes.
 
 use std::sync::Arc;
@@ -212,30 +215,38 @@ fn expert_products_match_the_cpu_every_format() {
 }
 
 /// Qwen3-30B-A3B's layer shape (128 experts, top 8, width 768, hidden 2048), Q4_K re-laid as a
-/// model's stacked experts are.
+/// model's stacked experts are. 150 tokens take the integer expert products (prefill), in
+/// tiles of 64 pairs per expert: with every token on one expert, that expert has three tiles,
+/// the last partly padding.
 #[test]
 fn real_shape_top8_of_128() {
     let Some(be) = gpu(true) else { return };
     let (e, f, d) = (128, 768, 2048);
     let (stacked, _) = experts(GgmlType::Q4_K, e, f, d, 5);
-    for t in [1, 4] {
+    for t in [1, 4, 150] {
         let x = Tensor::new(&[t, d], noise(t * d, 9, 1.0)).unwrap();
-        let logits = Tensor::new(&[t, e], noise(t * e, 13, 3.0)).unwrap();
-        let s = MoeSpec {
-            top_k: 8,
-            renormalize: true,
-            expert_scale: None,
-            act: GateAct::Silu,
+        let cases = if t > 64 {
+            routers(t, e)
+        } else {
+            vec![("random", noise(t * e, 13, 3.0))]
         };
-        let want = CpuBackend::REFERENCE
-            .moe_ffn(&x, &logits, &stacked, &s)
-            .unwrap();
-        close(
-            &format!("128 experts t {t}"),
-            &run(&be, &x, &logits, &stacked, &s),
-            want.data(),
-        );
-        added(&be, &x, &stacked, &s, &format!("128 experts t {t}"));
+        for (case, l) in cases {
+            let logits = Tensor::new(&[t, e], l).unwrap();
+            let s = MoeSpec {
+                top_k: 8,
+                renormalize: true,
+                expert_scale: None,
+                act: GateAct::Silu,
+            };
+            let want = CpuBackend::REFERENCE
+                .moe_ffn(&x, &logits, &stacked, &s)
+                .unwrap();
+            let what = format!("128 experts t {t} {case}");
+            close(&what, &run(&be, &x, &logits, &stacked, &s), want.data());
+            if case == "random" {
+                added(&be, &x, &stacked, &s, &what);
+            }
+        }
     }
 }
 

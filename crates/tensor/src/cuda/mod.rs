@@ -57,6 +57,7 @@ pub use compile::{
     compile_all_for, compile_for, compile_program_for, fill_cache_for, kernel_cache_dir,
     nvrtc_available,
 };
+pub(crate) use mmq::quantized_bytes;
 pub use ops::{
     DeviceKvCache, DevicePtrMutF32, KvDtype, MvMode, RopeTable, RowNorm, SampleArgs, MAX_HEAD_DIM,
     SAMPLE_MAX_K,

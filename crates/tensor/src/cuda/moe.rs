@@ -236,13 +236,15 @@ impl CudaDev {
 
     /// `perm (P)` = the pairs `0..P` ordered by their expert `ids[p]` (i32 values written into
     /// a 4-byte-element buffer at `perm`, which holds at least `pairs`), for
-    /// [`CudaDev::moe_gated`] and [`CudaDev::moe_down`] to take pairs of one expert together.
+    /// [`CudaDev::moe_gated`] and [`CudaDev::moe_down`] to take pairs of one expert together;
+    /// with `offs` (a buffer of E + 1 such values), where each expert's pairs start, then P.
     pub fn moe_sort(
         &self,
         ids: &impl DevicePtr<f32>,
         pairs: usize,
         n_experts: usize,
         perm: u64,
+        offs: Option<u64>,
     ) -> Result<()> {
         need("moe ids", ids.len(), pairs)?;
         if n_experts > MOE_MAX_EXPERTS {
@@ -254,8 +256,8 @@ impl CudaDev {
         self.bind()?;
         let f = self.function(Program::Elementwise, "moe_sort")?;
         let ip = self.ptr(ids);
-        let (pi, ei) = (to_i32("pairs", pairs)?, n_experts as i32);
-        launch!(self, f, (1, 1, 1), (1024, 1, 1), 0; ip, pi, ei, perm)
+        let (pi, ei, op) = (to_i32("pairs", pairs)?, n_experts as i32, offs.unwrap_or(0));
+        launch!(self, f, (1, 1, 1), (1024, 1, 1), 0; ip, pi, ei, perm, op)
     }
 
     /// `out (t, D) = Σ_j y (t·k + j)`, j ascending.
@@ -295,7 +297,7 @@ fn id_kernels(w: &DeviceWeight) -> Result<&[cudarc::driver::CudaFunction; 3]> {
 }
 
 /// Rows of one expert of the stacked `w`.
-fn expert_rows(w: &DeviceWeight, n_experts: usize) -> Result<usize> {
+pub(crate) fn expert_rows(w: &DeviceWeight, n_experts: usize) -> Result<usize> {
     if n_experts == 0 || !w.rows.is_multiple_of(n_experts) {
         return Err(shape(format!(
             "moe experts '{}': {} rows do not split into {n_experts} experts",

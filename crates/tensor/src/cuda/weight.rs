@@ -80,8 +80,10 @@ pub struct DeviceWeight {
     /// The persistent 8-bit kernels (`kernels/matvec_p8.cuh`: `mpf`, `mpg`), for Q4_0, Q8_0 and
     /// Q4_K.
     pub(crate) fast_p8: Option<MvFns>,
-    /// The 8-bit integer prefill product (`kernels/mmq.cuh`), for the formats with `codes8`.
-    pub(crate) mmq: Option<CudaFunction>,
+    /// The 8-bit integer prefill products (`kernels/mmq.cuh`), for the formats with `codes8`:
+    /// the dense one (`mmq`) and the one over expert-ordered pairs of a stacked expert matrix
+    /// (`mmqi`).
+    pub(crate) mmq: Option<[CudaFunction; 2]>,
     /// The expert products of `kernels/matvec_id.cuh` (gated `mvgi`, down `mvdi`, down summed
     /// per token `mvdc`), for the formats of `fast`: this matrix read as stacked experts.
     pub(crate) fast_id: Option<[CudaFunction; 3]>,
@@ -434,7 +436,10 @@ impl CudaDev {
                 kind,
                 "q4_0s" | "q8_0s" | "q4_k" | "q4_ks" | "q6_kp" | "q6_ks"
             ) {
-            Some(self.function(program, &format!("mmq_{kind}"))?)
+            Some([
+                self.function(program, &format!("mmq_{kind}"))?,
+                self.function(program, &format!("mmqi_{kind}"))?,
+            ])
         } else {
             None
         };

@@ -68,17 +68,35 @@ __device__ __forceinline__ float join_parts(int d1, int d2) {
     return fmaf(__int_as_float(d1), 256.0f, -256.0f * MQ_M) + (__int_as_float(d2) - MQ_M);
 }
 
+// Which activation row each of a block's tokens reads and which output row it writes. The dense
+// product: token n of T reads and writes row n. Experts (`perm` set): the block's tokens are
+// expert-ordered pairs start + n of one expert (perm, from moe_sort), pair p reading row
+// p / div (div = k: a token's activations serve its k pairs; 1: each pair has its own) and
+// writing row p. Tokens at or past `count` are padding.
+struct MmqTokens {
+    const int* perm;
+    int start, count, div;
+    __device__ __forceinline__ int out_row(int n) const { return perm ? perm[start + n] : n; }
+    __device__ __forceinline__ int in_row(int n) const {
+        return n < count ? out_row(n) / div : -1;
+    }
+};
+
 // Stage k0 (K elements k0 .. k0 + 32 steps) of the block's weights and activations into st.
+// Weight rows w0 + r0 .. (of `rows`, clamped to the last); xa: the activation row this thread
+// copies (token tid / 4 of the block), xr: the row of its scales (token tid / 2, threads below
+// 128); -1 for padding.
 template <class F>
 __device__ __forceinline__ void mmq_load(const WRef& w, const i8* __restrict__ xq,
-                                         const float2* __restrict__ xs, MmqStage& st, int rows,
-                                         int T, int r0, int n0, int k0, int steps, i64 part) {
+                                         const float2* __restrict__ xs, MmqStage& st, int w0,
+                                         int rows, int r0, int xa, int xr, int k0, int steps,
+                                         i64 part) {
     const int tid = threadIdx.x, C = w.cols;
     // Weights: 128 rows x 8 groups of eight, 8 threads per row.
 #pragma unroll
     for (int i = 0; i < MQ_BM * MQ_KT / 8 / 256; i++) {
         const int idx = tid + 256 * i, r = idx >> 3, gi = idx & 7;
-        const int row = min(r0 + r, rows - 1);
+        const int row = w0 + min(r0 + r, rows - 1);
         u32 c0 = 0, c1 = 0;
         float a = 0.0f, c = 0.0f;
         if (gi < 4 * steps) F::codes8(w, row_ptr(w, row), row, (k0 >> 3) + gi, c0, c1, a, c);
@@ -86,24 +104,24 @@ __device__ __forceinline__ void mmq_load(const WRef& w, const i8* __restrict__ x
         if ((gi & 1) == 0) st.wa[r][gi >> 1] = a;
         if (F::MMQ_OFFSET && (gi & 3) == 0) st.wc[r][gi >> 2] = c;
     }
-    // Activations: 2 parts x 64 tokens x 4 pieces of 16 bytes.
+    // Activations: 2 parts x 64 tokens x 4 pieces of 16 bytes; part pt by the pt-th pass, token
+    // tid / 4, piece tid % 4.
+    const int n = tid >> 2, pc = tid & 3;
 #pragma unroll
-    for (int i = 0; i < 2 * MQ_BN * MQ_KT / 16 / 256; i++) {
-        const int idx = tid + 256 * i, pt = idx >> 8, n = (idx >> 2) & 63, pc = idx & 3;
-        const int tok = n0 + n;
+    for (int pt = 0; pt < 2; pt++) {
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (tok < T && pc < 2 * steps)
-            v = *(const uint4*)(xq + pt * part + (i64)tok * C + k0 + 16 * pc);
+        if (xa >= 0 && pc < 2 * steps)
+            v = *(const uint4*)(xq + pt * part + (i64)xa * C + k0 + 16 * pc);
         *(uint4*)&st.xq[pt][n][16 * pc] = v;
     }
     if (tid < MQ_BN * MQ_KT / 32) {
-        const int n = tid >> 1, j = tid & 1, tok = n0 + n;
+        const int j = tid & 1;
         float2 v = make_float2(0.0f, 0.0f);
-        if (tok < T && j < steps) {
-            v = xs[(i64)tok * (C >> 5) + (k0 >> 5) + j];
+        if (xr >= 0 && j < steps) {
+            v = xs[(i64)xr * (C >> 5) + (k0 >> 5) + j];
             v.x *= 0.00390625f;  // dx / 256: the unit of 256 S1 + S2
         }
-        st.xs[n][j] = v;
+        st.xs[tid >> 1][j] = v;
     }
 }
 
@@ -173,20 +191,25 @@ __device__ __forceinline__ void mmq_step(const MmqStage& st, int j, int wm, int 
 }
 
 // xq: the T first parts (T x C bytes) then the T second parts; xs: (T, C / 32) pairs {dx, sx}.
-// Eight warps, 4 along the rows and 2 along the tokens. Two stage buffers: each stage is loaded
-// into one while the other is multiplied, one barrier per stage.
+// Output rows of `rows` values from weight rows w0 .., tokens n0 .. of `tk`, each output times
+// scale[output row] where scale is set. Eight warps, 4 along the rows and 2 along the tokens.
+// Two stage buffers: each stage is loaded into one while the other is multiplied, one barrier
+// per stage.
 template <class F>
 __device__ __forceinline__ void mmq_impl(const WRef w, const i8* __restrict__ xq,
                                          const float2* __restrict__ xs,
                                          const float* __restrict__ bias, float* __restrict__ out,
-                                         int rows, int T) {
+                                         int rows, int T, const MmqTokens tk, int w0, int n0,
+                                         const float* __restrict__ scale) {
     __shared__ __align__(16) MmqStage s[2];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
     const int wm = warp & 3, wn = warp >> 2;
-    const int r0 = blockIdx.x * MQ_BM, n0 = blockIdx.y * MQ_BN;
+    const int r0 = blockIdx.x * MQ_BM;
     const int C = w.cols;
     const i64 part = (i64)T * C;
+    const int xa = tk.in_row(n0 + (tid >> 2));
+    const int xr = tid < MQ_BN * MQ_KT / 32 ? tk.in_row(n0 + (tid >> 1)) : -1;
     float acc[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -195,14 +218,14 @@ __device__ __forceinline__ void mmq_impl(const WRef w, const i8* __restrict__ xq
 #pragma unroll
             for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
 
-    mmq_load<F>(w, xq, xs, s[0], rows, T, r0, n0, 0, min(MQ_KT, C) >> 5, part);
+    mmq_load<F>(w, xq, xs, s[0], w0, rows, r0, xa, xr, 0, min(MQ_KT, C) >> 5, part);
     __syncthreads();
     int buf = 0;
     for (int k0 = 0; k0 < C; k0 += MQ_KT) {
         const int steps = min(MQ_KT, C - k0) >> 5;  // 32-element steps in this stage
         // The other buffer was last read before the barrier that ended the previous stage.
         if (k0 + MQ_KT < C)
-            mmq_load<F>(w, xq, xs, s[buf ^ 1], rows, T, r0, n0, k0 + MQ_KT,
+            mmq_load<F>(w, xq, xs, s[buf ^ 1], w0, rows, r0, xa, xr, k0 + MQ_KT,
                         min(MQ_KT, C - k0 - MQ_KT) >> 5, part);
         if (steps == MQ_KT / 32) {
 #pragma unroll
@@ -214,22 +237,45 @@ __device__ __forceinline__ void mmq_impl(const WRef w, const i8* __restrict__ xq
         buf ^= 1;
     }
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++)
+        for (int h = 0; h < 2; h++) {
+            const int n = n0 + wn * 32 + nt * 8 + 2 * t4 + h;
+            if (n >= tk.count) continue;
+            const int orow = tk.out_row(n);
+            const float sc = scale ? scale[orow] : 1.0f;
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int row = r0 + wm * 32 + mt * 16 + g + 8 * (e >> 1);
-                const int tok = n0 + wn * 32 + nt * 8 + 2 * t4 + (e & 1);
-                if (row < rows && tok < T)
-                    out[(i64)tok * rows + row] = acc[mt][nt][e] + (bias ? bias[row] : 0.0f);
-            }
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int v = 0; v < 2; v++) {
+                    const int row = r0 + wm * 32 + mt * 16 + g + 8 * v;
+                    if (row < rows)
+                        out[(i64)orow * rows + row] =
+                            acc[mt][nt][2 * v + h] * sc + (bias ? bias[row] : 0.0f);
+                }
+        }
 }
 
+// Expert products over expert-ordered pairs (moe_sort's perm and offs: expert e's pairs are
+// perm[offs[e] .. offs[e + 1]]): block (x, e, z) multiplies rows x of expert e (rows `rows`
+// of the stacked weight from e·rows) with its pairs 64 z .. 64 z + 63, and exits where the
+// expert has fewer. xq, xs: Tin quantized activation rows; out (P, rows), scaled by wts[p]
+// where wts is set.
 #define HF2Q_MMQ_KERNEL(NAME, FMT)                                                            \
     extern "C" __global__ void __launch_bounds__(256, 2)                                       \
         mmq_##NAME(WRef w, const i8* xq, const float2* xs, const float* b, float* o, int rows, \
                    int T) {                                                                    \
         pdl_wait();                                                                            \
-        mmq_impl<FMT>(w, xq, xs, b, o, rows, T);                                               \
+        mmq_impl<FMT>(w, xq, xs, b, o, rows, T, MmqTokens{nullptr, 0, T, 1}, 0,                \
+                      blockIdx.y * MQ_BN, nullptr);                                            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                       \
+        mmqi_##NAME(WRef w, const i8* xq, const float2* xs, const int* perm, const int* offs,  \
+                    const float* wts, float* o, int rows, int Tin, int div) {                  \
+        pdl_wait();                                                                            \
+        const int e = blockIdx.y, start = offs[e], n0 = blockIdx.z * MQ_BN;                    \
+        const int count = offs[e + 1] - start;                                                 \
+        if (n0 >= count) return;                                                               \
+        mmq_impl<FMT>(w, xq, xs, nullptr, o, rows, Tin, MmqTokens{perm, start, count, div},    \
+                      e * rows, n0, wts);                                                      \
     }

@@ -106,8 +106,11 @@ extern "C" __global__ void __launch_bounds__(256)
 // Most experts `moe_sort` takes (its shared memory: one counter each).
 #define MOE_SORT_MAX_E 8192
 
+// perm (P): the pairs ordered by expert; offs (E + 1, where set): where each expert's pairs
+// start in perm, then P.
 extern "C" __global__ void __launch_bounds__(1024)
-    moe_sort(const float* __restrict__ ids, int P, int E, int* __restrict__ perm) {
+    moe_sort(const float* __restrict__ ids, int P, int E, int* __restrict__ perm,
+             int* __restrict__ offs) {
     __shared__ int count[MOE_SORT_MAX_E];
     pdl_wait();
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
@@ -119,8 +122,10 @@ extern "C" __global__ void __launch_bounds__(1024)
         for (int e = 0; e < E; e++) {
             const int c = count[e];
             count[e] = at;
+            if (offs) offs[e] = at;
             at += c;
         }
+        if (offs) offs[E] = at;
     }
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) perm[atomicAdd(&count[(int)ids[p]], 1)] = p;
