@@ -173,7 +173,7 @@ fn expert_products_match_the_cpu_every_format() {
             let (e, f, d) = (8, 256, 512);
             let (stacked, parts) = experts(ty, e, f, d, 11);
             let scale: Vec<f32> = (0..e).map(|i| 0.5 + i as f32 * 0.25).collect();
-            for t in [1, 3, 17] {
+            for t in [1, 3, 17, 48] {
                 let x = Tensor::new(&[t, d], noise(t * d, 3, 1.0)).unwrap();
                 for (case, l) in routers(t, e) {
                     let logits = Tensor::new(&[t, e], l).unwrap();
