@@ -191,6 +191,17 @@ pub struct Gemma4Config {
 }
 
 impl ModelConfig {
+    /// Keys and values a KV cache holds per position, over every layer (each layer's own
+    /// `Hkv · Dh`, twice: Gemma 4's global layers are wider than its sliding ones).
+    pub fn kv_values_per_token(&self) -> usize {
+        (0..self.n_layers)
+            .map(|i| {
+                let (kv, dh) = self.heads_of(i);
+                2 * kv * dh
+            })
+            .sum()
+    }
+
     /// `(Hkv, Dh)` of layer `i`'s attention.
     pub fn heads_of(&self, i: usize) -> (usize, usize) {
         self.layer_heads

@@ -304,6 +304,8 @@ mod tests {
         assert_eq!(globals, vec![5, 7]);
         assert_eq!((c.rope_theta, c.rope_theta_local), (1e6, Some(1e4)));
         assert_eq!(c.layer_heads[5], (2, 512));
+        // Six sliding layers of 2 x 256 and two global ones of 2 x 512, keys and values.
+        assert_eq!(c.kv_values_per_token(), 2 * (6 * 2 * 256 + 2 * 2 * 512));
         // KV sharing: the last two layers read the last unshared layer of their kind.
         let c = ModelConfig::from_hf_json(&text(json!({"num_hidden_layers": 5,
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
