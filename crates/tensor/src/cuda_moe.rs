@@ -67,8 +67,9 @@ impl CudaBackend {
     /// The device path of [`Backend::moe_ffn`] and [`Backend::moe_ffn_add`] (`residual`):
     /// routing, expert products and the sum over a token's experts in four or five kernels
     /// (cuda/moe.rs), nothing on the host; with a residual and few pairs, three, the last adding
-    /// into it. None where it does not apply (experts without the one-token kernels,
-    /// misaligned input), for the composed path.
+    /// into it; prefill batches on the integer tensor cores ([`CudaBackend::moe_int8`]). None
+    /// where it does not apply (experts without the one-token kernels, misaligned input), for
+    /// the composed path.
     pub(crate) fn moe_ffn_device(
         &self,
         x: &Tensor,

@@ -12,6 +12,11 @@
 //!
 //! Not used while a graph is being captured (the scratch may have to grow) nor for T <= 8 (the
 //! matrix-vector kernels).
+//!
+//! Also here: the expert-indexed form (`mmq_experts`, kernels `mmqi_*`), which multiplies a
+//! routed layer's stacked experts with the pairs `moe_sort` ordered by expert in one launch;
+//! the default for prefill batches of routed layers (`cuda_moe.rs`), since their alternative
+//! dequantizes an expert's rows once per pair.
 
 use std::ffi::c_void;
 

@@ -1,5 +1,7 @@
 // Prefill products with 8-bit integer tensor cores: out (T, R) = x (T, C) · Wᵀ, for the weight
-// formats with `codes8` (quant.cuh). Selected by PrefillGemm::Int8 (mmq.rs); not the default.
+// formats with `codes8` (quant.cuh). Dense products: selected by PrefillGemm::Int8 (mmq.rs), not
+// the default. Expert products (`mmqi_*`, the same tiles over expert-ordered pairs): the
+// default for prefill batches of routed layers (cuda_moe.rs).
 //
 // The activations arrive quantized by `quantize_split16` (elementwise.cu) as the CPU fast path
 // quantizes them (cpu/kernels/q8act.rs, two 8-bit parts per value: x ~ dx (q + l / 256) per 32
