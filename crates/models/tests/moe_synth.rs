@@ -39,7 +39,7 @@ fn ty(g: &GgufFile, name: &str) -> GgmlType {
 }
 
 fn runs(path: &Path) {
-    let mut m = Model::load(path).unwrap();
+    let m = Model::load(path).unwrap();
     let logits = m.session(0).forward_all(&[1, 2, 3, 4, 5]).unwrap();
     let row = logits.row(4);
     assert!(row.iter().all(|x| x.is_finite()), "{}", path.display());
