@@ -265,7 +265,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             None => conv.turn(text, &params, &stop, a.stats),
         };
         if let Err(e) = r {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", crate::error_text(&e));
         }
     }
     if let Some(h) = &history {

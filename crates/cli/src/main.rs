@@ -240,10 +240,28 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `e` and its causes joined by ": ", as anyhow's `{:#}` does, but without a cause whose text the
+/// message already ends with: the libraries' errors print their source inside their own
+/// message (`q8.gguf: File too large`), so the chain would repeat it.
+pub(crate) fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if out.ends_with(&c) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&c);
+    }
+    out
 }
 
 /// Runs `f` on a worker of a rayon pool (threads: `RAYON_NUM_THREADS`, else one per core), so
@@ -284,5 +302,17 @@ mod tests {
     #[test]
     fn cli_definition_is_valid() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn error_text_says_each_cause_once() {
+        let io = std::io::Error::from_raw_os_error(27);
+        let e =
+            anyhow::Error::new(hf2q_tensor::Error::io("q8.gguf", io)).context("writing q8.gguf");
+        let os = std::io::Error::from_raw_os_error(27).to_string();
+        assert_eq!(error_text(&e), format!("writing q8.gguf: q8.gguf: {os}"));
+        // Causes that are not part of the message are kept.
+        let e = anyhow::anyhow!("disk full").context("saving the adapter");
+        assert_eq!(error_text(&e), "saving the adapter: disk full");
     }
 }
