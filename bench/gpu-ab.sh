@@ -5,9 +5,9 @@
 #   bench/gpu-ab.sh BIN_DIR CONFIGS [OUT_DIR]
 #
 # BIN_DIR holds the release `hf2q` (built elsewhere: the GPU machine needs no Rust toolchain).
-# CONFIGS: configurations separated by ';', each `tag` or `tag:VAR=VALUE,VAR=VALUE` (the
-# environment that `hf2q bench` runs with), e.g.
-#   'default;nop8:HF2Q_CUDA_P8=0;stored:HF2Q_CUDA_Q4K=0'
+# CONFIGS: configurations separated by ';', each `tag` or `tag:KEY=VALUE,KEY=VALUE` (the CUDA
+# options `hf2q bench --cuda-opt` runs with; `hf2q bench --help` lists them), e.g.
+#   'default;nop8:p8=off;stored:q4k-relayout=off'
 # Environment: MODELS (shape:type pairs, synthesized when missing; default Llama-3.2-1B q4_0 and
 # Llama-3.1-8B q4_k_m), ROUNDS (default 2), GEN (tokens of the decode test, default 128), PROMPT
 # (tokens of a prefill test; default 0, none).
@@ -42,12 +42,12 @@ IFS=';' read -ra CFGS <<<"$CONFIGS"
 for ((r = 1; r <= ROUNDS; r++)); do
     for cfg in "${CFGS[@]}"; do
         tag=${cfg%%:*}
-        envs=()
-        [[ $cfg == *:* ]] && IFS=',' read -ra envs <<<"${cfg#*:}"
+        opts=()
+        [[ $cfg == *:* ]] && opts=(--cuda-opt "${cfg#*:}")
         for m in $MODELS; do
             f=$(file_of "$m")
             [ -f "$f" ] || continue
-            env "${envs[@]}" "$BIN/hf2q" bench "$f" --device cuda -p "$PROMPT" -n "$GEN" -r 3 -t 1 \
+            "$BIN/hf2q" bench "$f" --device cuda "${opts[@]}" -p "$PROMPT" -n "$GEN" -r 3 -t 1 \
                 --json 2>>"$OUT_DIR/bench.log" |
                 python3 -c '
 import json, sys

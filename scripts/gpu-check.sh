@@ -13,7 +13,7 @@
 # Environment: MODELS, the shape:type pairs to synthesize and measure (default: Llama-3.2-1B in
 # q4_0 q8_0 q4_k_m f16, Llama-3.1-8B in q4_0 q4_k_m); REPS (default 3); the parity gate also runs
 # on the synthesized Llama-3.1-8B Q4_K_M (about a minute per prefill setting) unless PARITY_8B=0,
-# with the prefill products of each HF2Q_CUDA_GEMM setting in GEMMS (default: pairs, the
+# with the prefill products of each `gemm` CUDA option in GEMMS (default: pairs, the
 # default; "pairs f16 int8" compares them; only the default's result decides the exit status).
 set -uo pipefail
 
@@ -67,14 +67,14 @@ if [ "${PARITY_8B:-1}" = 1 ]; then
         2>>"$OUT_DIR/synth.log" || status=1
     for gemm in ${GEMMS:-pairs}; do
         log="$OUT_DIR/cuda_parity_8b_$gemm.log"
-        if (cd "$ROOT/crates/models" && HF2Q_CUDA_GEMM=$gemm HF2Q_TEST_CUDA_GGUF="$BIG" \
+        if (cd "$ROOT/crates/models" && HF2Q_CUDA_OPT=gemm=$gemm HF2Q_TEST_CUDA_GGUF="$BIG" \
             "$BIN/cuda_parity" real_models_meet_the_gate --nocapture) >"$log" 2>&1; then
             verdict=pass
         else
             verdict="FAIL ($(basename "$log"))"
             [ "$gemm" = pairs ] && status=1
         fi
-        echo "| 8B Q4_K_M parity, HF2Q_CUDA_GEMM=$gemm | $verdict: $(grep -E 'prefill: GPU' "$log" | sed 's/.*reference //') |" >>"$SUMMARY"
+        echo "| 8B Q4_K_M parity, gemm=$gemm | $verdict: $(grep -E 'prefill: GPU' "$log" | sed 's/.*reference //') |" >>"$SUMMARY"
         grep -E "argmax|test result" "$log"
     done
 fi

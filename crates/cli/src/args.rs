@@ -72,6 +72,8 @@ pub struct SampleArgs {
     /// Where to run: `auto` uses the first NVIDIA GPU when there is one, else the CPU.
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[command(flatten)]
+    pub cuda: CudaOptArgs,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
     pub kv_type: KvTypeChoice,
     /// A LoRA adapter to apply: a PEFT folder (adapter_config.json + adapter_model.safetensors,
@@ -124,25 +126,80 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-/// Opens the device `choice` asks for, its KV caches of type `kv`: `None` means the CPU.
+/// `--cuda-opt`: the CUDA tuning switches, on every command that takes `--device`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct CudaOptArgs {
+    #[arg(long = "cuda-opt", value_name = "KEY=VALUE", value_parser = check_cuda_opt, help = CUDA_OPT_HELP, long_help = cuda_opt_long_help())]
+    pub cuda_opt: Vec<String>,
+}
+
+/// Checks a `--cuda-opt` value when the command line is read (before any model is loaded).
+fn check_cuda_opt(list: &str) -> std::result::Result<String, String> {
+    hf2q_tensor::cuda::CudaOptions::default()
+        .set_list(list)
+        .map(|()| list.to_string())
+        .map_err(|e| e.to_string())
+}
+
+const CUDA_OPT_HELP: &str = "A CUDA kernel switch, KEY=VALUE (repeatable; comma-separated \
+lists too): gemm, attn-tc, p8, act8, ... (--help lists them all)";
+
+/// `--cuda-opt`'s long help: every key with its values and what it does.
+fn cuda_opt_long_help() -> String {
+    use hf2q_tensor::cuda::CudaOptions;
+    let mut h = format!(
+        "A CUDA kernel switch as KEY=VALUE; repeat the flag or give a comma-separated list \
+         (gemm=f16,p8=off). The defaults are what measured fastest; the switches compare paths \
+         and reproduce measurements. ${} takes the same list and applies first. Keys:",
+        CudaOptions::ENV
+    );
+    for k in CudaOptions::KEYS {
+        h.push_str(&format!("\n  {}={}: {}", k.key, k.values, k.help));
+    }
+    h
+}
+
+impl CudaOptArgs {
+    /// The options a device opens with: the kernel cache and `$HF2Q_CUDA_OPT` from the
+    /// environment, then the flags in order (a later setting wins).
+    pub fn options(&self) -> Result<hf2q_tensor::cuda::CudaOptions> {
+        let mut o = hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k))?;
+        for list in &self.cuda_opt {
+            o.set_list(list)
+                .map_err(|e| anyhow::anyhow!("--cuda-opt {list}: {e}"))?;
+        }
+        Ok(o)
+    }
+}
+
+/// Opens the device `choice` asks for, with the CUDA options of `cuda`, its KV caches of type
+/// `kv`: `None` means the CPU. Bad `--cuda-opt` settings are an error even on the CPU.
 pub fn open_device(
     choice: DeviceChoice,
+    cuda: &CudaOptArgs,
     kv: KvTypeChoice,
 ) -> Result<Option<std::sync::Arc<hf2q_tensor::cuda_backend::CudaBackend>>> {
     use hf2q_tensor::cuda::CudaDev;
     use hf2q_tensor::cuda_backend::CudaBackend;
+    let options = cuda.options()?;
     if choice == DeviceChoice::Cpu {
         return Ok(None);
     }
-    match CudaDev::open(0) {
+    match CudaDev::open(0, &options) {
         Ok(Some(dev)) => {
             let info = dev.info();
+            let changed = options.changed();
             eprintln!(
-                "device: {} (compute capability {}.{})",
-                info.name, info.compute_capability.0, info.compute_capability.1
+                "device: {} (compute capability {}.{}){}",
+                info.name,
+                info.compute_capability.0,
+                info.compute_capability.1,
+                if changed.is_empty() {
+                    String::new()
+                } else {
+                    format!(", options {}", changed.join(","))
+                }
             );
-            // A measurement switch: the fused mixture-of-experts decode (cuda/moe.rs).
-            dev.set_moe_fused(std::env::var("HF2Q_CUDA_MOE_FUSED").as_deref() == Ok("1"));
             Ok(Some(std::sync::Arc::new(CudaBackend::new(
                 dev,
                 kv.kv_type().into(),
@@ -201,7 +258,7 @@ impl SampleArgs {
         }
         model.set_matmul_path(self.matmul.path());
         model.set_kv_type(self.kv_type.kv_type());
-        model.set_cuda(open_device(self.device, self.kv_type)?)?;
+        model.set_cuda(open_device(self.device, &self.cuda, self.kv_type)?)?;
         model.warm_up()?;
         Ok(())
     }

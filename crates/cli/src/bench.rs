@@ -1,7 +1,9 @@
 //! `hf2q bench`: prompt-processing and generation speed, as llama-bench measures them.
 //!
 //! - `pp<P>`: P random tokens prefilled into an empty cache in one forward;
-//! - `tg<N>`: N random tokens decoded one at a time, starting from an empty cache.
+//! - `tg<N>`: N random tokens decoded one at a time, starting from an empty cache;
+//! - either `@ d<D>` (`-d D`): after D random tokens already in the cache (prefilled untimed in
+//!   chunks of [`DEPTH_CHUNK`] before each repetition), as llama-bench's `-d`.
 //!
 //! Each test runs once untimed (warm-up), then `-r` times; the rate of each repetition is
 //! tokens / seconds, reported as mean ± sample standard deviation. Each thread count runs in its
@@ -29,6 +31,10 @@ use crate::pull;
 /// Slack allowed above file + KV cache in the peak-memory target.
 const RSS_SLACK: u64 = 64 << 20;
 
+/// Tokens per forward when filling the cache to a test's depth (llama-bench's default
+/// micro-batch).
+const DEPTH_CHUNK: usize = 512;
+
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     /// Models to measure, one after the other [default: smollm2-135m].
@@ -52,6 +58,16 @@ pub struct BenchArgs {
         default_value = "128"
     )]
     pub n_gen: Vec<usize>,
+    /// Context depths (comma list or repeated): every test also runs after N tokens already in
+    /// the cache, prefilled untimed before each repetition (llama-bench's -d).
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_name = "N,...",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    pub n_depth: Vec<usize>,
     /// Timed repetitions of each test (after one untimed warm-up).
     #[arg(
         short = 'r',
@@ -89,6 +105,8 @@ pub struct BenchArgs {
     /// Device to run on.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[command(flatten)]
+    pub cuda: crate::args::CudaOptArgs,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = crate::args::KV_TYPE_HELP, long_help = crate::args::KV_TYPE_LONG_HELP)]
     pub kv_type: KvTypeChoice,
     /// Seed of the random token ids.
@@ -96,24 +114,41 @@ pub struct BenchArgs {
     pub seed: u64,
 }
 
-/// One benchmark test.
+/// What one benchmark test measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Test {
+enum Kind {
     Prompt(usize),
     Gen(usize),
 }
 
+/// One benchmark test: a kind at a context depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Test {
+    kind: Kind,
+    /// Tokens in the cache before the timed part.
+    depth: usize,
+}
+
 impl Test {
+    /// `pp512`, `tg128 @ d8192` (llama-bench's names).
     fn name(self) -> String {
-        match self {
-            Test::Prompt(n) => format!("pp{n}"),
-            Test::Gen(n) => format!("tg{n}"),
+        let base = match self.kind {
+            Kind::Prompt(n) => format!("pp{n}"),
+            Kind::Gen(n) => format!("tg{n}"),
+        };
+        match self.depth {
+            0 => base,
+            d => format!("{base} @ d{d}"),
         }
     }
+    /// Tokens of the timed part.
     fn tokens(self) -> usize {
-        match self {
-            Test::Prompt(n) | Test::Gen(n) => n,
+        match self.kind {
+            Kind::Prompt(n) | Kind::Gen(n) => n,
         }
+    }
+    fn is_gen(self) -> bool {
+        matches!(self.kind, Kind::Gen(_))
     }
 }
 
@@ -134,6 +169,9 @@ pub trait BenchBackend: Send {
     fn counters(&self) -> Option<DeviceCounters>;
     /// GPU: nodes of the captured decode graph (after a decoded token).
     fn graph_nodes(&self) -> Option<usize>;
+    /// GPU, after decoded tokens: how they ran, `graph` (one replayed CUDA graph per token)
+    /// or `eager` (kernels launched one by one).
+    fn decode_path(&self) -> Option<&'static str>;
 }
 
 /// A [`Session`] of the model, on whatever device the model runs on.
@@ -168,6 +206,14 @@ impl BenchBackend for SessionBackend<'_> {
     fn graph_nodes(&self) -> Option<usize> {
         self.session.graph_nodes()
     }
+    fn decode_path(&self) -> Option<&'static str> {
+        self.session.model().cuda()?;
+        Some(if self.session.graph_nodes().is_some() {
+            "graph"
+        } else {
+            "eager"
+        })
+    }
 }
 
 /// A backend for one sequence of at most `ctx` tokens of `model` (on the model's device).
@@ -194,38 +240,56 @@ struct Measured {
     /// GPU: launches and synchronisations over the timed repetitions.
     counters: Option<DeviceCounters>,
     graph_nodes: Option<usize>,
+    decode_path: Option<&'static str>,
 }
 
-fn run_test(b: &mut dyn BenchBackend, test: Test, ids: &[u32], reps: usize) -> Result<Measured> {
-    let once = |b: &mut dyn BenchBackend| -> Result<std::time::Duration> {
+/// Runs `test` on `b`: `context` fills the cache to the test's depth (untimed), `ids` are the
+/// timed tokens. One warm-up, then `reps` timed repetitions.
+fn run_test(
+    b: &mut dyn BenchBackend,
+    test: Test,
+    context: &[u32],
+    ids: &[u32],
+    reps: usize,
+) -> Result<Measured> {
+    // One run: its time and the device's launches of its timed part.
+    let once = |b: &mut dyn BenchBackend| -> Result<(std::time::Duration, Option<DeviceCounters>)> {
         b.reset();
+        for chunk in context.chunks(DEPTH_CHUNK) {
+            b.prefill(chunk)?;
+        }
+        let before = b.counters();
         let t0 = Instant::now();
-        match test {
-            Test::Prompt(_) => b.prefill(ids)?,
-            Test::Gen(_) => {
+        match test.kind {
+            Kind::Prompt(_) => b.prefill(ids)?,
+            Kind::Gen(_) => {
                 for &id in ids {
                     b.decode(id)?;
                 }
             }
         }
-        Ok(t0.elapsed())
+        let dt = t0.elapsed();
+        Ok((dt, b.counters().zip(before).map(|(a, z)| a - z)))
     };
     once(b).context("warm-up run")?;
-    let before = b.counters();
     let mut samples = Vec::with_capacity(reps);
     let mut samples_ns = Vec::with_capacity(reps);
+    let mut counters: Option<DeviceCounters> = None;
     for _ in 0..reps {
-        let dt = once(b)?;
+        let (dt, c) = once(b)?;
         samples_ns.push(dt.as_nanos());
         samples.push(ids.len() as f64 / dt.as_secs_f64().max(1e-12));
+        if let Some(c) = c {
+            *counters.get_or_insert_with(DeviceCounters::default) += c;
+        }
     }
-    let counters = b.counters().zip(before).map(|(a, z)| a - z);
     Ok(Measured {
         samples,
         samples_ns,
         kv_cache_bytes: b.kv_cache_bytes(),
         counters,
         graph_nodes: b.graph_nodes(),
+        decode_path: b.decode_path(),
     })
 }
 
@@ -322,7 +386,7 @@ const HEADER: [(&str, usize, bool); 9] = [
     ("path", 9, false),
     ("kv", 3, false),
     ("threads", 7, true),
-    ("test", 8, true),
+    ("test", 14, true),
     ("t/s", 20, true),
 ];
 
@@ -365,12 +429,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if threads.contains(&0) {
         bail!("-t/--threads: every thread count must be at least 1");
     }
-    let tests: Vec<Test> = a
+    let kinds: Vec<Kind> = a
         .n_prompt
         .iter()
         .filter(|&&n| n > 0)
-        .map(|&n| Test::Prompt(n))
-        .chain(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test::Gen(n)))
+        .map(|&n| Kind::Prompt(n))
+        .chain(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Kind::Gen(n)))
+        .collect();
+    // Every kind at each depth, depth by depth (llama-bench's order).
+    let tests: Vec<Test> = a
+        .n_depth
+        .iter()
+        .flat_map(|&depth| kinds.iter().map(move |&kind| Test { kind, depth }))
         .collect();
     if tests.is_empty() {
         bail!("nothing to measure: every -p and -n value is 0");
@@ -419,13 +489,29 @@ fn bench_model(
     let load_rss = peak_rss_bytes();
     model.set_matmul_path(matmul.path());
     model.set_kv_type(a.kv_type.kv_type());
-    model.set_cuda(crate::args::open_device(a.device, a.kv_type)?)?;
+    model.set_cuda(crate::args::open_device(a.device, &a.cuda, a.kv_type)?)?;
     let info = model.info();
     let path_name = matmul
         .to_possible_value()
         .map_or_else(|| format!("{matmul:?}"), |v| v.get_name().to_string());
     let label = model_label(&info);
     let vocab = model.vocab_size();
+    let limit = model.context_length();
+    if let Some(t) = tests
+        .iter()
+        .find(|t| limit > 0 && t.depth + t.tokens() > limit)
+    {
+        bail!(
+            "{} needs {} positions; {} holds at most {limit}",
+            t.name(),
+            t.depth + t.tokens(),
+            path.display()
+        );
+    }
+    // GPU: the options the device runs with (those changed from the defaults) and its prefill
+    // product.
+    let cuda_options = model.cuda().map(|c| c.device().options().changed());
+    let prefill_gemm = model.cuda().map(|c| c.device().options().gemm.name());
     let mut kv_max = 0u64;
     for &t in threads {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -439,15 +525,13 @@ fn bench_model(
                 test.name(),
                 a.repetitions
             );
-            let ids = random_tokens(
-                test.tokens(),
-                vocab,
-                a.seed ^ (ti as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-            );
-            let mut backend = open_backend(&model, test.tokens())?;
+            let seed = a.seed ^ (ti as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let ids = random_tokens(test.tokens(), vocab, seed);
+            let context = random_tokens(test.depth, vocab, !seed);
+            let mut backend = open_backend(&model, test.depth + test.tokens())?;
             let device = backend.device();
             let m = pool
-                .install(|| run_test(backend.as_mut(), test, &ids, a.repetitions))
+                .install(|| run_test(backend.as_mut(), test, &context, &ids, a.repetitions))
                 .with_context(|| format!("{} with {t} threads", test.name()))?;
             drop(backend);
             kv_max = kv_max.max(m.kv_cache_bytes);
@@ -455,7 +539,7 @@ fn bench_model(
             let rss = peak_rss_bytes();
             // Decode on a GPU: the share of the bandwidth floor (every weight byte read once per
             // token at the measured copy bandwidth) that was reached.
-            let floor_pct = (device == "cuda" && matches!(test, Test::Gen(_))).then(|| {
+            let floor_pct = (device == "cuda" && test.is_gen()).then(|| {
                 // Bytes read per token: every weight once, the embedding as one row, k/E of a
                 // mixture's experts (the file size where the file cannot be measured so).
                 let bytes = hf2q_models::convert::source::decode_bytes(Path::new(&info.path))
@@ -466,12 +550,7 @@ fn bench_model(
                 eprintln!("bench: {} = {p:.1}% of the bandwidth floor", test.name());
             }
             // Per token (tg) or per prompt (pp), over the timed repetitions.
-            let per = (a.repetitions
-                * if matches!(test, Test::Gen(_)) {
-                    test.tokens()
-                } else {
-                    1
-                }) as f64;
+            let per = (a.repetitions * if test.is_gen() { test.tokens() } else { 1 }) as f64;
             let stats = m.counters.filter(|_| a.stats).map(|c| {
                 (
                     c.launches as f64 / per,
@@ -480,24 +559,20 @@ fn bench_model(
                 )
             });
             if let Some((l, g, s)) = stats {
-                let unit = if matches!(test, Test::Gen(_)) {
-                    "token"
-                } else {
-                    "prompt"
-                };
+                let unit = if test.is_gen() { "token" } else { "prompt" };
                 eprintln!(
                     "bench: {} per {unit}: {l:.1} kernel launches, {g:.1} graph replays{}, {s:.1} host synchronisations",
                     test.name(),
-                    match (m.graph_nodes, matches!(test, Test::Gen(_))) {
+                    match (m.graph_nodes, test.is_gen()) {
                         (Some(n), true) => format!(" (graph of {n} nodes)"),
                         _ => String::new(),
                     }
                 );
             }
             if a.json {
-                let (n_prompt, n_gen) = match test {
-                    Test::Prompt(n) => (n, 0),
-                    Test::Gen(n) => (0, n),
+                let (n_prompt, n_gen) = match test.kind {
+                    Kind::Prompt(n) => (n, 0),
+                    Kind::Gen(n) => (0, n),
                 };
                 let mut v = json!({
                     "model": path.display().to_string(),
@@ -511,6 +586,7 @@ fn bench_model(
                     "test": test.name(),
                     "n_prompt": n_prompt,
                     "n_gen": n_gen,
+                    "n_depth": test.depth,
                     "repetitions": a.repetitions,
                     "tokens_per_second": mean,
                     "stddev": sd,
@@ -520,6 +596,9 @@ fn bench_model(
                     "kv_cache_bytes": m.kv_cache_bytes,
                     "seed": a.seed,
                     "bandwidth_floor_pct": floor_pct,
+                    "decode_path": m.decode_path.filter(|_| test.is_gen()),
+                    "prefill_gemm": prefill_gemm.filter(|_| !test.is_gen()),
+                    "cuda_options": cuda_options,
                 });
                 if let Some((l, g, s)) = stats {
                     v["launches_per_token"] = json!(l);
@@ -537,7 +616,12 @@ fn bench_model(
                         human_size(info.file_bytes),
                         human_params(info.parameters),
                         device.to_string(),
-                        path_name.to_string(),
+                        // GPU: how decode ran, or the prefill product; CPU: the matmul path.
+                        match (m.decode_path, prefill_gemm, test.is_gen()) {
+                            (Some(d), _, true) => d.to_string(),
+                            (_, Some(g), false) => g.to_string(),
+                            _ => path_name.to_string(),
+                        },
                         a.kv_type.name().to_string(),
                         t.to_string(),
                         test.name(),

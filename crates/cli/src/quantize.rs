@@ -58,6 +58,8 @@ pub struct QuantizeArgs {
     /// there is one, else the CPU's fast kernels.
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[command(flatten)]
+    pub cuda: crate::args::CudaOptArgs,
     /// MLX group size when --type does not name one.
     #[arg(long, value_name = "G")]
     pub group_size: Option<usize>,
@@ -233,7 +235,7 @@ fn run_mixed(a: &QuantizeArgs, bpw: f64) -> Result<()> {
     drop(model);
     let opts = MixedOptions {
         exhaustive: a.exhaustive,
-        cuda: open_device(a.device, KvTypeChoice::F16)?,
+        cuda: open_device(a.device, &a.cuda, KvTypeChoice::F16)?,
         ..MixedOptions::new(bpw, calib)
     };
     let measure = Bar::counting(format!("measure {bpw} bpw"), "measurements");

@@ -76,6 +76,8 @@ pub struct ServeArgs {
     /// Where to run: `auto` uses the first NVIDIA GPU when there is one, else the CPU.
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = args::DeviceChoice::Auto)]
     pub device: args::DeviceChoice,
+    #[command(flatten)]
+    pub cuda: args::CudaOptArgs,
     #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
     pub kv_type: args::KvTypeChoice,
     /// Serve a LoRA adapter (a PEFT folder) beside the base as NAME: requests pick it with
@@ -246,7 +248,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let (path, mut model) = args::load_model(Some(&arg))?;
     model.set_matmul_path(a.matmul.path());
     model.set_kv_type(a.kv_type.kv_type());
-    model.set_cuda(args::open_device(a.device, a.kv_type)?)?;
+    model.set_cuda(args::open_device(a.device, &a.cuda, a.kv_type)?)?;
     model.warm_up()?;
     let trained = model.context_length();
     cfg.engine.ctx_size = match a.ctx_size {

@@ -153,6 +153,8 @@ pub struct SftArgs {
     pub json: bool,
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[command(flatten)]
+    pub cuda: args::CudaOptArgs,
     /// CPU products of the frozen weights in the forward (the backward is f32 either way).
     #[arg(long, value_enum, value_name = "PATH", default_value_t = MatmulChoice::Fast)]
     pub matmul: MatmulChoice,
@@ -241,7 +243,7 @@ fn train(a: &SftArgs, cfg: TrainConfig) -> Result<()> {
     let valid = a.valid.as_deref().map(load).transpose()?;
     let (_, mut model) = args::load_model(a.model.as_deref())?;
     model.set_matmul_path(a.matmul.path());
-    model.set_cuda(args::open_device(a.device, KvTypeChoice::F16)?)?;
+    model.set_cuda(args::open_device(a.device, &a.cuda, KvTypeChoice::F16)?)?;
     let data = prepare(&model, &train, valid.as_ref(), &cfg)?;
     let per = cfg.objective.group();
     eprintln!(

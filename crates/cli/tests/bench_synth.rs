@@ -115,6 +115,61 @@ fn bench_json_lines_and_table() {
 }
 
 #[test]
+fn bench_at_a_context_depth() {
+    let t = fixture("tiny-llama");
+    let o = hf2q(&[
+        "bench",
+        s(&t),
+        "-p",
+        "4",
+        "-n",
+        "2",
+        "-d",
+        "0,40",
+        "-r",
+        "1",
+        "-t",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    let tests: Vec<(&str, u64)> = lines
+        .iter()
+        .map(|v| (v["test"].as_str().unwrap(), v["n_depth"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        tests,
+        [("pp4", 0), ("tg2", 0), ("pp4 @ d40", 40), ("tg2 @ d40", 40)]
+    );
+    // The cache holds the depth and the test's own tokens; the CPU reports no decode path.
+    let kv = |i: usize| lines[i]["kv_cache_bytes"].as_u64().unwrap();
+    assert_eq!(kv(2), kv(0) * 44 / 4, "{}", stdout(&o));
+    assert!(lines.iter().all(|v| v["decode_path"].is_null()));
+    let o = hf2q(&[
+        "bench",
+        s(&t),
+        "-p",
+        "0",
+        "-n",
+        "2",
+        "-d",
+        "16",
+        "-r",
+        "1",
+        "-t",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("tg2 @ d16"), "{}", stdout(&o));
+    // Past the model's 256 positions: refused before measuring, naming the test.
+    fails_with(
+        &hf2q(&["bench", s(&t), "-p", "8", "-n", "0", "-d", "250"]),
+        "pp8 @ d250 needs 258 positions",
+    );
+}
+
+#[test]
 fn bench_refuses_bad_arguments() {
     let t = fixture("tiny-llama");
     let t = s(&t);
@@ -124,7 +179,9 @@ fn bench_refuses_bad_arguments() {
         &hf2q(&["bench", t, "-p", "0", "-n", "0"]),
         "nothing to measure",
     );
-    if matches!(hf2q_tensor::cuda::CudaDev::open(0), Ok(None)) {
+    let options =
+        hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
+    if matches!(hf2q_tensor::cuda::CudaDev::open(0, &options), Ok(None)) {
         fails_with(
             &hf2q(&["bench", t, "--device", "cuda"]),
             "no NVIDIA GPU or CUDA driver found",
@@ -132,6 +189,15 @@ fn bench_refuses_bad_arguments() {
     }
     fails_with(&hf2q(&["bench", "/nonexistent/model.gguf"]), "model.gguf");
     fails_with(&hf2q(&["bench", t, "-p", "x"]), "invalid value");
+    // A bad CUDA switch is refused when the command line is read, naming the key.
+    fails_with(
+        &hf2q(&["bench", t, "--cuda-opt", "gemm=f16,p8=sometimes"]),
+        "CUDA option p8: 'sometimes' is not off|auto|all",
+    );
+    fails_with(
+        &hf2q(&["bench", t, "--cuda-opt", "warp=9"]),
+        "unknown CUDA option 'warp'",
+    );
     fails_with(
         &hf2q(&["bench", t, "--fast", "--reference"]),
         "cannot be used with",

@@ -19,7 +19,10 @@ use hf2q_tensor::cuda::{CudaDev, KvDtype};
 use hf2q_tensor::cuda_backend::CudaBackend;
 
 fn gpu() -> Option<Arc<CudaBackend>> {
-    match CudaDev::open(0) {
+    match CudaDev::open(
+        0,
+        &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+    ) {
         Ok(Some(dev)) => Some(Arc::new(CudaBackend::new(dev, KvDtype::F16).unwrap())),
         Ok(None) => {
             eprintln!("skipped: no CUDA device");

@@ -253,7 +253,10 @@ fn in_memory_kl_equals_the_file_based_one_on_smollm2() {
 
 #[test]
 fn gpu_measures_what_the_cpu_measures() {
-    let gpu = match CudaDev::open(0) {
+    let gpu = match CudaDev::open(
+        0,
+        &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+    ) {
         Ok(Some(dev)) => Arc::new(CudaBackend::new(dev, KvDtype::F16).unwrap()),
         Ok(None) => {
             eprintln!("skipped: no CUDA device");

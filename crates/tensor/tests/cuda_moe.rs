@@ -22,7 +22,10 @@ use hf2q_tensor::quant;
 use hf2q_tensor::{Bytes, GgmlType, QTensor, Tensor};
 
 fn gpu(relaid: bool) -> Option<CudaBackend> {
-    let dev = match CudaDev::open(0) {
+    let dev = match CudaDev::open(
+        0,
+        &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+    ) {
         Ok(Some(d)) => d,
         Ok(None) => {
             println!("skipped: no CUDA device");

@@ -21,10 +21,16 @@ use hf2q_tensor::{Bytes, GgmlType, QTensor, Tensor};
 // Harness
 // ---------------------------------------------------------------------------------------------
 
+/// The options the binary would open the device with in this environment (the kernel cache,
+/// `$HF2Q_CUDA_OPT`).
+fn options() -> cuda::CudaOptions {
+    cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap()
+}
+
 fn device() -> Option<Arc<CudaDev>> {
     static DEV: OnceLock<Option<Arc<CudaDev>>> = OnceLock::new();
     let d = DEV
-        .get_or_init(|| match CudaDev::open(0) {
+        .get_or_init(|| match CudaDev::open(0, &options()) {
             Ok(d) => {
                 if let Some(d) = &d {
                     // Q4_K and Q6_K re-laid whatever their size (in a model only large
@@ -1433,7 +1439,7 @@ fn every_kernel_file_compiles() {
 #[test]
 fn corrupt_cache_entries_are_rebuilt() {
     let Some(_dev) = device() else { return };
-    let Some(src) = cuda::kernel_cache_dir().filter(|d| d.is_dir()) else {
+    let Some(src) = options().kernel_cache.filter(|d| d.is_dir()) else {
         println!("skipped: no kernel cache folder");
         return;
     };
@@ -1468,9 +1474,11 @@ fn corrupt_cache_entries_are_rebuilt() {
         }
         std::fs::write(tmp.path().join(&name), data).unwrap();
     }
-    let dev2 = CudaDev::open_with_cache(0, Some(tmp.path().to_path_buf()))
-        .unwrap()
-        .unwrap();
+    let in_tmp = cuda::CudaOptions {
+        kernel_cache: Some(tmp.path().to_path_buf()),
+        ..options()
+    };
+    let dev2 = CudaDev::open(0, &in_tmp).unwrap().unwrap();
     // The rebuilt kernels work.
     let x = dev2.upload(&[1.0f32, 2.0, 3.0]).unwrap();
     let mut y = dev2.upload(&[0.5f32, 0.5, 0.5]).unwrap();
@@ -1482,13 +1490,13 @@ fn corrupt_cache_entries_are_rebuilt() {
 #[test]
 fn open_without_a_device_is_none_or_a_device() {
     // On a machine without CUDA this is Ok(None); with one, a device. Never a panic or a hang.
-    match CudaDev::open(0) {
+    match CudaDev::open(0, &options()) {
         Ok(None) => println!("skipped: no CUDA device"),
         Ok(Some(d)) => println!("  opened {}", d.info().name),
         Err(e) => panic!("{e}"),
     }
     // An ordinal past the last device is None, not an error.
-    assert!(CudaDev::open(1 << 20).unwrap().is_none());
+    assert!(CudaDev::open(1 << 20, &options()).unwrap().is_none());
 }
 
 // ---------------------------------------------------------------------------------------------

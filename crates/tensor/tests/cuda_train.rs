@@ -37,9 +37,14 @@ const TOL_BF16: f64 = 1e-2;
 fn device() -> Option<Arc<CudaDev>> {
     static DEV: OnceLock<Option<Arc<CudaDev>>> = OnceLock::new();
     let d = DEV
-        .get_or_init(|| match CudaDev::open(0) {
-            Ok(d) => d,
-            Err(e) => panic!("a CUDA device is present but could not be opened: {e}"),
+        .get_or_init(|| {
+            match CudaDev::open(
+                0,
+                &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+            ) {
+                Ok(d) => d,
+                Err(e) => panic!("a CUDA device is present but could not be opened: {e}"),
+            }
         })
         .clone();
     if d.is_none() {

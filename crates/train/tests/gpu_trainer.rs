@@ -23,7 +23,10 @@ use hf2q_tensor::train_op::SeqLayout;
 use hf2q_tensor::Tensor;
 
 fn gpu() -> Option<Arc<CudaBackend>> {
-    match CudaDev::open(0) {
+    match CudaDev::open(
+        0,
+        &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+    ) {
         Ok(Some(dev)) => {
             dev.set_prefill_gemm(PrefillGemm::F16);
             Some(Arc::new(CudaBackend::new(dev, KvDtype::F16).unwrap()))

@@ -57,7 +57,7 @@ pub enum PrefillGemm {
 }
 
 impl PrefillGemm {
-    /// From its `HF2Q_CUDA_GEMM` name: `pairs`, `f16`, `int8` or `tiled`.
+    /// From its name (the `gemm` option): `pairs`, `f16`, `int8` or `tiled`.
     pub fn from_name(name: &str) -> Option<Self> {
         Some(match name {
             "pairs" => Self::Pairs,
@@ -68,17 +68,13 @@ impl PrefillGemm {
         })
     }
 
-    /// The setting `HF2Q_CUDA_GEMM` names, else the default (with a warning for a name that
-    /// is none of them).
-    pub(crate) fn from_env() -> Self {
-        match std::env::var("HF2Q_CUDA_GEMM") {
-            Ok(v) => Self::from_name(&v).unwrap_or_else(|| {
-                eprintln!(
-                    "hf2q: HF2Q_CUDA_GEMM={v:?} is not one of pairs, f16, int8, tiled; using pairs"
-                );
-                Self::default()
-            }),
-            Err(_) => Self::default(),
+    /// Its name, as [`PrefillGemm::from_name`] takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Pairs => "pairs",
+            Self::F16 => "f16",
+            Self::Int8 => "int8",
+            Self::Tiled => "tiled",
         }
     }
 }
@@ -125,7 +121,7 @@ pub(crate) fn grow<T: DeviceRepr + ValidAsZeroBits>(
 
 impl CudaDev {
     /// Picks the prefill product kernel (the default is [`PrefillGemm::Pairs`], or what the
-    /// environment sets at open: `HF2Q_CUDA_GEMM=pairs|f16|int8|tiled`).
+    /// `gemm` option sets at open).
     pub fn set_prefill_gemm(&self, g: PrefillGemm) {
         self.gemm.store(g as u8, Ordering::Relaxed);
     }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
-use super::{cuda_err, default_cache_dir, DeviceInfo, Program};
+use super::{cuda_err, CudaOptions, DeviceInfo, Program};
 
 use crate::{Error, Result};
 
@@ -55,44 +55,12 @@ pub(crate) fn arch_option(info: &DeviceInfo) -> String {
     format!("--gpu-architecture=sm_{major}{minor}")
 }
 
-fn options(arch: &str) -> Vec<String> {
+/// NVRTC options: the architecture, the language, and what `defines` compile in
+/// ([`CudaOptions::compile_defines`]).
+fn options(arch: &str, defines: &[String]) -> Vec<String> {
     let mut o = vec![arch.to_string(), "-std=c++17".into()];
-    // Measurement switch: the one-token kernels without their weight loads ahead of the wait
-    // for the previous kernel (`HF2Q_MV_EARLY` in matvec.cuh).
-    if std::env::var("HF2Q_CUDA_EARLY").as_deref() == Ok("0") {
-        o.push("-DHF2Q_MV_EARLY=0".into());
-    }
-    // Measurement switch: resident blocks asked of one-token kernel families
-    // (`HF2Q_CUDA_MV_MINB=q4_k:5,q8_0s:0`; `MV_BOUNDS` in matvec.cuh).
-    if let Ok(v) = std::env::var("HF2Q_CUDA_MV_MINB") {
-        o.extend(minb_defines(&v));
-    }
-    if let Some(r) = super::ops::mp_rows_override() {
-        o.push(format!("-DHF2Q_MP_RPW={r}"));
-    }
+    o.extend(defines.iter().cloned());
     o
-}
-
-/// `-D` options for `HF2Q_CUDA_MV_MINB`: `family:N` pairs (N in 0 and 4..=10, the bounds
-/// `MV_BOUNDS` defines), others ignored.
-fn minb_defines(spec: &str) -> Vec<String> {
-    spec.split(',')
-        .filter_map(|p| {
-            let (fam, n) = p.trim().split_once(':')?;
-            let n: u32 = n.trim().parse().ok()?;
-            let fam = fam.trim();
-            let ok = (n == 0 || (4..=10).contains(&n))
-                && !fam.is_empty()
-                && fam.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-            ok.then(|| format!("-DHF2Q_MV_MINB_{}={n}", fam.to_ascii_uppercase()))
-        })
-        .collect()
-}
-
-/// Where compiled kernels are cached (`None`: no home folder; kernels are then compiled on every
-/// open).
-pub fn kernel_cache_dir() -> Option<PathBuf> {
-    default_cache_dir()
 }
 
 struct Fnv(u64);
@@ -131,8 +99,8 @@ fn nvrtc_version() -> (i32, i32) {
 }
 
 /// Compiles `source` (reported as `name`) to a cubin with the embedded headers available.
-pub(crate) fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
-    compile_with(name, source, arch, &[]).map(|(c, _)| c)
+pub(crate) fn compile(name: &str, source: &str, arch: &str, defines: &[String]) -> Result<Vec<u8>> {
+    compile_with(name, source, arch, defines, &[]).map(|(c, _)| c)
 }
 
 /// Whether NVRTC can be loaded (kernels can be compiled even without a GPU).
@@ -152,7 +120,13 @@ fn program_log(prog: nvrtc_sys::nvrtcProgram) -> String {
         .unwrap_or_default()
 }
 
-fn compile_with(name: &str, source: &str, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
+fn compile_with(
+    name: &str,
+    source: &str,
+    arch: &str,
+    defines: &[String],
+    extra: &[&str],
+) -> Result<(Vec<u8>, String)> {
     if !nvrtc_present() {
         return Err(Error::Msg(format!(
             "cuda: cannot compile {name}: the NVRTC library (libnvrtc) was not found; add the \
@@ -187,7 +161,7 @@ fn compile_with(name: &str, source: &str, arch: &str, extra: &[&str]) -> Result<
     .result()
     .map_err(nerr("create program"))?;
     let out = (|| {
-        let mut opts = options(arch);
+        let mut opts = options(arch, defines);
         opts.extend(extra.iter().map(|o| o.to_string()));
         // SAFETY: `prog` is a live program.
         let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
@@ -216,7 +190,7 @@ fn compile_with(name: &str, source: &str, arch: &str, extra: &[&str]) -> Result<
     out
 }
 
-fn cache_key(p: Program, arch: &str, info: &DeviceInfo) -> u64 {
+fn cache_key(p: Program, arch: &str, defines: &[String], info: &DeviceInfo) -> u64 {
     let (name, text) = source(p);
     let mut h = Fnv::new();
     h.bytes(CACHE_FORMAT.as_bytes())
@@ -225,7 +199,7 @@ fn cache_key(p: Program, arch: &str, info: &DeviceInfo) -> u64 {
     for (n, t) in HEADERS {
         h.bytes(n.as_bytes()).bytes(t.as_bytes());
     }
-    for o in options(arch) {
+    for o in options(arch, defines) {
         h.bytes(o.as_bytes());
     }
     let (nv_major, nv_minor) = nvrtc_version();
@@ -271,21 +245,25 @@ fn write_entry(path: &Path, cubin: &[u8]) {
 fn cubin_for(
     p: Program,
     info: &DeviceInfo,
-    cache: Option<&Path>,
+    options: &CudaOptions,
     fresh: bool,
 ) -> Result<(Vec<u8>, Option<PathBuf>)> {
     let arch = arch_option(info);
+    let defines = options.compile_defines();
     let (name, text) = source(p);
-    let entry = cache.map(|d| {
+    let entry = options.kernel_cache.as_deref().map(|d| {
         let stem = name.trim_end_matches(".cu");
-        d.join(format!("{stem}-{:016x}.cubin", cache_key(p, &arch, info)))
+        d.join(format!(
+            "{stem}-{:016x}.cubin",
+            cache_key(p, &arch, &defines, info)
+        ))
     });
     if !fresh {
         if let Some(c) = entry.as_deref().and_then(read_entry) {
             return Ok((c, entry));
         }
     }
-    let cubin = compile(name, text, &arch)?;
+    let cubin = compile(name, text, &arch, &defines)?;
     if let Some(e) = &entry {
         write_entry(e, &cubin);
     }
@@ -304,15 +282,15 @@ pub fn compile_all_for(
         .iter()
         .map(|&p| {
             let (name, text) = source(p);
-            let (cubin, log) = compile_with(name, text, &arch, extra)?;
+            let (cubin, log) = compile_with(name, text, &arch, &[], extra)?;
             Ok((name, cubin, log))
         })
         .collect()
 }
 
 /// Compiles every embedded program for compute capability `cc` into the cache folder `dir`, as
-/// [`super::CudaDev::open`] would look them up on a device whose driver reports
-/// `driver_version` (e.g. 13000): warming the cache of another machine, whose first open then
+/// [`super::CudaDev::open`] with default options would look them up on a device whose driver
+/// reports `driver_version` (e.g. 13000): warming the cache of another machine, whose first open then
 /// loads instead of compiling (an entry that does not match is simply compiled there). Valid
 /// entries already in `dir` are kept.
 #[doc(hidden)]
@@ -325,8 +303,12 @@ pub fn fill_cache_for(dir: &Path, cc: (i32, i32), driver_version: i32) -> Result
         multiprocessors: 0,
         driver_version,
     };
+    let options = CudaOptions {
+        kernel_cache: Some(dir.to_path_buf()),
+        ..CudaOptions::default()
+    };
     for &p in Program::ALL.iter() {
-        cubin_for(p, &info, Some(dir), false)?;
+        cubin_for(p, &info, &options, false)?;
     }
     Ok(())
 }
@@ -345,7 +327,7 @@ pub fn compile_program_for(
         .find(|&p| source(p).0 == file)
         .ok_or_else(|| Error::Msg(format!("cuda: no embedded program {file}")))?;
     let (name, text) = source(p);
-    compile_with(name, text, &arch, extra)
+    compile_with(name, text, &arch, &[], extra)
 }
 
 /// Compiles one source for compute capability `cc` (see [`super::CudaDev::compile`]).
@@ -354,6 +336,7 @@ pub fn compile_for(name: &str, source: &str, cc: (i32, i32)) -> Result<Vec<u8>> 
         name,
         source,
         &format!("--gpu-architecture=sm_{}{}", cc.0, cc.1),
+        &[],
     )
 }
 
@@ -361,12 +344,12 @@ pub fn compile_for(name: &str, source: &str, cc: (i32, i32)) -> Result<Vec<u8>> 
 pub(crate) fn load_all(
     ctx: &Arc<CudaContext>,
     info: &DeviceInfo,
-    cache: Option<&Path>,
+    options: &CudaOptions,
 ) -> Result<HashMap<Program, Arc<CudaModule>>> {
     let cubins: Vec<Result<(Vec<u8>, Option<PathBuf>)>> = std::thread::scope(|s| {
         let handles: Vec<_> = Program::ALL
             .iter()
-            .map(|&p| s.spawn(move || cubin_for(p, info, cache, false)))
+            .map(|&p| s.spawn(move || cubin_for(p, info, options, false)))
             .collect();
         handles
             .into_iter()
@@ -384,7 +367,7 @@ pub(crate) fn load_all(
             // A cached cubin the driver refuses (corrupt beyond the checksum, or stale): build it
             // again from source, once.
             Err(_) => {
-                let (cubin, _) = cubin_for(p, info, cache, true)?;
+                let (cubin, _) = cubin_for(p, info, options, true)?;
                 ctx.load_module(Ptx::from_binary(cubin))
                     .map_err(cuda_err(format_args!("loading {}", source(p).0)))?
             }
@@ -392,23 +375,4 @@ pub(crate) fn load_all(
         modules.insert(p, module);
     }
     Ok(modules)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::minb_defines;
-
-    #[test]
-    fn minb_switch_names_families_and_drops_what_it_cannot_use() {
-        assert_eq!(
-            minb_defines("q4_k:5, q8_0s:0,q6_kp:6"),
-            [
-                "-DHF2Q_MV_MINB_Q4_K=5",
-                "-DHF2Q_MV_MINB_Q8_0S=0",
-                "-DHF2Q_MV_MINB_Q6_KP=6"
-            ]
-        );
-        // Counts without a bound defined, junk and a hostile family name give nothing.
-        assert!(minb_defines("q4_k:2,q4_k:11,q4_k,:5,q4_k:x,a-b:5,a b:5").is_empty());
-    }
 }

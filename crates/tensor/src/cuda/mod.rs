@@ -23,8 +23,8 @@
 //! # Kernels
 //!
 //! The `.cu` sources in `kernels/` are embedded in the binary, compiled by NVRTC for the GPU's own
-//! architecture (`sm_XY`) when the device is opened, and the cubins cached on disk (see
-//! [`kernel_cache_dir`]), keyed by a hash of the sources, options, driver/NVRTC versions and
+//! architecture (`sm_XY`) when the device is opened, and the cubins cached on disk (in
+//! [`CudaOptions::kernel_cache`]), keyed by a hash of the sources, options, driver/NVRTC versions and
 //! architecture; a cache entry that fails its checksum or does not load is recompiled.
 //!
 //! # Graphs
@@ -39,11 +39,11 @@ mod compile;
 mod mmq;
 pub(crate) mod moe;
 mod ops;
+mod options;
 pub(crate) mod train;
 mod weight;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, DriverError};
@@ -54,14 +54,14 @@ pub use cudarc::driver::{
 
 pub use blas::PrefillGemm;
 pub use compile::{
-    compile_all_for, compile_for, compile_program_for, fill_cache_for, kernel_cache_dir,
-    nvrtc_available,
+    compile_all_for, compile_for, compile_program_for, fill_cache_for, nvrtc_available,
 };
 pub(crate) use mmq::quantized_bytes;
 pub use ops::{
     DeviceKvCache, DevicePtrMutF32, KvDtype, MvMode, RopeTable, RowNorm, SampleArgs, MAX_HEAD_DIM,
     SAMPLE_MAX_K,
 };
+pub use options::{CudaOptions, OptionKey};
 pub use weight::DeviceWeight;
 
 use crate::{Error, Result};
@@ -111,11 +111,6 @@ impl Program {
     ];
 }
 
-/// Whether an on-by-default switch is not turned off (`NAME=0`) in the environment.
-fn env_on(name: &str) -> bool {
-    std::env::var(name).map_or(true, |v| v != "0")
-}
-
 /// One GPU: context, stream, kernels. Cheap to share (`Arc`); ops may be called from any thread
 /// (the context is bound on each call), but the stream orders them, so one thread at a time
 /// should drive it.
@@ -132,9 +127,18 @@ pub struct CudaDev {
     gemm: std::sync::atomic::AtomicU8,
     /// The quantized activations of the integer prefill product (`mmq.rs`), grown on demand.
     mmq_buf: Mutex<Option<CudaSlice<u8>>>,
-    /// Kernels launched with programmatic dependent launch (Hopper and later; off with
-    /// `HF2Q_CUDA_PDL=0`).
+    /// Kernels launched with programmatic dependent launch (Hopper and later; off with the
+    /// `pdl` option).
     pdl: bool,
+    /// Fewest keys per split of the one-token attention ([`CudaOptions::attn_chunk`]).
+    attn_chunk: usize,
+    /// Prefill attention may take the tensor-core kernel ([`CudaOptions::attn_tensor_cores`]).
+    attn_tensor_cores: bool,
+    /// Rows per row group of the persistent kernels, as compiled
+    /// ([`CudaOptions::persistent_rows`]).
+    mp_rows: usize,
+    /// The options the device was opened with.
+    options: CudaOptions,
     /// Zeroed completion counters of the kernels whose last block finishes the work
     /// (`ops::COUNTERS`).
     done_counters: CudaSlice<u32>,
@@ -176,6 +180,14 @@ pub struct DeviceCounters {
     pub syncs: u64,
 }
 
+impl std::ops::AddAssign for DeviceCounters {
+    fn add_assign(&mut self, o: DeviceCounters) {
+        self.launches += o.launches;
+        self.graph_launches += o.graph_launches;
+        self.syncs += o.syncs;
+    }
+}
+
 impl std::ops::Sub for DeviceCounters {
     type Output = DeviceCounters;
     fn sub(self, o: DeviceCounters) -> DeviceCounters {
@@ -200,23 +212,18 @@ pub fn driver_library_present() -> bool {
 }
 
 impl CudaDev {
-    /// Opens GPU `ordinal` and compiles (or loads from the cache) every kernel.
+    /// Opens GPU `ordinal` with `options` and compiles (or loads from `options.kernel_cache`)
+    /// every kernel.
     ///
     /// `Ok(None)`: no CUDA driver library, no GPU, or fewer GPUs than `ordinal + 1`. `Err`: a GPU
     /// is there but could not be used (driver error, NVRTC missing with nothing cached, a kernel
     /// that does not compile). Never panics: a panic inside the bindings (for example a driver
     /// too old to have a symbol) is caught and returned as an error.
-    pub fn open(ordinal: usize) -> Result<Option<Arc<CudaDev>>> {
-        Self::open_with_cache(ordinal, default_cache_dir())
-    }
-
-    /// [`CudaDev::open`] with an explicit kernel cache folder (`None`: no cache, always
-    /// compile).
-    pub fn open_with_cache(ordinal: usize, cache: Option<PathBuf>) -> Result<Option<Arc<CudaDev>>> {
+    pub fn open(ordinal: usize, options: &CudaOptions) -> Result<Option<Arc<CudaDev>>> {
         if !driver_library_present() {
             return Ok(None);
         }
-        match std::panic::catch_unwind(|| Self::open_inner(ordinal, cache.as_deref())) {
+        match std::panic::catch_unwind(|| Self::open_inner(ordinal, options)) {
             Ok(r) => r,
             Err(p) => {
                 let msg = p
@@ -229,7 +236,7 @@ impl CudaDev {
         }
     }
 
-    fn open_inner(ordinal: usize, cache: Option<&std::path::Path>) -> Result<Option<Arc<CudaDev>>> {
+    fn open_inner(ordinal: usize, options: &CudaOptions) -> Result<Option<Arc<CudaDev>>> {
         use cudarc::driver::result;
         if let Err(e) = result::init() {
             // No device, or only the toolkit's stub library, or a driver with no usable device:
@@ -297,14 +304,15 @@ impl CudaDev {
             )? as u32,
             driver_version,
         };
-        let modules = compile::load_all(&ctx, &info, cache)?;
+        let modules = compile::load_all(&ctx, &info, options)?;
         let done_counters = stream
             .alloc_zeros::<u32>(ops::COUNTERS)
             .map_err(cuda_err("allocating completion counters"))?;
         let argmax_part = stream
             .alloc_zeros::<u64>(ops::ARGMAX_ROWS * ops::ARGMAX_BLOCKS)
             .map_err(cuda_err("allocating argmax partials"))?;
-        let pdl = info.compute_capability.0 >= 9 && env_on("HF2Q_CUDA_PDL");
+        let pdl = info.compute_capability.0 >= 9 && options.pdl;
+        use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize};
         Ok(Some(Arc::new(CudaDev {
             ctx,
             stream,
@@ -314,32 +322,34 @@ impl CudaDev {
             counters: Counters::default(),
             blas: Mutex::new(blas::BlasSlot::Untried),
             pdl,
+            attn_chunk: options.attn_chunk.max(8),
+            attn_tensor_cores: options.attn_tensor_cores,
+            mp_rows: options.persistent_rows,
+            options: options.clone(),
             done_counters,
             argmax_part,
-            blas_chunk: std::sync::atomic::AtomicUsize::new(0),
-            mv_prefetch: std::sync::atomic::AtomicBool::new(
-                std::env::var("HF2Q_CUDA_PREFETCH").as_deref() == Ok("1"),
-            ),
-            moe_fused: std::sync::atomic::AtomicBool::new(false),
-            mv_norm: std::sync::atomic::AtomicBool::new(env_on("HF2Q_CUDA_NORM")),
-            mv_act8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_ACT8") as u8),
-            mv_p8: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_P8") as u8),
-            q4k_relay: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_Q4K") as u8),
-            q6k_relay: std::sync::atomic::AtomicU8::new(MvMode::from_env("HF2Q_CUDA_Q6K") as u8),
-            mv_p8_blocks: std::sync::atomic::AtomicUsize::new(
-                std::env::var("HF2Q_CUDA_P8_BLOCKS")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|&b: &usize| (1..=2).contains(&b))
-                    .unwrap_or(2),
-            ),
-            gemm: std::sync::atomic::AtomicU8::new(PrefillGemm::from_env() as u8),
+            blas_chunk: AtomicUsize::new(0),
+            mv_prefetch: AtomicBool::new(options.prefetch),
+            moe_fused: AtomicBool::new(options.moe_fused),
+            mv_norm: AtomicBool::new(options.norm_fold),
+            mv_act8: AtomicU8::new(options.act8 as u8),
+            mv_p8: AtomicU8::new(options.persistent as u8),
+            q4k_relay: AtomicU8::new(options.q4k_relayout as u8),
+            q6k_relay: AtomicU8::new(options.q6k_relayout as u8),
+            mv_p8_blocks: AtomicUsize::new(options.persistent_blocks.clamp(1, 2)),
+            gemm: AtomicU8::new(options.gemm as u8),
             mmq_buf: Mutex::new(None),
         })))
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// The options the device was opened with (the switches since changed by setters are not
+    /// reflected).
+    pub fn options(&self) -> &CudaOptions {
+        &self.options
     }
 
     /// The stream every op is enqueued on (for the caller's own copies and kernels).
@@ -397,9 +407,11 @@ impl CudaDev {
 
     /// Compiles one CUDA source with NVRTC for this device (no cache) and returns the cubin.
     /// `name` is the file name NVRTC reports errors against (`name(line): error: ...`); the
-    /// headers of `kernels/` (`common.cuh`, `quant.cuh`, `linear.cuh`) can be included.
+    /// headers of `kernels/` (`common.cuh`, `quant.cuh`, `linear.cuh`) can be included, with
+    /// the defines of this device's options.
     pub fn compile(&self, name: &str, source: &str) -> Result<Vec<u8>> {
-        compile::compile(name, source, &compile::arch_option(&self.info))
+        let defines = self.options.compile_defines();
+        compile::compile(name, source, &compile::arch_option(&self.info), &defines)
     }
 
     /// A zero-filled device buffer of `n` elements.
@@ -580,17 +592,4 @@ impl DeviceGraph {
     pub fn launch(&self) -> Result<()> {
         self.graph.launch().map_err(cuda_err("launching a graph"))
     }
-}
-
-/// The cache folder for compiled kernels: `$HF2Q_HOME/cuda-kernels`, else
-/// `$XDG_CACHE_HOME/hf2q/cuda-kernels`, else `~/.cache/hf2q/cuda-kernels`.
-pub(crate) fn default_cache_dir() -> Option<PathBuf> {
-    let nonempty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    if let Some(h) = nonempty("HF2Q_HOME") {
-        return Some(PathBuf::from(h).join("cuda-kernels"));
-    }
-    if let Some(x) = nonempty("XDG_CACHE_HOME") {
-        return Some(PathBuf::from(x).join("hf2q").join("cuda-kernels"));
-    }
-    nonempty("HOME").map(|h| PathBuf::from(h).join(".cache/hf2q/cuda-kernels"))
 }

@@ -26,8 +26,8 @@ impl CudaDev {
     /// (three kernels per layer instead of six). Off by default: on the H200 it measured slower
     /// (Qwen3-30B-A3B Q4_K_M tg128 158.8 tokens/s against 319.6; the routing kernel reads the
     /// whole router on one multiprocessor per token, and the summing kernel runs a token's k
-    /// products one after another in 256 blocks; cuda/NOTES.md). The binary turns it on for
-    /// `HF2Q_CUDA_MOE_FUSED=1` (measurements); tests run both.
+    /// products one after another in 256 blocks; cuda/NOTES.md). The `moe-fused` option turns it
+    /// on at open (measurements); tests run both.
     pub fn set_moe_fused(&self, on: bool) {
         self.moe_fused
             .store(on, std::sync::atomic::Ordering::Relaxed);

@@ -70,14 +70,6 @@ impl MvMode {
             MvMode::All => true,
         }
     }
-    /// `NAME=0` off, `NAME=all` everywhere, otherwise automatic.
-    pub(crate) fn from_env(name: &str) -> MvMode {
-        match std::env::var(name).as_deref() {
-            Ok("0") => MvMode::Off,
-            Ok("all") => MvMode::All,
-            _ => MvMode::Auto,
-        }
-    }
 }
 
 /// Rows per row group of a format's plain `mvf` and gated `mvg` kernels (`RPW` and `GNR` in
@@ -135,46 +127,6 @@ const P8_MIN_ROWS: usize = 65536;
 /// per row group of their gated form (`GNR` of its formats: the same for all).
 const MP_WARPS: usize = 8;
 const MP_GATED_ROWS: usize = 2;
-
-/// Rows per row group of the persistent plain / fused kernels (`HF2Q_MP_RPW` in
-/// `kernels/matvec_p8.cuh`): 2, or 1 / 4 with `HF2Q_CUDA_P8_RPW` (a measurement switch, passed
-/// to the compiler as well).
-pub(crate) fn mp_rows_override() -> Option<usize> {
-    static R: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *R.get_or_init(|| match std::env::var("HF2Q_CUDA_P8_RPW").as_deref() {
-        Ok("1") => Some(1),
-        Ok("4") => Some(4),
-        _ => None,
-    })
-}
-
-/// Keys per split of the one-token attention, by capacity: 16 (`HF2Q_CUDA_ATTN_CHUNK=N`, N >= 8,
-/// read once per process, to compare). A 128-position cache was two splits of 64 keys (16 blocks for 8 kv
-/// heads, each walking its keys in dependent rounds); at 16 it is eight: tg128 1B F16
-/// 1013-1029 -> 1105-1111 tokens/s, 1B Q4_0 1290 -> 1445, 8B Q4_0 433 -> 466-470, 8B Q4_K_M
-/// 366 -> 390 (8 keys: no better). Large caches are bounded by the multiprocessors either way.
-fn attn_chunk() -> usize {
-    static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *R.get_or_init(|| {
-        std::env::var("HF2Q_CUDA_ATTN_CHUNK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &usize| n >= 8)
-            .unwrap_or(16)
-    })
-}
-
-/// Whether prefill attention may use the tensor-core kernel (f16 q and p; `attn_fa_impl`):
-/// `HF2Q_CUDA_ATTN_TC=0` (read once per process) takes the f32 kernel instead (a measurement
-/// switch, for the accuracy of prefill on near-tied logits).
-fn attn_tensor_cores() -> bool {
-    static R: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *R.get_or_init(|| std::env::var("HF2Q_CUDA_ATTN_TC").as_deref() != Ok("0"))
-}
-
-fn mp_rows() -> usize {
-    mp_rows_override().unwrap_or(2)
-}
 
 /// Dynamic shared memory of a persistent kernel for `cols` columns (`mp_stage`): four planes of
 /// 16 bytes per 32 columns, each padded by 16, then four sums and two scales per 32 columns.
@@ -553,8 +505,8 @@ impl CudaDev {
     /// blocks read the whole input row anyway to stage it (an 8B Q4_0's q/k/v and gate/up: 380
     /// -> 408 tokens/s). Folded into the other kernels, which read their activations per unit,
     /// the norm's weights doubled those loads and cost more than the norm's own kernel (1B Q4_0
-    /// 1237 -> 1179), so those kernels have no folded form. Default on; `HF2Q_CUDA_NORM=0` at
-    /// open turns it off.
+    /// 1237 -> 1179), so those kernels have no folded form. Default on; the `norm-fold` option
+    /// sets it at open.
     pub fn set_matvec_norm(&self, on: bool) {
         self.mv_norm.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -573,7 +525,7 @@ impl CudaDev {
     /// previous kernel (`prefetch_l2` in matvec.cuh). Only the f32-activation Q4_K kernel has the
     /// code (the others measured slower with it). Default off since the kernels load their first
     /// weights before the wait themselves: with both, the 1B Q4_K_M decoded 1097-1113 tokens/s,
-    /// without the prefetch 1133 (8B unchanged). `HF2Q_CUDA_PREFETCH=1` at open turns it on.
+    /// without the prefetch 1133 (8B unchanged). The `prefetch` option sets it at open.
     pub fn set_matvec_prefetch(&self, on: bool) {
         self.mv_prefetch
             .store(on, std::sync::atomic::Ordering::Relaxed);
@@ -584,7 +536,7 @@ impl CudaDev {
     /// layout pays (an 8B's gate/up/down: 8B Q4_K_M 287 -> 359 tokens/s); the smaller ones keep
     /// the stored layout, whose f32 kernel measured about 1 % faster than the re-laid one (1B
     /// Q4_K_M 1135 vs 1117-1127; cuda/NOTES.md). `Off`: none, `All`: every one (tests).
-    /// `HF2Q_CUDA_Q4K=0|all` at open.
+    /// The `q4k-relayout` option at open.
     pub fn set_q4k_relayout(&self, m: MvMode) {
         self.q4k_relay
             .store(m as u8, std::sync::atomic::Ordering::Relaxed);
@@ -598,7 +550,7 @@ impl CudaDev {
 
     /// Which Q6_K matrices later uploads re-lay as "q6_ks" (`q6k_split` in weight.rs), whose
     /// one-token launches take the persistent kernels: `Auto` output layers (at least 65536
-    /// rows); `Off`: none, `All`: every one (tests). `HF2Q_CUDA_Q6K=0|all` at open.
+    /// rows); `Off`: none, `All`: every one (tests). The `q6k-relayout` option at open.
     pub fn set_q6k_relayout(&self, m: MvMode) {
         self.q6k_relay
             .store(m as u8, std::sync::atomic::Ordering::Relaxed);
@@ -617,7 +569,7 @@ impl CudaDev {
     /// each block quantizes the whole input row first, which wider rows (an 8B's down
     /// projection) and latency-bound smaller products do not repay, and the second term costs
     /// Q4_0 what the integer dot saves (cuda/NOTES.md);
-    /// `HF2Q_CUDA_ACT8=0|all` at open.
+    /// the `act8` option at open.
     pub fn set_matvec_int8(&self, m: MvMode) {
         self.mv_act8
             .store(m as u8, std::sync::atomic::Ordering::Relaxed);
@@ -626,7 +578,7 @@ impl CudaDev {
     /// When one-token products of Q4_0, Q8_0 and Q4_K run the persistent 8-bit kernels
     /// (`matvec_p8.cuh`): `Auto` for Q4_0 and re-laid Q4_K launches of at least 24M weights,
     /// Q8_0 ones that large which fold their input's norm, and Q8_0 output layers;
-    /// `HF2Q_CUDA_P8=0|all` at open. `blocks_per_sm` (1 or 2; `HF2Q_CUDA_P8_BLOCKS`, default
+    /// the `p8` option at open. `blocks_per_sm` (1 or 2; the `p8-blocks` option, default
     /// 2) bounds their grid: the kernels are compiled for two resident blocks of eight warps.
     pub fn set_matvec_persistent(&self, m: MvMode, blocks_per_sm: usize) {
         use std::sync::atomic::Ordering::Relaxed;
@@ -757,7 +709,7 @@ impl CudaDev {
                 )));
             }
             let rpw = if k.persistent {
-                mp_rows()
+                self.mp_rows
             } else {
                 mvf_rows_per_group(w.kind).0
             };
@@ -1122,11 +1074,15 @@ impl CudaDev {
 
     /// Number of key splits the decode kernel uses for a cache of `capacity` positions: about
     /// four blocks per multiprocessor (each block walks its keys one after another, so more
-    /// blocks means more keys in flight), each split at least [`attn_chunk`] positions of the
-    /// capacity.
+    /// blocks means more keys in flight), each split at least `attn-chunk` positions of the
+    /// capacity ([`super::CudaOptions::attn_chunk`], 16: a 128-position cache was two splits of
+    /// 64 keys, 16 blocks for 8 kv heads each walking its keys in dependent rounds; at 16 it is
+    /// eight: tg128 1B F16 1013-1029 -> 1105-1111 tokens/s, 1B Q4_0 1290 -> 1445, 8B Q4_0
+    /// 433 -> 466-470, 8B Q4_K_M 366 -> 390; 8 keys: no better. Large caches are bounded by
+    /// the multiprocessors either way).
     /// Fixed by the capacity (not the current length) so captured graphs stay valid.
     fn decode_splits(&self, n_kv_heads: usize, capacity: usize) -> usize {
-        let by_len = capacity.div_ceil(attn_chunk());
+        let by_len = capacity.div_ceil(self.attn_chunk);
         let by_sm = (4 * self.info().multiprocessors as usize).div_ceil(n_kv_heads.max(1));
         by_len.min(by_sm).clamp(1, 256)
     }
@@ -1219,7 +1175,7 @@ impl CudaDev {
                 qp, kcp, vcp, pp, sp, hi, hkvi, dhi, cap, scale, window, ns, op, cp)
         } else if cache.dtype == KvDtype::F16
             && (dh == 64 || dh == 128)
-            && attn_tensor_cores()
+            && self.attn_tensor_cores
             && qp.is_multiple_of(16)
             && op.is_multiple_of(8)
         {

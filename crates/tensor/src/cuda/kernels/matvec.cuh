@@ -517,7 +517,7 @@ __device__ __forceinline__ float inv_rms(float ss, int cols, float eps) {
 #define MV_PREFETCH 1  // prefetch this block's weight rows to L2 before waiting (prefetch_l2)
 
 // Whether the one-token kernels load their first weights before waiting for the previous kernel
-// (`mvf_rows`); `HF2Q_CUDA_EARLY=0` at open compiles them without (for measurements).
+// (`mvf_rows`); the `mv-early=off` option compiles them without (for measurements).
 #ifndef HF2Q_MV_EARLY
 #define HF2Q_MV_EARLY 1
 #endif
@@ -719,7 +719,7 @@ __device__ __forceinline__ void mvg_impl(const WRef g, const WRef u, const float
 
 // Launch bounds of the kernels below: `MV_BOUNDS(N)` asks the compiler for at least N resident
 // blocks per multiprocessor, 0 for none. A family's N is `HF2Q_MV_MINB_<FAMILY>` (set per family
-// where the kernels are instantiated; `HF2Q_CUDA_MV_MINB=family:N,...` at open overrides it, a
+// where the kernels are instantiated; the `mv-min-blocks=family:N` option overrides it, a
 // measurement switch). Naming a minimum changes the compiler's register choice even where it does
 // not bind (a minimum of 1 took Q8_0 from 72 registers to 104), so 0 names none. Q8_0 takes 8:
 // its early loads had taken it to 72 registers, seven blocks of 128 threads per multiprocessor,

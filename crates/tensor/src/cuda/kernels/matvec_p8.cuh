@@ -28,8 +28,8 @@
 #define MP_WARPS 8
 // Rows per row group of the plain / fused kernels: two. An 8B Q4_0 decoded 406-410 tokens/s at
 // four rows, 422-426 at two, 387-390 at one: its down projection has 4096 rows, which at four
-// rows per group left half of the grid's 2112 warps without a group. `HF2Q_CUDA_P8_RPW=1|2|4`
-// at open compiles another (measurements); the host mirrors it (`mp_rows` in ops.rs).
+// rows per group left half of the grid's 2112 warps without a group. The `p8-rows=1|2|4` option
+// at open compiles another (measurements); the host mirrors it (`CudaDev::mp_rows`).
 #ifndef HF2Q_MP_RPW
 #define HF2Q_MP_RPW 2
 #endif
