@@ -6,7 +6,7 @@
 #
 # BIN_DIR holds binaries built elsewhere (the GPU machine needs no Rust toolchain):
 #   hf2q          the release binary
-#   cuda_ops      `cargo test --release -p hf2q-tensor --test cuda_ops --no-run` (the path it prints)
+#   cuda_ops      `cargo test --release -p hf2q-cuda --test cuda_ops --no-run` (the path it prints)
 #   cuda_parity   `cargo test --release -p hf2q-models --test cuda_parity --no-run`
 # Optional: HF2Q_TEST_SMOLLM2_GGUF / HF2Q_TEST_GEMMA3_GGUF for real-weight parity.
 # Models for the speed tests are synthesized here (`hf2q synth`, random weights at real shapes).
@@ -35,7 +35,7 @@ file_of() { echo "$WORK/${1%%:*}-${1##*:}.gguf"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 
 echo "== CUDA op tests"
-if (cd "$ROOT/crates/tensor" && "$BIN/cuda_ops" --test-threads 1) >"$OUT_DIR/cuda_ops.log" 2>&1; then
+if (cd "$ROOT/crates/cuda" && "$BIN/cuda_ops" --test-threads 1) >"$OUT_DIR/cuda_ops.log" 2>&1; then
     echo "| CUDA op tests | pass |" >>"$SUMMARY"
 else
     echo "| CUDA op tests | FAIL (cuda_ops.log) |" >>"$SUMMARY"

@@ -6,7 +6,7 @@
 #   scripts/gpu-train-check.sh BIN_DIR [SHAPES]
 #
 # BIN_DIR holds binaries built elsewhere: hf2q, cuda_train (`cargo test --release -p
-# hf2q-tensor --test cuda_train --no-run`), gpu_trainer (`... -p hf2q-train --test gpu_trainer
+# hf2q-cuda --test cuda_train --no-run`), gpu_trainer (`... -p hf2q-train --test gpu_trainer
 # --no-run`); BIN_DIR/home is used as HF2Q_HOME (a kernel cache filled beforehand is reused).
 # SHAPES: llama-3.2-1b, llama-3.1-8b or both (default: llama-3.2-1b). OPS=0, TRAINER=0 and
 # GOLDENS=0 skip the op tests, the trainer test and the goldens; PEFT=0 skips the PEFT runs;
@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 if [ "${OPS:-1}" = 1 ]; then
     echo "== CUDA training op tests"
-    (cd "$ROOT/crates/tensor" && "$BIN/cuda_train" --test-threads 1) >"$OUT_DIR/cuda_train.log" 2>&1 \
+    (cd "$ROOT/crates/cuda" && "$BIN/cuda_train" --test-threads 1) >"$OUT_DIR/cuda_train.log" 2>&1 \
         && echo "| CUDA training op tests | pass |" >>"$SUM" || echo "| CUDA training op tests | FAIL |" >>"$SUM"
     tail -3 "$OUT_DIR/cuda_train.log"
 fi

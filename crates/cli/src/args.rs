@@ -135,7 +135,7 @@ pub struct CudaOptArgs {
 
 /// Checks a `--cuda-opt` value when the command line is read (before any model is loaded).
 fn check_cuda_opt(list: &str) -> std::result::Result<String, String> {
-    hf2q_tensor::cuda::CudaOptions::default()
+    hf2q_cuda::CudaOptions::default()
         .set_list(list)
         .map(|()| list.to_string())
         .map_err(|e| e.to_string())
@@ -146,7 +146,7 @@ lists too): gemm, attn-tc, p8, act8, ... (--help lists them all)";
 
 /// `--cuda-opt`'s long help: every key with its values and what it does.
 fn cuda_opt_long_help() -> String {
-    use hf2q_tensor::cuda::CudaOptions;
+    use hf2q_cuda::CudaOptions;
     let mut h = format!(
         "A CUDA kernel switch as KEY=VALUE; repeat the flag or give a comma-separated list \
          (gemm=f16,p8=off). The defaults are what measured fastest; the switches compare paths \
@@ -162,8 +162,8 @@ fn cuda_opt_long_help() -> String {
 impl CudaOptArgs {
     /// The options a device opens with: the kernel cache and `$HF2Q_CUDA_OPT` from the
     /// environment, then the flags in order (a later setting wins).
-    pub fn options(&self) -> Result<hf2q_tensor::cuda::CudaOptions> {
-        let mut o = hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k))?;
+    pub fn options(&self) -> Result<hf2q_cuda::CudaOptions> {
+        let mut o = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k))?;
         for list in &self.cuda_opt {
             o.set_list(list)
                 .map_err(|e| anyhow::anyhow!("--cuda-opt {list}: {e}"))?;
@@ -178,9 +178,9 @@ pub fn open_device(
     choice: DeviceChoice,
     cuda: &CudaOptArgs,
     kv: KvTypeChoice,
-) -> Result<Option<std::sync::Arc<hf2q_tensor::cuda_backend::CudaBackend>>> {
-    use hf2q_tensor::cuda::CudaDev;
-    use hf2q_tensor::cuda_backend::CudaBackend;
+) -> Result<Option<std::sync::Arc<hf2q_cuda::backend::CudaBackend>>> {
+    use hf2q_cuda::backend::CudaBackend;
+    use hf2q_cuda::CudaDev;
     let options = cuda.options()?;
     if choice == DeviceChoice::Cpu {
         return Ok(None);
@@ -232,8 +232,8 @@ pub enum MatmulChoice {
 }
 
 impl MatmulChoice {
-    pub fn path(self) -> hf2q_tensor::cpu::MatmulPath {
-        use hf2q_tensor::cpu::MatmulPath;
+    pub fn path(self) -> hf2q_cpu::MatmulPath {
+        use hf2q_cpu::MatmulPath;
         match self {
             MatmulChoice::Fast => MatmulPath::Fast,
             MatmulChoice::Fast8 => MatmulPath::Fast8,

@@ -21,8 +21,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
+use hf2q_cuda::DeviceCounters;
 use hf2q_models::{Model, ModelInfo, Session};
-use hf2q_tensor::cuda::DeviceCounters;
 use serde_json::json;
 
 use crate::args::{DeviceChoice, KvTypeChoice, MatmulChoice};

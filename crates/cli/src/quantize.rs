@@ -345,8 +345,8 @@ pub(crate) fn report_card(
     let mut quant = Model::load(output).with_context(|| format!("loading {}", output.display()))?;
     // The SIMD kernels, as `run` and `perplexity` use by default: their own KL against the f32
     // reference (~1e-7 per token) is far below any quantization's, and the card is ~10x faster.
-    base.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
-    quant.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+    base.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
+    quant.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
     eprintln!(
         "evaluating on {} ({} chunks of {ctx} tokens at most) ...",
         text.display(),

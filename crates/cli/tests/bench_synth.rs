@@ -179,9 +179,8 @@ fn bench_refuses_bad_arguments() {
         &hf2q(&["bench", t, "-p", "0", "-n", "0"]),
         "nothing to measure",
     );
-    let options =
-        hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
-    if matches!(hf2q_tensor::cuda::CudaDev::open(0, &options), Ok(None)) {
+    let options = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
+    if matches!(hf2q_cuda::CudaDev::open(0, &options), Ok(None)) {
         fails_with(
             &hf2q(&["bench", t, "--device", "cuda"]),
             "no NVIDIA GPU or CUDA driver found",

@@ -166,16 +166,15 @@ fn mask_bench(dir: &Path, verbose: bool) {
 
 fn decode_bench(path: &Path, cuda: bool) {
     let mut model = Model::load(path).unwrap();
-    model.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+    model.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
     if cuda {
-        let dev = hf2q_tensor::cuda::CudaDev::open(
+        let dev = hf2q_cuda::CudaDev::open(
             0,
-            &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+            &hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
         )
         .expect("a working CUDA driver")
         .expect("a CUDA device");
-        let be = hf2q_tensor::cuda_backend::CudaBackend::new(dev, hf2q_tensor::cuda::KvDtype::F16)
-            .unwrap();
+        let be = hf2q_cuda::backend::CudaBackend::new(dev, hf2q_cuda::KvDtype::F16).unwrap();
         model.set_cuda(Some(std::sync::Arc::new(be))).unwrap();
     }
     model.warm_up().unwrap();

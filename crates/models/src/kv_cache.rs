@@ -21,7 +21,7 @@ pub struct KvCache {
     pub layers: Vec<KvStore>,
     /// The captured one-token decode step over these layers (GPU only): it refers to this
     /// cache's device buffers, so it lives and dies with them.
-    pub graph: Option<hf2q_tensor::cuda_backend::StepGraph>,
+    pub graph: Option<hf2q_cuda::backend::StepGraph>,
     /// Most positions this cache may hold.
     pub limit: usize,
 }

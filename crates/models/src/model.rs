@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use hf2q_tensor::cpu::{CpuBackend, LinearObserver, MatmulPath};
-use hf2q_tensor::cuda::SampleArgs;
-use hf2q_tensor::cuda_backend::{CudaBackend, StepOutput};
+use hf2q_cpu::{CpuBackend, LinearObserver, MatmulPath};
+use hf2q_cuda::backend::{CudaBackend, StepOutput};
+use hf2q_cuda::SampleArgs;
 use hf2q_tensor::io::gguf::GgufFile;
 use hf2q_tensor::op::Backend;
 use hf2q_tensor::{QTensor, Tensor};
@@ -353,7 +353,7 @@ impl Model {
     }
     /// Does the one-time preparation of the weights for the CPU fast paths now, not in the
     /// first request: one forward of one token, which makes the packed copies the kernels read
-    /// (`hf2q_tensor::cpu::PackedWeights`, in the order the forward uses the weights). Nothing
+    /// (`hf2q_cpu::PackedWeights`, in the order the forward uses the weights). Nothing
     /// on the reference path or a GPU.
     pub fn warm_up(&self) -> Result<()> {
         if self.cuda.is_none() && self.backend.matmul != MatmulPath::Reference {
@@ -837,7 +837,7 @@ impl<'m> Session<'m> {
     }
     /// Feeds one token and draws the next with `sampler` (`history`: the tokens its penalties
     /// look at). On a GPU, when the sampler's settings allow it (top-k of at most
-    /// [`hf2q_tensor::cuda::SAMPLE_MAX_K`], no bias, no penalties), the draw runs inside the
+    /// [`hf2q_cuda::SAMPLE_MAX_K`], no bias, no penalties), the draw runs inside the
     /// replayed graph with the sampler's own uniform number, so only the token id crosses; the
     /// host draw would pick the same token from the same logits.
     pub fn decode_sampled(

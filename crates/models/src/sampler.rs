@@ -238,23 +238,23 @@ impl Sampler {
         id
     }
 
-    /// The settings for drawing this step on a device ([`hf2q_tensor::cuda::SampleArgs`]), or
+    /// The settings for drawing this step on a device ([`hf2q_cuda::SampleArgs`]), or
     /// `None` when the draw needs the logits on the host (greedy, a logit bias, penalties, no
     /// top-k or one above the device's limit). Draws the step's uniform number as the host draw
     /// would; if the device does not draw after all, the next [`Sampler::sample`] uses it, so
     /// the sequence of draws is the same either way.
-    pub fn device_args(&mut self) -> Option<hf2q_tensor::cuda::SampleArgs> {
+    pub fn device_args(&mut self) -> Option<hf2q_cuda::SampleArgs> {
         let c = &self.cfg;
         if !(c.temperature > 0.0)
             || c.top_k == 0
-            || c.top_k > hf2q_tensor::cuda::SAMPLE_MAX_K
+            || c.top_k > hf2q_cuda::SAMPLE_MAX_K
             || !c.logit_bias.is_empty()
             || c.penalties_active()
         {
             return None;
         }
         let u = *self.pending_u.get_or_insert_with(|| self.rng.next_f64());
-        Some(hf2q_tensor::cuda::SampleArgs {
+        Some(hf2q_cuda::SampleArgs {
             u,
             top_p: c.top_p,
             min_p: c.min_p,

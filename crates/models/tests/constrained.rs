@@ -115,7 +115,7 @@ fn real_model(var: &str, test: &str) -> Option<Model> {
         Ok(p) if !p.is_empty() => {
             let mut m = Model::load(Path::new(&p)).unwrap();
             // The CLI's and the server's kernels (the library default is the slow reference).
-            m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+            m.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
             m.warm_up().unwrap();
             Some(m)
         }

@@ -46,7 +46,7 @@ fn check(py: &str, folder: &Path, ids: &[u32], tol: f32, real_tokenizer: bool) {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let mut m = Model::load(folder).unwrap();
     // Parity with mlx-lm is measured on the reference matmul (f32 activations).
-    m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Reference);
+    m.set_matmul_path(hf2q_cpu::MatmulPath::Reference);
     let l = m.session(ids.len()).forward_all(ids).unwrap();
     let (mut agree, mut max_err) = (0usize, 0f32);
     for (p, row) in v["rows"].as_array().unwrap().iter().enumerate() {

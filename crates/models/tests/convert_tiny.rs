@@ -37,7 +37,7 @@ fn golden_ids(name: &str) -> Vec<u32> {
 
 fn logits(path: &Path, ids: &[u32]) -> Vec<f32> {
     let mut m = Model::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Reference);
+    m.set_matmul_path(hf2q_cpu::MatmulPath::Reference);
     m.session(ids.len()).forward_all(ids).unwrap().into_data()
 }
 

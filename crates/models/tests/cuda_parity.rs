@@ -12,16 +12,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{argmax, kl};
+use hf2q_cpu::MatmulPath;
+use hf2q_cuda::backend::CudaBackend;
+use hf2q_cuda::{CudaDev, KvDtype};
 use hf2q_models::model::BatchItem;
 use hf2q_models::Model;
-use hf2q_tensor::cpu::MatmulPath;
-use hf2q_tensor::cuda::{CudaDev, KvDtype};
-use hf2q_tensor::cuda_backend::CudaBackend;
 
 fn gpu() -> Option<Arc<CudaBackend>> {
     match CudaDev::open(
         0,
-        &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+        &hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
     ) {
         Ok(Some(dev)) => Some(Arc::new(CudaBackend::new(dev, KvDtype::F16).unwrap())),
         Ok(None) => {
@@ -273,8 +273,8 @@ fn decode_speed(model: &mut Model, gpu: &Arc<CudaBackend>) {
 /// allows one in 300).
 #[test]
 fn device_sampling_matches_the_host_sampler() {
+    use hf2q_cuda::SampleArgs;
     use hf2q_models::sampler::{Sampler, SamplerConfig};
-    use hf2q_tensor::cuda::SampleArgs;
     let Some(gpu) = gpu() else { return };
     let dev = gpu.device();
     let mut rng = hf2q_models::sampler::Rng::new(7);

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use hf2q_cpu::LinearObserver;
 use hf2q_models::convert::source::{Layout, SourceModel};
 use hf2q_models::convert::NoProgress;
 use hf2q_models::quantize::collect::{collect_imatrix, ImatrixOptions};
@@ -19,7 +20,6 @@ use hf2q_models::quantize::imatrix::Imatrix;
 use hf2q_models::quantize::presets::QuantTarget;
 use hf2q_models::quantize::{quantize, QuantizeOptions};
 use hf2q_models::Model;
-use hf2q_tensor::cpu::LinearObserver;
 use hf2q_tensor::{QTensor, Tensor};
 
 fn tiny() -> PathBuf {

@@ -13,6 +13,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use hf2q_cpu::MatmulPath;
+use hf2q_cuda::backend::CudaBackend;
+use hf2q_cuda::{CudaDev, KvDtype};
 use hf2q_models::convert::gguf_meta::metadata_from_hf;
 use hf2q_models::convert::gguf_out::{metadata_from_gguf, write_gguf};
 use hf2q_models::convert::source::SourceModel;
@@ -22,9 +25,6 @@ use hf2q_models::quantize::plan_gguf_keep;
 use hf2q_models::quantize::rules::fallback_type;
 use hf2q_models::quantize::sensitivity::{mean_kl, Sensitivity};
 use hf2q_models::Model;
-use hf2q_tensor::cpu::MatmulPath;
-use hf2q_tensor::cuda::{CudaDev, KvDtype};
-use hf2q_tensor::cuda_backend::CudaBackend;
 use hf2q_tensor::{Bytes, GgmlType, QTensor};
 
 fn tiny_llama() -> PathBuf {
@@ -255,7 +255,7 @@ fn in_memory_kl_equals_the_file_based_one_on_smollm2() {
 fn gpu_measures_what_the_cpu_measures() {
     let gpu = match CudaDev::open(
         0,
-        &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+        &hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
     ) {
         Ok(Some(dev)) => Arc::new(CudaBackend::new(dev, KvDtype::F16).unwrap()),
         Ok(None) => {

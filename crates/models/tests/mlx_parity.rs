@@ -52,7 +52,7 @@ fn mlx_folders_match_mlx_lm() {
         // Parity with mlx-lm is measured on the reference matmul (f32 activations) and an f32 KV
         // cache, as mlx-lm keeps its cache in the model's float32: TOL below is for summation
         // order only (an f16 cache alone moves these logits by about 5e-4).
-        model.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Reference);
+        model.set_matmul_path(hf2q_cpu::MatmulPath::Reference);
         model.set_kv_type(hf2q_tensor::kv::KvType::F32);
         let info = model.info();
         assert_eq!(info.format, "mlx", "{name}");

@@ -11,13 +11,13 @@
 
 use std::path::{Path, PathBuf};
 
+use hf2q_cpu::MatmulPath;
 use hf2q_models::convert::hf_out::HfOptions;
 use hf2q_models::convert::source::SourceModel;
 use hf2q_models::convert::{convert, ConvertTarget, NoProgress};
 use hf2q_models::quantize::presets::QuantTarget;
 use hf2q_models::quantize::{quantize, QuantizeOptions};
 use hf2q_models::Model;
-use hf2q_tensor::cpu::MatmulPath;
 use hf2q_tensor::io::gguf::GgufFile;
 use hf2q_tensor::io::safetensors::StDtype;
 use hf2q_tensor::kv::KvType;

@@ -19,8 +19,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{argmax, kl};
+use hf2q_cpu::MatmulPath;
 use hf2q_models::Model;
-use hf2q_tensor::cpu::MatmulPath;
 use hf2q_tensor::kv::KvType;
 use serde_json::Value;
 

@@ -43,7 +43,7 @@ fn logits(path: &Path, ids: &[u32]) -> (Vec<f32>, usize) {
     let mut m = Model::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     // The reference matmul (f32 activations): the gate measures the weights' quantization, not
     // the 8-bit activations of the fast kernels.
-    m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Reference);
+    m.set_matmul_path(hf2q_cpu::MatmulPath::Reference);
     let l = m.session(ids.len()).forward_all(ids).unwrap();
     let v = l.dims2().1;
     (l.into_data(), v)

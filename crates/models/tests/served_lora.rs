@@ -5,11 +5,11 @@
 
 use std::path::{Path, PathBuf};
 
+use hf2q_cpu::MatmulPath;
 use hf2q_models::adapter::LoraConfig;
 use hf2q_models::adapter_set::AdapterSet;
 use hf2q_models::kv_cache::KvType;
 use hf2q_models::{BatchItem, Model};
-use hf2q_tensor::cpu::MatmulPath;
 use hf2q_tensor::Tensor;
 
 fn tiny(name: &str) -> Model {

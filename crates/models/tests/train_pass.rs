@@ -11,11 +11,11 @@
 
 use std::path::{Path, PathBuf};
 
+use hf2q_cpu::MatmulPath;
 use hf2q_models::adapter::LoraConfig;
 use hf2q_models::layers::lora::LoraGrads;
 use hf2q_models::train_pass::{PassOptions, TrainBatch};
 use hf2q_models::Model;
-use hf2q_tensor::cpu::MatmulPath;
 use hf2q_tensor::kv::KvType;
 use hf2q_tensor::train_op::SeqLayout;
 use hf2q_tensor::Tensor;

@@ -32,7 +32,7 @@ async fn streamed_json_schema_replies_validate() {
         return;
     };
     let mut m = Arc::try_unwrap(model).unwrap_or_else(|_| panic!("one owner"));
-    m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+    m.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
     m.warm_up().unwrap();
     let mut c = real_cfg("smol");
     c.engine.prefix_cache = false;

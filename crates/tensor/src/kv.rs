@@ -36,15 +36,6 @@ impl KvType {
     }
 }
 
-impl From<KvType> for crate::cuda::KvDtype {
-    fn from(t: KvType) -> Self {
-        match t {
-            KvType::F16 => crate::cuda::KvDtype::F16,
-            KvType::F32 => crate::cuda::KvDtype::F32,
-        }
-    }
-}
-
 /// One layer's keys and values.
 pub enum KvStore {
     Host(HostKv),

@@ -1,20 +1,17 @@
-//! hf2q-tensor: the numeric core of hf2q.
+//! hf2q-tensor: the shared types of hf2q, which every backend implements and every model uses.
+//! It depends on no backend: the CPU backend is `hf2q-cpu`, the CUDA backend `hf2q-cuda`.
 //!
 //! - [`dtype`]: ggml's element/block types, numbered as ggml numbers them.
 //! - [`quant`]: scalar reference dequantization for every supported block format (ggml's byte
 //!   layouts) and MLX affine.
 //! - [`io`]: GGUF and safetensors readers and writers; every count and offset checked.
 //! - [`weight`]: a 2-D weight kept in its stored form (quantized blocks, MLX affine, dense).
-//! - [`tensor`] + [`op`] + [`cpu`]: activations, the closed op set and its CPU reference backend.
+//! - [`tensor`] + [`op`]: activations and the closed op set (the [`op::Backend`] trait).
+//! - [`kv`]: the per-layer KV cache a backend reads and writes (host planes or a device cache).
 //! - [`moe`]: mixture-of-experts routing and expert products over the op set.
 //! - [`train_op`]: the training op set (backward of every op, attention with its log-sum-exp,
-//!   the fused output layer and loss, AdamW), implemented by the CPU and CUDA backends.
+//!   the fused output layer and loss, AdamW) and the shape checks every backend shares.
 
-pub mod cpu;
-pub mod cuda;
-pub mod cuda_backend;
-mod cuda_moe;
-mod cuda_train;
 pub mod dtype;
 pub mod error;
 pub mod io;

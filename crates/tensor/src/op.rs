@@ -64,9 +64,9 @@ pub struct LayerCache<'a, T = f32> {
     pub capacity: usize,
 }
 
-/// An element type a host KV cache stores ([`LayerCache`]): `f32` or `half::f16`. Sealed: the
-/// CPU attention has a kernel for each.
-pub trait KvElem: crate::cpu::KvRead + Copy + Send + Sync + 'static {
+/// An element type a host KV cache stores ([`LayerCache`]): `f32` or `half::f16`. A backend that
+/// reads host caches has a kernel for each (the CPU backend's `KvRead`).
+pub trait KvElem: Copy + Send + Sync + 'static {
     /// The value as f32 (exact for both types).
     fn to_f32(self) -> f32;
 }

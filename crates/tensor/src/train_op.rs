@@ -328,6 +328,94 @@ pub fn dropout_keep(seed: u64, i: u64, p: f32) -> bool {
     u >= p
 }
 
+/// Checks q, k, v against the layout and the heads; returns (H, Hkv, Dh) (every backend's
+/// check).
+pub fn check_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    layout: &SeqLayout,
+    a: &TrainAttention,
+) -> Result<(usize, usize, usize)> {
+    let p = &a.p;
+    let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+    if hkv == 0 || dh == 0 || h % hkv != 0 {
+        return Err(Error::Shape(format!(
+            "attention: {h} heads in {hkv} kv groups of width {dh}"
+        )));
+    }
+    for (t, width, what) in [(q, h * dh, "q"), (k, hkv * dh, "k"), (v, hkv * dh, "v")] {
+        layout.check(t, what)?;
+        if t.dims2().1 != width {
+            return Err(Error::Shape(format!(
+                "attention: {what} rows have {} values, {width} expected",
+                t.dims2().1
+            )));
+        }
+    }
+    if let Some(w) = p.window {
+        if w == 0 {
+            return Err(Error::Shape("attention: a window of 0 keys".into()));
+        }
+    }
+    Ok((h, hkv, dh))
+}
+
+/// Checks the targets and gradient weights of `n` rows against a vocabulary of `vocab` (every
+/// backend's check).
+pub fn check_head(n: usize, vocab: usize, targets: &[i32], grad: Option<&[f32]>) -> Result<()> {
+    if targets.len() != n || grad.is_some_and(|g| g.len() != n) {
+        return Err(Error::Shape(format!(
+            "lm head: {n} rows, {} targets, {:?} gradient weights",
+            targets.len(),
+            grad.map(<[f32]>::len)
+        )));
+    }
+    if let Some(&bad) = targets.iter().find(|&&t| t >= 0 && t as usize >= vocab) {
+        return Err(Error::Shape(format!(
+            "lm head: target {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    Ok(())
+}
+
+/// The scalars of one AdamW step, in the order `torch.optim.AdamW` (single-tensor, not fused)
+/// computes them, so that an update rounds as PyTorch's does.
+pub struct AdamCoefficients {
+    pub decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub step_size: f32,
+    pub bias2_sqrt: f32,
+    pub eps: f32,
+}
+
+impl AdamCoefficients {
+    pub fn new(s: &AdamStep) -> AdamCoefficients {
+        let t = s.step.max(1) as i32;
+        let bias1 = 1.0 - (s.beta1 as f64).powi(t);
+        let bias2 = 1.0 - (s.beta2 as f64).powi(t);
+        AdamCoefficients {
+            decay: 1.0 - s.lr * s.weight_decay,
+            beta1: s.beta1,
+            beta2: s.beta2,
+            step_size: (s.lr as f64 / bias1) as f32,
+            bias2_sqrt: bias2.sqrt() as f32,
+            eps: s.eps,
+        }
+    }
+    /// `p *= 1 − lr·wd; m = lerp(m, g, 1 − β1); v = β2 v + (1 − β2) g²;
+    /// p −= step_size · m / (√v / √(1 − β2^t) + eps)`.
+    #[inline]
+    pub fn update(&self, p: &mut f32, g: f32, m: &mut f32, v: &mut f32) {
+        *p *= self.decay;
+        *m += (g - *m) * (1.0 - self.beta1);
+        *v = *v * self.beta2 + (1.0 - self.beta2) * g * g;
+        let denom = v.sqrt() / self.bias2_sqrt + self.eps;
+        *p -= self.step_size * (*m / denom);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

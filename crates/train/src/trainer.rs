@@ -379,8 +379,7 @@ impl<'m> Trainer<'m> {
                 // Training products run on one f16/bf16 pass: the inference default (f16
                 // pairs, three products per weight) buys a precision the bf16 backward does
                 // not keep, at three times the tensor-core work.
-                c.device()
-                    .set_prefill_gemm(hf2q_tensor::cuda::PrefillGemm::F16);
+                c.device().set_prefill_gemm(hf2q_cuda::PrefillGemm::F16);
                 c.device().info().name.clone()
             }
             None => "cpu".to_string(),

@@ -43,7 +43,7 @@ fn ids() -> Vec<u32> {
 }
 
 fn logits(m: &mut Model, ids: &[u32]) -> Vec<f32> {
-    m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Reference);
+    m.set_matmul_path(hf2q_cpu::MatmulPath::Reference);
     m.session(ids.len()).forward_all(ids).unwrap().into_data()
 }
 fn with_adapter(base: &Path, adapter: &Path) -> Vec<f32> {
@@ -579,12 +579,12 @@ fn mlx_lm_loads_our_mlx_adapter_on_smollm2() {
     let mut m = Model::load(&folder).unwrap();
     m.load_adapter(&mlx_dir).unwrap();
     let ours = {
-        m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Reference);
+        m.set_matmul_path(hf2q_cpu::MatmulPath::Reference);
         m.session(ids.len()).forward_all(&ids).unwrap()
     };
     let (mut worst, mut moved) = (0f32, 0f32);
     let mut m0 = Model::load(&folder).unwrap();
-    m0.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Reference);
+    m0.set_matmul_path(hf2q_cpu::MatmulPath::Reference);
     let unadapted = m0.session(ids.len()).forward_all(&ids).unwrap();
     for (p, row) in v["rows"].as_array().unwrap().iter().enumerate() {
         let (o, u) = (ours.row(p), unadapted.row(p));

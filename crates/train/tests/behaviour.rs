@@ -129,7 +129,7 @@ fn uppercase_answers_are_learned_and_resume_is_exact() {
     let data = Dataset::load(&data_path).unwrap();
     let load = || {
         let mut m = Model::load(&gguf).unwrap();
-        m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+        m.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
         m
     };
 

@@ -92,7 +92,7 @@ fn uppercase_replies_become_preferred_on_held_out_pairs() {
         Dataset::load_pairs(&held_path).unwrap(),
     );
     let mut m = Model::load(&gguf).unwrap();
-    m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+    m.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
     let mut cfg = TrainConfig {
         lr: 1e-3,
         length: Length::Steps(12),
@@ -173,7 +173,7 @@ fn llamafactory_dpo_demo_set_is_read_and_trained_on() {
         pairs.records.len()
     );
     let mut m = Model::load(&gguf).unwrap();
-    m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+    m.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
     let cfg = TrainConfig {
         length: Length::Steps(1),
         batch: 2,

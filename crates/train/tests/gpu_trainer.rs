@@ -12,20 +12,20 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use hf2q_cpu::MatmulPath;
+use hf2q_cuda::backend::CudaBackend;
+use hf2q_cuda::{CudaDev, KvDtype, PrefillGemm};
 use hf2q_models::adapter::LoraConfig;
 use hf2q_models::layers::lora::LoraGrads;
 use hf2q_models::train_pass::{PassOptions, TrainBatch};
 use hf2q_models::Model;
-use hf2q_tensor::cpu::MatmulPath;
-use hf2q_tensor::cuda::{CudaDev, KvDtype, PrefillGemm};
-use hf2q_tensor::cuda_backend::CudaBackend;
 use hf2q_tensor::train_op::SeqLayout;
 use hf2q_tensor::Tensor;
 
 fn gpu() -> Option<Arc<CudaBackend>> {
     match CudaDev::open(
         0,
-        &hf2q_tensor::cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
+        &hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
     ) {
         Ok(Some(dev)) => {
             dev.set_prefill_gemm(PrefillGemm::F16);

@@ -20,9 +20,9 @@
 
 use std::path::{Path, PathBuf};
 
+use hf2q_cpu::MatmulPath;
 use hf2q_models::adapter::LoraConfig;
 use hf2q_models::Model;
-use hf2q_tensor::cpu::MatmulPath;
 use hf2q_tensor::kv::KvType;
 use hf2q_tensor::Tensor;
 use serde_json::{json, Value};

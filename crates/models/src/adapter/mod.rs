@@ -241,7 +241,7 @@ impl Model {
         let cuda = self.cuda().cloned();
         let be: &dyn hf2q_tensor::op::Backend = match &cuda {
             Some(c) => &**c,
-            None => &hf2q_tensor::cpu::CpuBackend::REFERENCE,
+            None => &hf2q_cpu::CpuBackend::REFERENCE,
         };
         for (_, l) in self.adapters_mut() {
             l.a = be.upload(&l.a)?;

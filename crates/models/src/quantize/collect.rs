@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use hf2q_tensor::cpu::LinearObserver;
+use hf2q_cpu::LinearObserver;
 use hf2q_tensor::{QTensor, Tensor};
 
 use super::imatrix::{Imatrix, ImatrixEntry};

@@ -28,8 +28,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use hf2q_tensor::cpu::MatmulPath;
-use hf2q_tensor::cuda_backend::CudaBackend;
+use hf2q_cpu::MatmulPath;
+use hf2q_cuda::backend::CudaBackend;
 use hf2q_tensor::{Bytes, GgmlType, QTensor};
 
 use super::rules::{allows_quantization, fallback_type};

@@ -42,7 +42,7 @@ pub fn qwen25(test: &str) -> Option<Arc<Model>> {
     match std::env::var("HF2Q_TEST_QWEN25_GGUF") {
         Ok(p) if !p.is_empty() => {
             let mut m = Model::load(Path::new(&p)).expect("Qwen2.5 GGUF");
-            m.set_matmul_path(hf2q_tensor::cpu::MatmulPath::Fast);
+            m.set_matmul_path(hf2q_cpu::MatmulPath::Fast);
             m.warm_up().expect("warm-up");
             Some(Arc::new(m))
         }

@@ -25,7 +25,7 @@ fn half_at(b: &[u8], off: usize) -> f32 {
 /// (min); sub-blocks 4..8 take 4 low bits from bytes 8..12 and their top 2 bits from the spare
 /// top bits of bytes 0..8.
 #[inline]
-pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
