@@ -1,4 +1,4 @@
-//! Cache compatibility with Python's `huggingface_hub`: when `HF2Q_TEST_PYTHON` names a python
+//! Cache compatibility with Python's `huggingface_hub`: when `HF2Q_TEST_HUB_PYTHON` names a python
 //! with `huggingface_hub` installed, (1) `hf_hub_download(..., local_files_only=True)` with
 //! `HF_HUB_OFFLINE=1` returns the bytes hf2q pulled, and (2) a file that `huggingface_hub`
 //! downloaded from the same mock Hub (through `HF_ENDPOINT`) is found by hf2q offline.
@@ -11,10 +11,10 @@ use hf2q_hub::mock::MockHub;
 use hf2q_hub::{find_cached, pull, HubConfig, PullRequest, RepoRef};
 
 fn python() -> Option<String> {
-    match std::env::var("HF2Q_TEST_PYTHON") {
+    match std::env::var("HF2Q_TEST_HUB_PYTHON") {
         Ok(p) if !p.is_empty() => Some(p),
         _ => {
-            eprintln!("python_interop: skipped (HF2Q_TEST_PYTHON is not set)");
+            eprintln!("python_interop: skipped (HF2Q_TEST_HUB_PYTHON is not set)");
             None
         }
     }
