@@ -49,7 +49,8 @@ pub struct FileMeta {
 impl FileMeta {
     /// An LFS file's ETag is its sha256: those are checked after download.
     pub fn sha256(&self) -> Option<&str> {
-        (self.etag.len() == 64 && self.etag.bytes().all(|b| b.is_ascii_hexdigit())).then_some(self.etag.as_str())
+        (self.etag.len() == 64 && self.etag.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then_some(self.etag.as_str())
     }
 }
 
@@ -57,7 +58,11 @@ impl FileMeta {
 pub fn origin(url: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let host = rest.split(['/', '?', '#']).next().unwrap_or("");
-    format!("{}://{}", scheme.to_ascii_lowercase(), host.to_ascii_lowercase())
+    format!(
+        "{}://{}",
+        scheme.to_ascii_lowercase(),
+        host.to_ascii_lowercase()
+    )
 }
 
 /// Percent-encodes one path segment (RFC 3986 unreserved characters kept).
@@ -75,16 +80,25 @@ pub fn encode_segment(s: &str) -> String {
 
 /// A file path in a URL: each segment encoded, `/` kept.
 pub fn encode_path(p: &str) -> String {
-    p.split('/').map(encode_segment).collect::<Vec<_>>().join("/")
+    p.split('/')
+        .map(encode_segment)
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 /// ETag header value -> blob name: `W/"abc"` -> `abc`.
 pub fn normalize_etag(v: &str) -> String {
-    v.trim().trim_start_matches("W/").trim_matches('"').to_string()
+    v.trim()
+        .trim_start_matches("W/")
+        .trim_matches('"')
+        .to_string()
 }
 
 fn header(r: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
-    r.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string)
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
 }
 
 /// The response of a GET, after redirects.
@@ -126,7 +140,12 @@ impl Client {
         (origin(url) == origin(&self.endpoint)).then(|| format!("Bearer {t}"))
     }
 
-    fn request(&self, method: &str, url: &str, range_from: u64) -> Result<ureq::http::Response<ureq::Body>> {
+    fn request(
+        &self,
+        method: &str,
+        url: &str,
+        range_from: u64,
+    ) -> Result<ureq::http::Response<ureq::Body>> {
         let mut req = match method {
             "HEAD" => self.agent.head(url),
             _ => self.agent.get(url),
@@ -137,11 +156,19 @@ impl Client {
         if range_from > 0 {
             req = req.header("Range", format!("bytes={range_from}-"));
         }
-        req.call().map_err(|e| HubError::Network { url: url.to_string(), message: e.to_string() })
+        req.call().map_err(|e| HubError::Network {
+            url: url.to_string(),
+            message: e.to_string(),
+        })
     }
 
     /// `HubError` for a non-success answer about `target`.
-    fn error_for(&self, r: &ureq::http::Response<ureq::Body>, url: &str, target: &Target) -> HubError {
+    fn error_for(
+        &self,
+        r: &ureq::http::Response<ureq::Body>,
+        url: &str,
+        target: &Target,
+    ) -> HubError {
         let status = r.status().as_u16();
         let code = header(r, "x-error-code").unwrap_or_default();
         let message = header(r, "x-error-message").unwrap_or_default();
@@ -152,27 +179,60 @@ impl Client {
             ("GatedRepo", 401) => HubError::GatedNeedsToken { repo, page },
             ("GatedRepo", _) if !had_token => HubError::GatedNeedsToken { repo, page },
             ("GatedRepo", _) | ("", 403) => HubError::GatedNoAccess { repo, page },
-            ("RepoNotFound", _) => HubError::RepoNotFound { repo, endpoint: self.endpoint.clone(), had_token },
-            ("RevisionNotFound", _) => HubError::RevisionNotFound { repo, revision: target.revision.clone() },
+            ("RepoNotFound", _) => HubError::RepoNotFound {
+                repo,
+                endpoint: self.endpoint.clone(),
+                had_token,
+            },
+            ("RevisionNotFound", _) => HubError::RevisionNotFound {
+                repo,
+                revision: target.revision.clone(),
+            },
             ("EntryNotFound", _) => HubError::FileNotFound {
                 repo,
                 revision: target.revision.clone(),
                 path: target.path.clone().unwrap_or_default(),
             },
-            ("", 401) if had_token => HubError::BadToken { endpoint: self.endpoint.clone() },
-            ("", 401) => HubError::RepoNotFound { repo, endpoint: self.endpoint.clone(), had_token },
-            ("", 404) => match &target.path {
-                Some(p) => HubError::FileNotFound { repo, revision: target.revision.clone(), path: p.clone() },
-                None => HubError::RepoNotFound { repo, endpoint: self.endpoint.clone(), had_token },
+            ("", 401) if had_token => HubError::BadToken {
+                endpoint: self.endpoint.clone(),
             },
-            _ => HubError::Http { status, url: url.to_string(), message },
+            ("", 401) => HubError::RepoNotFound {
+                repo,
+                endpoint: self.endpoint.clone(),
+                had_token,
+            },
+            ("", 404) => match &target.path {
+                Some(p) => HubError::FileNotFound {
+                    repo,
+                    revision: target.revision.clone(),
+                    path: p.clone(),
+                },
+                None => HubError::RepoNotFound {
+                    repo,
+                    endpoint: self.endpoint.clone(),
+                    had_token,
+                },
+            },
+            _ => HubError::Http {
+                status,
+                url: url.to_string(),
+                message,
+            },
         }
     }
 
     /// `GET /api/models/{repo}/revision/{rev}`.
     pub fn repo_info(&self, repo: &RepoId, revision: &str) -> Result<RepoInfo> {
-        let url = format!("{}/api/models/{repo}/revision/{}", self.endpoint, encode_segment(revision));
-        let target = Target { repo: repo.to_string(), revision: revision.to_string(), path: None };
+        let url = format!(
+            "{}/api/models/{repo}/revision/{}",
+            self.endpoint,
+            encode_segment(revision)
+        );
+        let target = Target {
+            repo: repo.to_string(),
+            revision: revision.to_string(),
+            path: None,
+        };
         let r = self.request("GET", &url, 0)?;
         if !r.status().is_success() {
             return Err(self.error_for(&r, &url, &target));
@@ -182,18 +242,30 @@ impl Client {
             .with_config()
             .limit(64 << 20)
             .read_to_string()
-            .map_err(|e| HubError::Network { url: url.clone(), message: e.to_string() })?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| HubError::Protocol { url: url.clone(), why: format!("not JSON: {e}") })?;
+            .map_err(|e| HubError::Network {
+                url: url.clone(),
+                message: e.to_string(),
+            })?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| HubError::Protocol {
+            url: url.clone(),
+            why: format!("not JSON: {e}"),
+        })?;
         let sha = v
             .get("sha")
             .and_then(|s| s.as_str())
-            .ok_or_else(|| HubError::Protocol { url: url.clone(), why: "no 'sha'".into() })?
+            .ok_or_else(|| HubError::Protocol {
+                url: url.clone(),
+                why: "no 'sha'".into(),
+            })?
             .to_string();
         let siblings = v
             .get("siblings")
             .and_then(|s| s.as_array())
-            .map(|a| a.iter().filter_map(|s| s.get("rfilename")?.as_str().map(String::from)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.get("rfilename")?.as_str().map(String::from))
+                    .collect()
+            })
             .unwrap_or_default();
         Ok(RepoInfo { sha, siblings })
     }
@@ -201,8 +273,17 @@ impl Client {
     /// `HEAD /{repo}/resolve/{rev}/{path}`: relative redirects (renamed repositories) are
     /// followed; a redirect to another host is where the bytes are (not followed here).
     pub fn file_meta(&self, repo: &RepoId, revision: &str, path: &str) -> Result<FileMeta> {
-        let mut url = format!("{}/{repo}/resolve/{}/{}", self.endpoint, encode_segment(revision), encode_path(path));
-        let target = Target { repo: repo.to_string(), revision: revision.to_string(), path: Some(path.to_string()) };
+        let mut url = format!(
+            "{}/{repo}/resolve/{}/{}",
+            self.endpoint,
+            encode_segment(revision),
+            encode_path(path)
+        );
+        let target = Target {
+            repo: repo.to_string(),
+            revision: revision.to_string(),
+            path: Some(path.to_string()),
+        };
         for _ in 0..5 {
             let r = self.request("HEAD", &url, 0)?;
             let status = r.status().as_u16();
@@ -215,8 +296,12 @@ impl Client {
             } else if !r.status().is_success() {
                 return Err(self.error_for(&r, &url, &target));
             }
-            let bad = |why: &str| HubError::Protocol { url: url.clone(), why: why.to_string() };
-            let commit = header(&r, "x-repo-commit").ok_or_else(|| bad("no X-Repo-Commit header"))?;
+            let bad = |why: &str| HubError::Protocol {
+                url: url.clone(),
+                why: why.to_string(),
+            };
+            let commit =
+                header(&r, "x-repo-commit").ok_or_else(|| bad("no X-Repo-Commit header"))?;
             let etag = header(&r, "x-linked-etag")
                 .or_else(|| header(&r, "etag"))
                 .map(|e| normalize_etag(&e))
@@ -230,9 +315,17 @@ impl Client {
                 Some(l) if (300..400).contains(&status) => l,
                 _ => url.clone(),
             };
-            return Ok(FileMeta { commit, etag, size, location });
+            return Ok(FileMeta {
+                commit,
+                etag,
+                size,
+                location,
+            });
         }
-        Err(HubError::Protocol { url, why: "too many redirects".into() })
+        Err(HubError::Protocol {
+            url,
+            why: "too many redirects".into(),
+        })
     }
 
     /// `GET url` from byte `range_from` on, following redirects (relative ones and ones to
@@ -244,17 +337,31 @@ impl Client {
             let status = r.status().as_u16();
             if (300..400).contains(&status) {
                 let Some(loc) = header(&r, "location") else {
-                    return Err(HubError::Protocol { url, why: format!("HTTP {status} without Location") });
+                    return Err(HubError::Protocol {
+                        url,
+                        why: format!("HTTP {status} without Location"),
+                    });
                 };
-                url = if loc.starts_with('/') { format!("{}{loc}", origin(&url)) } else { loc };
+                url = if loc.starts_with('/') {
+                    format!("{}{loc}", origin(&url))
+                } else {
+                    loc
+                };
                 continue;
             }
             if !(r.status().is_success() || status == 416) {
                 return Err(self.error_for(&r, &url, target));
             }
-            return Ok(Fetched { status, url, response: r });
+            return Ok(Fetched {
+                status,
+                url,
+                response: r,
+            });
         }
-        Err(HubError::Protocol { url, why: "too many redirects".into() })
+        Err(HubError::Protocol {
+            url,
+            why: "too many redirects".into(),
+        })
     }
 }
 
@@ -265,7 +372,10 @@ mod tests {
     #[test]
     fn origins_and_encoding() {
         assert_eq!(origin("http://127.0.0.1:80/a?b"), "http://127.0.0.1:80");
-        assert_ne!(origin("https://huggingface.co/x"), origin("https://cdn-lfs.huggingface.co/x"));
+        assert_ne!(
+            origin("https://huggingface.co/x"),
+            origin("https://cdn-lfs.huggingface.co/x")
+        );
         assert_eq!(encode_segment("refs/pr/1"), "refs%2Fpr%2F1");
         assert_eq!(encode_path("a b/c.json"), "a%20b/c.json");
         assert_eq!(normalize_etag("W/\"abc\""), "abc");

@@ -23,7 +23,11 @@ use crate::repo::{is_commit, RepoId};
 
 /// The cache root: `hf_hub_cache`, else `hf_home/hub`, else `home/.cache/huggingface/hub`
 /// (huggingface_hub's order). Empty values count as unset.
-pub fn default_root(hf_hub_cache: Option<PathBuf>, hf_home: Option<PathBuf>, home: Option<PathBuf>) -> Option<PathBuf> {
+pub fn default_root(
+    hf_hub_cache: Option<PathBuf>,
+    hf_home: Option<PathBuf>,
+    home: Option<PathBuf>,
+) -> Option<PathBuf> {
     let set = |p: Option<PathBuf>| p.filter(|p| !p.as_os_str().is_empty());
     set(hf_hub_cache)
         .or_else(|| set(hf_home.clone()).map(|h| h.join("hub")))
@@ -32,9 +36,10 @@ pub fn default_root(hf_hub_cache: Option<PathBuf>, hf_home: Option<PathBuf>, hom
 
 /// `HF_HOME`, else `home/.cache/huggingface`: where huggingface_hub keeps its `token` file.
 pub fn default_hf_home(hf_home: Option<PathBuf>, home: Option<PathBuf>) -> Option<PathBuf> {
-    hf_home
-        .filter(|p| !p.as_os_str().is_empty())
-        .or_else(|| home.filter(|p| !p.as_os_str().is_empty()).map(|h| h.join(".cache").join("huggingface")))
+    hf_home.filter(|p| !p.as_os_str().is_empty()).or_else(|| {
+        home.filter(|p| !p.as_os_str().is_empty())
+            .map(|h| h.join(".cache").join("huggingface"))
+    })
 }
 
 /// The token stored by `hf auth login` (`HF_HOME/token`), trimmed; `None` when absent or empty.
@@ -79,7 +84,10 @@ pub struct Removed {
 }
 
 fn tmp_name(p: &Path) -> PathBuf {
-    let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = p
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     p.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
@@ -101,7 +109,9 @@ impl Cache {
     }
 
     pub fn incomplete_path(&self, id: &RepoId, etag: &str) -> PathBuf {
-        self.repo_dir(id).join("blobs").join(format!("{etag}.incomplete"))
+        self.repo_dir(id)
+            .join("blobs")
+            .join(format!("{etag}.incomplete"))
     }
 
     pub fn snapshot_dir(&self, id: &RepoId, commit: &str) -> PathBuf {
@@ -121,7 +131,8 @@ impl Cache {
         if let Some(c) = self.read_ref(id, revision) {
             return Some(c);
         }
-        (is_commit(revision) && self.snapshot_dir(id, revision).is_dir()).then(|| revision.to_string())
+        (is_commit(revision) && self.snapshot_dir(id, revision).is_dir())
+            .then(|| revision.to_string())
     }
 
     /// Writes `refs/<revision>` = `commit` (temporary name, then rename).
@@ -152,7 +163,9 @@ impl Cache {
         #[cfg(unix)]
         std::os::unix::fs::symlink(&target, &tmp).at(&tmp)?;
         #[cfg(not(unix))]
-        fs::copy(self.blob_path(id, etag), &tmp).at(&tmp).map(|_| ())?;
+        fs::copy(self.blob_path(id, etag), &tmp)
+            .at(&tmp)
+            .map(|_| ())?;
         fs::rename(&tmp, &dest).at(&dest)?;
         Ok(dest)
     }
@@ -174,7 +187,9 @@ impl Cache {
             Err(e) => return Err(crate::error::HubError::io(&self.root, e)),
         };
         for e in entries.flatten() {
-            let Some(id) = RepoId::from_folder_name(&e.file_name().to_string_lossy()) else { continue };
+            let Some(id) = RepoId::from_folder_name(&e.file_name().to_string_lossy()) else {
+                continue;
+            };
             let dir = e.path();
             let blob_sizes = blob_sizes(&dir.join("blobs"));
             let mut refs: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -186,7 +201,11 @@ impl Cache {
                 }
             }
             let mut revisions = Vec::new();
-            for s in fs::read_dir(dir.join("snapshots")).into_iter().flatten().flatten() {
+            for s in fs::read_dir(dir.join("snapshots"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
                 let commit = s.file_name().to_string_lossy().into_owned();
                 let linked = linked_blobs(&s.path());
                 revisions.push(CachedRevision {
@@ -197,7 +216,12 @@ impl Cache {
                 });
             }
             revisions.sort_by(|a, b| a.commit.cmp(&b.commit));
-            repos.push(CachedRepo { size: blob_sizes.values().sum(), id, dir, revisions });
+            repos.push(CachedRepo {
+                size: blob_sizes.values().sum(),
+                id,
+                dir,
+                revisions,
+            });
         }
         repos.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(repos)
@@ -224,7 +248,9 @@ impl Cache {
             fs::remove_dir_all(&dir).at(&dir)?;
             return Ok(Some(removed));
         };
-        let Some(commit) = self.resolve(id, revision) else { return Ok(None) };
+        let Some(commit) = self.resolve(id, revision) else {
+            return Ok(None);
+        };
         let snap = self.snapshot_dir(id, &commit);
         if snap.exists() {
             fs::remove_dir_all(&snap).at(&snap)?;
@@ -239,7 +265,11 @@ impl Cache {
             }
         }
         let mut keep = BTreeSet::new();
-        for s in fs::read_dir(dir.join("snapshots")).into_iter().flatten().flatten() {
+        for s in fs::read_dir(dir.join("snapshots"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             keep.extend(linked_blobs(&s.path()));
         }
         for (blob, size) in blob_sizes(&dir.join("blobs")) {
@@ -261,7 +291,11 @@ fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) {
         if name.starts_with('.') {
             continue;
         }
-        let rel = if prefix.is_empty() { name.clone() } else { format!("{prefix}/{name}") };
+        let rel = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}/{name}")
+        };
         let p = e.path();
         if p.is_dir() {
             walk(&p, &rel, out);
@@ -314,7 +348,10 @@ mod tests {
         let p = |s: &str| Some(PathBuf::from(s));
         assert_eq!(default_root(p("/c"), p("/h"), p("/u")), p("/c"));
         assert_eq!(default_root(None, p("/h"), p("/u")), p("/h/hub"));
-        assert_eq!(default_root(p(""), None, p("/u")), p("/u/.cache/huggingface/hub"));
+        assert_eq!(
+            default_root(p(""), None, p("/u")),
+            p("/u/.cache/huggingface/hub")
+        );
         assert_eq!(default_hf_home(None, p("/u")), p("/u/.cache/huggingface"));
     }
 
@@ -334,7 +371,10 @@ mod tests {
         c.write_ref(&id, "main", &b).unwrap();
         let t = fs::read_link(c.snapshot_dir(&id, &a).join("x/f.txt")).unwrap();
         assert_eq!(t, Path::new("../../../blobs/e1"));
-        assert_eq!(fs::read(c.snapshot_dir(&id, &a).join("x/f.txt")).unwrap(), b"one");
+        assert_eq!(
+            fs::read(c.snapshot_dir(&id, &a).join("x/f.txt")).unwrap(),
+            b"one"
+        );
         assert_eq!(c.snapshot_files(&id, &a), vec!["g", "x/f.txt"]);
         let l = c.list().unwrap();
         assert_eq!(l[0].size, 7);

@@ -18,7 +18,13 @@ use crate::error::{HubError, IoContext, Result, Target};
 pub const TRIES: usize = 5;
 
 /// Downloads `meta` to `blob` (through `blob.incomplete`), with `bar` counting bytes.
-pub fn fetch_blob(client: &Client, meta: &FileMeta, target: &Target, blob: &Path, bar: &ProgressBar) -> Result<()> {
+pub fn fetch_blob(
+    client: &Client,
+    meta: &FileMeta,
+    target: &Target,
+    blob: &Path,
+    bar: &ProgressBar,
+) -> Result<()> {
     let name = target.path.clone().unwrap_or_default();
     let partial = PathBuf::from(format!("{}.incomplete", blob.display()));
     if let Some(dir) = blob.parent() {
@@ -53,10 +59,19 @@ pub fn fetch_blob(client: &Client, meta: &FileMeta, target: &Target, blob: &Path
                 if start != Some(have) {
                     return Err(HubError::Protocol {
                         url: fetched.url,
-                        why: format!("asked for bytes from {have}, got a range starting at {start:?}"),
+                        why: format!(
+                            "asked for bytes from {have}, got a range starting at {start:?}"
+                        ),
                     });
                 }
-                (OpenOptions::new().append(true).create(true).open(&partial).at(&partial)?, have)
+                (
+                    OpenOptions::new()
+                        .append(true)
+                        .create(true)
+                        .open(&partial)
+                        .at(&partial)?,
+                    have,
+                )
             }
             416 if have == meta.size => break,
             // 200: the whole file (the server ignored the range, or none was asked): restart.
@@ -74,7 +89,11 @@ pub fn fetch_blob(client: &Client, meta: &FileMeta, target: &Target, blob: &Path
                     if got > meta.size {
                         drop(file);
                         let _ = fs::remove_file(&partial);
-                        return Err(HubError::SizeMismatch { path: name, expected: meta.size, got });
+                        return Err(HubError::SizeMismatch {
+                            path: name,
+                            expected: meta.size,
+                            got,
+                        });
                     }
                     file.write_all(&buf[..n]).at(&partial)?;
                     bar.inc(n as u64);
@@ -94,15 +113,27 @@ pub fn fetch_blob(client: &Client, meta: &FileMeta, target: &Target, blob: &Path
     if got != meta.size {
         if got > meta.size {
             let _ = fs::remove_file(&partial);
-            return Err(HubError::SizeMismatch { path: name, expected: meta.size, got });
+            return Err(HubError::SizeMismatch {
+                path: name,
+                expected: meta.size,
+                got,
+            });
         }
-        return Err(HubError::Incomplete { path: name, tries: TRIES, last });
+        return Err(HubError::Incomplete {
+            path: name,
+            tries: TRIES,
+            last,
+        });
     }
     if let Some(expected) = meta.sha256() {
         let got = sha256_file(&partial)?;
         if !got.eq_ignore_ascii_case(expected) {
             let _ = fs::remove_file(&partial);
-            return Err(HubError::HashMismatch { path: name, expected: expected.to_string(), got });
+            return Err(HubError::HashMismatch {
+                path: name,
+                expected: expected.to_string(),
+                got,
+            });
         }
     }
     fs::rename(&partial, blob).at(blob)

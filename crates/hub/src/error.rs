@@ -35,7 +35,11 @@ pub enum HubError {
         "repository {repo} not found on {endpoint}: check the name (ORG/NAME as on its page){}",
         if *had_token { "" } else { "; if it is private, log in with a token (--hf-token or HF_TOKEN)" }
     )]
-    RepoNotFound { repo: String, endpoint: String, had_token: bool },
+    RepoNotFound {
+        repo: String,
+        endpoint: String,
+        had_token: bool,
+    },
 
     #[error("the token was refused by {endpoint} (HTTP 401): check --hf-token, HF_TOKEN or the token file")]
     BadToken { endpoint: String },
@@ -47,20 +51,31 @@ pub enum HubError {
     RevisionNotFound { repo: String, revision: String },
 
     #[error("file '{path}' not found in {repo} at revision {revision}: check the file name or --include")]
-    FileNotFound { repo: String, revision: String, path: String },
+    FileNotFound {
+        repo: String,
+        revision: String,
+        path: String,
+    },
 
     #[error(
         "{repo} has no GGUF file of type {quant}{}; pick one with {repo}:TYPE",
         if available.is_empty() { String::new() } else { format!(" (it has: {})", available.join(", ")) }
     )]
-    QuantNotFound { repo: String, quant: String, available: Vec<String> },
+    QuantNotFound {
+        repo: String,
+        quant: String,
+        available: Vec<String>,
+    },
 
     #[error(
         "{repo} has several GGUF files and none of the default type Q4_K_M (it has: {}); pick \
          one with {repo}:TYPE",
         available.join(", ")
     )]
-    QuantAmbiguous { repo: String, available: Vec<String> },
+    QuantAmbiguous {
+        repo: String,
+        available: Vec<String>,
+    },
 
     #[error(
         "{repo} has no files hf2q can load (no .gguf, no .safetensors with config.json){}; pick \
@@ -76,16 +91,32 @@ pub enum HubError {
     Offline { what: String },
 
     #[error("{path}: {got} bytes received where the Hub announced {expected}: refused, nothing kept in the cache")]
-    SizeMismatch { path: String, expected: u64, got: u64 },
+    SizeMismatch {
+        path: String,
+        expected: u64,
+        got: u64,
+    },
 
     #[error("{path}: sha256 {got} where the Hub announced {expected}: refused (corrupt download), nothing kept in the cache")]
-    HashMismatch { path: String, expected: String, got: String },
+    HashMismatch {
+        path: String,
+        expected: String,
+        got: String,
+    },
 
     #[error("{path}: the download kept failing after {tries} tries: {last} (run the pull again: it resumes)")]
-    Incomplete { path: String, tries: usize, last: String },
+    Incomplete {
+        path: String,
+        tries: usize,
+        last: String,
+    },
 
     #[error("HTTP {status} from {url}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
-    Http { status: u16, url: String, message: String },
+    Http {
+        status: u16,
+        url: String,
+        message: String,
+    },
 
     #[error(
         "cannot reach {url}: {message} (check the network, or HF_ENDPOINT for a mirror; \
@@ -111,7 +142,10 @@ pub type Result<T, E = HubError> = std::result::Result<T, E>;
 
 impl HubError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        HubError::Io { path: path.into(), source }
+        HubError::Io {
+            path: path.into(),
+            source,
+        }
     }
 }
 

@@ -90,7 +90,10 @@ fn sha256(b: &[u8]) -> String {
 
 /// Whether the mock stores a file in LFS (served from the CDN, ETag = sha256).
 pub fn is_lfs(path: &str, len: usize) -> bool {
-    len >= 1 << 20 || [".gguf", ".safetensors", ".bin"].iter().any(|e| path.ends_with(e))
+    len >= 1 << 20
+        || [".gguf", ".safetensors", ".bin"]
+            .iter()
+            .any(|e| path.ends_with(e))
 }
 
 /// A small file's ETag: 40 hex digits of a digest of its bytes.
@@ -108,7 +111,12 @@ impl MockHub {
         let hub_addr = serve(Host::Hub, state.clone(), stop.clone());
         let cdn_addr = serve(Host::Cdn, state.clone(), stop.clone());
         state.lock().unwrap().cdn = format!("http://{cdn_addr}");
-        MockHub { state, hub_addr, cdn_addr, stop }
+        MockHub {
+            state,
+            hub_addr,
+            cdn_addr,
+            stop,
+        }
     }
 
     /// `http://127.0.0.1:PORT`, the value for `HF_ENDPOINT`.
@@ -132,12 +140,19 @@ impl MockHub {
         }
         let commit = hex(&h.finalize())[..40].to_string();
         let repo = Repo {
-            files: files.iter().map(|(p, d)| (p.to_string(), d.to_vec())).collect(),
+            files: files
+                .iter()
+                .map(|(p, d)| (p.to_string(), d.to_vec()))
+                .collect(),
             refs: [("main".to_string(), commit.clone())].into(),
             commit: commit.clone(),
             gated: None,
         };
-        self.state.lock().unwrap().repos.insert(id.to_string(), repo);
+        self.state
+            .lock()
+            .unwrap()
+            .repos
+            .insert(id.to_string(), repo);
         commit
     }
 
@@ -150,8 +165,15 @@ impl MockHub {
                 let name = name?;
                 let mut files = Vec::new();
                 collect(&name.path(), "", &mut files)?;
-                let id = format!("{}/{}", org.file_name().to_string_lossy(), name.file_name().to_string_lossy());
-                let refs: Vec<(&str, &[u8])> = files.iter().map(|(p, d)| (p.as_str(), d.as_slice())).collect();
+                let id = format!(
+                    "{}/{}",
+                    org.file_name().to_string_lossy(),
+                    name.file_name().to_string_lossy()
+                );
+                let refs: Vec<(&str, &[u8])> = files
+                    .iter()
+                    .map(|(p, d)| (p.as_str(), d.as_slice()))
+                    .collect();
                 self.add_repo(&id, &refs);
                 added.push(id);
             }
@@ -170,7 +192,8 @@ impl MockHub {
     /// Gates `id`: only requests with `Authorization: Bearer T` for T in `tokens` get through.
     pub fn gate(&self, id: &str, tokens: &[&str]) {
         let mut s = self.state.lock().unwrap();
-        s.repos.get_mut(id).expect("known repo").gated = Some(tokens.iter().map(|t| t.to_string()).collect());
+        s.repos.get_mut(id).expect("known repo").gated =
+            Some(tokens.iter().map(|t| t.to_string()).collect());
     }
 
     pub fn set_faults(&self, f: Faults) {
@@ -188,7 +211,9 @@ impl MockHub {
 
     /// Whether any request to the CDN host carried an `Authorization` header.
     pub fn cdn_saw_authorization(&self) -> bool {
-        self.requests().iter().any(|r| r.host == Host::Cdn && r.authorization.is_some())
+        self.requests()
+            .iter()
+            .any(|r| r.host == Host::Cdn && r.authorization.is_some())
     }
 }
 
@@ -204,7 +229,11 @@ fn collect(dir: &Path, prefix: &str, out: &mut Vec<(String, Vec<u8>)>) -> std::i
     for e in std::fs::read_dir(dir)? {
         let e = e?;
         let name = e.file_name().to_string_lossy().into_owned();
-        let rel = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
+        let rel = if prefix.is_empty() {
+            name
+        } else {
+            format!("{prefix}/{name}")
+        };
         if e.path().is_dir() {
             collect(&e.path(), &rel, out)?;
         } else {
@@ -256,13 +285,24 @@ struct Reply<'a> {
 }
 
 impl Reply<'_> {
-    fn send(&mut self, status: u16, headers: &[(&str, String)], body: &[u8]) -> std::io::Result<()> {
+    fn send(
+        &mut self,
+        status: u16,
+        headers: &[(&str, String)],
+        body: &[u8],
+    ) -> std::io::Result<()> {
         self.send_cut(status, headers, body, None)
     }
 
     /// Sends headers (Content-Length = body length) and the body, or only `cut` bytes of it
     /// before closing the connection.
-    fn send_cut(&mut self, status: u16, headers: &[(&str, String)], body: &[u8], cut: Option<u64>) -> std::io::Result<()> {
+    fn send_cut(
+        &mut self,
+        status: u16,
+        headers: &[(&str, String)],
+        body: &[u8],
+        cut: Option<u64>,
+    ) -> std::io::Result<()> {
         let reason = match status {
             200 => "OK",
             206 => "Partial Content",
@@ -287,7 +327,8 @@ impl Reply<'_> {
         if !self.head_only {
             match cut {
                 Some(n) => {
-                    self.stream.write_all(&body[..(n as usize).min(body.len())])?;
+                    self.stream
+                        .write_all(&body[..(n as usize).min(body.len())])?;
                     self.stream.flush()?;
                     let _ = self.stream.shutdown(Shutdown::Both);
                     return Ok(());
@@ -339,7 +380,10 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         authorization: auth.clone(),
         range: range.clone(),
     });
-    let mut reply = Reply { stream: &mut stream, head_only: method == "HEAD" };
+    let mut reply = Reply {
+        stream: &mut stream,
+        head_only: method == "HEAD",
+    };
     if method != "GET" && method != "HEAD" {
         return reply.error(405, "", "method not allowed");
     }
@@ -350,19 +394,41 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         let file = decode(file);
         let data = {
             let s = state.lock().unwrap();
-            s.repos.values().flat_map(|r| r.files.values()).find(|d| sha256(d) == sha).cloned()
+            s.repos
+                .values()
+                .flat_map(|r| r.files.values())
+                .find(|d| sha256(d) == sha)
+                .cloned()
         };
         return match data {
-            Some(d) => serve_bytes(&mut reply, state, &file, &d, range.as_deref(), &[("ETag", format!("\"{sha}\""))]),
+            Some(d) => serve_bytes(
+                &mut reply,
+                state,
+                &file,
+                &d,
+                range.as_deref(),
+                &[("ETag", format!("\"{sha}\""))],
+            ),
             None => reply.error(404, "", "no such blob"),
         };
     }
-    let segs: Vec<String> = path.trim_start_matches('/').split('/').map(String::from).collect();
-    let token = auth.as_deref().and_then(|a| a.strip_prefix("Bearer ")).map(str::to_string);
+    let segs: Vec<String> = path
+        .trim_start_matches('/')
+        .split('/')
+        .map(String::from)
+        .collect();
+    let token = auth
+        .as_deref()
+        .and_then(|a| a.strip_prefix("Bearer "))
+        .map(str::to_string);
     // /api/models/{org}/{name}[/revision/{rev}]
     if segs.len() >= 4 && segs[0] == "api" && segs[1] == "models" {
         let id = format!("{}/{}", segs[2], segs[3]);
-        let rev = if segs.len() >= 6 && segs[4] == "revision" { decode(&segs[5..].join("/")) } else { "main".into() };
+        let rev = if segs.len() >= 6 && segs[4] == "revision" {
+            decode(&segs[5..].join("/"))
+        } else {
+            "main".into()
+        };
         let repo = match lookup(state, &id, token.as_deref()) {
             Ok(r) => r,
             Err((status, code, msg)) => return reply.error(status, code, &msg),
@@ -370,11 +436,19 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         let Some(commit) = resolve_rev(&repo, &rev) else {
             return reply.error(404, "RevisionNotFound", &format!("Invalid rev id: {rev}"));
         };
-        let siblings: Vec<_> = repo.files.keys().map(|f| serde_json::json!({ "rfilename": f })).collect();
+        let siblings: Vec<_> = repo
+            .files
+            .keys()
+            .map(|f| serde_json::json!({ "rfilename": f }))
+            .collect();
         let body = serde_json::json!({ "id": id, "modelId": id, "sha": commit, "private": false,
             "gated": repo.gated.is_some(), "siblings": siblings })
         .to_string();
-        return reply.send(200, &[("Content-Type", "application/json".into())], body.as_bytes());
+        return reply.send(
+            200,
+            &[("Content-Type", "application/json".into())],
+            body.as_bytes(),
+        );
     }
     // /{org}/{name}/resolve/{rev}/{path}
     if segs.len() >= 5 && segs[2] == "resolve" {
@@ -389,7 +463,11 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
             return reply.error(404, "RevisionNotFound", &format!("Invalid rev id: {rev}"));
         };
         let Some(data) = repo.files.get(&file) else {
-            return reply.error(404, "EntryNotFound", &format!("{file} does not exist on \"{rev}\""));
+            return reply.error(
+                404,
+                "EntryNotFound",
+                &format!("{file} does not exist on \"{rev}\""),
+            );
         };
         if is_lfs(&file, data.len()) {
             let sha = sha256(data);
@@ -408,7 +486,14 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
             );
         }
         let etag = small_etag(data);
-        return serve_bytes(&mut reply, state, &file, data, range.as_deref(), &[("X-Repo-Commit", commit), ("ETag", format!("\"{etag}\""))]);
+        return serve_bytes(
+            &mut reply,
+            state,
+            &file,
+            data,
+            range.as_deref(),
+            &[("X-Repo-Commit", commit), ("ETag", format!("\"{etag}\""))],
+        );
     }
     reply.error(404, "", "not found")
 }
@@ -418,7 +503,11 @@ type Refusal = (u16, &'static str, String);
 fn lookup(state: &Mutex<State>, id: &str, token: Option<&str>) -> Result<Repo, Refusal> {
     let s = state.lock().unwrap();
     let Some(repo) = s.repos.get(id) else {
-        return Err((404, "RepoNotFound", format!("Repository Not Found for url: {id}")));
+        return Err((
+            404,
+            "RepoNotFound",
+            format!("Repository Not Found for url: {id}"),
+        ));
     };
     if let Some(allowed) = &repo.gated {
         match token {
@@ -439,7 +528,14 @@ fn resolve_rev(repo: &Repo, rev: &str) -> Option<String> {
     repo.refs.get(rev).cloned()
 }
 
-fn serve_bytes(reply: &mut Reply, state: &Mutex<State>, file: &str, data: &[u8], range: Option<&str>, extra: &[(&str, String)]) -> std::io::Result<()> {
+fn serve_bytes(
+    reply: &mut Reply,
+    state: &Mutex<State>,
+    file: &str,
+    data: &[u8],
+    range: Option<&str>,
+    extra: &[(&str, String)],
+) -> std::io::Result<()> {
     let (body, ignore_range, cut) = {
         let mut s = state.lock().unwrap();
         let mut body = data.to_vec();
@@ -472,7 +568,10 @@ fn serve_bytes(reply: &mut Reply, state: &Mutex<State>, file: &str, data: &[u8],
                 headers.push(("Content-Range", format!("bytes */{}", body.len())));
                 return reply.send(416, &headers, b"");
             }
-            headers.push(("Content-Range", format!("bytes {from}-{}/{}", body.len() - 1, body.len())));
+            headers.push((
+                "Content-Range",
+                format!("bytes {from}-{}/{}", body.len() - 1, body.len()),
+            ));
             reply.send_cut(206, &headers, &body[from..], cut)
         }
         _ => reply.send_cut(200, &headers, &body, cut),

@@ -57,11 +57,19 @@ pub struct PullRequest {
 
 impl PullRequest {
     pub fn new(repo: RepoRef) -> Self {
-        PullRequest { repo, include: Vec::new(), exclude: Vec::new() }
+        PullRequest {
+            repo,
+            include: Vec::new(),
+            exclude: Vec::new(),
+        }
     }
 
     fn filter(&self) -> Filter {
-        Filter { quant: self.repo.quant.clone(), include: self.include.clone(), exclude: self.exclude.clone() }
+        Filter {
+            quant: self.repo.quant.clone(),
+            include: self.include.clone(),
+            exclude: self.exclude.clone(),
+        }
     }
 }
 
@@ -95,21 +103,35 @@ pub fn find_cached(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
     let rev = req.repo.revision();
     let Some(commit) = cache.resolve(id, rev) else {
         let what = if cache.repo_dir(id).is_dir() {
-            format!("{id} is in the cache ({}) but not its revision '{rev}'", cache.repo_dir(id).display())
+            format!(
+                "{id} is in the cache ({}) but not its revision '{rev}'",
+                cache.repo_dir(id).display()
+            )
         } else {
-            format!("{id} is not in the cache ({}): pull it while online", cache.root().display())
+            format!(
+                "{id} is not in the cache ({}): pull it while online",
+                cache.root().display()
+            )
         };
         return Err(HubError::Offline { what });
     };
     let snapshot = cache.snapshot_dir(id, &commit);
     let present = cache.snapshot_files(id, &commit);
     let sel = select(&id.to_string(), &present, &req.filter()).map_err(|e| HubError::Offline {
-        what: format!("the cached snapshot {commit} of {id} has no matching files ({e}); it holds: {}", list(&present)),
+        what: format!(
+            "the cached snapshot {commit} of {id} has no matching files ({e}); it holds: {}",
+            list(&present)
+        ),
     })?;
-    let absent = missing(&sel, &present, |f| std::fs::read_to_string(snapshot.join(f)).ok());
+    let absent = missing(&sel, &present, |f| {
+        std::fs::read_to_string(snapshot.join(f)).ok()
+    });
     if !absent.is_empty() {
         return Err(HubError::Offline {
-            what: format!("{id}@{rev} is only partly in the cache: missing {}", absent.join(", ")),
+            what: format!(
+                "{id}@{rev} is only partly in the cache: missing {}",
+                absent.join(", ")
+            ),
         });
     }
     Ok(Pulled {
@@ -142,13 +164,20 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
     let rev = req.repo.revision();
     let info = client.repo_info(id, rev)?;
     if !is_commit(&info.sha) {
-        return Err(HubError::Protocol { url: client.page(id), why: format!("'{}' is not a commit hash", info.sha) });
+        return Err(HubError::Protocol {
+            url: client.page(id),
+            why: format!("'{}' is not a commit hash", info.sha),
+        });
     }
     let commit = info.sha;
     let sel = select(&id.to_string(), &info.siblings, &req.filter())?;
     for f in &sel.files {
         if !info.siblings.contains(f) {
-            return Err(HubError::FileNotFound { repo: id.to_string(), revision: rev.to_string(), path: f.clone() });
+            return Err(HubError::FileNotFound {
+                repo: id.to_string(),
+                revision: rev.to_string(),
+                path: f.clone(),
+            });
         }
     }
     let snapshot = cache.snapshot_dir(id, &commit);
@@ -159,13 +188,26 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
         let meta = client.file_meta(id, &commit, f)?;
         todo.push((f.clone(), meta));
     }
-    let total: u64 = todo.iter().filter(|(_, m)| !cache.blob_path(id, &m.etag).is_file()).map(|(_, m)| m.size).sum();
-    let multi = MultiProgress::with_draw_target(if cfg.progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
-    let file_style = ProgressStyle::with_template("{msg:30!} {bar:30} {bytes:>10}/{total_bytes:<10} {bytes_per_sec:>12} {eta:>4}")
-        .expect("valid template");
+    let total: u64 = todo
+        .iter()
+        .filter(|(_, m)| !cache.blob_path(id, &m.etag).is_file())
+        .map(|(_, m)| m.size)
+        .sum();
+    let multi = MultiProgress::with_draw_target(if cfg.progress {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    });
+    let file_style = ProgressStyle::with_template(
+        "{msg:30!} {bar:30} {bytes:>10}/{total_bytes:<10} {bytes_per_sec:>12} {eta:>4}",
+    )
+    .expect("valid template");
     let total_bar = multi.add(ProgressBar::new(total));
     total_bar.set_style(
-        ProgressStyle::with_template("{msg:30!} {bar:30} {bytes:>10}/{total_bytes:<10} {bytes_per_sec:>12} {eta:>4}").expect("valid template"),
+        ProgressStyle::with_template(
+            "{msg:30!} {bar:30} {bytes:>10}/{total_bytes:<10} {bytes_per_sec:>12} {eta:>4}",
+        )
+        .expect("valid template"),
     );
     total_bar.set_message(format!("{id} ({} files)", todo.len()));
     let mut downloaded = Vec::new();
@@ -176,7 +218,11 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
             let bar = multi.insert_before(&total_bar, ProgressBar::new(meta.size));
             bar.set_style(file_style.clone());
             bar.set_message(f.clone());
-            let target = Target { repo: id.to_string(), revision: rev.to_string(), path: Some(f.clone()) };
+            let target = Target {
+                repo: id.to_string(),
+                revision: rev.to_string(),
+                path: Some(f.clone()),
+            };
             let before = bar.position();
             let result = fetch_blob(&client, meta, &target, &blob, &bar);
             bar.finish_and_clear();

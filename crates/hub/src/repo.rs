@@ -32,14 +32,22 @@ pub const DEFAULT_REVISION: &str = "main";
 
 impl RepoId {
     pub fn parse(s: &str) -> Result<Self> {
-        let bad = |why: &str| HubError::InvalidRepo { name: s.to_string(), why: why.to_string() };
-        let (org, name) = s.split_once('/').ok_or_else(|| bad("no '/' between ORG and NAME"))?;
+        let bad = |why: &str| HubError::InvalidRepo {
+            name: s.to_string(),
+            why: why.to_string(),
+        };
+        let (org, name) = s
+            .split_once('/')
+            .ok_or_else(|| bad("no '/' between ORG and NAME"))?;
         if name.contains('/') {
             return Err(bad("more than one '/'"));
         }
         check_part(org).map_err(|w| bad(&format!("ORG {w}")))?;
         check_part(name).map_err(|w| bad(&format!("NAME {w}")))?;
-        Ok(RepoId { org: org.to_string(), name: name.to_string() })
+        Ok(RepoId {
+            org: org.to_string(),
+            name: name.to_string(),
+        })
     }
 
     /// `models--ORG--NAME`, the cache folder of huggingface_hub.
@@ -59,7 +67,10 @@ impl RepoRef {
     /// Parses `ORG/NAME`, `ORG/NAME:QUANT`, `ORG/NAME@REV` (or both, `:QUANT@REV`); a leading
     /// `hf.co/` or `https://huggingface.co/` is dropped, as the names people copy from a page.
     pub fn parse(s: &str) -> Result<Self> {
-        let bad = |why: &str| HubError::InvalidRepo { name: s.to_string(), why: why.to_string() };
+        let bad = |why: &str| HubError::InvalidRepo {
+            name: s.to_string(),
+            why: why.to_string(),
+        };
         let mut t = s.trim();
         for prefix in ["https://", "http://"] {
             if let Some(r) = t.strip_prefix(prefix) {
@@ -80,8 +91,13 @@ impl RepoRef {
         };
         let (t, quant) = match t.split_once(':') {
             Some((a, q)) => {
-                if q.is_empty() || q.len() > 32 || !q.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                    return Err(bad("QUANT after ':' must be a GGUF type such as Q4_K_M or Q8_0"));
+                if q.is_empty()
+                    || q.len() > 32
+                    || !q.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                {
+                    return Err(bad(
+                        "QUANT after ':' must be a GGUF type such as Q4_K_M or Q8_0",
+                    ));
                 }
                 (a, Some(q.to_string()))
             }
@@ -91,7 +107,11 @@ impl RepoRef {
             HubError::InvalidRepo { why, .. } => bad(&why),
             e => e,
         })?;
-        Ok(RepoRef { id, quant, revision })
+        Ok(RepoRef {
+            id,
+            quant,
+            revision,
+        })
     }
 
     /// The revision asked for, `main` when none.
@@ -120,8 +140,13 @@ fn check_part(p: &str) -> std::result::Result<(), String> {
     if p.len() > 96 {
         return Err("is longer than 96 characters".into());
     }
-    if let Some(c) = p.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))) {
-        return Err(format!("has '{c}' (only letters, digits, '-', '_' and '.' are allowed)"));
+    if let Some(c) = p
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Err(format!(
+            "has '{c}' (only letters, digits, '-', '_' and '.' are allowed)"
+        ));
     }
     if p.contains("--") || p.contains("..") {
         return Err("has '--' or '..'".into());
@@ -137,7 +162,12 @@ pub fn check_revision(r: &str) -> std::result::Result<(), String> {
     if r.is_empty() {
         return Err("the revision after '@' is empty".into());
     }
-    if r.contains("..") || r.starts_with('/') || r.ends_with('/') || r.chars().any(|c| c.is_whitespace() || c.is_control() || c == '\\') {
+    if r.contains("..")
+        || r.starts_with('/')
+        || r.ends_with('/')
+        || r.chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == '\\')
+    {
         return Err(format!("'{r}' is not a branch, tag or commit name"));
     }
     Ok(())
@@ -145,7 +175,9 @@ pub fn check_revision(r: &str) -> std::result::Result<(), String> {
 
 /// A full commit hash (40 lowercase hex digits), which needs no ref to resolve.
 pub fn is_commit(r: &str) -> bool {
-    r.len() == 40 && r.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    r.len() == 40
+        && r.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 #[cfg(test)]
@@ -159,8 +191,17 @@ mod tests {
         assert_eq!(r.quant.as_deref(), Some("q8_0"));
         assert_eq!(r.revision(), "v1.0");
         let r = RepoRef::parse("hf.co/org/name").unwrap();
-        assert_eq!((r.id.org.as_str(), r.quant.as_deref(), r.revision()), ("org", None, "main"));
-        assert_eq!(RepoRef::parse("https://huggingface.co/a/b").unwrap().id.name, "b");
+        assert_eq!(
+            (r.id.org.as_str(), r.quant.as_deref(), r.revision()),
+            ("org", None, "main")
+        );
+        assert_eq!(
+            RepoRef::parse("https://huggingface.co/a/b")
+                .unwrap()
+                .id
+                .name,
+            "b"
+        );
         assert_eq!(r.id.folder_name(), "models--org--name");
         assert_eq!(RepoId::from_folder_name("models--org--name"), Some(r.id));
     }

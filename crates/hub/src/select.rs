@@ -33,10 +33,16 @@ fn globs(patterns: &[String], literal_separator: bool) -> Result<GlobSet> {
         let g: Glob = GlobBuilder::new(p)
             .literal_separator(literal_separator)
             .build()
-            .map_err(|e| HubError::Glob { glob: p.clone(), why: e.kind().to_string() })?;
+            .map_err(|e| HubError::Glob {
+                glob: p.clone(),
+                why: e.kind().to_string(),
+            })?;
         b.add(g);
     }
-    b.build().map_err(|e| HubError::Glob { glob: patterns.join(" "), why: e.to_string() })
+    b.build().map_err(|e| HubError::Glob {
+        glob: patterns.join(" "),
+        why: e.to_string(),
+    })
 }
 
 /// The top-level files a safetensors / MLX model folder is loaded from.
@@ -55,7 +61,13 @@ pub fn split_parts(file: &str) -> Option<(&str, usize)> {
     let stem = file.strip_suffix(".gguf")?;
     let (head, total) = stem.rsplit_once("-of-")?;
     let (prefix, index) = head.rsplit_once('-')?;
-    if index.len() != 5 || total.len() != 5 || !index.bytes().chain(total.bytes()).all(|b| b.is_ascii_digit()) {
+    if index.len() != 5
+        || total.len() != 5
+        || !index
+            .bytes()
+            .chain(total.bytes())
+            .all(|b| b.is_ascii_digit())
+    {
         return None;
     }
     Some((prefix, total.parse().ok()?))
@@ -63,7 +75,9 @@ pub fn split_parts(file: &str) -> Option<(&str, usize)> {
 
 /// The names of all parts of the split file that `file` is one of.
 pub fn split_names(prefix: &str, total: usize) -> Vec<String> {
-    (1..=total).map(|i| format!("{prefix}-{i:05}-of-{total:05}.gguf")).collect()
+    (1..=total)
+        .map(|i| format!("{prefix}-{i:05}-of-{total:05}.gguf"))
+        .collect()
 }
 
 /// Whether a GGUF file name carries the type `quant`: the type, case-insensitive, between
@@ -90,7 +104,9 @@ pub fn has_quant(file: &str, quant: &str) -> bool {
 /// what a repository has.
 fn quant_of(file: &str) -> String {
     let base = file.rsplit('/').next().unwrap_or(file);
-    let stem = split_parts(base).map(|(p, _)| p).unwrap_or_else(|| base.strip_suffix(".gguf").unwrap_or(base));
+    let stem = split_parts(base)
+        .map(|(p, _)| p)
+        .unwrap_or_else(|| base.strip_suffix(".gguf").unwrap_or(base));
     let upper = stem.to_ascii_uppercase();
     let is_type = |t: &str| {
         let b = t.as_bytes();
@@ -117,21 +133,39 @@ pub fn select(repo: &str, files: &[String], filter: &Filter) -> Result<Selection
     let mut gguf = None;
     if !filter.include.is_empty() {
         let inc = globs(&filter.include, false)?;
-        chosen = files.iter().filter(|f| inc.is_match(f.as_str())).cloned().collect();
+        chosen = files
+            .iter()
+            .filter(|f| inc.is_match(f.as_str()))
+            .cloned()
+            .collect();
     } else {
         let ggufs: Vec<&String> = files
             .iter()
             .filter(|f| f.ends_with(".gguf") && !f.contains("mmproj") && !f.contains('/'))
-            .chain(files.iter().filter(|f| f.ends_with(".gguf") && !f.contains("mmproj") && f.contains('/')))
+            .chain(
+                files
+                    .iter()
+                    .filter(|f| f.ends_with(".gguf") && !f.contains("mmproj") && f.contains('/')),
+            )
             .collect();
         if !ggufs.is_empty() {
             let (quant, defaulted) = match &filter.quant {
                 Some(q) => (q.clone(), false),
                 None => (DEFAULT_QUANT.to_string(), true),
             };
-            let first = ggufs.iter().find(|f| has_quant(f, &quant)).map(|f| f.to_string());
+            let first = ggufs
+                .iter()
+                .find(|f| has_quant(f, &quant))
+                .map(|f| f.to_string());
             let distinct = |v: &[&String]| {
-                let mut sets: Vec<String> = v.iter().map(|f| split_parts(f).map(|(p, _)| p.to_string()).unwrap_or(f.to_string())).collect();
+                let mut sets: Vec<String> = v
+                    .iter()
+                    .map(|f| {
+                        split_parts(f)
+                            .map(|(p, _)| p.to_string())
+                            .unwrap_or(f.to_string())
+                    })
+                    .collect();
                 sets.dedup();
                 sets
             };
@@ -143,9 +177,16 @@ pub fn select(repo: &str, files: &[String], filter: &Filter) -> Result<Selection
                     available.sort();
                     available.dedup();
                     return Err(if defaulted {
-                        HubError::QuantAmbiguous { repo: repo.into(), available }
+                        HubError::QuantAmbiguous {
+                            repo: repo.into(),
+                            available,
+                        }
                     } else {
-                        HubError::QuantNotFound { repo: repo.into(), quant, available }
+                        HubError::QuantNotFound {
+                            repo: repo.into(),
+                            quant,
+                            available,
+                        }
                     });
                 }
             };
@@ -154,18 +195,37 @@ pub fn select(repo: &str, files: &[String], filter: &Filter) -> Result<Selection
                 None => vec![first],
             };
         } else if let Some(q) = &filter.quant {
-            return Err(HubError::QuantOnNonGguf { repo: repo.into(), quant: q.clone() });
+            return Err(HubError::QuantOnNonGguf {
+                repo: repo.into(),
+                quant: q.clone(),
+            });
         } else {
-            let set = globs(&WEIGHTS_FOLDER.iter().map(|s| s.to_string()).collect::<Vec<_>>(), true)?;
-            chosen = files.iter().filter(|f| set.is_match(f.as_str())).cloned().collect();
+            let set = globs(
+                &WEIGHTS_FOLDER
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>(),
+                true,
+            )?;
+            chosen = files
+                .iter()
+                .filter(|f| set.is_match(f.as_str()))
+                .cloned()
+                .collect();
             let has_weights = chosen.iter().any(|f| f.ends_with(".safetensors"));
             let has_config = chosen.iter().any(|f| f == "config.json");
             // Mistral's repos hold the weights twice: consolidated.safetensors is the other copy.
-            if chosen.iter().any(|f| f.starts_with("model") && f.ends_with(".safetensors")) {
+            if chosen
+                .iter()
+                .any(|f| f.starts_with("model") && f.ends_with(".safetensors"))
+            {
                 chosen.retain(|f| !(f.starts_with("consolidated") && f.ends_with(".safetensors")));
             }
             if !(has_weights && has_config) {
-                return Err(HubError::NothingToLoad { repo: repo.into(), filtered: false });
+                return Err(HubError::NothingToLoad {
+                    repo: repo.into(),
+                    filtered: false,
+                });
             }
         }
     }
@@ -174,23 +234,38 @@ pub fn select(repo: &str, files: &[String], filter: &Filter) -> Result<Selection
         chosen.retain(|f| !exc.is_match(f.as_str()));
     }
     if chosen.is_empty() {
-        return Err(HubError::NothingToLoad { repo: repo.into(), filtered: true });
+        return Err(HubError::NothingToLoad {
+            repo: repo.into(),
+            filtered: true,
+        });
     }
     chosen.sort();
     chosen.dedup();
-    if let Some(f) = chosen.iter().find(|f| f.ends_with(".gguf") && !f.contains("mmproj")) {
+    if let Some(f) = chosen
+        .iter()
+        .find(|f| f.ends_with(".gguf") && !f.contains("mmproj"))
+    {
         gguf = Some(f.clone());
     }
-    Ok(Selection { files: chosen, gguf })
+    Ok(Selection {
+        files: chosen,
+        gguf,
+    })
 }
 
 /// The files a selection needs that are not in `present` (a cached snapshot's files): the other
 /// parts of a split GGUF, and the shards a `*.safetensors.index.json` names (read by `read`).
-pub fn missing(selection: &Selection, present: &[String], read: impl Fn(&str) -> Option<String>) -> Vec<String> {
+pub fn missing(
+    selection: &Selection,
+    present: &[String],
+    read: impl Fn(&str) -> Option<String>,
+) -> Vec<String> {
     let mut need: Vec<String> = selection.files.clone();
     for f in &selection.files {
         if f.ends_with(".safetensors.index.json") {
-            if let Some(v) = read(f).and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()) {
+            if let Some(v) =
+                read(f).and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            {
                 if let Some(map) = v.get("weight_map").and_then(|m| m.as_object()) {
                     need.extend(map.values().filter_map(|s| s.as_str()).map(String::from));
                 }
@@ -221,35 +296,85 @@ mod tests {
             "m-q8_0-00002-of-00002.gguf",
             "mmproj-Q8_0.gguf",
         ]);
-        let f = |q: Option<&str>| Filter { quant: q.map(String::from), ..Default::default() };
-        assert_eq!(select("r", &files, &f(None)).unwrap().files, v(&["m-Q4_K_M.gguf"]));
-        assert_eq!(select("r", &files, &f(Some("q4_k"))).unwrap().files, v(&["m-Q4_K.gguf"]));
+        let f = |q: Option<&str>| Filter {
+            quant: q.map(String::from),
+            ..Default::default()
+        };
+        assert_eq!(
+            select("r", &files, &f(None)).unwrap().files,
+            v(&["m-Q4_K_M.gguf"])
+        );
+        assert_eq!(
+            select("r", &files, &f(Some("q4_k"))).unwrap().files,
+            v(&["m-Q4_K.gguf"])
+        );
         let s = select("r", &files, &f(Some("Q8_0"))).unwrap();
-        assert_eq!(s.files, v(&["m-q8_0-00001-of-00002.gguf", "m-q8_0-00002-of-00002.gguf"]));
+        assert_eq!(
+            s.files,
+            v(&["m-q8_0-00001-of-00002.gguf", "m-q8_0-00002-of-00002.gguf"])
+        );
         assert_eq!(s.gguf.as_deref(), Some("m-q8_0-00001-of-00002.gguf"));
-        let e = select("r", &files, &f(Some("Q5_K_M"))).unwrap_err().to_string();
-        assert!(e.contains("no GGUF file of type Q5_K_M") && e.contains("Q8_0") && e.contains("Q4_K_M"), "{e}");
+        let e = select("r", &files, &f(Some("Q5_K_M")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no GGUF file of type Q5_K_M") && e.contains("Q8_0") && e.contains("Q4_K_M"),
+            "{e}"
+        );
     }
 
     #[test]
     fn weights_folder_and_globs() {
-        let files = v(&["config.json", "model.safetensors", "tokenizer.json", "README.md", "onnx/model.onnx", "sub/x.json"]);
+        let files = v(&[
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "README.md",
+            "onnx/model.onnx",
+            "sub/x.json",
+        ]);
         let s = select("r", &files, &Filter::default()).unwrap();
-        assert_eq!(s.files, v(&["config.json", "model.safetensors", "tokenizer.json"]));
+        assert_eq!(
+            s.files,
+            v(&["config.json", "model.safetensors", "tokenizer.json"])
+        );
         assert_eq!(s.gguf, None);
-        let f = Filter { include: v(&["*.md", "onnx/*"]), exclude: v(&["*.onnx"]), ..Default::default() };
+        let f = Filter {
+            include: v(&["*.md", "onnx/*"]),
+            exclude: v(&["*.onnx"]),
+            ..Default::default()
+        };
         assert_eq!(select("r", &files, &f).unwrap().files, v(&["README.md"]));
-        let e = select("r", &v(&["README.md"]), &Filter::default()).unwrap_err().to_string();
+        let e = select("r", &v(&["README.md"]), &Filter::default())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no files hf2q can load"), "{e}");
-        let f = Filter { quant: Some("Q8_0".into()), ..Default::default() };
-        assert!(select("r", &files, &f).unwrap_err().to_string().contains("no .gguf"));
+        let f = Filter {
+            quant: Some("Q8_0".into()),
+            ..Default::default()
+        };
+        assert!(select("r", &files, &f)
+            .unwrap_err()
+            .to_string()
+            .contains("no .gguf"));
     }
 
     #[test]
     fn missing_names_absent_parts_and_shards() {
-        let sel = Selection { files: v(&["config.json", "model.safetensors.index.json"]), gguf: None };
+        let sel = Selection {
+            files: v(&["config.json", "model.safetensors.index.json"]),
+            gguf: None,
+        };
         let idx = r#"{"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}"#;
-        let m = missing(&sel, &v(&["config.json", "model.safetensors.index.json", "model-1.safetensors"]), |_| Some(idx.into()));
+        let m = missing(
+            &sel,
+            &v(&[
+                "config.json",
+                "model.safetensors.index.json",
+                "model-1.safetensors",
+            ]),
+            |_| Some(idx.into()),
+        );
         assert_eq!(m, v(&["model-2.safetensors"]));
     }
 }

@@ -38,7 +38,11 @@ fn hf_hub_download(py: &str, env: &[(&str, &str)], args: &[&str]) -> String {
         .envs(env.iter().copied())
         .output()
         .expect("run python");
-    assert!(out.status.success(), "python failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "python failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
@@ -48,8 +52,18 @@ fn huggingface_hub_and_hf2q_share_the_cache() {
     let hub = MockHub::start();
     let weights: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
     let gguf: Vec<u8> = (0..9_000u32).map(|i| (i * 13 % 241) as u8).collect();
-    hub.add_repo("org/tiny-st", &[("config.json", b"{\"a\": 1}"), ("tokenizer.json", b"{}"), ("model.safetensors", &weights)]);
-    hub.add_repo("org/py-GGUF", &[("m-Q4_K_M.gguf", &gguf), ("README.md", b"# r")]);
+    hub.add_repo(
+        "org/tiny-st",
+        &[
+            ("config.json", b"{\"a\": 1}"),
+            ("tokenizer.json", b"{}"),
+            ("model.safetensors", &weights),
+        ],
+    );
+    hub.add_repo(
+        "org/py-GGUF",
+        &[("m-Q4_K_M.gguf", &gguf), ("README.md", b"# r")],
+    );
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("hub");
     let hf_home = dir.path().join("home");
@@ -59,11 +73,22 @@ fn huggingface_hub_and_hf2q_share_the_cache() {
     let cache_s = cache.to_str().unwrap();
 
     // (1) hf2q pulls; huggingface_hub, offline, finds the same bytes.
-    pull(&cfg, &PullRequest::new(RepoRef::parse("org/tiny-st").unwrap())).unwrap();
-    for (file, want) in [("model.safetensors", &weights[..]), ("config.json", b"{\"a\": 1}")] {
+    pull(
+        &cfg,
+        &PullRequest::new(RepoRef::parse("org/tiny-st").unwrap()),
+    )
+    .unwrap();
+    for (file, want) in [
+        ("model.safetensors", &weights[..]),
+        ("config.json", b"{\"a\": 1}"),
+    ] {
         let p = hf_hub_download(
             &py,
-            &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", hf_home_s), ("HF_ENDPOINT", "http://127.0.0.1:9")],
+            &[
+                ("HF_HUB_OFFLINE", "1"),
+                ("HF_HOME", hf_home_s),
+                ("HF_ENDPOINT", "http://127.0.0.1:9"),
+            ],
             &["org/tiny-st", file, "main", cache_s, "1"],
         );
         assert_eq!(fs::read(&p).unwrap(), want, "{p}");
@@ -79,7 +104,11 @@ fn huggingface_hub_and_hf2q_share_the_cache() {
     assert_eq!(fs::read(&p).unwrap(), gguf);
     hub.clear_requests();
     cfg.offline = true;
-    let found = find_cached(&cfg, &PullRequest::new(RepoRef::parse("org/py-GGUF:Q4_K_M").unwrap())).unwrap();
+    let found = find_cached(
+        &cfg,
+        &PullRequest::new(RepoRef::parse("org/py-GGUF:Q4_K_M").unwrap()),
+    )
+    .unwrap();
     assert_eq!(fs::read(&found.model_path).unwrap(), gguf);
     assert!(hub.requests().is_empty());
     eprintln!("python_interop: passed with {py}");
