@@ -188,6 +188,11 @@ fn pull_run_list_and_rm_hub_repositories() {
     fails_with(&run(&[], &["pull", "org/tiny-llama"]), "accept its licence");
     ok(&run(&[], &["pull", "org/tiny-llama", "--hf-token", "tok"]));
     assert!(!hub.cdn_saw_authorization());
+    // The token file (HF_HOME/token) is used when nothing else is given; HF_TOKEN comes
+    // before it, --hf-token before both.
+    std::fs::create_dir_all(home.join("hf-home")).unwrap();
+    std::fs::write(home.join("hf-home/token"), "tok\n").unwrap();
+    ok(&run(&[], &["pull", "org/tiny-llama", "--json"]));
     fails_with(
         &run(
             &[("HF_TOKEN", "bad")],
@@ -202,6 +207,11 @@ fn pull_run_list_and_rm_hub_repositories() {
         ),
         "no access",
     );
+    ok(&run(
+        &[("HF_TOKEN", "bad")],
+        &["pull", "org/tiny-llama", "--hf-token", "tok"],
+    ));
+    assert!(!hub.cdn_saw_authorization());
     fails_with(
         &run(&[], &["pull", "org/bad name"]),
         "is not a repository name",
