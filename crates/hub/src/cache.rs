@@ -83,12 +83,15 @@ pub struct Removed {
     pub bytes: u64,
 }
 
+/// A temporary name beside `p`, unique to this process and call (pulls may run on threads).
 fn tmp_name(p: &Path) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let name = p
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    p.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+    p.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
 }
 
 impl Cache {
@@ -116,6 +119,24 @@ impl Cache {
 
     pub fn snapshot_dir(&self, id: &RepoId, commit: &str) -> PathBuf {
         self.repo_dir(id).join("snapshots").join(commit)
+    }
+
+    /// Holds huggingface_hub's lock of one blob (`ROOT/.locks/models--ORG--NAME/<etag>.lock`,
+    /// an exclusive `flock` as its `filelock` takes), so concurrent pulls of the same file, by
+    /// hf2q or by Python, wait for each other instead of writing one `.incomplete` together.
+    /// Released when the returned file is dropped.
+    pub fn lock_blob(&self, id: &RepoId, etag: &str) -> Result<fs::File> {
+        let dir = self.root.join(".locks").join(id.folder_name());
+        fs::create_dir_all(&dir).at(&dir)?;
+        let path = dir.join(format!("{etag}.lock"));
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .at(&path)?;
+        f.lock().at(&path)?;
+        Ok(f)
     }
 
     /// The commit `refs/<revision>` names, if the cache has it.

@@ -214,7 +214,18 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
     let mut bytes = 0;
     for (f, meta) in &todo {
         let blob = cache.blob_path(id, &meta.etag);
-        if !blob.is_file() || std::fs::metadata(&blob).map(|m| m.len()).ok() != Some(meta.size) {
+        let whole = || {
+            std::fs::metadata(&blob)
+                .map(|m| m.is_file() && m.len() == meta.size)
+                .unwrap_or(false)
+        };
+        // Another pull of the same blob (hf2q or huggingface_hub) finishes first; then it is there.
+        let _lock = if whole() {
+            None
+        } else {
+            Some(cache.lock_blob(id, &meta.etag)?)
+        };
+        if !whole() {
             let bar = multi.insert_before(&total_bar, ProgressBar::new(meta.size));
             bar.set_style(file_style.clone());
             bar.set_message(f.clone());

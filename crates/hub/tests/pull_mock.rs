@@ -386,3 +386,26 @@ fn offline_uses_the_cache_and_names_what_is_missing() {
     assert!(e.contains("missing m-Q8_0-00002-of-00002.gguf"), "{e}");
     assert!(f.hub.requests().is_empty());
 }
+
+#[test]
+fn concurrent_pulls_of_one_repo_share_the_blobs() {
+    let f = fixture();
+    let cfg = f.cfg();
+    let threads: Vec<_> = (0..3)
+        .map(|_| {
+            let cfg = cfg.clone();
+            let req = f.req("org/tiny-st");
+            std::thread::spawn(move || pull(&cfg, &req).map(|p| p.snapshot))
+        })
+        .collect();
+    for t in threads {
+        let snap = t.join().unwrap().unwrap();
+        assert_eq!(fs::read(snap.join("model.safetensors")).unwrap(), f.weights);
+    }
+    assert_eq!(f.blobs("models--org--tiny-st").len(), 3);
+    // huggingface_hub's lock files, where it puts them.
+    let locks = f.dir.path().join("hub/.locks/models--org--tiny-st");
+    assert!(locks
+        .join(format!("{}.lock", sha256_hex(&f.weights)))
+        .is_file());
+}
