@@ -240,3 +240,64 @@ fn help_explains_the_hub_forms() {
     let h = stdout(&common::hf2q(&["run", "--help"]));
     assert!(h.contains("ORG/NAME[:QUANT][@REVISION]"), "{h}");
 }
+
+/// A model that Python's `huggingface_hub` downloaded from the mock (into the same cache) runs
+/// offline by its repository name; when `HF2Q_TEST_HUB_PYTHON` names a python with
+/// `huggingface_hub`, else "skipped".
+#[test]
+fn a_model_huggingface_hub_downloaded_runs_offline() {
+    let py = match std::env::var("HF2Q_TEST_HUB_PYTHON") {
+        Ok(p) if !p.is_empty() => p,
+        _ => {
+            eprintln!("a_model_huggingface_hub_downloaded_runs_offline: skipped (HF2Q_TEST_HUB_PYTHON is not set)");
+            return;
+        }
+    };
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let q8 = home.join("tiny-Q8_0.gguf");
+    ok(&hf2q_env(
+        home,
+        &ep,
+        &[],
+        &["quantize", s(&tiny()), s(&q8), "--type", "Q8_0"],
+    ));
+    hub.add_repo(
+        "org/py-GGUF",
+        &[("tiny-Q8_0.gguf", &std::fs::read(&q8).unwrap())],
+    );
+    let o = Command::new(&py)
+        .args([
+            "-c",
+            "import sys\nfrom huggingface_hub import hf_hub_download\n\
+             print(hf_hub_download('org/py-GGUF', 'tiny-Q8_0.gguf', cache_dir=sys.argv[1]))",
+            s(&home.join("hub")),
+        ])
+        .env("HF_ENDPOINT", &ep)
+        .env("HF_HOME", home.join("hf-home"))
+        .env("HF_HUB_DISABLE_TELEMETRY", "1")
+        .env("HF_HUB_DISABLE_XET", "1")
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_OFFLINE")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = hf2q_env(
+        home,
+        "http://127.0.0.1:9",
+        &[("HF_HUB_OFFLINE", "1")],
+        &[
+            "run",
+            "org/py-GGUF:Q8_0",
+            "-p",
+            "hi",
+            "-n",
+            "4",
+            "--device",
+            "cpu",
+        ],
+    );
+    ok(&o);
+}
