@@ -120,7 +120,7 @@ pub enum HubError {
 
     #[error(
         "cannot reach {url}: {message} (check the network, or HF_ENDPOINT for a mirror; \
-         --offline uses the cache only)"
+         --offline or HF_HUB_OFFLINE=1 uses the cache only)"
     )]
     Network { url: String, message: String },
 
