@@ -40,6 +40,17 @@ fi
 [ -f "$DATA/alpaca_en_demo.json" ] && export HF2Q_TEST_ALPACA_JSON="$DATA/alpaca_en_demo.json"
 [ -f "$DATA/dpo_en_demo.json" ] && export HF2Q_TEST_DPO_JSON="$DATA/dpo_en_demo.json"
 
+# ---- the Hub client (issue 46): Python's huggingface_hub reads what hf2q pulled, and the reverse --
+# huggingface_hub in a venv (cached); a failed install makes the interop test print "skipped".
+echo "== huggingface_hub (cached in $CACHE/hub-venv)"
+if ! "$CACHE/hub-venv/bin/python" -c "import huggingface_hub" >/dev/null 2>&1; then
+    { python3 -m venv "$CACHE/hub-venv" && "$CACHE/hub-venv/bin/pip" install --quiet "huggingface_hub==2.4.0"; } \
+        || echo "warning: could not install huggingface_hub; its interop test will be skipped" >&2
+fi
+if "$CACHE/hub-venv/bin/python" -c "import huggingface_hub" >/dev/null 2>&1; then
+    export HF2Q_TEST_HUB_PYTHON="$CACHE/hub-venv/bin/python"
+fi
+
 echo "== tests"
 cargo test --release --locked --workspace -- --test-threads 2
 

