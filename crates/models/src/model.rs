@@ -230,7 +230,12 @@ impl Model {
                 site += 1;
             }
         }
-        let final_norm = src.vector("model.norm.weight")?;
+        let mut final_norm = src.vector("model.norm.weight")?;
+        // Granite divides the logits by `logits_scaling`: the final norm's scale carries it
+        // (the logits are linear in it), so every backend and the decode graph see one model.
+        if config.logit_scale != 1.0 {
+            final_norm.iter_mut().for_each(|w| *w *= config.logit_scale);
+        }
         let template = match tokenizer.chat_template() {
             Some(t) => Some(ChatTemplate::new(
                 t,

@@ -190,6 +190,10 @@ fn hf_class(c: &ModelConfig) -> (&'static str, &'static str) {
         Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
         Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         Arch::Gemma4 => ("Gemma4ForCausalLM", "gemma4_text"),
+        Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
+        Arch::SmolLm3 => ("SmolLM3ForCausalLM", "smollm3"),
+        Arch::Granite => ("GraniteForCausalLM", "granite"),
+        Arch::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
     }
 }
 
