@@ -472,6 +472,40 @@ fn longrope_from_hf(v: &Value, r: &Value, rope_dims: usize) -> Result<LongRope> 
     })
 }
 
+/// LongRoPE of a Phi-3 GGUF: the `rope_factors_short/long` tensors, the original context
+/// (`rope.scaling.original_context_length`) and `rope.scaling.attn_factor`; `None` without
+/// the tensors.
+fn longrope_from_gguf(g: &GgufFile, a: &str) -> Result<Option<LongRope>> {
+    let factors = |n: &str| -> Result<Option<Vec<f32>>> {
+        let Some(info) = g.tensor(n) else {
+            return Ok(None);
+        };
+        let len = match info.dims.as_slice() {
+            [n] => *n as usize,
+            _ => return Err(bad(format!("tensor '{n}' is not 1-D"))),
+        };
+        let mut out = vec![0f32; len];
+        hf2q_tensor::quant::dequantize(info.ty, g.tensor_data(info)?.as_slice(), &mut out)?;
+        Ok(Some(out))
+    };
+    let (Some(short_factor), Some(long_factor)) = (
+        factors("rope_factors_short.weight")?,
+        factors("rope_factors_long.weight")?,
+    ) else {
+        return Ok(None);
+    };
+    Ok(Some(LongRope {
+        short_factor,
+        long_factor,
+        original_max_position: g
+            .get_u64(&format!("{a}.rope.scaling.original_context_length"))
+            .unwrap_or(4096) as usize,
+        attn_factor: g
+            .get_f32(&format!("{a}.rope.scaling.attn_factor"))
+            .unwrap_or(1.0),
+    }))
+}
+
 fn gemma_sliding(n_layers: usize, pattern: usize) -> Vec<bool> {
     // Every `pattern`-th layer is global; the others use the sliding window.
     (0..n_layers)
@@ -691,6 +725,8 @@ impl ModelConfig {
         c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
         if arch == Arch::Gemma4 {
             gemma4::from_hf(&mut c, v)?;
+            // Gemma 4 builds each layer's RoPE itself (`head_dim` is now its sliding width).
+            c.rope_dims = c.head_dim;
         }
         validate(&c)?;
         Ok(c)
@@ -765,10 +801,18 @@ impl ModelConfig {
             },
             // Llama 3 scaling arrives as the `rope_freqs.weight` tensor in GGUF.
             llama3_scaling: None,
-            // LongRoPE factors are tensors in llama.cpp's layout (`rope_factors_short/long`):
-            // not read yet, so a Phi-3 GGUF with them is refused below.
-            longrope: None,
-            rope_dims: u("rope.dimension_count").unwrap_or(head_dim),
+            // LongRoPE factors are tensors in llama.cpp's layout (`rope_factors_short/long`).
+            longrope: if arch == Arch::Phi3 {
+                longrope_from_gguf(g, &a)?
+            } else {
+                None
+            },
+            // Partial rotary is Phi's (Gemma 4 writes its global layers' width here).
+            rope_dims: if arch == Arch::Phi3 {
+                u("rope.dimension_count").unwrap_or(head_dim)
+            } else {
+                head_dim
+            },
             // llama.cpp's SmolLM3: no RoPE on every fourth layer.
             nope_layers: (0..n_layers)
                 .map(|i| arch == Arch::SmolLm3 && (i + 1) % 4 == 0)
@@ -837,11 +881,8 @@ impl ModelConfig {
         c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
         if arch == Arch::Gemma4 {
             gemma4::from_gguf(&mut c, g)?;
-        }
-        if arch == Arch::Phi3 && g.tensor("rope_factors_short.weight").is_some() {
-            return Err(bad(
-                "Phi-3 GGUF with LongRoPE factors (rope_factors_short/long) is not supported yet",
-            ));
+            // Gemma 4 builds each layer's RoPE itself (`head_dim` is now its sliding width).
+            c.rope_dims = c.head_dim;
         }
         validate(&c)?;
         Ok(c)

@@ -9,6 +9,9 @@ const GLOBAL: &[(&str, &str)] = &[
     ("model.norm", "output_norm"),
     ("lm_head", "output"),
     ("rope_freqs", "rope_freqs"),
+    // LongRoPE's per-frequency divisors (Phi-3 / Phi-4), as llama.cpp stores them.
+    ("rope_factors_short", "rope_factors_short"),
+    ("rope_factors_long", "rope_factors_long"),
     // Gemma 4's per-layer embeddings (E2B/E4B).
     ("model.embed_tokens_per_layer", "per_layer_token_embd"),
     ("model.per_layer_model_projection", "per_layer_model_proj"),
