@@ -200,6 +200,36 @@ fn llama_variants_to_gguf_keep_the_model() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("every fourth"), "{e}");
+    // With RoPE on both layers (llama.cpp's pattern for two layers) it converts: q/k rows
+    // permuted as Llama's, the same logits from the file.
+    let copy = dir.path().join("tiny-smollm3-rope");
+    std::fs::create_dir_all(&copy).unwrap();
+    for e in std::fs::read_dir(tiny("tiny-smollm3")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, copy.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(copy.join("config.json")).unwrap()).unwrap();
+    cfg["no_rope_layers"] = serde_json::json!([1, 1]);
+    std::fs::write(copy.join("config.json"), cfg.to_string()).unwrap();
+    let gguf = dir.path().join("s.gguf");
+    convert(
+        &SourceModel::open(&copy).unwrap(),
+        &gguf,
+        &ConvertTarget::Gguf(None),
+        &NoProgress,
+    )
+    .unwrap();
+    assert_eq!(
+        GgufFile::open(&gguf)
+            .unwrap()
+            .get_str("general.architecture"),
+        Some("smollm3")
+    );
+    let ids = golden_ids("tiny-smollm3");
+    let d = max_diff(&logits(&copy, &ids), &logits(&gguf, &ids));
+    eprintln!("tiny-smollm3 (RoPE on both layers): HF vs GGUF logits max |diff| {d:.2e}");
+    assert!(d < FLOAT_TOL, "tiny-smollm3: {d}");
 }
 
 /// The Llama variants GGUF -> HF -> GGUF: the HF folder written from the GGUF carries the
