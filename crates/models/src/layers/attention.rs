@@ -40,9 +40,10 @@ pub struct Attention {
     pub norm_offset: f32,
     /// q/k norms over the whole projection `(H·Dh)`, not per head (OLMo 2).
     pub norm_full: bool,
-    /// `(r, s)`: the first `r` dimensions of each query head are multiplied by `s` before RoPE
-    /// (LongRoPE's attention factor on a partially rotated head: transformers scales cos and
-    /// sin, so the rotated part of q·k by `s`, given here as `s` on the query alone).
+    /// `(r, f)`: the first `r` dimensions of each query head are multiplied by `f` before RoPE
+    /// (LongRoPE's attention factor `s` on a partially rotated head: transformers multiplies
+    /// cos and sin by `s`, so the rotated part of q·k by `s²`, carried here as `f = s²` on the
+    /// queries alone; a fully rotated head takes `s²` in the attention scale instead).
     pub q_rot_scale: Option<(usize, f32)>,
 }
 
