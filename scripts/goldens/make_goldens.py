@@ -12,13 +12,21 @@ Run on a machine with torch + transformers (the GPU machine); no network needed.
    (dense, and with the routed branch of 8 experts, top 2: sliding and global layers of their
    own head width and KV heads, keys as values on global layers, proportional RoPE, layer
    scalars, soft-capped logits; and as the E2B/E4B, four layers with per-layer embeddings and
-   KV-shared layers), two layers unless said, hidden 64, written by transformers with a
-   byte-level tokenizer, plus their full logits.
+   KV-shared layers); and the Llama variants: Phi-3 (fused qkv/gate_up, half the head rotated,
+   LongRoPE short factors with its attention factor), Mistral (sliding window 4, shorter than
+   the sequence), SmolLM3 (no RoPE on every second layer here), Granite (embedding, residual,
+   attention and logit multipliers) and OLMo 2 (post-norms, q/k norms over the whole
+   projection); two layers unless said, hidden 64, written by transformers with a byte-level
+   tokenizer, plus their full logits.
    `--only NAME` (repeatable) writes only those; the others are still built, so every model's
    random weights are the same whichever are written.
 
 Everything runs in float32 with TF32 off so the reference is as exact as the format allows.
 Versions used are written into every fixture (`meta`).
+Pinned: transformers 5.17.0 (torch any recent release: float32 on the CPU reproduces the
+GPU-written fixtures to the 1e-6 they are rounded to). Write only the Llama variants with
+`--tiny DIR --only tiny-phi3 --only tiny-mistral --only tiny-smollm3 --only tiny-granite
+--only tiny-olmo2`.
 """
 import argparse
 import json
@@ -111,6 +119,7 @@ def byte_tokenizer(dir_):
 def tiny_configs(vocab):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig, Qwen3MoeConfig, MixtralConfig
     from transformers import Gemma4TextConfig
+    from transformers import Phi3Config, MistralConfig, SmolLM3Config, GraniteConfig, Olmo2Config
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -155,6 +164,26 @@ def tiny_configs(vocab):
                                              "layer_types": ["sliding_attention", "full_attention"] * 2,
                                              "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab,
                                              "num_kv_shared_layers": 2, "use_double_wide_mlp": True}),
+        # Phi-3/Phi-4: half of each 16-wide head rotated, LongRoPE with 4 short and 4 long factors;
+        # max_position / original_max_position = 4 gives the attention factor
+        # sqrt(1 + ln 4 / ln 64); the 20 tokens are below original_max_position (short factors).
+        "tiny-phi3": Phi3Config(**{**common, "max_position_embeddings": 256}, rms_norm_eps=1e-5,
+                                tie_word_embeddings=False, original_max_position_embeddings=64,
+                                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5,
+                                                 "original_max_position_embeddings": 64,
+                                                 "short_factor": [1.0, 1.25, 1.5, 2.0],
+                                                 "long_factor": [1.0, 2.0, 4.0, 8.0]}),
+        # Mistral: a window of 4 over the 20 tokens; head_dim given apart from hidden / heads.
+        "tiny-mistral": MistralConfig(**common, head_dim=32, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                                      sliding_window=4, tie_word_embeddings=False),
+        # SmolLM3: NoPE every second layer (layer 1), as every fourth in the released model.
+        "tiny-smollm3": SmolLM3Config(**common, rms_norm_eps=1e-6, rope_theta=5000000.0,
+                                      no_rope_layer_interval=2, tie_word_embeddings=True),
+        "tiny-granite": GraniteConfig(**common, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                                      embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.125, logits_scaling=8.0),
+        "tiny-olmo2": Olmo2Config(**common, rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False),
     }
 
 

@@ -11,7 +11,7 @@ mod gemma4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
-    /// Llama 2/3, SmolLM, Mistral.
+    /// Llama 2/3, SmolLM, Mistral / Ministral.
     Llama,
     /// Llama + q/k/v bias.
     Qwen2,
@@ -23,6 +23,15 @@ pub enum Arch {
     /// Gemma 4 (dense, and the mixture of experts): sliding and global layers of their own head
     /// width and KV heads, keys as values on global layers, a routed branch beside the MLP.
     Gemma4,
+    /// Phi-3 / Phi-4: fused q/k/v and gate/up products (split on load), partial rotary,
+    /// LongRoPE.
+    Phi3,
+    /// SmolLM3: no RoPE on the layers its config names.
+    SmolLm3,
+    /// Granite: embedding, residual, attention and logit multipliers.
+    Granite,
+    /// OLMo 2: norms after attention and MLP (no pre-norms), q/k norms over the whole projection.
+    Olmo2,
 }
 
 impl Arch {
@@ -34,17 +43,50 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Gemma3 => "gemma3",
             Arch::Gemma4 => "gemma4",
+            Arch::Phi3 => "phi3",
+            Arch::SmolLm3 => "smollm3",
+            Arch::Granite => "granite",
+            Arch::Olmo2 => "olmo2",
         }
     }
+    /// The Hugging Face `model_type`s the loader accepts, for messages.
+    pub const SUPPORTED_HF: &'static [&'static str] = &[
+        "llama",
+        "mistral",
+        "ministral",
+        "smollm",
+        "smollm2",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma3",
+        "gemma3_text",
+        "gemma4",
+        "gemma4_text",
+        "phi3",
+        "smollm3",
+        "granite",
+        "olmo2",
+    ];
+    /// The GGUF `general.architecture`s the loader accepts, for messages.
+    pub const SUPPORTED_GGUF: &'static [&'static str] = &[
+        "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "phi3", "smollm3",
+        "granite", "olmo2",
+    ];
     fn from_hf(model_type: &str) -> Option<Arch> {
         Some(match model_type {
             // Mixtral is a Llama whose MLPs are experts, as llama.cpp has it.
-            "llama" | "mistral" | "smollm" | "smollm2" | "mixtral" => Arch::Llama,
+            "llama" | "mistral" | "ministral" | "smollm" | "smollm2" | "mixtral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "qwen3_moe" => Arch::Qwen3Moe,
             "gemma3" | "gemma3_text" => Arch::Gemma3,
             "gemma4" | "gemma4_text" => Arch::Gemma4,
+            "phi3" => Arch::Phi3,
+            "smollm3" => Arch::SmolLm3,
+            "granite" => Arch::Granite,
+            "olmo2" => Arch::Olmo2,
             _ => return None,
         })
     }
@@ -56,6 +98,10 @@ impl Arch {
             "qwen3moe" => Arch::Qwen3Moe,
             "gemma3" => Arch::Gemma3,
             "gemma4" => Arch::Gemma4,
+            "phi3" => Arch::Phi3,
+            "smollm3" => Arch::SmolLm3,
+            "granite" => Arch::Granite,
+            "olmo2" => Arch::Olmo2,
             _ => return None,
         })
     }
@@ -121,6 +167,17 @@ pub struct Llama3Scaling {
     pub original_max_position: usize,
 }
 
+/// LongRoPE (Phi-3 / Phi-4, `rope_type: longrope`): per-frequency divisors for sequences up
+/// to `original_max_position` (`short`) and beyond (`long`), `rope_dims / 2` each, and the
+/// factor transformers multiplies cos and sin by.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRope {
+    pub short_factor: Vec<f32>,
+    pub long_factor: Vec<f32>,
+    pub original_max_position: usize,
+    pub attn_factor: f32,
+}
+
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -143,6 +200,12 @@ pub struct ModelConfig {
     pub rope_theta_local: Option<f32>,
     pub rope_style: RopeStyle,
     pub llama3_scaling: Option<Llama3Scaling>,
+    /// LongRoPE scaling (Phi-3 / Phi-4).
+    pub longrope: Option<LongRope>,
+    /// Dimensions of each head RoPE rotates (the first ones; `partial_rotary_factor · Dh`).
+    pub rope_dims: usize,
+    /// Per layer: true where the layer applies no RoPE (SmolLM3's `no_rope_layers[i] == 0`).
+    pub nope_layers: Vec<bool>,
     /// Linear RoPE scaling factor of global layers (1.0 = none).
     pub rope_linear_factor: f32,
     pub context_length: usize,
@@ -166,6 +229,13 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f32>,
     /// Routed experts, for the families that have them.
     pub moe: Option<MoeConfig>,
+    /// Multiplier of each block half's output before it joins the residual (Granite's
+    /// `residual_multiplier`; 1.0 = none).
+    pub residual_scale: f32,
+    /// Multiplier of the logits (1 / Granite's `logits_scaling`; 1.0 = none).
+    pub logit_scale: f32,
+    /// q/k RMSNorm over the whole projection `(H·Dh)` rather than per head (OLMo 2).
+    pub qk_norm_full: bool,
     /// Per layer: `(Hkv, Dh)` of its attention (Gemma 4's global layers differ from its
     /// sliding ones; every other family repeats `(n_kv_heads, head_dim)`).
     pub layer_heads: Vec<(usize, usize)>,
@@ -239,6 +309,32 @@ fn validate(c: &ModelConfig) -> Result<()> {
     }
     if !c.head_dim.is_multiple_of(2) {
         return Err(bad(format!("head_dim {} is odd", c.head_dim)));
+    }
+    if c.rope_dims > c.head_dim || !c.rope_dims.is_multiple_of(2) {
+        return Err(bad(format!(
+            "{} rotated dims for head width {}",
+            c.rope_dims, c.head_dim
+        )));
+    }
+    if c.nope_layers.len() != c.n_layers {
+        return Err(bad("the no-RoPE layer pattern does not cover every layer"));
+    }
+    if let Some(l) = &c.longrope {
+        for (k, f) in [
+            ("short_factor", &l.short_factor),
+            ("long_factor", &l.long_factor),
+        ] {
+            if f.len() != c.rope_dims / 2 {
+                return Err(bad(format!(
+                    "longrope {k} has {} values, {} expected",
+                    f.len(),
+                    c.rope_dims / 2
+                )));
+            }
+        }
+    }
+    if !(c.residual_scale.is_finite() && c.logit_scale.is_finite() && c.logit_scale != 0.0) {
+        return Err(bad("residual or logit multiplier out of range"));
     }
     if c.sliding_layers.len() != c.n_layers {
         return Err(bad("sliding layer pattern does not cover every layer"));
@@ -318,6 +414,98 @@ fn moe_from_hf(v: &Value, model_type: &str, n_layers: usize) -> Result<Option<Mo
     })
 }
 
+/// LongRoPE from a Phi-3 config (as transformers' `_compute_longrope_parameters`): the factors
+/// in `r` (`rope_parameters`, or the older `rope_scaling`), `original_max_position_embeddings`
+/// there or at the top, and the attention factor given, or
+/// `sqrt(1 + ln s / ln original)` with `s = factor`, else `max_position / original` (1 when
+/// `s <= 1`).
+fn longrope_from_hf(v: &Value, r: &Value, rope_dims: usize) -> Result<LongRope> {
+    let factors = |k: &str| -> Result<Vec<f32>> {
+        let a = r
+            .get(k)
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad(format!("longrope scaling lacks {k}")))?;
+        let f: Vec<f32> = a
+            .iter()
+            .filter_map(Value::as_f64)
+            .map(|x| x as f32)
+            .collect();
+        if f.len() != a.len() || f.len() != rope_dims / 2 || f.iter().any(|x| !(*x > 0.0)) {
+            return Err(bad(format!(
+                "longrope {k} must be {} positive numbers",
+                rope_dims / 2
+            )));
+        }
+        Ok(f)
+    };
+    let num = |k: &str| {
+        r.get(k)
+            .and_then(Value::as_f64)
+            .or_else(|| v.get(k).and_then(Value::as_f64))
+    };
+    let original = num("original_max_position_embeddings")
+        .ok_or_else(|| bad("longrope scaling lacks original_max_position_embeddings"))?;
+    if !(original > 1.0) {
+        return Err(bad(
+            "longrope original_max_position_embeddings out of range",
+        ));
+    }
+    let factor = r
+        .get("factor")
+        .and_then(Value::as_f64)
+        .or_else(|| {
+            v.get("max_position_embeddings")
+                .and_then(Value::as_f64)
+                .map(|m| m / original)
+        })
+        .unwrap_or(1.0);
+    let attn_factor = match r.get("attention_factor").and_then(Value::as_f64) {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / original.ln()).sqrt(),
+    };
+    Ok(LongRope {
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
+        original_max_position: original as usize,
+        attn_factor: attn_factor as f32,
+    })
+}
+
+/// LongRoPE of a Phi-3 GGUF: the `rope_factors_short/long` tensors, the original context
+/// (`rope.scaling.original_context_length`) and `rope.scaling.attn_factor`; `None` without
+/// the tensors.
+fn longrope_from_gguf(g: &GgufFile, a: &str) -> Result<Option<LongRope>> {
+    let factors = |n: &str| -> Result<Option<Vec<f32>>> {
+        let Some(info) = g.tensor(n) else {
+            return Ok(None);
+        };
+        let len = match info.dims.as_slice() {
+            [n] => *n as usize,
+            _ => return Err(bad(format!("tensor '{n}' is not 1-D"))),
+        };
+        let mut out = vec![0f32; len];
+        hf2q_tensor::quant::dequantize(info.ty, g.tensor_data(info)?.as_slice(), &mut out)?;
+        Ok(Some(out))
+    };
+    let (Some(short_factor), Some(long_factor)) = (
+        factors("rope_factors_short.weight")?,
+        factors("rope_factors_long.weight")?,
+    ) else {
+        return Ok(None);
+    };
+    Ok(Some(LongRope {
+        short_factor,
+        long_factor,
+        original_max_position: g
+            .get_u64(&format!("{a}.rope.scaling.original_context_length"))
+            .unwrap_or(4096) as usize,
+        attn_factor: g
+            .get_f32(&format!("{a}.rope.scaling.attn_factor"))
+            .unwrap_or(1.0),
+    }))
+}
+
 fn gemma_sliding(n_layers: usize, pattern: usize) -> Vec<bool> {
     // Every `pattern`-th layer is global; the others use the sliding window.
     (0..n_layers)
@@ -334,8 +522,19 @@ impl ModelConfig {
             .get("model_type")
             .and_then(Value::as_str)
             .ok_or_else(|| bad("config.json has no model_type"))?;
-        let arch =
-            Arch::from_hf(mt).ok_or_else(|| bad(format!("unsupported model_type '{mt}'")))?;
+        let arch = Arch::from_hf(mt).ok_or_else(|| {
+            let named = v
+                .get("architectures")
+                .and_then(Value::as_array)
+                .and_then(|a| a.first())
+                .and_then(Value::as_str)
+                .map(|a| format!(" ({a})"))
+                .unwrap_or_default();
+            bad(format!(
+                "unsupported model_type '{mt}'{named}; supported: {}",
+                Arch::SUPPORTED_HF.join(", ")
+            ))
+        })?;
         let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
         let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
         let req = |k: &str| u(k).ok_or_else(|| bad(format!("config.json lacks '{k}'")));
@@ -380,9 +579,12 @@ impl ModelConfig {
                         as usize,
                 })
             }
-            // Gemma 4's global layers ("proportional") are read by `gemma4::from_hf`.
+            // Gemma 4's global layers ("proportional") are read by `gemma4::from_hf`; LongRoPE
+            // below.
             (Some(t), _)
-                if !matches!(t, "default" | "llama3" | "linear") && arch != Arch::Gemma4 =>
+                if !matches!(t, "default" | "llama3" | "linear")
+                    && arch != Arch::Gemma4
+                    && !(arch == Arch::Phi3 && matches!(t, "longrope" | "su")) =>
             {
                 return Err(bad(format!("unsupported RoPE type '{t}'")));
             }
@@ -396,7 +598,7 @@ impl ModelConfig {
         };
         // Mistral (v0.1) applies its window whenever one is set; Qwen2 only with use_sliding_window.
         let sliding_window = if gemma
-            || mt == "mistral"
+            || matches!(mt, "mistral" | "ministral")
             || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true)
         {
             u("sliding_window")
@@ -417,6 +619,45 @@ impl ModelConfig {
         } else {
             (head_dim as f32).powf(-0.5)
         };
+        // Partial rotary (Phi-4-mini): in rope_parameters (transformers >= 5) or at the top.
+        let partial = rs
+            .and_then(|r| r.get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            .or_else(|| v.get("partial_rotary_factor").and_then(Value::as_f64))
+            .unwrap_or(1.0);
+        let rope_dims = ((head_dim as f64 * partial) as usize) & !1;
+        let longrope = match (rope_type, rs) {
+            (Some("longrope" | "su"), Some(r)) if arch == Arch::Phi3 => {
+                Some(longrope_from_hf(v, r, rope_dims)?)
+            }
+            _ => None,
+        };
+        // SmolLM3: `no_rope_layers[i] == 0` marks a layer without RoPE; absent, every
+        // `no_rope_layer_interval`-th (default 4) as transformers fills it.
+        let nope_layers = if arch == Arch::SmolLm3 {
+            match v.get("no_rope_layers").and_then(Value::as_array) {
+                Some(a) => {
+                    if a.len() != n_layers {
+                        return Err(bad(format!(
+                            "no_rope_layers has {} entries for {n_layers} layers",
+                            a.len()
+                        )));
+                    }
+                    a.iter().map(|x| x.as_u64() == Some(0)).collect()
+                }
+                None => {
+                    let every = u("no_rope_layer_interval").unwrap_or(4).max(1);
+                    (0..n_layers).map(|i| (i + 1) % every == 0).collect()
+                }
+            }
+        } else {
+            vec![false; n_layers]
+        };
+        let granite = arch == Arch::Granite;
+        let attn_scale = match f("attention_multiplier") {
+            Some(m) if granite => m,
+            _ => attn_scale,
+        };
         let moe = moe_from_hf(v, mt, n_layers)?;
         let c = ModelConfig {
             arch,
@@ -432,6 +673,9 @@ impl ModelConfig {
             rope_theta_local: if gemma { Some(rope_theta_local) } else { None },
             rope_style: RopeStyle::Neox,
             llama3_scaling,
+            longrope,
+            rope_dims,
+            nope_layers,
             rope_linear_factor,
             context_length: u("max_position_embeddings").unwrap_or(2048),
             sliding_window,
@@ -442,18 +686,38 @@ impl ModelConfig {
                 .unwrap_or(gemma),
             attention_bias: arch == Arch::Qwen2
                 || v.get("attention_bias").and_then(Value::as_bool) == Some(true),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
+            qk_norm: matches!(
+                arch,
+                Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Olmo2
+            ),
             activation: if gemma {
                 Activation::GeluTanh
             } else {
                 Activation::Silu
             },
-            embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
+            embed_scale: if gemma {
+                (hidden as f32).sqrt()
+            } else if granite {
+                f("embedding_multiplier").unwrap_or(1.0)
+            } else {
+                1.0
+            },
             norm_offset: if gemma { 1.0 } else { 0.0 },
             sandwich_norms: gemma,
             attn_scale,
             final_logit_softcap: f("final_logit_softcapping"),
             moe,
+            residual_scale: if granite {
+                f("residual_multiplier").unwrap_or(1.0)
+            } else {
+                1.0
+            },
+            logit_scale: if granite {
+                1.0 / f("logits_scaling").unwrap_or(1.0)
+            } else {
+                1.0
+            },
+            qk_norm_full: arch == Arch::Olmo2,
             layer_heads: Vec::new(),
             gemma4: None,
         };
@@ -461,6 +725,8 @@ impl ModelConfig {
         c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
         if arch == Arch::Gemma4 {
             gemma4::from_hf(&mut c, v)?;
+            // Gemma 4 builds each layer's RoPE itself (`head_dim` is now its sliding width).
+            c.rope_dims = c.head_dim;
         }
         validate(&c)?;
         Ok(c)
@@ -473,8 +739,12 @@ impl ModelConfig {
             .architecture()
             .ok_or_else(|| bad("GGUF has no general.architecture"))?
             .to_string();
-        let arch = Arch::from_gguf(&a)
-            .ok_or_else(|| bad(format!("unsupported GGUF architecture '{a}'")))?;
+        let arch = Arch::from_gguf(&a).ok_or_else(|| {
+            bad(format!(
+                "unsupported GGUF architecture '{a}'; supported: {}",
+                Arch::SUPPORTED_GGUF.join(", ")
+            ))
+        })?;
         let key = |k: &str| format!("{a}.{k}");
         let u = |k: &str| g.get_u64(&key(k)).map(|x| x as usize);
         let f = |k: &str| g.get_f32(&key(k));
@@ -500,6 +770,7 @@ impl ModelConfig {
             vec![sliding_window.is_some(); n_layers]
         };
         let scaling_type = g.get_str(&key("rope.scaling.type"));
+        let granite = arch == Arch::Granite;
         let rope_linear_factor = if scaling_type == Some("linear") {
             f("rope.scaling.factor").unwrap_or(1.0)
         } else {
@@ -521,31 +792,71 @@ impl ModelConfig {
             rms_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
             rope_theta: f("rope.freq_base").unwrap_or(10000.0),
             rope_theta_local: if gemma { Some(10000.0) } else { None },
-            // ggml's Llama uses interleaved pairs on permuted q/k rows; Qwen and Gemma use NEOX.
-            rope_style: if arch == Arch::Llama {
+            // ggml's Llama (and Granite, SmolLM3, converted as Llama) uses interleaved pairs on
+            // permuted q/k rows; Qwen, Gemma, Phi-3 and OLMo 2 use NEOX.
+            rope_style: if matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLm3) {
                 RopeStyle::Interleaved
             } else {
                 RopeStyle::Neox
             },
             // Llama 3 scaling arrives as the `rope_freqs.weight` tensor in GGUF.
             llama3_scaling: None,
+            // LongRoPE factors are tensors in llama.cpp's layout (`rope_factors_short/long`).
+            longrope: if arch == Arch::Phi3 {
+                longrope_from_gguf(g, &a)?
+            } else {
+                None
+            },
+            // Partial rotary is Phi's (Gemma 4 writes its global layers' width here).
+            rope_dims: if arch == Arch::Phi3 {
+                u("rope.dimension_count").unwrap_or(head_dim)
+            } else {
+                head_dim
+            },
+            // llama.cpp's SmolLM3: no RoPE on every fourth layer.
+            nope_layers: (0..n_layers)
+                .map(|i| arch == Arch::SmolLm3 && (i + 1) % 4 == 0)
+                .collect(),
             rope_linear_factor,
             context_length: u("context_length").unwrap_or(2048),
             sliding_window,
             sliding_layers,
             tie_embeddings: !has_output,
             attention_bias: arch == Arch::Qwen2,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
+            qk_norm: matches!(
+                arch,
+                Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Olmo2
+            ),
             activation: if gemma {
                 Activation::GeluTanh
             } else {
                 Activation::Silu
             },
-            embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
+            embed_scale: if gemma {
+                (hidden as f32).sqrt()
+            } else if granite {
+                f("embedding_scale").unwrap_or(1.0)
+            } else {
+                1.0
+            },
             norm_offset: 0.0,
             sandwich_norms: gemma,
-            attn_scale: (head_dim as f32).powf(-0.5),
+            attn_scale: match f("attention.scale") {
+                Some(s) if granite => s,
+                _ => (head_dim as f32).powf(-0.5),
+            },
             final_logit_softcap: f("final_logit_softcapping"),
+            residual_scale: if granite {
+                f("residual_scale").unwrap_or(1.0)
+            } else {
+                1.0
+            },
+            logit_scale: if granite {
+                1.0 / f("logit_scale").unwrap_or(1.0)
+            } else {
+                1.0
+            },
+            qk_norm_full: arch == Arch::Olmo2,
             moe: match u("expert_count").filter(|&e| e > 0) {
                 None => None,
                 Some(n_experts) => Some(MoeConfig {
@@ -570,6 +881,8 @@ impl ModelConfig {
         c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
         if arch == Arch::Gemma4 {
             gemma4::from_gguf(&mut c, g)?;
+            // Gemma 4 builds each layer's RoPE itself (`head_dim` is now its sliding width).
+            c.rope_dims = c.head_dim;
         }
         validate(&c)?;
         Ok(c)
@@ -641,6 +954,64 @@ mod tests {
     }
 
     #[test]
+    fn llama_variants_from_hf_configs() {
+        // Phi-3 / Phi-4-mini: partial rotary and LongRoPE, in transformers 5's layout and in
+        // the older one (`rope_scaling` of type "longrope", the rest at the top).
+        let p = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "phi3",
+            "max_position_embeddings": 131072, "rope_parameters": {"rope_type": "longrope",
+            "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 4096,
+            "short_factor": vec![1.0; 6], "long_factor": vec![2.0; 6]}})))
+        .unwrap();
+        assert_eq!((p.arch, p.head_dim, p.rope_dims), (Arch::Phi3, 16, 12));
+        let l = p.longrope.unwrap();
+        assert_eq!(l.original_max_position, 4096);
+        let want = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt() as f32;
+        assert!((l.attn_factor - want).abs() < 1e-6, "{}", l.attn_factor);
+        let p = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "phi3",
+            "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "longrope", "short_factor": vec![1.0; 8],
+            "long_factor": vec![2.0; 8]}})))
+        .unwrap();
+        assert_eq!((p.rope_dims, p.longrope.unwrap().attn_factor), (16, 1.0));
+        let e = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "phi3",
+            "original_max_position_embeddings": 64, "rope_scaling": {"type": "longrope",
+            "short_factor": vec![1.0; 3], "long_factor": vec![2.0; 8]}})))
+        .unwrap_err();
+        assert!(e.to_string().contains("short_factor must be 8"), "{e}");
+        // SmolLM3: no_rope_layers as written, or every fourth layer.
+        let s = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "smollm3",
+            "num_hidden_layers": 8})))
+        .unwrap();
+        assert_eq!(
+            s.nope_layers,
+            vec![false, false, false, true, false, false, false, true]
+        );
+        let s = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "smollm3",
+            "no_rope_layers": [0, 1]})))
+        .unwrap();
+        assert_eq!(s.nope_layers, vec![true, false]);
+        // Granite's multipliers.
+        let g = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "granite",
+            "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+            "attention_multiplier": 0.0078125, "logits_scaling": 8.0})))
+        .unwrap();
+        assert_eq!(
+            (g.embed_scale, g.residual_scale, g.attn_scale, g.logit_scale),
+            (12.0, 0.22, 0.0078125, 0.125)
+        );
+        // OLMo 2: q/k norms over the whole projection; Ministral's window.
+        let o =
+            ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "olmo2"}))).unwrap();
+        assert!(o.qk_norm && o.qk_norm_full);
+        let m = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "ministral",
+            "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]})))
+        .unwrap();
+        assert_eq!((m.arch, m.sliding_window), (Arch::Llama, Some(32)));
+        assert_eq!(m.sliding_layers, vec![true, false]);
+    }
+
+    #[test]
     fn experts_from_hf_configs() {
         let q = ModelConfig::from_hf_json(&base(serde_json::json!({"model_type": "qwen3_moe",
             "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
@@ -676,6 +1047,14 @@ mod tests {
             e.to_string().contains("unsupported model_type 'gpt_neox'"),
             "{e}"
         );
+        // The refusal names the checkpoint's class and lists what is supported.
+        let mut j = base(serde_json::json!({"model_type": "gpt_oss"}));
+        j["architectures"] = serde_json::json!(["GptOssForCausalLM"]);
+        let e = ModelConfig::from_hf_json(&j).unwrap_err().to_string();
+        assert!(e.contains("'gpt_oss' (GptOssForCausalLM)"), "{e}");
+        for a in ["llama", "phi3", "smollm3", "granite", "olmo2", "gemma4"] {
+            assert!(e.contains(a), "{e}");
+        }
         let e = ModelConfig::from_hf_json(&base(
             serde_json::json!({"model_type": "llama", "num_key_value_heads": 3}),
         ))

@@ -230,7 +230,17 @@ impl Model {
                 site += 1;
             }
         }
-        let final_norm = src.vector("model.norm.weight")?;
+        let host_steps = config.residual_scale != 1.0
+            || config
+                .longrope
+                .as_ref()
+                .is_some_and(|l| l.attn_factor != 1.0 && config.rope_dims != config.head_dim);
+        let mut final_norm = src.vector("model.norm.weight")?;
+        // Granite divides the logits by `logits_scaling`: the final norm's scale carries it
+        // (the logits are linear in it), so every backend and the decode graph see one model.
+        if config.logit_scale != 1.0 {
+            final_norm.iter_mut().for_each(|w| *w *= config.logit_scale);
+        }
         let template = match tokenizer.chat_template() {
             Some(t) => Some(ChatTemplate::new(
                 t,
@@ -255,7 +265,10 @@ impl Model {
             backend: CpuBackend::default(),
             cuda: None,
             cuda_graphs: true,
-            graphs_refused: Default::default(),
+            // Granite's residual multiplier and LongRoPE's attention factor on a partly rotated
+            // head scale through the host (no device op scales a tensor yet): a step with them
+            // cannot be captured, so such a model decodes eagerly on a GPU.
+            graphs_refused: std::sync::atomic::AtomicBool::new(host_steps),
             kv_type: KvType::default(),
             generation: Default::default(),
         })

@@ -9,6 +9,9 @@ const GLOBAL: &[(&str, &str)] = &[
     ("model.norm", "output_norm"),
     ("lm_head", "output"),
     ("rope_freqs", "rope_freqs"),
+    // LongRoPE's per-frequency divisors (Phi-3 / Phi-4), as llama.cpp stores them.
+    ("rope_factors_short", "rope_factors_short"),
+    ("rope_factors_long", "rope_factors_long"),
     // Gemma 4's per-layer embeddings (E2B/E4B).
     ("model.embed_tokens_per_layer", "per_layer_token_embd"),
     ("model.per_layer_model_projection", "per_layer_model_proj"),
@@ -22,6 +25,8 @@ const LAYER: &[(&str, &str)] = &[
     ("self_attn.k_proj", "attn_k"),
     ("self_attn.v_proj", "attn_v"),
     ("self_attn.o_proj", "attn_output"),
+    // Phi-3's fused products (its fused gate/up is `ffn_up`, see `hf_to_gguf`).
+    ("self_attn.qkv_proj", "attn_qkv"),
     ("self_attn.q_norm", "attn_q_norm"),
     ("self_attn.k_norm", "attn_k_norm"),
     ("mlp.gate_proj", "ffn_gate"),
@@ -98,9 +103,11 @@ pub fn hf_to_gguf(arch: Arch, hf: &str) -> Option<String> {
     let (idx, part) = rest.split_once('.')?;
     idx.parse::<usize>().ok()?;
     // The one name whose meaning differs by family: Llama's "post attention" norm is the norm
-    // before the MLP; Gemma 3's is applied to the attention output.
-    let g = if part == "post_attention_layernorm" {
-        if arch == Arch::Gemma3 {
+    // before the MLP; Gemma 3's and OLMo 2's is applied to the attention output.
+    let g = if part == "mlp.gate_up_proj" && arch == Arch::Phi3 {
+        "ffn_up"
+    } else if part == "post_attention_layernorm" {
+        if matches!(arch, Arch::Gemma3 | Arch::Olmo2) {
             "post_attention_norm"
         } else {
             "ffn_norm"
@@ -157,6 +164,41 @@ mod tests {
             "output.weight"
         );
         assert!(hf_to_gguf(Arch::Llama, "model.layers.x.mlp.up_proj.weight").is_none());
+        // llama.cpp's names for the Llama variants' own tensors.
+        for (arch, hf, g) in [
+            (
+                Arch::Phi3,
+                "model.layers.0.self_attn.qkv_proj.weight",
+                "blk.0.attn_qkv.weight",
+            ),
+            (
+                Arch::Phi3,
+                "model.layers.0.mlp.gate_up_proj.weight",
+                "blk.0.ffn_up.weight",
+            ),
+            (
+                Arch::Olmo2,
+                "model.layers.1.post_attention_layernorm.weight",
+                "blk.1.post_attention_norm.weight",
+            ),
+            (
+                Arch::Olmo2,
+                "model.layers.1.post_feedforward_layernorm.weight",
+                "blk.1.post_ffw_norm.weight",
+            ),
+            (
+                Arch::Olmo2,
+                "model.layers.1.self_attn.q_norm.weight",
+                "blk.1.attn_q_norm.weight",
+            ),
+            (
+                Arch::Granite,
+                "model.layers.1.post_attention_layernorm.weight",
+                "blk.1.ffn_norm.weight",
+            ),
+        ] {
+            assert_eq!(hf_to_gguf(arch, hf).as_deref(), Some(g), "{hf}");
+        }
         for (hf, g) in [
             ("model.layers.2.router.scale", "blk.2.ffn_gate_inp.scale"),
             (

@@ -124,6 +124,167 @@ fn hf_to_gguf_keeps_the_model_and_the_tensors() {
     }
 }
 
+/// The Llama variants to GGUF in llama.cpp's layout and back: every tensor kept (Phi-3's fused
+/// products as `attn_qkv` / `ffn_up`, LongRoPE's factors as `rope_factors_short/long`), the
+/// families' keys written, and the same logits from the file as from the folder.
+#[test]
+fn llama_variants_to_gguf_keep_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["tiny-phi3", "tiny-mistral", "tiny-granite", "tiny-olmo2"] {
+        let path = tiny(name);
+        let src = SourceModel::open(&path).unwrap();
+        let gguf = dir.path().join(format!("{name}.gguf"));
+        convert(&src, &gguf, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
+        let back = SourceModel::open(&gguf).unwrap();
+        for t in &src.tensors {
+            let g = back
+                .tensor_by_gguf(&t.gguf)
+                .unwrap_or_else(|| panic!("{name}: {} missing", t.gguf));
+            assert_eq!(g.shape, t.shape, "{name}: {}", t.gguf);
+            assert_eq!(
+                back.read_f32(g, Layout::Gguf).unwrap(),
+                src.read_f32(t, Layout::Gguf).unwrap(),
+                "{name}: {}",
+                t.gguf
+            );
+        }
+        let ids = golden_ids(name);
+        let (a, b) = (logits(&path, &ids), logits(&gguf, &ids));
+        let d = max_diff(&a, &b);
+        eprintln!("{name}: HF vs GGUF logits max |diff| {d:.2e}");
+        assert!(d < FLOAT_TOL, "{name}: {d}");
+        let f = GgufFile::open(&gguf).unwrap();
+        match name {
+            "tiny-phi3" => {
+                assert_eq!(f.get_str("general.architecture"), Some("phi3"));
+                assert!(f.tensor("blk.0.attn_qkv.weight").is_some());
+                assert!(f.tensor("blk.0.ffn_up.weight").is_some());
+                assert!(f.tensor("blk.0.ffn_gate.weight").is_none());
+                assert!(f.tensor("rope_factors_short.weight").is_some());
+                assert!(f.tensor("rope_factors_long.weight").is_some());
+                assert_eq!(f.get_u64("phi3.rope.dimension_count"), Some(8));
+                assert_eq!(
+                    f.get_u64("phi3.rope.scaling.original_context_length"),
+                    Some(64)
+                );
+                let want = (1.0 + 4f64.ln() / 64f64.ln()).sqrt() as f32;
+                let got = f.get_f32("phi3.rope.scaling.attn_factor").unwrap();
+                assert!((got - want).abs() < 1e-6, "{got}");
+            }
+            "tiny-mistral" => {
+                assert_eq!(f.get_str("general.architecture"), Some("llama"));
+                assert_eq!(f.get_u64("llama.attention.sliding_window"), Some(4));
+                assert_eq!(f.get_u64("llama.attention.key_length"), Some(32));
+            }
+            "tiny-granite" => {
+                assert_eq!(f.get_f32("granite.embedding_scale"), Some(12.0));
+                assert_eq!(f.get_f32("granite.residual_scale"), Some(0.22));
+                assert_eq!(f.get_f32("granite.attention.scale"), Some(0.125));
+                assert_eq!(f.get_f32("granite.logit_scale"), Some(8.0));
+            }
+            _ => {
+                assert!(f.tensor("blk.1.post_attention_norm.weight").is_some());
+                assert!(f.tensor("blk.1.post_ffw_norm.weight").is_some());
+                assert_eq!(f.tensor("blk.1.attn_q_norm.weight").unwrap().dims, vec![64]);
+            }
+        }
+    }
+    // SmolLM3: llama.cpp fixes no RoPE on every fourth layer; the tiny one's second layer
+    // cannot be expressed, so converting it is refused.
+    let src = SourceModel::open(&tiny("tiny-smollm3")).unwrap();
+    let e = convert(
+        &src,
+        &dir.path().join("s.gguf"),
+        &ConvertTarget::Gguf(None),
+        &NoProgress,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("every fourth"), "{e}");
+    // With RoPE on both layers (llama.cpp's pattern for two layers) it converts: q/k rows
+    // permuted as Llama's, the same logits from the file.
+    let copy = dir.path().join("tiny-smollm3-rope");
+    std::fs::create_dir_all(&copy).unwrap();
+    for e in std::fs::read_dir(tiny("tiny-smollm3")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, copy.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(copy.join("config.json")).unwrap()).unwrap();
+    cfg["no_rope_layers"] = serde_json::json!([1, 1]);
+    std::fs::write(copy.join("config.json"), cfg.to_string()).unwrap();
+    let gguf = dir.path().join("s.gguf");
+    convert(
+        &SourceModel::open(&copy).unwrap(),
+        &gguf,
+        &ConvertTarget::Gguf(None),
+        &NoProgress,
+    )
+    .unwrap();
+    assert_eq!(
+        GgufFile::open(&gguf)
+            .unwrap()
+            .get_str("general.architecture"),
+        Some("smollm3")
+    );
+    let ids = golden_ids("tiny-smollm3");
+    let d = max_diff(&logits(&copy, &ids), &logits(&gguf, &ids));
+    eprintln!("tiny-smollm3 (RoPE on both layers): HF vs GGUF logits max |diff| {d:.2e}");
+    assert!(d < FLOAT_TOL, "tiny-smollm3: {d}");
+}
+
+/// The Llama variants GGUF -> HF -> GGUF: the HF folder written from the GGUF carries the
+/// families' keys (Phi-3's LongRoPE and partial rotary, Granite's multipliers), runs as the
+/// original folder does, and converts back to the same tensors bit for bit.
+#[test]
+fn llama_variants_gguf_to_hf_to_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["tiny-phi3", "tiny-mistral", "tiny-granite", "tiny-olmo2"] {
+        let path = tiny(name);
+        let g1 = dir.path().join(format!("{name}-1.gguf"));
+        convert(
+            &SourceModel::open(&path).unwrap(),
+            &g1,
+            &ConvertTarget::Gguf(None),
+            &NoProgress,
+        )
+        .unwrap();
+        let hf = dir.path().join(format!("{name}-hf"));
+        convert(
+            &SourceModel::open(&g1).unwrap(),
+            &hf,
+            &ConvertTarget::Hf(HfOptions::default()),
+            &NoProgress,
+        )
+        .unwrap();
+        let ids = golden_ids(name);
+        let d = max_diff(&logits(&path, &ids), &logits(&hf, &ids));
+        eprintln!("{name}: HF vs GGUF -> HF logits max |diff| {d:.2e}");
+        assert!(d < FLOAT_TOL, "{name}: {d}");
+        let g2 = dir.path().join(format!("{name}-2.gguf"));
+        convert(
+            &SourceModel::open(&hf).unwrap(),
+            &g2,
+            &ConvertTarget::Gguf(None),
+            &NoProgress,
+        )
+        .unwrap();
+        let (a, b) = (GgufFile::open(&g1).unwrap(), GgufFile::open(&g2).unwrap());
+        assert_eq!(a.tensors.len(), b.tensors.len(), "{name}");
+        for t in &a.tensors {
+            let u = b
+                .tensor(&t.name)
+                .unwrap_or_else(|| panic!("{name}: {}", t.name));
+            assert_eq!((u.ty, &u.dims), (t.ty, &t.dims), "{name}: {}", t.name);
+            assert_eq!(
+                a.tensor_data(t).unwrap().as_slice(),
+                b.tensor_data(u).unwrap().as_slice(),
+                "{name}: {}",
+                t.name
+            );
+        }
+    }
+}
+
 #[test]
 fn gguf_layout_is_llama_cpp_layout() {
     let dir = tempfile::tempdir().unwrap();

@@ -202,6 +202,11 @@ fn tiny_models_match_cpu_reference() {
         "tiny-gemma4",
         "tiny-gemma4-moe",
         "tiny-gemma4-e",
+        "tiny-phi3",
+        "tiny-mistral",
+        "tiny-smollm3",
+        "tiny-granite",
+        "tiny-olmo2",
     ] {
         let mut m = Model::load(&tiny(name)).unwrap();
         for ((agree, kl), path) in compare(&mut m, &gpu, 40)

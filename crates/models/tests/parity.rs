@@ -160,6 +160,11 @@ const TINY: &[&str] = &[
     "tiny-gemma4",
     "tiny-gemma4-moe",
     "tiny-gemma4-e",
+    "tiny-phi3",
+    "tiny-mistral",
+    "tiny-smollm3",
+    "tiny-granite",
+    "tiny-olmo2",
 ];
 
 #[test]

@@ -86,7 +86,17 @@ fn loss(m: &Model, b: &TrainBatch) -> f64 {
     -out.logp.iter().map(|&x| x as f64).sum::<f64>() / b.labelled() as f64
 }
 
-const FAMILIES: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
+const FAMILIES: [&str; 9] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-mistral",
+    "tiny-smollm3",
+    "tiny-granite",
+    "tiny-olmo2",
+];
 
 #[test]
 fn training_forward_equals_inference_forward() {

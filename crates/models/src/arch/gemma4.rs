@@ -316,6 +316,8 @@ impl Gemma4Block {
             },
             eps: cfg.rms_eps,
             norm_offset: cfg.norm_offset,
+            norm_full: false,
+            q_rot_scale: None,
         };
         let routed = match cfg.moe.as_ref().filter(|m| m.layers[i]) {
             None => None,

@@ -2,7 +2,10 @@
 //! both handled by `Attention` from the config): pre-norm attention and pre-norm SiLU MLP, the
 //! MLP routed experts where the config says (Mixtral, Qwen3-MoE).
 //! Reference: transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py` /
-//! `modeling_mixtral.py` / `modeling_qwen3_moe.py`.
+//! `modeling_mixtral.py` / `modeling_qwen3_moe.py`. The same block runs Phi-3 (fused products
+//! split on load by `Attention` and `Mlp`), SmolLM3 (its no-RoPE layers rotate nothing) and
+//! Granite (each half's output scaled by `residual_multiplier` before the residual sum).
+//! Reference: `modeling_phi3.py` / `modeling_smollm3.py` / `modeling_granite.py`.
 
 use hf2q_tensor::op::{PreNorm, RopeParams};
 use hf2q_tensor::Tensor;
@@ -13,7 +16,7 @@ use super::{
 };
 use crate::config::ModelConfig;
 use crate::kv_cache::SeqRef;
-use crate::layers::attention::{Attention, AttentionSaved};
+use crate::layers::attention::{scale_tensor, Attention, AttentionSaved};
 use crate::layers::linear::Linear;
 use crate::layers::lora::{LoraGrads, TrainCtx};
 use crate::layers::mlp::MlpSaved;
@@ -30,6 +33,8 @@ pub struct LlamaBlock {
     mlp_norm: Vec<f32>,
     mlp: Ffn,
     eps: f32,
+    /// Multiplier of each half's output (Granite; 1.0 elsewhere).
+    residual_scale: f32,
 }
 
 impl LlamaBlock {
@@ -51,6 +56,7 @@ impl LlamaBlock {
             mlp_norm: src.vector(&format!("{p}.post_attention_layernorm.weight"))?,
             mlp: Ffn::load(src, cfg, &p, i)?,
             eps: cfg.rms_eps,
+            residual_scale: cfg.residual_scale,
         })
     }
 }
@@ -58,6 +64,18 @@ impl LlamaBlock {
 impl Block for LlamaBlock {
     fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let (eps, offset) = (self.eps, 0.0);
+        if self.residual_scale != 1.0 {
+            // x += s · attn(norm(x)); x += s · mlp(norm(x)).
+            let (be, s) = (cx.be, self.residual_scale);
+            let h = be.rms_norm(x, &self.attn_norm, eps, offset)?;
+            let mut a = self.attn.forward(cx, &h, seqs)?;
+            scale_tensor(be, &mut a, s)?;
+            be.add_assign(x, &a)?;
+            let h = be.rms_norm(x, &self.mlp_norm, eps, offset)?;
+            let mut m = self.mlp.forward(cx, &h)?;
+            scale_tensor(be, &mut m, s)?;
+            return Ok(be.add_assign(x, &m)?);
+        }
         let attn_norm = PreNorm {
             w: &self.attn_norm,
             eps,
@@ -78,10 +96,17 @@ impl Block for LlamaBlock {
         let h1 = be.rms_norm(x, &self.attn_norm, self.eps, 0.0)?;
         // The sums are written into the halves' outputs, never into `x` or `x1`: both are kept
         // for the backward, and a device tensor's clone shares its buffer.
+        let s = self.residual_scale;
         let (mut x1, sa) = self.attn.forward_train(cx, &h1)?;
+        if s != 1.0 {
+            be.scale(&mut x1, s)?;
+        }
         be.add_assign(&mut x1, x)?;
         let h2 = be.rms_norm(&x1, &self.mlp_norm, self.eps, 0.0)?;
         let (mut x2, sm) = mlp.forward_train(cx, &h2)?;
+        if s != 1.0 {
+            be.scale(&mut x2, s)?;
+        }
         be.add_assign(&mut x2, &x1)?;
         Ok((
             x2,
@@ -105,14 +130,29 @@ impl Block for LlamaBlock {
     ) -> Result<Tensor> {
         let be = cx.be;
         let s = downcast::<LlamaSaved>(saved)?;
-        // x2 = x1 + mlp(norm(x1)); x1 = x + attn(norm(x)).
-        let dh2 = self.mlp.dense()?.backward(cx, &s.h2, &s.mlp, &dy, grads)?;
+        // x2 = x1 + r·mlp(norm(x1)); x1 = x + r·attn(norm(x)).
+        let r = self.residual_scale;
+        let scaled = |d: &Tensor| -> Result<Tensor> {
+            let mut d = d.clone();
+            if r != 1.0 {
+                // A new tensor: a device tensor's clone shares its buffer.
+                d = be.rows(&d, 0, d.dims2().0)?;
+                be.scale(&mut d, r)?;
+            }
+            Ok(d)
+        };
+        let dh2 = self
+            .mlp
+            .dense()?
+            .backward(cx, &s.h2, &s.mlp, &scaled(&dy)?, grads)?;
         let mut dx1 = dy;
         be.add_assign(
             &mut dx1,
             &be.rms_norm_backward(&s.x1, &self.mlp_norm, self.eps, 0.0, &dh2)?,
         )?;
-        let dh1 = self.attn.backward(cx, &s.h1, &s.attn, &dx1, grads)?;
+        let dh1 = self
+            .attn
+            .backward(cx, &s.h1, &s.attn, &scaled(&dx1)?, grads)?;
         let mut dx = dx1;
         be.add_assign(
             &mut dx,

@@ -4,6 +4,7 @@
 pub mod gemma3;
 pub mod gemma4;
 pub mod llama;
+pub mod olmo2;
 
 use hf2q_tensor::op::RopeParams;
 use hf2q_tensor::Tensor;
@@ -133,7 +134,8 @@ pub(crate) fn downcast<T: 'static>(saved: Saved) -> Result<Box<T>> {
         .map_err(|_| crate::Error::Msg("a block was given another block's saved state".into()))
 }
 
-/// RoPE of layer `i`: local layers of Gemma 3 use their own base and no scaling.
+/// RoPE of layer `i`: local layers of Gemma 3 use their own base and no scaling; SmolLM3's
+/// no-RoPE layers rotate nothing; partial rotary (Phi-4-mini) rotates the first `rope_dims`.
 pub fn rope_for_layer(cfg: &ModelConfig, i: usize, freq_factors: Option<Vec<f32>>) -> RopeParams {
     let local = cfg.sliding_layers.get(i).copied().unwrap_or(false);
     let (theta, scale) = match (local, cfg.rope_theta_local) {
@@ -143,7 +145,11 @@ pub fn rope_for_layer(cfg: &ModelConfig, i: usize, freq_factors: Option<Vec<f32>
     RopeParams {
         style: cfg.rope_style,
         theta,
-        dims: cfg.head_dim,
+        dims: if cfg.nope_layers.get(i).copied().unwrap_or(false) {
+            0
+        } else {
+            cfg.rope_dims
+        },
         freq_factors: if local && cfg.rope_theta_local.is_some() {
             None
         } else {
@@ -158,18 +164,22 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
     if cfg.arch == Arch::Gemma4 {
         return gemma4::load_blocks(src, cfg);
     }
-    // Llama 3 frequency factors: a tensor in GGUF, computed from config.json otherwise.
+    // Llama 3 frequency factors: a tensor in GGUF, computed from config.json otherwise;
+    // LongRoPE's short factors (sequences up to its original context: transformers switches to
+    // the long factors for a longer sequence, which a cache of the short ones cannot follow).
     let ff = if src.contains("rope_freqs.weight") {
         Some(src.vector("rope_freqs.weight")?)
+    } else if let Some(l) = &cfg.longrope {
+        Some(l.short_factor.clone())
     } else {
         cfg.llama3_freq_factors()
     };
     if let Some(f) = &ff {
-        if f.len() != cfg.head_dim / 2 {
+        if f.len() != cfg.rope_dims / 2 {
             return Err(crate::Error::Config(format!(
                 "rope_freqs has {} values, {} expected",
                 f.len(),
-                cfg.head_dim / 2
+                cfg.rope_dims / 2
             )));
         }
     }
@@ -177,9 +187,14 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
         .map(|i| -> Result<Box<dyn Block>> {
             let rope = rope_for_layer(cfg, i, ff.clone());
             Ok(match cfg.arch {
-                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
-                    Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?)
-                }
+                Arch::Llama
+                | Arch::Qwen2
+                | Arch::Qwen3
+                | Arch::Qwen3Moe
+                | Arch::Phi3
+                | Arch::SmolLm3
+                | Arch::Granite => Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?),
+                Arch::Olmo2 => Box::new(olmo2::Olmo2Block::load(src, cfg, i, rope)?),
                 Arch::Gemma3 => Box::new(gemma3::Gemma3Block::load(src, cfg, i, rope)?),
                 Arch::Gemma4 => {
                     return Err(crate::Error::Msg(

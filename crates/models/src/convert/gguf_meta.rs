@@ -376,10 +376,16 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
         (k("attention.key_length"), u32v(c.head_dim)),
         (k("attention.value_length"), u32v(c.head_dim)),
     ];
-    if c.arch == Arch::Llama {
+    if matches!(c.arch, Arch::Llama | Arch::Granite | Arch::SmolLm3) {
         m.push((k("vocab_size"), u32v(c.vocab_size)));
-        m.push((k("rope.dimension_count"), u32v(c.head_dim)));
     }
+    if matches!(
+        c.arch,
+        Arch::Llama | Arch::Granite | Arch::SmolLm3 | Arch::Phi3 | Arch::Olmo2
+    ) {
+        m.push((k("rope.dimension_count"), u32v(c.rope_dims)));
+    }
+    m.extend(llama_variant_metadata(c)?);
     if c.rope_linear_factor != 1.0 {
         m.push((k("rope.scaling.type"), "linear".into()));
         m.push((
@@ -420,6 +426,41 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
         GgufValue::U32(QUANTIZATION_VERSION),
     ));
     m.push(("general.file_type".into(), GgufValue::U32(file_type)));
+    Ok(m)
+}
+
+/// The keys of the Llama variants as llama.cpp reads them: Granite's four multipliers,
+/// LongRoPE's original context and attention factor (its factors are tensors); SmolLM3's
+/// no-RoPE layers have no key (llama.cpp fixes every fourth), so another pattern is refused.
+fn llama_variant_metadata(c: &ModelConfig) -> Result<Meta> {
+    let k = |s: &str| format!("{}.{s}", c.arch.name());
+    let mut m: Meta = Vec::new();
+    match c.arch {
+        Arch::Granite => {
+            m.push((k("embedding_scale"), GgufValue::F32(c.embed_scale)));
+            m.push((k("residual_scale"), GgufValue::F32(c.residual_scale)));
+            m.push((k("attention.scale"), GgufValue::F32(c.attn_scale)));
+            m.push((k("logit_scale"), GgufValue::F32(1.0 / c.logit_scale)));
+        }
+        Arch::SmolLm3 => {
+            if (0..c.n_layers).any(|i| c.nope_layers[i] != ((i + 1) % 4 == 0)) {
+                return Err(Error::Msg(
+                    "SmolLM3 without RoPE on layers other than every fourth: llama.cpp's GGUF                      cannot express it"
+                        .into(),
+                ));
+            }
+        }
+        Arch::Phi3 => {
+            if let Some(l) = &c.longrope {
+                m.push((
+                    k("rope.scaling.original_context_length"),
+                    GgufValue::U32(l.original_max_position as u32),
+                ));
+                m.push((k("rope.scaling.attn_factor"), GgufValue::F32(l.attn_factor)));
+            }
+        }
+        _ => {}
+    }
     Ok(m)
 }
 

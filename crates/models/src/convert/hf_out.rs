@@ -190,6 +190,10 @@ fn hf_class(c: &ModelConfig) -> (&'static str, &'static str) {
         Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
         Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         Arch::Gemma4 => ("Gemma4ForCausalLM", "gemma4_text"),
+        Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
+        Arch::SmolLm3 => ("SmolLM3ForCausalLM", "smollm3"),
+        Arch::Granite => ("GraniteForCausalLM", "granite"),
+        Arch::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
     }
 }
 
@@ -294,7 +298,48 @@ pub fn config_from_model(
         m.insert("use_sliding_window".into(), json!(true));
         m.insert("sliding_window".into(), json!(c.sliding_window));
     }
+    insert_llama_variant(&mut m, c);
     Ok(Value::Object(m))
+}
+
+/// The Llama variants' own keys (as [`ModelConfig::from_hf_json`] reads them).
+fn insert_llama_variant(m: &mut Map<String, Value>, c: &ModelConfig) {
+    match c.arch {
+        Arch::Phi3 => {
+            if c.rope_dims != c.head_dim {
+                m.insert(
+                    "partial_rotary_factor".into(),
+                    json!(c.rope_dims as f64 / c.head_dim as f64),
+                );
+            }
+            if let Some(l) = &c.longrope {
+                m.insert(
+                    "original_max_position_embeddings".into(),
+                    json!(l.original_max_position),
+                );
+                m.insert(
+                    "rope_scaling".into(),
+                    json!({
+                        "type": "longrope",
+                        "short_factor": l.short_factor,
+                        "long_factor": l.long_factor,
+                        "attention_factor": l.attn_factor,
+                    }),
+                );
+            }
+        }
+        Arch::SmolLm3 => {
+            let layers: Vec<u8> = c.nope_layers.iter().map(|&n| u8::from(!n)).collect();
+            m.insert("no_rope_layers".into(), json!(layers));
+        }
+        Arch::Granite => {
+            m.insert("embedding_multiplier".into(), json!(c.embed_scale));
+            m.insert("residual_multiplier".into(), json!(c.residual_scale));
+            m.insert("attention_multiplier".into(), json!(c.attn_scale));
+            m.insert("logits_scaling".into(), json!(1.0 / c.logit_scale));
+        }
+        _ => {}
+    }
 }
 
 /// config.json for a folder output: the source's (without MLX's quantization block) or rebuilt.
@@ -610,6 +655,10 @@ pub fn write_hf(
             let t = &src.tensors[i];
             if t.hf == super::source::ROPE_FREQS {
                 continue; // refused above by the config builder when it matters
+            }
+            if t.hf == super::source::ROPE_FACTORS_SHORT || t.hf == super::source::ROPE_FACTORS_LONG
+            {
+                continue; // config.json's rope_scaling carries them
             }
             let x = src.read_f32(t, Layout::Hf)?;
             let parts = checkpoint_tensors(&src.config, t);

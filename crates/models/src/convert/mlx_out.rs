@@ -132,7 +132,10 @@ pub fn write_mlx_weighted(
         progress.start(order.len());
         for (k, i) in order.into_iter().enumerate() {
             let t = &src.tensors[i];
-            if t.hf == super::source::ROPE_FREQS {
+            if t.hf == super::source::ROPE_FREQS
+                || t.hf == super::source::ROPE_FACTORS_SHORT
+                || t.hf == super::source::ROPE_FACTORS_LONG
+            {
                 continue;
             }
             let x = src.read_f32(t, Layout::Hf)?;

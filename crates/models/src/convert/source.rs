@@ -34,6 +34,9 @@ use crate::{Error, Result};
 
 /// GGUF's (and hf2q's HF-side) name of Llama 3's RoPE frequency factors.
 pub const ROPE_FREQS: &str = "rope_freqs.weight";
+/// LongRoPE's factors in GGUF (config.json keeps them in `rope_parameters`).
+pub const ROPE_FACTORS_SHORT: &str = "rope_factors_short.weight";
+pub const ROPE_FACTORS_LONG: &str = "rope_factors_long.weight";
 
 /// Which naming/orientation convention tensor values follow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,11 +130,21 @@ const HF_LAYER_PARTS: &[&str] = &[
     "mlp.gate_proj",
     "mlp.up_proj",
     "mlp.down_proj",
+    // Phi-3's fused products (after `mlp.up_proj`: its `ffn_up` is the fused gate/up).
+    "self_attn.qkv_proj",
+    "mlp.gate_up_proj",
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
     "post_attention_layernorm",
 ];
-const HF_GLOBALS: &[&str] = &["model.embed_tokens", "model.norm", "lm_head", "rope_freqs"];
+const HF_GLOBALS: &[&str] = &[
+    "model.embed_tokens",
+    "model.norm",
+    "lm_head",
+    "rope_freqs",
+    "rope_factors_short",
+    "rope_factors_long",
+];
 
 /// The router and the stacked experts of a routed layer (Qwen3-MoE and Mixtral alike; Gemma 4
 /// names its own).
@@ -360,6 +373,22 @@ impl SourceModel {
                 stored: Stored::Ggml(GgmlType::F32),
             });
         }
+        // LongRoPE's factors: virtual tensors from the config, as llama.cpp writes them.
+        if let Some(l) = &config.longrope {
+            for (name, f) in [
+                (ROPE_FACTORS_SHORT, &l.short_factor),
+                (ROPE_FACTORS_LONG, &l.long_factor),
+            ] {
+                if !tensors.iter().any(|t| t.gguf == name) {
+                    tensors.push(SrcTensor {
+                        hf: name.into(),
+                        gguf: name.into(),
+                        shape: vec![f.len()],
+                        stored: Stored::Ggml(GgmlType::F32),
+                    });
+                }
+            }
+        }
         Ok(SourceModel {
             path: dir.to_path_buf(),
             weights,
@@ -431,6 +460,21 @@ impl SourceModel {
                 self.config
                     .llama3_freq_factors()
                     .ok_or_else(|| Error::MissingTensor(ROPE_FREQS.into()))?
+            }
+            WeightSource::St { .. }
+                if (t.hf == ROPE_FACTORS_SHORT || t.hf == ROPE_FACTORS_LONG)
+                    && !self.weights.contains(&t.hf) =>
+            {
+                let l = self
+                    .config
+                    .longrope
+                    .as_ref()
+                    .ok_or_else(|| Error::MissingTensor(t.hf.clone()))?;
+                if t.hf == ROPE_FACTORS_SHORT {
+                    l.short_factor.clone()
+                } else {
+                    l.long_factor.clone()
+                }
             }
             WeightSource::St { .. } if t.shape.len() == 3 => self.read_stacked_experts(t)?,
             WeightSource::St { .. } => {
@@ -648,7 +692,8 @@ pub fn dequantize_rows(
 /// Converts values of `t` from the other layout into `want` (see the module header).
 fn relayout(cfg: &ModelConfig, t: &SrcTensor, v: &mut [f32], want: Layout) -> Result<()> {
     let g = t.gguf.as_str();
-    if cfg.arch == Arch::Llama
+    // llama.cpp converts Granite and SmolLM3 as Llama: q/k rows permuted too.
+    if matches!(cfg.arch, Arch::Llama | Arch::Granite | Arch::SmolLm3)
         && (g.ends_with("attn_q.weight")
             || g.ends_with("attn_q.bias")
             || g.ends_with("attn_k.weight")

@@ -38,6 +38,44 @@ pub struct Attention {
     pub params: AttentionParams,
     pub eps: f32,
     pub norm_offset: f32,
+    /// q/k norms over the whole projection `(H·Dh)`, not per head (OLMo 2).
+    pub norm_full: bool,
+    /// `(r, f)`: the first `r` dimensions of each query head are multiplied by `f` before RoPE
+    /// (LongRoPE's attention factor `s` on a partially rotated head: transformers multiplies
+    /// cos and sin by `s`, so the rotated part of q·k by `s²`, carried here as `f = s²` on the
+    /// queries alone; a fully rotated head takes `s²` in the attention scale instead).
+    pub q_rot_scale: Option<(usize, f32)>,
+}
+
+/// Multiplies the first `rot` of every `dh` columns of `x (T, W)` by `s` (through the host for a
+/// device tensor).
+pub(crate) fn scale_head_cols(
+    be: &dyn Backend,
+    x: Tensor,
+    dh: usize,
+    rot: usize,
+    s: f32,
+) -> Result<Tensor> {
+    let host = x.is_host();
+    let mut h = if host { x } else { be.to_host(&x)? };
+    for head in h.data_mut().chunks_mut(dh) {
+        for v in &mut head[..rot] {
+            *v *= s;
+        }
+    }
+    Ok(if host { h } else { be.upload(&h)? })
+}
+
+/// `x *= s` (through the host for a device tensor).
+pub(crate) fn scale_tensor(be: &dyn Backend, x: &mut Tensor, s: f32) -> Result<()> {
+    if x.is_host() {
+        x.data_mut().iter_mut().for_each(|v| *v *= s);
+        return Ok(());
+    }
+    let mut h = be.to_host(x)?;
+    h.data_mut().iter_mut().for_each(|v| *v *= s);
+    *x = be.upload(&h)?;
+    Ok(())
 }
 
 impl Attention {
@@ -56,10 +94,35 @@ impl Attention {
                 Ok(None)
             }
         };
+        let fused = format!("{prefix}.self_attn.qkv_proj");
+        let (q, k, v) = if src.contains(&format!("{fused}.weight")) {
+            // Phi-3: one product of q, k and v rows, split on load.
+            let (qw, kvw) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+            let mut parts = Linear::load_split(src, &fused, bias, &[qw, kvw, kvw])?.into_iter();
+            let mut next = || parts.next().expect("three parts");
+            (next(), next(), next())
+        } else {
+            (
+                Linear::load(src, &format!("{prefix}.self_attn.q_proj"), bias)?,
+                Linear::load(src, &format!("{prefix}.self_attn.k_proj"), bias)?,
+                Linear::load(src, &format!("{prefix}.self_attn.v_proj"), bias)?,
+            )
+        };
+        // LongRoPE's attention factor: on a fully rotated head it is the score's scale (s²);
+        // on a partial one, the rotated dimensions of the queries carry s².
+        let s = cfg.longrope.as_ref().map_or(1.0, |l| l.attn_factor);
+        let rotated = rope.dims;
+        let (scale, q_rot_scale) = if s == 1.0 || rotated == 0 {
+            (cfg.attn_scale, None)
+        } else if rotated == cfg.head_dim {
+            (cfg.attn_scale * s * s, None)
+        } else {
+            (cfg.attn_scale, Some((rotated, s * s)))
+        };
         Ok(Attention {
-            q: Linear::load(src, &format!("{prefix}.self_attn.q_proj"), bias)?,
-            k: Linear::load(src, &format!("{prefix}.self_attn.k_proj"), bias)?,
-            v: Linear::load(src, &format!("{prefix}.self_attn.v_proj"), bias)?,
+            q,
+            k,
+            v,
             o: Linear::load(src, &format!("{prefix}.self_attn.o_proj"), false)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
@@ -71,11 +134,13 @@ impl Attention {
                 n_heads: cfg.n_heads,
                 n_kv_heads: cfg.n_kv_heads,
                 head_dim: cfg.head_dim,
-                scale: cfg.attn_scale,
+                scale,
                 window,
             },
             eps: cfg.rms_eps,
             norm_offset: cfg.norm_offset,
+            norm_full: cfg.qk_norm_full,
+            q_rot_scale,
         })
     }
 
@@ -88,6 +153,9 @@ impl Attention {
     ) -> Result<Tensor> {
         let Some(w) = w else { return Ok(x) };
         let (t, width) = x.dims2();
+        if self.norm_full {
+            return Ok(be.rms_norm(&x, w, self.eps, self.norm_offset)?);
+        }
         let dh = self.params.head_dim;
         let y = be.rms_norm(&x.reshape(&[t * heads, dh])?, w, self.eps, self.norm_offset)?;
         Ok(y.reshape(&[t, width])?)
@@ -173,6 +241,9 @@ impl Attention {
                 }
             };
             let mut qs = self.head_norm(be, rows(&q)?, &self.q_norm, p.n_heads)?;
+            if let Some((r, s)) = self.q_rot_scale {
+                qs = scale_head_cols(be, qs, p.head_dim, r, s)?;
+            }
             let mut ks = self.head_norm(be, rows(&k)?, &self.k_norm, p.n_kv_heads)?;
             let vs = match &v {
                 Some(v) => rows(v)?,
@@ -222,6 +293,9 @@ impl Attention {
         for s in seqs.iter() {
             let mut qs =
                 self.head_norm(be, be.rows(&q, s.start, s.len)?, &self.q_norm, p.n_heads)?;
+            if let Some((r, f)) = self.q_rot_scale {
+                qs = scale_head_cols(be, qs, p.head_dim, r, f)?;
+            }
             be.rope(&mut qs, p.n_heads, s.pos0, &self.rope)?;
             parts.push(be.attend(&qs, s.kv, s.pos0, p)?);
         }
@@ -270,6 +344,9 @@ impl Attention {
             self.k_norm.as_ref().map(|_| k.clone()),
         );
         let mut q = self.head_norm(be, q, &self.q_norm, p.n_heads)?;
+        if let Some((r, s)) = self.q_rot_scale {
+            q = scale_head_cols(be, q, p.head_dim, r, s)?;
+        }
         let mut k = self.head_norm(be, k, &self.k_norm, p.n_kv_heads)?;
         be.rope_rows(&mut q, p.n_heads, cx.layout, &self.rope, false)?;
         be.rope_rows(&mut k, p.n_kv_heads, cx.layout, &self.rope, false)?;
@@ -313,6 +390,9 @@ impl Attention {
         let (mut dq, mut dk) = (g.dq, g.dk);
         be.rope_rows(&mut dq, p.n_heads, cx.layout, &self.rope, true)?;
         be.rope_rows(&mut dk, p.n_kv_heads, cx.layout, &self.rope, true)?;
+        if let Some((r, s)) = self.q_rot_scale {
+            dq = scale_head_cols(be, dq, p.head_dim, r, s)?;
+        }
         let dq = self.head_norm_backward(cx, s.q_pre.as_ref(), &self.q_norm, dq, p.n_heads)?;
         let dk = self.head_norm_backward(cx, s.k_pre.as_ref(), &self.k_norm, dk, p.n_kv_heads)?;
         let mut dh = self.q.backward(cx, h, sq, &dq, grads)?;
@@ -334,6 +414,11 @@ impl Attention {
             return Ok(dy);
         };
         let (t, width) = dy.dims2();
+        if self.norm_full {
+            return Ok(cx
+                .be
+                .rms_norm_backward(pre, w, self.eps, self.norm_offset, &dy)?);
+        }
         let dh = self.params.head_dim;
         let x = pre.clone().reshape(&[t * heads, dh])?;
         let g = cx.be.rms_norm_backward(

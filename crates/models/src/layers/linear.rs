@@ -45,6 +45,45 @@ impl Linear {
             site: 0,
         })
     }
+    /// `{stem}.weight` (and `{stem}.bias` when `bias`) cut into products of `widths` rows each,
+    /// in order (Phi-3's fused `qkv_proj` and `gate_up_proj`).
+    pub fn load_split(
+        src: &WeightSource,
+        stem: &str,
+        bias: bool,
+        widths: &[usize],
+    ) -> Result<Vec<Linear>> {
+        let w = src.matrix(&format!("{stem}.weight"))?;
+        let total: usize = widths.iter().sum();
+        if w.rows != total {
+            return Err(crate::Error::Config(format!(
+                "'{}' has {} rows, {total} expected",
+                w.name, w.rows
+            )));
+        }
+        let b = if bias {
+            Some(src.vector(&format!("{stem}.bias"))?)
+        } else {
+            None
+        };
+        if b.as_ref().is_some_and(|b| b.len() != total) {
+            return Err(crate::Error::Config(format!(
+                "'{stem}.bias' has the wrong length"
+            )));
+        }
+        let mut start = 0;
+        let mut out = Vec::with_capacity(widths.len());
+        for (i, &n) in widths.iter().enumerate() {
+            out.push(Linear {
+                w: w.row_range(start, n, &format!("{}#{i}", w.name))?,
+                b: b.as_ref().map(|b| b[start..start + n].to_vec()),
+                lora: None,
+                site: 0,
+            });
+            start += n;
+        }
+        Ok(out)
+    }
     /// Whether an adapter adds to this product in this forward (attached, or served to some
     /// rows of the batch).
     pub fn adapted(&self, cx: &Fwd) -> bool {

@@ -23,6 +23,28 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn load(src: &WeightSource, prefix: &str, act: Activation) -> Result<Mlp> {
+        let fused = format!("{prefix}.mlp.gate_up_proj");
+        if src.contains(&format!("{fused}.weight")) {
+            // Phi-3: gate rows then up rows in one product, split on load.
+            let w = src.matrix(&format!("{fused}.weight"))?;
+            if w.rows % 2 != 0 {
+                return Err(crate::Error::Config(format!(
+                    "'{}' has an odd number of rows",
+                    w.name
+                )));
+            }
+            let f = w.rows / 2;
+            let mut parts = Linear::load_split(src, &fused, false, &[f, f])?.into_iter();
+            let (Some(gate), Some(up)) = (parts.next(), parts.next()) else {
+                return Err(crate::Error::Msg("gate_up_proj split failed".into()));
+            };
+            return Ok(Mlp {
+                gate,
+                up,
+                down: Linear::load(src, &format!("{prefix}.mlp.down_proj"), false)?,
+                act,
+            });
+        }
         Ok(Mlp {
             gate: Linear::load(src, &format!("{prefix}.mlp.gate_proj"), false)?,
             up: Linear::load(src, &format!("{prefix}.mlp.up_proj"), false)?,

@@ -103,6 +103,13 @@ impl Ffn {
             Ffn::Routed(m) => m.forward_residual(cx, norm, x),
         }
     }
+    /// `x (T, D) -> (T, D)`.
+    pub fn forward(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(cx, x),
+            Ffn::Routed(m) => m.forward(cx, x),
+        }
+    }
     /// The dense MLP, for training; routed experts have no training forward yet.
     pub fn dense(&self) -> Result<&crate::layers::mlp::Mlp> {
         match self {
