@@ -22,12 +22,20 @@
 //! already copies each kv head's keys (the transpose) and widens them there; it widens the
 //! values once per call too, since every query row of the head reads them (a copy as large as
 //! Kᵀ, for the call only). The arithmetic after the loads is the same for both types.
+//!
+//! A Q8_0 cache ([`BlockQ8_0`]) stores a row as `Dh / 32` blocks of an f16 scale and 32 i8.
+//! Decode reads the blocks directly: a key's score is `Σ_b d_b · Σ_i q[32b+i] · k_b[i]` (the i8
+//! widened to f32 in registers, one scale multiply per block), and the weighted sum adds
+//! `(p_j · d_b) · v_b[i]` (one product per block and key, then one multiply-add per value).
+//! Prefill dequantizes into the per-call Kᵀ and value copies the tiles read (as it widens f16),
+//! one row at a time; nothing dequantizes the cache as a whole.
 
 use half::f16;
 use rayon::prelude::*;
 
 use super::kernels::Isa;
-use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache};
+use hf2q_tensor::kv::{BlockQ8_0, Q8_0_VALUES};
+use hf2q_tensor::op::{AttentionParams, KvElem, KvScalar, LayerCache};
 use hf2q_tensor::{Error, Result, Tensor};
 
 /// The vector unit a kernel body is compiled for, a const parameter so that each form is
@@ -40,15 +48,16 @@ const AVX2: u8 = 1;
 #[cfg(target_arch = "x86_64")]
 const AVX512: u8 = 2;
 
-/// How the kernels read a cache row of one element type (the sealed part of [`KvElem`]).
+/// How the kernels read a cache row of one element type (the sealed part of [`KvElem`]). A row
+/// of `Dh` values is `Dh / Self::VALUES` elements.
 pub trait KvRead: KvElem + Sized {
-    /// `Σ q[d] * k[d]` over a key row.
+    /// `Σ q[d] * k[d]` over a key row (`q.len()` values).
     fn dot<const L: u8>(q: &[f32], k: &[Self]) -> f32;
     /// `acc += Σ_j p[j] * v[j]` over value rows `v (p.len(), Dh)`, `Dh = acc.len()`.
     fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[Self]);
     /// The values themselves when they are f32.
     fn as_f32(v: &[Self]) -> Option<&[f32]>;
-    /// `out = v` widened to f32 (equal lengths).
+    /// `out = v` as f32 (`out.len() == v.len() * VALUES`).
     fn widen<const L: u8>(v: &[Self], out: &mut [f32]);
 }
 
@@ -126,6 +135,76 @@ impl KvRead for f16 {
         for (o, x) in out.iter_mut().zip(v) {
             *o = x.to_f32();
         }
+    }
+}
+
+/// Q8_0 blocks: decode's dot products and weighted sums read the blocks themselves (module
+/// header); the loops are written over whole blocks of 32 so that they vectorise under the
+/// caller's features (the i8 widened to f32 in registers).
+impl KvRead for BlockQ8_0 {
+    #[inline(always)]
+    fn dot<const L: u8>(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+        dot_q8_0(q, k)
+    }
+    #[inline(always)]
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+        accumulate_q8_0(acc, p, v)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[BlockQ8_0]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn widen<const L: u8>(v: &[BlockQ8_0], out: &mut [f32]) {
+        assert_eq!(v.len() * Q8_0_VALUES, out.len());
+        for (b, o) in v.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
+            let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+            for (y, &x) in o.iter_mut().zip(&b.qs) {
+                *y = x as f32 * d;
+            }
+        }
+    }
+}
+
+/// `Σ_b d_b · Σ_i q[32b + i] · k_b.qs[i]` over a row of Q8_0 blocks: per block, 32 products in
+/// 16 lanes (two multiply-adds each), then one multiply-add by the block's scale into 16 running
+/// sums; one horizontal sum at the end.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for (qb, b) in q.chunks_exact(Q8_0_VALUES).zip(k) {
+        let qb: &[f32; Q8_0_VALUES] = qb.try_into().expect("a block of 32");
+        let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+        let mut s = [0f32; 16];
+        for u in 0..16 {
+            s[u] = qb[u].mul_add(b.qs[u] as f32, s[u]);
+            s[u] = qb[u + 16].mul_add(b.qs[u + 16] as f32, s[u]);
+        }
+        for u in 0..16 {
+            lanes[u] = d.mul_add(s[u], lanes[u]);
+        }
+    }
+    sum16(&lanes)
+}
+
+/// `acc += Σ_j p[j] * v[j]` over value rows of Q8_0 blocks `v (p.len(), Dh / 32)`: a block of
+/// 32 columns stays in registers across the rows, each row adding `(p[j] · d) · qs[i]`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+    let rw = acc.len() / Q8_0_VALUES;
+    assert!(v.len() >= p.len() * rw);
+    for (bi, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
+        let mut loc: [f32; Q8_0_VALUES] = (&*ac).try_into().expect("a block of 32");
+        for (j, &pj) in p.iter().enumerate() {
+            let b = &v[j * rw + bi];
+            let w = pj * hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+            for u in 0..Q8_0_VALUES {
+                loc[u] = w.mul_add(b.qs[u] as f32, loc[u]);
+            }
+        }
+        ac.copy_from_slice(&loc);
     }
 }
 
@@ -290,7 +369,7 @@ fn sum32(v: &[f32; KB]) -> f32 {
 /// `acc += Σ_j p[j] * v[j]` over value rows `v (p.len(), Dh)`; 64 columns at a time stay in
 /// registers across the rows.
 #[inline(always)]
-fn accumulate<T: KvRead>(acc: &mut [f32], p: &[f32], v: &[T]) {
+fn accumulate<T: KvRead + KvScalar>(acc: &mut [f32], p: &[f32], v: &[T]) {
     const CH: usize = 64;
     let dh = acc.len();
     let mut c = 0;
@@ -359,6 +438,8 @@ pub(crate) fn attention_on<T: KvRead>(
         return decode(isa, q, cache, pos0, p);
     }
     let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+    // A cache row's length in elements (Dh, or Dh / 32 blocks).
+    let rw = dh / T::VALUES;
     let width = h * dh;
     let total = pos0 + t;
     let group = h / hkv;
@@ -370,7 +451,7 @@ pub(crate) fn attention_on<T: KvRead>(
     let kts: Vec<(Vec<f32>, usize)> = (0..hkv)
         .into_par_iter()
         .map(|g| {
-            let kbase = g * cache.capacity * dh;
+            let kbase = g * cache.capacity * rw;
             let mut buf = vec![0f32; dh * s_all + 16];
             let off = buf.as_ptr().align_offset(64).min(16);
             let kt = &mut buf[off..off + dh * s_all];
@@ -378,7 +459,7 @@ pub(crate) fn attention_on<T: KvRead>(
             for j in 0..total {
                 let krow = as_f32(
                     isa,
-                    &cache.k[kbase + j * dh..kbase + (j + 1) * dh],
+                    &cache.k[kbase + j * rw..kbase + (j + 1) * rw],
                     &mut row,
                 );
                 for (d, &kv) in krow.iter().enumerate() {
@@ -394,7 +475,7 @@ pub(crate) fn attention_on<T: KvRead>(
     let vs: Vec<std::borrow::Cow<'_, [f32]>> = (0..hkv)
         .into_par_iter()
         .map(|g| {
-            let src = &cache.v[g * cache.capacity * dh..g * cache.capacity * dh + total * dh];
+            let src = &cache.v[g * cache.capacity * rw..g * cache.capacity * rw + total * rw];
             match T::as_f32(src) {
                 Some(v) => std::borrow::Cow::Borrowed(v),
                 None => {
@@ -458,6 +539,7 @@ fn decode<T: KvRead>(
     p: &AttentionParams,
 ) -> Result<Tensor> {
     let (h, dh) = (p.n_heads, p.head_dim);
+    let rw = dh / T::VALUES;
     let group = h / p.n_kv_heads;
     let lo = match p.window {
         Some(w) => (pos0 + 1).saturating_sub(w),
@@ -465,9 +547,9 @@ fn decode<T: KvRead>(
     };
     let mut out = vec![0f32; h * dh];
     let run = |hi: usize, o: &mut [f32]| {
-        let base = (hi / group) * cache.capacity * dh;
-        let keys = &cache.k[base + lo * dh..base + (pos0 + 1) * dh];
-        let vals = &cache.v[base + lo * dh..base + (pos0 + 1) * dh];
+        let base = (hi / group) * cache.capacity * rw;
+        let keys = &cache.k[base + lo * rw..base + (pos0 + 1) * rw];
+        let vals = &cache.v[base + lo * rw..base + (pos0 + 1) * rw];
         let qh = &q.data()[hi * dh..(hi + 1) * dh];
         let mut with = |s: &mut Vec<f32>| decode_dispatch(isa, qh, keys, vals, p.scale, s, o);
         SCORES.with(|c| match c.try_borrow_mut() {
@@ -553,8 +635,8 @@ fn decode_head<const L: u8, T: KvRead>(
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    let dh = q.len();
-    let n = k.len() / dh;
+    let rw = q.len() / T::VALUES;
+    let n = k.len() / rw;
     if n == 0 {
         // No visible key (a zero-width window): the reference's empty sum.
         o.fill(0.0);
@@ -565,7 +647,7 @@ fn decode_head<const L: u8, T: KvRead>(
     s.clear();
     s.resize(n, 0.0);
     let mut m = f32::NEG_INFINITY;
-    for (e, kr) in s.iter_mut().zip(k.chunks_exact(dh)) {
+    for (e, kr) in s.iter_mut().zip(k.chunks_exact(rw)) {
         *e = T::dot::<L>(q, kr) * scale;
         m = m.max(*e);
     }
@@ -592,7 +674,7 @@ fn decode_head<const L: u8, T: KvRead>(
 
 /// `Σ a[i] * b[i]` in 16 interleaved partial sums (one vector of multiply-adds).
 #[inline(always)]
-fn dot16<T: KvRead>(a: &[f32], b: &[T]) -> f32 {
+fn dot16<T: KvRead + KvScalar>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let mut tail = 0f32;
@@ -626,7 +708,7 @@ fn as_f32<'a, T: KvRead>(isa: Isa, src: &'a [T], buf: &'a mut [f32]) -> &'a [f32
     if let Some(v) = T::as_f32(src) {
         return v;
     }
-    let out = &mut buf[..src.len()];
+    let out = &mut buf[..src.len() * T::VALUES];
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -1530,7 +1612,7 @@ mod tests {
         decode_head_case::<f16>(f16::from_f32);
     }
 
-    fn decode_head_case<T: KvRead>(store: fn(f32) -> T) {
+    fn decode_head_case<T: KvRead + hf2q_tensor::op::KvScalar>(store: fn(f32) -> T) {
         let mut f = uniform(0x1234_5678_9abc_def1u64);
         let mut s = Vec::new();
         // No visible key: zeros, as the reference's empty sum.
@@ -1645,6 +1727,52 @@ mod tests {
             }
         }
         assert_eq!(cases, 108);
+    }
+
+    /// Every kernel form this CPU runs over Q8_0 caches (decode reads the blocks with each
+    /// form's dot and weighted sum; prefill dequantizes rows into its tiles), against the
+    /// portable form and the reference over the same blocks.
+    #[test]
+    fn every_isa_agrees_on_q8_0_caches() {
+        use hf2q_tensor::kv::{HostKv, KvType, KvView};
+        let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .filter(|i| i.is_available())
+            .collect();
+        let mut f = uniform(0x5851_f42d_4c95_7f2du64);
+        for &(h, hkv) in &[(1, 1), (9, 3), (8, 2)] {
+            for &dh in &[32, 96, 128] {
+                for &(t, pos0) in &[(1, 0), (1, 44), (1, 301), (7, 0), (33, 17)] {
+                    for &window in &[None, Some(9)] {
+                        let n = pos0 + t;
+                        let p = AttentionParams {
+                            n_heads: h,
+                            n_kv_heads: hkv,
+                            head_dim: dh,
+                            scale: 1.0 / (dh as f32).sqrt(),
+                            window,
+                        };
+                        let k = (0..n * hkv * dh).map(|_| 3.0 * f()).collect();
+                        let v = (0..n * hkv * dh).map(|_| f()).collect();
+                        let mut kv = HostKv::new(hkv, dh, KvType::Q8_0);
+                        kv.write(
+                            &Tensor::new(&[n, hkv * dh], k).unwrap(),
+                            &Tensor::new(&[n, hkv * dh], v).unwrap(),
+                            0,
+                            n + 5,
+                        )
+                        .unwrap();
+                        let KvView::Q8_0(c) = kv.view() else {
+                            panic!("a q8_0 cache")
+                        };
+                        let q = (0..t * h * dh).map(|_| 3.0 * f()).collect();
+                        let q = Tensor::new(&[t, h * dh], q).unwrap();
+                        let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
+                        all_forms_agree(&isas, &q, &c, pos0, &p, &format!("q8_0 {what}"));
+                    }
+                }
+            }
+        }
     }
 
     fn all_forms_agree<T: KvRead>(

@@ -306,11 +306,21 @@ pub enum KvDtype {
     F32,
 }
 
-impl From<hf2q_tensor::kv::KvType> for KvDtype {
-    fn from(t: hf2q_tensor::kv::KvType) -> Self {
+/// The device cache type for a host [`hf2q_tensor::kv::KvType`]; the block types (Q8_0) have no
+/// device kernels yet and are refused, naming the type.
+impl TryFrom<hf2q_tensor::kv::KvType> for KvDtype {
+    type Error = Error;
+    fn try_from(t: hf2q_tensor::kv::KvType) -> Result<Self> {
+        use hf2q_tensor::kv::KvType;
         match t {
-            hf2q_tensor::kv::KvType::F16 => KvDtype::F16,
-            hf2q_tensor::kv::KvType::F32 => KvDtype::F32,
+            KvType::F16 => Ok(KvDtype::F16),
+            KvType::F32 => Ok(KvDtype::F32),
+            KvType::Q8_0 => Err(Error::Msg(format!(
+                "the CUDA backend has no {} KV cache yet (f16 or f32 on the GPU; a {} cache \
+                 runs on the CPU, --device cpu)",
+                t.name(),
+                t.name()
+            ))),
         }
     }
 }
