@@ -193,21 +193,24 @@ pub fn open_device(
     if choice == DeviceChoice::Cpu {
         return Ok(None);
     }
-    // A cache type the GPU has no kernels for: an error when the GPU was asked for, else the CPU.
-    let kv_dtype = match hf2q_cuda::KvDtype::try_from(kv.kv_type()) {
-        Ok(t) => t,
-        Err(e) if choice == DeviceChoice::Cuda => bail!("--device cuda --kv-type {}: {e}", kv.name()),
-        Err(_) => {
-            eprintln!(
-                "note: --kv-type {} runs on the CPU (the GPU has no {} cache yet)",
-                kv.name(),
-                kv.name()
-            );
-            return Ok(None);
-        }
-    };
     match CudaDev::open(0, &options) {
         Ok(Some(dev)) => {
+            // A cache type the GPU has no kernels for: an error when the GPU was asked for,
+            // else the CPU.
+            let kv_dtype = match hf2q_cuda::KvDtype::try_from(kv.kv_type()) {
+                Ok(t) => t,
+                Err(e) if choice == DeviceChoice::Cuda => {
+                    bail!("--device cuda --kv-type {}: {e}", kv.name())
+                }
+                Err(_) => {
+                    eprintln!(
+                        "note: --kv-type {} runs on the CPU (the GPU has no {} cache yet)",
+                        kv.name(),
+                        kv.name()
+                    );
+                    return Ok(None);
+                }
+            };
             let info = dev.info();
             let changed = options.changed();
             eprintln!(

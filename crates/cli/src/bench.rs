@@ -384,7 +384,7 @@ const HEADER: [(&str, usize, bool); 9] = [
     ("params", 10, true),
     ("backend", 7, false),
     ("path", 9, false),
-    ("kv", 3, false),
+    ("kv", 4, false),
     ("threads", 7, true),
     ("test", 14, true),
     ("t/s", 20, true),

@@ -134,19 +134,38 @@ fn bench_reports_q8_0_kv_bytes() {
     let t = fixture("tiny-qwen3");
     let run = |kv: &str| {
         let o = hf2q(&[
-            "bench", s(&t), "-p", "8", "-n", "2", "-r", "1", "-t", "1", "--kv-type", kv,
-            "--device", "cpu", "--json",
+            "bench",
+            s(&t),
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "-t",
+            "1",
+            "--kv-type",
+            kv,
+            "--device",
+            "cpu",
+            "--json",
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
         (json_lines(&o), stderr(&o))
     };
     let (q8, err) = run("q8_0");
     let (f16, _) = run("f16");
-    assert!(err.contains("KV cache q8_0") && err.contains("53.1 % of f16"), "{err}");
+    assert!(
+        err.contains("KV cache q8_0") && err.contains("53.1 % of f16"),
+        "{err}"
+    );
     for (a, b) in q8.iter().zip(&f16) {
         assert_eq!(a["kv_type"], "q8_0");
         let per = |v: &Value, k: &str| v[k].as_u64().unwrap();
-        assert_eq!(per(a, "kv_bytes_per_token") * 64, per(b, "kv_bytes_per_token") * 34);
+        assert_eq!(
+            per(a, "kv_bytes_per_token") * 64,
+            per(b, "kv_bytes_per_token") * 34
+        );
         assert_eq!(per(a, "kv_cache_bytes") * 64, per(b, "kv_cache_bytes") * 34);
         assert!(a["tokens_per_second"].as_f64().unwrap() > 0.0);
     }

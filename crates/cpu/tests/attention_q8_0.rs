@@ -18,6 +18,17 @@ impl Rng {
     }
 }
 
+/// The reference path (scalar attention) and the fast path (tiled and decode kernels).
+fn reference() -> CpuBackend {
+    CpuBackend::default()
+}
+fn fast() -> CpuBackend {
+    CpuBackend {
+        matmul: MatmulPath::Fast,
+        ..CpuBackend::default()
+    }
+}
+
 fn max_err(a: &Tensor, b: &Tensor) -> f32 {
     a.data()
         .iter()
@@ -89,12 +100,10 @@ fn q8_0_attention_equals_attention_over_dequantized_values() {
                     )
                     .unwrap();
                     let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
-                    let want = CpuBackend::REFERENCE
-                        .attention(&q, &c32, pos0, &p)
-                        .unwrap();
+                    let want = reference().attention(&q, &c32, pos0, &p).unwrap();
                     // The reference over the blocks dequantizes each row as it reads it: the same
                     // f32 values in the same order, so the same bits.
-                    let refq = CpuBackend::REFERENCE.attention(&q, &c, pos0, &p).unwrap();
+                    let refq = reference().attention(&q, &c, pos0, &p).unwrap();
                     assert_eq!(max_err(&want, &refq), 0.0, "reference {what}");
                     // The fast kernels read the blocks (decode: scale per block, i8 in
                     // registers). Outputs are convex combinations of values in about [-1, 1]:
@@ -125,7 +134,11 @@ fn prefill_and_decode_see_the_same_values() {
     let kt = Tensor::new(&[n, hkv * dh], k).unwrap();
     let vt = Tensor::new(&[n, hkv * dh], v).unwrap();
     let row = |t: &Tensor, i: usize| {
-        Tensor::new(&[1, hkv * dh], t.data()[i * hkv * dh..(i + 1) * hkv * dh].to_vec()).unwrap()
+        Tensor::new(
+            &[1, hkv * dh],
+            t.data()[i * hkv * dh..(i + 1) * hkv * dh].to_vec(),
+        )
+        .unwrap()
     };
     let mut whole = HostKv::new(hkv, dh, KvType::Q8_0);
     whole.write(&kt, &vt, 0, n).unwrap();
@@ -172,17 +185,14 @@ fn q8_0_attention_checks_shapes() {
         window: None,
     };
     let q = Tensor::new(&[1, 48], vec![0.1; 48]).unwrap();
-    let e = CpuBackend::REFERENCE
+    let e = reference()
         .attention(&q, &c, 0, &p)
         .unwrap_err()
         .to_string();
     assert!(e.contains("head width 48"), "{e}");
-    let p = AttentionParams {
-        head_dim: 64,
-        ..p
-    };
+    let p = AttentionParams { head_dim: 64, ..p };
     let q = Tensor::new(&[1, 64], vec![0.1; 64]).unwrap();
     // 8 blocks hold 4 positions of 64 values in one head: position 4 is past them.
-    assert!(CpuBackend::FAST.attention(&q, &c, 3, &p).is_ok());
-    assert!(CpuBackend::FAST.attention(&q, &c, 4, &p).is_err());
+    assert!(fast().attention(&q, &c, 3, &p).is_ok());
+    assert!(fast().attention(&q, &c, 4, &p).is_err());
 }

@@ -73,10 +73,7 @@ fn gate(name: &str, model: &mut Model, ids: &[u32]) {
     model.set_kv_type(KvType::Q8_0);
     model.check_kv_type().unwrap();
     let (got_p, got_d) = logits(model, ids);
-    for (what, want, got) in [
-        ("prefill", &want_p, &got_p),
-        ("decode", &want_d, &got_d),
-    ] {
+    for (what, want, got) in [("prefill", &want_p, &got_p), ("decode", &want_d, &got_d)] {
         let (agree, kl_mean) = compare(name, what, want, got);
         assert!(agree >= 98, "{name} {what}: argmax agreement {agree}/100");
         assert!(kl_mean <= 1e-3, "{name} {what}: mean KL {kl_mean}");
@@ -91,7 +88,10 @@ fn gate(name: &str, model: &mut Model, ids: &[u32]) {
     };
     let (s16, s8) = (spread(&want_p, &want_d), spread(&got_p, &got_d));
     eprintln!("{name}: prefill vs decode max |Δlogit|: f16 {s16:.2e}, q8_0 {s8:.2e}");
-    assert!(s8 <= 10.0 * s16.max(1e-4), "{name}: q8_0 prefill vs decode {s8}");
+    assert!(
+        s8 <= 10.0 * s16.max(1e-4),
+        "{name}: q8_0 prefill vs decode {s8}"
+    );
 }
 
 #[test]
@@ -141,6 +141,10 @@ fn q8_0_kv_refuses_head_widths_off_the_block() {
     let e = model.check_kv_type().unwrap_err().to_string();
     assert!(e.contains("head width 16") && e.contains("q8_0"), "{e}");
     // Running anyway fails at the first cache write with the same message.
-    let e = model.session(8).prefill(&[1, 2, 3]).unwrap_err().to_string();
+    let e = model
+        .session(8)
+        .prefill(&[1, 2, 3])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("head width 16"), "{e}");
 }

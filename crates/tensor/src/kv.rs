@@ -315,9 +315,7 @@ impl HostKv {
             Storage::F16(p) => p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| {
                 o.convert_from_f32_slice(i)
             }),
-            Storage::F32(p) => {
-                p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| o.copy_from_slice(i))
-            }
+            Storage::F32(p) => p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| o.copy_from_slice(i)),
             Storage::Q8_0(p) => {
                 let r = d / Q8_0_VALUES;
                 let mut bytes = vec![0u8; r * std::mem::size_of::<BlockQ8_0>()];
@@ -567,7 +565,9 @@ mod tests {
             let mut whole = HostKv::new(h, d, KvType::Q8_0);
             whole.write(&kt, &vt, 0, 4096).unwrap();
             let mut steps = HostKv::new(h, d, KvType::Q8_0);
-            steps.write(&rows_of(&kt, 0..5), &rows_of(&vt, 0..5), 0, 4096).unwrap();
+            steps
+                .write(&rows_of(&kt, 0..5), &rows_of(&vt, 0..5), 0, 4096)
+                .unwrap();
             for ti in 5..n {
                 let (k1, v1) = (rows_of(&kt, ti..ti + 1), rows_of(&vt, ti..ti + 1));
                 steps.write(&k1, &v1, ti, 4096).unwrap();
@@ -616,7 +616,10 @@ mod tests {
             assert_eq!((100.0 * q8 as f64 / f16b as f64).round(), 53.0);
             let (h, n) = (3, 40);
             let t = Tensor::new(&[n, h * d], awkward(n * h * d, 5)).unwrap();
-            let (mut a, mut b) = (HostKv::new(h, d, KvType::Q8_0), HostKv::new(h, d, KvType::F16));
+            let (mut a, mut b) = (
+                HostKv::new(h, d, KvType::Q8_0),
+                HostKv::new(h, d, KvType::F16),
+            );
             a.write(&t, &t, 0, n).unwrap();
             b.write(&t, &t, 0, n).unwrap();
             assert!(a.bytes() as f64 <= bound * b.bytes() as f64);
