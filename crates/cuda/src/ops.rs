@@ -1384,7 +1384,17 @@ impl CudaDev {
 
 #[cfg(test)]
 mod tests {
-    use super::{mv_split_for, p8_by_default};
+    use super::{mv_split_for, p8_by_default, KvDtype};
+
+    /// The host cache types the device stores, and the quantized ones it refuses by name.
+    #[test]
+    fn kv_types_the_device_takes() {
+        use hf2q_tensor::kv::KvType;
+        assert_eq!(KvDtype::try_from(KvType::F16).unwrap(), KvDtype::F16);
+        assert_eq!(KvDtype::try_from(KvType::F32).unwrap(), KvDtype::F32);
+        let e = KvDtype::try_from(KvType::Q8_0).unwrap_err().to_string();
+        assert!(e.contains("q8_0") && e.contains("CUDA"), "{e}");
+    }
 
     /// The row split on an H200 (132 multiprocessors), with the blocks of each split in the
     /// comments (rows / (rows per group * 4 / split)).
