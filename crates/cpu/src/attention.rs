@@ -144,10 +144,30 @@ impl KvRead for f16 {
 impl KvRead for BlockQ8_0 {
     #[inline(always)]
     fn dot<const L: u8>(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return unsafe { x512::dot_q8_0(q, k) };
+            }
+            if L == AVX2 {
+                return unsafe { x256::dot_q8_0(q, k) };
+            }
+        }
         dot_q8_0(q, k)
     }
     #[inline(always)]
     fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return unsafe { x512::accumulate_q8_0(acc, p, v) };
+            }
+            if L == AVX2 {
+                return unsafe { x256::accumulate_q8_0(acc, p, v) };
+            }
+        }
         accumulate_q8_0(acc, p, v)
     }
     #[inline(always)]
@@ -988,8 +1008,87 @@ mod x512 {
     use std::arch::x86_64::*;
 
     use half::f16;
+    use hf2q_tensor::kv::BlockQ8_0;
+    use hf2q_tensor::op::f16_bits_to_f32;
 
     use super::KB;
+
+    /// 16 i8 from `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `p..p+16` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16_i8(p: *const i8) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+
+    /// `Σ_b d_b · Σ_i q[32b + i] · qs_b[i]` over Q8_0 blocks: a block's 32 products in one
+    /// 16-lane register, then one multiply-add by its scale.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+        let nb = k.len().min(q.len() / 32);
+        let pq = q.as_ptr();
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut b = 0;
+        // Two blocks at a time into two sums, so that the scale multiply-adds are two chains.
+        while b + 2 <= nb {
+            for (acc, bb) in [(&mut a0, b), (&mut a1, b + 1)] {
+                let blk = k.get_unchecked(bb);
+                let (x, qs) = (pq.add(32 * bb), blk.qs.as_ptr());
+                let s = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(x),
+                    load16_i8(qs),
+                    _mm512_mul_ps(_mm512_loadu_ps(x.add(16)), load16_i8(qs.add(16))),
+                );
+                let d = _mm512_set1_ps(f16_bits_to_f32(blk.d.to_bits()));
+                *acc = _mm512_fmadd_ps(d, s, *acc);
+            }
+            b += 2;
+        }
+        if b < nb {
+            let blk = k.get_unchecked(b);
+            let (x, qs) = (pq.add(32 * b), blk.qs.as_ptr());
+            let s = _mm512_fmadd_ps(
+                _mm512_loadu_ps(x),
+                load16_i8(qs),
+                _mm512_mul_ps(_mm512_loadu_ps(x.add(16)), load16_i8(qs.add(16))),
+            );
+            let d = _mm512_set1_ps(f16_bits_to_f32(blk.d.to_bits()));
+            a0 = _mm512_fmadd_ps(d, s, a0);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
+    }
+
+    /// `acc += Σ_j p[j] * v[j]` over value rows of Q8_0 blocks `v (p.len(), Dh / 32)`: a
+    /// block's 32 columns in two registers across the rows, `(p[j] · d)` broadcast.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+        let rw = acc.len() / 32;
+        assert!(v.len() >= p.len() * rw);
+        let pa = acc.as_mut_ptr();
+        for bi in 0..rw {
+            let a = pa.add(32 * bi);
+            let (mut r0, mut r1) = (_mm512_loadu_ps(a), _mm512_loadu_ps(a.add(16)));
+            for (j, &pj) in p.iter().enumerate() {
+                let blk = v.get_unchecked(j * rw + bi);
+                let w = _mm512_set1_ps(pj * f16_bits_to_f32(blk.d.to_bits()));
+                let qs = blk.qs.as_ptr();
+                r0 = _mm512_fmadd_ps(w, load16_i8(qs), r0);
+                r1 = _mm512_fmadd_ps(w, load16_i8(qs.add(16)), r1);
+            }
+            _mm512_storeu_ps(a, r0);
+            _mm512_storeu_ps(a.add(16), r1);
+        }
+    }
 
     /// `Σ a[i] * b[i]` over the shorter length: 16 lanes of multiply-adds in two chains.
     ///
@@ -1379,6 +1478,81 @@ mod x256 {
     use std::arch::x86_64::*;
 
     use half::f16;
+    use hf2q_tensor::kv::BlockQ8_0;
+    use hf2q_tensor::op::f16_bits_to_f32;
+
+    /// 8 i8 from `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `p..p+8` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8_i8(p: *const i8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    /// `Σ_b d_b · Σ_i q[32b + i] · qs_b[i]` over Q8_0 blocks: a block's 32 products in two
+    /// 8-lane chains, then one multiply-add by its scale.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+        let nb = k.len().min(q.len() / 32);
+        let pq = q.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        for (b, blk) in k[..nb].iter().enumerate() {
+            let (x, qs) = (pq.add(32 * b), blk.qs.as_ptr());
+            let s0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(x),
+                load8_i8(qs),
+                _mm256_mul_ps(_mm256_loadu_ps(x.add(8)), load8_i8(qs.add(8))),
+            );
+            let s1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(x.add(16)),
+                load8_i8(qs.add(16)),
+                _mm256_mul_ps(_mm256_loadu_ps(x.add(24)), load8_i8(qs.add(24))),
+            );
+            let d = _mm256_set1_ps(f16_bits_to_f32(blk.d.to_bits()));
+            acc = _mm256_fmadd_ps(d, _mm256_add_ps(s0, s1), acc);
+        }
+        hsum(acc)
+    }
+
+    /// `acc += Σ_j p[j] * v[j]` over value rows of Q8_0 blocks `v (p.len(), Dh / 32)`: a
+    /// block's 32 columns in four registers across the rows, `(p[j] · d)` broadcast.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+        let rw = acc.len() / 32;
+        assert!(v.len() >= p.len() * rw);
+        let pa = acc.as_mut_ptr();
+        for bi in 0..rw {
+            let a = pa.add(32 * bi);
+            let mut r = [
+                _mm256_loadu_ps(a),
+                _mm256_loadu_ps(a.add(8)),
+                _mm256_loadu_ps(a.add(16)),
+                _mm256_loadu_ps(a.add(24)),
+            ];
+            for (j, &pj) in p.iter().enumerate() {
+                let blk = v.get_unchecked(j * rw + bi);
+                let w = _mm256_set1_ps(pj * f16_bits_to_f32(blk.d.to_bits()));
+                let qs = blk.qs.as_ptr();
+                r[0] = _mm256_fmadd_ps(w, load8_i8(qs), r[0]);
+                r[1] = _mm256_fmadd_ps(w, load8_i8(qs.add(8)), r[1]);
+                r[2] = _mm256_fmadd_ps(w, load8_i8(qs.add(16)), r[2]);
+                r[3] = _mm256_fmadd_ps(w, load8_i8(qs.add(24)), r[3]);
+            }
+            for (u, x) in r.iter().enumerate() {
+                _mm256_storeu_ps(a.add(8 * u), *x);
+            }
+        }
+    }
 
     /// 8 f16 values from `p` widened to f32.
     ///
