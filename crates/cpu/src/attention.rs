@@ -34,7 +34,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::kernels::Isa;
-use hf2q_tensor::kv::{BlockQ8_0, Q8_0_VALUES};
+use hf2q_tensor::kv::{BlockQ4_0, BlockQ8_0, Q8_0_VALUES};
 use hf2q_tensor::op::{AttentionParams, KvElem, KvScalar, LayerCache};
 use hf2q_tensor::{Error, Result, Tensor};
 
@@ -225,6 +225,55 @@ fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
             }
         }
         ac.copy_from_slice(&loc);
+    }
+}
+
+/// Q4_0 blocks: as Q8_0, with the 4-bit values unpacked (`nibble - 8`) in registers; portable
+/// loops over whole blocks, vectorised under the caller's features.
+impl KvRead for BlockQ4_0 {
+    #[inline(always)]
+    fn dot<const L: u8>(q: &[f32], k: &[BlockQ4_0]) -> f32 {
+        let mut lanes = [0f32; 16];
+        for (qb, b) in q.chunks_exact(Q8_0_VALUES).zip(k) {
+            let qb: &[f32; Q8_0_VALUES] = qb.try_into().expect("a block of 32");
+            let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+            let mut s = [0f32; 16];
+            for u in 0..16 {
+                let (lo, hi) = ((b.qs[u] & 0x0f) as i32 - 8, (b.qs[u] >> 4) as i32 - 8);
+                s[u] = qb[u].mul_add(lo as f32, s[u]);
+                s[u] = qb[u + 16].mul_add(hi as f32, s[u]);
+            }
+            for u in 0..16 {
+                lanes[u] = d.mul_add(s[u], lanes[u]);
+            }
+        }
+        sum16(&lanes)
+    }
+    #[inline(always)]
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ4_0]) {
+        let rw = acc.len() / Q8_0_VALUES;
+        assert!(v.len() >= p.len() * rw);
+        for (bi, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
+            let mut loc: [f32; Q8_0_VALUES] = (&*ac).try_into().expect("a block of 32");
+            for (j, &pj) in p.iter().enumerate() {
+                let b = &v[j * rw + bi];
+                let w = pj * hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+                for u in 0..16 {
+                    let (lo, hi) = ((b.qs[u] & 0x0f) as i32 - 8, (b.qs[u] >> 4) as i32 - 8);
+                    loc[u] = w.mul_add(lo as f32, loc[u]);
+                    loc[u + 16] = w.mul_add(hi as f32, loc[u + 16]);
+                }
+            }
+            ac.copy_from_slice(&loc);
+        }
+    }
+    #[inline(always)]
+    fn as_f32(_: &[BlockQ4_0]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn widen<const L: u8>(v: &[BlockQ4_0], out: &mut [f32]) {
+        BlockQ4_0::dequantize_row(v, out)
     }
 }
 
@@ -1907,7 +1956,7 @@ mod tests {
     /// form's dot and weighted sum; prefill dequantizes rows into its tiles), against the
     /// portable form and the reference over the same blocks.
     #[test]
-    fn every_isa_agrees_on_q8_0_caches() {
+    fn every_isa_agrees_on_block_caches() {
         use hf2q_tensor::kv::{HostKv, KvType, KvView};
         let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
             .into_iter()
@@ -1928,21 +1977,23 @@ mod tests {
                         };
                         let k = (0..n * hkv * dh).map(|_| 3.0 * f()).collect();
                         let v = (0..n * hkv * dh).map(|_| f()).collect();
-                        let mut kv = HostKv::new(hkv, dh, KvType::Q8_0);
-                        kv.write(
-                            &Tensor::new(&[n, hkv * dh], k).unwrap(),
-                            &Tensor::new(&[n, hkv * dh], v).unwrap(),
-                            0,
-                            n + 5,
-                        )
-                        .unwrap();
-                        let KvView::Q8_0(c) = kv.view() else {
-                            panic!("a q8_0 cache")
-                        };
+                        let (kt, vt) = (
+                            Tensor::new(&[n, hkv * dh], k).unwrap(),
+                            Tensor::new(&[n, hkv * dh], v).unwrap(),
+                        );
                         let q = (0..t * h * dh).map(|_| 3.0 * f()).collect();
                         let q = Tensor::new(&[t, h * dh], q).unwrap();
                         let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
-                        all_forms_agree(&isas, &q, &c, pos0, &p, &format!("q8_0 {what}"));
+                        for ty in [KvType::Q8_0, KvType::Q4_0] {
+                            let mut kv = HostKv::new(hkv, dh, ty);
+                            kv.write(&kt, &vt, 0, n + 5).unwrap();
+                            let what = format!("{} {what}", ty.name());
+                            match kv.view() {
+                                KvView::Q8_0(c) => all_forms_agree(&isas, &q, &c, pos0, &p, &what),
+                                KvView::Q4_0(c) => all_forms_agree(&isas, &q, &c, pos0, &p, &what),
+                                _ => unreachable!(),
+                            }
+                        }
                     }
                 }
             }

@@ -384,6 +384,7 @@ impl Backend for CpuBackend {
                 KvView::F16(c) => self.attention(q, &c, pos0, p),
                 KvView::F32(c) => self.attention(q, &c, pos0, p),
                 KvView::Q8_0(c) => self.attention(q, &c, pos0, p),
+                KvView::Q4_0(c) => self.attention(q, &c, pos0, p),
             },
             _ => Err(Error::Msg(
                 "the CPU backend was given a device KV cache".into(),

@@ -1,9 +1,9 @@
-//! Attention over a Q8_0 KV cache (ggml blocks, quantized when written) against the reference
+//! Attention over Q8_0 and Q4_0 KV caches (ggml blocks, quantized when written) against the reference
 //! attention over the blocks' dequantized values in f32: decode (T = 1) and prefill shapes, GQA
 //! ratios, head widths, sliding windows, spare capacity. The cache is filled through
 //! `HostKv::write`, as a model fills it.
 
-use hf2q_cpu::{CpuBackend, MatmulPath};
+use hf2q_cpu::{CpuBackend, KvRead, MatmulPath};
 use hf2q_tensor::kv::{BlockQ8_0, HostKv, KvType, KvView};
 use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache};
 use hf2q_tensor::Tensor;
@@ -36,20 +36,50 @@ fn max_err(a: &Tensor, b: &Tensor) -> f32 {
         .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
-/// The f32 values of a Q8_0 plane, row by row (ggml's `dequantize_row_q8_0`).
-fn dequantized(blocks: &[BlockQ8_0]) -> Vec<f32> {
-    let mut out = vec![0f32; blocks.len() * 32];
-    BlockQ8_0::dequantize_row(blocks, &mut out);
+/// The f32 values of a block plane, row by row (ggml's `dequantize_row_q8_0` / `_q4_0`).
+fn dequantized<T: KvElem>(blocks: &[T]) -> Vec<f32> {
+    let mut out = vec![0f32; blocks.len() * T::VALUES];
+    T::dequantize_row(blocks, &mut out);
     out
 }
 
-#[test]
-fn q8_0_attention_equals_attention_over_dequantized_values() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let fast = CpuBackend {
-        matmul: MatmulPath::Fast,
-        ..CpuBackend::default()
+/// Attention over block cache `c` against the reference over its dequantized values.
+fn check_blocks<T: KvRead>(
+    c: &LayerCache<'_, T>,
+    q: &Tensor,
+    pos0: usize,
+    p: &AttentionParams,
+    what: &str,
+) {
+    let (kd, vd) = (dequantized(c.k), dequantized(c.v));
+    let c32 = LayerCache {
+        k: &kd,
+        v: &vd,
+        capacity: c.capacity,
     };
+    let want = reference().attention(q, &c32, pos0, p).unwrap();
+    // The reference over the blocks dequantizes each row as it reads it: the same f32 values
+    // in the same order, so the same bits.
+    let refq = reference().attention(q, c, pos0, p).unwrap();
+    assert_eq!(max_err(&want, &refq), 0.0, "reference {what}");
+    // The fast kernels read the blocks (decode: scale per block, integers widened in
+    // registers). Outputs are convex combinations of values in about [-1, 1]: f32 sums in
+    // another order and the polynomial exp, as for f32 caches.
+    let got = fast().attention(q, c, pos0, p).unwrap();
+    let e = max_err(&want, &got);
+    assert!(
+        e < 2e-5,
+        "{what}: fast over blocks vs reference over f32 {e}"
+    );
+    // And the fast kernels over the dequantized f32 cache agree as closely.
+    let got32 = fast().attention(q, &c32, pos0, p).unwrap();
+    let e = max_err(&got32, &got);
+    assert!(e < 2e-5, "{what}: blocks vs their f32 values, fast {e}");
+}
+
+#[test]
+fn block_attention_equals_attention_over_dequantized_values() {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut cases = 0;
     for &(h, hkv) in &[(1, 1), (9, 3), (8, 2), (16, 2)] {
         for &dh in &[32, 64, 128, 256] {
@@ -77,44 +107,28 @@ fn q8_0_attention_equals_attention_over_dequantized_values() {
                         .map(|i| 3.0 * rng.f() * (1.0 + (i / 32 % 5) as f32))
                         .collect();
                     let v: Vec<f32> = (0..n * hkv * dh).map(|_| rng.f()).collect();
-                    let mut kv = HostKv::new(hkv, dh, KvType::Q8_0);
-                    kv.write(
-                        &Tensor::new(&[n, hkv * dh], k).unwrap(),
-                        &Tensor::new(&[n, hkv * dh], v).unwrap(),
-                        0,
-                        4096,
-                    )
-                    .unwrap();
-                    let KvView::Q8_0(c) = kv.view() else {
-                        panic!("a q8_0 cache")
-                    };
-                    let (kd, vd) = (dequantized(c.k), dequantized(c.v));
-                    let c32 = LayerCache {
-                        k: &kd,
-                        v: &vd,
-                        capacity: c.capacity,
-                    };
+                    let (kt, vt) = (
+                        Tensor::new(&[n, hkv * dh], k).unwrap(),
+                        Tensor::new(&[n, hkv * dh], v).unwrap(),
+                    );
                     let q = Tensor::new(
                         &[t, h * dh],
                         (0..t * h * dh).map(|_| 3.0 * rng.f()).collect(),
                     )
                     .unwrap();
-                    let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
-                    let want = reference().attention(&q, &c32, pos0, &p).unwrap();
-                    // The reference over the blocks dequantizes each row as it reads it: the same
-                    // f32 values in the same order, so the same bits.
-                    let refq = reference().attention(&q, &c, pos0, &p).unwrap();
-                    assert_eq!(max_err(&want, &refq), 0.0, "reference {what}");
-                    // The fast kernels read the blocks (decode: scale per block, i8 in
-                    // registers). Outputs are convex combinations of values in about [-1, 1]:
-                    // f32 sums in another order and the polynomial exp, as for f32 caches.
-                    let got = fast.attention(&q, &c, pos0, &p).unwrap();
-                    let e = max_err(&want, &got);
-                    assert!(e < 2e-5, "{what}: fast over q8_0 vs reference over f32 {e}");
-                    // And the fast kernels over the dequantized f32 cache agree as closely.
-                    let got32 = fast.attention(&q, &c32, pos0, &p).unwrap();
-                    let e = max_err(&got32, &got);
-                    assert!(e < 2e-5, "{what}: q8_0 vs its f32 values, fast {e}");
+                    for ty in [KvType::Q8_0, KvType::Q4_0] {
+                        let mut kv = HostKv::new(hkv, dh, ty);
+                        kv.write(&kt, &vt, 0, 4096).unwrap();
+                        let what = format!(
+                            "{} h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}",
+                            ty.name()
+                        );
+                        match kv.view() {
+                            KvView::Q8_0(c) => check_blocks(&c, &q, pos0, &p, &what),
+                            KvView::Q4_0(c) => check_blocks(&c, &q, pos0, &p, &what),
+                            _ => unreachable!(),
+                        }
+                    }
                     cases += 1;
                 }
             }

@@ -315,7 +315,7 @@ impl TryFrom<hf2q_tensor::kv::KvType> for KvDtype {
         match t {
             KvType::F16 => Ok(KvDtype::F16),
             KvType::F32 => Ok(KvDtype::F32),
-            KvType::Q8_0 => Err(Error::Msg(format!(
+            KvType::Q8_0 | KvType::Q4_0 => Err(Error::Msg(format!(
                 "the CUDA backend has no {} KV cache yet (f16 or f32 on the GPU; a {} cache \
                  runs on the CPU, --device cpu)",
                 t.name(),
@@ -1392,8 +1392,10 @@ mod tests {
         use hf2q_tensor::kv::KvType;
         assert_eq!(KvDtype::try_from(KvType::F16).unwrap(), KvDtype::F16);
         assert_eq!(KvDtype::try_from(KvType::F32).unwrap(), KvDtype::F32);
-        let e = KvDtype::try_from(KvType::Q8_0).unwrap_err().to_string();
-        assert!(e.contains("q8_0") && e.contains("CUDA"), "{e}");
+        for (t, name) in [(KvType::Q8_0, "q8_0"), (KvType::Q4_0, "q4_0")] {
+            let e = KvDtype::try_from(t).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains("CUDA"), "{e}");
+        }
     }
 
     /// The row split on an H200 (132 multiprocessors), with the blocks of each split in the

@@ -48,6 +48,51 @@ impl BlockQ8_0 {
     }
 }
 
+/// One ggml `block_q4_0`: 32 values as `d * (q - 8)` with `d` an f16 scale and `q` 4-bit
+/// (value `j < 16` in the low nibble of byte `j`, value `j + 16` in its high nibble; 18 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BlockQ4_0 {
+    pub d: f16,
+    pub qs: [u8; Q8_0_VALUES / 2],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+
+impl BlockQ4_0 {
+    /// The block from ggml's 18 bytes.
+    pub fn from_bytes(b: &[u8]) -> BlockQ4_0 {
+        let mut qs = [0u8; 16];
+        qs.copy_from_slice(&b[2..18]);
+        BlockQ4_0 {
+            d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])),
+            qs,
+        }
+    }
+    /// ggml's 18 bytes of the block.
+    pub fn to_bytes(&self) -> [u8; 18] {
+        let mut b = [0u8; 18];
+        b[..2].copy_from_slice(&self.d.to_bits().to_le_bytes());
+        b[2..].copy_from_slice(&self.qs);
+        b
+    }
+}
+
+impl KvElem for BlockQ4_0 {
+    const VALUES: usize = Q8_0_VALUES;
+    /// ggml's `dequantize_row_q4_0`: `(q - 8) * d` in f32.
+    fn dequantize_row(row: &[BlockQ4_0], out: &mut [f32]) {
+        assert_eq!(row.len() * Q8_0_VALUES, out.len());
+        for (b, o) in row.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
+            let d = crate::op::f16_bits_to_f32(b.d.to_bits());
+            for j in 0..16 {
+                o[j] = ((b.qs[j] & 0x0f) as i32 - 8) as f32 * d;
+                o[j + 16] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+    }
+}
+
 impl KvElem for BlockQ8_0 {
     const VALUES: usize = Q8_0_VALUES;
     /// ggml's `dequantize_row_q8_0`: `q * d` in f32.
@@ -76,6 +121,9 @@ pub enum KvType {
     /// of an f16 scale and 32 i8 ([`BlockQ8_0`]), 34 bytes per 32 values (17/32 of f16). The head
     /// width must be a multiple of 32.
     Q8_0,
+    /// ggml's Q4_0 (`-ctk/-ctv q4_0`): rows as `Dh / 32` blocks of an f16 scale and 32 4-bit
+    /// values ([`BlockQ4_0`]), 18 bytes per 32 values (9/32 of f16). Head widths as Q8_0.
+    Q4_0,
 }
 
 impl KvType {
@@ -86,13 +134,14 @@ impl KvType {
             KvType::F16 => 2 * dh,
             KvType::F32 => 4 * dh,
             KvType::Q8_0 => dh / Q8_0_VALUES * std::mem::size_of::<BlockQ8_0>(),
+            KvType::Q4_0 => dh / Q8_0_VALUES * std::mem::size_of::<BlockQ4_0>(),
         }
     }
     /// Values per stored element (1, or the block size).
     pub fn block_values(self) -> usize {
         match self {
             KvType::F16 | KvType::F32 => 1,
-            KvType::Q8_0 => Q8_0_VALUES,
+            KvType::Q8_0 | KvType::Q4_0 => Q8_0_VALUES,
         }
     }
     /// Whether heads of width `dh` can be stored: a block type needs whole blocks.
@@ -112,6 +161,7 @@ impl KvType {
             KvType::F16 => "f16",
             KvType::F32 => "f32",
             KvType::Q8_0 => "q8_0",
+            KvType::Q4_0 => "q4_0",
         }
     }
 }
@@ -205,6 +255,7 @@ enum Storage {
     F16(Planes<f16>),
     F32(Planes<f32>),
     Q8_0(Planes<BlockQ8_0>),
+    Q4_0(Planes<BlockQ4_0>),
 }
 
 /// A host cache's keys and values as the attention reads them.
@@ -213,6 +264,8 @@ pub enum KvView<'a> {
     F32(LayerCache<'a, f32>),
     /// Rows of `Dh / 32` blocks.
     Q8_0(LayerCache<'a, BlockQ8_0>),
+    /// Rows of `Dh / 32` blocks.
+    Q4_0(LayerCache<'a, BlockQ4_0>),
 }
 
 /// Keys and values (f16, f32 or Q8_0 blocks, [`KvType`]) laid out `(Hkv, S_cap, Dh)` (a head's
@@ -240,6 +293,10 @@ impl HostKv {
                 k: Vec::new(),
                 v: Vec::new(),
             }),
+            KvType::Q4_0 => Storage::Q4_0(Planes {
+                k: Vec::new(),
+                v: Vec::new(),
+            }),
         };
         HostKv {
             data,
@@ -264,6 +321,7 @@ impl HostKv {
             Storage::F16(_) => KvType::F16,
             Storage::F32(_) => KvType::F32,
             Storage::Q8_0(_) => KvType::Q8_0,
+            Storage::Q4_0(_) => KvType::Q4_0,
         }
     }
 
@@ -280,6 +338,7 @@ impl HostKv {
             Storage::F16(p) => Storage::F16(p.copied(old, cap, len, h, d)),
             Storage::F32(p) => Storage::F32(p.copied(old, cap, len, h, d)),
             Storage::Q8_0(p) => Storage::Q8_0(p.copied(old, cap, len, h, d / Q8_0_VALUES)),
+            Storage::Q4_0(p) => Storage::Q4_0(p.copied(old, cap, len, h, d / Q8_0_VALUES)),
         }
     }
 
@@ -326,6 +385,16 @@ impl HostKv {
                     }
                 })
             }
+            Storage::Q4_0(p) => {
+                let r = d / Q8_0_VALUES;
+                let mut bytes = vec![0u8; r * std::mem::size_of::<BlockQ4_0>()];
+                p.put(kd, vd, pos0, t, cap, (h, d, r), |o, i| {
+                    crate::quant::legacy::quantize_q4_0(i, &mut bytes);
+                    for (b, src) in o.iter_mut().zip(bytes.chunks_exact(18)) {
+                        *b = BlockQ4_0::from_bytes(src);
+                    }
+                })
+            }
         }
         Ok(())
     }
@@ -358,6 +427,7 @@ impl HostKv {
             Storage::F16(p) => KvView::F16(p.view(self.capacity)),
             Storage::F32(p) => KvView::F32(p.view(self.capacity)),
             Storage::Q8_0(p) => KvView::Q8_0(p.view(self.capacity)),
+            Storage::Q4_0(p) => KvView::Q4_0(p.view(self.capacity)),
         }
     }
 
@@ -367,6 +437,7 @@ impl HostKv {
             Storage::F16(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<f16>(),
             Storage::F32(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<f32>(),
             Storage::Q8_0(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<BlockQ8_0>(),
+            Storage::Q4_0(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<BlockQ4_0>(),
         }
     }
 }
@@ -404,7 +475,7 @@ mod tests {
                 c.k[at..at + d].iter().map(|x| x.to_bits()).collect(),
                 c.v[at..at + d].iter().map(|x| x.to_bits()).collect(),
             ),
-            KvView::Q8_0(_) => unreachable!("block caches are checked by q8_0_bytes_at"),
+            KvView::Q8_0(_) | KvView::Q4_0(_) => unreachable!("block caches: block_bytes_at"),
         }
     }
 
@@ -515,15 +586,21 @@ mod tests {
         }
     }
 
-    /// ggml's bytes of the key and value rows of `kv` (a Q8_0 cache) at (head, position).
-    fn q8_0_bytes_at(kv: &HostKv, hi: usize, pos: usize) -> (Vec<u8>, Vec<u8>) {
+    /// ggml's bytes of the key and value rows of `kv` (a block cache) at (head, position).
+    fn block_bytes_at(kv: &HostKv, hi: usize, pos: usize) -> (Vec<u8>, Vec<u8>) {
         let (cap, r) = (kv.capacity(), kv.head_dim() / Q8_0_VALUES);
         let at = hi * cap * r + pos * r;
-        let KvView::Q8_0(c) = kv.view() else {
-            panic!("not a q8_0 cache")
-        };
-        let bytes = |x: &[BlockQ8_0]| x.iter().flat_map(|b| b.to_bytes()).collect();
-        (bytes(&c.k[at..at + r]), bytes(&c.v[at..at + r]))
+        match kv.view() {
+            KvView::Q8_0(c) => {
+                let bytes = |x: &[BlockQ8_0]| x.iter().flat_map(|b| b.to_bytes()).collect();
+                (bytes(&c.k[at..at + r]), bytes(&c.v[at..at + r]))
+            }
+            KvView::Q4_0(c) => {
+                let bytes = |x: &[BlockQ4_0]| x.iter().flat_map(|b| b.to_bytes()).collect();
+                (bytes(&c.k[at..at + r]), bytes(&c.v[at..at + r]))
+            }
+            _ => panic!("not a block cache"),
+        }
     }
 
     /// Awkward values for block quantizers: blocks of very different magnitudes, exact zeros,
@@ -554,17 +631,26 @@ mod tests {
     /// quantizer (`quant::quantize`), whether the positions came in one prefill or one by one
     /// (and across a growth of the capacity); prefix copies keep the blocks as they are.
     #[test]
-    fn q8_0_write_equals_the_reference_quantizer() {
-        use crate::GgmlType;
+    fn block_write_equals_the_reference_quantizer() {
+        for (ty, gt) in [
+            (KvType::Q8_0, crate::GgmlType::Q8_0),
+            (KvType::Q4_0, crate::GgmlType::Q4_0),
+        ] {
+            block_write_case(ty, gt);
+        }
+    }
+
+    fn block_write_case(ty: KvType, gt: crate::GgmlType) {
+        let bb = ty.row_bytes(32);
         for &(h, d) in &[(1, 32), (3, 64), (2, 96), (4, 128)] {
             let n = 300; // past the first capacity of 256: one growth on the way
             let kv_vals = awkward(n * h * d, 0x1234 + d as u64);
             let vv_vals: Vec<f32> = awkward(n * h * d, 0x9876 + h as u64);
             let kt = Tensor::new(&[n, h * d], kv_vals.clone()).unwrap();
             let vt = Tensor::new(&[n, h * d], vv_vals.clone()).unwrap();
-            let mut whole = HostKv::new(h, d, KvType::Q8_0);
+            let mut whole = HostKv::new(h, d, ty);
             whole.write(&kt, &vt, 0, 4096).unwrap();
-            let mut steps = HostKv::new(h, d, KvType::Q8_0);
+            let mut steps = HostKv::new(h, d, ty);
             steps
                 .write(&rows_of(&kt, 0..5), &rows_of(&vt, 0..5), 0, 4096)
                 .unwrap();
@@ -573,21 +659,19 @@ mod tests {
                 steps.write(&k1, &v1, ti, 4096).unwrap();
             }
             assert_eq!(whole.capacity(), 512);
-            assert_eq!(whole.bytes(), 2 * h * 512 * (d / 32) * 34);
+            assert_eq!(whole.bytes(), 2 * h * 512 * (d / 32) * bb);
             let copy = whole.prefix(n, n).unwrap();
             for ti in 0..n {
                 for hi in 0..h {
                     let at = ti * h * d + hi * d;
-                    let mut want_k = vec![0u8; d / 32 * 34];
-                    let mut want_v = vec![0u8; d / 32 * 34];
-                    crate::quant::quantize(GgmlType::Q8_0, &kv_vals[at..at + d], &mut want_k)
-                        .unwrap();
-                    crate::quant::quantize(GgmlType::Q8_0, &vv_vals[at..at + d], &mut want_v)
-                        .unwrap();
+                    let mut want_k = vec![0u8; d / 32 * bb];
+                    let mut want_v = vec![0u8; d / 32 * bb];
+                    crate::quant::quantize(gt, &kv_vals[at..at + d], &mut want_k).unwrap();
+                    crate::quant::quantize(gt, &vv_vals[at..at + d], &mut want_v).unwrap();
                     let want = (want_k, want_v);
-                    assert_eq!(q8_0_bytes_at(&whole, hi, ti), want, "h {h} d {d} pos {ti}");
-                    assert_eq!(q8_0_bytes_at(&steps, hi, ti), want, "h {h} d {d} pos {ti}");
-                    assert_eq!(q8_0_bytes_at(&copy, hi, ti), want, "h {h} d {d} pos {ti}");
+                    assert_eq!(block_bytes_at(&whole, hi, ti), want, "h {h} d {d} pos {ti}");
+                    assert_eq!(block_bytes_at(&steps, hi, ti), want, "h {h} d {d} pos {ti}");
+                    assert_eq!(block_bytes_at(&copy, hi, ti), want, "h {h} d {d} pos {ti}");
                 }
             }
         }
@@ -614,6 +698,10 @@ mod tests {
             assert_eq!(q8 * 32, 34 * d);
             assert!(q8 as f64 <= bound * f16b as f64, "{q8} vs {f16b}");
             assert_eq!((100.0 * q8 as f64 / f16b as f64).round(), 53.0);
+            // Q4_0: 18 bytes per 32 values, 9/32 = 28.1 % of f16.
+            let q4 = KvType::Q4_0.row_bytes(d);
+            assert_eq!(q4 * 32, 18 * d);
+            assert_eq!((100.0 * q4 as f64 / f16b as f64).round(), 28.0);
             let (h, n) = (3, 40);
             let t = Tensor::new(&[n, h * d], awkward(n * h * d, 5)).unwrap();
             let (mut a, mut b) = (
