@@ -85,7 +85,7 @@ pub struct SampleArgs {
 
 /// `--kv-type`'s help, the same for every command that runs a model.
 pub const KV_TYPE_HELP: &str =
-    "What the KV cache stores: f16 (half the memory), f32 (exact) or q8_0 (ggml blocks, CPU)";
+    "What the KV cache stores: f16 (half the memory), f32 (exact), q8_0 or q4_0 (ggml blocks, CPU)";
 pub const KV_TYPE_LONG_HELP: &str = "What the KV cache stores keys and values as (llama.cpp's \
 --cache-type-k/-v). f16, the default, halves the cache's memory (and what each generated token \
 reads); keys and values are rounded to f16 once, when written (next-token distributions move \
@@ -94,7 +94,9 @@ bit: for exact comparisons with the reference (--matmul reference) or with trans
 q8_0 stores llama.cpp's Q8_0 blocks (32 values as an f16 scale and 32 8-bit integers, 34 bytes \
 against f16's 64; -ctk/-ctv q8_0), quantized when written and read directly by the attention; \
 it needs head widths that are multiples of 32 and runs on the CPU only for now (--device auto \
-then stays on the CPU). f16 and f32 apply to the CPU and the GPU cache.";
+then stays on the CPU). q4_0 stores Q4_0 blocks (4-bit values, 18 bytes per 32; 28 % of f16), \
+the same way, with a larger effect on the output. f16 and f32 apply to the CPU and the GPU \
+cache.";
 
 /// `--kv-type`: what the KV cache stores.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -107,6 +109,9 @@ pub enum KvTypeChoice {
     /// llama.cpp's Q8_0 blocks (8.5 bits a value): 53 % of f16's memory; CPU only for now.
     #[value(name = "q8_0")]
     Q8_0,
+    /// llama.cpp's Q4_0 blocks (4.5 bits a value): 28 % of f16's memory, less exact; CPU only.
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 impl KvTypeChoice {
@@ -116,6 +121,7 @@ impl KvTypeChoice {
             KvTypeChoice::F16 => KvType::F16,
             KvTypeChoice::F32 => KvType::F32,
             KvTypeChoice::Q8_0 => KvType::Q8_0,
+            KvTypeChoice::Q4_0 => KvType::Q4_0,
         }
     }
     pub fn name(self) -> &'static str {

@@ -111,7 +111,7 @@ fn bench_json_lines_and_table() {
         v["kv_cache_bytes"].as_u64().unwrap(),
         2 * lines[0]["kv_cache_bytes"].as_u64().unwrap()
     );
-    fails_with(&hf2q(&["bench", s(&t), "--kv-type", "q4_0"]), "--kv-type");
+    fails_with(&hf2q(&["bench", s(&t), "--kv-type", "q5_0"]), "--kv-type");
     // Every line says what a position of the cache costs.
     for v in lines.iter().chain(&f32_lines) {
         assert!(v["kv_bytes_per_token"].as_u64().unwrap() > 0, "{v}");
@@ -155,6 +155,13 @@ fn bench_reports_q8_0_kv_bytes() {
     };
     let (q8, err) = run("q8_0");
     let (f16, _) = run("f16");
+    let (q4, err4) = run("q4_0");
+    assert!(err4.contains("28.1 % of f16"), "{err4}");
+    for (a, b) in q4.iter().zip(&f16) {
+        assert_eq!(a["kv_type"], "q4_0");
+        let per = |v: &Value| v["kv_bytes_per_token"].as_u64().unwrap();
+        assert_eq!(per(a) * 64, per(b) * 18);
+    }
     assert!(
         err.contains("KV cache q8_0") && err.contains("53.1 % of f16"),
         "{err}"

@@ -7,6 +7,7 @@
 //!   window of 4 positions and global layers): always run.
 //! - Real SmolLM2 (`HF2Q_TEST_SMOLLM2_GGUF`, as `parity.rs`), over its golden text's ids; prints
 //!   "skipped" and passes without it.
+//! - Q4_0 on the tiny checkpoints, against a looser stated bound (`q4_0_kv_bound_tiny`).
 //! - A model whose head width is not a multiple of 32 (tiny-llama, 16) is refused, naming it.
 
 mod common;
@@ -46,7 +47,7 @@ fn compare(name: &str, what: &str, f16: &[Vec<f32>], q8: &[Vec<f32>]) -> (usize,
         kl_sum += kl(p, q);
     }
     let kl_mean = kl_sum / 100.0;
-    eprintln!("{name}: q8_0 vs f16 KV cache, {what}: argmax {agree}/100, mean KL {kl_mean:.2e}");
+    eprintln!("{name}: vs f16 KV cache, {what}: argmax {agree}/100, mean KL {kl_mean:.2e}");
     (agree, kl_mean)
 }
 
@@ -107,6 +108,39 @@ fn q8_0_kv_gate_tiny() {
             model.kv_bytes_per_token_as(KvType::F16),
         );
         assert_eq!(q8 * 64, f16 * 34, "{name}");
+    }
+}
+
+/// Q4_0 keys and values move the output more; its bound on the tiny checkpoints: mean KL <=
+/// 5e-3 against the f16 cache and argmax agreement >= 70/100, prefill and decode (the random
+/// tiny models' logits are nearly flat, so near-ties flip: measured KL 1.0e-3 and 82/100 on
+/// tiny Qwen3, 2.2e-3 and 76/100 on tiny Gemma 3). Real-model bounds for the 4-bit types are
+/// not set yet.
+#[test]
+fn q4_0_kv_bound_tiny() {
+    for (name, seed) in [("tiny-qwen3", 11u64), ("tiny-gemma3", 12)] {
+        let mut model = Model::load(&fixtures().join("tiny").join(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let ids = ids(140, model.vocab_size(), 0x5eed ^ seed);
+        model.set_matmul_path(MatmulPath::Fast);
+        model.set_kv_type(KvType::F16);
+        let (want_p, want_d) = logits(&model, &ids);
+        model.set_kv_type(KvType::Q4_0);
+        model.check_kv_type().unwrap();
+        let (got_p, got_d) = logits(&model, &ids);
+        for (what, want, got) in [("prefill", &want_p, &got_p), ("decode", &want_d, &got_d)] {
+            let (agree, kl_mean) = compare(name, &format!("q4_0 {what}"), want, got);
+            assert!(
+                agree >= 70,
+                "{name} q4_0 {what}: argmax agreement {agree}/100"
+            );
+            assert!(kl_mean <= 5e-3, "{name} q4_0 {what}: mean KL {kl_mean}");
+        }
+        let (q4, f16) = (
+            model.kv_bytes_per_token_as(KvType::Q4_0),
+            model.kv_bytes_per_token_as(KvType::F16),
+        );
+        assert_eq!(q4 * 64, f16 * 18, "{name}");
     }
 }
 
