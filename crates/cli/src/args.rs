@@ -84,13 +84,19 @@ pub struct SampleArgs {
 }
 
 /// `--kv-type`'s help, the same for every command that runs a model.
-pub const KV_TYPE_HELP: &str = "What the KV cache stores: f16 (half the memory) or f32 (exact)";
+pub const KV_TYPE_HELP: &str =
+    "What the KV cache stores: f16 (half the memory), f32 (exact), q8_0 or q4_0 (ggml blocks, CPU)";
 pub const KV_TYPE_LONG_HELP: &str = "What the KV cache stores keys and values as (llama.cpp's \
 --cache-type-k/-v). f16, the default, halves the cache's memory (and what each generated token \
 reads); keys and values are rounded to f16 once, when written (next-token distributions move \
 by a mean KL of about 1e-6 on the tested models). f32 keeps what the model computed bit for \
 bit: for exact comparisons with the reference (--matmul reference) or with transformers. \
-Applies to the CPU and the GPU cache.";
+q8_0 stores llama.cpp's Q8_0 blocks (32 values as an f16 scale and 32 8-bit integers, 34 bytes \
+against f16's 64; -ctk/-ctv q8_0), quantized when written and read directly by the attention; \
+it needs head widths that are multiples of 32 and runs on the CPU only for now (--device auto \
+then stays on the CPU). q4_0 stores Q4_0 blocks (4-bit values, 18 bytes per 32; 28 % of f16), \
+the same way, with a larger effect on the output. f16 and f32 apply to the CPU and the GPU \
+cache.";
 
 /// `--kv-type`: what the KV cache stores.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -100,6 +106,12 @@ pub enum KvTypeChoice {
     F16,
     /// Single precision: bit-exact with the reference.
     F32,
+    /// llama.cpp's Q8_0 blocks (8.5 bits a value): 53 % of f16's memory; CPU only for now.
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// llama.cpp's Q4_0 blocks (4.5 bits a value): 28 % of f16's memory, less exact; CPU only.
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 impl KvTypeChoice {
@@ -108,6 +120,8 @@ impl KvTypeChoice {
         match self {
             KvTypeChoice::F16 => KvType::F16,
             KvTypeChoice::F32 => KvType::F32,
+            KvTypeChoice::Q8_0 => KvType::Q8_0,
+            KvTypeChoice::Q4_0 => KvType::Q4_0,
         }
     }
     pub fn name(self) -> &'static str {
@@ -187,6 +201,22 @@ pub fn open_device(
     }
     match CudaDev::open(0, &options) {
         Ok(Some(dev)) => {
+            // A cache type the GPU has no kernels for: an error when the GPU was asked for,
+            // else the CPU.
+            let kv_dtype = match hf2q_cuda::KvDtype::try_from(kv.kv_type()) {
+                Ok(t) => t,
+                Err(e) if choice == DeviceChoice::Cuda => {
+                    bail!("--device cuda --kv-type {}: {e}", kv.name())
+                }
+                Err(_) => {
+                    eprintln!(
+                        "note: --kv-type {} runs on the CPU (the GPU has no {} cache yet)",
+                        kv.name(),
+                        kv.name()
+                    );
+                    return Ok(None);
+                }
+            };
             let info = dev.info();
             let changed = options.changed();
             eprintln!(
@@ -200,10 +230,7 @@ pub fn open_device(
                     format!(", options {}", changed.join(","))
                 }
             );
-            Ok(Some(std::sync::Arc::new(CudaBackend::new(
-                dev,
-                kv.kv_type().into(),
-            )?)))
+            Ok(Some(std::sync::Arc::new(CudaBackend::new(dev, kv_dtype)?)))
         }
         Ok(None) if choice == DeviceChoice::Cuda => {
             bail!("--device cuda: no NVIDIA GPU or CUDA driver found")
@@ -258,6 +285,7 @@ impl SampleArgs {
         }
         model.set_matmul_path(self.matmul.path());
         model.set_kv_type(self.kv_type.kv_type());
+        model.check_kv_type()?;
         model.set_cuda(open_device(self.device, &self.cuda, self.kv_type)?)?;
         model.warm_up()?;
         Ok(())

@@ -384,7 +384,7 @@ const HEADER: [(&str, usize, bool); 9] = [
     ("params", 10, true),
     ("backend", 7, false),
     ("path", 9, false),
-    ("kv", 3, false),
+    ("kv", 4, false),
     ("threads", 7, true),
     ("test", 14, true),
     ("t/s", 20, true),
@@ -489,8 +489,19 @@ fn bench_model(
     let load_rss = peak_rss_bytes();
     model.set_matmul_path(matmul.path());
     model.set_kv_type(a.kv_type.kv_type());
+    model.check_kv_type()?;
     model.set_cuda(crate::args::open_device(a.device, &a.cuda, a.kv_type)?)?;
     let info = model.info();
+    // Keys and values of one position, all layers (what a context of N tokens holds N times).
+    let kv_per_token = model.kv_bytes_per_token();
+    {
+        let f16_per_token = model.kv_bytes_per_token_as(hf2q_models::kv_cache::KvType::F16);
+        eprintln!(
+            "bench: KV cache {}: {kv_per_token} bytes per token ({:.1} % of f16's {f16_per_token})",
+            a.kv_type.name(),
+            100.0 * kv_per_token as f64 / f16_per_token.max(1) as f64
+        );
+    }
     let path_name = matmul
         .to_possible_value()
         .map_or_else(|| format!("{matmul:?}"), |v| v.get_name().to_string());
@@ -594,6 +605,7 @@ fn bench_model(
                     "samples_ns": m.samples_ns,
                     "peak_rss_bytes": rss,
                     "kv_cache_bytes": m.kv_cache_bytes,
+                    "kv_bytes_per_token": kv_per_token,
                     "seed": a.seed,
                     "bandwidth_floor_pct": floor_pct,
                     "decode_path": m.decode_path.filter(|_| test.is_gen()),

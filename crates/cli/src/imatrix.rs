@@ -55,6 +55,7 @@ pub fn run(a: ImatrixArgs) -> Result<()> {
     let (_, mut model) = args::load_model(Some(&a.model))?;
     model.set_matmul_path(a.matmul.path());
     model.set_kv_type(a.kv_type.kv_type());
+    model.check_kv_type()?;
     let opts = ImatrixOptions {
         ctx: a.ctx,
         max_chunks: a.chunks,

@@ -39,10 +39,12 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, mut model) = args::load_model(Some(&a.model))?;
     model.set_kv_type(a.kv_type.kv_type());
+    model.check_kv_type()?;
     let base = match &a.kl_base {
         Some(b) => {
             let mut m = args::load_model(Some(b))?.1;
             m.set_kv_type(a.kv_type.kv_type());
+            m.check_kv_type()?;
             Some(m)
         }
         None => None,

@@ -248,6 +248,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let (path, mut model) = args::load_model(Some(&arg))?;
     model.set_matmul_path(a.matmul.path());
     model.set_kv_type(a.kv_type.kv_type());
+    model.check_kv_type()?;
     model.set_cuda(args::open_device(a.device, &a.cuda, a.kv_type)?)?;
     model.warm_up()?;
     let trained = model.context_length();

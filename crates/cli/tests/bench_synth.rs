@@ -111,7 +111,71 @@ fn bench_json_lines_and_table() {
         v["kv_cache_bytes"].as_u64().unwrap(),
         2 * lines[0]["kv_cache_bytes"].as_u64().unwrap()
     );
-    fails_with(&hf2q(&["bench", s(&t), "--kv-type", "q8_0"]), "--kv-type");
+    fails_with(&hf2q(&["bench", s(&t), "--kv-type", "q5_0"]), "--kv-type");
+    // Every line says what a position of the cache costs.
+    for v in lines.iter().chain(&f32_lines) {
+        assert!(v["kv_bytes_per_token"].as_u64().unwrap() > 0, "{v}");
+    }
+    assert_eq!(
+        f32_lines[0]["kv_bytes_per_token"].as_u64().unwrap(),
+        2 * lines[0]["kv_bytes_per_token"].as_u64().unwrap()
+    );
+    // q8_0 needs head widths of whole 32-value blocks: tiny-llama's are 16.
+    fails_with(
+        &hf2q(&["bench", s(&t), "--kv-type", "q8_0", "-r", "1"]),
+        "head width 16",
+    );
+}
+
+/// `--kv-type q8_0` on a model with 32-wide heads: KV bytes per token (and the cache's bytes)
+/// are 34/64 of f16's, reported in the JSON lines and on stderr.
+#[test]
+fn bench_reports_q8_0_kv_bytes() {
+    let t = fixture("tiny-qwen3");
+    let run = |kv: &str| {
+        let o = hf2q(&[
+            "bench",
+            s(&t),
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "-t",
+            "1",
+            "--kv-type",
+            kv,
+            "--device",
+            "cpu",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (json_lines(&o), stderr(&o))
+    };
+    let (q8, err) = run("q8_0");
+    let (f16, _) = run("f16");
+    let (q4, err4) = run("q4_0");
+    assert!(err4.contains("28.1 % of f16"), "{err4}");
+    for (a, b) in q4.iter().zip(&f16) {
+        assert_eq!(a["kv_type"], "q4_0");
+        let per = |v: &Value| v["kv_bytes_per_token"].as_u64().unwrap();
+        assert_eq!(per(a) * 64, per(b) * 18);
+    }
+    assert!(
+        err.contains("KV cache q8_0") && err.contains("53.1 % of f16"),
+        "{err}"
+    );
+    for (a, b) in q8.iter().zip(&f16) {
+        assert_eq!(a["kv_type"], "q8_0");
+        let per = |v: &Value, k: &str| v[k].as_u64().unwrap();
+        assert_eq!(
+            per(a, "kv_bytes_per_token") * 64,
+            per(b, "kv_bytes_per_token") * 34
+        );
+        assert_eq!(per(a, "kv_cache_bytes") * 64, per(b, "kv_cache_bytes") * 34);
+        assert!(a["tokens_per_second"].as_f64().unwrap() > 0.0);
+    }
 }
 
 #[test]

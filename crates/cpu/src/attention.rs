@@ -22,12 +22,20 @@
 //! already copies each kv head's keys (the transpose) and widens them there; it widens the
 //! values once per call too, since every query row of the head reads them (a copy as large as
 //! Kᵀ, for the call only). The arithmetic after the loads is the same for both types.
+//!
+//! A Q8_0 cache ([`BlockQ8_0`]) stores a row as `Dh / 32` blocks of an f16 scale and 32 i8.
+//! Decode reads the blocks directly: a key's score is `Σ_b d_b · Σ_i q[32b+i] · k_b[i]` (the i8
+//! widened to f32 in registers, one scale multiply per block), and the weighted sum adds
+//! `(p_j · d_b) · v_b[i]` (one product per block and key, then one multiply-add per value).
+//! Prefill dequantizes into the per-call Kᵀ and value copies the tiles read (as it widens f16),
+//! one row at a time; nothing dequantizes the cache as a whole.
 
 use half::f16;
 use rayon::prelude::*;
 
 use super::kernels::Isa;
-use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache};
+use hf2q_tensor::kv::{BlockQ4_0, BlockQ8_0, Q8_0_VALUES};
+use hf2q_tensor::op::{AttentionParams, KvElem, KvScalar, LayerCache};
 use hf2q_tensor::{Error, Result, Tensor};
 
 /// The vector unit a kernel body is compiled for, a const parameter so that each form is
@@ -40,15 +48,16 @@ const AVX2: u8 = 1;
 #[cfg(target_arch = "x86_64")]
 const AVX512: u8 = 2;
 
-/// How the kernels read a cache row of one element type (the sealed part of [`KvElem`]).
+/// How the kernels read a cache row of one element type (the sealed part of [`KvElem`]). A row
+/// of `Dh` values is `Dh / Self::VALUES` elements.
 pub trait KvRead: KvElem + Sized {
-    /// `Σ q[d] * k[d]` over a key row.
+    /// `Σ q[d] * k[d]` over a key row (`q.len()` values).
     fn dot<const L: u8>(q: &[f32], k: &[Self]) -> f32;
     /// `acc += Σ_j p[j] * v[j]` over value rows `v (p.len(), Dh)`, `Dh = acc.len()`.
     fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[Self]);
     /// The values themselves when they are f32.
     fn as_f32(v: &[Self]) -> Option<&[f32]>;
-    /// `out = v` widened to f32 (equal lengths).
+    /// `out = v` as f32 (`out.len() == v.len() * VALUES`).
     fn widen<const L: u8>(v: &[Self], out: &mut [f32]);
 }
 
@@ -126,6 +135,145 @@ impl KvRead for f16 {
         for (o, x) in out.iter_mut().zip(v) {
             *o = x.to_f32();
         }
+    }
+}
+
+/// Q8_0 blocks: decode's dot products and weighted sums read the blocks themselves (module
+/// header); the loops are written over whole blocks of 32 so that they vectorise under the
+/// caller's features (the i8 widened to f32 in registers).
+impl KvRead for BlockQ8_0 {
+    #[inline(always)]
+    fn dot<const L: u8>(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return unsafe { x512::dot_q8_0(q, k) };
+            }
+            if L == AVX2 {
+                return unsafe { x256::dot_q8_0(q, k) };
+            }
+        }
+        dot_q8_0(q, k)
+    }
+    #[inline(always)]
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return unsafe { x512::accumulate_q8_0(acc, p, v) };
+            }
+            if L == AVX2 {
+                return unsafe { x256::accumulate_q8_0(acc, p, v) };
+            }
+        }
+        accumulate_q8_0(acc, p, v)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[BlockQ8_0]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn widen<const L: u8>(v: &[BlockQ8_0], out: &mut [f32]) {
+        assert_eq!(v.len() * Q8_0_VALUES, out.len());
+        for (b, o) in v.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
+            let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+            for (y, &x) in o.iter_mut().zip(&b.qs) {
+                *y = x as f32 * d;
+            }
+        }
+    }
+}
+
+/// `Σ_b d_b · Σ_i q[32b + i] · k_b.qs[i]` over a row of Q8_0 blocks: per block, 32 products in
+/// 16 lanes (two multiply-adds each), then one multiply-add by the block's scale into 16 running
+/// sums; one horizontal sum at the end.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for (qb, b) in q.chunks_exact(Q8_0_VALUES).zip(k) {
+        let qb: &[f32; Q8_0_VALUES] = qb.try_into().expect("a block of 32");
+        let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+        let mut s = [0f32; 16];
+        for u in 0..16 {
+            s[u] = qb[u].mul_add(b.qs[u] as f32, s[u]);
+            s[u] = qb[u + 16].mul_add(b.qs[u + 16] as f32, s[u]);
+        }
+        for u in 0..16 {
+            lanes[u] = d.mul_add(s[u], lanes[u]);
+        }
+    }
+    sum16(&lanes)
+}
+
+/// `acc += Σ_j p[j] * v[j]` over value rows of Q8_0 blocks `v (p.len(), Dh / 32)`: a block of
+/// 32 columns stays in registers across the rows, each row adding `(p[j] · d) · qs[i]`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+    let rw = acc.len() / Q8_0_VALUES;
+    assert!(v.len() >= p.len() * rw);
+    for (bi, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
+        let mut loc: [f32; Q8_0_VALUES] = (&*ac).try_into().expect("a block of 32");
+        for (j, &pj) in p.iter().enumerate() {
+            let b = &v[j * rw + bi];
+            let w = pj * hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+            for u in 0..Q8_0_VALUES {
+                loc[u] = w.mul_add(b.qs[u] as f32, loc[u]);
+            }
+        }
+        ac.copy_from_slice(&loc);
+    }
+}
+
+/// Q4_0 blocks: as Q8_0, with the 4-bit values unpacked (`nibble - 8`) in registers; portable
+/// loops over whole blocks, vectorised under the caller's features.
+impl KvRead for BlockQ4_0 {
+    #[inline(always)]
+    fn dot<const L: u8>(q: &[f32], k: &[BlockQ4_0]) -> f32 {
+        let mut lanes = [0f32; 16];
+        for (qb, b) in q.chunks_exact(Q8_0_VALUES).zip(k) {
+            let qb: &[f32; Q8_0_VALUES] = qb.try_into().expect("a block of 32");
+            let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+            let mut s = [0f32; 16];
+            for u in 0..16 {
+                let (lo, hi) = ((b.qs[u] & 0x0f) as i32 - 8, (b.qs[u] >> 4) as i32 - 8);
+                s[u] = qb[u].mul_add(lo as f32, s[u]);
+                s[u] = qb[u + 16].mul_add(hi as f32, s[u]);
+            }
+            for u in 0..16 {
+                lanes[u] = d.mul_add(s[u], lanes[u]);
+            }
+        }
+        sum16(&lanes)
+    }
+    #[inline(always)]
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ4_0]) {
+        let rw = acc.len() / Q8_0_VALUES;
+        assert!(v.len() >= p.len() * rw);
+        for (bi, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
+            let mut loc: [f32; Q8_0_VALUES] = (&*ac).try_into().expect("a block of 32");
+            for (j, &pj) in p.iter().enumerate() {
+                let b = &v[j * rw + bi];
+                let w = pj * hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+                for u in 0..16 {
+                    let (lo, hi) = ((b.qs[u] & 0x0f) as i32 - 8, (b.qs[u] >> 4) as i32 - 8);
+                    loc[u] = w.mul_add(lo as f32, loc[u]);
+                    loc[u + 16] = w.mul_add(hi as f32, loc[u + 16]);
+                }
+            }
+            ac.copy_from_slice(&loc);
+        }
+    }
+    #[inline(always)]
+    fn as_f32(_: &[BlockQ4_0]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn widen<const L: u8>(v: &[BlockQ4_0], out: &mut [f32]) {
+        BlockQ4_0::dequantize_row(v, out)
     }
 }
 
@@ -290,7 +438,7 @@ fn sum32(v: &[f32; KB]) -> f32 {
 /// `acc += Σ_j p[j] * v[j]` over value rows `v (p.len(), Dh)`; 64 columns at a time stay in
 /// registers across the rows.
 #[inline(always)]
-fn accumulate<T: KvRead>(acc: &mut [f32], p: &[f32], v: &[T]) {
+fn accumulate<T: KvRead + KvScalar>(acc: &mut [f32], p: &[f32], v: &[T]) {
     const CH: usize = 64;
     let dh = acc.len();
     let mut c = 0;
@@ -359,6 +507,8 @@ pub(crate) fn attention_on<T: KvRead>(
         return decode(isa, q, cache, pos0, p);
     }
     let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+    // A cache row's length in elements (Dh, or Dh / 32 blocks).
+    let rw = dh / T::VALUES;
     let width = h * dh;
     let total = pos0 + t;
     let group = h / hkv;
@@ -370,7 +520,7 @@ pub(crate) fn attention_on<T: KvRead>(
     let kts: Vec<(Vec<f32>, usize)> = (0..hkv)
         .into_par_iter()
         .map(|g| {
-            let kbase = g * cache.capacity * dh;
+            let kbase = g * cache.capacity * rw;
             let mut buf = vec![0f32; dh * s_all + 16];
             let off = buf.as_ptr().align_offset(64).min(16);
             let kt = &mut buf[off..off + dh * s_all];
@@ -378,7 +528,7 @@ pub(crate) fn attention_on<T: KvRead>(
             for j in 0..total {
                 let krow = as_f32(
                     isa,
-                    &cache.k[kbase + j * dh..kbase + (j + 1) * dh],
+                    &cache.k[kbase + j * rw..kbase + (j + 1) * rw],
                     &mut row,
                 );
                 for (d, &kv) in krow.iter().enumerate() {
@@ -394,7 +544,7 @@ pub(crate) fn attention_on<T: KvRead>(
     let vs: Vec<std::borrow::Cow<'_, [f32]>> = (0..hkv)
         .into_par_iter()
         .map(|g| {
-            let src = &cache.v[g * cache.capacity * dh..g * cache.capacity * dh + total * dh];
+            let src = &cache.v[g * cache.capacity * rw..g * cache.capacity * rw + total * rw];
             match T::as_f32(src) {
                 Some(v) => std::borrow::Cow::Borrowed(v),
                 None => {
@@ -458,6 +608,7 @@ fn decode<T: KvRead>(
     p: &AttentionParams,
 ) -> Result<Tensor> {
     let (h, dh) = (p.n_heads, p.head_dim);
+    let rw = dh / T::VALUES;
     let group = h / p.n_kv_heads;
     let lo = match p.window {
         Some(w) => (pos0 + 1).saturating_sub(w),
@@ -465,9 +616,9 @@ fn decode<T: KvRead>(
     };
     let mut out = vec![0f32; h * dh];
     let run = |hi: usize, o: &mut [f32]| {
-        let base = (hi / group) * cache.capacity * dh;
-        let keys = &cache.k[base + lo * dh..base + (pos0 + 1) * dh];
-        let vals = &cache.v[base + lo * dh..base + (pos0 + 1) * dh];
+        let base = (hi / group) * cache.capacity * rw;
+        let keys = &cache.k[base + lo * rw..base + (pos0 + 1) * rw];
+        let vals = &cache.v[base + lo * rw..base + (pos0 + 1) * rw];
         let qh = &q.data()[hi * dh..(hi + 1) * dh];
         let mut with = |s: &mut Vec<f32>| decode_dispatch(isa, qh, keys, vals, p.scale, s, o);
         SCORES.with(|c| match c.try_borrow_mut() {
@@ -553,8 +704,8 @@ fn decode_head<const L: u8, T: KvRead>(
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    let dh = q.len();
-    let n = k.len() / dh;
+    let rw = q.len() / T::VALUES;
+    let n = k.len() / rw;
     if n == 0 {
         // No visible key (a zero-width window): the reference's empty sum.
         o.fill(0.0);
@@ -565,7 +716,7 @@ fn decode_head<const L: u8, T: KvRead>(
     s.clear();
     s.resize(n, 0.0);
     let mut m = f32::NEG_INFINITY;
-    for (e, kr) in s.iter_mut().zip(k.chunks_exact(dh)) {
+    for (e, kr) in s.iter_mut().zip(k.chunks_exact(rw)) {
         *e = T::dot::<L>(q, kr) * scale;
         m = m.max(*e);
     }
@@ -592,7 +743,7 @@ fn decode_head<const L: u8, T: KvRead>(
 
 /// `Σ a[i] * b[i]` in 16 interleaved partial sums (one vector of multiply-adds).
 #[inline(always)]
-fn dot16<T: KvRead>(a: &[f32], b: &[T]) -> f32 {
+fn dot16<T: KvRead + KvScalar>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let mut tail = 0f32;
@@ -626,7 +777,7 @@ fn as_f32<'a, T: KvRead>(isa: Isa, src: &'a [T], buf: &'a mut [f32]) -> &'a [f32
     if let Some(v) = T::as_f32(src) {
         return v;
     }
-    let out = &mut buf[..src.len()];
+    let out = &mut buf[..src.len() * T::VALUES];
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -906,8 +1057,87 @@ mod x512 {
     use std::arch::x86_64::*;
 
     use half::f16;
+    use hf2q_tensor::kv::BlockQ8_0;
+    use hf2q_tensor::op::f16_bits_to_f32;
 
     use super::KB;
+
+    /// 16 i8 from `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `p..p+16` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16_i8(p: *const i8) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+
+    /// `Σ_b d_b · Σ_i q[32b + i] · qs_b[i]` over Q8_0 blocks: a block's 32 products in one
+    /// 16-lane register, then one multiply-add by its scale.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+        let nb = k.len().min(q.len() / 32);
+        let pq = q.as_ptr();
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut b = 0;
+        // Two blocks at a time into two sums, so that the scale multiply-adds are two chains.
+        while b + 2 <= nb {
+            for (acc, bb) in [(&mut a0, b), (&mut a1, b + 1)] {
+                let blk = k.get_unchecked(bb);
+                let (x, qs) = (pq.add(32 * bb), blk.qs.as_ptr());
+                let s = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(x),
+                    load16_i8(qs),
+                    _mm512_mul_ps(_mm512_loadu_ps(x.add(16)), load16_i8(qs.add(16))),
+                );
+                let d = _mm512_set1_ps(f16_bits_to_f32(blk.d.to_bits()));
+                *acc = _mm512_fmadd_ps(d, s, *acc);
+            }
+            b += 2;
+        }
+        if b < nb {
+            let blk = k.get_unchecked(b);
+            let (x, qs) = (pq.add(32 * b), blk.qs.as_ptr());
+            let s = _mm512_fmadd_ps(
+                _mm512_loadu_ps(x),
+                load16_i8(qs),
+                _mm512_mul_ps(_mm512_loadu_ps(x.add(16)), load16_i8(qs.add(16))),
+            );
+            let d = _mm512_set1_ps(f16_bits_to_f32(blk.d.to_bits()));
+            a0 = _mm512_fmadd_ps(d, s, a0);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
+    }
+
+    /// `acc += Σ_j p[j] * v[j]` over value rows of Q8_0 blocks `v (p.len(), Dh / 32)`: a
+    /// block's 32 columns in two registers across the rows, `(p[j] · d)` broadcast.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+        let rw = acc.len() / 32;
+        assert!(v.len() >= p.len() * rw);
+        let pa = acc.as_mut_ptr();
+        for bi in 0..rw {
+            let a = pa.add(32 * bi);
+            let (mut r0, mut r1) = (_mm512_loadu_ps(a), _mm512_loadu_ps(a.add(16)));
+            for (j, &pj) in p.iter().enumerate() {
+                let blk = v.get_unchecked(j * rw + bi);
+                let w = _mm512_set1_ps(pj * f16_bits_to_f32(blk.d.to_bits()));
+                let qs = blk.qs.as_ptr();
+                r0 = _mm512_fmadd_ps(w, load16_i8(qs), r0);
+                r1 = _mm512_fmadd_ps(w, load16_i8(qs.add(16)), r1);
+            }
+            _mm512_storeu_ps(a, r0);
+            _mm512_storeu_ps(a.add(16), r1);
+        }
+    }
 
     /// `Σ a[i] * b[i]` over the shorter length: 16 lanes of multiply-adds in two chains.
     ///
@@ -1297,6 +1527,81 @@ mod x256 {
     use std::arch::x86_64::*;
 
     use half::f16;
+    use hf2q_tensor::kv::BlockQ8_0;
+    use hf2q_tensor::op::f16_bits_to_f32;
+
+    /// 8 i8 from `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `p..p+8` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8_i8(p: *const i8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    /// `Σ_b d_b · Σ_i q[32b + i] · qs_b[i]` over Q8_0 blocks: a block's 32 products in two
+    /// 8-lane chains, then one multiply-add by its scale.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+        let nb = k.len().min(q.len() / 32);
+        let pq = q.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        for (b, blk) in k[..nb].iter().enumerate() {
+            let (x, qs) = (pq.add(32 * b), blk.qs.as_ptr());
+            let s0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(x),
+                load8_i8(qs),
+                _mm256_mul_ps(_mm256_loadu_ps(x.add(8)), load8_i8(qs.add(8))),
+            );
+            let s1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(x.add(16)),
+                load8_i8(qs.add(16)),
+                _mm256_mul_ps(_mm256_loadu_ps(x.add(24)), load8_i8(qs.add(24))),
+            );
+            let d = _mm256_set1_ps(f16_bits_to_f32(blk.d.to_bits()));
+            acc = _mm256_fmadd_ps(d, _mm256_add_ps(s0, s1), acc);
+        }
+        hsum(acc)
+    }
+
+    /// `acc += Σ_j p[j] * v[j]` over value rows of Q8_0 blocks `v (p.len(), Dh / 32)`: a
+    /// block's 32 columns in four registers across the rows, `(p[j] · d)` broadcast.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+        let rw = acc.len() / 32;
+        assert!(v.len() >= p.len() * rw);
+        let pa = acc.as_mut_ptr();
+        for bi in 0..rw {
+            let a = pa.add(32 * bi);
+            let mut r = [
+                _mm256_loadu_ps(a),
+                _mm256_loadu_ps(a.add(8)),
+                _mm256_loadu_ps(a.add(16)),
+                _mm256_loadu_ps(a.add(24)),
+            ];
+            for (j, &pj) in p.iter().enumerate() {
+                let blk = v.get_unchecked(j * rw + bi);
+                let w = _mm256_set1_ps(pj * f16_bits_to_f32(blk.d.to_bits()));
+                let qs = blk.qs.as_ptr();
+                r[0] = _mm256_fmadd_ps(w, load8_i8(qs), r[0]);
+                r[1] = _mm256_fmadd_ps(w, load8_i8(qs.add(8)), r[1]);
+                r[2] = _mm256_fmadd_ps(w, load8_i8(qs.add(16)), r[2]);
+                r[3] = _mm256_fmadd_ps(w, load8_i8(qs.add(24)), r[3]);
+            }
+            for (u, x) in r.iter().enumerate() {
+                _mm256_storeu_ps(a.add(8 * u), *x);
+            }
+        }
+    }
 
     /// 8 f16 values from `p` widened to f32.
     ///
@@ -1530,7 +1835,7 @@ mod tests {
         decode_head_case::<f16>(f16::from_f32);
     }
 
-    fn decode_head_case<T: KvRead>(store: fn(f32) -> T) {
+    fn decode_head_case<T: KvRead + hf2q_tensor::op::KvScalar>(store: fn(f32) -> T) {
         let mut f = uniform(0x1234_5678_9abc_def1u64);
         let mut s = Vec::new();
         // No visible key: zeros, as the reference's empty sum.
@@ -1645,6 +1950,54 @@ mod tests {
             }
         }
         assert_eq!(cases, 108);
+    }
+
+    /// Every kernel form this CPU runs over Q8_0 caches (decode reads the blocks with each
+    /// form's dot and weighted sum; prefill dequantizes rows into its tiles), against the
+    /// portable form and the reference over the same blocks.
+    #[test]
+    fn every_isa_agrees_on_block_caches() {
+        use hf2q_tensor::kv::{HostKv, KvType, KvView};
+        let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .filter(|i| i.is_available())
+            .collect();
+        let mut f = uniform(0x5851_f42d_4c95_7f2du64);
+        for &(h, hkv) in &[(1, 1), (9, 3), (8, 2)] {
+            for &dh in &[32, 96, 128] {
+                for &(t, pos0) in &[(1, 0), (1, 44), (1, 301), (7, 0), (33, 17)] {
+                    for &window in &[None, Some(9)] {
+                        let n = pos0 + t;
+                        let p = AttentionParams {
+                            n_heads: h,
+                            n_kv_heads: hkv,
+                            head_dim: dh,
+                            scale: 1.0 / (dh as f32).sqrt(),
+                            window,
+                        };
+                        let k = (0..n * hkv * dh).map(|_| 3.0 * f()).collect();
+                        let v = (0..n * hkv * dh).map(|_| f()).collect();
+                        let (kt, vt) = (
+                            Tensor::new(&[n, hkv * dh], k).unwrap(),
+                            Tensor::new(&[n, hkv * dh], v).unwrap(),
+                        );
+                        let q = (0..t * h * dh).map(|_| 3.0 * f()).collect();
+                        let q = Tensor::new(&[t, h * dh], q).unwrap();
+                        let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
+                        for ty in [KvType::Q8_0, KvType::Q4_0] {
+                            let mut kv = HostKv::new(hkv, dh, ty);
+                            kv.write(&kt, &vt, 0, n + 5).unwrap();
+                            let what = format!("{} {what}", ty.name());
+                            match kv.view() {
+                                KvView::Q8_0(c) => all_forms_agree(&isas, &q, &c, pos0, &p, &what),
+                                KvView::Q4_0(c) => all_forms_agree(&isas, &q, &c, pos0, &p, &what),
+                                _ => unreachable!(),
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     fn all_forms_agree<T: KvRead>(

@@ -169,7 +169,7 @@ impl CpuBackend {
         Tensor::new(&[t, w.rows], out)
     }
 
-    /// Causal attention over a host cache view (f32 or f16 values): the tiled kernel
+    /// Causal attention over a host cache view (f32 or f16 values, or Q8_0 blocks): the tiled kernel
     /// (`attention.rs`) on the fast paths, the scalar reference of every device's `attend` on
     /// the reference path.
     pub fn attention<T: KvRead>(
@@ -185,7 +185,8 @@ impl CpuBackend {
         }
     }
 
-    /// The scalar reference attention (each key and value row widened to f32 as it is read).
+    /// The scalar reference attention (each key and value row widened, or dequantized, to f32 as
+    /// it is read).
     pub fn attention_reference<T: KvRead>(
         &self,
         q: &Tensor,
@@ -208,14 +209,13 @@ impl CpuBackend {
                 None => 0,
             };
             let qv = &q.data()[ti * width + hi * dh..ti * width + (hi + 1) * dh];
-            let kbase = kvh * cache.capacity * dh;
+            // A row's length in cache elements (Dh values, or Dh / 32 blocks).
+            let rw = dh / T::VALUES;
+            let kbase = kvh * cache.capacity * rw;
             let mut row = vec![0f32; dh];
             let mut scores: Vec<f32> = (lo..=qpos)
                 .map(|j| {
-                    let kr = &cache.k[kbase + j * dh..kbase + (j + 1) * dh];
-                    for (r, &x) in row.iter_mut().zip(kr) {
-                        *r = x.to_f32();
-                    }
+                    T::dequantize_row(&cache.k[kbase + j * rw..kbase + (j + 1) * rw], &mut row);
                     dot(qv, &row) * p.scale
                 })
                 .collect();
@@ -228,9 +228,9 @@ impl CpuBackend {
             o.iter_mut().for_each(|v| *v = 0.0);
             for (s, j) in scores.iter().zip(lo..=qpos) {
                 let w = s / sum;
-                let vr = &cache.v[kbase + j * dh..kbase + (j + 1) * dh];
-                for (ov, vv) in o.iter_mut().zip(vr) {
-                    *ov += w * vv.to_f32();
+                T::dequantize_row(&cache.v[kbase + j * rw..kbase + (j + 1) * rw], &mut row);
+                for (ov, vv) in o.iter_mut().zip(&row) {
+                    *ov += w * vv;
                 }
             }
         });
@@ -383,6 +383,8 @@ impl Backend for CpuBackend {
             KvStore::Host(h) => match h.view() {
                 KvView::F16(c) => self.attention(q, &c, pos0, p),
                 KvView::F32(c) => self.attention(q, &c, pos0, p),
+                KvView::Q8_0(c) => self.attention(q, &c, pos0, p),
+                KvView::Q4_0(c) => self.attention(q, &c, pos0, p),
             },
             _ => Err(Error::Msg(
                 "the CPU backend was given a device KV cache".into(),

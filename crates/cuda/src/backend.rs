@@ -966,6 +966,9 @@ impl Backend for CudaBackend {
                     "cuda kv_write: this cache already holds positions on the host".into(),
                 ));
             }
+            // A quantized host type asked for has no device form yet: refuse rather than store
+            // something else than was asked.
+            KvDtype::try_from(h.kv_type())?;
             let cache =
                 self.dev
                     .alloc_kv_cache(h.n_kv_heads(), limit, h.head_dim(), self.kv_dtype)?;

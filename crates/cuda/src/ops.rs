@@ -306,11 +306,21 @@ pub enum KvDtype {
     F32,
 }
 
-impl From<hf2q_tensor::kv::KvType> for KvDtype {
-    fn from(t: hf2q_tensor::kv::KvType) -> Self {
+/// The device cache type for a host [`hf2q_tensor::kv::KvType`]; the block types (Q8_0) have no
+/// device kernels yet and are refused, naming the type.
+impl TryFrom<hf2q_tensor::kv::KvType> for KvDtype {
+    type Error = Error;
+    fn try_from(t: hf2q_tensor::kv::KvType) -> Result<Self> {
+        use hf2q_tensor::kv::KvType;
         match t {
-            hf2q_tensor::kv::KvType::F16 => KvDtype::F16,
-            hf2q_tensor::kv::KvType::F32 => KvDtype::F32,
+            KvType::F16 => Ok(KvDtype::F16),
+            KvType::F32 => Ok(KvDtype::F32),
+            KvType::Q8_0 | KvType::Q4_0 => Err(Error::Msg(format!(
+                "the CUDA backend has no {} KV cache yet (f16 or f32 on the GPU; a {} cache \
+                 runs on the CPU, --device cpu)",
+                t.name(),
+                t.name()
+            ))),
         }
     }
 }
@@ -1374,7 +1384,19 @@ impl CudaDev {
 
 #[cfg(test)]
 mod tests {
-    use super::{mv_split_for, p8_by_default};
+    use super::{mv_split_for, p8_by_default, KvDtype};
+
+    /// The host cache types the device stores, and the quantized ones it refuses by name.
+    #[test]
+    fn kv_types_the_device_takes() {
+        use hf2q_tensor::kv::KvType;
+        assert_eq!(KvDtype::try_from(KvType::F16).unwrap(), KvDtype::F16);
+        assert_eq!(KvDtype::try_from(KvType::F32).unwrap(), KvDtype::F32);
+        for (t, name) in [(KvType::Q8_0, "q8_0"), (KvType::Q4_0, "q4_0")] {
+            let e = KvDtype::try_from(t).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains("CUDA"), "{e}");
+        }
+    }
 
     /// The row split on an H200 (132 multiprocessors), with the blocks of each split in the
     /// comments (rows / (rows per group * 4 / split)).

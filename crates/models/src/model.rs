@@ -386,6 +386,29 @@ impl Model {
     pub fn kv_type(&self) -> KvType {
         self.kv_type
     }
+    /// Whether the host KV cache type suits every layer's head width (a block type such as
+    /// Q8_0 needs whole blocks): an error naming the width when not.
+    pub fn check_kv_type(&self) -> Result<()> {
+        for &(_, dh) in &self.config.layer_heads {
+            self.kv_type.check_head_dim(dh)?;
+        }
+        Ok(())
+    }
+    /// Bytes of keys and values one position takes in a host cache of the model's KV type,
+    /// summed over layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.kv_bytes_per_token_as(self.kv_type)
+    }
+    /// [`Model::kv_bytes_per_token`] for a cache of type `ty`.
+    pub fn kv_bytes_per_token_as(&self, ty: KvType) -> usize {
+        let c = &self.config;
+        (0..c.n_layers)
+            .map(|i| {
+                let (kv, dh) = c.heads_of(i);
+                2 * kv * ty.row_bytes(dh)
+            })
+            .sum()
+    }
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }

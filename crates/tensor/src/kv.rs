@@ -1,12 +1,111 @@
-//! Key/value caches: [`KvStore`] is one layer's cache, on the host ([`HostKv`], f16 or f32) or
-//! on a device. A backend writes and reads it (`Backend::kv_write` / `Backend::attend`); model
+//! Key/value caches: [`KvStore`] is one layer's cache, on the host ([`HostKv`], f16, f32 or
+//! ggml Q8_0 blocks) or on a device. A backend writes and reads it (`Backend::kv_write` / `Backend::attend`); model
 //! code only passes it along.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::op::LayerCache;
+use crate::op::{KvElem, LayerCache};
 use crate::{Error, Result, Tensor};
+
+/// Values per [`BlockQ8_0`].
+pub const Q8_0_VALUES: usize = 32;
+
+/// One ggml `block_q8_0`: 32 values as `d * q` with `d` an f16 scale (`amax / 127`) and `q` i8
+/// (34 bytes, no padding: the struct is ggml's byte layout on a little-endian machine). A Q8_0
+/// cache row (one head's `Dh` values at one position) is `Dh / 32` of them, quantized when
+/// written by the reference quantizer ([`crate::quant::quantize`], ggml's
+/// `quantize_row_q8_0_ref`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; Q8_0_VALUES],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+
+impl BlockQ8_0 {
+    /// The block from ggml's 34 bytes.
+    pub fn from_bytes(b: &[u8]) -> BlockQ8_0 {
+        let mut qs = [0i8; Q8_0_VALUES];
+        for (q, &x) in qs.iter_mut().zip(&b[2..2 + Q8_0_VALUES]) {
+            *q = x as i8;
+        }
+        BlockQ8_0 {
+            d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])),
+            qs,
+        }
+    }
+    /// ggml's 34 bytes of the block.
+    pub fn to_bytes(&self) -> [u8; 34] {
+        let mut b = [0u8; 34];
+        b[..2].copy_from_slice(&self.d.to_bits().to_le_bytes());
+        for (o, &q) in b[2..].iter_mut().zip(&self.qs) {
+            *o = q as u8;
+        }
+        b
+    }
+}
+
+/// One ggml `block_q4_0`: 32 values as `d * (q - 8)` with `d` an f16 scale and `q` 4-bit
+/// (value `j < 16` in the low nibble of byte `j`, value `j + 16` in its high nibble; 18 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BlockQ4_0 {
+    pub d: f16,
+    pub qs: [u8; Q8_0_VALUES / 2],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+
+impl BlockQ4_0 {
+    /// The block from ggml's 18 bytes.
+    pub fn from_bytes(b: &[u8]) -> BlockQ4_0 {
+        let mut qs = [0u8; 16];
+        qs.copy_from_slice(&b[2..18]);
+        BlockQ4_0 {
+            d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])),
+            qs,
+        }
+    }
+    /// ggml's 18 bytes of the block.
+    pub fn to_bytes(&self) -> [u8; 18] {
+        let mut b = [0u8; 18];
+        b[..2].copy_from_slice(&self.d.to_bits().to_le_bytes());
+        b[2..].copy_from_slice(&self.qs);
+        b
+    }
+}
+
+impl KvElem for BlockQ4_0 {
+    const VALUES: usize = Q8_0_VALUES;
+    /// ggml's `dequantize_row_q4_0`: `(q - 8) * d` in f32.
+    fn dequantize_row(row: &[BlockQ4_0], out: &mut [f32]) {
+        assert_eq!(row.len() * Q8_0_VALUES, out.len());
+        for (b, o) in row.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
+            let d = crate::op::f16_bits_to_f32(b.d.to_bits());
+            for j in 0..16 {
+                o[j] = ((b.qs[j] & 0x0f) as i32 - 8) as f32 * d;
+                o[j + 16] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+    }
+}
+
+impl KvElem for BlockQ8_0 {
+    const VALUES: usize = Q8_0_VALUES;
+    /// ggml's `dequantize_row_q8_0`: `q * d` in f32.
+    fn dequantize_row(row: &[BlockQ8_0], out: &mut [f32]) {
+        assert_eq!(row.len() * Q8_0_VALUES, out.len());
+        for (b, o) in row.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
+            let d = crate::op::f16_bits_to_f32(b.d.to_bits());
+            for (y, &q) in o.iter_mut().zip(&b.qs) {
+                *y = q as f32 * d;
+            }
+        }
+    }
+}
 
 /// What a KV cache stores keys and values as.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -18,20 +117,51 @@ pub enum KvType {
     /// Single precision: what the model computed, bit for bit (for exact comparisons with the
     /// reference).
     F32,
+    /// ggml's Q8_0 (llama.cpp's `-ctk/-ctv q8_0`): each row of `Dh` values as `Dh / 32` blocks
+    /// of an f16 scale and 32 i8 ([`BlockQ8_0`]), 34 bytes per 32 values (17/32 of f16). The head
+    /// width must be a multiple of 32.
+    Q8_0,
+    /// ggml's Q4_0 (`-ctk/-ctv q4_0`): rows as `Dh / 32` blocks of an f16 scale and 32 4-bit
+    /// values ([`BlockQ4_0`]), 18 bytes per 32 values (9/32 of f16). Head widths as Q8_0.
+    Q4_0,
 }
 
 impl KvType {
-    /// Bytes per stored value.
-    pub fn bytes(self) -> usize {
+    /// Bytes of one cache row (one head's `dh` values at one position); for a block type, `dh`
+    /// must be a whole number of blocks ([`KvType::check_head_dim`]).
+    pub fn row_bytes(self, dh: usize) -> usize {
         match self {
-            KvType::F16 => 2,
-            KvType::F32 => 4,
+            KvType::F16 => 2 * dh,
+            KvType::F32 => 4 * dh,
+            KvType::Q8_0 => dh / Q8_0_VALUES * std::mem::size_of::<BlockQ8_0>(),
+            KvType::Q4_0 => dh / Q8_0_VALUES * std::mem::size_of::<BlockQ4_0>(),
         }
+    }
+    /// Values per stored element (1, or the block size).
+    pub fn block_values(self) -> usize {
+        match self {
+            KvType::F16 | KvType::F32 => 1,
+            KvType::Q8_0 | KvType::Q4_0 => Q8_0_VALUES,
+        }
+    }
+    /// Whether heads of width `dh` can be stored: a block type needs whole blocks.
+    pub fn check_head_dim(self, dh: usize) -> Result<()> {
+        let b = self.block_values();
+        if dh == 0 || !dh.is_multiple_of(b) {
+            return Err(Error::Msg(format!(
+                "a {} KV cache stores heads in blocks of {b} values; this model's head width \
+                 {dh} is not a multiple of {b} (use --kv-type f16)",
+                self.name()
+            )));
+        }
+        Ok(())
     }
     pub fn name(self) -> &'static str {
         match self {
             KvType::F16 => "f16",
             KvType::F32 => "f32",
+            KvType::Q8_0 => "q8_0",
+            KvType::Q4_0 => "q4_0",
         }
     }
 }
@@ -73,7 +203,8 @@ struct Planes<T> {
 }
 
 impl<T: Copy + Default> Planes<T> {
-    /// Planes of `cap` positions holding the first `len` positions of `self` (of `old_cap`).
+    /// Planes of `cap` positions holding the first `len` positions of `self` (of `old_cap`);
+    /// `d` is a row's length in elements.
     fn copied(&self, old_cap: usize, cap: usize, len: usize, h: usize, d: usize) -> Planes<T> {
         let copy = |src: &[T]| {
             let mut n = vec![T::default(); h * cap * d];
@@ -89,7 +220,7 @@ impl<T: Copy + Default> Planes<T> {
         }
     }
     /// Stores rows `(T, Hkv*Dh)` of keys `kd` and values `vd` at positions `pos0..pos0+t`,
-    /// each head's `d` values through `conv`.
+    /// each head's `d` values through `conv` into its row of `r` elements.
     #[allow(clippy::too_many_arguments)]
     fn put(
         &mut self,
@@ -98,16 +229,15 @@ impl<T: Copy + Default> Planes<T> {
         pos0: usize,
         t: usize,
         cap: usize,
-        h: usize,
-        d: usize,
-        conv: impl Fn(&mut [T], &[f32]),
+        (h, d, r): (usize, usize, usize),
+        mut conv: impl FnMut(&mut [T], &[f32]),
     ) {
         for ti in 0..t {
             for hi in 0..h {
-                let dst = hi * cap * d + (pos0 + ti) * d;
+                let dst = hi * cap * r + (pos0 + ti) * r;
                 let src = ti * h * d + hi * d;
-                conv(&mut self.k[dst..dst + d], &kd[src..src + d]);
-                conv(&mut self.v[dst..dst + d], &vd[src..src + d]);
+                conv(&mut self.k[dst..dst + r], &kd[src..src + d]);
+                conv(&mut self.v[dst..dst + r], &vd[src..src + d]);
             }
         }
     }
@@ -124,16 +254,22 @@ impl<T: Copy + Default> Planes<T> {
 enum Storage {
     F16(Planes<f16>),
     F32(Planes<f32>),
+    Q8_0(Planes<BlockQ8_0>),
+    Q4_0(Planes<BlockQ4_0>),
 }
 
 /// A host cache's keys and values as the attention reads them.
 pub enum KvView<'a> {
     F16(LayerCache<'a, f16>),
     F32(LayerCache<'a, f32>),
+    /// Rows of `Dh / 32` blocks.
+    Q8_0(LayerCache<'a, BlockQ8_0>),
+    /// Rows of `Dh / 32` blocks.
+    Q4_0(LayerCache<'a, BlockQ4_0>),
 }
 
-/// Keys and values (f16 or f32, [`KvType`]) laid out `(Hkv, S_cap, Dh)` (a head's positions
-/// contiguous). Capacity grows by doubling up to the session's limit, so short sessions of
+/// Keys and values (f16, f32 or Q8_0 blocks, [`KvType`]) laid out `(Hkv, S_cap, Dh)` (a head's
+/// positions contiguous; a Q8_0 row is its `Dh / 32` blocks). Capacity grows by doubling up to the session's limit, so short sessions of
 /// long-context models stay small.
 pub struct HostKv {
     data: Storage,
@@ -150,6 +286,14 @@ impl HostKv {
                 v: Vec::new(),
             }),
             KvType::F32 => Storage::F32(Planes {
+                k: Vec::new(),
+                v: Vec::new(),
+            }),
+            KvType::Q8_0 => Storage::Q8_0(Planes {
+                k: Vec::new(),
+                v: Vec::new(),
+            }),
+            KvType::Q4_0 => Storage::Q4_0(Planes {
                 k: Vec::new(),
                 v: Vec::new(),
             }),
@@ -176,6 +320,8 @@ impl HostKv {
         match self.data {
             Storage::F16(_) => KvType::F16,
             Storage::F32(_) => KvType::F32,
+            Storage::Q8_0(_) => KvType::Q8_0,
+            Storage::Q4_0(_) => KvType::Q4_0,
         }
     }
 
@@ -191,6 +337,8 @@ impl HostKv {
         match &self.data {
             Storage::F16(p) => Storage::F16(p.copied(old, cap, len, h, d)),
             Storage::F32(p) => Storage::F32(p.copied(old, cap, len, h, d)),
+            Storage::Q8_0(p) => Storage::Q8_0(p.copied(old, cap, len, h, d / Q8_0_VALUES)),
+            Storage::Q4_0(p) => Storage::Q4_0(p.copied(old, cap, len, h, d / Q8_0_VALUES)),
         }
     }
 
@@ -204,7 +352,9 @@ impl HostKv {
     }
 
     /// Writes host tensors `k`, `v` `(T, Hkv*Dh)` at positions `pos0..pos0+T` (an f16 cache
-    /// rounds them to nearest even, as `half::f16::from_f32`).
+    /// rounds them to nearest even, as `half::f16::from_f32`; a Q8_0 cache quantizes each head's
+    /// row as ggml's `quantize_row_q8_0_ref`, so a prefill and a decode of the same keys store
+    /// the same blocks).
     pub fn write(&mut self, k: &Tensor, v: &Tensor, pos0: usize, limit: usize) -> Result<()> {
         let (t, w) = k.dims2();
         let (h, d) = (self.n_kv_heads, self.head_dim);
@@ -215,15 +365,36 @@ impl HostKv {
                 v.shape()
             )));
         }
+        self.kv_type().check_head_dim(d)?;
         check_fits(pos0, t, limit)?;
         self.grow(pos0 + t, limit);
         let (cap, kd, vd) = (self.capacity, k.data(), v.data());
         match &mut self.data {
             // Hardware conversion where the CPU has it; the same rounding either way.
-            Storage::F16(p) => p.put(kd, vd, pos0, t, cap, h, d, |o, i| {
+            Storage::F16(p) => p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| {
                 o.convert_from_f32_slice(i)
             }),
-            Storage::F32(p) => p.put(kd, vd, pos0, t, cap, h, d, |o, i| o.copy_from_slice(i)),
+            Storage::F32(p) => p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| o.copy_from_slice(i)),
+            Storage::Q8_0(p) => {
+                let r = d / Q8_0_VALUES;
+                let mut bytes = vec![0u8; r * std::mem::size_of::<BlockQ8_0>()];
+                p.put(kd, vd, pos0, t, cap, (h, d, r), |o, i| {
+                    crate::quant::legacy::quantize_q8_0(i, &mut bytes);
+                    for (b, src) in o.iter_mut().zip(bytes.chunks_exact(34)) {
+                        *b = BlockQ8_0::from_bytes(src);
+                    }
+                })
+            }
+            Storage::Q4_0(p) => {
+                let r = d / Q8_0_VALUES;
+                let mut bytes = vec![0u8; r * std::mem::size_of::<BlockQ4_0>()];
+                p.put(kd, vd, pos0, t, cap, (h, d, r), |o, i| {
+                    crate::quant::legacy::quantize_q4_0(i, &mut bytes);
+                    for (b, src) in o.iter_mut().zip(bytes.chunks_exact(18)) {
+                        *b = BlockQ4_0::from_bytes(src);
+                    }
+                })
+            }
         }
         Ok(())
     }
@@ -255,6 +426,8 @@ impl HostKv {
         match &self.data {
             Storage::F16(p) => KvView::F16(p.view(self.capacity)),
             Storage::F32(p) => KvView::F32(p.view(self.capacity)),
+            Storage::Q8_0(p) => KvView::Q8_0(p.view(self.capacity)),
+            Storage::Q4_0(p) => KvView::Q4_0(p.view(self.capacity)),
         }
     }
 
@@ -263,6 +436,8 @@ impl HostKv {
         match &self.data {
             Storage::F16(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<f16>(),
             Storage::F32(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<f32>(),
+            Storage::Q8_0(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<BlockQ8_0>(),
+            Storage::Q4_0(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<BlockQ4_0>(),
         }
     }
 }
@@ -300,6 +475,7 @@ mod tests {
                 c.k[at..at + d].iter().map(|x| x.to_bits()).collect(),
                 c.v[at..at + d].iter().map(|x| x.to_bits()).collect(),
             ),
+            KvView::Q8_0(_) | KvView::Q4_0(_) => unreachable!("block caches: block_bytes_at"),
         }
     }
 
@@ -321,12 +497,12 @@ mod tests {
             )
             .unwrap();
             assert_eq!(kv.capacity(), 256);
-            assert_eq!(kv.bytes(), 2 * h * 256 * d * ty.bytes());
+            assert_eq!(kv.bytes(), 2 * h * 256 * ty.row_bytes(d));
             // A compact copy of 3 positions, then one grown for a larger limit.
             for (limit, cap) in [(3, 3), (1000, 256)] {
                 let p = kv.prefix(3, limit).unwrap();
                 assert_eq!((p.capacity(), p.kv_type()), (cap, ty));
-                assert_eq!(p.bytes(), 2 * h * cap * d * ty.bytes());
+                assert_eq!(p.bytes(), 2 * h * cap * ty.row_bytes(d));
                 for hi in 0..h {
                     for pos in 0..3 {
                         assert_eq!(bits_at(&kv, hi, pos), bits_at(&p, hi, pos), "{ty:?}");
@@ -407,6 +583,135 @@ mod tests {
                     assert_eq!(v32[di], (-x).to_bits());
                 }
             }
+        }
+    }
+
+    /// ggml's bytes of the key and value rows of `kv` (a block cache) at (head, position).
+    fn block_bytes_at(kv: &HostKv, hi: usize, pos: usize) -> (Vec<u8>, Vec<u8>) {
+        let (cap, r) = (kv.capacity(), kv.head_dim() / Q8_0_VALUES);
+        let at = hi * cap * r + pos * r;
+        match kv.view() {
+            KvView::Q8_0(c) => {
+                let bytes = |x: &[BlockQ8_0]| x.iter().flat_map(|b| b.to_bytes()).collect();
+                (bytes(&c.k[at..at + r]), bytes(&c.v[at..at + r]))
+            }
+            KvView::Q4_0(c) => {
+                let bytes = |x: &[BlockQ4_0]| x.iter().flat_map(|b| b.to_bytes()).collect();
+                (bytes(&c.k[at..at + r]), bytes(&c.v[at..at + r]))
+            }
+            _ => panic!("not a block cache"),
+        }
+    }
+
+    /// Awkward values for block quantizers: blocks of very different magnitudes, exact zeros,
+    /// an all-zero block, ties of the rounding (x / d at k + 0.5), both signs.
+    fn awkward(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|i| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = ((s >> 40) as f32) / (1u64 << 24) as f32 - 0.5;
+                let block = i / 32;
+                match block % 5 {
+                    0 => u * 8.0,
+                    1 => u * 1e-3,
+                    2 if i % 32 == 0 => 127.0,
+                    2 => ((i % 32) as f32 - 16.0) + 0.5, // ties at d = 1
+                    3 => 0.0,
+                    _ if i % 7 == 0 => 0.0,
+                    _ => u * 300.0,
+                }
+            })
+            .collect()
+    }
+
+    /// A Q8_0 cache stores, for every head's row, exactly the bytes of the reference Q8_0
+    /// quantizer (`quant::quantize`), whether the positions came in one prefill or one by one
+    /// (and across a growth of the capacity); prefix copies keep the blocks as they are.
+    #[test]
+    fn block_write_equals_the_reference_quantizer() {
+        for (ty, gt) in [
+            (KvType::Q8_0, crate::GgmlType::Q8_0),
+            (KvType::Q4_0, crate::GgmlType::Q4_0),
+        ] {
+            block_write_case(ty, gt);
+        }
+    }
+
+    fn block_write_case(ty: KvType, gt: crate::GgmlType) {
+        let bb = ty.row_bytes(32);
+        for &(h, d) in &[(1, 32), (3, 64), (2, 96), (4, 128)] {
+            let n = 300; // past the first capacity of 256: one growth on the way
+            let kv_vals = awkward(n * h * d, 0x1234 + d as u64);
+            let vv_vals: Vec<f32> = awkward(n * h * d, 0x9876 + h as u64);
+            let kt = Tensor::new(&[n, h * d], kv_vals.clone()).unwrap();
+            let vt = Tensor::new(&[n, h * d], vv_vals.clone()).unwrap();
+            let mut whole = HostKv::new(h, d, ty);
+            whole.write(&kt, &vt, 0, 4096).unwrap();
+            let mut steps = HostKv::new(h, d, ty);
+            steps
+                .write(&rows_of(&kt, 0..5), &rows_of(&vt, 0..5), 0, 4096)
+                .unwrap();
+            for ti in 5..n {
+                let (k1, v1) = (rows_of(&kt, ti..ti + 1), rows_of(&vt, ti..ti + 1));
+                steps.write(&k1, &v1, ti, 4096).unwrap();
+            }
+            assert_eq!(whole.capacity(), 512);
+            assert_eq!(whole.bytes(), 2 * h * 512 * (d / 32) * bb);
+            let copy = whole.prefix(n, n).unwrap();
+            for ti in 0..n {
+                for hi in 0..h {
+                    let at = ti * h * d + hi * d;
+                    let mut want_k = vec![0u8; d / 32 * bb];
+                    let mut want_v = vec![0u8; d / 32 * bb];
+                    crate::quant::quantize(gt, &kv_vals[at..at + d], &mut want_k).unwrap();
+                    crate::quant::quantize(gt, &vv_vals[at..at + d], &mut want_v).unwrap();
+                    let want = (want_k, want_v);
+                    assert_eq!(block_bytes_at(&whole, hi, ti), want, "h {h} d {d} pos {ti}");
+                    assert_eq!(block_bytes_at(&steps, hi, ti), want, "h {h} d {d} pos {ti}");
+                    assert_eq!(block_bytes_at(&copy, hi, ti), want, "h {h} d {d} pos {ti}");
+                }
+            }
+        }
+    }
+
+    /// A head width that is not a whole number of blocks is refused, naming it.
+    #[test]
+    fn q8_0_needs_whole_blocks() {
+        let mut kv = HostKv::new(2, 48, KvType::Q8_0);
+        let t = Tensor::new(&[1, 96], vec![0.5; 96]).unwrap();
+        let e = kv.write(&t, &t, 0, 16).unwrap_err().to_string();
+        assert!(e.contains("head width 48") && e.contains("q8_0"), "{e}");
+        assert!(KvType::Q8_0.check_head_dim(64).is_ok());
+        assert!(KvType::F16.check_head_dim(48).is_ok());
+    }
+
+    /// KV bytes per position: Q8_0 is 34 bytes per 32 values against f16's 64, 17/32 =
+    /// 53.125 % (53 % to two figures; ggml's block layout allows no less).
+    #[test]
+    fn q8_0_bytes_per_position() {
+        let bound = 0.53125;
+        for d in [32, 64, 128, 256] {
+            let (q8, f16b) = (KvType::Q8_0.row_bytes(d), KvType::F16.row_bytes(d));
+            assert_eq!(q8 * 32, 34 * d);
+            assert!(q8 as f64 <= bound * f16b as f64, "{q8} vs {f16b}");
+            assert_eq!((100.0 * q8 as f64 / f16b as f64).round(), 53.0);
+            // Q4_0: 18 bytes per 32 values, 9/32 = 28.1 % of f16.
+            let q4 = KvType::Q4_0.row_bytes(d);
+            assert_eq!(q4 * 32, 18 * d);
+            assert_eq!((100.0 * q4 as f64 / f16b as f64).round(), 28.0);
+            let (h, n) = (3, 40);
+            let t = Tensor::new(&[n, h * d], awkward(n * h * d, 5)).unwrap();
+            let (mut a, mut b) = (
+                HostKv::new(h, d, KvType::Q8_0),
+                HostKv::new(h, d, KvType::F16),
+            );
+            a.write(&t, &t, 0, n).unwrap();
+            b.write(&t, &t, 0, n).unwrap();
+            assert!(a.bytes() as f64 <= bound * b.bytes() as f64);
+            assert_eq!(a.bytes(), 2 * h * n * q8);
         }
     }
 

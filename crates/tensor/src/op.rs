@@ -55,8 +55,10 @@ pub struct AttentionParams {
 }
 
 /// Key/value cache of one layer, laid out `(Hkv, S_cap, Dh)` so a head's keys are contiguous.
-/// `T` is what the cache stores: f32, or f16 (half the memory; attention widens each row to f32
-/// as it reads it, so only the rounding of the stored values differs).
+/// `T` is what the cache stores: f32, f16 (half the memory; attention widens each row to f32
+/// as it reads it, so only the rounding of the stored values differs), or blocks of several
+/// values ([`crate::kv::BlockQ8_0`]: a row of `Dh` values is `Dh / 32` blocks, so the slices hold
+/// `Hkv * S_cap * Dh / T::VALUES` elements).
 pub struct LayerCache<'a, T = f32> {
     pub k: &'a [T],
     pub v: &'a [T],
@@ -64,14 +66,33 @@ pub struct LayerCache<'a, T = f32> {
     pub capacity: usize,
 }
 
-/// An element type a host KV cache stores ([`LayerCache`]): `f32` or `half::f16`. A backend that
-/// reads host caches has a kernel for each (the CPU backend's `KvRead`).
+/// An element type a host KV cache stores ([`LayerCache`]): `f32`, `half::f16`, or a block of
+/// quantized values ([`crate::kv::BlockQ8_0`]). A backend that reads host caches has a kernel for
+/// each (the CPU backend's `KvRead`).
 pub trait KvElem: Copy + Send + Sync + 'static {
+    /// Values one element holds (1 for f32 and f16, 32 for a Q8_0 block); a cache row of `Dh`
+    /// values is `Dh / VALUES` elements.
+    const VALUES: usize;
+    /// `out = row` as f32 (`out.len() == row.len() * VALUES`): exact for f32 and f16, ggml's
+    /// `dequantize_row_*` (bit for bit) for blocks.
+    fn dequantize_row(row: &[Self], out: &mut [f32]);
+}
+
+/// A [`KvElem`] of one value (f32, f16).
+pub trait KvScalar: KvElem {
     /// The value as f32 (exact for both types).
     fn to_f32(self) -> f32;
 }
 
 impl KvElem for f32 {
+    const VALUES: usize = 1;
+    #[inline(always)]
+    fn dequantize_row(row: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(row)
+    }
+}
+
+impl KvScalar for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -79,6 +100,17 @@ impl KvElem for f32 {
 }
 
 impl KvElem for half::f16 {
+    const VALUES: usize = 1;
+    #[inline(always)]
+    fn dequantize_row(row: &[half::f16], out: &mut [f32]) {
+        assert_eq!(row.len(), out.len());
+        for (o, x) in out.iter_mut().zip(row) {
+            *o = x.to_f32();
+        }
+    }
+}
+
+impl KvScalar for half::f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16_bits_to_f32(self.to_bits())
@@ -387,7 +419,7 @@ pub fn linear_gated_composed<B: Backend + ?Sized>(
 
 /// Checks an attention call's shapes against its cache (shared by every backend): `q` is
 /// `(T, H*Dh)`, heads divide into kv groups, and positions `0..pos0+T` fit the cache. Returns T.
-pub fn check_attention<T>(
+pub fn check_attention<T: KvElem>(
     q: &Tensor,
     cache: &LayerCache<'_, T>,
     pos0: usize,
@@ -400,10 +432,17 @@ pub fn check_attention<T>(
             "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
         )));
     }
+    if !dh.is_multiple_of(T::VALUES) {
+        return Err(crate::Error::Shape(format!(
+            "attention: head width {dh} is not a whole number of {}-value cache blocks",
+            T::VALUES
+        )));
+    }
+    let row = dh / T::VALUES;
     let total = pos0 + t;
     if total > cache.capacity
-        || cache.k.len() < hkv * cache.capacity * dh
-        || cache.v.len() < hkv * cache.capacity * dh
+        || cache.k.len() < hkv * cache.capacity * row
+        || cache.v.len() < hkv * cache.capacity * row
     {
         return Err(crate::Error::Shape(format!(
             "attention: {total} positions exceed the cache capacity {}",

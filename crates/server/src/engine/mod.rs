@@ -291,9 +291,8 @@ pub struct Engine {
 impl Engine {
     /// Starts the engine thread over `model`.
     pub fn start(model: Arc<Model>, cfg: EngineConfig) -> std::io::Result<Engine> {
-        let c = &model.config;
         // Keys and values of every layer, at the model's cache type (the CLI gives a GPU the same).
-        let bytes_per_token = (c.kv_values_per_token() * model.kv_type().bytes()) as u64;
+        let bytes_per_token = model.kv_bytes_per_token() as u64;
         let block_bytes = (BLOCK_TOKENS as u64 * bytes_per_token).max(1);
         let total_blocks = (cfg.kv_mem_bytes / block_bytes) as usize;
         let (dead, _) = watch::channel(false);

@@ -1,0 +1,212 @@
+//! Attention over Q8_0 and Q4_0 KV caches (ggml blocks, quantized when written) against the reference
+//! attention over the blocks' dequantized values in f32: decode (T = 1) and prefill shapes, GQA
+//! ratios, head widths, sliding windows, spare capacity. The cache is filled through
+//! `HostKv::write`, as a model fills it.
+
+use hf2q_cpu::{CpuBackend, KvRead, MatmulPath};
+use hf2q_tensor::kv::{BlockQ8_0, HostKv, KvType, KvView};
+use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache};
+use hf2q_tensor::Tensor;
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    }
+}
+
+/// The reference path (scalar attention) and the fast path (tiled and decode kernels).
+fn reference() -> CpuBackend {
+    CpuBackend::default()
+}
+fn fast() -> CpuBackend {
+    CpuBackend {
+        matmul: MatmulPath::Fast,
+        ..CpuBackend::default()
+    }
+}
+
+fn max_err(a: &Tensor, b: &Tensor) -> f32 {
+    a.data()
+        .iter()
+        .zip(b.data())
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// The f32 values of a block plane, row by row (ggml's `dequantize_row_q8_0` / `_q4_0`).
+fn dequantized<T: KvElem>(blocks: &[T]) -> Vec<f32> {
+    let mut out = vec![0f32; blocks.len() * T::VALUES];
+    T::dequantize_row(blocks, &mut out);
+    out
+}
+
+/// Attention over block cache `c` against the reference over its dequantized values.
+fn check_blocks<T: KvRead>(
+    c: &LayerCache<'_, T>,
+    q: &Tensor,
+    pos0: usize,
+    p: &AttentionParams,
+    what: &str,
+) {
+    let (kd, vd) = (dequantized(c.k), dequantized(c.v));
+    let c32 = LayerCache {
+        k: &kd,
+        v: &vd,
+        capacity: c.capacity,
+    };
+    let want = reference().attention(q, &c32, pos0, p).unwrap();
+    // The reference over the blocks dequantizes each row as it reads it: the same f32 values
+    // in the same order, so the same bits.
+    let refq = reference().attention(q, c, pos0, p).unwrap();
+    assert_eq!(max_err(&want, &refq), 0.0, "reference {what}");
+    // The fast kernels read the blocks (decode: scale per block, integers widened in
+    // registers). Outputs are convex combinations of values in about [-1, 1]: f32 sums in
+    // another order and the polynomial exp, as for f32 caches.
+    let got = fast().attention(q, c, pos0, p).unwrap();
+    let e = max_err(&want, &got);
+    assert!(
+        e < 2e-5,
+        "{what}: fast over blocks vs reference over f32 {e}"
+    );
+    // And the fast kernels over the dequantized f32 cache agree as closely.
+    let got32 = fast().attention(q, &c32, pos0, p).unwrap();
+    let e = max_err(&got32, &got);
+    assert!(e < 2e-5, "{what}: blocks vs their f32 values, fast {e}");
+}
+
+#[test]
+fn block_attention_equals_attention_over_dequantized_values() {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut cases = 0;
+    for &(h, hkv) in &[(1, 1), (9, 3), (8, 2), (16, 2)] {
+        for &dh in &[32, 64, 128, 256] {
+            for &(t, pos0) in &[
+                (1, 0),
+                (1, 5),
+                (1, 300),
+                (17, 0),
+                (40, 23),
+                (3, 70),
+                (64, 200),
+            ] {
+                for &window in &[None, Some(7), Some(64)] {
+                    let p = AttentionParams {
+                        n_heads: h,
+                        n_kv_heads: hkv,
+                        head_dim: dh,
+                        scale: 1.0 / (dh as f32).sqrt(),
+                        window,
+                    };
+                    let n = pos0 + t;
+                    // Keys with a per-position magnitude (blocks of different scales) and
+                    // large-ish scores, so that the online rescaling matters.
+                    let k: Vec<f32> = (0..n * hkv * dh)
+                        .map(|i| 3.0 * rng.f() * (1.0 + (i / 32 % 5) as f32))
+                        .collect();
+                    let v: Vec<f32> = (0..n * hkv * dh).map(|_| rng.f()).collect();
+                    let (kt, vt) = (
+                        Tensor::new(&[n, hkv * dh], k).unwrap(),
+                        Tensor::new(&[n, hkv * dh], v).unwrap(),
+                    );
+                    let q = Tensor::new(
+                        &[t, h * dh],
+                        (0..t * h * dh).map(|_| 3.0 * rng.f()).collect(),
+                    )
+                    .unwrap();
+                    for ty in [KvType::Q8_0, KvType::Q4_0] {
+                        let mut kv = HostKv::new(hkv, dh, ty);
+                        kv.write(&kt, &vt, 0, 4096).unwrap();
+                        let what = format!(
+                            "{} h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}",
+                            ty.name()
+                        );
+                        match kv.view() {
+                            KvView::Q8_0(c) => check_blocks(&c, &q, pos0, &p, &what),
+                            KvView::Q4_0(c) => check_blocks(&c, &q, pos0, &p, &what),
+                            _ => unreachable!(),
+                        }
+                    }
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 4 * 4 * 7 * 3);
+}
+
+/// Decode at a position a prefill wrote and at one written alone reads the same blocks: the
+/// quantization happens on write, per row, whatever the call's length.
+#[test]
+fn prefill_and_decode_see_the_same_values() {
+    let (h, hkv, dh, n) = (4, 2, 64, 50);
+    let mut rng = Rng(0x0123_4567_89AB_CDEF);
+    let k: Vec<f32> = (0..n * hkv * dh).map(|_| 2.0 * rng.f()).collect();
+    let v: Vec<f32> = (0..n * hkv * dh).map(|_| rng.f()).collect();
+    let kt = Tensor::new(&[n, hkv * dh], k).unwrap();
+    let vt = Tensor::new(&[n, hkv * dh], v).unwrap();
+    let row = |t: &Tensor, i: usize| {
+        Tensor::new(
+            &[1, hkv * dh],
+            t.data()[i * hkv * dh..(i + 1) * hkv * dh].to_vec(),
+        )
+        .unwrap()
+    };
+    let mut whole = HostKv::new(hkv, dh, KvType::Q8_0);
+    whole.write(&kt, &vt, 0, n).unwrap();
+    let mut steps = HostKv::new(hkv, dh, KvType::Q8_0);
+    for i in 0..n {
+        steps.write(&row(&kt, i), &row(&vt, i), i, n).unwrap();
+    }
+    let p = AttentionParams {
+        n_heads: h,
+        n_kv_heads: hkv,
+        head_dim: dh,
+        scale: 0.125,
+        window: None,
+    };
+    let q = Tensor::new(&[1, h * dh], (0..h * dh).map(|_| rng.f()).collect()).unwrap();
+    let fast = CpuBackend {
+        matmul: MatmulPath::Fast,
+        ..CpuBackend::default()
+    };
+    let (KvView::Q8_0(a), KvView::Q8_0(b)) = (whole.view(), steps.view()) else {
+        panic!("q8_0 caches")
+    };
+    let (x, y) = (
+        fast.attention(&q, &a, n - 1, &p).unwrap(),
+        fast.attention(&q, &b, n - 1, &p).unwrap(),
+    );
+    assert_eq!(x.data(), y.data());
+}
+
+/// A head width that is not a whole number of blocks is refused by the attention too.
+#[test]
+fn q8_0_attention_checks_shapes() {
+    let blocks = vec![BlockQ8_0::default(); 8];
+    let c = LayerCache {
+        k: &blocks,
+        v: &blocks,
+        capacity: 4,
+    };
+    let p = AttentionParams {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 48,
+        scale: 1.0,
+        window: None,
+    };
+    let q = Tensor::new(&[1, 48], vec![0.1; 48]).unwrap();
+    let e = reference()
+        .attention(&q, &c, 0, &p)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("head width 48"), "{e}");
+    let p = AttentionParams { head_dim: 64, ..p };
+    let q = Tensor::new(&[1, 64], vec![0.1; 64]).unwrap();
+    // 8 blocks hold 4 positions of 64 values in one head: position 4 is past them.
+    assert!(fast().attention(&q, &c, 3, &p).is_ok());
+    assert!(fast().attention(&q, &c, 4, &p).is_err());
+}

@@ -1,0 +1,184 @@
+//! The quantized KV cache end to end: a Q8_0 cache (`KvType::Q8_0`, ggml blocks quantized when
+//! written) against the default f16 cache on the same model and path (fast kernels),
+//! teacher-forced over 100 positions, prefilled at once and decoded one token at a time:
+//! argmax agreement >= 98/100 and mean KL(f16 || q8_0) <= 1e-3.
+//!
+//! - Tiny committed checkpoints with head widths of 32 (Qwen3's q/k norm; Gemma 3's sliding
+//!   window of 4 positions and global layers): always run.
+//! - Real SmolLM2 (`HF2Q_TEST_SMOLLM2_GGUF`, as `parity.rs`), over its golden text's ids; prints
+//!   "skipped" and passes without it.
+//! - Q4_0 on the tiny checkpoints, against a looser stated bound (`q4_0_kv_bound_tiny`).
+//! - A model whose head width is not a multiple of 32 (tiny-llama, 16) is refused, naming it.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{argmax, kl};
+use hf2q_cpu::MatmulPath;
+use hf2q_models::Model;
+use hf2q_tensor::kv::KvType;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// `n` token ids below `vocab` from a fixed generator (a text the model did not see; the tiny
+/// models are random anyway).
+fn ids(n: usize, vocab: usize, mut seed: u64) -> Vec<u32> {
+    (0..n)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// (argmax agreement, mean KL) of `q8_0` against `f16` logits over their last 100 rows.
+fn compare(name: &str, what: &str, f16: &[Vec<f32>], q8: &[Vec<f32>]) -> (usize, f64) {
+    assert_eq!(f16.len(), 100);
+    let (mut agree, mut kl_sum) = (0usize, 0f64);
+    for (p, q) in f16.iter().zip(q8) {
+        if argmax(p) == argmax(q) {
+            agree += 1;
+        }
+        kl_sum += kl(p, q);
+    }
+    let kl_mean = kl_sum / 100.0;
+    eprintln!("{name}: vs f16 KV cache, {what}: argmax {agree}/100, mean KL {kl_mean:.2e}");
+    (agree, kl_mean)
+}
+
+/// The logits of the last 100 positions of `ids`: one prefill of all of them, and a prefill of
+/// the rest followed by one-token decode steps.
+fn logits(model: &Model, ids: &[u32]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let first = ids.len() - 100;
+    let all = model.session(ids.len()).forward_all(ids).unwrap();
+    let prefill = (first..ids.len()).map(|p| all.row(p).to_vec()).collect();
+    let mut s = model.session(ids.len());
+    s.prefill(&ids[..first]).unwrap();
+    let decode = (first..ids.len())
+        .map(|p| s.prefill(&ids[p..p + 1]).unwrap())
+        .collect();
+    (prefill, decode)
+}
+
+/// The gate on `model` over `ids` (at least 101 of them): q8_0 KV against f16 KV, both on the
+/// fast path.
+fn gate(name: &str, model: &mut Model, ids: &[u32]) {
+    model.set_matmul_path(MatmulPath::Fast);
+    model.set_kv_type(KvType::F16);
+    let (want_p, want_d) = logits(model, ids);
+    model.set_kv_type(KvType::Q8_0);
+    model.check_kv_type().unwrap();
+    let (got_p, got_d) = logits(model, ids);
+    for (what, want, got) in [("prefill", &want_p, &got_p), ("decode", &want_d, &got_d)] {
+        let (agree, kl_mean) = compare(name, what, want, got);
+        assert!(agree >= 98, "{name} {what}: argmax agreement {agree}/100");
+        assert!(kl_mean <= 1e-3, "{name} {what}: mean KL {kl_mean}");
+    }
+    // Prefill and decode store the same blocks (quantized per row on write), so their logits
+    // differ only as the f16 cache's do (the kernels' summation order).
+    let spread = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter()
+            .zip(b)
+            .flat_map(|(x, y)| x.iter().zip(y).map(|(u, v)| (u - v).abs()))
+            .fold(0f32, f32::max)
+    };
+    let (s16, s8) = (spread(&want_p, &want_d), spread(&got_p, &got_d));
+    eprintln!("{name}: prefill vs decode max |Δlogit|: f16 {s16:.2e}, q8_0 {s8:.2e}");
+    assert!(
+        s8 <= 10.0 * s16.max(1e-4),
+        "{name}: q8_0 prefill vs decode {s8}"
+    );
+}
+
+#[test]
+fn q8_0_kv_gate_tiny() {
+    for (name, seed) in [("tiny-qwen3", 11u64), ("tiny-gemma3", 12)] {
+        let mut model = Model::load(&fixtures().join("tiny").join(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let ids = ids(140, model.vocab_size(), 0x5eed ^ seed);
+        gate(name, &mut model, &ids);
+        // Bytes per position: 34 per 32 values against f16's 64.
+        let (q8, f16) = (
+            model.kv_bytes_per_token_as(KvType::Q8_0),
+            model.kv_bytes_per_token_as(KvType::F16),
+        );
+        assert_eq!(q8 * 64, f16 * 34, "{name}");
+    }
+}
+
+/// Q4_0 keys and values move the output more; its bound on the tiny checkpoints: mean KL <=
+/// 5e-3 against the f16 cache and argmax agreement >= 70/100, prefill and decode (the random
+/// tiny models' logits are nearly flat, so near-ties flip: measured KL 1.0e-3 and 82/100 on
+/// tiny Qwen3, 2.2e-3 and 76/100 on tiny Gemma 3). Real-model bounds for the 4-bit types are
+/// not set yet.
+#[test]
+fn q4_0_kv_bound_tiny() {
+    for (name, seed) in [("tiny-qwen3", 11u64), ("tiny-gemma3", 12)] {
+        let mut model = Model::load(&fixtures().join("tiny").join(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let ids = ids(140, model.vocab_size(), 0x5eed ^ seed);
+        model.set_matmul_path(MatmulPath::Fast);
+        model.set_kv_type(KvType::F16);
+        let (want_p, want_d) = logits(&model, &ids);
+        model.set_kv_type(KvType::Q4_0);
+        model.check_kv_type().unwrap();
+        let (got_p, got_d) = logits(&model, &ids);
+        for (what, want, got) in [("prefill", &want_p, &got_p), ("decode", &want_d, &got_d)] {
+            let (agree, kl_mean) = compare(name, &format!("q4_0 {what}"), want, got);
+            assert!(
+                agree >= 70,
+                "{name} q4_0 {what}: argmax agreement {agree}/100"
+            );
+            assert!(kl_mean <= 5e-3, "{name} q4_0 {what}: mean KL {kl_mean}");
+        }
+        let (q4, f16) = (
+            model.kv_bytes_per_token_as(KvType::Q4_0),
+            model.kv_bytes_per_token_as(KvType::F16),
+        );
+        assert_eq!(q4 * 64, f16 * 18, "{name}");
+    }
+}
+
+#[test]
+fn q8_0_kv_gate_smollm2() {
+    let var = "HF2Q_TEST_SMOLLM2_GGUF";
+    let path = match std::env::var(var) {
+        Ok(p) if !p.is_empty() => p,
+        _ => {
+            eprintln!("skipped: {var} is not set (the real-model q8_0 KV gate needs SmolLM2)");
+            return;
+        }
+    };
+    let mut model = Model::load(Path::new(&path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let g: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("goldens/smollm2.json")).unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<u32> = g["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    gate("smollm2", &mut model, &ids);
+}
+
+#[test]
+fn q8_0_kv_refuses_head_widths_off_the_block() {
+    let mut model = Model::load(&fixtures().join("tiny/tiny-llama")).unwrap();
+    model.set_kv_type(KvType::Q8_0);
+    let e = model.check_kv_type().unwrap_err().to_string();
+    assert!(e.contains("head width 16") && e.contains("q8_0"), "{e}");
+    // Running anyway fails at the first cache write with the same message.
+    let e = model
+        .session(8)
+        .prefill(&[1, 2, 3])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("head width 16"), "{e}");
+}
