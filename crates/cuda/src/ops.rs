@@ -919,9 +919,11 @@ impl CudaDev {
         launch!(self, f, (grid, 1, 1), (256, 1, 1), 0; xp, wp, op, c, eps, offset)
     }
 
-    /// Uploads the inverse frequencies of `p` for [`CudaDev::rope`].
+    /// Uploads the inverse frequencies of `p` for [`CudaDev::rope`]. `p.dims == 0` (a layer
+    /// without RoPE, as SmolLM3's every fourth) is a table that rotates nothing: `rope` returns at
+    /// once and `rope_store` only stores.
     pub fn rope_table(&self, p: &RopeParams) -> Result<RopeTable> {
-        if p.dims == 0 || !p.dims.is_multiple_of(2) {
+        if !p.dims.is_multiple_of(2) {
             return Err(shape(format!("rope: {} rotated dims", p.dims)));
         }
         if let Some(ff) = &p.freq_factors {
@@ -931,8 +933,13 @@ impl CudaDev {
             return Err(shape(format!("rope: linear scale {}", p.linear_scale)));
         }
         self.bind()?;
+        // One unused word when nothing rotates: a device buffer is never empty.
+        let mut inv_freq = p.inv_freqs();
+        if inv_freq.is_empty() {
+            inv_freq.push(0.0);
+        }
         Ok(RopeTable {
-            inv_freq: self.upload(&p.inv_freqs())?,
+            inv_freq: self.upload(&inv_freq)?,
             style: p.style,
             dims: p.dims,
             linear_scale: p.linear_scale,
@@ -958,7 +965,7 @@ impl CudaDev {
             )));
         }
         let half = table.dims / 2;
-        if t == 0 || n_heads == 0 {
+        if t == 0 || n_heads == 0 || half == 0 {
             return Ok(());
         }
         self.bind()?;

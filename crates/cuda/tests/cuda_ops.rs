@@ -750,6 +750,8 @@ fn rope_both_styles() {
         (RopeStyle::Neox, 128, 128, 2, 33, 4000, 2.0, true),
         (RopeStyle::Interleaved, 128, 64, 4, 9, 77, 1.0, true),
         (RopeStyle::Neox, 256, 256, 1, 5, 30000, 8.0, false),
+        // A layer without RoPE (SmolLM3's every fourth): nothing rotates.
+        (RopeStyle::Neox, 64, 0, 2, 3, 9, 1.0, false),
     ] {
         let p = RopeParams {
             style,
@@ -794,6 +796,18 @@ fn rope_store_equals_the_three_ops() {
             2,
             1,
             17usize,
+            64usize,
+            KvDtype::F16,
+        ),
+        // No RoPE on this layer: q unchanged, k and v only stored.
+        (
+            RopeStyle::Neox,
+            64,
+            0,
+            4,
+            2,
+            3,
+            5usize,
             64usize,
             KvDtype::F16,
         ),
