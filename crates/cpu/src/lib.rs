@@ -3,7 +3,7 @@
 //!
 //! The reference path is scalar, obvious f32 code (parallel over rows/heads with rayon); every
 //! faster kernel, CPU SIMD ([`kernels`]) or CUDA (`hf2q-cuda`), is held to its results. Also here:
-//! the tiled attention (`attention.rs`), dense f32 products ([`dense`]) and the training ops
+//! the tiled attention (`attention.rs`), the paged KV cache's host twin ([`paged`]), dense f32 products ([`dense`]) and the training ops
 //! (`train/`). Not here: the op set's types and checks (`hf2q_tensor::op`, `train_op`).
 
 use rayon::prelude::*;
@@ -11,6 +11,7 @@ use rayon::prelude::*;
 mod attention;
 pub mod dense;
 pub mod kernels;
+pub mod paged;
 pub(crate) mod train;
 
 pub use attention::KvRead;

@@ -22,7 +22,9 @@
 //!   (ggml blocks, dense f32/f16/bf16, or MLX packed words plus f32 scales and biases). Kernels
 //!   dequantize on the fly (`kernels/quant.cuh`).
 //! - The KV cache of a layer is a [`DeviceKvCache`], `(Hkv, S_cap, Dh)` as on the CPU, stored as
-//!   f16 by default ([`KvDtype`]).
+//!   f16 by default ([`KvDtype`]). A batch of sequences can instead keep its keys and values in a
+//!   [`DevicePagedLayer`] per layer: blocks of one pool read through block tables by one
+//!   attention launch over every row of the batch (`paged.rs`).
 //!
 //! # Kernels
 //!
@@ -47,6 +49,7 @@ mod mmq;
 pub(crate) mod moe;
 mod ops;
 mod options;
+mod paged;
 pub(crate) mod train;
 mod weight;
 
@@ -69,6 +72,7 @@ pub use ops::{
     SAMPLE_MAX_K,
 };
 pub use options::{CudaOptions, OptionKey};
+pub use paged::{DevicePagedLayer, DevicePagedRows};
 pub use weight::DeviceWeight;
 
 use hf2q_tensor::{Error, Result};

@@ -297,6 +297,32 @@ pub(crate) fn blocks(n: usize, per: usize) -> Result<u32> {
     u32::try_from(n.div_ceil(per)).map_err(|_| shape(format!("{n} elements is too many")))
 }
 
+/// Head dims each lane of the attention kernels holds for heads of width `dh` (the `DPL` of
+/// their names); an error for a width no kernel takes.
+pub(crate) fn dims_per_lane(dh: usize) -> Result<usize> {
+    let step = if dh > NARROW_HEAD_DIM { 16 } else { 8 };
+    if dh == 0 || !dh.is_multiple_of(step) || dh > MAX_HEAD_DIM {
+        return Err(shape(format!(
+            "attention: head width {dh} (a multiple of 8 up to {NARROW_HEAD_DIM}, of 16 up to \
+             {MAX_HEAD_DIM})"
+        )));
+    }
+    Ok(if dh <= 64 {
+        2
+    } else if dh <= 128 {
+        4
+    } else if dh <= NARROW_HEAD_DIM {
+        8
+    } else {
+        16
+    })
+}
+
+/// Query heads one decode attention block takes (`AD_HEADS` in attention.cu).
+pub(crate) fn heads_per_block(dh: usize) -> Result<usize> {
+    Ok(if dims_per_lane(dh)? >= 16 { 4 } else { 8 })
+}
+
 /// Element type of a KV cache on the device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvDtype {
@@ -326,13 +352,13 @@ impl TryFrom<hf2q_tensor::kv::KvType> for KvDtype {
 }
 
 impl KvDtype {
-    fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             KvDtype::F16 => 2,
             KvDtype::F32 => 4,
         }
     }
-    fn suffix(self) -> &'static str {
+    pub(crate) fn suffix(self) -> &'static str {
         match self {
             KvDtype::F16 => "f16",
             KvDtype::F32 => "f32",
@@ -1140,13 +1166,7 @@ impl CudaDev {
                 cache.n_kv_heads, cache.head_dim
             )));
         }
-        let step = if dh > NARROW_HEAD_DIM { 16 } else { 8 };
-        if dh == 0 || !dh.is_multiple_of(step) || dh > MAX_HEAD_DIM {
-            return Err(shape(format!(
-                "attention: head width {dh} (a multiple of 8 up to {NARROW_HEAD_DIM}, of 16 up \
-                 to {MAX_HEAD_DIM})"
-            )));
-        }
+        let dpl = dims_per_lane(dh)?;
         if p.window == Some(0) {
             return Err(shape("attention: a window of 0 sees no key".into()));
         }
@@ -1157,15 +1177,6 @@ impl CudaDev {
             return Ok(());
         }
         self.bind()?;
-        let dpl = if dh <= 64 {
-            2
-        } else if dh <= 128 {
-            4
-        } else if dh <= NARROW_HEAD_DIM {
-            8
-        } else {
-            16
-        };
         let kv = cache.dtype.suffix();
         let (qp, pp, op) = (self.ptr(q), self.ptr(pos0), self.ptr_mut(out));
         let (kcp, vcp) = (
@@ -1185,9 +1196,7 @@ impl CudaDev {
             let sp = self.ptr_mut(scratch);
             let ns = splits as i32;
             let f = self.function(Program::Attention, &format!("attn_decode_{kv}_{dpl}"))?;
-            // Query heads per block: `AD_HEADS` in attention.cu.
-            let per_block = if dpl >= 16 { 4 } else { 8 };
-            let chunks = (h / hkv).div_ceil(per_block) as u32;
+            let chunks = (h / hkv).div_ceil(heads_per_block(dh)?) as u32;
             // The splits are merged by the last block of each (kv head, chunk) to finish, which
             // counts on the device's counters.
             if hkv * chunks as usize > COUNTERS {

@@ -8,6 +8,7 @@
 //! - [`weight`]: a 2-D weight kept in its stored form (quantized blocks, MLX affine, dense).
 //! - [`tensor`] + [`op`]: activations and the closed op set (the [`op::Backend`] trait).
 //! - [`kv`]: the per-layer KV cache a backend reads and writes (host planes or a device cache).
+//! - [`paged`]: the paged KV cache's block pool, block tables and layout (no storage).
 //! - [`moe`]: mixture-of-experts routing and expert products over the op set.
 //! - [`train_op`]: the training op set (backward of every op, attention with its log-sum-exp,
 //!   the fused output layer and loss, AdamW) and the shape checks every backend shares.
@@ -18,6 +19,7 @@ pub mod io;
 pub mod kv;
 pub mod moe;
 pub mod op;
+pub mod paged;
 pub mod quant;
 pub mod storage;
 pub mod tensor;

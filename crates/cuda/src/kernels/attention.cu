@@ -115,30 +115,38 @@ __device__ __forceinline__ void merge_splits(const float* ph, float* oh, int dh,
     }
 }
 
-template <int DPL, typename KV, int MAXG = AD_HEADS(DPL)>
-__device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
-                                                 const KV* __restrict__ kc,
-                                                 const KV* __restrict__ vc,
-                                                 const i32* __restrict__ pos0p,
-                                                 float* __restrict__ part, int H, int hkv, int dh,
-                                                 int cap, float scale, int window, int nsplit,
-                                                 float* __restrict__ out, u32* counters) {
+// Where key (and value) j of one kv head lives, as an element offset from the pool's start.
+// A contiguous cache `(Hkv, S_cap, Dh)`: the head's rows one after another.
+struct ContigKeys {
+    i64 base;  // kvh * cap * dh
+    int dh;
+    __device__ __forceinline__ i64 row(int j) const { return base + (i64)j * dh; }
+};
+// A paged cache `(n_blocks, Hkv, B, Dh)` (B = 1 << lb) read through one sequence's block table.
+struct PagedKeys {
+    const i32* __restrict__ table;
+    int kvh, hkv, lb, dh;
+    __device__ __forceinline__ i64 row(int j) const {
+        const i64 b = table[j >> lb];
+        return (((b * hkv + kvh) << lb) + (j & ((1 << lb) - 1))) * dh;
+    }
+};
+
+// One decode block's share of the work: query heads h0 .. h0 + ng (sharing one kv head) of the
+// query row `q (H, Dh)` over keys s0 .. s1 at `keys`' rows, written as one partial
+// (max, sum, o[dh]) per head to `part + (h * nsplit + split) * (dh + 2)`.
+template <int DPL, typename KV, int MAXG, typename Keys>
+__device__ __forceinline__ void attn_decode_split(const float* __restrict__ q,
+                                                  const KV* __restrict__ kc,
+                                                  const KV* __restrict__ vc, Keys keys, int h0,
+                                                  int ng, int dh, int s0, int s1, float scale,
+                                                  float* __restrict__ part, int nsplit,
+                                                  int split) {
     __shared__ float sm_m[AD_WARPS][MAXG], sm_l[AD_WARPS][MAXG];
     __shared__ float sm_acc[AD_WARPS][MAXG][DPL * 32];
-    const int kvh = blockIdx.x, split = blockIdx.y;
-    const int G = H / hkv, hc0 = blockIdx.z * MAXG;
-    const int ng = min(MAXG, G - hc0), h0 = kvh * G + hc0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int dbase = lane * DPL;
     const bool lane_on = dbase < dh;
-
-    // The position word is written before the step starts, not by the previous kernel: read
-    // before waiting for it (q and the cache rows are its outputs).
-    int lo, total;
-    visible_range(*pos0p, cap, window, lo, total);
-    const int n = max(total - lo, 0), per = (n + nsplit - 1) / nsplit;
-    const int s0 = lo + split * per, s1 = min(s0 + per, total);
-    pdl_wait();
 
     float qr[MAXG][DPL], m[MAXG], l[MAXG], acc[MAXG][DPL];
 #pragma unroll
@@ -151,8 +159,8 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
             qr[hh][i] = (hh < ng && lane_on) ? q[(i64)(h0 + hh) * dh + dbase + i] : 0.0f;
         }
     }
-    const KV* kbase = kc + (i64)kvh * cap * dh + dbase;
-    const KV* vbase = vc + (i64)kvh * cap * dh + dbase;
+    const KV* kbase = kc + dbase;
+    const KV* vbase = vc + dbase;
     // A warp takes keys s0 + warp, + AD_WARPS, ... in order, AD_KEYS of them per round: their
     // rows are all loaded before the first is used, so a round costs one trip through L2, not
     // one per key (the update per key is the same, in the same order).
@@ -163,8 +171,9 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
         for (int c = 0; c < AD_KEYS; c++) {
             const int j = j0 + c * AD_WARPS;
             if (lane_on && j < s1) {
-                load_row<DPL>(kbase + (i64)j * dh, kr[c]);
-                load_row<DPL>(vbase + (i64)j * dh, vr[c]);
+                const i64 at = keys.row(j);
+                load_row<DPL>(kbase + at, kr[c]);
+                load_row<DPL>(vbase + at, vr[c]);
             } else {
 #pragma unroll
                 for (int i = 0; i < DPL; i++) kr[c][i] = vr[c][i] = 0.0f;
@@ -223,6 +232,30 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
         }
         pr[2 + d] = O;
     }
+}
+
+template <int DPL, typename KV, int MAXG = AD_HEADS(DPL)>
+__device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
+                                                 const KV* __restrict__ kc,
+                                                 const KV* __restrict__ vc,
+                                                 const i32* __restrict__ pos0p,
+                                                 float* __restrict__ part, int H, int hkv, int dh,
+                                                 int cap, float scale, int window, int nsplit,
+                                                 float* __restrict__ out, u32* counters) {
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int G = H / hkv, hc0 = blockIdx.z * MAXG;
+    const int ng = min(MAXG, G - hc0), h0 = kvh * G + hc0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    // The position word is written before the step starts, not by the previous kernel: read
+    // before waiting for it (q and the cache rows are its outputs).
+    int lo, total;
+    visible_range(*pos0p, cap, window, lo, total);
+    const int n = max(total - lo, 0), per = (n + nsplit - 1) / nsplit;
+    const int s0 = lo + split * per, s1 = min(s0 + per, total);
+    pdl_wait();
+    attn_decode_split<DPL, KV, MAXG>(q, kc, vc, ContigKeys{(i64)kvh * cap * dh, dh}, h0, ng, dh,
+                                     s0, s1, scale, part, nsplit, split);
     // The last block of this (kv head, head chunk) to finish merges its heads' splits, so no
     // second kernel is needed: every block makes its partials visible, then counts itself in.
     // Plain loads of the other blocks' partials are safe after the fence that follows the
@@ -564,3 +597,69 @@ HF2Q_ATTN_KERNELS(f32, float, 2)
 HF2Q_ATTN_KERNELS(f32, float, 4)
 HF2Q_ATTN_KERNELS(f32, float, 8)
 HF2Q_ATTN_KERNELS(f32, float, 16)
+
+// ---- Paged attention: a batch of query rows, each of its own sequence and position ----------
+// Keys and values live in a pool `(n_blocks, Hkv, B, Dh)` (B = 1 << lb); sequence s's block
+// table is `tables[s * max_blocks ..]`. Row r is the query `q[r] (H, Dh)` of sequence
+// row_seq[r] at position row_pos[r] (a prefill chunk is several rows of one sequence); a row
+// with a negative position is padding and yields zeros. Block (kv head, split, row x head
+// chunk) walks its split of the row's visible keys as the one-token decode does, writing
+// partials `part (R, H, nsplit, Dh + 2)`; `paged_attn_merge` then merges each (row, head)'s
+// splits. The split count is a launch argument: fixed per captured graph, whatever the rows'
+// lengths (a split past a row's keys writes an empty partial).
+template <int DPL, typename KV, int MAXG = AD_HEADS(DPL)>
+__device__ __forceinline__ void paged_attn_impl(const float* __restrict__ q,
+                                                const KV* __restrict__ kc,
+                                                const KV* __restrict__ vc,
+                                                const i32* __restrict__ row_seq,
+                                                const i32* __restrict__ row_pos,
+                                                const i32* __restrict__ tables, int max_blocks,
+                                                int lb, float* __restrict__ part, int H, int hkv,
+                                                int dh, float scale, int window, int nsplit) {
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int G = H / hkv, chunks = (G + MAXG - 1) / MAXG;
+    const int r = blockIdx.z / chunks, hc0 = (blockIdx.z % chunks) * MAXG;
+    const int ng = min(MAXG, G - hc0), h0 = kvh * G + hc0;
+    pdl_wait();
+    const int pos = row_pos[r];
+    if (pos < 0) return;  // padding: the merge writes zeros without reading partials
+    int lo, total;
+    visible_range(pos, pos + 1, window, lo, total);
+    const int n = total - lo, per = (n + nsplit - 1) / nsplit;
+    const int s0 = lo + split * per, s1 = min(s0 + per, total);
+    const PagedKeys keys{tables + (i64)row_seq[r] * max_blocks, kvh, hkv, lb, dh};
+    attn_decode_split<DPL, KV, MAXG>(q + (i64)r * H * dh, kc, vc, keys, h0, ng, dh, s0, s1,
+                                     scale, part + (i64)r * H * nsplit * (dh + 2), nsplit, split);
+}
+
+// out (R, H, Dh): block (row x head) merges that head's nsplit partials (zeros for padding).
+extern "C" __global__ void __launch_bounds__(64)
+    paged_attn_merge(const float* __restrict__ part, const i32* __restrict__ row_pos,
+                     float* __restrict__ out, int H, int dh, int nsplit) {
+    pdl_wait();
+    const i64 rh = blockIdx.x;
+    float* oh = out + rh * dh;
+    if (row_pos[rh / H] < 0) {
+        for (int d = threadIdx.x; d < dh; d += blockDim.x) oh[d] = 0.0f;
+        return;
+    }
+    merge_splits(part + rh * nsplit * (dh + 2), oh, dh, nsplit, threadIdx.x, blockDim.x);
+}
+
+#define HF2Q_PAGED_KERNELS(KVN, KV, DPL)                                                       \
+    extern "C" __global__ void __launch_bounds__(AD_WARPS * 32) paged_attn_##KVN##_##DPL(      \
+        const float* q, const KV* kc, const KV* vc, const i32* row_seq, const i32* row_pos,    \
+        const i32* tables, int max_blocks, int lb, float* part, int H, int hkv, int dh,        \
+        float scale, int window, int nsplit) {                                                 \
+        paged_attn_impl<DPL, KV>(q, kc, vc, row_seq, row_pos, tables, max_blocks, lb, part, H, \
+                                 hkv, dh, scale, window, nsplit);                              \
+    }
+
+HF2Q_PAGED_KERNELS(f16, u16, 2)
+HF2Q_PAGED_KERNELS(f16, u16, 4)
+HF2Q_PAGED_KERNELS(f16, u16, 8)
+HF2Q_PAGED_KERNELS(f16, u16, 16)
+HF2Q_PAGED_KERNELS(f32, float, 2)
+HF2Q_PAGED_KERNELS(f32, float, 4)
+HF2Q_PAGED_KERNELS(f32, float, 8)
+HF2Q_PAGED_KERNELS(f32, float, 16)

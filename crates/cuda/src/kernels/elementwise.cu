@@ -251,28 +251,86 @@ extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* k
     kv_write_impl<float>(k, v, kc, vc, pos0p, T, hkv, dh, cap);
 }
 
+// Rows of k, v (R, hkv, dh) into a paged cache `(n_blocks, hkv, B, dh)` (B = 1 << lb) at
+// slots[r] = block * B + offset; a negative slot is a padding row (skipped). The host checked
+// every slot against the pool before the launch.
+template <typename KV>
+__device__ __forceinline__ void paged_kv_write_impl(const float* __restrict__ k,
+                                                    const float* __restrict__ v,
+                                                    KV* __restrict__ kc, KV* __restrict__ vc,
+                                                    const i32* __restrict__ slots, int R, int hkv,
+                                                    int dh, int lb) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)R * hkv * dh) return;
+    const int d = (int)(idx % dh);
+    const i64 th = idx / dh;
+    const int h = (int)(th % hkv), r = (int)(th / hkv);
+    const int slot = slots[r];
+    if (slot < 0) return;
+    const i64 block = slot >> lb, off = slot & ((1 << lb) - 1);
+    const i64 dst = (((block * hkv + h) << lb) + off) * dh + d;
+    kc[dst] = to_kv<KV>(k[idx]);
+    vc[dst] = to_kv<KV>(v[idx]);
+}
+
+extern "C" __global__ void paged_kv_write_f16(const float* k, const float* v, u16* kc, u16* vc,
+                                              const i32* slots, int R, int hkv, int dh, int lb) {
+    pdl_wait();
+    paged_kv_write_impl<u16>(k, v, kc, vc, slots, R, hkv, dh, lb);
+}
+extern "C" __global__ void paged_kv_write_f32(const float* k, const float* v, float* kc,
+                                              float* vc, const i32* slots, int R, int hkv, int dh,
+                                              int lb) {
+    pdl_wait();
+    paged_kv_write_impl<float>(k, v, kc, vc, slots, R, hkv, dh, lb);
+}
+
+// Where the rotated keys and the values of row t, kv head h go, as an element offset into the
+// cache (-1: nowhere). A contiguous cache `(Hkv, S_cap, Dh)`: row t at position *pos0p + t,
+// dropped at or past the capacity.
+struct ContigStore {
+    const i32* __restrict__ pos0p;
+    int cap;
+    __device__ __forceinline__ int pos(int t) const { return *pos0p + t; }
+    __device__ __forceinline__ i64 row(int t, int h, int pos, int hkv, int dh) const {
+        return (pos < 0 || pos >= cap) ? -1 : ((i64)h * cap + pos) * dh;
+    }
+};
+// A paged cache `(n_blocks, Hkv, B, Dh)` (B = 1 << lb): row t at position row_pos[t], stored at
+// slots[t] = block * B + offset (negative: a padding row, not stored).
+struct PagedStore {
+    const i32* __restrict__ row_pos;
+    const i32* __restrict__ slots;
+    int lb;
+    __device__ __forceinline__ int pos(int t) const { return row_pos[t]; }
+    __device__ __forceinline__ i64 row(int t, int h, int, int hkv, int dh) const {
+        const int s = slots[t];
+        if (s < 0) return -1;
+        return (((((i64)(s >> lb)) * hkv + h) << lb) + (s & ((1 << lb) - 1))) * dh;
+    }
+};
+
 // The three steps before attention in one kernel: RoPE on q (T, nh, dh) in place, RoPE on
 // k (T, hkv, dh) into the cache (k itself is left as it was), v into the cache. One thread per
 // (token, head of q or of k/v, pair of elements); the same angles and arithmetic as `rope`.
-// Pairs past the rotated ones (partial rotary) carry k's other elements; positions at or past
-// the capacity are dropped. Waits for the previous kernel (`pdl_wait`) itself.
-template <typename KV>
+// Pairs past the rotated ones (partial rotary) carry k's other elements; rows the store maps
+// nowhere are dropped. Waits for the previous kernel (`pdl_wait`) itself.
+template <typename KV, typename Store>
 __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const float* __restrict__ k,
                                                 const float* __restrict__ v, KV* __restrict__ kc,
                                                 KV* __restrict__ vc,
-                                                const float* __restrict__ inv_freq,
-                                                const i32* __restrict__ pos0p, int T, int nh,
-                                                int hkv, int dh, int half, int neox,
-                                                float linear_scale, int cap) {
+                                                const float* __restrict__ inv_freq, Store store,
+                                                int T, int nh, int hkv, int dh, int half, int neox,
+                                                float linear_scale) {
     const int pairs = dh >> 1, slots = nh + hkv;
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = idx < (i64)T * slots * pairs;
     const int j = (int)(idx % pairs);
     const i64 ts = idx / pairs;
     const int slot = (int)(ts % slots), t = (int)(ts / slots);
-    // The position and the angle do not depend on the previous kernel (the position word is
+    // The position and the angle do not depend on the previous kernel (the position words are
     // written before the step starts): computed before waiting for it.
-    const int pos = live ? *pos0p + t : 0;
+    const int pos = live ? store.pos(t) : 0;
     float s = 0.0f, c = 1.0f;
     if (live && j < half) sincosf((float)pos / linear_scale * inv_freq[j], &s, &c);
     pdl_wait();
@@ -288,10 +346,10 @@ __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const flo
         return;
     }
     const int h = slot - nh;
-    if (pos < 0 || pos >= cap) return;
+    const i64 dst = store.row(t, h, pos, hkv, dh);
+    if (dst < 0) return;
     const float* kh = k + ((i64)t * hkv + h) * dh;
     const float* vh = v + ((i64)t * hkv + h) * dh;
-    const i64 dst = ((i64)h * cap + pos) * dh;
     if (j < half) {
         const float x0 = kh[a], x1 = kh[b];
         kc[dst + a] = to_kv<KV>(x0 * c - x1 * s);
@@ -311,8 +369,15 @@ __device__ __forceinline__ void rope_store_impl(float* __restrict__ q, const flo
                                                  const i32* pos0p, int T, int nh, int hkv,     \
                                                  int dh, int half, int neox,                   \
                                                  float linear_scale, int cap) {                \
-        rope_store_impl<KV>(q, k, v, kc, vc, inv_freq, pos0p, T, nh, hkv, dh, half, neox,      \
-                            linear_scale, cap);                                                \
+        rope_store_impl<KV>(q, k, v, kc, vc, inv_freq, ContigStore{pos0p, cap}, T, nh, hkv,    \
+                            dh, half, neox, linear_scale);                                     \
+    }                                                                                          \
+    extern "C" __global__ void paged_rope_store_##NAME(                                        \
+        float* q, const float* k, const float* v, KV* kc, KV* vc, const float* inv_freq,       \
+        const i32* row_pos, const i32* slots, int R, int nh, int hkv, int dh, int half,        \
+        int neox, float linear_scale, int lb) {                                                \
+        rope_store_impl<KV>(q, k, v, kc, vc, inv_freq, PagedStore{row_pos, slots, lb}, R, nh,  \
+                            hkv, dh, half, neox, linear_scale);                                \
     }
 HF2Q_ROPE_STORE(f16, u16)
 HF2Q_ROPE_STORE(f32, float)
