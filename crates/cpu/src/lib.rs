@@ -22,6 +22,7 @@ use hf2q_tensor::kv::{KvStore, KvView};
 use hf2q_tensor::op::{
     check_rows, same_shape, AttentionParams, Backend, LayerCache, MatmulSpec, RopeParams, RopeStyle,
 };
+use hf2q_tensor::paged::{HostPaged, PagedStep, PagedStore};
 use hf2q_tensor::weight::dot;
 use hf2q_tensor::{Error, QTensor, Result, Tensor};
 
@@ -332,35 +333,65 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut Tensor, n_heads: usize, pos0: usize, p: &RopeParams) -> Result<()> {
-        let (_, width) = x.dims2();
-        let dh = hf2q_tensor::op::check_rope(x, n_heads, p)?;
-        let inv = p.inv_freqs();
-        let half = p.dims / 2;
-        x.data_mut()
-            .par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(ti, row)| {
-                let pos = (pos0 + ti) as f32 / p.linear_scale;
-                let cs: Vec<(f32, f32)> = inv
-                    .iter()
-                    .map(|f| {
-                        let a = pos * f;
-                        (a.cos(), a.sin())
-                    })
-                    .collect();
-                for head in row.chunks_mut(dh) {
-                    for (i, &(c, s)) in cs.iter().enumerate() {
-                        let (a, b) = match p.style {
-                            RopeStyle::Neox => (i, i + half),
-                            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                        };
-                        let (x0, x1) = (head[a], head[b]);
-                        head[a] = x0 * c - x1 * s;
-                        head[b] = x0 * s + x1 * c;
-                    }
-                }
-            });
-        Ok(())
+        rope_at(x, n_heads, p, |ti| (pos0 + ti) as f32)
+    }
+
+    fn paged_rope_store(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        n_heads: usize,
+        kv: &mut PagedStore,
+        step: &PagedStep,
+        p: &RopeParams,
+    ) -> Result<()> {
+        let r = step.len();
+        if q.dims2().0 != r || k.dims2().0 != r || v.dims2() != k.dims2() {
+            return Err(Error::Shape(format!(
+                "paged rope_store: {r} rows, q {:?}, k {:?}, v {:?}",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            )));
+        }
+        let n_kv_heads = match kv {
+            PagedStore::Host(HostPaged::F16(l)) => l.layout.n_kv_heads,
+            PagedStore::Host(HostPaged::F32(l)) => l.layout.n_kv_heads,
+            PagedStore::Device(_) => {
+                return Err(Error::Msg(
+                    "cpu paged rope_store: the cache is a device backend's".into(),
+                ))
+            }
+        };
+        let at = |ti: usize| step.pos[ti] as f32;
+        rope_at(q, n_heads, p, at)?;
+        rope_at(k, n_kv_heads, p, at)?;
+        match kv {
+            PagedStore::Host(HostPaged::F16(l)) => l.write(k.data(), v.data(), &step.slots),
+            PagedStore::Host(HostPaged::F32(l)) => l.write(k.data(), v.data(), &step.slots),
+            PagedStore::Device(_) => unreachable!("refused above"),
+        }
+    }
+
+    fn paged_attend(
+        &self,
+        q: &Tensor,
+        kv: &PagedStore,
+        step: &PagedStep,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        let rows = step.rows();
+        let out = match kv {
+            PagedStore::Host(HostPaged::F16(l)) => paged::attention(l, q.data(), &rows, p)?,
+            PagedStore::Host(HostPaged::F32(l)) => paged::attention(l, q.data(), &rows, p)?,
+            PagedStore::Device(_) => {
+                return Err(Error::Msg(
+                    "cpu paged attention: the cache is a device backend's".into(),
+                ))
+            }
+        };
+        Tensor::new(&[step.len(), p.n_heads * p.head_dim], out)
     }
 
     fn kv_write(
@@ -510,6 +541,46 @@ impl Backend for CpuBackend {
     fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()> {
         dense::matmul_acc(out, a, b, spec)
     }
+}
+
+/// RoPE in place on `x (T, nh * Dh)`, row `ti` at position `pos(ti)` (divided by the linear
+/// scale): the rotation of every backend's `rope` (`(pos0 + ti)`) and paged `rope_store` (each
+/// row its own position).
+fn rope_at(
+    x: &mut Tensor,
+    n_heads: usize,
+    p: &RopeParams,
+    pos: impl Fn(usize) -> f32 + Sync,
+) -> Result<()> {
+    let (_, width) = x.dims2();
+    let dh = hf2q_tensor::op::check_rope(x, n_heads, p)?;
+    let inv = p.inv_freqs();
+    let half = p.dims / 2;
+    x.data_mut()
+        .par_chunks_mut(width)
+        .enumerate()
+        .for_each(|(ti, row)| {
+            let pos = pos(ti) / p.linear_scale;
+            let cs: Vec<(f32, f32)> = inv
+                .iter()
+                .map(|f| {
+                    let a = pos * f;
+                    (a.cos(), a.sin())
+                })
+                .collect();
+            for head in row.chunks_mut(dh) {
+                for (i, &(c, s)) in cs.iter().enumerate() {
+                    let (a, b) = match p.style {
+                        RopeStyle::Neox => (i, i + half),
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * c - x1 * s;
+                    head[b] = x0 * s + x1 * c;
+                }
+            }
+        });
+    Ok(())
 }
 
 #[cfg(test)]

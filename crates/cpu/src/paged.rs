@@ -1,101 +1,27 @@
-//! A paged KV cache on the host and attention over it: the CPU twin of the device's paged cache
+//! Attention over a paged KV cache on the host: the CPU twin of the device's paged attention
 //! (`hf2q_cuda::paged`) and the reference its kernels are tested against.
 //!
-//! A layer's keys and values are `(n_blocks, Hkv, B, Dh)` arrays ([`PagedLayout`]); a batch of
-//! query rows, each of its own sequence and position, reads them through the sequences' block
-//! tables ([`PagedRows`]). The arithmetic is plain f32 (scores, a max-subtracted softmax, the
-//! weighted sum of values), rows in parallel. Not here: which blocks a sequence holds
-//! (`hf2q_tensor::paged`'s pool and tables) or when to write (the model's step).
+//! A layer's keys and values are `(n_blocks, Hkv, B, Dh)` arrays ([`PagedLayout`], stored in a
+//! [`HostPagedLayer`]); a batch of query rows, each of its own sequence and position, reads them
+//! through the sequences' block tables ([`PagedRows`]). The arithmetic is plain f32 (scores, a
+//! max-subtracted softmax, the weighted sum of values), rows in parallel. Not here: the storage
+//! and its writes, which blocks a sequence holds (`hf2q_tensor::paged`), or when to write (the
+//! model's step).
 
 use rayon::prelude::*;
 
 use hf2q_tensor::op::{AttentionParams, KvScalar};
-use hf2q_tensor::paged::{PagedLayout, PagedRows};
+use hf2q_tensor::paged::{HostPagedLayer, PagedElem, PagedLayout, PagedRows};
 use hf2q_tensor::{Error, Result};
 
-/// A KV element the paged cache can store from f32 (rounded to nearest, ties to even).
-pub trait PagedElem: KvScalar + Default {
-    fn from_f32(v: f32) -> Self;
-}
-
-impl PagedElem for f32 {
-    fn from_f32(v: f32) -> f32 {
-        v
-    }
-}
-
-impl PagedElem for half::f16 {
-    fn from_f32(v: f32) -> half::f16 {
-        half::f16::from_f32(v)
-    }
-}
-
-/// One layer's keys and values in blocks.
-pub struct HostPagedLayer<T> {
-    pub layout: PagedLayout,
-    /// `(n_blocks, Hkv, B, Dh)`
-    pub k: Vec<T>,
-    /// `(n_blocks, Hkv, B, Dh)`
-    pub v: Vec<T>,
-}
-
-impl<T: PagedElem> HostPagedLayer<T> {
-    /// A zeroed layer.
-    pub fn new(layout: PagedLayout) -> HostPagedLayer<T> {
-        let n = layout.elements();
-        HostPagedLayer {
-            layout,
-            k: vec![T::default(); n],
-            v: vec![T::default(); n],
-        }
-    }
-
-    /// Writes row `r` of `k, v (R, Hkv*Dh)` at slot `slots[r]` (`block * B + offset`, from
-    /// [`PagedLayout::slot`]); a negative slot is a padding row and is skipped.
-    pub fn write(&mut self, k: &[f32], v: &[f32], slots: &[i32]) -> Result<()> {
-        let l = self.layout;
-        let width = l.n_kv_heads * l.head_dim;
-        if k.len() != slots.len() * width || v.len() != k.len() {
-            return Err(Error::Shape(format!(
-                "paged write: {} slots of width {width}, keys {} and values {}",
-                slots.len(),
-                k.len(),
-                v.len()
-            )));
-        }
-        for (r, &slot) in slots.iter().enumerate() {
-            if slot < 0 {
-                continue;
-            }
-            let slot = slot as usize;
-            let (block, off) = (slot / l.block_tokens, slot % l.block_tokens);
-            if block >= l.n_blocks {
-                return Err(Error::Shape(format!(
-                    "paged write: row {r}'s slot {slot} is past the pool's {} blocks",
-                    l.n_blocks
-                )));
-            }
-            for h in 0..l.n_kv_heads {
-                let dst = l.row(block, h, off);
-                let src = r * width + h * l.head_dim;
-                for d in 0..l.head_dim {
-                    self.k[dst + d] = T::from_f32(k[src + d]);
-                    self.v[dst + d] = T::from_f32(v[src + d]);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Causal attention of the rows `q (R, H*Dh)` over this layer -> `(R, H*Dh)`.
-    pub fn attention(
-        &self,
-        q: &[f32],
-        rows: &PagedRows<'_>,
-        p: &AttentionParams,
-    ) -> Result<Vec<f32>> {
-        paged_attention(q, &self.k, &self.v, &self.layout, rows, p)
-    }
+/// Causal attention of the rows `q (R, H*Dh)` over a host layer -> `(R, H*Dh)`.
+pub fn attention<T: PagedElem>(
+    layer: &HostPagedLayer<T>,
+    q: &[f32],
+    rows: &PagedRows<'_>,
+    p: &AttentionParams,
+) -> Result<Vec<f32>> {
+    paged_attention(q, &layer.k, &layer.v, &layer.layout, rows, p)
 }
 
 /// Causal attention of `q (R, H*Dh)` over a paged layer `k, v` -> `(R, H*Dh)`: row `r` (of

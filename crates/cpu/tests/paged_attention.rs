@@ -3,10 +3,12 @@
 //! `hf2q_tensor::paged`'s pool after other sequences came and went), decode rows and prefill
 //! chunk rows mixed in one call, padding rows, GQA ratios, sliding windows, f16 and f32 pools.
 
-use hf2q_cpu::paged::{HostPagedLayer, PagedElem};
+use hf2q_cpu::paged::attention;
 use hf2q_cpu::CpuBackend;
 use hf2q_tensor::op::{AttentionParams, LayerCache};
-use hf2q_tensor::paged::{BlockPool, BlockTable, PagedLayout, PagedRows};
+use hf2q_tensor::paged::{
+    BlockPool, BlockTable, HostPagedLayer, PagedElem, PagedLayout, PagedRows,
+};
 use hf2q_tensor::Tensor;
 
 struct Rng(u64);
@@ -97,7 +99,7 @@ fn run<T: PagedElem>(c: &Case, rng: &mut Rng) {
         window: c.window,
     };
     let q = rng.vec(pos.len() * c.h * c.dh);
-    let got = layer.attention(&q, &rows, &p).unwrap();
+    let got = attention(&layer, &q, &rows, &p).unwrap();
 
     // Reference: the contiguous `(Hkv, S, Dh)` cache of the row's sequence, its values rounded
     // as the pool stored them, one query at a time.
@@ -228,7 +230,7 @@ fn bad_rows_are_refused_not_read() {
         (&[8][..], &[0, 1][..], "needs 3 blocks"),
         (&[5][..], &[0, 7][..], "outside the pool"),
     ] {
-        let err = layer.attention(&q, &rows(pos, tables), &p).unwrap_err();
+        let err = attention(&layer, &q, &rows(pos, tables), &p).unwrap_err();
         assert!(err.to_string().contains(says), "{err}");
     }
     let mut w = HostPagedLayer::<f32>::new(layout);

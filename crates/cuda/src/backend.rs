@@ -41,13 +41,14 @@ use crate::backend_moe::{MoeOut, RouteIn};
 use crate::{
     CudaDev, DeviceKvCache, DevicePtrMutF32, DeviceWeight, KvDtype, RopeTable, RowNorm, SampleArgs,
 };
-use hf2q_tensor::kv::{check_fits, DeviceKv, KvStore};
+use hf2q_tensor::kv::{check_fits, DeviceKv, KvStore, KvType};
 use hf2q_tensor::moe::{check_moe, moe_ffn_composed, Experts, MoeSpec};
 use hf2q_tensor::op::{
     check_rows, linear_add_composed, linear_gated_composed, linear_many_composed,
     rope_store_composed, same_shape, AttentionParams, Backend, GateAct, MatmulSpec, PreNorm,
     RopeParams,
 };
+use hf2q_tensor::paged::{PagedLayout, PagedStep, PagedStore};
 use hf2q_tensor::tensor::DeviceSpan;
 use hf2q_tensor::{Error, QTensor, Result, Tensor};
 
@@ -191,8 +192,8 @@ impl std::fmt::Debug for CudaBackend {
 /// share a buffer. Sound because one stream orders every access (event tracking is off).
 pub(crate) struct Raw<'s> {
     pub(crate) ptr: sys::CUdeviceptr,
-    len: usize,
-    stream: &'s Arc<CudaStream>,
+    pub(crate) len: usize,
+    pub(crate) stream: &'s Arc<CudaStream>,
 }
 
 impl DeviceSlice<f32> for Raw<'_> {
@@ -1015,6 +1016,37 @@ impl Backend for CudaBackend {
         self.dev
             .attention(&qi, t, cache, &pos.buf, p, &mut s, &mut o)?;
         Ok(out)
+    }
+
+    fn paged_alloc(&self, layout: PagedLayout, ty: KvType) -> Result<PagedStore> {
+        self.paged_alloc_device(layout, ty)
+    }
+
+    fn paged_prepare(&self, step: &mut PagedStep) -> Result<()> {
+        self.paged_prepare_device(step)
+    }
+
+    fn paged_rope_store(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        n_heads: usize,
+        kv: &mut PagedStore,
+        step: &PagedStep,
+        p: &RopeParams,
+    ) -> Result<()> {
+        self.paged_rope_store_device(q, k, v, n_heads, kv, step, p)
+    }
+
+    fn paged_attend(
+        &self,
+        q: &Tensor,
+        kv: &PagedStore,
+        step: &PagedStep,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        self.paged_attend_device(q, kv, step, p)
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {

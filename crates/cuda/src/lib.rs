@@ -42,6 +42,7 @@
 
 pub mod backend;
 mod backend_moe;
+mod backend_paged;
 mod backend_train;
 mod blas;
 mod compile;
@@ -143,6 +144,9 @@ pub struct CudaDev {
     pdl: bool,
     /// Fewest keys per split of the one-token attention ([`CudaOptions::attn_chunk`]).
     attn_chunk: usize,
+    /// Most rows of a product run as chunks of the small-batch kernels
+    /// ([`CudaOptions::batch_mv`]).
+    batch_mv: usize,
     /// Prefill attention may take the tensor-core kernel ([`CudaOptions::attn_tensor_cores`]).
     attn_tensor_cores: bool,
     /// Rows per row group of the persistent kernels, as compiled
@@ -334,6 +338,7 @@ impl CudaDev {
             blas: Mutex::new(blas::BlasSlot::Untried),
             pdl,
             attn_chunk: options.attn_chunk.max(8),
+            batch_mv: options.batch_mv,
             attn_tensor_cores: options.attn_tensor_cores,
             mp_rows: options.persistent_rows,
             options: options.clone(),

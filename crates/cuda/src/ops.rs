@@ -11,6 +11,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use cudarc::driver::DeviceRepr;
 
+use super::backend::Raw;
 use super::weight::{mv_kernel, DeviceWeight, MvFns, WeightArgs, EMBED_KERNEL, GEMM_KERNEL};
 use super::{cuda_err, CudaDev, Program};
 use hf2q_tensor::op::{AttentionParams, RopeParams, RopeStyle};
@@ -497,6 +498,25 @@ impl CudaDev {
         if t == 1 && w.fast.is_some() && xp % 16 == 0 {
             let out_p = self.ptr_mut(out);
             return self.launch_mvf(&[(w, bias, out_p)], xp, false, None);
+        }
+        if t > 8 && t <= self.batch_mv {
+            // A batched decode step: chunks of 8 rows on the small-batch kernels, each chunk
+            // reading the weight once (`batch-mv`).
+            for t0 in (0..t).step_by(8) {
+                let n = (t - t0).min(8);
+                let xs = Raw {
+                    ptr: xp + 4 * (t0 * w.cols) as u64,
+                    len: n * w.cols,
+                    stream: self.stream(),
+                };
+                let mut os = Raw {
+                    ptr: op + 4 * (t0 * w.rows) as u64,
+                    len: n * w.rows,
+                    stream: self.stream(),
+                };
+                self.linear(&xs, n, w, bias, &mut os)?;
+            }
+            return Ok(());
         }
         let wa = w.args(self);
         let (rows, ti) = (to_i32("rows", w.rows)?, to_i32("tokens", t)?);

@@ -27,6 +27,12 @@ pub struct CudaOptions {
     pub attn_tensor_cores: bool,
     /// Fewest keys per split of the one-token attention (`attn-chunk`, at least 8).
     pub attn_chunk: usize,
+    /// Products of 9 to N rows (batched decode steps) run as the small-batch matvec kernels
+    /// over chunks of 8 rows, each chunk reading the weight once, instead of the prefill path
+    /// (`batch-mv`; 0: never). 16 by measurement (H100, the batched paged decode step): 16 rows
+    /// of Llama-3.2-1B Q4_0 in 4.3 ms instead of 6.3, of Llama-3.1-8B Q4_K_M in 24.5 instead
+    /// of 30.4; at 64 rows the prefill path is twice as fast (6.5 against 13.6 ms).
+    pub batch_mv: usize,
     /// Kernels launched with programmatic dependent launch, on Hopper and later (`pdl`).
     pub pdl: bool,
     /// One-token Q4_K products prefetch their weights to L2 (`prefetch`).
@@ -63,6 +69,7 @@ impl Default for CudaOptions {
             gemm: PrefillGemm::default(),
             attn_tensor_cores: true,
             attn_chunk: 16,
+            batch_mv: 16,
             pdl: true,
             prefetch: false,
             norm_fold: true,
@@ -112,6 +119,12 @@ impl CudaOptions {
             key: "attn-chunk",
             values: "N>=8",
             help: "fewest keys per split of the one-token attention (default 16)",
+        },
+        OptionKey {
+            key: "batch-mv",
+            values: "N>=0",
+            help: "products of 9..N rows (batched decode) on the small-batch kernels, 8 rows \
+                   per launch (default 16; 0: always the prefill path)",
         },
         OptionKey {
             key: "pdl",
@@ -256,6 +269,13 @@ impl CudaOptions {
                     .filter(|&n: &usize| (8..=1 << 20).contains(&n))
                     .ok_or_else(bad)?
             }
+            "batch-mv" => {
+                self.batch_mv = value
+                    .parse()
+                    .ok()
+                    .filter(|&n: &usize| n <= 1 << 16)
+                    .ok_or_else(bad)?
+            }
             "pdl" => self.pdl = flag()?,
             "prefetch" => self.prefetch = flag()?,
             "norm-fold" => self.norm_fold = flag()?,
@@ -321,6 +341,11 @@ impl CudaOptions {
             self.attn_chunk != d.attn_chunk,
             "attn-chunk",
             self.attn_chunk.to_string(),
+        );
+        push(
+            self.batch_mv != d.batch_mv,
+            "batch-mv",
+            self.batch_mv.to_string(),
         );
         push(self.pdl != d.pdl, "pdl", on(self.pdl).into());
         push(
@@ -432,7 +457,7 @@ mod tests {
     fn every_key_round_trips_through_its_report() {
         let mut o = CudaOptions::default();
         o.set_list(
-            "gemm=f16, attn-tc=off,attn-chunk=32,pdl=0,prefetch=on,norm-fold=off,act8=all,\
+            "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,pdl=0,prefetch=on,norm-fold=off,act8=all,\
              p8=off,p8-blocks=1,p8-rows=4,q4k-relayout=all,q6k-relayout=off,mv-early=off,\
              mv-min-blocks=q4_k:5,mv-min-blocks=Q8_0s:0,mv-min-blocks=q4_k:6,moe-fused=yes",
         )

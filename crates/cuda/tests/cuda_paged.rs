@@ -10,10 +10,10 @@
 
 use std::sync::Arc;
 
-use hf2q_cpu::paged::{paged_attention, HostPagedLayer};
+use hf2q_cpu::paged::paged_attention;
 use hf2q_cuda::{CudaDev, DevicePagedRows, KvDtype};
 use hf2q_tensor::op::{AttentionParams, RopeParams, RopeStyle};
-use hf2q_tensor::paged::{BlockPool, BlockTable, PagedLayout, PagedRows};
+use hf2q_tensor::paged::{BlockPool, BlockTable, HostPagedLayer, PagedLayout, PagedRows};
 
 fn device() -> Option<Arc<CudaDev>> {
     let opts = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();

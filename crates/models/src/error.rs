@@ -23,6 +23,10 @@ pub enum Error {
     Grammar(String),
     #[error("{0}")]
     Msg(String),
+    /// A paged KV cache's pool has too few free blocks for a step (nothing ran; free blocks,
+    /// e.g. by preempting a sequence, and retry).
+    #[error(transparent)]
+    KvBlocks(#[from] hf2q_tensor::paged::OutOfBlocks),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -4,13 +4,27 @@
 
 use hf2q_tensor::kv::KvStore;
 pub use hf2q_tensor::kv::KvType;
+use hf2q_tensor::paged::{PagedStep, PagedStore};
 
 use crate::{Error, Result};
 
+/// Where one layer's attention reads and writes keys and values in a batched forward.
+pub enum LayerKv<'a> {
+    /// One sequence's own cache of this layer.
+    Seq(&'a mut KvStore),
+    /// The layer's paged store, shared by every row of the step: one [`SeqRef`] covers the
+    /// whole batch and each row's sequence, position and slot come from `step`.
+    Paged {
+        store: &'a mut PagedStore,
+        step: &'a PagedStep,
+    },
+}
+
 /// One sequence's rows inside a batched forward, for one layer: rows `start..start+len` of the
-/// batch activation are this sequence's tokens at positions `pos0..pos0+len`.
+/// batch activation are this sequence's tokens at positions `pos0..pos0+len` (with a paged
+/// store, all the step's rows, each at its own position).
 pub struct SeqRef<'a> {
-    pub kv: &'a mut KvStore,
+    pub kv: LayerKv<'a>,
     pub start: usize,
     pub len: usize,
     pub pos0: usize,

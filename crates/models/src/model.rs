@@ -21,13 +21,15 @@ use crate::adapter_set::AdapterSet;
 use crate::arch::{load_blocks, Block};
 use crate::chat_template::ChatTemplate;
 use crate::config::ModelConfig;
-use crate::kv_cache::{KvCache, SeqRef};
+use crate::kv_cache::{KvCache, LayerKv, SeqRef};
 use crate::layers::served::{BatchLora, Fwd};
 use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use hf2q_tensor::kv::{KvStore, KvType};
 
+mod paged;
+pub use paged::{PagedItem, PagedKvCache};
 mod parts;
 mod swap;
 
@@ -492,6 +494,17 @@ impl Model {
         x: &mut Tensor,
         items: &mut [BatchItem<'_>],
     ) -> Result<()> {
+        self.run_blocks_kv(cx, layers, x, &mut StepKv::Seqs(items))
+    }
+
+    /// [`Model::run_blocks`] over either per-sequence caches or a paged store.
+    fn run_blocks_kv(
+        &self,
+        cx: &Fwd<'_>,
+        layers: std::ops::Range<usize>,
+        x: &mut Tensor,
+        kv: &mut StepKv<'_, '_>,
+    ) -> Result<()> {
         let n = self.blocks.len();
         if layers.start > layers.end || layers.end > n {
             return Err(Error::Msg(format!(
@@ -504,10 +517,13 @@ impl Model {
         let ids: Vec<u32>;
         let embed;
         let inputs = if self.blocks[layers.clone()].iter().any(|b| b.wants_inputs()) {
-            ids = items
-                .iter()
-                .flat_map(|it| it.tokens.iter().copied())
-                .collect();
+            ids = match kv {
+                StepKv::Seqs(items) => items
+                    .iter()
+                    .flat_map(|it| it.tokens.iter().copied())
+                    .collect(),
+                StepKv::Paged { ids, .. } => ids.to_vec(),
+            };
             embed = cx
                 .be
                 .embedding(&self.embed, &ids, self.config.embed_scale)?;
@@ -522,23 +538,37 @@ impl Model {
             let block = &self.blocks[li];
             // A KV-shared layer attends over an earlier layer's cache.
             let kv_li = block.kv_source().filter(|&s| s < li).unwrap_or(li);
-            let mut start = 0;
-            let mut seqs: Vec<SeqRef<'_>> = items
-                .iter_mut()
-                .map(|it| {
-                    let len = it.tokens.len();
-                    let limit = it.cache.limit;
-                    let r = SeqRef {
-                        kv: &mut it.cache.layers[kv_li],
-                        start,
-                        len,
-                        pos0: it.pos0,
-                        limit,
-                    };
-                    start += len;
-                    r
-                })
-                .collect();
+            let mut seqs: Vec<SeqRef<'_>> = match kv {
+                StepKv::Seqs(items) => {
+                    let mut start = 0;
+                    items
+                        .iter_mut()
+                        .map(|it| {
+                            let len = it.tokens.len();
+                            let limit = it.cache.limit;
+                            let r = SeqRef {
+                                kv: LayerKv::Seq(&mut it.cache.layers[kv_li]),
+                                start,
+                                len,
+                                pos0: it.pos0,
+                                limit,
+                            };
+                            start += len;
+                            r
+                        })
+                        .collect()
+                }
+                StepKv::Paged { layers, step, .. } => vec![SeqRef {
+                    kv: LayerKv::Paged {
+                        store: &mut layers[kv_li],
+                        step,
+                    },
+                    start: 0,
+                    len: step.len(),
+                    pos0: 0,
+                    limit: usize::MAX,
+                }],
+            };
             block.forward_with(cx, x, &mut seqs, inputs.as_ref())?;
         }
         Ok(())
@@ -561,7 +591,6 @@ impl Model {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let be = self.be();
         let lora = match served {
             Some((set, slots)) if slots.iter().any(Option::is_some) => {
                 if slots.len() != items.len() {
@@ -581,22 +610,35 @@ impl Model {
             _ => None,
         };
         let h = self.hidden_batch(items, lora.as_ref())?;
-        let total = h.dims2().0;
-        // The last row of each sequence.
-        let last = if items.len() == 1 && items[0].tokens.len() == total {
-            be.rows(&h, total - 1, 1)?
-        } else {
-            let mut end = 0;
-            let mut rows = Vec::with_capacity(items.len());
-            for it in items.iter() {
-                end += it.tokens.len();
-                rows.push(be.rows(&h, end - 1, 1)?);
-            }
-            be.concat_rows(&rows)?
-        };
-        let l = be.to_host(&self.logits(&last)?)?;
+        let lens: Vec<usize> = items.iter().map(|it| it.tokens.len()).collect();
+        self.last_logits(&h, &lens)
+    }
+
+    /// The logits `(V)` of the last row of each sequence of `h (ΣT, D)`, whose rows are
+    /// sequences of `lens` rows one after another.
+    fn last_logits(&self, h: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+        let be = self.be();
+        let l = be.to_host(&self.logits(&self.last_rows(h, lens)?)?)?;
         let v = l.dims2().1;
         Ok(l.into_data().chunks(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// The last row of each sequence of `h (ΣT, D)` (sequences of `lens` rows one after
+    /// another) -> `(lens.len(), D)`.
+    fn last_rows(&self, h: &Tensor, lens: &[usize]) -> Result<Tensor> {
+        let be = self.be();
+        let total = h.dims2().0;
+        Ok(if lens.len() == 1 && lens[0] == total {
+            be.rows(h, total - 1, 1)?
+        } else {
+            let mut end = 0;
+            let mut rows = Vec::with_capacity(lens.len());
+            for &n in lens {
+                end += n;
+                rows.push(be.rows(h, end - 1, 1)?);
+            }
+            be.concat_rows(&rows)?
+        })
     }
 
     /// `h (T, D)` -> logits `(T, V)`.
@@ -799,6 +841,18 @@ enum StepOut {
 }
 
 /// One sequence's part of a batched step ([`Model::step_batch`]).
+/// Where a batched forward's layers keep keys and values: each sequence's own cache, or one
+/// paged store per layer shared by the step's rows (`model/paged.rs`).
+pub(crate) enum StepKv<'a, 's> {
+    Seqs(&'a mut [BatchItem<'s>]),
+    Paged {
+        layers: &'a mut [hf2q_tensor::paged::PagedStore],
+        step: &'a hf2q_tensor::paged::PagedStep,
+        /// The step's token ids, row by row.
+        ids: &'a [u32],
+    },
+}
+
 pub struct BatchItem<'s> {
     pub cache: &'s mut KvCache,
     /// Position of the first of `tokens` (tokens already in the cache).

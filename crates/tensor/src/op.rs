@@ -4,7 +4,8 @@
 //! Shapes (letters used throughout): T tokens in this call, D model width, H query heads,
 //! Hkv key/value heads, Dh head width, R/C a weight's output/input features, S cached positions.
 
-use crate::kv::KvStore;
+use crate::kv::{KvStore, KvType};
+use crate::paged::{PagedLayout, PagedStep, PagedStore};
 use crate::{QTensor, Result, Tensor};
 
 /// How RoPE pairs the dimensions of a head.
@@ -156,6 +157,39 @@ pub trait Backend: Send + Sync {
     /// Causal attention of `q (T, H*Dh)` at positions `pos0..pos0+T` over a cache holding positions
     /// `0..pos0+T` -> `(T, H*Dh)`.
     fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor>;
+    /// A zeroed layer of a paged KV cache where this backend keeps its caches (`ty`: f16 or
+    /// f32; [`crate::paged`]).
+    fn paged_alloc(&self, layout: PagedLayout, ty: KvType) -> Result<PagedStore> {
+        PagedStore::host(layout, ty)
+    }
+    /// Makes `step`'s rows readable by this backend's paged ops (device copies on a GPU): once
+    /// per step, before the first layer.
+    fn paged_prepare(&self, _step: &mut PagedStep) -> Result<()> {
+        Ok(())
+    }
+    /// RoPE on `q (R, H*Dh)` in place, row `r` at position `step.pos[r]`, and the rotated `k`
+    /// with `v` `(R, Hkv*Dh)` into `kv` at the rows' slots (padding rows are not stored). `k`
+    /// may be left rotated or not.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_rope_store(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        n_heads: usize,
+        kv: &mut PagedStore,
+        step: &PagedStep,
+        p: &RopeParams,
+    ) -> Result<()>;
+    /// Causal attention of `q (R, H*Dh)` over a paged layer: row `r` over its sequence's keys
+    /// `0..=step.pos[r]` (within the window) -> `(R, H*Dh)`; padding rows give zeros.
+    fn paged_attend(
+        &self,
+        q: &Tensor,
+        kv: &PagedStore,
+        step: &PagedStep,
+        p: &AttentionParams,
+    ) -> Result<Tensor>;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
     /// `gelu_tanh(gate) * up`.

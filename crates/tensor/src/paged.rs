@@ -3,13 +3,17 @@
 //! counts so that a block can be shared (a common prefix), and the layout of a layer's blocks in
 //! memory.
 //!
-//! This module holds no keys or values: the backends store the blocks (the CPU twin
-//! `hf2q_cpu::paged`, the device pool `hf2q_cuda::paged`) in [`PagedLayout`]'s order, and the
-//! attention over them reads keys through the tables ([`PagedRows`]). What to admit and whom to
-//! preempt is the scheduler's: it asks the pool ([`BlockPool::free_blocks`]) and the tables
-//! ([`BlockTable::reserve`], all or nothing) and frees what it preempts.
+//! A layer's blocks live in a [`PagedStore`]: on the host ([`HostPagedLayer`], written here; the
+//! attention over it is `hf2q_cpu::paged`) or in a device backend's memory (`hf2q_cuda::paged`),
+//! both in [`PagedLayout`]'s order. One batched step's rows ([`PagedStep`]: each row's sequence,
+//! position and slot, the sequences' tables) are what the backends' paged ops read. What to
+//! admit and whom to preempt is the scheduler's: it asks the pool ([`BlockPool::free_blocks`])
+//! and the tables ([`BlockTable::reserve`], all or nothing) and frees what it preempts.
 
 use std::fmt;
+
+use crate::kv::{DeviceKv, KvType};
+use crate::op::KvScalar;
 
 /// A block's index in its pool (the same index in every layer's storage).
 pub type BlockId = u32;
@@ -105,6 +109,151 @@ impl PagedRows<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// A KV element a host paged layer stores, from f32 (rounded to nearest, ties to even).
+pub trait PagedElem: KvScalar + Default {
+    fn from_f32(v: f32) -> Self;
+}
+
+impl PagedElem for f32 {
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
+}
+
+impl PagedElem for half::f16 {
+    fn from_f32(v: f32) -> half::f16 {
+        half::f16::from_f32(v)
+    }
+}
+
+/// One layer's keys and values in blocks, on the host.
+pub struct HostPagedLayer<T> {
+    pub layout: PagedLayout,
+    /// `(n_blocks, Hkv, B, Dh)`
+    pub k: Vec<T>,
+    /// `(n_blocks, Hkv, B, Dh)`
+    pub v: Vec<T>,
+}
+
+impl<T: PagedElem> HostPagedLayer<T> {
+    /// A zeroed layer.
+    pub fn new(layout: PagedLayout) -> HostPagedLayer<T> {
+        let n = layout.elements();
+        HostPagedLayer {
+            layout,
+            k: vec![T::default(); n],
+            v: vec![T::default(); n],
+        }
+    }
+
+    /// Writes row `r` of `k, v (R, Hkv*Dh)` at slot `slots[r]` (`block * B + offset`, from
+    /// [`PagedLayout::slot`]); a negative slot is a padding row and is skipped.
+    pub fn write(&mut self, k: &[f32], v: &[f32], slots: &[i32]) -> crate::Result<()> {
+        let l = self.layout;
+        let width = l.n_kv_heads * l.head_dim;
+        if k.len() != slots.len() * width || v.len() != k.len() {
+            return Err(crate::Error::Shape(format!(
+                "paged write: {} slots of width {width}, keys {} and values {}",
+                slots.len(),
+                k.len(),
+                v.len()
+            )));
+        }
+        for (r, &slot) in slots.iter().enumerate() {
+            if slot < 0 {
+                continue;
+            }
+            let slot = slot as usize;
+            let (block, off) = (slot / l.block_tokens, slot % l.block_tokens);
+            if block >= l.n_blocks {
+                return Err(crate::Error::Shape(format!(
+                    "paged write: row {r}'s slot {slot} is past the pool's {} blocks",
+                    l.n_blocks
+                )));
+            }
+            for h in 0..l.n_kv_heads {
+                let dst = l.row(block, h, off);
+                let src = r * width + h * l.head_dim;
+                for d in 0..l.head_dim {
+                    self.k[dst + d] = T::from_f32(k[src + d]);
+                    self.v[dst + d] = T::from_f32(v[src + d]);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A host paged layer of either element type.
+pub enum HostPaged {
+    F16(HostPagedLayer<half::f16>),
+    F32(HostPagedLayer<f32>),
+}
+
+/// One layer's paged keys and values, where a backend keeps them.
+pub enum PagedStore {
+    Host(HostPaged),
+    /// A device backend's layer (the backend that made it downcasts it back).
+    Device(Box<dyn DeviceKv>),
+}
+
+impl PagedStore {
+    /// A zeroed host layer of `ty` values (f16 or f32; the block types have no paged form yet).
+    pub fn host(layout: PagedLayout, ty: KvType) -> crate::Result<PagedStore> {
+        Ok(PagedStore::Host(match ty {
+            KvType::F16 => HostPaged::F16(HostPagedLayer::new(layout)),
+            KvType::F32 => HostPaged::F32(HostPagedLayer::new(layout)),
+            other => {
+                return Err(crate::Error::Msg(format!(
+                    "the paged KV cache stores f16 or f32, not {}",
+                    other.name()
+                )))
+            }
+        }))
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            PagedStore::Host(HostPaged::F16(l)) => 4 * l.k.len(),
+            PagedStore::Host(HostPaged::F32(l)) => 8 * l.k.len(),
+            PagedStore::Device(d) => d.bytes(),
+        }
+    }
+}
+
+/// One batched step's rows over a paged cache: row `r` is the token of sequence `seq[r]` at
+/// position `pos[r]`, stored at `slots[r]`; sequence `s`'s table is
+/// `tables[s * max_blocks ..][.. max_blocks]` ([`PagedRows`]). `device` is a backend's own copy of
+/// these arrays ([`crate::op::Backend::paged_prepare`]), made once per step and read by every
+/// layer.
+#[derive(Default)]
+pub struct PagedStep {
+    pub seq: Vec<i32>,
+    pub pos: Vec<i32>,
+    pub slots: Vec<i32>,
+    pub tables: Vec<i32>,
+    pub max_blocks: usize,
+    pub device: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl PagedStep {
+    pub fn rows(&self) -> PagedRows<'_> {
+        PagedRows {
+            seq: &self.seq,
+            pos: &self.pos,
+            tables: &self.tables,
+            max_blocks: self.max_blocks,
+        }
+    }
+    /// Rows in the step.
+    pub fn len(&self) -> usize {
+        self.pos.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.pos.is_empty()
     }
 }
 

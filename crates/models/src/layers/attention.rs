@@ -8,7 +8,7 @@ use hf2q_tensor::train_op::{AttentionOut, TrainAttention};
 use hf2q_tensor::Tensor;
 
 use crate::config::ModelConfig;
-use crate::kv_cache::SeqRef;
+use crate::kv_cache::{LayerKv, SeqRef};
 use crate::layers::linear::{Linear, LinearSaved};
 use crate::layers::lora::{LoraGrads, TrainCtx};
 use crate::layers::served::Fwd;
@@ -76,6 +76,11 @@ pub(crate) fn scale_tensor(be: &dyn Backend, x: &mut Tensor, s: f32) -> Result<(
     h.data_mut().iter_mut().for_each(|v| *v *= s);
     *x = be.upload(&h)?;
     Ok(())
+}
+
+/// A paged store among per-sequence caches: a batch is one or the other.
+fn paged_mixed() -> crate::Error {
+    crate::Error::Msg("a paged KV store must be the batch's only sequence reference".into())
 }
 
 impl Attention {
@@ -229,6 +234,29 @@ impl Attention {
             })?)
         };
         let qw = q.dims2().1;
+        if let [SeqRef {
+            kv: LayerKv::Paged { store, step },
+            ..
+        }] = seqs
+        {
+            // Every row of the step at once: norms, RoPE and the cache writes over all rows, one
+            // attention over the shared paged store.
+            let mut qs = self.head_norm(be, q, &self.q_norm, p.n_heads)?;
+            if let Some((r, s)) = self.q_rot_scale {
+                qs = scale_head_cols(be, qs, p.head_dim, r, s)?;
+            }
+            // The values before the keys' norm and RoPE (a copy of their own when the keys'
+            // projection gives them).
+            let vs = match v {
+                Some(v) => v,
+                None => be.rows(&k, 0, k.dims2().0)?,
+            };
+            let vs = self.head_norm(be, vs, &self.v_norm, p.n_kv_heads)?;
+            let mut ks = self.head_norm(be, k, &self.k_norm, p.n_kv_heads)?;
+            be.paged_rope_store(&mut qs, &mut ks, &vs, p.n_heads, store, step, &self.rope)?;
+            let a = be.paged_attend(&qs, store, step, p)?;
+            return Ok(a.reshape(&[x.dims2().0, qw])?);
+        }
         // One sequence covering the batch (decode of one stream, any prefill): no row copies.
         let whole = seqs.len() == 1 && seqs[0].start == 0 && seqs[0].len == x.dims2().0;
         let mut parts = Vec::with_capacity(seqs.len());
@@ -252,18 +280,21 @@ impl Attention {
                 None => be.rows(&k, s.start, s.len)?,
             };
             let vs = self.head_norm(be, vs, &self.v_norm, p.n_kv_heads)?;
+            let LayerKv::Seq(kv) = &mut s.kv else {
+                return Err(paged_mixed());
+            };
             be.rope_store(
                 &mut qs,
                 &mut ks,
                 &vs,
                 p.n_heads,
                 p.n_kv_heads,
-                s.kv,
+                kv,
                 s.pos0,
                 s.limit,
                 &self.rope,
             )?;
-            parts.push(be.attend(&qs, s.kv, s.pos0, p)?);
+            parts.push(be.attend(&qs, kv, s.pos0, p)?);
         }
         let a = if whole {
             parts.pop().expect("one sequence")
@@ -291,13 +322,20 @@ impl Attention {
         };
         let mut parts = Vec::with_capacity(seqs.len());
         for s in seqs.iter() {
+            let LayerKv::Seq(kv) = &s.kv else {
+                return Err(crate::Error::Msg(
+                    "a layer attending over another layer's keys (Gemma 4's KV-shared layers) \
+                     has no paged KV cache path yet"
+                        .into(),
+                ));
+            };
             let mut qs =
                 self.head_norm(be, be.rows(&q, s.start, s.len)?, &self.q_norm, p.n_heads)?;
             if let Some((r, f)) = self.q_rot_scale {
                 qs = scale_head_cols(be, qs, p.head_dim, r, f)?;
             }
             be.rope(&mut qs, p.n_heads, s.pos0, &self.rope)?;
-            parts.push(be.attend(&qs, s.kv, s.pos0, p)?);
+            parts.push(be.attend(&qs, kv, s.pos0, p)?);
         }
         let a = be.concat_rows(&parts)?;
         Ok(a.reshape(&[x.dims2().0, q.dims2().1])?)

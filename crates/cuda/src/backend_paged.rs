@@ -1,0 +1,211 @@
+//! The paged KV cache path of [`CudaBackend`]: a layer's blocks as a [`DevicePagedLayer`]
+//! inside a [`PagedStore`], one step's rows copied to the device once ([`DeviceStep`]), and the
+//! device forms of `paged_rope_store` / `paged_attend` over the launchers of `paged.rs`.
+//! `CudaBackend`'s `Backend` methods call these.
+//!
+//! Not here: the kernels and their launchers (`paged.rs`), the pool and tables
+//! (`hf2q_tensor::paged`).
+
+use cudarc::driver::CudaSlice;
+
+use crate::backend::CudaBackend;
+use crate::{DevicePagedLayer, DevicePagedRows, KvDtype};
+use hf2q_tensor::kv::{DeviceKv, KvType};
+use hf2q_tensor::op::{AttentionParams, RopeParams};
+use hf2q_tensor::paged::{PagedLayout, PagedStep, PagedStore};
+use hf2q_tensor::{Error, Result, Tensor};
+
+/// The device layer as a [`PagedStore`] payload.
+struct PagedKv(DevicePagedLayer);
+
+impl DeviceKv for PagedKv {
+    fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// A step's rows on the device (`PagedStep::device`).
+struct DeviceStep {
+    seq: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    /// Largest row position + 1: sets the attention's key splits.
+    max_len: usize,
+}
+
+fn layer<'a>(kv: &'a PagedStore, what: &str) -> Result<&'a DevicePagedLayer> {
+    match kv {
+        PagedStore::Device(d) => d
+            .as_any()
+            .downcast_ref::<PagedKv>()
+            .map(|l| &l.0)
+            .ok_or_else(|| Error::Msg(format!("cuda {what}: another device's paged cache"))),
+        PagedStore::Host(_) => Err(Error::Msg(format!(
+            "cuda {what}: the paged cache is on the host (make it with this backend)"
+        ))),
+    }
+}
+
+fn layer_mut<'a>(kv: &'a mut PagedStore, what: &str) -> Result<&'a mut DevicePagedLayer> {
+    match kv {
+        PagedStore::Device(d) => d
+            .as_any_mut()
+            .downcast_mut::<PagedKv>()
+            .map(|l| &mut l.0)
+            .ok_or_else(|| Error::Msg(format!("cuda {what}: another device's paged cache"))),
+        PagedStore::Host(_) => Err(Error::Msg(format!(
+            "cuda {what}: the paged cache is on the host (make it with this backend)"
+        ))),
+    }
+}
+
+fn device_step<'a>(step: &'a PagedStep, what: &str) -> Result<&'a DeviceStep> {
+    step.device
+        .as_ref()
+        .and_then(|d| d.downcast_ref::<DeviceStep>())
+        .ok_or_else(|| {
+            Error::Msg(format!(
+                "cuda {what}: the step's rows are not on the device"
+            ))
+        })
+}
+
+impl CudaBackend {
+    pub(crate) fn paged_alloc_device(&self, layout: PagedLayout, ty: KvType) -> Result<PagedStore> {
+        let dtype = KvDtype::try_from(ty)?;
+        let l = self.device().alloc_paged_layer(layout, dtype)?;
+        Ok(PagedStore::Device(Box::new(PagedKv(l))))
+    }
+
+    pub(crate) fn paged_prepare_device(&self, step: &mut PagedStep) -> Result<()> {
+        let r = step.len();
+        if step.seq.len() != r || step.slots.len() != r {
+            return Err(Error::Shape(format!(
+                "paged step: {r} positions, {} sequences, {} slots",
+                step.seq.len(),
+                step.slots.len()
+            )));
+        }
+        let dev = self.device();
+        // A device buffer is never empty.
+        let up = |v: &[i32]| {
+            if v.is_empty() {
+                dev.upload(&[0i32])
+            } else {
+                dev.upload(v)
+            }
+        };
+        let d = DeviceStep {
+            seq: up(&step.seq)?,
+            pos: up(&step.pos)?,
+            slots: up(&step.slots)?,
+            tables: up(&step.tables)?,
+            max_len: step
+                .pos
+                .iter()
+                .map(|&p| p.max(0) as usize + 1)
+                .max()
+                .unwrap_or(1),
+        };
+        step.device = Some(Box::new(d));
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn paged_rope_store_device(
+        &self,
+        q: &mut Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        n_heads: usize,
+        kv: &mut PagedStore,
+        step: &PagedStep,
+        p: &RopeParams,
+    ) -> Result<()> {
+        let ds = device_step(step, "paged rope_store")?;
+        let l = layer_mut(kv, "paged rope_store")?;
+        // The rows this step's slots were made for: checked on the host, the kernel cannot.
+        step.rows().check(l.layout())?;
+        let lay = *l.layout();
+        if let Some((r, &s)) = step
+            .slots
+            .iter()
+            .enumerate()
+            .find(|(_, &s)| s >= 0 && s as usize >= lay.n_blocks * lay.block_tokens)
+        {
+            return Err(Error::Shape(format!(
+                "paged rope_store: row {r}'s slot {s} is past the pool's {} blocks",
+                lay.n_blocks
+            )));
+        }
+        let table = self.rope_table(p)?;
+        let mut qi = self.raw(q, "paged rope_store")?;
+        let (ki, vi) = (
+            self.raw(k, "paged rope_store")?,
+            self.raw(v, "paged rope_store")?,
+        );
+        self.device().paged_rope_store(
+            &mut qi,
+            &ki,
+            &vi,
+            step.len(),
+            n_heads,
+            l,
+            &ds.pos,
+            &ds.slots,
+            &table,
+        )
+    }
+
+    pub(crate) fn paged_attend_device(
+        &self,
+        q: &Tensor,
+        kv: &PagedStore,
+        step: &PagedStep,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        let ds = device_step(step, "paged attention")?;
+        let l = layer(kv, "paged attention")?;
+        step.rows().check(l.layout())?;
+        let r = step.len();
+        let rows = DevicePagedRows {
+            seq: &ds.seq,
+            pos: &ds.pos,
+            tables: &ds.tables,
+            rows: r,
+            max_blocks: step.max_blocks,
+            max_len: ds.max_len,
+        };
+        let dev = self.device();
+        let n = dev.paged_attention_scratch_len(p, r, ds.max_len)?;
+        let scratch = self.alloc(&[n.max(1)])?;
+        let out = self.alloc(&[r, p.n_heads * p.head_dim])?;
+        let qi = self.raw(q, "paged attention")?;
+        let mut s = self.raw(&scratch, "paged attention")?;
+        let mut o = self.raw(&out, "paged attention")?;
+        dev.paged_attention(&qi, l, &rows, p, &mut s, &mut o)?;
+        Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// The most likely token of each row of `logits (R, V)`, picked on the device in one
+    /// launch (the host sampler's rule); only the ids come back.
+    pub fn argmax_rows(&self, logits: &Tensor) -> Result<Vec<u32>> {
+        let (r, v) = logits.dims2();
+        let dev = self.device();
+        let mut ids = dev.alloc::<u32>(r.max(1))?;
+        let l = self.raw(logits, "argmax")?;
+        dev.argmax(&l, r, v, &mut ids)?;
+        let mut out = dev.download(&ids)?;
+        out.truncate(r);
+        Ok(out)
+    }
+}

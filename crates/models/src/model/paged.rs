@@ -1,0 +1,227 @@
+//! Batched steps over a paged KV cache: every running sequence's keys and values in blocks of
+//! one pool per layer ([`PagedKvCache`]), each sequence naming its blocks with a
+//! [`BlockTable`], and one forward over all the step's rows whose norms, RoPE, cache writes and
+//! attention run once over the whole batch (not once per sequence as [`Model::step_batch`]
+//! does).
+//!
+//! A step takes the blocks its rows need from the pool ([`BlockTable::reserve`]); when the
+//! pool cannot give them the step fails with [`Error::KvBlocks`] before running anything, and
+//! the caller (the scheduler) frees blocks, e.g. by preempting a sequence, and retries. Not
+//! here: who runs in a step, admission, preemption (the server's scheduler); the kernels
+//! (`hf2q_cpu::paged`, `hf2q_cuda::paged`).
+
+use hf2q_tensor::kv::KvType;
+use hf2q_tensor::paged::{BlockPool, BlockTable, PagedLayout, PagedStep, PagedStore};
+use hf2q_tensor::Tensor;
+
+use super::{Model, StepKv};
+use crate::layers::served::Fwd;
+use crate::{Error, Result};
+
+/// One paged store per layer (on the model's backend) and the pool of their blocks.
+pub struct PagedKvCache {
+    layers: Vec<PagedStore>,
+    pool: BlockPool,
+    /// Entries of each sequence's table: `max_context / B`, rounded up.
+    max_blocks: usize,
+}
+
+impl PagedKvCache {
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+    /// The pool, to release a finished or preempted sequence's table into.
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+    /// Most positions one sequence may hold.
+    pub fn max_context(&self) -> usize {
+        self.max_blocks * self.pool.block_tokens()
+    }
+    /// Bytes of keys and values held by all layers.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(PagedStore::bytes).sum()
+    }
+}
+
+/// One sequence in a paged step: `tokens` fed at positions `pos0..` (its table holds at least
+/// the blocks of `0..pos0` already written).
+pub struct PagedItem<'a> {
+    pub table: &'a mut BlockTable,
+    pub pos0: usize,
+    pub tokens: &'a [u32],
+}
+
+impl Model {
+    /// A paged cache of `n_blocks` blocks of `block_tokens` positions in every layer, for
+    /// sequences of at most `max_context` positions (0: the model's context length), keys and
+    /// values stored as the model's KV type (f16 or f32).
+    pub fn paged_cache(
+        &self,
+        n_blocks: usize,
+        block_tokens: usize,
+        max_context: usize,
+    ) -> Result<PagedKvCache> {
+        let max_context = if max_context == 0 {
+            self.config.context_length
+        } else {
+            max_context
+        };
+        if self.blocks.iter().any(|b| b.kv_source().is_some()) {
+            return Err(Error::Msg(
+                "this model has layers attending over another layer's keys (Gemma 4's \
+                 KV-shared layers), which have no paged KV cache path yet"
+                    .into(),
+            ));
+        }
+        let pool = BlockPool::new(n_blocks, block_tokens)?;
+        let be = self.be();
+        let layers = self
+            .config
+            .layer_heads
+            .iter()
+            .map(|&(n_kv_heads, head_dim)| {
+                let layout = PagedLayout {
+                    n_blocks,
+                    n_kv_heads,
+                    block_tokens,
+                    head_dim,
+                };
+                be.paged_alloc(layout, self.kv_type)
+            })
+            .collect::<hf2q_tensor::Result<Vec<_>>>()?;
+        Ok(PagedKvCache {
+            layers,
+            pool,
+            max_blocks: max_context.div_ceil(block_tokens),
+        })
+    }
+
+    /// The KV type a paged cache of this model stores.
+    pub fn paged_kv_type(&self) -> KvType {
+        self.kv_type
+    }
+
+    /// One batched step over a paged cache: for each item, feeds its tokens at `pos0..` and
+    /// returns the logits `(V)` of its last token. Blocks the items lack are taken from the
+    /// pool first (all the step's or, on [`Error::KvBlocks`], only those of the items before
+    /// the one that did not fit; nothing runs). The caller advances positions.
+    pub fn step_paged(
+        &self,
+        cache: &mut PagedKvCache,
+        items: &mut [PagedItem<'_>],
+    ) -> Result<Vec<Vec<f32>>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let h = self.paged_hidden(cache, items)?;
+        self.last_logits(&h, &lens(items))
+    }
+
+    /// [`Model::step_paged`] taking the most likely token of each item's last row (the host
+    /// sampler's rule: first index on ties, NaN ignored). On a GPU the pick runs on the device
+    /// for every row in one launch and only the token ids come back.
+    pub fn step_paged_argmax(
+        &self,
+        cache: &mut PagedKvCache,
+        items: &mut [PagedItem<'_>],
+    ) -> Result<Vec<u32>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let h = self.paged_hidden(cache, items)?;
+        let logits = self.logits(&self.last_rows(&h, &lens(items))?)?;
+        match &self.cuda {
+            Some(cuda) => Ok(cuda.argmax_rows(&logits)?),
+            None => {
+                let v = logits.dims2().1;
+                Ok(logits
+                    .data()
+                    .chunks(v)
+                    .map(crate::sampler::argmax)
+                    .collect())
+            }
+        }
+    }
+
+    /// The blocks' output for every row of the step, final-normed `(ΣT, D)`.
+    fn paged_hidden(
+        &self,
+        cache: &mut PagedKvCache,
+        items: &mut [PagedItem<'_>],
+    ) -> Result<Tensor> {
+        let max_ctx = cache.max_context();
+        for it in items.iter_mut() {
+            if it.tokens.is_empty() {
+                return Err(Error::Msg("no tokens to run".into()));
+            }
+            let end = it.pos0 + it.tokens.len();
+            if end > max_ctx {
+                return Err(Error::Msg(format!(
+                    "context full: {} + {} tokens exceed the context size {max_ctx}",
+                    it.pos0,
+                    it.tokens.len()
+                )));
+            }
+            it.table.reserve(&mut cache.pool, end)?;
+        }
+        let mut step = self.paged_rows(cache, items)?;
+        let be = self.be();
+        be.paged_prepare(&mut step)?;
+        let ids: Vec<u32> = items
+            .iter()
+            .flat_map(|it| it.tokens.iter().copied())
+            .collect();
+        let cx = Fwd { be, lora: None };
+        let mut x: Tensor = be.embedding(&self.embed, &ids, self.config.embed_scale)?;
+        let mut kv = StepKv::Paged {
+            layers: &mut cache.layers,
+            step: &step,
+            ids: &ids,
+        };
+        self.run_blocks_kv(&cx, 0..self.blocks.len(), &mut x, &mut kv)?;
+        Ok(be.rms_norm(
+            &x,
+            &self.final_norm,
+            self.config.rms_eps,
+            self.config.norm_offset,
+        )?)
+    }
+
+    /// The step's rows: item `i`'s tokens are rows of sequence `i` at `pos0..`, each stored at
+    /// the slot its table gives that position.
+    fn paged_rows(&self, cache: &PagedKvCache, items: &[PagedItem<'_>]) -> Result<PagedStep> {
+        let layout = PagedLayout {
+            n_blocks: cache.pool.n_blocks(),
+            n_kv_heads: 1,
+            block_tokens: cache.pool.block_tokens(),
+            head_dim: 1,
+        };
+        let mb = cache.max_blocks;
+        let mut step = PagedStep {
+            tables: vec![-1; items.len() * mb],
+            max_blocks: mb,
+            ..PagedStep::default()
+        };
+        for (i, it) in items.iter().enumerate() {
+            it.table.write_row(&mut step.tables[i * mb..][..mb])?;
+            for p in it.pos0..it.pos0 + it.tokens.len() {
+                let slot = layout
+                    .slot(it.table.blocks(), p)
+                    .ok_or_else(|| Error::Msg(format!("position {p} is past its table")))?;
+                step.seq.push(i as i32);
+                step.pos.push(to_i32(p)?);
+                step.slots.push(to_i32(slot)?);
+            }
+        }
+        Ok(step)
+    }
+}
+
+fn lens(items: &[PagedItem<'_>]) -> Vec<usize> {
+    items.iter().map(|it| it.tokens.len()).collect()
+}
+
+fn to_i32(v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Msg(format!("{v} does not fit the paged cache's 32 bits")))
+}
