@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use crate::error::{HubError, Result, Target};
-use crate::repo::RepoId;
+use crate::repo::{RepoId, RepoKind};
 
 /// The Hub used when no endpoint is given (`HF_ENDPOINT` overrides it, read by the binary).
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
@@ -23,9 +23,9 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// A blocking client of one Hub endpoint.
 #[derive(Clone)]
 pub struct Client {
-    agent: ureq::Agent,
+    pub(crate) agent: ureq::Agent,
     endpoint: String,
-    token: Option<String>,
+    pub(crate) token: Option<String>,
 }
 
 /// The commit a revision points to and the repository's files at it.
@@ -94,7 +94,7 @@ pub fn normalize_etag(v: &str) -> String {
         .to_string()
 }
 
-fn header(r: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
+pub(crate) fn header(r: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
     r.headers()
         .get(name)
         .and_then(|v| v.to_str().ok())
@@ -135,7 +135,7 @@ impl Client {
     }
 
     /// Whether the token may go to `url`: only to the endpoint's own scheme, host and port.
-    fn auth_for(&self, url: &str) -> Option<String> {
+    pub(crate) fn auth_for(&self, url: &str) -> Option<String> {
         let t = self.token.as_ref()?;
         (origin(url) == origin(&self.endpoint)).then(|| format!("Bearer {t}"))
     }
@@ -226,9 +226,15 @@ impl Client {
 
     /// `GET /api/models/{repo}/revision/{rev}`.
     pub fn repo_info(&self, repo: &RepoId, revision: &str) -> Result<RepoInfo> {
+        self.repo_info_of(RepoKind::Model, repo, revision)
+    }
+
+    /// `GET /api/{models|datasets}/{repo}/revision/{rev}`.
+    pub fn repo_info_of(&self, kind: RepoKind, repo: &RepoId, revision: &str) -> Result<RepoInfo> {
         let url = format!(
-            "{}/api/models/{repo}/revision/{}",
+            "{}/api/{}/{repo}/revision/{}",
             self.endpoint,
+            kind.plural(),
             encode_segment(revision)
         );
         let target = Target {

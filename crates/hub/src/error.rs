@@ -111,6 +111,25 @@ pub enum HubError {
         last: String,
     },
 
+    #[error(
+        "pushing to {endpoint} needs a token with write access (HTTP 401): pass --hf-token, set \
+         HF_TOKEN, or log in with `hf auth login`"
+    )]
+    PushNeedsToken { endpoint: String },
+
+    #[error(
+        "the token may not write to {repo} (HTTP 403{}): use a token with write access of an \
+         account that may write to that namespace",
+        if message.is_empty() { String::new() } else { format!(": {message}") }
+    )]
+    NoWriteAccess { repo: String, message: String },
+
+    #[error("{path}: the Hub refused its upload: {message}")]
+    UploadRefused { path: String, message: String },
+
+    #[error("{}: nothing to push ({why})", path.display())]
+    NothingToPush { path: PathBuf, why: String },
+
     #[error("HTTP {status} from {url}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
     Http {
         status: u16,

@@ -27,6 +27,49 @@ pub struct RepoRef {
     pub revision: Option<String>,
 }
 
+/// What a repository holds: the Hub keeps models and datasets under different URL prefixes
+/// (`/api/models/..`, `/api/datasets/..`; pages and git at `/ORG/NAME` and `/datasets/ORG/NAME`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RepoKind {
+    #[default]
+    Model,
+    Dataset,
+}
+
+impl RepoKind {
+    /// `model` or `dataset` (the `type` of `POST /api/repos/create`).
+    pub fn name(self) -> &'static str {
+        match self {
+            RepoKind::Model => "model",
+            RepoKind::Dataset => "dataset",
+        }
+    }
+
+    /// `models` or `datasets`: `/api/{plural}/ORG/NAME/...`.
+    pub fn plural(self) -> &'static str {
+        match self {
+            RepoKind::Model => "models",
+            RepoKind::Dataset => "datasets",
+        }
+    }
+
+    /// The path before `ORG/NAME` in page, resolve and git URLs: empty or `datasets/`.
+    pub fn url_prefix(self) -> &'static str {
+        match self {
+            RepoKind::Model => "",
+            RepoKind::Dataset => "datasets/",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<RepoKind> {
+        match s {
+            "model" => Some(RepoKind::Model),
+            "dataset" => Some(RepoKind::Dataset),
+            _ => None,
+        }
+    }
+}
+
 /// The revision used when none is given.
 pub const DEFAULT_REVISION: &str = "main";
 
