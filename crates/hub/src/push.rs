@@ -208,7 +208,12 @@ pub fn push(cfg: &HubConfig, req: &PushRequest) -> Result<Pushed> {
         })
         .collect();
     let modes = client.preupload(kind, repo, rev, &asks)?;
-    let mode = |p: &str| modes.iter().find(|m| m.path == p).expect("checked by preupload");
+    let mode = |p: &str| {
+        modes
+            .iter()
+            .find(|m| m.path == p)
+            .expect("checked by preupload")
+    };
     // Files the Hub ignores (its .gitignore) are not sent; empty files are never LFS.
     uploads.retain(|u| !mode(&u.path).ignore);
     let is_lfs = |u: &Upload| mode(&u.path).lfs && u.size > 0;

@@ -82,7 +82,8 @@ pub enum CommitOp {
 
 /// The NDJSON body of a commit: the header line, then one line per operation.
 pub fn commit_body(summary: &str, description: &str, ops: &[CommitOp]) -> Vec<u8> {
-    let mut lines = vec![json!({"key": "header", "value": {"summary": summary, "description": description}})];
+    let mut lines =
+        vec![json!({"key": "header", "value": {"summary": summary, "description": description}})];
     for op in ops {
         lines.push(match op {
             CommitOp::File { path, content } => json!({"key": "file", "value": {
@@ -280,12 +281,17 @@ impl Client {
                 let path = f.get("path").and_then(Value::as_str);
                 let mode = f.get("uploadMode").and_then(Value::as_str);
                 let (Some(path), Some(mode @ ("lfs" | "regular"))) = (path, mode) else {
-                    return Err(bad("a file without 'path' or with an 'uploadMode' other than lfs/regular"));
+                    return Err(bad(
+                        "a file without 'path' or with an 'uploadMode' other than lfs/regular",
+                    ));
                 };
                 out.push(UploadMode {
                     path: path.to_string(),
                     lfs: mode == "lfs",
-                    ignore: f.get("shouldIgnore").and_then(Value::as_bool).unwrap_or(false),
+                    ignore: f
+                        .get("shouldIgnore")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
                 });
             }
         }
@@ -376,7 +382,8 @@ impl Client {
             let upload_headers = headers_of(upload.and_then(|u| u.get("header")));
             if upload_headers.iter().any(|(k, _)| k == "chunk_size") {
                 return Err(bad(
-                    "the LFS server asked for a multipart upload (only 'basic' is supported)".into(),
+                    "the LFS server asked for a multipart upload (only 'basic' is supported)"
+                        .into(),
                 ));
             }
             out.push(LfsAction {
@@ -412,7 +419,10 @@ impl Client {
             let status = r.status().as_u16();
             return Err(HubError::UploadRefused {
                 path: path.to_string(),
-                message: format!("HTTP {status} from the storage host {}", crate::api::origin(href)),
+                message: format!(
+                    "HTTP {status} from the storage host {}",
+                    crate::api::origin(href)
+                ),
             });
         }
         Ok(())
@@ -420,7 +430,9 @@ impl Client {
 
     /// `POST {verify.href}` `{"oid", "size"}`.
     pub fn lfs_verify(&self, action: &LfsAction, href: &str, size: u64, path: &str) -> Result<()> {
-        let body = json!({"oid": action.oid, "size": size}).to_string().into_bytes();
+        let body = json!({"oid": action.oid, "size": size})
+            .to_string()
+            .into_bytes();
         let r = self.send(
             "POST",
             href,
@@ -450,13 +462,7 @@ impl Client {
     ) -> Result<CommitInfo> {
         let url = self.api(kind, repo, "commit", rev);
         let body = commit_body(summary, description, ops);
-        let r = self.send(
-            "POST",
-            &url,
-            "application/x-ndjson",
-            &[],
-            &body[..],
-        )?;
+        let r = self.send("POST", &url, "application/x-ndjson", &[], &body[..])?;
         if !r.status().is_success() {
             return Err(self.write_error(r, &url, &repo.to_string(), rev));
         }

@@ -8,7 +8,9 @@ use std::fs;
 use std::path::Path;
 
 use hf2q_hub::mock::{Host, MockHub};
-use hf2q_hub::{pull, push, HubConfig, HubError, PullRequest, PushRequest, RepoId, RepoKind, RepoRef};
+use hf2q_hub::{
+    pull, push, HubConfig, HubError, PullRequest, PushRequest, RepoId, RepoKind, RepoRef,
+};
 
 fn bytes(n: usize, seed: u32) -> Vec<u8> {
     let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
@@ -44,7 +46,10 @@ fn req(path: &Path, repo: &str) -> PushRequest {
 /// A model folder: config, tokenizer, weights (LFS by extension), a nested file.
 fn model_folder(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let files = vec![
-        ("config.json".to_string(), br#"{"model_type": "llama"}"#.to_vec()),
+        (
+            "config.json".to_string(),
+            br#"{"model_type": "llama"}"#.to_vec(),
+        ),
         ("tokenizer.json".to_string(), b"{}".to_vec()),
         ("model.safetensors".to_string(), bytes(200_000, 1)),
         ("extra/notes.txt".to_string(), b"notes".to_vec()),
@@ -69,7 +74,10 @@ fn folder_to_new_repo_pulls_back_byte_for_byte() {
     assert!(p.created && p.card_added);
     assert_eq!(p.lfs, vec!["model.safetensors".to_string()]);
     assert_eq!(p.lfs_bytes_sent, 200_000);
-    assert_eq!(p.commit_url, format!("{}/me/tiny/commit/{}", hub.endpoint(), p.commit));
+    assert_eq!(
+        p.commit_url,
+        format!("{}/me/tiny/commit/{}", hub.endpoint(), p.commit)
+    );
     assert_eq!(p.repo_url, format!("{}/me/tiny", hub.endpoint()));
 
     // The token went to the hub host (create, preupload, batch, verify, commit), never to the
@@ -92,7 +100,10 @@ fn folder_to_new_repo_pulls_back_byte_for_byte() {
     for (path, data) in &files {
         assert_eq!(&fs::read(got.snapshot.join(path)).unwrap(), data, "{path}");
     }
-    assert_eq!(fs::read(got.snapshot.join("README.md")).unwrap(), b"# card\n");
+    assert_eq!(
+        fs::read(got.snapshot.join("README.md")).unwrap(),
+        b"# card\n"
+    );
 
     // The same push again: the repository exists, the LFS object is not sent again, and a
     // README.md of the folder's own wins over the card.
@@ -148,7 +159,10 @@ fn branches_datasets_and_single_files() {
     r.message = Some("Q8_0".into());
     let p = push(&c, &r).unwrap();
     assert_eq!(p.files, vec!["m-Q8_0.gguf".to_string()]);
-    assert!(!hub.files("me/m", "main").unwrap().contains_key("m-Q8_0.gguf"));
+    assert!(!hub
+        .files("me/m", "main")
+        .unwrap()
+        .contains_key("m-Q8_0.gguf"));
     let q8 = hub.files("me/m", "q8").unwrap();
     assert!(q8.contains_key("m-Q8_0.gguf") && q8.contains_key("config.json"));
 
@@ -160,7 +174,10 @@ fn branches_datasets_and_single_files() {
     r.kind = RepoKind::Dataset;
     let p = push(&c, &r).unwrap();
     assert_eq!(p.repo_url, format!("{}/datasets/me/data", hub.endpoint()));
-    assert!(hub.files("datasets/me/data", "main").unwrap().contains_key("train.jsonl"));
+    assert!(hub
+        .files("datasets/me/data", "main")
+        .unwrap()
+        .contains_key("train.jsonl"));
     assert!(hub.files("me/data", "main").is_none());
 }
 

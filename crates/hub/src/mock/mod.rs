@@ -223,7 +223,8 @@ impl MockHub {
 
     /// Writes with `Authorization: Bearer T` are refused (403) for these tokens.
     pub fn set_read_only_tokens(&self, tokens: &[&str]) {
-        self.state.lock().unwrap().read_only_tokens = tokens.iter().map(|t| t.to_string()).collect();
+        self.state.lock().unwrap().read_only_tokens =
+            tokens.iter().map(|t| t.to_string()).collect();
     }
 
     /// The files of repository `key` (`org/name`, or `datasets/org/name`) at `revision`.
@@ -524,9 +525,10 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
             .keys()
             .map(|f| serde_json::json!({ "rfilename": f }))
             .collect();
-        let body = serde_json::json!({ "id": name, "modelId": name, "sha": commit, "private": false,
+        let body =
+            serde_json::json!({ "id": name, "modelId": name, "sha": commit, "private": false,
             "gated": repo.gated.is_some(), "siblings": siblings })
-        .to_string();
+            .to_string();
         return reply.send(
             200,
             &[("Content-Type", "application/json".into())],

@@ -40,7 +40,11 @@ fn key(kind: &str, org: &str, name: &str) -> Option<String> {
     }
 }
 
-pub(super) fn handle(req: &Request, reply: &mut Reply, state: &Mutex<State>) -> std::io::Result<()> {
+pub(super) fn handle(
+    req: &Request,
+    reply: &mut Reply,
+    state: &Mutex<State>,
+) -> std::io::Result<()> {
     if req.host == Host::Cdn {
         return match (req.method, req.path.strip_prefix("/lfs-upload/")) {
             ("PUT", Some(oid)) => {
@@ -62,7 +66,11 @@ pub(super) fn handle(req: &Request, reply: &mut Reply, state: &Mutex<State>) -> 
         .iter()
         .any(|t| t == token)
     {
-        return reply.error(403, "", "You don't have the rights to write to this namespace");
+        return reply.error(
+            403,
+            "",
+            "You don't have the rights to write to this namespace",
+        );
     }
     // The commit body is NDJSON (read by `commit`); the others are one JSON object.
     let Ok(body) = (if req.path.contains("/commit/") {
@@ -162,7 +170,12 @@ fn repo_missing(reply: &mut Reply, k: &str) -> std::io::Result<()> {
     )
 }
 
-fn branch_create(k: &str, branch: &str, reply: &mut Reply, state: &Mutex<State>) -> std::io::Result<()> {
+fn branch_create(
+    k: &str,
+    branch: &str,
+    reply: &mut Reply,
+    state: &Mutex<State>,
+) -> std::io::Result<()> {
     let mut s = state.lock().unwrap();
     let Some(r) = s.repos.get_mut(k) else {
         drop(s);
@@ -170,7 +183,11 @@ fn branch_create(k: &str, branch: &str, reply: &mut Reply, state: &Mutex<State>)
     };
     if r.refs.contains_key(branch) {
         drop(s);
-        return reply.error(409, "", &format!("Reference already exists: refs/heads/{branch}"));
+        return reply.error(
+            409,
+            "",
+            &format!("Reference already exists: refs/heads/{branch}"),
+        );
     }
     let head = r.refs["main"].clone();
     r.refs.insert(branch.to_string(), head);
@@ -203,12 +220,18 @@ fn preupload(
         let (Some(path), Some(size), Some(_sample)) = (
             f.get("path").and_then(Value::as_str),
             f.get("size").and_then(Value::as_u64),
-            f.get("sample").and_then(Value::as_str).and_then(crate::b64::decode),
+            f.get("sample")
+                .and_then(Value::as_str)
+                .and_then(crate::b64::decode),
         ) else {
             drop(s);
             return reply.error(400, "", "each file needs path, size and a base64 sample");
         };
-        let mode = if s.is_lfs(path, size) { "lfs" } else { "regular" };
+        let mode = if s.is_lfs(path, size) {
+            "lfs"
+        } else {
+            "regular"
+        };
         out.push(json!({"path": path, "uploadMode": mode, "shouldIgnore": false}));
     }
     drop(s);
@@ -231,7 +254,11 @@ fn batch(k: &str, body: &Value, reply: &mut Reply, state: &Mutex<State>) -> std:
         basic,
     ) else {
         drop(s);
-        return reply.error(422, "", "an upload batch of objects with the basic transfer expected");
+        return reply.error(
+            422,
+            "",
+            "an upload batch of objects with the basic transfer expected",
+        );
     };
     let git = format!("{}/{k}.git/info/lfs/objects", s.hub);
     let mut out = Vec::new();
@@ -246,9 +273,11 @@ fn batch(k: &str, body: &Value, reply: &mut Reply, state: &Mutex<State>) -> std:
         if s.lfs.get(oid).is_some_and(|d| d.len() as u64 == size) {
             out.push(json!({"oid": oid, "size": size}));
         } else {
-            out.push(json!({"oid": oid, "size": size, "authenticated": true, "actions": {
+            out.push(
+                json!({"oid": oid, "size": size, "authenticated": true, "actions": {
                 "upload": {"href": format!("{}/lfs-upload/{oid}", s.cdn), "expires_in": 86400},
-                "verify": {"href": format!("{git}/verify"), "header": {}}}}));
+                "verify": {"href": format!("{git}/verify"), "header": {}}}}),
+            );
         }
     }
     drop(s);
@@ -270,7 +299,11 @@ fn verify(body: &Value, reply: &mut Reply, state: &Mutex<State>) -> std::io::Res
     if sha256(&data) != oid || data.len() as u64 != size {
         s.lfs_pending.remove(oid);
         drop(s);
-        return reply.error(422, "", &format!("object {oid}: the bytes uploaded do not match"));
+        return reply.error(
+            422,
+            "",
+            &format!("object {oid}: the bytes uploaded do not match"),
+        );
     }
     s.lfs_pending.remove(oid);
     s.lfs.insert(oid.to_string(), data);
@@ -293,7 +326,11 @@ fn commit(
     };
     let Some(parent) = r.refs.get(rev).cloned() else {
         drop(s);
-        return reply.error(404, "RevisionNotFound", &format!("Invalid rev id: {rev} (commits go to a branch)"));
+        return reply.error(
+            404,
+            "RevisionNotFound",
+            &format!("Invalid rev id: {rev} (commits go to a branch)"),
+        );
     };
     let mut files = r.snapshots[&parent].clone();
     let text = String::from_utf8_lossy(body);
