@@ -167,9 +167,9 @@ pub fn card_facts(path: &Path, repo: &str, kind: RepoKind, files: Vec<String>) -
 
 /// `hf2q push`.
 pub fn run(a: PushArgs) -> Result<()> {
-    let repo = RepoId::parse(&a.repo)?;
     let kind = RepoKind::parse(&a.repo_type)
         .ok_or_else(|| anyhow!("--repo-type must be model or dataset"))?;
+    let repo = RepoId::parse(&a.repo)?.of_kind(kind);
     if let Some(r) = &a.revision {
         hf2q_hub::repo::check_revision(r).map_err(|w| anyhow!("--revision: {w}"))?;
     }
@@ -184,11 +184,10 @@ pub fn run(a: PushArgs) -> Result<()> {
     let card = (!a.no_card)
         .then(|| hf2q_hub::card::render(&card_facts(&a.path, &a.repo, kind, files.clone())));
     eprintln!(
-        "pushing {} ({} files) to {}{}{} on {}",
+        "pushing {} ({} files) to {}{} on {}",
         a.path.display(),
         files.len(),
-        kind.url_prefix(),
-        repo,
+        repo.url_path(),
         a.revision
             .as_deref()
             .map(|r| format!("@{r}"))
@@ -198,7 +197,6 @@ pub fn run(a: PushArgs) -> Result<()> {
     let req = PushRequest {
         path: a.path.clone(),
         repo,
-        kind,
         revision: a.revision,
         private: a.private,
         message: a.message,

@@ -380,3 +380,74 @@ fn pull_push_pull_round_trips_a_quantized_model() {
         .unwrap()
         .contains_key("train.jsonl"));
 }
+
+/// `dataset build ORG/NAME[:SPLIT]` reads a Hub dataset's split (its JSONL and CSV files) through
+/// the shared cache (`datasets--ORG--NAME`); an unknown split names the files there are, and a
+/// Parquet-only split is refused by name.
+#[test]
+fn dataset_build_reads_a_hub_dataset_split() {
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let run = |args: &[&str]| hf2q_env(home, &ep, &[], args);
+    let train: String = (0..20)
+        .map(|i| format!("{{\"text\": \"train record {i}\"}}\n"))
+        .collect();
+    let csv = "text\ncsv one\ncsv two\ncsv three\n";
+    hub.add_repo(
+        "datasets/org/notes",
+        &[
+            ("README.md", b"# notes"),
+            ("data/train-00000-of-00001.jsonl", train.as_bytes()),
+            ("data/test.csv", csv.as_bytes()),
+        ],
+    );
+    hub.add_repo(
+        "datasets/org/pq",
+        &[("data/train-00000-of-00001.parquet", b"PAR1")],
+    );
+
+    let out = home.join("out");
+    let v: serde_json::Value = serde_json::from_str(&ok(&run(&[
+        "dataset",
+        "build",
+        "org/notes",
+        "-o",
+        s(&out),
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(v["rows"], 20, "{v}");
+    assert_eq!(
+        v["train"].as_u64().unwrap() + v["valid"].as_u64().unwrap(),
+        20
+    );
+    assert!(home.join("hub/datasets--org--notes/refs/main").is_file());
+
+    let v: serde_json::Value = serde_json::from_str(&ok(&run(&[
+        "dataset",
+        "build",
+        "org/notes:test",
+        "-o",
+        s(&home.join("out2")),
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(v["rows"], 3, "{v}");
+
+    fails_with(
+        &run(&[
+            "dataset",
+            "build",
+            "org/notes:extra",
+            "-o",
+            s(&home.join("o3")),
+        ]),
+        "data/test.csv",
+    );
+    fails_with(
+        &run(&["dataset", "build", "org/pq", "-o", s(&home.join("o4"))]),
+        "Parquet",
+    );
+}

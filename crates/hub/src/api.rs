@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use crate::error::{HubError, Result, Target};
-use crate::repo::{RepoId, RepoKind};
+use crate::repo::RepoId;
 
 /// The Hub used when no endpoint is given (`HF_ENDPOINT` overrides it, read by the binary).
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
@@ -131,7 +131,7 @@ impl Client {
 
     /// The repository's page, where a gated model's licence is accepted.
     pub fn page(&self, repo: &RepoId) -> String {
-        format!("{}/{repo}", self.endpoint)
+        format!("{}/{}", self.endpoint, repo.url_path())
     }
 
     /// Whether the token may go to `url`: only to the endpoint's own scheme, host and port.
@@ -224,17 +224,12 @@ impl Client {
         }
     }
 
-    /// `GET /api/models/{repo}/revision/{rev}`.
-    pub fn repo_info(&self, repo: &RepoId, revision: &str) -> Result<RepoInfo> {
-        self.repo_info_of(RepoKind::Model, repo, revision)
-    }
-
     /// `GET /api/{models|datasets}/{repo}/revision/{rev}`.
-    pub fn repo_info_of(&self, kind: RepoKind, repo: &RepoId, revision: &str) -> Result<RepoInfo> {
+    pub fn repo_info(&self, repo: &RepoId, revision: &str) -> Result<RepoInfo> {
         let url = format!(
             "{}/api/{}/{repo}/revision/{}",
             self.endpoint,
-            kind.plural(),
+            repo.kind.plural(),
             encode_segment(revision)
         );
         let target = Target {
@@ -283,8 +278,9 @@ impl Client {
     /// followed; a redirect to another host is where the bytes are (not followed here).
     pub fn file_meta(&self, repo: &RepoId, revision: &str, path: &str) -> Result<FileMeta> {
         let mut url = format!(
-            "{}/{repo}/resolve/{}/{}",
+            "{}/{}/resolve/{}/{}",
             self.endpoint,
+            repo.url_path(),
             encode_segment(revision),
             encode_path(path)
         );

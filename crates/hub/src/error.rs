@@ -84,6 +84,17 @@ pub enum HubError {
     )]
     NothingToLoad { repo: String, filtered: bool },
 
+    #[error(
+        "dataset {repo} has no data files (.jsonl, .json, .csv, .parquet){}{}",
+        split.as_ref().map(|s| format!(" for split '{s}'")).unwrap_or_default(),
+        if available.is_empty() { String::new() } else { format!(" (it has: {}); pick a split with {repo}:SPLIT or files with --include", available.join(", ")) }
+    )]
+    NoDataFiles {
+        repo: String,
+        split: Option<String>,
+        available: Vec<String>,
+    },
+
     #[error("{repo}:{quant} asks for a GGUF file, but {repo} has no .gguf files")]
     QuantOnNonGguf { repo: String, quant: String },
 

@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use crate::api::Client;
 use crate::error::{HubError, IoContext, Result};
 use crate::pull::HubConfig;
-use crate::repo::{RepoId, RepoKind, DEFAULT_REVISION};
+use crate::repo::{RepoId, DEFAULT_REVISION};
 use crate::write_api::{CommitOp, PreuploadFile};
 
 /// What to push and where.
@@ -25,8 +25,8 @@ use crate::write_api::{CommitOp, PreuploadFile};
 pub struct PushRequest {
     /// A folder (its files, recursively, keep their relative paths) or one file (at the top).
     pub path: PathBuf,
+    /// The repository (its `kind` says model or dataset).
     pub repo: RepoId,
-    pub kind: RepoKind,
     /// The branch to commit to (created from the default branch if missing); `main` if `None`.
     pub revision: Option<String>,
     /// Create the repository private (an existing one keeps its visibility).
@@ -167,23 +167,23 @@ pub fn push(cfg: &HubConfig, req: &PushRequest) -> Result<Pushed> {
         });
     }
     let client = Client::new(&cfg.endpoint, cfg.token.clone());
-    let (kind, repo) = (req.kind, &req.repo);
+    let repo = &req.repo;
     let rev = req.revision.as_deref().unwrap_or(DEFAULT_REVISION);
 
     let mut uploads = Vec::new();
     for (p, local) in local_files(&req.path)? {
         uploads.push(describe(p, local)?);
     }
-    let created = client.create_repo(kind, repo, req.private)?;
+    let created = client.create_repo(repo, req.private)?;
     if rev != DEFAULT_REVISION {
-        client.create_branch(kind, repo, rev)?;
+        client.create_branch(repo, rev)?;
     }
     // The card only where neither the upload nor the branch has a README.md.
     let has_readme = |files: &[String]| files.iter().any(|f| f == "README.md");
     let card_added = match &req.card {
         Some(text)
             if !uploads.iter().any(|u| u.path == "README.md")
-                && !has_readme(&client.repo_info_of(kind, repo, rev)?.siblings) =>
+                && !has_readme(&client.repo_info(repo, rev)?.siblings) =>
         {
             let b = text.as_bytes().to_vec();
             uploads.push(Upload {
@@ -207,7 +207,7 @@ pub fn push(cfg: &HubConfig, req: &PushRequest) -> Result<Pushed> {
             sample: u.sample.clone(),
         })
         .collect();
-    let modes = client.preupload(kind, repo, rev, &asks)?;
+    let modes = client.preupload(repo, rev, &asks)?;
     let mode = |p: &str| {
         modes
             .iter()
@@ -226,7 +226,7 @@ pub fn push(cfg: &HubConfig, req: &PushRequest) -> Result<Pushed> {
             lfs.iter().map(|u| (u.sha256.clone(), u.size)).collect();
         objects.sort();
         objects.dedup();
-        let actions = client.lfs_batch(kind, repo, rev, &objects)?;
+        let actions = client.lfs_batch(repo, rev, &objects)?;
         let todo: Vec<_> = actions
             .iter()
             .filter_map(|a| Some((a, a.upload.as_deref()?)))
@@ -289,9 +289,9 @@ pub fn push(cfg: &HubConfig, req: &PushRequest) -> Result<Pushed> {
         .message
         .clone()
         .unwrap_or_else(|| format!("Upload {} with hf2q", req.repo));
-    let info = client.commit(kind, repo, rev, &summary, "", &ops)?;
+    let info = client.commit(repo, rev, &summary, "", &ops)?;
     Ok(Pushed {
-        repo_url: client.repo_url(kind, repo),
+        repo_url: client.repo_url(repo),
         commit_url: info.url,
         commit: info.oid,
         created,

@@ -30,7 +30,7 @@ use serde_json::{json, Value};
 
 use crate::api::{encode_segment, header, Client};
 use crate::error::{HubError, Result};
-use crate::repo::{RepoId, RepoKind};
+use crate::repo::RepoId;
 
 /// One file as the preupload API is asked about it.
 #[derive(Clone, Debug)]
@@ -210,24 +210,24 @@ impl Client {
         })
     }
 
-    fn api(&self, kind: RepoKind, repo: &RepoId, what: &str, rev: &str) -> String {
+    fn api(&self, repo: &RepoId, what: &str, rev: &str) -> String {
         format!(
             "{}/api/{}/{repo}/{what}/{}",
             self.endpoint(),
-            kind.plural(),
+            repo.kind.plural(),
             encode_segment(rev)
         )
     }
 
     /// The repository's page: `{endpoint}/{prefix}{repo}`.
-    pub fn repo_url(&self, kind: RepoKind, repo: &RepoId) -> String {
-        format!("{}/{}{repo}", self.endpoint(), kind.url_prefix())
+    pub fn repo_url(&self, repo: &RepoId) -> String {
+        format!("{}/{}", self.endpoint(), repo.url_path())
     }
 
     /// Creates the repository; `Ok(false)` when it already exists (`409`).
-    pub fn create_repo(&self, kind: RepoKind, repo: &RepoId, private: bool) -> Result<bool> {
+    pub fn create_repo(&self, repo: &RepoId, private: bool) -> Result<bool> {
         let url = format!("{}/api/repos/create", self.endpoint());
-        let mut body = json!({"name": repo.name, "organization": repo.org, "type": kind.name(),
+        let mut body = json!({"name": repo.name, "organization": repo.org, "type": repo.kind.name(),
             "private": private});
         if private {
             body["visibility"] = json!("private");
@@ -241,8 +241,8 @@ impl Client {
     }
 
     /// Creates branch `branch` (from the default branch); `Ok(false)` when it exists.
-    pub fn create_branch(&self, kind: RepoKind, repo: &RepoId, branch: &str) -> Result<bool> {
-        let url = self.api(kind, repo, "branch", branch);
+    pub fn create_branch(&self, repo: &RepoId, branch: &str) -> Result<bool> {
+        let url = self.api(repo, "branch", branch);
         let r = self.send_json(&url, "application/json", &json!({}))?;
         match r.status().as_u16() {
             200..=299 => Ok(true),
@@ -254,12 +254,11 @@ impl Client {
     /// Asks how each file is to be uploaded (up to 256 files a request, as huggingface_hub).
     pub fn preupload(
         &self,
-        kind: RepoKind,
         repo: &RepoId,
         rev: &str,
         files: &[PreuploadFile],
     ) -> Result<Vec<UploadMode>> {
-        let url = self.api(kind, repo, "preupload", rev);
+        let url = self.api(repo, "preupload", rev);
         let mut out = Vec::with_capacity(files.len());
         for chunk in files.chunks(256) {
             let body = json!({"files": chunk.iter().map(|f| json!({"path": f.path,
@@ -309,15 +308,14 @@ impl Client {
     /// The LFS batch request for `objects` (sha256, size): what to do with each.
     pub fn lfs_batch(
         &self,
-        kind: RepoKind,
         repo: &RepoId,
         rev: &str,
         objects: &[(String, u64)],
     ) -> Result<Vec<LfsAction>> {
         let url = format!(
-            "{}/{}{repo}.git/info/lfs/objects/batch",
+            "{}/{}.git/info/lfs/objects/batch",
             self.endpoint(),
-            kind.url_prefix()
+            repo.url_path()
         );
         let body = json!({"operation": "upload", "transfers": ["basic"],
             "objects": objects.iter().map(|(oid, size)| json!({"oid": oid, "size": size})).collect::<Vec<_>>(),
@@ -453,14 +451,13 @@ impl Client {
     /// The NDJSON commit of `ops` onto `rev`.
     pub fn commit(
         &self,
-        kind: RepoKind,
         repo: &RepoId,
         rev: &str,
         summary: &str,
         description: &str,
         ops: &[CommitOp],
     ) -> Result<CommitInfo> {
-        let url = self.api(kind, repo, "commit", rev);
+        let url = self.api(repo, "commit", rev);
         let body = commit_body(summary, description, ops);
         let r = self.send("POST", &url, "application/x-ndjson", &[], &body[..])?;
         if !r.status().is_success() {

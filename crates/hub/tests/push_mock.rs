@@ -35,7 +35,6 @@ fn req(path: &Path, repo: &str) -> PushRequest {
     PushRequest {
         path: path.to_path_buf(),
         repo: RepoId::parse(repo).unwrap(),
-        kind: RepoKind::Model,
         revision: None,
         private: false,
         message: None,
@@ -171,7 +170,7 @@ fn branches_datasets_and_single_files() {
     fs::create_dir_all(&ds).unwrap();
     fs::write(ds.join("train.jsonl"), b"{\"text\": \"a\"}\n").unwrap();
     let mut r = req(&ds, "me/data");
-    r.kind = RepoKind::Dataset;
+    r.repo = r.repo.of_kind(RepoKind::Dataset);
     let p = push(&c, &r).unwrap();
     assert_eq!(p.repo_url, format!("{}/datasets/me/data", hub.endpoint()));
     assert!(hub

@@ -199,8 +199,7 @@ fn huggingface_hub_and_hf2q_push_to_each_other() {
         &cfg,
         &PushRequest {
             path: src.clone(),
-            repo: RepoId::parse("rs/ds").unwrap(),
-            kind: RepoKind::Dataset,
+            repo: RepoId::parse("rs/ds").unwrap().of_kind(RepoKind::Dataset),
             revision: None,
             private: false,
             message: None,
