@@ -5,7 +5,7 @@
 //! file with a model's chat template. `--json` prints the report as one JSON line on stdout (the
 //! Lab's `dataset` job reads it), else a summary.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use hf2q_train::dataset::{self, stats, BuildConfig, Dedup, Format, Input, OnError, Report};
@@ -18,7 +18,9 @@ pub enum DatasetCmd {
     /// duplicates, shuffle and split into train and validation sets.
     #[command(
         long_about = "Import CSV (a header row names the columns), JSON (one array of objects) or \
-JSONL files into training records. --map FIELD=COLUMN renames columns to the fields of a record \
+JSONL files, or a Hub dataset ORG/NAME[:SPLIT][@REV] (the split's JSON, JSONL and CSV files, \
+`train` by default, pulled into the shared Hugging Face cache; HF_ENDPOINT, HF_TOKEN and \
+HF_HUB_OFFLINE apply), into training records. --map FIELD=COLUMN renames columns to the fields of a record \
 shape: OpenAI `messages`, ShareGPT `conversations`, Alpaca `instruction`/`input`/`output`/`system`, \
 `prompt`/`completion`, `text`, or DPO `prompt`/`chosen`/`rejected`. Records are written in --to's \
 format (default: the first record's), exact (and with --dedup near, near) duplicates removed, \
@@ -65,8 +67,9 @@ pub struct MapArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct BuildArgs {
-    /// Input files (.csv, .json, .jsonl).
-    #[arg(required = true, value_name = "FILE")]
+    /// Input files (.csv, .json, .jsonl), or Hub datasets ORG/NAME[:SPLIT][@REV] (their split's
+    /// JSON, JSONL and CSV files, `train` by default, pulled into the shared cache).
+    #[arg(required = true, value_name = "FILE|ORG/NAME[:SPLIT]")]
     pub inputs: Vec<PathBuf>,
     /// Output folder (new, or empty).
     #[arg(short, long, value_name = "DIR")]
@@ -151,16 +154,51 @@ fn on_error(m: &MapArgs) -> OnError {
 }
 
 fn inputs(paths: &[PathBuf]) -> Result<Vec<Input>> {
-    paths
-        .iter()
-        .map(|p| {
-            let name = p.file_name().map_or_else(
-                || p.display().to_string(),
-                |n| n.to_string_lossy().to_string(),
+    let mut out = Vec::new();
+    for p in paths {
+        if !p.exists() {
+            if let Some(files) = hub_dataset(p)? {
+                out.extend(files);
+                continue;
+            }
+        }
+        let name = p.file_name().map_or_else(
+            || p.display().to_string(),
+            |n| n.to_string_lossy().to_string(),
+        );
+        out.push(Input::load(p, &name)?);
+    }
+    Ok(out)
+}
+
+/// An input that names a Hub dataset (`ORG/NAME[:SPLIT][@REV]`, not a local path): the split's
+/// data files, pulled into the shared cache (`datasets--ORG--NAME`) or found there; `None` when
+/// `arg` is no repository name.
+fn hub_dataset(arg: &Path) -> Result<Option<Vec<Input>>> {
+    let Some(s) = arg.to_str().filter(|s| s.contains('/')) else {
+        return Ok(None);
+    };
+    let Ok(r) = hf2q_hub::RepoRef::parse(s) else {
+        return Ok(None);
+    };
+    let mut repo = r;
+    repo.id = repo.id.of_kind(hf2q_hub::RepoKind::Dataset);
+    let cfg = crate::pull::hub_config(None, false)?;
+    let req = hf2q_hub::PullRequest::new(repo);
+    eprintln!("reading dataset {} from {}", req.repo, cfg.endpoint);
+    let pulled = hf2q_hub::pull(&cfg, &req).with_context(|| format!("dataset {s}"))?;
+    let mut out = Vec::new();
+    for f in &pulled.files {
+        if f.to_ascii_lowercase().ends_with(".parquet") {
+            bail!(
+                "{s}: {f} is Parquet, which hf2q does not read; pick the split's JSON, JSONL or \
+                 CSV files (ORG/NAME:SPLIT) or convert it to JSONL"
             );
-            Ok(Input::load(p, &name)?)
-        })
-        .collect()
+        }
+        let path = pulled.snapshot.join(f);
+        out.push(Input::load(&path, &format!("{}/{f}", req.repo.id))?);
+    }
+    Ok(Some(out))
 }
 
 /// Token lengths of the kept records with `model`'s template into the report.

@@ -14,6 +14,7 @@ mod inspect;
 mod perplexity;
 mod progress;
 mod pull;
+mod push;
 mod quantize;
 mod run;
 mod serve;
@@ -85,6 +86,18 @@ snapshot, the refs that point at it, and the blobs no other snapshot links to. A
 removes its file from $HF2Q_HOME. `hf2q pull --list` shows what is cached."
     )]
     Rm(RmArgs),
+    /// Push a model folder, a GGUF file, an adapter or a dataset folder to a Hub repository.
+    #[command(
+        long_about = "Push PATH (a model folder, a GGUF file, an adapter folder or a dataset \
+folder) to the Hub repository ORG/NAME in one commit, as huggingface_hub's upload_folder does: \
+the repository (and --revision's branch) is created if missing, large files go through the Git \
+LFS batch API (files the Hub already stores are not sent again), the rest inline in the commit; \
+prints the commit URL. When neither PATH nor the branch has a README.md, a card is written from \
+the files: the base model and the quantization type (GGUF metadata, config.json) or the \
+adapter's settings (adapter_config.json). Needs a token with write access: --hf-token, HF_TOKEN \
+or the token file HF_HOME/token, sent to the Hub's host only (HF_ENDPOINT for another hub)."
+    )]
+    Push(push::PushArgs),
     /// Generate a reply (or, with --raw, a continuation) for one prompt and stream it to stdout.
     #[command(
         long_about = "Generate text for one prompt and stream it to stdout. By default the prompt is \
@@ -365,6 +378,7 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
     match cmd {
         Cmd::Pull(a) => pull_cmd(a),
         Cmd::Rm(a) => pull::rm(&a.model, a.json),
+        Cmd::Push(a) => push::run(a),
         Cmd::Run(a) => run::run(a),
         Cmd::Chat(a) => chat::chat(a),
         Cmd::Inspect(a) => inspect::inspect(a),

@@ -719,7 +719,7 @@ pub fn print_list_all(json: bool) -> Result<()> {
             .iter()
             .map(|r| {
                 serde_json::json!({
-                    "repo": r.id.to_string(),
+                    "repo": r.id.url_path(),
                     "size": r.size,
                     "path": r.dir,
                     "revisions": r.revisions.iter().map(|v| serde_json::json!({
@@ -759,7 +759,7 @@ pub fn print_list_all(json: bool) -> Result<()> {
             .collect();
         println!(
             "{:<48} {:>10}  {}",
-            r.id.to_string(),
+            r.id.url_path(),
             human(r.size),
             revs.join("; ")
         );

@@ -301,3 +301,153 @@ fn a_model_huggingface_hub_downloaded_runs_offline() {
     );
     ok(&o);
 }
+
+/// pull -> push -> pull of a quantized model round-trips byte for byte through the binary, the
+/// card states the base model and the type, the pushed copy runs by its name, and a push
+/// without a token is refused saying how to give one.
+#[test]
+fn pull_push_pull_round_trips_a_quantized_model() {
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let run = |extra: &[(&str, &str)], args: &[&str]| hf2q_env(home, &ep, extra, args);
+
+    let q8 = home.join("tiny-Q8_0.gguf");
+    ok(&run(
+        &[],
+        &["quantize", s(&tiny()), s(&q8), "--type", "Q8_0"],
+    ));
+    let gguf = std::fs::read(&q8).unwrap();
+    hub.add_repo("org/tiny-llama-GGUF", &[("tiny-llama-Q8_0.gguf", &gguf)]);
+    let pulled = ok(&run(&[], &["pull", "org/tiny-llama-GGUF:Q8_0"]));
+
+    // No token: refused (401) with what to do; nothing created.
+    fails_with(
+        &run(&[], &["push", pulled.trim(), "me/tiny-q8"]),
+        "needs a token with write access",
+    );
+    assert!(hub.files("me/tiny-q8", "main").is_none());
+
+    let out = ok(&run(
+        &[("HF_TOKEN", "tok")],
+        &["push", pulled.trim(), "me/tiny-q8", "-m", "Q8_0 of tiny"],
+    ));
+    let url = out.trim();
+    assert!(
+        url.starts_with(&format!("{ep}/me/tiny-q8/commit/")),
+        "{out}"
+    );
+    let files = hub.files("me/tiny-q8", "main").unwrap();
+    assert_eq!(files["tiny-llama-Q8_0.gguf"], gguf);
+    let card = String::from_utf8(files["README.md"].clone()).unwrap();
+    assert!(
+        card.contains("**Q8_0**") && card.contains("- gguf"),
+        "{card}"
+    );
+    assert!(!hub.cdn_saw_authorization());
+
+    // Pulled back under the new name: the same bytes; it runs.
+    let back = ok(&run(&[], &["pull", "me/tiny-q8:Q8_0"]));
+    assert_eq!(std::fs::read(back.trim()).unwrap(), gguf);
+    ok(&run(
+        &[],
+        &[
+            "run",
+            "me/tiny-q8",
+            "-p",
+            "hi",
+            "-n",
+            "3",
+            "--device",
+            "cpu",
+        ],
+    ));
+
+    // A dataset folder to a dataset repository, --json.
+    let ds = home.join("ds");
+    std::fs::create_dir_all(&ds).unwrap();
+    std::fs::write(ds.join("train.jsonl"), "{\"text\": \"a\"}\n").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&ok(&run(
+        &[("HF_TOKEN", "tok")],
+        &["push", s(&ds), "me/ds", "--repo-type", "dataset", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(v["repo_url"], format!("{ep}/datasets/me/ds"));
+    assert_eq!(v["card_added"], true);
+    assert!(hub
+        .files("datasets/me/ds", "main")
+        .unwrap()
+        .contains_key("train.jsonl"));
+}
+
+/// `dataset build ORG/NAME[:SPLIT]` reads a Hub dataset's split (its JSONL and CSV files) through
+/// the shared cache (`datasets--ORG--NAME`); an unknown split names the files there are, and a
+/// Parquet-only split is refused by name.
+#[test]
+fn dataset_build_reads_a_hub_dataset_split() {
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let run = |args: &[&str]| hf2q_env(home, &ep, &[], args);
+    let train: String = (0..20)
+        .map(|i| format!("{{\"text\": \"train record {i}\"}}\n"))
+        .collect();
+    let csv = "text\ncsv one\ncsv two\ncsv three\n";
+    hub.add_repo(
+        "datasets/org/notes",
+        &[
+            ("README.md", b"# notes"),
+            ("data/train-00000-of-00001.jsonl", train.as_bytes()),
+            ("data/test.csv", csv.as_bytes()),
+        ],
+    );
+    hub.add_repo(
+        "datasets/org/pq",
+        &[("data/train-00000-of-00001.parquet", b"PAR1")],
+    );
+
+    let out = home.join("out");
+    let v: serde_json::Value = serde_json::from_str(&ok(&run(&[
+        "dataset",
+        "build",
+        "org/notes",
+        "-o",
+        s(&out),
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(v["rows"], 20, "{v}");
+    assert_eq!(
+        v["train"].as_u64().unwrap() + v["valid"].as_u64().unwrap(),
+        20
+    );
+    assert!(home.join("hub/datasets--org--notes/refs/main").is_file());
+
+    let v: serde_json::Value = serde_json::from_str(&ok(&run(&[
+        "dataset",
+        "build",
+        "org/notes:test",
+        "-o",
+        s(&home.join("out2")),
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(v["rows"], 3, "{v}");
+
+    fails_with(
+        &run(&[
+            "dataset",
+            "build",
+            "org/notes:extra",
+            "-o",
+            s(&home.join("o3")),
+        ]),
+        "data/test.csv",
+    );
+    fails_with(
+        &run(&["dataset", "build", "org/pq", "-o", s(&home.join("o4"))]),
+        "Parquet",
+    );
+}

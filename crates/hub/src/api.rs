@@ -23,9 +23,9 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// A blocking client of one Hub endpoint.
 #[derive(Clone)]
 pub struct Client {
-    agent: ureq::Agent,
+    pub(crate) agent: ureq::Agent,
     endpoint: String,
-    token: Option<String>,
+    pub(crate) token: Option<String>,
 }
 
 /// The commit a revision points to and the repository's files at it.
@@ -94,7 +94,7 @@ pub fn normalize_etag(v: &str) -> String {
         .to_string()
 }
 
-fn header(r: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
+pub(crate) fn header(r: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
     r.headers()
         .get(name)
         .and_then(|v| v.to_str().ok())
@@ -131,11 +131,11 @@ impl Client {
 
     /// The repository's page, where a gated model's licence is accepted.
     pub fn page(&self, repo: &RepoId) -> String {
-        format!("{}/{repo}", self.endpoint)
+        format!("{}/{}", self.endpoint, repo.url_path())
     }
 
     /// Whether the token may go to `url`: only to the endpoint's own scheme, host and port.
-    fn auth_for(&self, url: &str) -> Option<String> {
+    pub(crate) fn auth_for(&self, url: &str) -> Option<String> {
         let t = self.token.as_ref()?;
         (origin(url) == origin(&self.endpoint)).then(|| format!("Bearer {t}"))
     }
@@ -224,11 +224,12 @@ impl Client {
         }
     }
 
-    /// `GET /api/models/{repo}/revision/{rev}`.
+    /// `GET /api/{models|datasets}/{repo}/revision/{rev}`.
     pub fn repo_info(&self, repo: &RepoId, revision: &str) -> Result<RepoInfo> {
         let url = format!(
-            "{}/api/models/{repo}/revision/{}",
+            "{}/api/{}/{repo}/revision/{}",
             self.endpoint,
+            repo.kind.plural(),
             encode_segment(revision)
         );
         let target = Target {
@@ -277,8 +278,9 @@ impl Client {
     /// followed; a redirect to another host is where the bytes are (not followed here).
     pub fn file_meta(&self, repo: &RepoId, revision: &str, path: &str) -> Result<FileMeta> {
         let mut url = format!(
-            "{}/{repo}/resolve/{}/{}",
+            "{}/{}/resolve/{}/{}",
             self.endpoint,
+            repo.url_path(),
             encode_segment(revision),
             encode_path(path)
         );

@@ -84,6 +84,17 @@ pub enum HubError {
     )]
     NothingToLoad { repo: String, filtered: bool },
 
+    #[error(
+        "dataset {repo} has no data files (.jsonl, .json, .csv, .parquet){}{}",
+        split.as_ref().map(|s| format!(" for split '{s}'")).unwrap_or_default(),
+        if available.is_empty() { String::new() } else { format!(" (it has: {}); pick a split with {repo}:SPLIT or files with --include", available.join(", ")) }
+    )]
+    NoDataFiles {
+        repo: String,
+        split: Option<String>,
+        available: Vec<String>,
+    },
+
     #[error("{repo}:{quant} asks for a GGUF file, but {repo} has no .gguf files")]
     QuantOnNonGguf { repo: String, quant: String },
 
@@ -110,6 +121,25 @@ pub enum HubError {
         tries: usize,
         last: String,
     },
+
+    #[error(
+        "pushing to {endpoint} needs a token with write access (HTTP 401): pass --hf-token, set \
+         HF_TOKEN, or log in with `hf auth login`"
+    )]
+    PushNeedsToken { endpoint: String },
+
+    #[error(
+        "the token may not write to {repo} (HTTP 403{}): use a token with write access of an \
+         account that may write to that namespace",
+        if message.is_empty() { String::new() } else { format!(": {message}") }
+    )]
+    NoWriteAccess { repo: String, message: String },
+
+    #[error("{path}: the Hub refused its upload: {message}")]
+    UploadRefused { path: String, message: String },
+
+    #[error("{}: nothing to push ({why})", path.display())]
+    NothingToPush { path: PathBuf, why: String },
 
     #[error("HTTP {status} from {url}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
     Http {

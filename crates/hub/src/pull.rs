@@ -11,9 +11,10 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::api::{Client, DEFAULT_ENDPOINT};
 use crate::cache::Cache;
+use crate::data_select::select_dataset;
 use crate::download::fetch_blob;
 use crate::error::{HubError, Result, Target};
-use crate::repo::{is_commit, RepoId, RepoRef};
+use crate::repo::{is_commit, RepoId, RepoKind, RepoRef};
 use crate::select::{missing, select, Filter, Selection};
 
 /// Everything the binary gathers from flags and the environment; library code reads none.
@@ -117,7 +118,7 @@ pub fn find_cached(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
     };
     let snapshot = cache.snapshot_dir(id, &commit);
     let present = cache.snapshot_files(id, &commit);
-    let sel = select(&id.to_string(), &present, &req.filter()).map_err(|e| HubError::Offline {
+    let sel = choose(id, &present, req).map_err(|e| HubError::Offline {
         what: format!(
             "the cached snapshot {commit} of {id} has no matching files ({e}); it holds: {}",
             list(&present)
@@ -145,6 +146,14 @@ pub fn find_cached(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
     })
 }
 
+/// The files to fetch: a model's (`select`), or a dataset split's (`data_select`).
+fn choose(id: &RepoId, files: &[String], req: &PullRequest) -> Result<Selection> {
+    match id.kind {
+        RepoKind::Model => select(&id.to_string(), files, &req.filter()),
+        RepoKind::Dataset => select_dataset(&id.to_string(), files, &req.filter()),
+    }
+}
+
 fn list(files: &[String]) -> String {
     if files.is_empty() {
         "no files".into()
@@ -170,7 +179,7 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
         });
     }
     let commit = info.sha;
-    let sel = select(&id.to_string(), &info.siblings, &req.filter())?;
+    let sel = choose(id, &info.siblings, req)?;
     for f in &sel.files {
         if !info.siblings.contains(f) {
             return Err(HubError::FileNotFound {

@@ -4,11 +4,12 @@
 
 use crate::error::{HubError, Result};
 
-/// A model repository on the Hub: `org/name`.
+/// A repository on the Hub: `org/name`, a model unless `kind` says dataset.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RepoId {
     pub org: String,
     pub name: String,
+    pub kind: RepoKind,
 }
 
 impl std::fmt::Display for RepoId {
@@ -25,6 +26,49 @@ pub struct RepoRef {
     pub quant: Option<String>,
     /// `@REV` or `--revision`: a branch, tag or commit; `main` when absent.
     pub revision: Option<String>,
+}
+
+/// What a repository holds: the Hub keeps models and datasets under different URL prefixes
+/// (`/api/models/..`, `/api/datasets/..`; pages and git at `/ORG/NAME` and `/datasets/ORG/NAME`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RepoKind {
+    #[default]
+    Model,
+    Dataset,
+}
+
+impl RepoKind {
+    /// `model` or `dataset` (the `type` of `POST /api/repos/create`).
+    pub fn name(self) -> &'static str {
+        match self {
+            RepoKind::Model => "model",
+            RepoKind::Dataset => "dataset",
+        }
+    }
+
+    /// `models` or `datasets`: `/api/{plural}/ORG/NAME/...`.
+    pub fn plural(self) -> &'static str {
+        match self {
+            RepoKind::Model => "models",
+            RepoKind::Dataset => "datasets",
+        }
+    }
+
+    /// The path before `ORG/NAME` in page, resolve and git URLs: empty or `datasets/`.
+    pub fn url_prefix(self) -> &'static str {
+        match self {
+            RepoKind::Model => "",
+            RepoKind::Dataset => "datasets/",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<RepoKind> {
+        match s {
+            "model" => Some(RepoKind::Model),
+            "dataset" => Some(RepoKind::Dataset),
+            _ => None,
+        }
+    }
 }
 
 /// The revision used when none is given.
@@ -47,19 +91,37 @@ impl RepoId {
         Ok(RepoId {
             org: org.to_string(),
             name: name.to_string(),
+            kind: RepoKind::Model,
         })
     }
 
-    /// `models--ORG--NAME`, the cache folder of huggingface_hub.
+    /// The same name as a repository of `kind`.
+    pub fn of_kind(mut self, kind: RepoKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// `models--ORG--NAME` or `datasets--ORG--NAME`, the cache folder of huggingface_hub.
     pub fn folder_name(&self) -> String {
-        format!("models--{}--{}", self.org, self.name)
+        format!("{}--{}--{}", self.kind.plural(), self.org, self.name)
     }
 
     /// The inverse of [`RepoId::folder_name`] (`None` for other folders).
     pub fn from_folder_name(folder: &str) -> Option<Self> {
-        let rest = folder.strip_prefix("models--")?;
+        let (kind, rest) = folder.split_once("--")?;
+        let kind = [RepoKind::Model, RepoKind::Dataset]
+            .into_iter()
+            .find(|k| k.plural() == kind)?;
         let (org, name) = rest.split_once("--")?;
-        RepoId::parse(&format!("{org}/{name}")).ok()
+        RepoId::parse(&format!("{org}/{name}"))
+            .ok()
+            .map(|r| r.of_kind(kind))
+    }
+
+    /// `ORG/NAME` with the URL prefix of its kind (`datasets/ORG/NAME`): the repository's path in
+    /// page, resolve and git URLs.
+    pub fn url_path(&self) -> String {
+        format!("{}{self}", self.kind.url_prefix())
     }
 }
 
@@ -203,7 +265,15 @@ mod tests {
             "b"
         );
         assert_eq!(r.id.folder_name(), "models--org--name");
-        assert_eq!(RepoId::from_folder_name("models--org--name"), Some(r.id));
+        assert_eq!(
+            RepoId::from_folder_name("models--org--name"),
+            Some(r.id.clone())
+        );
+        let ds = r.id.of_kind(RepoKind::Dataset);
+        assert_eq!(ds.folder_name(), "datasets--org--name");
+        assert_eq!(ds.url_path(), "datasets/org/name");
+        assert_eq!(RepoId::from_folder_name("datasets--org--name"), Some(ds));
+        assert_eq!(RepoId::from_folder_name("spaces--org--name"), None);
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub struct Filter {
     pub exclude: Vec<String>,
 }
 
-fn globs(patterns: &[String], literal_separator: bool) -> Result<GlobSet> {
+pub(crate) fn globs(patterns: &[String], literal_separator: bool) -> Result<GlobSet> {
     let mut b = GlobSetBuilder::new();
     for p in patterns {
         let g: Glob = GlobBuilder::new(p)

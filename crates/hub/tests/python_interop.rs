@@ -113,3 +113,110 @@ fn huggingface_hub_and_hf2q_share_the_cache() {
     assert!(hub.requests().is_empty());
     eprintln!("python_interop: passed with {py}");
 }
+
+const UPLOAD: &str = "import sys\n\
+from huggingface_hub import HfApi\n\
+api = HfApi(endpoint=sys.argv[1], token='tok')\n\
+api.create_repo(sys.argv[2], repo_type=sys.argv[4], exist_ok=True)\n\
+info = api.upload_folder(folder_path=sys.argv[3], repo_id=sys.argv[2], repo_type=sys.argv[4], \
+commit_message='from python')\n\
+print(info.oid)\n";
+
+const FETCH: &str = "import sys\n\
+from huggingface_hub import hf_hub_download\n\
+print('\\n'.join(hf_hub_download(sys.argv[1], f, repo_type=sys.argv[2], cache_dir=sys.argv[3]) \
+for f in sys.argv[4:]))\n";
+
+fn python_run(py: &str, endpoint: &str, home: &str, script: &str, args: &[&str]) -> String {
+    let out = Command::new(py)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_CACHE")
+        .env("HF_HUB_DISABLE_TELEMETRY", "1")
+        .env("HF_HUB_DISABLE_XET", "1")
+        .env("HF_ENDPOINT", endpoint)
+        .env("HF_HOME", home)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "python failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// The mock's write side in huggingface_hub's own shapes: `upload_folder` (preupload, LFS batch,
+/// PUT, verify, NDJSON commit) pushes to the mock and hf2q pulls it back; hf2q pushes and
+/// `hf_hub_download` fetches each file back; byte for byte both ways.
+#[test]
+fn huggingface_hub_and_hf2q_push_to_each_other() {
+    use hf2q_hub::{push, PushRequest, RepoId, RepoKind};
+    let Some(py) = python() else { return };
+    let hub = MockHub::start();
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    let weights: Vec<u8> = (0..150_000u32).map(|i| (i * 11 % 253) as u8).collect();
+    let files: Vec<(&str, &[u8])> = vec![
+        ("config.json", b"{\"b\": 2}"),
+        ("tokenizer.json", b"{}"),
+        ("model.safetensors", &weights),
+    ];
+    for (p, d) in &files {
+        fs::write(src.join(p), d).unwrap();
+    }
+    let home = dir.path().join("home");
+    let home_s = home.to_str().unwrap();
+    let endpoint = hub.endpoint();
+    let mut cfg = HubConfig::new(dir.path().join("hub"));
+    cfg.endpoint = endpoint.clone();
+    cfg.token = Some("tok".into());
+
+    // huggingface_hub pushes, hf2q pulls.
+    let oid = python_run(
+        &py,
+        &endpoint,
+        home_s,
+        UPLOAD,
+        &[&endpoint, "py/up", src.to_str().unwrap(), "model"],
+    );
+    // model.safetensors went through the LFS batch API, the PUT and the verify step.
+    assert_eq!(hub.lfs_objects().len(), 1);
+    assert!(!hub.cdn_saw_authorization());
+    let mut pr = PullRequest::new(RepoRef::parse("py/up").unwrap());
+    pr.include = vec!["*".into()];
+    let got = pull(&cfg, &pr).unwrap();
+    assert_eq!(got.commit, oid);
+    for (p, d) in &files {
+        assert_eq!(&fs::read(got.snapshot.join(p)).unwrap()[..], *d, "{p}");
+    }
+
+    // hf2q pushes a dataset, huggingface_hub downloads it.
+    let pushed = push(
+        &cfg,
+        &PushRequest {
+            path: src.clone(),
+            repo: RepoId::parse("rs/ds").unwrap().of_kind(RepoKind::Dataset),
+            revision: None,
+            private: false,
+            message: None,
+            card: None,
+        },
+    )
+    .unwrap();
+    assert!(pushed.lfs.contains(&"model.safetensors".to_string()));
+    let cache2 = dir.path().join("py-cache");
+    let mut args = vec!["rs/ds", "dataset", cache2.to_str().unwrap()];
+    args.extend(files.iter().map(|(p, _)| *p));
+    let paths = python_run(&py, &endpoint, home_s, FETCH, &args);
+    let paths: Vec<&str> = paths.lines().collect();
+    assert_eq!(paths.len(), files.len());
+    for ((p, d), got) in files.iter().zip(paths) {
+        assert!(got.contains("datasets--rs--ds"), "{got}");
+        assert_eq!(&fs::read(got).unwrap()[..], *d, "{p}");
+    }
+    eprintln!("python_interop: push both ways passed with {py}");
+}

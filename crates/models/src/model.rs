@@ -165,15 +165,16 @@ impl Model {
     }
 
     fn load_gguf(path: &Path) -> Result<Model> {
-        let file = GgufFile::open(path)?;
+        // One file, or the first part of a split model with its other parts.
+        let file = GgufFile::open_joined(path)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let name = file.get_str("general.name").map(str::to_string);
         let src_arch_probe = {
             let has_output = file.tensor("output.weight").is_some();
             ModelConfig::from_gguf(&file, has_output)?
         };
+        let file_bytes = file.total_len();
         let src = WeightSource::gguf(file, src_arch_probe.arch);
-        let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
         Self::assemble(path.to_path_buf(), src, None, tokenizer, name, file_bytes)
     }
 

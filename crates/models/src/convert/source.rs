@@ -251,7 +251,7 @@ impl SourceModel {
     }
 
     fn open_gguf(path: &Path) -> Result<SourceModel> {
-        let file = GgufFile::open(path)?;
+        let file = GgufFile::open_joined(path)?;
         let config = ModelConfig::from_gguf(&file, file.tensor("output.weight").is_some())?;
         let table = gguf_to_hf_table(config.arch, config.n_layers);
         let mut tensors = Vec::new();

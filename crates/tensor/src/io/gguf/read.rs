@@ -13,7 +13,7 @@
 //! `string:name u32:n_dims u64:ne[n_dims] u32:ggml_type u64:offset` (offset relative to the data
 //! section, which starts at the end of the tensor infos rounded up to the alignment).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::value::{GgufArray, GgufValue, GgufValueType};
@@ -109,7 +109,12 @@ pub struct GgufFile {
     pub tensors: Vec<GgufTensorInfo>,
     /// Absolute file offset of the data section.
     pub data_offset: u64,
-    bytes: Bytes,
+    pub(super) bytes: Bytes,
+    /// The later parts of a split model joined by [`GgufFile::open_joined`] (empty for one file):
+    /// each part's bytes and data-section offset.
+    pub(super) parts: Vec<(Bytes, u64)>,
+    /// Tensor name -> index in `parts` + 1, for tensors stored in a later part.
+    pub(super) part_of: HashMap<String, usize>,
 }
 
 /// A cursor over the file that never reads past its end.
@@ -459,6 +464,8 @@ impl GgufFile {
             tensors,
             data_offset,
             bytes,
+            parts: Vec::new(),
+            part_of: HashMap::new(),
         })
     }
 
@@ -516,27 +523,45 @@ impl GgufFile {
         self.tensors.iter().find(|t| t.name == name)
     }
 
-    /// The tensor's bytes: a zero-copy slice of the file.
+    /// The tensor's bytes: a zero-copy slice of the file (of its part, for a joined split model).
     pub fn tensor_data(&self, info: &GgufTensorInfo) -> Result<Bytes> {
-        let range = self.data_offset.checked_add(info.offset).and_then(|start| {
+        let (bytes, data_offset) = match self.part_of.get(&info.name) {
+            Some(&i) => {
+                let (b, o) = &self.parts[i - 1];
+                (b, *o)
+            }
+            None => (&self.bytes, self.data_offset),
+        };
+        let range = data_offset.checked_add(info.offset).and_then(|start| {
             let end = start.checked_add(info.checked_nbytes()?)?;
             Some((usize::try_from(start).ok()?, usize::try_from(end).ok()?))
         });
         let (start, end) = range
             .ok_or_else(|| malformed(format!("tensor '{}': data range overflows", info.name)))?;
-        if end > self.bytes.len() {
+        if end > bytes.len() {
             return Err(malformed(format!(
                 "tensor '{}' data ({start}..{end}) extends past the end of the file ({} bytes)",
                 info.name,
-                self.bytes.len()
+                bytes.len()
             )));
         }
-        self.bytes.slice(start..end)
+        bytes.slice(start..end)
     }
 
-    /// The whole file.
+    /// The whole file (the first part, for a joined split model).
     pub fn file_bytes(&self) -> &Bytes {
         &self.bytes
+    }
+
+    /// How many files hold the model: 1, or the parts of a joined split model.
+    pub fn part_count(&self) -> usize {
+        1 + self.parts.len()
+    }
+
+    /// The bytes of every file together (all parts of a joined split model).
+    pub fn total_len(&self) -> u64 {
+        let rest: usize = self.parts.iter().map(|(b, _)| b.len()).sum();
+        (self.bytes.len() + rest) as u64
     }
 }
 

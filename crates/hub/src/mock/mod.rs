@@ -6,23 +6,30 @@
 //! - `HEAD|GET /{org}/{name}/resolve/{rev}/{path}`: small files answered directly (`ETag`, `Range`);
 //!   LFS files (`.gguf`, `.safetensors`, `.bin`, or 1 MiB and more) `302` to the CDN with
 //!   `X-Linked-Etag` (the sha256) and `X-Linked-Size`; both carry `X-Repo-Commit`.
+//! - the same under `/api/datasets/..` and `/datasets/{org}/{name}/resolve/..` for datasets;
+//! - the write API (`write`): repository and branch creation, preupload, the LFS batch API with
+//!   uploads to the CDN host and a verify step, and NDJSON commits, each commit a new snapshot
+//!   that the read routes serve;
 //! - errors as the Hub words them: `X-Error-Code` `GatedRepo` (401 without a token, 403 with one
 //!   that has no access), `RepoNotFound`, `RevisionNotFound`, `EntryNotFound` (404).
 //!
-//! Repositories come from [`MockHub::add_repo`] or a folder (`DIR/ORG/NAME/<files>`,
+//! Whether a file is stored in LFS follows [`MockHub::set_lfs_threshold`] (1 MiB unless set) and
+//! the extensions above. Repositories come from [`MockHub::add_repo`] or a folder (`DIR/ORG/NAME/<files>`,
 //! [`MockHub::add_dir`]). [`Faults`] injects a cut connection, an ignored `Range`, corrupt or
 //! oversized bodies; [`MockHub::requests`] records what arrived on each host (the
 //! `Authorization` header included). A small file's ETag is a 40-hex digest of its bytes (the
 //! real Hub uses the git blob id: clients treat it as an opaque name).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
+
+mod write;
 
 /// Faults to inject (set with [`MockHub::set_faults`]).
 #[derive(Clone, Debug, Default)]
@@ -54,10 +61,12 @@ pub struct Seen {
     pub range: Option<String>,
 }
 
+type Files = BTreeMap<String, Vec<u8>>;
+
 #[derive(Clone, Debug, Default)]
 struct Repo {
-    files: BTreeMap<String, Vec<u8>>,
-    commit: String,
+    /// Commit -> the files at it.
+    snapshots: BTreeMap<String, Files>,
     /// Branch or tag -> commit (`main` always).
     refs: BTreeMap<String, String>,
     /// `Some(tokens)`: gated; these tokens have accepted the licence.
@@ -66,10 +75,28 @@ struct Repo {
 
 #[derive(Default)]
 struct State {
+    /// `org/name` for models, `datasets/org/name` for datasets.
     repos: BTreeMap<String, Repo>,
     faults: Faults,
     seen: Vec<Seen>,
     cdn: String,
+    hub: String,
+    /// Files of this many bytes and more are LFS files.
+    lfs_threshold: u64,
+    /// LFS objects by sha256: verified (`lfs`) and uploaded, not yet verified (`lfs_pending`).
+    lfs: BTreeMap<String, Vec<u8>>,
+    lfs_pending: BTreeMap<String, Vec<u8>>,
+    /// Tokens refused (403) on writes.
+    read_only_tokens: Vec<String>,
+}
+
+impl State {
+    fn is_lfs(&self, path: &str, len: u64) -> bool {
+        len >= self.lfs_threshold
+            || [".gguf", ".safetensors", ".bin"]
+                .iter()
+                .any(|e| path.ends_with(e))
+    }
 }
 
 /// The mock Hub and its CDN, both on 127.0.0.1; stopped when dropped.
@@ -88,14 +115,6 @@ fn sha256(b: &[u8]) -> String {
     hex(&Sha256::digest(b))
 }
 
-/// Whether the mock stores a file in LFS (served from the CDN, ETag = sha256).
-pub fn is_lfs(path: &str, len: usize) -> bool {
-    len >= 1 << 20
-        || [".gguf", ".safetensors", ".bin"]
-            .iter()
-            .any(|e| path.ends_with(e))
-}
-
 /// A small file's ETag: 40 hex digits of a digest of its bytes.
 fn small_etag(data: &[u8]) -> String {
     let mut h = Sha256::new();
@@ -110,7 +129,12 @@ impl MockHub {
         let stop = Arc::new(AtomicBool::new(false));
         let hub_addr = serve(Host::Hub, state.clone(), stop.clone());
         let cdn_addr = serve(Host::Cdn, state.clone(), stop.clone());
-        state.lock().unwrap().cdn = format!("http://{cdn_addr}");
+        {
+            let mut s = state.lock().unwrap();
+            s.cdn = format!("http://{cdn_addr}");
+            s.hub = format!("http://{hub_addr}");
+            s.lfs_threshold = 1 << 20;
+        }
         MockHub {
             state,
             hub_addr,
@@ -140,12 +164,15 @@ impl MockHub {
         }
         let commit = hex(&h.finalize())[..40].to_string();
         let repo = Repo {
-            files: files
-                .iter()
-                .map(|(p, d)| (p.to_string(), d.to_vec()))
-                .collect(),
+            snapshots: [(
+                commit.clone(),
+                files
+                    .iter()
+                    .map(|(p, d)| (p.to_string(), d.to_vec()))
+                    .collect(),
+            )]
+            .into(),
             refs: [("main".to_string(), commit.clone())].into(),
-            commit: commit.clone(),
             gated: None,
         };
         self.state
@@ -185,8 +212,31 @@ impl MockHub {
     pub fn add_ref(&self, id: &str, name: &str) {
         let mut s = self.state.lock().unwrap();
         let r = s.repos.get_mut(id).expect("known repo");
-        let c = r.commit.clone();
+        let c = r.refs["main"].clone();
         r.refs.insert(name.to_string(), c);
+    }
+
+    /// Files of this many bytes and more are LFS files (on reads and in preupload answers).
+    pub fn set_lfs_threshold(&self, bytes: u64) {
+        self.state.lock().unwrap().lfs_threshold = bytes;
+    }
+
+    /// Writes with `Authorization: Bearer T` are refused (403) for these tokens.
+    pub fn set_read_only_tokens(&self, tokens: &[&str]) {
+        self.state.lock().unwrap().read_only_tokens =
+            tokens.iter().map(|t| t.to_string()).collect();
+    }
+
+    /// The files of repository `key` (`org/name`, or `datasets/org/name`) at `revision`.
+    pub fn files(&self, key: &str, revision: &str) -> Option<BTreeMap<String, Vec<u8>>> {
+        let s = self.state.lock().unwrap();
+        let r = s.repos.get(key)?;
+        r.snapshots.get(&resolve_rev(r, revision)?).cloned()
+    }
+
+    /// The LFS objects stored (verified), by sha256.
+    pub fn lfs_objects(&self) -> Vec<String> {
+        self.state.lock().unwrap().lfs.keys().cloned().collect()
     }
 
     /// Gates `id`: only requests with `Authorization: Bearer T` for T in `tokens` get through.
@@ -309,7 +359,11 @@ impl Reply<'_> {
             302 => "Found",
             401 => "Unauthorized",
             403 => "Forbidden",
+            400 => "Bad Request",
             404 => "Not Found",
+            409 => "Conflict",
+            411 => "Length Required",
+            422 => "Unprocessable Entity",
             416 => "Range Not Satisfiable",
             _ => "Status",
         };
@@ -370,6 +424,17 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
             headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
         }
     }
+    let chunked = headers
+        .get("transfer-encoding")
+        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+    let mut body = Vec::new();
+    if let Some(n) = headers
+        .get("content-length")
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        body.resize(n, 0);
+        reader.read_exact(&mut body)?;
+    }
     let path = target.split('?').next().unwrap_or("").to_string();
     let auth = headers.get("authorization").cloned();
     let range = headers.get("range").cloned();
@@ -384,6 +449,24 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         stream: &mut stream,
         head_only: method == "HEAD",
     };
+    let token = auth
+        .as_deref()
+        .and_then(|a| a.strip_prefix("Bearer "))
+        .map(str::to_string);
+    if method == "POST" || method == "PUT" {
+        if chunked {
+            // As storage hosts do: a body of unknown length is refused.
+            return reply.error(411, "", "Length Required: send Content-Length");
+        }
+        let req = write::Request {
+            host,
+            method: &method,
+            path: &path,
+            token: token.as_deref(),
+            body: &body,
+        };
+        return write::handle(&req, &mut reply, state);
+    }
     if method != "GET" && method != "HEAD" {
         return reply.error(405, "", "method not allowed");
     }
@@ -396,8 +479,9 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
             let s = state.lock().unwrap();
             s.repos
                 .values()
-                .flat_map(|r| r.files.values())
+                .flat_map(|r| r.snapshots.values().flat_map(|f| f.values()))
                 .find(|d| sha256(d) == sha)
+                .or_else(|| s.lfs.get(sha))
                 .cloned()
         };
         return match data {
@@ -412,18 +496,19 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
             None => reply.error(404, "", "no such blob"),
         };
     }
-    let segs: Vec<String> = path
+    let mut segs: Vec<String> = path
         .trim_start_matches('/')
         .split('/')
         .map(String::from)
         .collect();
-    let token = auth
-        .as_deref()
-        .and_then(|a| a.strip_prefix("Bearer "))
-        .map(str::to_string);
-    // /api/models/{org}/{name}[/revision/{rev}]
-    if segs.len() >= 4 && segs[0] == "api" && segs[1] == "models" {
-        let id = format!("{}/{}", segs[2], segs[3]);
+    // /api/{models|datasets}/{org}/{name}[/revision/{rev}]
+    if segs.len() >= 4 && segs[0] == "api" && (segs[1] == "models" || segs[1] == "datasets") {
+        let name = format!("{}/{}", segs[2], segs[3]);
+        let id = if segs[1] == "datasets" {
+            format!("datasets/{name}")
+        } else {
+            name.clone()
+        };
         let rev = if segs.len() >= 6 && segs[4] == "revision" {
             decode(&segs[5..].join("/"))
         } else {
@@ -436,23 +521,32 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         let Some(commit) = resolve_rev(&repo, &rev) else {
             return reply.error(404, "RevisionNotFound", &format!("Invalid rev id: {rev}"));
         };
-        let siblings: Vec<_> = repo
-            .files
+        let siblings: Vec<_> = repo.snapshots[&commit]
             .keys()
             .map(|f| serde_json::json!({ "rfilename": f }))
             .collect();
-        let body = serde_json::json!({ "id": id, "modelId": id, "sha": commit, "private": false,
+        let body =
+            serde_json::json!({ "id": name, "modelId": name, "sha": commit, "private": false,
             "gated": repo.gated.is_some(), "siblings": siblings })
-        .to_string();
+            .to_string();
         return reply.send(
             200,
             &[("Content-Type", "application/json".into())],
             body.as_bytes(),
         );
     }
-    // /{org}/{name}/resolve/{rev}/{path}
+    // [datasets/]{org}/{name}/resolve/{rev}/{path}
+    let dataset = segs.first().is_some_and(|s| s == "datasets");
+    if dataset {
+        segs.remove(0);
+    }
     if segs.len() >= 5 && segs[2] == "resolve" {
-        let id = format!("{}/{}", segs[0], segs[1]);
+        let id = format!(
+            "{}{}/{}",
+            if dataset { "datasets/" } else { "" },
+            segs[0],
+            segs[1]
+        );
         let rev = decode(&segs[3]);
         let file = decode(&segs[4..].join("/"));
         let repo = match lookup(state, &id, token.as_deref()) {
@@ -462,16 +556,19 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         let Some(commit) = resolve_rev(&repo, &rev) else {
             return reply.error(404, "RevisionNotFound", &format!("Invalid rev id: {rev}"));
         };
-        let Some(data) = repo.files.get(&file) else {
+        let Some(data) = repo.snapshots[&commit].get(&file) else {
             return reply.error(
                 404,
                 "EntryNotFound",
                 &format!("{file} does not exist on \"{rev}\""),
             );
         };
-        if is_lfs(&file, data.len()) {
+        let (lfs, cdn) = {
+            let s = state.lock().unwrap();
+            (s.is_lfs(&file, data.len() as u64), s.cdn.clone())
+        };
+        if lfs {
             let sha = sha256(data);
-            let cdn = state.lock().unwrap().cdn.clone();
             let loc = format!("{cdn}/blobs/{sha}/{}", segs[4..].join("/"));
             return reply.send(
                 302,
@@ -522,7 +619,7 @@ fn lookup(state: &Mutex<State>, id: &str, token: Option<&str>) -> Result<Repo, R
 }
 
 fn resolve_rev(repo: &Repo, rev: &str) -> Option<String> {
-    if rev == repo.commit {
+    if repo.snapshots.contains_key(rev) {
         return Some(rev.to_string());
     }
     repo.refs.get(rev).cloned()
