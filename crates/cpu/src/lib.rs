@@ -317,7 +317,19 @@ impl Backend for CpuBackend {
             )));
         }
         let mut out = vec![0f32; t * w.rows];
+        // MXFP4 (GPT-OSS's experts) has no SIMD kernel yet: every path runs the reference.
+        let no_kernel = matches!(
+            &w.data,
+            hf2q_tensor::WeightData::Ggml {
+                ty: hf2q_tensor::GgmlType::MXFP4,
+                ..
+            }
+        );
         let bits = match self.matmul {
+            _ if no_kernel => {
+                w.matmul(x.data(), t, &mut out)?;
+                return Self::finish_linear(w, bias, t, out);
+            }
             MatmulPath::Fast => ActBits::Split16,
             MatmulPath::Fast8 => ActBits::Q8,
             MatmulPath::Reference => {
@@ -618,6 +630,34 @@ mod tests {
             assert!((a.data()[i] - b.data()[2 * i]).abs() < 1e-6);
             assert!((a.data()[i + dh / 2] - b.data()[2 * i + 1]).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn mxfp4_weights_run_on_every_path() {
+        // Two rows of two MXFP4 blocks; no SIMD kernel reads them, so every path gives the
+        // reference product bit for bit.
+        let mut bytes = Vec::new();
+        for b in 0..4u8 {
+            bytes.push(124 + b);
+            bytes.extend((0..16u8).map(|j| j.wrapping_mul(29).wrapping_add(b)));
+        }
+        let w = QTensor::ggml(
+            "w",
+            hf2q_tensor::GgmlType::MXFP4,
+            2,
+            64,
+            hf2q_tensor::storage::Bytes::from_vec(bytes),
+        )
+        .unwrap();
+        let x = Tensor::new(
+            &[3, 64],
+            (0..192).map(|i| (i as f32 * 0.37).sin()).collect(),
+        )
+        .unwrap();
+        let want = CpuBackend::REFERENCE.linear(&x, &w, None).unwrap();
+        assert!(want.data().iter().any(|v| *v != 0.0));
+        let got = CpuBackend::FAST.linear(&x, &w, None).unwrap();
+        assert_eq!(got.data(), want.data());
     }
 
     #[test]

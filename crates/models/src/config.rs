@@ -8,6 +8,7 @@ use serde_json::Value;
 use crate::{Error, Result};
 
 mod gemma4;
+pub mod minicpm;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -32,6 +33,8 @@ pub enum Arch {
     Granite,
     /// OLMo 2: norms after attention and MLP (no pre-norms), q/k norms over the whole projection.
     Olmo2,
+    /// MiniCPM: a Llama with embedding, residual and logit multipliers (`config/minicpm.rs`).
+    MiniCpm,
 }
 
 impl Arch {
@@ -47,6 +50,7 @@ impl Arch {
             Arch::SmolLm3 => "smollm3",
             Arch::Granite => "granite",
             Arch::Olmo2 => "olmo2",
+            Arch::MiniCpm => "minicpm",
         }
     }
     /// The Hugging Face `model_type`s the loader accepts, for messages.
@@ -68,11 +72,12 @@ impl Arch {
         "smollm3",
         "granite",
         "olmo2",
+        "minicpm",
     ];
     /// The GGUF `general.architecture`s the loader accepts, for messages.
     pub const SUPPORTED_GGUF: &'static [&'static str] = &[
         "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "phi3", "smollm3",
-        "granite", "olmo2",
+        "granite", "olmo2", "minicpm",
     ];
     fn from_hf(model_type: &str) -> Option<Arch> {
         Some(match model_type {
@@ -87,8 +92,16 @@ impl Arch {
             "smollm3" => Arch::SmolLm3,
             "granite" => Arch::Granite,
             "olmo2" => Arch::Olmo2,
+            "minicpm" => Arch::MiniCpm,
             _ => return None,
         })
+    }
+    /// llama.cpp's converter permutes this family's q/k rows (Llama's interleaved RoPE in GGUF).
+    pub fn permutes_qk(self) -> bool {
+        matches!(
+            self,
+            Arch::Llama | Arch::Granite | Arch::SmolLm3 | Arch::MiniCpm
+        )
     }
     pub fn from_gguf(arch: &str) -> Option<Arch> {
         Some(match arch {
@@ -102,6 +115,7 @@ impl Arch {
             "smollm3" => Arch::SmolLm3,
             "granite" => Arch::Granite,
             "olmo2" => Arch::Olmo2,
+            "minicpm" => Arch::MiniCpm,
             _ => return None,
         })
     }
@@ -535,6 +549,9 @@ impl ModelConfig {
                 Arch::SUPPORTED_HF.join(", ")
             ))
         })?;
+        if arch == Arch::MiniCpm {
+            minicpm::check_hf(v)?;
+        }
         let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
         let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
         let req = |k: &str| u(k).ok_or_else(|| bad(format!("config.json lacks '{k}'")));
@@ -723,6 +740,9 @@ impl ModelConfig {
         };
         let mut c = c;
         c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
+        if arch == Arch::MiniCpm {
+            minicpm::from_hf(&mut c, v)?;
+        }
         if arch == Arch::Gemma4 {
             gemma4::from_hf(&mut c, v)?;
             // Gemma 4 builds each layer's RoPE itself (`head_dim` is now its sliding width).
@@ -792,9 +812,9 @@ impl ModelConfig {
             rms_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
             rope_theta: f("rope.freq_base").unwrap_or(10000.0),
             rope_theta_local: if gemma { Some(10000.0) } else { None },
-            // ggml's Llama (and Granite, SmolLM3, converted as Llama) uses interleaved pairs on
-            // permuted q/k rows; Qwen, Gemma, Phi-3 and OLMo 2 use NEOX.
-            rope_style: if matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLm3) {
+            // ggml's Llama (and Granite, SmolLM3, MiniCPM, converted as Llama) uses interleaved
+            // pairs on permuted q/k rows; Qwen, Gemma, Phi-3 and OLMo 2 use NEOX.
+            rope_style: if arch.permutes_qk() {
                 RopeStyle::Interleaved
             } else {
                 RopeStyle::Neox
@@ -879,6 +899,9 @@ impl ModelConfig {
         };
         let mut c = c;
         c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
+        if arch == Arch::MiniCpm {
+            minicpm::from_gguf(&mut c, g);
+        }
         if arch == Arch::Gemma4 {
             gemma4::from_gguf(&mut c, g)?;
             // Gemma 4 builds each layer's RoPE itself (`head_dim` is now its sliding width).

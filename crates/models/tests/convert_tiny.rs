@@ -130,7 +130,13 @@ fn hf_to_gguf_keeps_the_model_and_the_tensors() {
 #[test]
 fn llama_variants_to_gguf_keep_the_model() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["tiny-phi3", "tiny-mistral", "tiny-granite", "tiny-olmo2"] {
+    for name in [
+        "tiny-phi3",
+        "tiny-mistral",
+        "tiny-granite",
+        "tiny-olmo2",
+        "tiny-minicpm",
+    ] {
         let path = tiny(name);
         let src = SourceModel::open(&path).unwrap();
         let gguf = dir.path().join(format!("{name}.gguf"));
@@ -181,6 +187,16 @@ fn llama_variants_to_gguf_keep_the_model() {
                 assert_eq!(f.get_f32("granite.residual_scale"), Some(0.22));
                 assert_eq!(f.get_f32("granite.attention.scale"), Some(0.125));
                 assert_eq!(f.get_f32("granite.logit_scale"), Some(8.0));
+            }
+            "tiny-minicpm" => {
+                // llama.cpp's keys: scale_emb, scale_depth / sqrt(2 layers), and the logit
+                // divisor hidden / dim_model_base = 64 / 16; tied head, permuted q/k rows.
+                assert_eq!(f.get_str("general.architecture"), Some("minicpm"));
+                assert_eq!(f.get_f32("minicpm.embedding_scale"), Some(12.0));
+                let r = f.get_f32("minicpm.residual_scale").unwrap();
+                assert!((r - 1.4 / 2f32.sqrt()).abs() < 1e-6, "{r}");
+                assert_eq!(f.get_f32("minicpm.logit_scale"), Some(4.0));
+                assert!(f.tensor("output.weight").is_none());
             }
             _ => {
                 assert!(f.tensor("blk.1.post_attention_norm.weight").is_some());
@@ -238,7 +254,13 @@ fn llama_variants_to_gguf_keep_the_model() {
 #[test]
 fn llama_variants_gguf_to_hf_to_gguf() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["tiny-phi3", "tiny-mistral", "tiny-granite", "tiny-olmo2"] {
+    for name in [
+        "tiny-phi3",
+        "tiny-mistral",
+        "tiny-granite",
+        "tiny-olmo2",
+        "tiny-minicpm",
+    ] {
         let path = tiny(name);
         let g1 = dir.path().join(format!("{name}-1.gguf"));
         convert(

@@ -207,6 +207,7 @@ fn tiny_models_match_cpu_reference() {
         "tiny-smollm3",
         "tiny-granite",
         "tiny-olmo2",
+        "tiny-minicpm",
     ] {
         let mut m = Model::load(&tiny(name)).unwrap();
         for ((agree, kl), path) in compare(&mut m, &gpu, 40)

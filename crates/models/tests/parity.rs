@@ -165,6 +165,7 @@ const TINY: &[&str] = &[
     "tiny-smollm3",
     "tiny-granite",
     "tiny-olmo2",
+    "tiny-minicpm",
 ];
 
 #[test]

@@ -86,7 +86,7 @@ fn loss(m: &Model, b: &TrainBatch) -> f64 {
     -out.logp.iter().map(|&x| x as f64).sum::<f64>() / b.labelled() as f64
 }
 
-const FAMILIES: [&str; 9] = [
+const FAMILIES: [&str; 10] = [
     "tiny-llama",
     "tiny-qwen2",
     "tiny-qwen3",
@@ -96,6 +96,7 @@ const FAMILIES: [&str; 9] = [
     "tiny-smollm3",
     "tiny-granite",
     "tiny-olmo2",
+    "tiny-minicpm",
 ];
 
 #[test]

@@ -1,7 +1,7 @@
 //! Tensor element/block types, numbered exactly as ggml numbers them (`enum ggml_type`), with
 //! ggml's block sizes (elements per block) and type sizes (bytes per block).
 //!
-//! Types we can name but not compute with (the IQ* family, TQ*, MXFP4) are listed so that a file
+//! Types we can name but not compute with (the IQ* family, TQ*) are listed so that a file
 //! holding them can still be read and inspected; using one in a forward gives
 //! [`crate::Error::UnsupportedType`].
 
@@ -136,6 +136,7 @@ impl GgmlType {
                 | Q5_K
                 | Q6_K
                 | Q8_K
+                | MXFP4
         )
     }
     /// Bytes for a row of `n` elements, or `None` if `n` is not a whole number of blocks or the

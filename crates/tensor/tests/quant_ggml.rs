@@ -112,7 +112,9 @@ fn quantize_matches_gguf_py_byte_for_byte() {
 
 #[test]
 fn fixtures_cover_every_supported_type() {
-    for ty in GgmlType::all().filter(|t| t.is_supported()) {
+    // MXFP4's dequantization is checked exhaustively instead (every code under every scale, in
+    // `quant/mxfp4.rs`), against the OCP format's own definition of the values.
+    for ty in GgmlType::all().filter(|t| t.is_supported() && *t != GgmlType::MXFP4) {
         assert!(TYPES.contains(&ty.name()), "no reference vectors for {ty}");
     }
 }

@@ -4,8 +4,10 @@
 //! Reference: transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py` /
 //! `modeling_mixtral.py` / `modeling_qwen3_moe.py`. The same block runs Phi-3 (fused products
 //! split on load by `Attention` and `Mlp`), SmolLM3 (its no-RoPE layers rotate nothing) and
-//! Granite (each half's output scaled by `residual_multiplier` before the residual sum).
-//! Reference: `modeling_phi3.py` / `modeling_smollm3.py` / `modeling_granite.py`.
+//! Granite and MiniCPM (each half's output scaled by `residual_multiplier`, MiniCPM's
+//! `scale_depth / sqrt(layers)`, before the residual sum).
+//! Reference: `modeling_phi3.py` / `modeling_smollm3.py` / `modeling_granite.py` /
+//! `modeling_minicpm.py`.
 
 use hf2q_tensor::op::{PreNorm, RopeParams};
 use hf2q_tensor::Tensor;

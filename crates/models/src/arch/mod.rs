@@ -193,7 +193,8 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
                 | Arch::Qwen3Moe
                 | Arch::Phi3
                 | Arch::SmolLm3
-                | Arch::Granite => Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?),
+                | Arch::Granite
+                | Arch::MiniCpm => Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?),
                 Arch::Olmo2 => Box::new(olmo2::Olmo2Block::load(src, cfg, i, rope)?),
                 Arch::Gemma3 => Box::new(gemma3::Gemma3Block::load(src, cfg, i, rope)?),
                 Arch::Gemma4 => {

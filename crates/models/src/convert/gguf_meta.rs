@@ -376,13 +376,10 @@ pub fn metadata_from_hf(src: &SourceModel, file_type: u32) -> Result<Meta> {
         (k("attention.key_length"), u32v(c.head_dim)),
         (k("attention.value_length"), u32v(c.head_dim)),
     ];
-    if matches!(c.arch, Arch::Llama | Arch::Granite | Arch::SmolLm3) {
+    if c.arch.permutes_qk() {
         m.push((k("vocab_size"), u32v(c.vocab_size)));
     }
-    if matches!(
-        c.arch,
-        Arch::Llama | Arch::Granite | Arch::SmolLm3 | Arch::Phi3 | Arch::Olmo2
-    ) {
+    if c.arch.permutes_qk() || matches!(c.arch, Arch::Phi3 | Arch::Olmo2) {
         m.push((k("rope.dimension_count"), u32v(c.rope_dims)));
     }
     m.extend(llama_variant_metadata(c)?);
@@ -440,6 +437,12 @@ fn llama_variant_metadata(c: &ModelConfig) -> Result<Meta> {
             m.push((k("embedding_scale"), GgufValue::F32(c.embed_scale)));
             m.push((k("residual_scale"), GgufValue::F32(c.residual_scale)));
             m.push((k("attention.scale"), GgufValue::F32(c.attn_scale)));
+            m.push((k("logit_scale"), GgufValue::F32(1.0 / c.logit_scale)));
+        }
+        // As llama.cpp's converter writes them (the logit scale a divisor, as Granite's).
+        Arch::MiniCpm => {
+            m.push((k("embedding_scale"), GgufValue::F32(c.embed_scale)));
+            m.push((k("residual_scale"), GgufValue::F32(c.residual_scale)));
             m.push((k("logit_scale"), GgufValue::F32(1.0 / c.logit_scale)));
         }
         Arch::SmolLm3 => {

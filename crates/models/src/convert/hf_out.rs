@@ -194,6 +194,7 @@ fn hf_class(c: &ModelConfig) -> (&'static str, &'static str) {
         Arch::SmolLm3 => ("SmolLM3ForCausalLM", "smollm3"),
         Arch::Granite => ("GraniteForCausalLM", "granite"),
         Arch::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
+        Arch::MiniCpm => ("MiniCPMForCausalLM", "minicpm"),
     }
 }
 
@@ -337,6 +338,11 @@ fn insert_llama_variant(m: &mut Map<String, Value>, c: &ModelConfig) {
             m.insert("residual_multiplier".into(), json!(c.residual_scale));
             m.insert("attention_multiplier".into(), json!(c.attn_scale));
             m.insert("logits_scaling".into(), json!(1.0 / c.logit_scale));
+        }
+        Arch::MiniCpm => {
+            for (k, v) in crate::config::minicpm::hf_keys(c) {
+                m.insert(k.into(), json!(v));
+            }
         }
         _ => {}
     }

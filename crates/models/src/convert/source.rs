@@ -692,8 +692,8 @@ pub fn dequantize_rows(
 /// Converts values of `t` from the other layout into `want` (see the module header).
 fn relayout(cfg: &ModelConfig, t: &SrcTensor, v: &mut [f32], want: Layout) -> Result<()> {
     let g = t.gguf.as_str();
-    // llama.cpp converts Granite and SmolLM3 as Llama: q/k rows permuted too.
-    if matches!(cfg.arch, Arch::Llama | Arch::Granite | Arch::SmolLm3)
+    // llama.cpp converts Granite, SmolLM3 and MiniCPM as Llama: q/k rows permuted too.
+    if cfg.arch.permutes_qk()
         && (g.ends_with("attn_q.weight")
             || g.ends_with("attn_q.bias")
             || g.ends_with("attn_k.weight")

@@ -10,10 +10,12 @@
 //! - [`legacy`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 (32-element blocks).
 //! - [`kquants`]: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K (256-element super-blocks).
 //! - [`mlx`]: MLX affine (`mx.quantize` / `mx.dequantize`), 2..8 bits.
+//! - [`mxfp4`]: MXFP4 (E2M1 codes, an E8M0 scale per 32), dequantization only, and the
+//!   Hugging Face checkpoints' packing of it.
 //! - [`kquant_quantize`]: the k-quant quantizers (ggml's `quantize_row_q*_K_ref` and their
 //!   importance-weighted variants).
 //!
-//! Not here: the IQ*, TQ* and MXFP4 families (named in [`GgmlType`] so files holding them can be
+//! Not here: the IQ* and TQ* families (named in [`GgmlType`] so files holding them can be
 //! inspected, but [`Error::UnsupportedType`] here).
 
 pub mod float;
@@ -21,6 +23,7 @@ pub mod kquant_quantize;
 pub mod kquants;
 pub mod legacy;
 pub mod mlx;
+pub mod mxfp4;
 
 use crate::{Error, GgmlType, Result};
 
@@ -71,6 +74,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         GgmlType::Q5_K => kquants::dequantize_q5_k(src, dst),
         GgmlType::Q6_K => kquants::dequantize_q6_k(src, dst),
         GgmlType::Q8_K => kquants::dequantize_q8_k(src, dst),
+        GgmlType::MXFP4 => mxfp4::dequantize_mxfp4(src, dst),
         other => return Err(unsupported(other)),
     }
     Ok(())
