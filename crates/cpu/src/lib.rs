@@ -13,7 +13,7 @@ pub mod dense;
 pub mod kernels;
 pub(crate) mod train;
 
-pub use attention::KvRead;
+pub use attention::{BlockRead, KvRead};
 
 use kernels::ActBits;
 
