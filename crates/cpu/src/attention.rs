@@ -23,18 +23,23 @@
 //! values once per call too, since every query row of the head reads them (a copy as large as
 //! Kᵀ, for the call only). The arithmetic after the loads is the same for both types.
 //!
-//! A Q8_0 cache ([`BlockQ8_0`]) stores a row as `Dh / 32` blocks of an f16 scale and 32 i8.
-//! Decode reads the blocks directly: a key's score is `Σ_b d_b · Σ_i q[32b+i] · k_b[i]` (the i8
-//! widened to f32 in registers, one scale multiply per block), and the weighted sum adds
-//! `(p_j · d_b) · v_b[i]` (one product per block and key, then one multiply-add per value).
-//! Prefill dequantizes into the per-call Kᵀ and value copies the tiles read (as it widens f16),
+//! A block cache (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: [`KvBlock`]) stores a row as `Dh / 32`
+//! blocks of an f16 scale (and offset), and 32 small integers. Decode reads the blocks directly
+//! ([`BlockRead`]): a key's score is `Σ_b (d_b · Σ_i q[32b+i] · x_b[i] + m_b · Σ_i q[32b+i])`
+//! (the integers widened to f32 in registers, one scale multiply per block), and the weighted
+//! sum adds `(p_j · d_b) · x_b[i]` (one product per block and key, then one multiply-add per
+//! value; offsets summed apart); Q8_0 has hand-written AVX2 and AVX-512 forms, the others the
+//! portable loops vectorised by the compiler. Prefill dequantizes into the per-call Kᵀ and
+//! value copies the tiles read (as it widens f16),
 //! one row at a time; nothing dequantizes the cache as a whole.
 
 use half::f16;
 use rayon::prelude::*;
 
 use super::kernels::Isa;
-use hf2q_tensor::kv::{BlockQ4_0, BlockQ8_0, Q8_0_VALUES};
+use hf2q_tensor::kv::{
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KvBlock, Q8_0_VALUES,
+};
 use hf2q_tensor::op::{AttentionParams, KvElem, KvScalar, LayerCache};
 use hf2q_tensor::{Error, Result, Tensor};
 
@@ -138,142 +143,140 @@ impl KvRead for f16 {
     }
 }
 
-/// Q8_0 blocks: decode's dot products and weighted sums read the blocks themselves (module
-/// header); the loops are written over whole blocks of 32 so that they vectorise under the
-/// caller's features (the i8 widened to f32 in registers).
-impl KvRead for BlockQ8_0 {
+/// A ggml block type as the kernels read it ([`KvBlock`]): decode's dot products and weighted
+/// sums read the blocks themselves (module header) through portable loops over whole blocks,
+/// vectorised under the caller's features (the integers unpacked and widened to f32 in
+/// registers); a type may give hand-written SIMD forms for a vector unit instead (Q8_0 does, for
+/// AVX2 and AVX-512). Prefill widens rows with ggml's dequantizer.
+pub trait BlockRead: KvBlock {
+    /// [`KvRead::dot`] in this type's own SIMD form for the vector unit `L`, if it has one.
     #[inline(always)]
-    fn dot<const L: u8>(q: &[f32], k: &[BlockQ8_0]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
-            if L == AVX512 {
-                return unsafe { x512::dot_q8_0(q, k) };
-            }
-            if L == AVX2 {
-                return unsafe { x256::dot_q8_0(q, k) };
-            }
-        }
-        dot_q8_0(q, k)
-    }
-    #[inline(always)]
-    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
-            if L == AVX512 {
-                return unsafe { x512::accumulate_q8_0(acc, p, v) };
-            }
-            if L == AVX2 {
-                return unsafe { x256::accumulate_q8_0(acc, p, v) };
-            }
-        }
-        accumulate_q8_0(acc, p, v)
-    }
-    #[inline(always)]
-    fn as_f32(_: &[BlockQ8_0]) -> Option<&[f32]> {
+    fn dot_simd<const L: u8>(_q: &[f32], _k: &[Self]) -> Option<f32> {
         None
     }
+    /// [`KvRead::accumulate`] in this type's own SIMD form for `L`; false if it has none.
     #[inline(always)]
-    fn widen<const L: u8>(v: &[BlockQ8_0], out: &mut [f32]) {
-        assert_eq!(v.len() * Q8_0_VALUES, out.len());
-        for (b, o) in v.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
-            let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
-            for (y, &x) in o.iter_mut().zip(&b.qs) {
-                *y = x as f32 * d;
-            }
-        }
+    fn accumulate_simd<const L: u8>(_acc: &mut [f32], _p: &[f32], _v: &[Self]) -> bool {
+        false
     }
 }
 
-/// `Σ_b d_b · Σ_i q[32b + i] · k_b.qs[i]` over a row of Q8_0 blocks: per block, 32 products in
-/// 16 lanes (two multiply-adds each), then one multiply-add by the block's scale into 16 running
-/// sums; one horizontal sum at the end.
+impl<B: BlockRead> KvRead for B {
+    #[inline(always)]
+    fn dot<const L: u8>(q: &[f32], k: &[B]) -> f32 {
+        match B::dot_simd::<L>(q, k) {
+            Some(s) => s,
+            None => dot_blocks(q, k),
+        }
+    }
+    #[inline(always)]
+    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[B]) {
+        if !B::accumulate_simd::<L>(acc, p, v) {
+            accumulate_blocks(acc, p, v)
+        }
+    }
+    #[inline(always)]
+    fn as_f32(_: &[B]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn widen<const L: u8>(v: &[B], out: &mut [f32]) {
+        B::dequantize_row(v, out)
+    }
+}
+
+/// Q8_0: its AVX-512 and AVX2 forms (`x512`, `x256`).
+impl BlockRead for BlockQ8_0 {
+    #[inline(always)]
+    fn dot_simd<const L: u8>(q: &[f32], k: &[BlockQ8_0]) -> Option<f32> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                return Some(unsafe { x512::dot_q8_0(q, k) });
+            }
+            if L == AVX2 {
+                return Some(unsafe { x256::dot_q8_0(q, k) });
+            }
+        }
+        let _ = (q, k);
+        None
+    }
+    #[inline(always)]
+    fn accumulate_simd<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: L names features the enclosing body was compiled for (see `PORTABLE`).
+            if L == AVX512 {
+                unsafe { x512::accumulate_q8_0(acc, p, v) };
+                return true;
+            }
+            if L == AVX2 {
+                unsafe { x256::accumulate_q8_0(acc, p, v) };
+                return true;
+            }
+        }
+        let _ = (acc, p, v);
+        false
+    }
+}
+impl BlockRead for BlockQ4_0 {}
+impl BlockRead for BlockQ4_1 {}
+impl BlockRead for BlockQ5_0 {}
+impl BlockRead for BlockQ5_1 {}
+
+/// `Σ_b (d_b · Σ_i q[32b + i] · x_b[i] + m_b · Σ_i q[32b + i])` over a row of blocks (the
+/// offset term for the types that have one): per block, 32 products in 16 lanes (two
+/// multiply-adds each), then one multiply-add by the block's scale into 16 running sums; one
+/// horizontal sum at the end.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+fn dot_blocks<B: KvBlock>(q: &[f32], k: &[B]) -> f32 {
     let mut lanes = [0f32; 16];
     for (qb, b) in q.chunks_exact(Q8_0_VALUES).zip(k) {
         let qb: &[f32; Q8_0_VALUES] = qb.try_into().expect("a block of 32");
-        let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+        let (d, m, x) = b.unpack();
         let mut s = [0f32; 16];
         for u in 0..16 {
-            s[u] = qb[u].mul_add(b.qs[u] as f32, s[u]);
-            s[u] = qb[u + 16].mul_add(b.qs[u + 16] as f32, s[u]);
+            s[u] = qb[u].mul_add(x[u], s[u]);
+            s[u] = qb[u + 16].mul_add(x[u + 16], s[u]);
         }
         for u in 0..16 {
             lanes[u] = d.mul_add(s[u], lanes[u]);
+        }
+        if B::HAS_MIN {
+            for u in 0..16 {
+                lanes[u] = m.mul_add(qb[u] + qb[u + 16], lanes[u]);
+            }
         }
     }
     sum16(&lanes)
 }
 
-/// `acc += Σ_j p[j] * v[j]` over value rows of Q8_0 blocks `v (p.len(), Dh / 32)`: a block of
-/// 32 columns stays in registers across the rows, each row adding `(p[j] · d) · qs[i]`.
+/// `acc += Σ_j p[j] * v[j]` over value rows of blocks `v (p.len(), Dh / 32)`: a block of 32
+/// columns stays in registers across the rows, each row adding `(p[j] · d) · x[i]`; the rows'
+/// offsets `p[j] · m` (the same for the block's 32 columns) are summed apart and added once.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn accumulate_q8_0(acc: &mut [f32], p: &[f32], v: &[BlockQ8_0]) {
+fn accumulate_blocks<B: KvBlock>(acc: &mut [f32], p: &[f32], v: &[B]) {
     let rw = acc.len() / Q8_0_VALUES;
     assert!(v.len() >= p.len() * rw);
     for (bi, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
         let mut loc: [f32; Q8_0_VALUES] = (&*ac).try_into().expect("a block of 32");
+        let mut off = 0f32;
         for (j, &pj) in p.iter().enumerate() {
-            let b = &v[j * rw + bi];
-            let w = pj * hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
+            let (d, m, x) = v[j * rw + bi].unpack();
+            let w = pj * d;
             for u in 0..Q8_0_VALUES {
-                loc[u] = w.mul_add(b.qs[u] as f32, loc[u]);
+                loc[u] = w.mul_add(x[u], loc[u]);
+            }
+            if B::HAS_MIN {
+                off = pj.mul_add(m, off);
             }
         }
-        ac.copy_from_slice(&loc);
-    }
-}
-
-/// Q4_0 blocks: as Q8_0, with the 4-bit values unpacked (`nibble - 8`) in registers; portable
-/// loops over whole blocks, vectorised under the caller's features.
-impl KvRead for BlockQ4_0 {
-    #[inline(always)]
-    fn dot<const L: u8>(q: &[f32], k: &[BlockQ4_0]) -> f32 {
-        let mut lanes = [0f32; 16];
-        for (qb, b) in q.chunks_exact(Q8_0_VALUES).zip(k) {
-            let qb: &[f32; Q8_0_VALUES] = qb.try_into().expect("a block of 32");
-            let d = hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
-            let mut s = [0f32; 16];
-            for u in 0..16 {
-                let (lo, hi) = ((b.qs[u] & 0x0f) as i32 - 8, (b.qs[u] >> 4) as i32 - 8);
-                s[u] = qb[u].mul_add(lo as f32, s[u]);
-                s[u] = qb[u + 16].mul_add(hi as f32, s[u]);
-            }
-            for u in 0..16 {
-                lanes[u] = d.mul_add(s[u], lanes[u]);
-            }
+        for (a, l) in ac.iter_mut().zip(&loc) {
+            *a = if B::HAS_MIN { l + off } else { *l };
         }
-        sum16(&lanes)
-    }
-    #[inline(always)]
-    fn accumulate<const L: u8>(acc: &mut [f32], p: &[f32], v: &[BlockQ4_0]) {
-        let rw = acc.len() / Q8_0_VALUES;
-        assert!(v.len() >= p.len() * rw);
-        for (bi, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
-            let mut loc: [f32; Q8_0_VALUES] = (&*ac).try_into().expect("a block of 32");
-            for (j, &pj) in p.iter().enumerate() {
-                let b = &v[j * rw + bi];
-                let w = pj * hf2q_tensor::op::f16_bits_to_f32(b.d.to_bits());
-                for u in 0..16 {
-                    let (lo, hi) = ((b.qs[u] & 0x0f) as i32 - 8, (b.qs[u] >> 4) as i32 - 8);
-                    loc[u] = w.mul_add(lo as f32, loc[u]);
-                    loc[u + 16] = w.mul_add(hi as f32, loc[u + 16]);
-                }
-            }
-            ac.copy_from_slice(&loc);
-        }
-    }
-    #[inline(always)]
-    fn as_f32(_: &[BlockQ4_0]) -> Option<&[f32]> {
-        None
-    }
-    #[inline(always)]
-    fn widen<const L: u8>(v: &[BlockQ4_0], out: &mut [f32]) {
-        BlockQ4_0::dequantize_row(v, out)
     }
 }
 

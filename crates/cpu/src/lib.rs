@@ -14,7 +14,7 @@ pub mod kernels;
 pub mod paged;
 pub(crate) mod train;
 
-pub use attention::KvRead;
+pub use attention::{BlockRead, KvRead};
 
 use kernels::ActBits;
 

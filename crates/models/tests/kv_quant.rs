@@ -8,6 +8,9 @@
 //! - Real SmolLM2 (`HF2Q_TEST_SMOLLM2_GGUF`, as `parity.rs`), over its golden text's ids; prints
 //!   "skipped" and passes without it.
 //! - Q4_0 on the tiny checkpoints, against a looser stated bound (`q4_0_kv_bound_tiny`).
+//! - Prefill and decode read the same stored values: on the reference path (every op computes
+//!   a row the same way whatever the batch) their logits are equal bit for bit for every cache
+//!   type; on the fast path they differ as the stated bound of `gate` allows (why: `gate`).
 //! - A model whose head width is not a multiple of 32 (tiny-llama, 16) is refused, naming it.
 
 mod common;
@@ -66,36 +69,73 @@ fn logits(model: &Model, ids: &[u32]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
 }
 
 /// The gate on `model` over `ids` (at least 101 of them): q8_0 KV against f16 KV, both on the
-/// fast path; with `same_steps`, also prefill against decode of the q8_0 cache.
-fn gate(name: &str, model: &mut Model, ids: &[u32], same_steps: bool) {
+/// fast path; and prefill against decode of the q8_0 cache.
+///
+/// Prefill and decode store the same blocks for the same keys (quantized per row on write) and
+/// read them alike (`reference_prefill_equals_decode*` proves it to the bit), but on the fast
+/// path a batch's products and one row's differ in their last bits (the sum order, then the
+/// rounding of activations to 16-bit parts), about 1e-3 in SmolLM2's keys by its 6th layer with
+/// an f32 cache. An f16 cache rounds that away mostly (max |Δlogit| 1e-2), but a q8_0 cache
+/// turns a key near a step's midpoint into either neighbour, a whole step (amax / 127) apart, and
+/// the next layers see it: prefill and decode then carry different draws of the cache's rounding
+/// noise, so their distance is of the order of q8_0's own distance to f16 (SmolLM2: mean KL
+/// 2.1e-4 against 4.7e-4, max |Δlogit| 0.33), not of f16's. Their bound is therefore the
+/// gate's own: argmax >= 98/100 and mean KL <= 1e-3.
+fn gate(name: &str, model: &mut Model, ids: &[u32]) {
     model.set_matmul_path(MatmulPath::Fast);
     model.set_kv_type(KvType::F16);
     let (want_p, want_d) = logits(model, ids);
     model.set_kv_type(KvType::Q8_0);
     model.check_kv_type().unwrap();
     let (got_p, got_d) = logits(model, ids);
-    for (what, want, got) in [("prefill", &want_p, &got_p), ("decode", &want_d, &got_d)] {
+    for (what, want, got) in [
+        ("prefill", &want_p, &got_p),
+        ("decode", &want_d, &got_d),
+        ("its own prefill against decode", &got_p, &got_d),
+    ] {
         let (agree, kl_mean) = compare(name, what, want, got);
         assert!(agree >= 98, "{name} {what}: argmax agreement {agree}/100");
         assert!(kl_mean <= 1e-3, "{name} {what}: mean KL {kl_mean}");
     }
-    // Prefill and decode store the same blocks (quantized per row on write), so their logits
-    // differ only as the f16 cache's do (the kernels' summation order).
-    let spread = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-        a.iter()
-            .zip(b)
-            .flat_map(|(x, y)| x.iter().zip(y).map(|(u, v)| (u - v).abs()))
-            .fold(0f32, f32::max)
-    };
     let (s16, s8) = (spread(&want_p, &want_d), spread(&got_p, &got_d));
     eprintln!("{name}: prefill vs decode max |Δlogit|: f16 {s16:.2e}, q8_0 {s8:.2e}");
-    if !same_steps {
-        return;
+}
+
+/// The largest |a - b| over all logits.
+fn spread(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(u, v)| (u - v).abs()))
+        .fold(0f32, f32::max)
+}
+
+/// On the reference path, prefill and decode logits of `model` over `ids` are equal bit for bit
+/// for each cache type of `types`: every op there computes a row the same way whatever the
+/// batch, so any difference would be the cache's (prefill reading values other than the stored
+/// ones decode reads). Tolerance 0.
+fn reference_prefill_equals_decode(name: &str, model: &mut Model, ids: &[u32], types: &[KvType]) {
+    model.set_matmul_path(MatmulPath::Reference);
+    for &ty in types {
+        model.set_kv_type(ty);
+        let (p, d) = logits(model, ids);
+        let s = spread(&p, &d);
+        eprintln!(
+            "{name}: {} cache, reference path: prefill vs decode max |Δlogit| {s}",
+            ty.name()
+        );
+        assert_eq!(s, 0.0, "{name}: {} prefill vs decode", ty.name());
     }
-    assert!(
-        s8 <= 10.0 * s16.max(1e-4),
-        "{name}: q8_0 prefill vs decode {s8}"
-    );
+}
+
+#[test]
+fn reference_prefill_equals_decode_tiny() {
+    for (name, seed) in [("tiny-qwen3", 11u64), ("tiny-gemma3", 12)] {
+        let mut model = Model::load(&fixtures().join("tiny").join(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let ids = ids(140, model.vocab_size(), 0x5eed ^ seed);
+        let types = [KvType::F32, KvType::F16, KvType::Q8_0, KvType::Q4_0];
+        reference_prefill_equals_decode(name, &mut model, &ids, &types);
+    }
 }
 
 #[test]
@@ -104,7 +144,7 @@ fn q8_0_kv_gate_tiny() {
         let mut model = Model::load(&fixtures().join("tiny").join(name))
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let ids = ids(140, model.vocab_size(), 0x5eed ^ seed);
-        gate(name, &mut model, &ids, true);
+        gate(name, &mut model, &ids);
         // Bytes per position: 34 per 32 values against f16's 64.
         let (q8, f16) = (
             model.kv_bytes_per_token_as(KvType::Q8_0),
@@ -148,31 +188,35 @@ fn q4_0_kv_bound_tiny() {
 }
 
 /// The gate on real weights: q8_0 KV against f16 KV (measured: argmax 99/100, mean KL
-/// 4.7e-4 prefill and 5.1e-4 decode).
+/// 4.7e-4 prefill and 5.1e-4 decode; its own prefill against decode 98/100 and 2.1e-4).
 #[test]
 fn q8_0_kv_gate_smollm2() {
-    smollm2(false);
+    if let Some((mut model, ids)) = smollm2() {
+        gate("smollm2", &mut model, &ids);
+    }
 }
 
-/// Prefill and decode over the q8_0 cache agree on the tiny models but not yet on SmolLM2: max
-/// |Δlogit| 0.33 against the f16 cache's 0.01. A known gap of the quantized cache (its issue's
-/// note), kept runnable with `--ignored`.
+/// Prefill and decode over the q8_0 and q4_0 caches of SmolLM2 on the reference path: equal bit
+/// for bit (as f16's are).
 #[test]
-#[ignore = "q8_0 prefill and decode differ by 0.33 logits on SmolLM2 (f16: 0.01); open"]
 fn q8_0_kv_prefill_equals_decode_smollm2() {
-    smollm2(true);
+    if let Some((mut model, ids)) = smollm2() {
+        let types = [KvType::Q8_0, KvType::Q4_0];
+        reference_prefill_equals_decode("smollm2", &mut model, &ids, &types);
+    }
 }
 
-fn smollm2(same_steps: bool) {
+/// SmolLM2 and its golden text's ids, or `None` (printing "skipped") without the model.
+fn smollm2() -> Option<(Model, Vec<u32>)> {
     let var = "HF2Q_TEST_SMOLLM2_GGUF";
     let path = match std::env::var(var) {
         Ok(p) if !p.is_empty() => p,
         _ => {
-            eprintln!("skipped: {var} is not set (the real-model q8_0 KV gate needs SmolLM2)");
-            return;
+            eprintln!("skipped: {var} is not set (the real-model KV cache gate needs SmolLM2)");
+            return None;
         }
     };
-    let mut model = Model::load(Path::new(&path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let model = Model::load(Path::new(&path)).unwrap_or_else(|e| panic!("{path}: {e}"));
     let g: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("goldens/smollm2.json")).unwrap(),
     )
@@ -183,7 +227,7 @@ fn smollm2(same_steps: bool) {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect();
-    gate("smollm2", &mut model, &ids, same_steps);
+    Some((model, ids))
 }
 
 #[test]

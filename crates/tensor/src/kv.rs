@@ -5,107 +5,12 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::op::{KvElem, LayerCache};
+use crate::op::LayerCache;
 use crate::{Error, Result, Tensor};
 
-/// Values per [`BlockQ8_0`].
-pub const Q8_0_VALUES: usize = 32;
-
-/// One ggml `block_q8_0`: 32 values as `d * q` with `d` an f16 scale (`amax / 127`) and `q` i8
-/// (34 bytes, no padding: the struct is ggml's byte layout on a little-endian machine). A Q8_0
-/// cache row (one head's `Dh` values at one position) is `Dh / 32` of them, quantized when
-/// written by the reference quantizer ([`crate::quant::quantize`], ggml's
-/// `quantize_row_q8_0_ref`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct BlockQ8_0 {
-    pub d: f16,
-    pub qs: [i8; Q8_0_VALUES],
-}
-
-const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
-
-impl BlockQ8_0 {
-    /// The block from ggml's 34 bytes.
-    pub fn from_bytes(b: &[u8]) -> BlockQ8_0 {
-        let mut qs = [0i8; Q8_0_VALUES];
-        for (q, &x) in qs.iter_mut().zip(&b[2..2 + Q8_0_VALUES]) {
-            *q = x as i8;
-        }
-        BlockQ8_0 {
-            d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])),
-            qs,
-        }
-    }
-    /// ggml's 34 bytes of the block.
-    pub fn to_bytes(&self) -> [u8; 34] {
-        let mut b = [0u8; 34];
-        b[..2].copy_from_slice(&self.d.to_bits().to_le_bytes());
-        for (o, &q) in b[2..].iter_mut().zip(&self.qs) {
-            *o = q as u8;
-        }
-        b
-    }
-}
-
-/// One ggml `block_q4_0`: 32 values as `d * (q - 8)` with `d` an f16 scale and `q` 4-bit
-/// (value `j < 16` in the low nibble of byte `j`, value `j + 16` in its high nibble; 18 bytes).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct BlockQ4_0 {
-    pub d: f16,
-    pub qs: [u8; Q8_0_VALUES / 2],
-}
-
-const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
-
-impl BlockQ4_0 {
-    /// The block from ggml's 18 bytes.
-    pub fn from_bytes(b: &[u8]) -> BlockQ4_0 {
-        let mut qs = [0u8; 16];
-        qs.copy_from_slice(&b[2..18]);
-        BlockQ4_0 {
-            d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])),
-            qs,
-        }
-    }
-    /// ggml's 18 bytes of the block.
-    pub fn to_bytes(&self) -> [u8; 18] {
-        let mut b = [0u8; 18];
-        b[..2].copy_from_slice(&self.d.to_bits().to_le_bytes());
-        b[2..].copy_from_slice(&self.qs);
-        b
-    }
-}
-
-impl KvElem for BlockQ4_0 {
-    const VALUES: usize = Q8_0_VALUES;
-    /// ggml's `dequantize_row_q4_0`: `(q - 8) * d` in f32.
-    fn dequantize_row(row: &[BlockQ4_0], out: &mut [f32]) {
-        assert_eq!(row.len() * Q8_0_VALUES, out.len());
-        for (b, o) in row.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
-            let d = crate::op::f16_bits_to_f32(b.d.to_bits());
-            for j in 0..16 {
-                o[j] = ((b.qs[j] & 0x0f) as i32 - 8) as f32 * d;
-                o[j + 16] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
-            }
-        }
-    }
-}
-
-impl KvElem for BlockQ8_0 {
-    const VALUES: usize = Q8_0_VALUES;
-    /// ggml's `dequantize_row_q8_0`: `q * d` in f32.
-    fn dequantize_row(row: &[BlockQ8_0], out: &mut [f32]) {
-        assert_eq!(row.len() * Q8_0_VALUES, out.len());
-        for (b, o) in row.iter().zip(out.chunks_exact_mut(Q8_0_VALUES)) {
-            let d = crate::op::f16_bits_to_f32(b.d.to_bits());
-            for (y, &q) in o.iter_mut().zip(&b.qs) {
-                *y = q as f32 * d;
-            }
-        }
-    }
-}
+pub use crate::kv_blocks::{
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KvBlock, Q8_0_VALUES,
+};
 
 /// What a KV cache stores keys and values as.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -230,16 +135,17 @@ impl<T: Copy + Default> Planes<T> {
         t: usize,
         cap: usize,
         (h, d, r): (usize, usize, usize),
-        mut conv: impl FnMut(&mut [T], &[f32]),
-    ) {
+        mut conv: impl FnMut(&mut [T], &[f32]) -> Result<()>,
+    ) -> Result<()> {
         for ti in 0..t {
             for hi in 0..h {
                 let dst = hi * cap * r + (pos0 + ti) * r;
                 let src = ti * h * d + hi * d;
-                conv(&mut self.k[dst..dst + r], &kd[src..src + d]);
-                conv(&mut self.v[dst..dst + r], &vd[src..src + d]);
+                conv(&mut self.k[dst..dst + r], &kd[src..src + d])?;
+                conv(&mut self.v[dst..dst + r], &vd[src..src + d])?;
             }
         }
+        Ok(())
     }
     fn view(&self, capacity: usize) -> LayerCache<'_, T> {
         LayerCache {
@@ -372,29 +278,15 @@ impl HostKv {
         match &mut self.data {
             // Hardware conversion where the CPU has it; the same rounding either way.
             Storage::F16(p) => p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| {
-                o.convert_from_f32_slice(i)
-            }),
-            Storage::F32(p) => p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| o.copy_from_slice(i)),
-            Storage::Q8_0(p) => {
-                let r = d / Q8_0_VALUES;
-                let mut bytes = vec![0u8; r * std::mem::size_of::<BlockQ8_0>()];
-                p.put(kd, vd, pos0, t, cap, (h, d, r), |o, i| {
-                    crate::quant::legacy::quantize_q8_0(i, &mut bytes);
-                    for (b, src) in o.iter_mut().zip(bytes.chunks_exact(34)) {
-                        *b = BlockQ8_0::from_bytes(src);
-                    }
-                })
-            }
-            Storage::Q4_0(p) => {
-                let r = d / Q8_0_VALUES;
-                let mut bytes = vec![0u8; r * std::mem::size_of::<BlockQ4_0>()];
-                p.put(kd, vd, pos0, t, cap, (h, d, r), |o, i| {
-                    crate::quant::legacy::quantize_q4_0(i, &mut bytes);
-                    for (b, src) in o.iter_mut().zip(bytes.chunks_exact(18)) {
-                        *b = BlockQ4_0::from_bytes(src);
-                    }
-                })
-            }
+                o.convert_from_f32_slice(i);
+                Ok(())
+            })?,
+            Storage::F32(p) => p.put(kd, vd, pos0, t, cap, (h, d, d), |o, i| {
+                o.copy_from_slice(i);
+                Ok(())
+            })?,
+            Storage::Q8_0(p) => put_blocks(p, kd, vd, pos0, t, cap, (h, d))?,
+            Storage::Q4_0(p) => put_blocks(p, kd, vd, pos0, t, cap, (h, d))?,
         }
         Ok(())
     }
@@ -440,6 +332,23 @@ impl HostKv {
             Storage::Q4_0(p) => (p.k.len() + p.v.len()) * std::mem::size_of::<BlockQ4_0>(),
         }
     }
+}
+
+/// [`Planes::put`] of a block type: each head's row quantized by ggml's reference quantizer
+/// (`quant::quantize`, `quantize_row_*_ref`) straight into its blocks' bytes.
+#[allow(clippy::too_many_arguments)]
+fn put_blocks<B: KvBlock>(
+    p: &mut Planes<B>,
+    kd: &[f32],
+    vd: &[f32],
+    pos0: usize,
+    t: usize,
+    cap: usize,
+    (h, d): (usize, usize),
+) -> Result<()> {
+    p.put(kd, vd, pos0, t, cap, (h, d, d / Q8_0_VALUES), |o, i| {
+        crate::quant::quantize(B::GGML, i, B::slice_bytes_mut(o))
+    })
 }
 
 /// The context-limit check every cache write makes.
@@ -592,11 +501,11 @@ mod tests {
         let at = hi * cap * r + pos * r;
         match kv.view() {
             KvView::Q8_0(c) => {
-                let bytes = |x: &[BlockQ8_0]| x.iter().flat_map(|b| b.to_bytes()).collect();
+                let bytes = |x: &[BlockQ8_0]| x.iter().flat_map(|b| b.bytes().to_vec()).collect();
                 (bytes(&c.k[at..at + r]), bytes(&c.v[at..at + r]))
             }
             KvView::Q4_0(c) => {
-                let bytes = |x: &[BlockQ4_0]| x.iter().flat_map(|b| b.to_bytes()).collect();
+                let bytes = |x: &[BlockQ4_0]| x.iter().flat_map(|b| b.bytes().to_vec()).collect();
                 (bytes(&c.k[at..at + r]), bytes(&c.v[at..at + r]))
             }
             _ => panic!("not a block cache"),
