@@ -70,6 +70,12 @@ pub struct ServeArgs {
     /// request needs and are evicted when one does. CPU only (a GPU keeps nothing).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Keep every running request's keys and values in one paged KV cache (blocks of 16
+    /// positions from the --kv-mem budget) and run each step's attention once over all
+    /// requests instead of once per request: several times the throughput with many clients on
+    /// a GPU. Off by default for now; no prefix cache and no --adapter with it yet.
+    #[arg(long, conflicts_with = "adapters")]
+    pub kv_paged: bool,
     /// Matmul kernels for quantized weights (CPU).
     #[arg(long, value_enum, value_name = "PATH", default_value_t = args::MatmulChoice::Fast)]
     pub matmul: args::MatmulChoice,
@@ -226,7 +232,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             max_queue: a.max_queue,
             max_batch_tokens: a.max_batch_tokens,
             step_delay: Duration::ZERO,
-            prefix_cache: !a.no_prefix_cache,
+            prefix_cache: !a.no_prefix_cache && !a.kv_paged,
+            paged_kv: a.kv_paged,
         },
         agent: a.agent.config()?,
         lab: None,
@@ -274,13 +281,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         );
     }
     eprintln!(
-        "serving {} as '{}': context {} tokens, KV memory {} MiB, up to {} sequences per batch, prefix cache {}",
+        "serving {} as '{}': context {} tokens, KV memory {} MiB, up to {} sequences per batch, prefix cache {}{}",
         path.display(),
         cfg.model_id,
         cfg.engine.ctx_size,
         kv_mem >> 20,
         cfg.engine.max_seqs,
-        if cfg.engine.prefix_cache { "on" } else { "off" }
+        if cfg.engine.prefix_cache { "on" } else { "off" },
+        if cfg.engine.paged_kv { ", paged KV cache" } else { "" }
     );
     for (name, dir) in &cfg.adapters {
         eprintln!("adapter '{}:{name}': {}", cfg.model_id, dir.display());

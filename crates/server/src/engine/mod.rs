@@ -76,6 +76,11 @@ pub struct EngineConfig {
     /// Keep finished sequences' KV caches and start new requests from the longest cached
     /// prefix of their prompt (see the module docs).
     pub prefix_cache: bool,
+    /// Keep every running sequence's keys and values in one paged cache per layer and run
+    /// each step's norms, RoPE, cache writes and attention once over all rows
+    /// (`Model::step_paged`) instead of per sequence. No prefix cache and no served adapters
+    /// with it yet.
+    pub paged_kv: bool,
 }
 
 impl Default for EngineConfig {
@@ -88,6 +93,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 256,
             step_delay: Duration::ZERO,
             prefix_cache: true,
+            paged_kv: false,
         }
     }
 }

@@ -28,7 +28,8 @@ use hf2q_models::kv_cache::{KvCache, KvType};
 use hf2q_models::sampler::{apply_mask, Sampler};
 use hf2q_models::stop::StopMatcher;
 use hf2q_models::tokenizer::DecodeStream;
-use hf2q_models::{BatchItem, Model};
+use hf2q_models::{BatchItem, Model, PagedItem, PagedKvCache};
+use hf2q_tensor::paged::BlockTable;
 
 use super::adapters::{valid_name, AdapterInfo, AdapterRef};
 use super::prefix::{common_prefix, usable, PrefixPool, MIN_REUSE};
@@ -38,6 +39,9 @@ use super::{Cmd, Event, Install, Pending, Shared, TokenLogprob, BLOCK_TOKENS};
 struct Seq<'m> {
     p: Pending,
     cache: KvCache,
+    /// The sequence's blocks in the engine's paged KV cache (`--kv-paged`; empty otherwise,
+    /// when `cache` holds its keys and values).
+    table: BlockTable,
     /// Tokens in the cache.
     pos: usize,
     /// The tokens whose keys and values are in the cache: `tokens[..pos]` (the prompt, then
@@ -77,6 +81,7 @@ impl<'m> Seq<'m> {
         let history = p.req.prompt[p.req.prompt.len().saturating_sub(keep)..].to_vec();
         Seq {
             cache,
+            table: BlockTable::new(),
             pos: cached,
             tokens: p.req.prompt.clone(),
             cached,
@@ -294,6 +299,20 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
     let mut pool = PrefixPool::default();
     // The served adapters' factors; the registry in `sh` names them.
     let mut set = AdapterSet::new();
+    // With `paged_kv`, one paged store per layer holds every running sequence's keys and values
+    // (its pool is the --kv-mem budget in blocks); a request still reserves its blocks for
+    // prompt + max_tokens at admission, so a step never runs out of them.
+    let mut paged: Option<PagedKvCache> = if cfg.paged_kv {
+        match model.paged_cache(sh.total_blocks.max(1), BLOCK_TOKENS, cfg.ctx_size) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("warning: no paged KV cache ({e}); each request keeps its own cache");
+                None
+            }
+        }
+    } else {
+        None
+    };
     loop {
         sh.beat();
         // Unloaded adapters that no request holds any more: free their slots and cached prefixes.
@@ -322,7 +341,12 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                         adapter,
                         reply,
                     } = *i;
-                    let _ = reply.send(install(model, sh, &mut set, name, path, adapter));
+                    let r = if paged.is_some() {
+                        Err("adapters are not served with the paged KV cache yet".to_string())
+                    } else {
+                        install(model, sh, &mut set, name, path, adapter)
+                    };
+                    let _ = reply.send(r);
                 }
                 Cmd::AbortAll(why) => {
                     for p in waiting.drain(..) {
@@ -338,6 +362,9 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                             message: why.clone(),
                         });
                         free_blocks += s.p.blocks;
+                        if let Some(pc) = paged.as_mut() {
+                            s.table.clear(pc.pool_mut());
+                        }
                     }
                 }
                 Cmd::Stop => {
@@ -387,7 +414,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 s.done = Some(FinishReason::Length);
             }
         }
-        retire(&mut running, &mut free_blocks, &mut pool, sh);
+        retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
 
         // 3. Admission, in arrival order. The prefix cache's blocks are free for the taking.
         while running.len() < cfg.max_seqs {
@@ -409,12 +436,29 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 });
                 continue;
             }
-            let (cache, cached) = start_cache(model, &p, &mut pool, &running, &mut free_blocks, sh);
+            let mut table = BlockTable::new();
+            let (cache, cached) = match paged.as_mut() {
+                Some(pc) => {
+                    // The budget checked above covers the blocks (nothing else holds any).
+                    if let Err(e) = table.reserve(pc.pool_mut(), cache_limit(&p, cfg.ctx_size)) {
+                        let _ = p.out.send(Event::Error {
+                            status: 503,
+                            message: format!("the KV cache is full: {e}"),
+                        });
+                        continue;
+                    }
+                    // Holds nothing (nothing writes it); its limit bounds the sequence's length.
+                    (model.new_cache(cache_limit(&p, cfg.ctx_size)), 0)
+                }
+                None => start_cache(model, &p, &mut pool, &running, &mut free_blocks, sh),
+            };
             free_blocks -= p.blocks;
             sh.metrics
                 .prompt_tokens
                 .fetch_add(p.req.prompt.len() as u64, Ordering::Relaxed);
-            running.push(Seq::new(p, model, cache, cached));
+            let mut seq = Seq::new(p, model, cache, cached);
+            seq.table = table;
+            running.push(seq);
         }
         publish(&running, free_blocks, &pool, sh);
         if running.is_empty() {
@@ -440,7 +484,30 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
         // By adapter, then admission order: each adapter's rows are one run of the batch.
         plan.sort_unstable_by_key(|&(i, _)| (running[i].slot(), i));
         let fed: usize = plan.iter().map(|p| p.1).sum();
-        let result = {
+        let result = if let Some(pc) = paged.as_mut() {
+            let mut items: Vec<PagedItem<'_>> = Vec::with_capacity(plan.len());
+            let mut seqs: Vec<Option<&mut Seq<'_>>> = running.iter_mut().map(Some).collect();
+            for &(i, n) in &plan {
+                let Some(s) = seqs[i].take() else { continue };
+                let Seq {
+                    table,
+                    pos,
+                    next,
+                    p,
+                    ..
+                } = s;
+                let tokens: &[u32] = match next {
+                    Some(t) => std::slice::from_ref(t),
+                    None => &p.req.prompt[*pos..*pos + n],
+                };
+                items.push(PagedItem {
+                    table,
+                    pos0: *pos,
+                    tokens,
+                });
+            }
+            model.step_paged(pc, &mut items)
+        } else {
             let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
             let mut slots: Vec<Option<usize>> = Vec::with_capacity(plan.len());
             let mut seqs: Vec<Option<&mut Seq<'_>>> = running.iter_mut().map(Some).collect();
@@ -510,7 +577,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add(now, sampled);
-        retire(&mut running, &mut free_blocks, &mut pool, sh);
+        retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
         publish(&running, free_blocks, &pool, sh);
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
@@ -520,8 +587,14 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
 
 /// Finishes and removes sequences whose `done` is set, returning their blocks; their caches go
 /// to the prefix cache.
-fn retire(running: &mut Vec<Seq<'_>>, free_blocks: &mut usize, pool: &mut PrefixPool, sh: &Shared) {
-    let (finished, still): (Vec<Seq<'_>>, Vec<Seq<'_>>) = std::mem::take(running)
+fn retire(
+    running: &mut Vec<Seq<'_>>,
+    free_blocks: &mut usize,
+    pool: &mut PrefixPool,
+    paged: &mut Option<PagedKvCache>,
+    sh: &Shared,
+) {
+    let (mut finished, still): (Vec<Seq<'_>>, Vec<Seq<'_>>) = std::mem::take(running)
         .into_iter()
         .partition(|s| s.done.is_some());
     *running = still;
@@ -529,14 +602,17 @@ fn retire(running: &mut Vec<Seq<'_>>, free_blocks: &mut usize, pool: &mut Prefix
         return;
     }
     // The gauges first: a client that has its answer must also see its slot free (/metrics).
-    for s in &finished {
+    for s in &mut finished {
         *free_blocks += s.p.blocks;
+        if let Some(pc) = paged.as_mut() {
+            s.table.clear(pc.pool_mut());
+        }
     }
     publish(running, *free_blocks, pool, sh);
     for mut s in finished {
         let reason = s.done.expect("partitioned on done");
         s.finish(reason, sh);
-        if sh.cfg.prefix_cache && s.poolable {
+        if sh.cfg.prefix_cache && s.poolable && paged.is_none() {
             offer(&mut s, free_blocks, pool, sh);
         }
     }
@@ -696,7 +772,12 @@ fn publish(running: &[Seq<'_>], free_blocks: usize, pool: &PrefixPool, sh: &Shar
         sh.total_blocks - free_blocks - pool.blocks(),
         Ordering::Relaxed,
     );
-    let used: usize = running.iter().map(|s| s.cache.bytes()).sum();
+    let paged_bytes =
+        |s: &Seq<'_>| s.table.blocks().len() * BLOCK_TOKENS * sh.bytes_per_token as usize;
+    let used: usize = running
+        .iter()
+        .map(|s| s.cache.bytes() + paged_bytes(s))
+        .sum();
     sh.kv_used_bytes.store(used as u64, Ordering::Relaxed);
     sh.prefix_cache_bytes
         .store(pool.bytes() as u64, Ordering::Relaxed);
