@@ -38,6 +38,34 @@ struct DeviceStep {
     tables: CudaSlice<i32>,
     /// Largest row position + 1: sets the attention's key splits.
     max_len: usize,
+    /// The pool shape `(n_blocks, B)` the rows were checked against: every layer of a model's
+    /// paged cache shares it, so the host checks the rows once a step, not once a layer.
+    checked: std::sync::OnceLock<(usize, usize)>,
+}
+
+/// Checks the step's rows and slots against `layout`'s pool (the kernels cannot), once per
+/// pool shape.
+fn check_rows(step: &PagedStep, ds: &DeviceStep, layout: &PagedLayout) -> Result<()> {
+    let shape = (layout.n_blocks, layout.block_tokens);
+    if ds.checked.get() == Some(&shape) {
+        return Ok(());
+    }
+    step.rows().check(layout)?;
+    let slots = layout.n_blocks * layout.block_tokens;
+    if let Some((r, &s)) = step
+        .slots
+        .iter()
+        .enumerate()
+        .find(|(_, &s)| s >= 0 && s as usize >= slots)
+    {
+        return Err(Error::Shape(format!(
+            "paged step: row {r}'s slot {s} is past the pool's {} blocks",
+            layout.n_blocks
+        )));
+    }
+    // A second pool shape in one step (not something a model makes) is checked every time.
+    let _ = ds.checked.set(shape);
+    Ok(())
 }
 
 fn layer<'a>(kv: &'a PagedStore, what: &str) -> Result<&'a DevicePagedLayer> {
@@ -113,6 +141,7 @@ impl CudaBackend {
                 .map(|&p| p.max(0) as usize + 1)
                 .max()
                 .unwrap_or(1),
+            checked: std::sync::OnceLock::new(),
         };
         step.device = Some(Box::new(d));
         Ok(())
@@ -131,20 +160,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let ds = device_step(step, "paged rope_store")?;
         let l = layer_mut(kv, "paged rope_store")?;
-        // The rows this step's slots were made for: checked on the host, the kernel cannot.
-        step.rows().check(l.layout())?;
-        let lay = *l.layout();
-        if let Some((r, &s)) = step
-            .slots
-            .iter()
-            .enumerate()
-            .find(|(_, &s)| s >= 0 && s as usize >= lay.n_blocks * lay.block_tokens)
-        {
-            return Err(Error::Shape(format!(
-                "paged rope_store: row {r}'s slot {s} is past the pool's {} blocks",
-                lay.n_blocks
-            )));
-        }
+        check_rows(step, ds, l.layout())?;
         let table = self.rope_table(p)?;
         let mut qi = self.raw(q, "paged rope_store")?;
         let (ki, vi) = (
@@ -173,7 +189,7 @@ impl CudaBackend {
     ) -> Result<Tensor> {
         let ds = device_step(step, "paged attention")?;
         let l = layer(kv, "paged attention")?;
-        step.rows().check(l.layout())?;
+        check_rows(step, ds, l.layout())?;
         let r = step.len();
         let rows = DevicePagedRows {
             seq: &ds.seq,

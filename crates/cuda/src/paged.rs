@@ -55,20 +55,10 @@ impl DevicePagedLayer {
 
     /// Both arrays as f32 on the host (waits for the stream), for tests and inspection.
     pub fn to_host(&self, dev: &CudaDev) -> Result<(Vec<f32>, Vec<f32>)> {
-        let conv = |b: &CudaSlice<u8>| -> Result<Vec<f32>> {
-            let raw = dev.download(b)?;
-            Ok(match self.dtype {
-                KvDtype::F16 => raw
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-                KvDtype::F32 => raw
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            })
-        };
-        Ok((conv(&self.k)?, conv(&self.v)?))
+        Ok((
+            self.dtype.download_f32(dev, &self.k)?,
+            self.dtype.download_f32(dev, &self.v)?,
+        ))
     }
 }
 

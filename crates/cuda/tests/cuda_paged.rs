@@ -5,8 +5,8 @@
 //! attention over the same pool values. Without a GPU each test prints "skipped: no CUDA device"
 //! and passes.
 //!
-//! `HF2Q_CUDA_BENCH=1` also runs `bench_paged_decode`: one paged launch for a batch of decode
-//! rows against one contiguous-cache launch per sequence (the eager batched step today).
+//! `bench_paged_decode` (`--ignored`) times one paged launch for a batch of decode rows against
+//! one contiguous-cache launch per sequence (the eager batched step today).
 
 use std::sync::Arc;
 
@@ -15,9 +15,10 @@ use hf2q_cuda::{CudaDev, DevicePagedRows, KvDtype};
 use hf2q_tensor::op::{AttentionParams, RopeParams, RopeStyle};
 use hf2q_tensor::paged::{BlockPool, BlockTable, HostPagedLayer, PagedLayout, PagedRows};
 
+/// The device with the default options (these kernels have no switches; kernels compiled on
+/// open, no cache).
 fn device() -> Option<Arc<CudaDev>> {
-    let opts = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
-    match CudaDev::open(0, &opts) {
+    match CudaDev::open(0, &hf2q_cuda::CudaOptions::default()) {
         Ok(Some(d)) => Some(d),
         Ok(None) => {
             println!("skipped: no CUDA device");
@@ -190,13 +191,7 @@ fn run(dev: &CudaDev, rng: &mut Rng, c: &Case) {
     // Outputs are convex combinations of |v| <= 1: f32 softmax and sums in another order (split
     // partials, online rescaling) stay within a few 1e-6; 2e-5 leaves room for long rows (the
     // same bound as the contiguous cache's attention test).
-    let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| {
-        if a.is_nan() {
-            f32::INFINITY
-        } else {
-            m.max((a - b).abs())
-        }
-    });
+    let err = max_diff(&got, &want);
     println!(
         "paged attention H={} Hkv={} Dh={} B={} lens={:?} rows={r} window={:?} {:?}: max |err| {err:.2e}",
         c.h, c.hkv, c.dh, c.block, c.lens, c.window, c.dtype
@@ -309,12 +304,13 @@ fn paged_rope_store_equals_rope_then_write() {
         dev.paged_kv_write(&mut l2, &kwd, &vd, r, &slots_d).unwrap();
         let what = format!("paged_rope_store {style:?} dh {dh} dims {dims} {dtype:?}");
         // Same expressions as the separate kernels; allow for the compiler fusing a product
-        // differently (an ulp of f32, then possibly an ulp of the f16 cache), as the
-        // contiguous rope_store's test does. The padding row's q is not compared.
+        // differently: a few ulps of f32 on rotated values |x| <= 2 * sqrt(2) < 4 (8e-6), and
+        // for an f16 cache that ulp may move the rounding to the next f16 value, whose spacing
+        // at 2..4 is 2^-9 (4e-3 allows two). The padding row's q is not compared.
         let got = dev.download(&q1).unwrap();
         let live = (r - 1) * nh * dh;
         let err = max_diff(&got[..live], &qw[..live]);
-        assert!(err <= 2e-6 * 4.0, "{what}: q max |err| {err}");
+        assert!(err <= 8e-6, "{what}: q max |err| {err}");
         let ((gk, gv), (wk, wv)) = (l1.to_host(&dev).unwrap(), l2.to_host(&dev).unwrap());
         let ktol = if dtype == KvDtype::F16 { 4e-3 } else { 8e-6 };
         assert!(
@@ -327,6 +323,7 @@ fn paged_rope_store_equals_rope_then_write() {
     }
 }
 
+/// Largest |a - b|; infinite where either is NaN (an unwritten output).
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).fold(0f32, |m, (x, y)| {
@@ -357,11 +354,8 @@ fn bad_shapes_are_refused() {
 /// Times one paged launch over `B` decode rows (each its own sequence of `ctx` tokens) against
 /// `B` launches of the contiguous-cache decode attention (what the eager batched step does).
 #[test]
+#[ignore = "a benchmark: run with --ignored on a GPU machine"]
 fn bench_paged_decode() {
-    if std::env::var_os("HF2Q_CUDA_BENCH").is_none() {
-        println!("skipped: set HF2Q_CUDA_BENCH=1 to time the paged attention");
-        return;
-    }
     let Some(dev) = device() else { return };
     let (h, hkv, dh, block) = (32, 8, 64, 16);
     let p = AttentionParams {

@@ -8,35 +8,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-use common::{argmax, kl};
+use common::{argmax, gpu, kl, tiny};
 use hf2q_cpu::MatmulPath;
 use hf2q_cuda::backend::CudaBackend;
-use hf2q_cuda::{CudaDev, KvDtype};
 use hf2q_models::model::BatchItem;
 use hf2q_models::Model;
-
-fn gpu() -> Option<Arc<CudaBackend>> {
-    match CudaDev::open(
-        0,
-        &hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
-    ) {
-        Ok(Some(dev)) => Some(Arc::new(CudaBackend::new(dev, KvDtype::F16).unwrap())),
-        Ok(None) => {
-            eprintln!("skipped: no CUDA device");
-            None
-        }
-        Err(e) => panic!("a CUDA device is present but does not work: {e}"),
-    }
-}
-
-fn tiny(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/tiny")
-        .join(name)
-}
 
 /// Token ids for a test text: a deterministic walk over the vocabulary.
 fn ids(n: usize, vocab: usize) -> Vec<u32> {

@@ -10,7 +10,6 @@
 //! here: who runs in a step, admission, preemption (the server's scheduler); the kernels
 //! (`hf2q_cpu::paged`, `hf2q_cuda::paged`).
 
-use hf2q_tensor::kv::KvType;
 use hf2q_tensor::paged::{BlockPool, BlockTable, PagedLayout, PagedStep, PagedStore};
 use hf2q_tensor::Tensor;
 
@@ -95,11 +94,6 @@ impl Model {
             pool,
             max_blocks: max_context.div_ceil(block_tokens),
         })
-    }
-
-    /// The KV type a paged cache of this model stores.
-    pub fn paged_kv_type(&self) -> KvType {
-        self.kv_type
     }
 
     /// One batched step over a paged cache: for each item, feeds its tokens at `pos0..` and

@@ -21,3 +21,27 @@ pub fn kl(p: &[f32], q: &[f32]) -> f64 {
 pub fn argmax(row: &[f32]) -> usize {
     hf2q_models::sampler::argmax(row) as usize
 }
+
+/// A committed tiny checkpoint (`tests/fixtures/tiny/NAME`).
+pub fn tiny(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tiny")
+        .join(name)
+}
+
+/// The CUDA backend with the options the binary would open the device with in this
+/// environment (the kernel cache, `--cuda-opt` settings as `HF2Q_CUDA_OPT`), or `None` (and
+/// "skipped") without a device.
+pub fn gpu() -> Option<std::sync::Arc<hf2q_cuda::backend::CudaBackend>> {
+    let opts = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
+    match hf2q_cuda::CudaDev::open(0, &opts) {
+        Ok(Some(dev)) => Some(std::sync::Arc::new(
+            hf2q_cuda::backend::CudaBackend::new(dev, hf2q_cuda::KvDtype::F16).unwrap(),
+        )),
+        Ok(None) => {
+            eprintln!("skipped: no CUDA device");
+            None
+        }
+        Err(e) => panic!("a CUDA device is present but does not work: {e}"),
+    }
+}

@@ -484,54 +484,36 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
         // By adapter, then admission order: each adapter's rows are one run of the batch.
         plan.sort_unstable_by_key(|&(i, _)| (running[i].slot(), i));
         let fed: usize = plan.iter().map(|p| p.1).sum();
-        let result = if let Some(pc) = paged.as_mut() {
-            let mut items: Vec<PagedItem<'_>> = Vec::with_capacity(plan.len());
-            let mut seqs: Vec<Option<&mut Seq<'_>>> = running.iter_mut().map(Some).collect();
-            for &(i, n) in &plan {
-                let Some(s) = seqs[i].take() else { continue };
-                let Seq {
-                    table,
-                    pos,
-                    next,
-                    p,
-                    ..
-                } = s;
-                let tokens: &[u32] = match next {
-                    Some(t) => std::slice::from_ref(t),
-                    None => &p.req.prompt[*pos..*pos + n],
-                };
-                items.push(PagedItem {
-                    table,
-                    pos0: *pos,
-                    tokens,
-                });
+        let result = {
+            let seqs = planned(&mut running, &plan);
+            if let Some(pc) = paged.as_mut() {
+                let mut items: Vec<PagedItem<'_>> = seqs
+                    .into_iter()
+                    .map(|(s, n)| {
+                        let tokens = tokens_fed(&s.next, &s.p.req.prompt, s.pos, n);
+                        PagedItem {
+                            table: &mut s.table,
+                            pos0: s.pos,
+                            tokens,
+                        }
+                    })
+                    .collect();
+                model.step_paged(pc, &mut items)
+            } else {
+                let slots: Vec<Option<usize>> = seqs.iter().map(|(s, _)| s.slot()).collect();
+                let mut items: Vec<BatchItem<'_>> = seqs
+                    .into_iter()
+                    .map(|(s, n)| {
+                        let tokens = tokens_fed(&s.next, &s.p.req.prompt, s.pos, n);
+                        BatchItem {
+                            cache: &mut s.cache,
+                            pos0: s.pos,
+                            tokens,
+                        }
+                    })
+                    .collect();
+                model.step_batch_served(&mut items, Some((&set, &slots)))
             }
-            model.step_paged(pc, &mut items)
-        } else {
-            let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
-            let mut slots: Vec<Option<usize>> = Vec::with_capacity(plan.len());
-            let mut seqs: Vec<Option<&mut Seq<'_>>> = running.iter_mut().map(Some).collect();
-            for &(i, n) in &plan {
-                let Some(s) = seqs[i].take() else { continue };
-                slots.push(s.slot());
-                let Seq {
-                    cache,
-                    pos,
-                    next,
-                    p,
-                    ..
-                } = s;
-                let tokens: &[u32] = match next {
-                    Some(t) => std::slice::from_ref(t),
-                    None => &p.req.prompt[*pos..*pos + n],
-                };
-                items.push(BatchItem {
-                    cache,
-                    pos0: *pos,
-                    tokens,
-                });
-            }
-            model.step_batch_served(&mut items, Some((&set, &slots)))
         };
         sh.metrics.steps.fetch_add(1, Ordering::Relaxed);
         sh.metrics
@@ -583,6 +565,26 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
             std::thread::sleep(cfg.step_delay);
         }
     }
+}
+
+/// The tokens a sequence feeds this step: its sampled token, or the next `n` of its prompt
+/// after `pos` (fields, not the sequence, so its cache or table can be borrowed beside them).
+fn tokens_fed<'a>(next: &'a Option<u32>, prompt: &'a [u32], pos: usize, n: usize) -> &'a [u32] {
+    match next {
+        Some(t) => std::slice::from_ref(t),
+        None => &prompt[pos..pos + n],
+    }
+}
+
+/// The sequences of `plan` (index in `running`, tokens fed), in plan order, each once.
+fn planned<'a, 'm>(
+    running: &'a mut [Seq<'m>],
+    plan: &[(usize, usize)],
+) -> Vec<(&'a mut Seq<'m>, usize)> {
+    let mut seqs: Vec<Option<&mut Seq<'m>>> = running.iter_mut().map(Some).collect();
+    plan.iter()
+        .filter_map(|&(i, n)| seqs[i].take().map(|s| (s, n)))
+        .collect()
 }
 
 /// Finishes and removes sequences whose `done` is set, returning their blocks; their caches go
