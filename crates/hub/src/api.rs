@@ -5,7 +5,8 @@
 //! - `HEAD {endpoint}/{repo}/resolve/{rev}/{path}`: `X-Repo-Commit`, the ETag (`X-Linked-Etag`
 //!   for LFS files, whose ETag is their sha256, else `ETag`), the size (`X-Linked-Size`, else
 //!   `Content-Length`), and for LFS files a redirect to a CDN host (`Location`);
-//! - `GET` of that location, with `Range: bytes=N-` to resume.
+//! - `GET` of that location, with `Range: bytes=N-` to resume;
+//! - the tree listing (`crate::tree`), where the repo info has no `siblings`.
 //!
 //! Errors map to [`HubError`] through `X-Error-Code` (`GatedRepo`, `RepoNotFound`,
 //! `RevisionNotFound`, `EntryNotFound`) and the status. Redirects are followed here, not by the
@@ -32,7 +33,9 @@ pub struct Client {
 #[derive(Clone, Debug)]
 pub struct RepoInfo {
     pub sha: String,
-    pub siblings: Vec<String>,
+    /// `siblings[].rfilename`; `None` when the answer has no `siblings` (then the tree listing
+    /// says, [`Client::repo_files`]).
+    pub siblings: Option<Vec<String>>,
 }
 
 /// One file as `HEAD .../resolve/...` describes it.
@@ -262,15 +265,11 @@ impl Client {
                 why: "no 'sha'".into(),
             })?
             .to_string();
-        let siblings = v
-            .get("siblings")
-            .and_then(|s| s.as_array())
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s.get("rfilename")?.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let siblings = v.get("siblings").and_then(|s| s.as_array()).map(|a| {
+            a.iter()
+                .filter_map(|s| s.get("rfilename")?.as_str().map(String::from))
+                .collect()
+        });
         Ok(RepoInfo { sha, siblings })
     }
 
