@@ -36,10 +36,13 @@ impl FileKind {
             "json" => FileKind::Json,
             "jsonl" | "ndjson" => FileKind::Jsonl,
             "parquet" => FileKind::Parquet,
-            _ => return Err(Error::Config(format!(
-                "{}: unknown data file type '.{ext}' (expected .csv, .json, .jsonl or .parquet)",
-                path.display()
-            ))),
+            _ => {
+                let want = ".csv, .json, .jsonl or .parquet";
+                return Err(Error::Config(format!(
+                    "{}: unknown data file type '.{ext}' (expected {want})",
+                    path.display()
+                )));
+            }
         })
     }
     pub fn name(self) -> &'static str {
