@@ -179,7 +179,7 @@ impl Client {
         let code = header(r, "x-error-code").unwrap_or_default();
         let message = header(r, "x-error-message").unwrap_or_default();
         let repo = target.repo.clone();
-        let page = format!("{}/{}", self.endpoint, target.repo);
+        let page = format!("{}/{}", self.endpoint, target.url_path);
         let had_token = self.token.is_some();
         match (code.as_str(), status) {
             ("GatedRepo", 401) => HubError::GatedNeedsToken { repo, page },
@@ -235,11 +235,7 @@ impl Client {
             repo.kind.plural(),
             encode_segment(revision)
         );
-        let target = Target {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-            path: None,
-        };
+        let target = Target::new(repo, revision, None);
         let r = self.request("GET", &url, 0)?;
         if !r.status().is_success() {
             return Err(self.error_for(&r, &url, &target));
@@ -283,11 +279,7 @@ impl Client {
             encode_segment(revision),
             encode_path(path)
         );
-        let target = Target {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-            path: Some(path.to_string()),
-        };
+        let target = Target::new(repo, revision, Some(path));
         for _ in 0..5 {
             let r = self.request("HEAD", &url, 0)?;
             let status = r.status().as_u16();

@@ -242,11 +242,7 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
             let bar = multi.insert_before(&total_bar, ProgressBar::new(meta.size));
             bar.set_style(file_style.clone());
             bar.set_message(f.clone());
-            let target = Target {
-                repo: id.to_string(),
-                revision: rev.to_string(),
-                path: Some(f.clone()),
-            };
+            let target = Target::new(id, rev, Some(f));
             let before = bar.position();
             let result = fetch_blob(&client, meta, &target, &blob, &bar);
             bar.finish_and_clear();

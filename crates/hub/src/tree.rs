@@ -110,11 +110,7 @@ impl Client {
         if recursive {
             url.push_str("?recursive=true");
         }
-        let target = Target {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-            path: (!path.is_empty()).then(|| path.to_string()),
-        };
+        let target = Target::new(repo, revision, (!path.is_empty()).then_some(path));
         let mut out = Vec::new();
         for _ in 0..MAX_PAGES {
             let fetched = self.get(&url, 0, &target)?;

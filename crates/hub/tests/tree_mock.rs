@@ -1,6 +1,7 @@
 //! The tree listing against the mock Hub on loopback: the documented entry shape (files,
 //! folders, `lfs` for LFS files), `recursive`, a folder path, pages followed through the `Link`
-//! header, a missing folder's error, and a pull from a Hub whose repo info has no `siblings`.
+//! header, a missing folder's error, a pull from a Hub whose repo info has no `siblings`, and a
+//! gated dataset's licence page.
 
 use hf2q_hub::api::Client;
 use hf2q_hub::mock::{Host, MockHub};
@@ -109,4 +110,12 @@ fn pull_lists_the_tree_when_siblings_are_missing() {
     let info = c.repo_info(&d, "main").unwrap();
     assert!(info.siblings.is_none());
     assert_eq!(c.repo_files(&d, &info).unwrap(), vec!["data/train.jsonl"]);
+
+    // A gated dataset's licence page is under /datasets/.
+    hub.gate("datasets/org/d", &["ok"]);
+    let e = c.repo_info(&d, "main").unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("{}/datasets/org/d", hub.endpoint())),
+        "{e}"
+    );
 }
