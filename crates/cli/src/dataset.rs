@@ -14,12 +14,13 @@ use crate::args;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum DatasetCmd {
-    /// Import CSV, JSON or JSONL files into SFT or DPO records: map columns, convert, remove
+    /// Import CSV, JSON, JSONL or Parquet files into SFT or DPO records: map columns, convert, remove
     /// duplicates, shuffle and split into train and validation sets.
     #[command(
-        long_about = "Import CSV (a header row names the columns), JSON (one array of objects) or \
-JSONL files, or a Hub dataset ORG/NAME[:SPLIT][@REV] (the split's JSON, JSONL and CSV files, \
-`train` by default, pulled into the shared Hugging Face cache; HF_ENDPOINT, HF_TOKEN and \
+        long_about = "Import CSV (a header row names the columns), JSON (one array of objects), \
+JSONL or Parquet files, or a Hub dataset ORG/NAME[:SPLIT][@REV] (the split's JSON, JSONL, CSV and \
+Parquet files, `train` by default, or the Hub's Parquet conversion of a dataset that has only a \
+loading script, pulled into the shared Hugging Face cache; HF_ENDPOINT, HF_TOKEN and \
 HF_HUB_OFFLINE apply), into training records. --map FIELD=COLUMN renames columns to the fields of a record \
 shape: OpenAI `messages`, ShareGPT `conversations`, Alpaca `instruction`/`input`/`output`/`system`, \
 `prompt`/`completion`, `text`, or DPO `prompt`/`chosen`/`rejected`. Records are written in --to's \
@@ -67,8 +68,8 @@ pub struct MapArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct BuildArgs {
-    /// Input files (.csv, .json, .jsonl), or Hub datasets ORG/NAME[:SPLIT][@REV] (their split's
-    /// JSON, JSONL and CSV files, `train` by default, pulled into the shared cache).
+    /// Input files (.csv, .json, .jsonl, .parquet), or Hub datasets ORG/NAME[:SPLIT][@REV] (their
+    /// split's data files, `train` by default, pulled into the shared cache).
     #[arg(required = true, value_name = "FILE|ORG/NAME[:SPLIT]")]
     pub inputs: Vec<PathBuf>,
     /// Output folder (new, or empty).
@@ -172,7 +173,7 @@ fn inputs(paths: &[PathBuf]) -> Result<Vec<Input>> {
 }
 
 /// An input that names a Hub dataset (`ORG/NAME[:SPLIT][@REV]`, not a local path): the split's
-/// data files, pulled into the shared cache (`datasets--ORG--NAME`) or found there; `None` when
+/// data files (or its Parquet conversion's, [`hf2q_hub::pull_dataset`]), pulled into the shared cache (`datasets--ORG--NAME`) or found there; `None` when
 /// `arg` is no repository name.
 fn hub_dataset(arg: &Path) -> Result<Option<Vec<Input>>> {
     let Some(s) = arg.to_str().filter(|s| s.contains('/')) else {
@@ -186,15 +187,9 @@ fn hub_dataset(arg: &Path) -> Result<Option<Vec<Input>>> {
     let cfg = crate::pull::hub_config(None, false)?;
     let req = hf2q_hub::PullRequest::new(repo);
     eprintln!("reading dataset {} from {}", req.repo, cfg.endpoint);
-    let pulled = hf2q_hub::pull(&cfg, &req).with_context(|| format!("dataset {s}"))?;
+    let pulled = hf2q_hub::pull_dataset(&cfg, &req).with_context(|| format!("dataset {s}"))?;
     let mut out = Vec::new();
     for f in &pulled.files {
-        if f.to_ascii_lowercase().ends_with(".parquet") {
-            bail!(
-                "{s}: {f} is Parquet, which hf2q does not read; pick the split's JSON, JSONL or \
-                 CSV files (ORG/NAME:SPLIT) or convert it to JSONL"
-            );
-        }
         let path = pulled.snapshot.join(f);
         out.push(Input::load(&path, &format!("{}/{f}", req.repo.id))?);
     }

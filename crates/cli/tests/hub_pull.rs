@@ -383,7 +383,7 @@ fn pull_push_pull_round_trips_a_quantized_model() {
 
 /// `dataset build ORG/NAME[:SPLIT]` reads a Hub dataset's split (its JSONL and CSV files) through
 /// the shared cache (`datasets--ORG--NAME`); an unknown split names the files there are, and a
-/// Parquet-only split is refused by name.
+/// `.parquet` file that is not Parquet is refused by name.
 #[test]
 fn dataset_build_reads_a_hub_dataset_split() {
     let d = tempfile::tempdir().unwrap();
@@ -448,6 +448,160 @@ fn dataset_build_reads_a_hub_dataset_split() {
     );
     fails_with(
         &run(&["dataset", "build", "org/pq", "-o", s(&home.join("o4"))]),
-        "Parquet",
+        "not a readable Parquet file",
     );
+}
+
+/// Chat records as Parquet, the way the Hub's datasets hold them: a `messages` column of
+/// `list<struct<role, content>>` (three-level LIST, as pyarrow writes it), an `id` INT64 column
+/// and an optional string column, Snappy-compressed; and the same records as JSONL.
+fn chat_records(n: usize) -> (Vec<u8>, String) {
+    use parquet::basic::Compression;
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use std::sync::Arc;
+
+    let schema = parquet::schema::parser::parse_message_type(
+        "message schema {
+          OPTIONAL group messages (LIST) {
+            REPEATED group list {
+              OPTIONAL group element {
+                OPTIONAL BYTE_ARRAY role (UTF8);
+                OPTIONAL BYTE_ARRAY content (UTF8);
+              }
+            }
+          }
+          REQUIRED INT64 id;
+          OPTIONAL BYTE_ARRAY source (UTF8);
+        }",
+    )
+    .unwrap();
+    let turns = |i: usize| {
+        [
+            ("user", format!("question {i}: what is {i} + {i}?")),
+            ("assistant", format!("{i} + {i} = {}", 2 * i)),
+        ]
+    };
+    let props = WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .build();
+    let mut buf = Vec::new();
+    let mut w = SerializedFileWriter::new(&mut buf, Arc::new(schema), Arc::new(props)).unwrap();
+    let mut rg = w.next_row_group().unwrap();
+    // The two leaves of the list: every row has two turns (repetition 0 then 1; definition 4 =
+    // list, element and value all present).
+    for leaf in 0..2 {
+        let mut col = rg.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = (0..n)
+            .flat_map(|i| turns(i).map(|t| if leaf == 0 { t.0.to_string() } else { t.1 }))
+            .map(|s| ByteArray::from(s.as_str()))
+            .collect();
+        let defs = vec![4i16; 2 * n];
+        let reps: Vec<i16> = (0..2 * n).map(|k| (k % 2) as i16).collect();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, Some(&defs), Some(&reps))
+            .unwrap();
+        col.close().unwrap();
+    }
+    let mut col = rg.next_column().unwrap().unwrap();
+    let ids: Vec<i64> = (0..n as i64).collect();
+    col.typed::<Int64Type>()
+        .write_batch(&ids, None, None)
+        .unwrap();
+    col.close().unwrap();
+    // `source`: null in odd rows.
+    let mut col = rg.next_column().unwrap().unwrap();
+    let present: Vec<ByteArray> = (0..n).step_by(2).map(|_| ByteArray::from("web")).collect();
+    let defs: Vec<i16> = (0..n).map(|i| (i % 2 == 0) as i16).collect();
+    col.typed::<ByteArrayType>()
+        .write_batch(&present, Some(&defs), None)
+        .unwrap();
+    col.close().unwrap();
+    rg.close().unwrap();
+    w.close().unwrap();
+
+    let jsonl = (0..n)
+        .map(|i| {
+            let msgs: Vec<serde_json::Value> = turns(i)
+                .iter()
+                .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+                .collect();
+            let source = if i % 2 == 0 {
+                "web".into()
+            } else {
+                serde_json::Value::Null
+            };
+            serde_json::json!({"messages": msgs, "id": i, "source": source}).to_string() + "\n"
+        })
+        .collect();
+    (buf, jsonl)
+}
+
+/// `dataset build ORG/NAME` of a Parquet dataset gives the same records as its JSONL twin, and
+/// a dataset with only a loading script is read from its Parquet conversion
+/// (`refs/convert/parquet`, `CONFIG/SPLIT/NNNN.parquet`).
+#[test]
+fn dataset_build_reads_parquet_and_the_parquet_conversion() {
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let run = |args: &[&str]| hf2q_env(home, &ep, &[], args);
+    let (pq, jsonl) = chat_records(40);
+    assert!(pq.len() < 100_000 && pq.starts_with(b"PAR1"));
+    hub.add_repo(
+        "datasets/org/chat-pq",
+        &[("data/train-00000-of-00001.parquet", &pq)],
+    );
+    hub.add_repo(
+        "datasets/org/chat-jsonl",
+        &[("train.jsonl", jsonl.as_bytes())],
+    );
+    hub.add_repo(
+        "datasets/org/scripted",
+        &[
+            ("scripted.py", b"# a loading script"),
+            ("README.md", b"# s"),
+        ],
+    );
+    hub.add_snapshot(
+        "datasets/org/scripted",
+        "refs/convert/parquet",
+        &[("default/train/0000.parquet", &pq)],
+    );
+    let build = |name: &str| -> (serde_json::Value, String, String) {
+        let out = home.join(format!("out-{}", name.replace('/', "-")));
+        let v = serde_json::from_str(&ok(&run(&[
+            "dataset",
+            "build",
+            name,
+            "-o",
+            s(&out),
+            "--seed",
+            "7",
+            "--json",
+        ])))
+        .unwrap();
+        let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap();
+        (v, read("train.jsonl"), read("valid.jsonl"))
+    };
+    let (vp, train_p, valid_p) = build("org/chat-pq");
+    let (vj, train_j, valid_j) = build("org/chat-jsonl");
+    assert_eq!(vp["rows"], 40, "{vp}");
+    assert_eq!(vp["inputs"][0]["format"], "parquet", "{vp}");
+    assert_eq!(
+        (vp["train"].clone(), vp["valid"].clone()),
+        (vj["train"].clone(), vj["valid"].clone())
+    );
+    assert_eq!(train_p, train_j);
+    assert_eq!(valid_p, valid_j);
+    assert!(train_p.contains("\"assistant\""), "{train_p}");
+
+    let (vs, train_s, _) = build("org/scripted");
+    assert_eq!(vs["rows"], 40, "{vs}");
+    assert_eq!(train_s, train_p);
+    assert!(home
+        .join("hub/datasets--org--scripted/refs/refs/convert/parquet")
+        .is_file());
 }

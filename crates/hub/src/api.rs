@@ -5,7 +5,8 @@
 //! - `HEAD {endpoint}/{repo}/resolve/{rev}/{path}`: `X-Repo-Commit`, the ETag (`X-Linked-Etag`
 //!   for LFS files, whose ETag is their sha256, else `ETag`), the size (`X-Linked-Size`, else
 //!   `Content-Length`), and for LFS files a redirect to a CDN host (`Location`);
-//! - `GET` of that location, with `Range: bytes=N-` to resume.
+//! - `GET` of that location, with `Range: bytes=N-` to resume;
+//! - the tree listing (`crate::tree`), where the repo info has no `siblings`.
 //!
 //! Errors map to [`HubError`] through `X-Error-Code` (`GatedRepo`, `RepoNotFound`,
 //! `RevisionNotFound`, `EntryNotFound`) and the status. Redirects are followed here, not by the
@@ -32,7 +33,9 @@ pub struct Client {
 #[derive(Clone, Debug)]
 pub struct RepoInfo {
     pub sha: String,
-    pub siblings: Vec<String>,
+    /// `siblings[].rfilename`; `None` when the answer has no `siblings` (then the tree listing
+    /// says, [`Client::repo_files`]).
+    pub siblings: Option<Vec<String>>,
 }
 
 /// One file as `HEAD .../resolve/...` describes it.
@@ -176,7 +179,7 @@ impl Client {
         let code = header(r, "x-error-code").unwrap_or_default();
         let message = header(r, "x-error-message").unwrap_or_default();
         let repo = target.repo.clone();
-        let page = format!("{}/{}", self.endpoint, target.repo);
+        let page = format!("{}/{}", self.endpoint, target.url_path);
         let had_token = self.token.is_some();
         match (code.as_str(), status) {
             ("GatedRepo", 401) => HubError::GatedNeedsToken { repo, page },
@@ -232,11 +235,7 @@ impl Client {
             repo.kind.plural(),
             encode_segment(revision)
         );
-        let target = Target {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-            path: None,
-        };
+        let target = Target::new(repo, revision, None);
         let r = self.request("GET", &url, 0)?;
         if !r.status().is_success() {
             return Err(self.error_for(&r, &url, &target));
@@ -262,15 +261,11 @@ impl Client {
                 why: "no 'sha'".into(),
             })?
             .to_string();
-        let siblings = v
-            .get("siblings")
-            .and_then(|s| s.as_array())
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s.get("rfilename")?.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let siblings = v.get("siblings").and_then(|s| s.as_array()).map(|a| {
+            a.iter()
+                .filter_map(|s| s.get("rfilename")?.as_str().map(String::from))
+                .collect()
+        });
         Ok(RepoInfo { sha, siblings })
     }
 
@@ -284,11 +279,7 @@ impl Client {
             encode_segment(revision),
             encode_path(path)
         );
-        let target = Target {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-            path: Some(path.to_string()),
-        };
+        let target = Target::new(repo, revision, Some(path));
         for _ in 0..5 {
             let r = self.request("HEAD", &url, 0)?;
             let status = r.status().as_u16();

@@ -7,8 +7,21 @@ use std::path::PathBuf;
 #[derive(Clone, Debug, Default)]
 pub struct Target {
     pub repo: String,
+    /// The repository's path in page URLs (`ORG/NAME`, `datasets/ORG/NAME`).
+    pub url_path: String,
     pub revision: String,
     pub path: Option<String>,
+}
+
+impl Target {
+    pub fn new(repo: &crate::repo::RepoId, revision: &str, path: Option<&str>) -> Target {
+        Target {
+            repo: repo.to_string(),
+            url_path: repo.url_path(),
+            revision: revision.to_string(),
+            path: path.map(str::to_string),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

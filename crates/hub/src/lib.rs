@@ -1,5 +1,5 @@
 //! hf2q-hub: the Hugging Face Hub client of hf2q. Repository names (`repo`), the cache shared
-//! with huggingface_hub and llama.cpp (`cache`), the HTTP API (`api`), resumable checked
+//! with huggingface_hub and llama.cpp (`cache`), the HTTP API (`api`) and its tree listing (`tree`), resumable checked
 //! downloads (`download`), which files a model needs (`select`) or a dataset split (`data_select`), errors that say what to do
 //! (`error`), and the pull that ties them together (`pull`). Pushing: the write API
 //! (`write_api`), the push of a folder or file in one commit (`push`), the model card written
@@ -21,11 +21,12 @@ pub mod pull;
 pub mod push;
 pub mod repo;
 pub mod select;
+pub mod tree;
 pub mod write_api;
 
 pub use cache::{Cache, CachedRepo, CachedRevision, Removed};
 pub use error::{HubError, Result};
-pub use pull::{find_cached, pull, HubConfig, PullRequest, Pulled};
+pub use pull::{find_cached, pull, pull_dataset, HubConfig, PullRequest, Pulled, PARQUET_REVISION};
 pub use push::{push, PushRequest, Pushed};
 pub use repo::{RepoId, RepoKind, RepoRef};
 pub use select::{Filter, Selection};

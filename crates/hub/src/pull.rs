@@ -4,6 +4,9 @@
 //! `snapshots/<commit>/`, and point `refs/<revision>` at the commit. Offline (or to avoid the
 //! network when everything is there): [`find_cached`] resolves from the cache alone and names
 //! what is missing.
+//! [`pull_dataset`] adds the fallback of a dataset with a loading script only: its Parquet
+//! conversion. The file list comes from the repo info's `siblings`, else the tree listing
+//! ([`crate::tree`]).
 
 use std::path::PathBuf;
 
@@ -178,10 +181,11 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
             why: format!("'{}' is not a commit hash", info.sha),
         });
     }
+    let listed = client.repo_files(id, &info)?;
     let commit = info.sha;
-    let sel = choose(id, &info.siblings, req)?;
+    let sel = choose(id, &listed, req)?;
     for f in &sel.files {
-        if !info.siblings.contains(f) {
+        if !listed.contains(f) {
             return Err(HubError::FileNotFound {
                 repo: id.to_string(),
                 revision: rev.to_string(),
@@ -238,11 +242,7 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
             let bar = multi.insert_before(&total_bar, ProgressBar::new(meta.size));
             bar.set_style(file_style.clone());
             bar.set_message(f.clone());
-            let target = Target {
-                repo: id.to_string(),
-                revision: rev.to_string(),
-                path: Some(f.clone()),
-            };
+            let target = Target::new(id, rev, Some(f));
             let before = bar.position();
             let result = fetch_blob(&client, meta, &target, &blob, &bar);
             bar.finish_and_clear();
@@ -266,4 +266,31 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
         downloaded,
         bytes,
     })
+}
+
+/// The revision where the Hub keeps the Parquet conversion of a dataset (one per config and
+/// split: `CONFIG/SPLIT/NNNN.parquet`).
+pub const PARQUET_REVISION: &str = "refs/convert/parquet";
+
+/// Pulls a dataset split (or, offline, finds it). A repository without any data file at its
+/// default revision (one with a loading script only) is read from its Parquet conversion,
+/// [`PARQUET_REVISION`]; when that revision is missing too, the first error stands. A revision
+/// asked for is used as it is.
+pub fn pull_dataset(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
+    let first = pull(cfg, req);
+    let fall_back = req.repo.revision.is_none()
+        && match &first {
+            Err(HubError::NoDataFiles { available, .. }) => available.is_empty(),
+            Err(HubError::Offline { .. }) => cfg.offline,
+            _ => false,
+        };
+    if !fall_back {
+        return first;
+    }
+    let mut converted = req.clone();
+    converted.repo.revision = Some(PARQUET_REVISION.to_string());
+    match pull(cfg, &converted) {
+        Err(HubError::RevisionNotFound { .. } | HubError::Offline { .. }) => first,
+        other => other,
+    }
 }

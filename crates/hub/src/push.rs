@@ -183,7 +183,7 @@ pub fn push(cfg: &HubConfig, req: &PushRequest) -> Result<Pushed> {
     let card_added = match &req.card {
         Some(text)
             if !uploads.iter().any(|u| u.path == "README.md")
-                && !has_readme(&client.repo_info(repo, rev)?.siblings) =>
+                && !has_readme(&client.repo_files(repo, &client.repo_info(repo, rev)?)?) =>
         {
             let b = text.as_bytes().to_vec();
             uploads.push(Upload {

@@ -6,7 +6,8 @@
 //! Paths: inputs (`file`, `data`, ...) are names relative to `$HF2Q_HOME`; a `model` is a
 //! built-in name or such a name; outputs are names under the kind's folder
 //! (`models/` for quantize and convert, `imatrix/`, `adapters/` for training, `datasets/` for
-//! the dataset builder and the generation templates). A `dataset_generate` job reaches the
+//! the dataset builder and the generation templates). Hub names (`repo` of a push, `hub` of a
+//! dataset build) are checked by [`repo_name`]. A `dataset_generate` job reaches the
 //! server the Lab runs in: its `/v1` address is [`Context::api`] (`--api URL` in the argv; the
 //! key goes through the child's environment, never the argv).
 //! Not here: running the argv ([`crate::runner`]).
@@ -32,6 +33,7 @@ pub enum Kind {
     Fuse,
     ExportAdapter,
     DatasetGenerate,
+    Push,
 }
 
 pub const KINDS: &[(&str, Kind)] = &[
@@ -46,6 +48,7 @@ pub const KINDS: &[(&str, Kind)] = &[
     ("fuse", Kind::Fuse),
     ("export_adapter", Kind::ExportAdapter),
     ("dataset_generate", Kind::DatasetGenerate),
+    ("push", Kind::Push),
 ];
 
 impl Kind {
@@ -98,6 +101,10 @@ enum Ty {
     Inputs,
     /// An object `{FIELD: COLUMN}`: one `FLAG FIELD=COLUMN` each.
     Pairs,
+    /// A Hub repository `ORG/NAME` ([`repo_name`]).
+    Repo,
+    /// A list of Hub datasets `ORG/NAME[:SPLIT][@REV]` (positional).
+    HubDatasets,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -229,8 +236,10 @@ const FORMATS: &[&str] = &[
     "dpo",
 ];
 
+/// Files under the home (`inputs`), Hub datasets (`hub`), or both; one at least.
 const DATASET: &[Param] = &[
-    req("inputs", "", Ty::Inputs),
+    p("inputs", "", Ty::Inputs),
+    p("hub", "", Ty::HubDatasets),
     req("output", "--output", Ty::Output("datasets")),
     p("to", "--to", Ty::Choice(FORMATS)),
     p("map", "--map", Ty::Pairs),
@@ -304,6 +313,22 @@ const DATASET_GENERATE: &[Param] = &[
 
 const PULL: &[Param] = &[req("name", "", Ty::Str), p("force", "--force", Ty::Bool)];
 
+/// `hf2q push PATH ORG/NAME`: a model, GGUF file, adapter or dataset of the home to the Hub,
+/// with the stored token ([`crate::hub_token`]).
+const PUSH: &[Param] = &[
+    req("path", "", Ty::Input),
+    req("repo", "", Ty::Repo),
+    p(
+        "repo_type",
+        "--repo-type",
+        Ty::Choice(&["model", "dataset"]),
+    ),
+    p("private", "--private", Ty::Bool),
+    p("revision", "--revision", Ty::Str),
+    p("message", "--message", Ty::Str),
+    p("no_card", "--no-card", Ty::Bool),
+];
+
 /// Params every kind takes and the runner (not the child) reads: `lease` ("gpu" or "cpu")
 /// overrides which lease the job holds (training holds the GPU lease unless `device` is
 /// "cpu"; everything else a CPU slot).
@@ -322,6 +347,7 @@ fn table(kind: Kind) -> Result<&'static [Param]> {
         Kind::Fuse => FUSE,
         Kind::ExportAdapter => EXPORT_ADAPTER,
         Kind::DatasetGenerate => DATASET_GENERATE,
+        Kind::Push => PUSH,
     })
 }
 
@@ -342,6 +368,55 @@ pub struct Context<'a> {
     /// The `/v1` base URL of the server the Lab runs in (`None`: not known, e.g. no server
     /// listens yet); `dataset_generate` jobs need it.
     pub api: Option<&'a str>,
+}
+
+/// A Hub repository name as the Hub allows them: `ORG/NAME`, each part 1 to 96 of ASCII
+/// letters, digits, `-`, `_`, `.`, not starting or ending with `-` or `.`, no `--` or `..`;
+/// with `suffix`, a `:SPLIT` and an `@REV` may follow (letters, digits, `-`, `_`, `.`, and `/`
+/// in the revision). The child checks the name again; this keeps odd strings out of the argv.
+pub fn repo_name(param: &str, s: &str, suffix: bool) -> Result<String> {
+    let bad = |why: &str| Error::param(param, format!("'{s}' is not a Hub repository name: {why}"));
+    let (base, rev) = match s.split_once('@') {
+        Some((b, r)) if suffix => (b, Some(r)),
+        _ => (s, None),
+    };
+    let (id, split) = match base.split_once(':') {
+        Some((i, sp)) if suffix => (i, Some(sp)),
+        _ => (base, None),
+    };
+    let word = |w: &str, extra: &[u8]| {
+        !w.is_empty()
+            && w.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b) || extra.contains(&b))
+    };
+    let Some((org, name)) = id.split_once('/') else {
+        return Err(bad("expected ORG/NAME"));
+    };
+    for part in [org, name] {
+        let edge = |c: char| c == '-' || c == '.';
+        if part.len() > 96
+            || !word(part, b"")
+            || part.starts_with(edge)
+            || part.ends_with(edge)
+            || part.contains("--")
+            || part.contains("..")
+        {
+            return Err(bad(&format!(
+                "'{part}' must be 1 to 96 letters, digits, '-', '_' or '.', without '--' or '..' and not starting or ending with '-' or '.'"
+            )));
+        }
+    }
+    if split.is_some_and(|sp| !word(sp, b"")) {
+        return Err(bad(
+            "the split after ':' must be letters, digits, '-', '_' or '.'",
+        ));
+    }
+    if rev.is_some_and(|r| !word(r, b"/") || r.starts_with(['-', '/']) || r.contains("..")) {
+        return Err(bad(
+            "the revision after '@' must be letters, digits, '-', '_', '.' or '/'",
+        ));
+    }
+    Ok(s.to_string())
 }
 
 fn normal(key: &str) -> String {
@@ -475,6 +550,23 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
                 }
                 None
             }
+            Ty::Repo => {
+                let s = scalar(prm.name, v, Ty::Str)?;
+                Some(repo_name(prm.name, &s, false)?.into())
+            }
+            Ty::HubDatasets => {
+                let list = v.as_array().filter(|l| !l.is_empty()).ok_or_else(|| {
+                    Error::param(
+                        prm.name,
+                        format!("must be a non-empty list of ORG/NAME[:SPLIT] names, not {v}"),
+                    )
+                })?;
+                for item in list {
+                    let s = scalar(prm.name, item, Ty::Str)?;
+                    positional.push(repo_name(prm.name, &s, true)?.into());
+                }
+                None
+            }
             ty => Some(scalar(prm.name, v, ty)?.into()),
         };
         if let Some(a) = arg {
@@ -485,6 +577,12 @@ pub fn plan(ctx: &Context, kind: Kind, params: &Value, id: i64) -> Result<Plan> 
                 flags.push(a);
             }
         }
+    }
+    if kind == Kind::Dataset && positional.is_empty() {
+        return Err(Error::param(
+            "inputs",
+            "a dataset job needs files (inputs) or Hub datasets (hub)",
+        ));
     }
     if kind == Kind::Pull {
         let name = positional

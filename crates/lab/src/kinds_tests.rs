@@ -271,3 +271,79 @@ fn a_generation_job_gets_the_servers_address_and_its_inputs_in_the_home() {
             .starts_with("api: unknown parameter")
     );
 }
+
+#[test]
+fn push_and_hub_dataset_jobs_take_checked_repository_names() {
+    let d = tempfile::tempdir().unwrap();
+    let home = Home::new(d.path()).unwrap();
+    std::fs::create_dir_all(home.root().join("datasets/chat")).unwrap();
+    let builtin = Vec::new();
+    let ctx = Context {
+        home: &home,
+        builtin_models: &builtin,
+        api: None,
+    };
+    let argv = |kind, v: Value| -> Result<Vec<String>> {
+        Ok(plan(&ctx, kind, &v, 3)?
+            .argv
+            .iter()
+            .map(|a| a.to_string_lossy().into())
+            .collect())
+    };
+    let ds = home.root().join("datasets/chat");
+    assert_eq!(
+        argv(
+            Kind::Push,
+            json!({"path": "datasets/chat", "repo": "me/chat", "repo_type": "dataset", "private": true})
+        )
+        .unwrap(),
+        [
+            "push",
+            ds.to_str().unwrap(),
+            "me/chat",
+            "--repo-type",
+            "dataset",
+            "--private",
+            "--json"
+        ]
+    );
+    for bad in [
+        "me",
+        "me/",
+        "-x/y",
+        "a/b/c",
+        "a/b--c",
+        "a/b c",
+        "a/.b",
+        "a/b:split",
+    ] {
+        let e = argv(Kind::Push, json!({"path": "datasets/chat", "repo": bad})).unwrap_err();
+        assert!(e.to_string().starts_with("repo:"), "{bad}: {e}");
+    }
+    let e = argv(Kind::Push, json!({"path": "../x", "repo": "me/chat"})).unwrap_err();
+    assert!(e.to_string().starts_with("path:"), "{e}");
+
+    let out = home.root().join("datasets/.d.partial-3");
+    assert_eq!(
+        argv(
+            Kind::Dataset,
+            json!({"hub": ["org/notes:test", "org/pq@refs/convert/parquet"], "output": "d"})
+        )
+        .unwrap(),
+        [
+            "dataset",
+            "build",
+            "org/notes:test",
+            "org/pq@refs/convert/parquet",
+            "--output",
+            out.to_str().unwrap(),
+            "--json"
+        ]
+    );
+    let e = argv(Kind::Dataset, json!({"output": "d"})).unwrap_err();
+    assert!(e.to_string().contains("hub"), "{e}");
+    for bad in ["org/x@-rf", "org/x:a/b", "org/x@../y"] {
+        let e = argv(Kind::Dataset, json!({"hub": [bad], "output": "d"})).unwrap_err();
+        assert!(e.to_string().starts_with("hub:"), "{bad}: {e}");
+    }
+}

@@ -3,7 +3,8 @@
 //! table ([`db`]), their output in an append-only NDJSON event log per job with sequence numbers
 //! ([`events`]), so a crash of a job or of the server loses nothing saved.
 //!
-//! Layout: [`kinds`] maps a job's JSON params to the child's argv (one table per kind, the
+//! Layout: [`hub_token`] keeps the Hub token the jobs get (`$HF2Q_HOME/hub_token`, 0600);
+//! [`kinds`] maps a job's JSON params to the child's argv (one table per kind, the
 //! CLI's flag names); [`paths`] keeps every path inside `$HF2Q_HOME`; [`runner`] queues, leases
 //! (one GPU job at a time, a limit of CPU jobs), spawns, cancels and records.
 //!
@@ -14,6 +15,7 @@
 
 pub mod db;
 pub mod events;
+pub mod hub_token;
 pub mod kinds;
 pub mod paths;
 pub mod runner;

@@ -56,6 +56,9 @@ pub struct ServerApi {
 /// The environment variable a child reads the server's key from.
 pub const API_KEY_ENV: &str = "HF2Q_API_KEY";
 
+/// The environment variable a child reads the stored Hub token from (the Hub client's own).
+pub const HUB_TOKEN_ENV: &str = "HF_TOKEN";
+
 #[derive(Clone)]
 pub struct Lab {
     inner: Arc<Inner>,
@@ -169,6 +172,21 @@ impl Lab {
 
     pub fn api(&self) -> Option<ServerApi> {
         self.inner.api()
+    }
+
+    /// Stores the Hub token the jobs get (`Some`), or removes it (`None`):
+    /// [`crate::hub_token`].
+    pub fn set_hub_token(&self, token: Option<&str>) -> Result<()> {
+        let root = self.inner.home.root();
+        match token {
+            Some(t) => crate::hub_token::store(root, t),
+            None => crate::hub_token::clear(root),
+        }
+    }
+
+    /// Whether a Hub token is stored (the token itself is never handed out).
+    pub fn hub_token_set(&self) -> bool {
+        crate::hub_token::read(self.inner.home.root()).is_some()
     }
 
     /// Checks and queues a job.
@@ -503,6 +521,11 @@ impl Inner {
             Some(k) => cmd.env(API_KEY_ENV, k),
             None => cmd.env_remove(API_KEY_ENV),
         };
+        // The stored Hub token (push, Hub datasets), in the environment, never in the argv;
+        // without one the child keeps the server's own Hub settings.
+        if let Some(t) = crate::hub_token::read(self.home.root()) {
+            cmd.env(HUB_TOKEN_ENV, t);
+        }
         #[cfg(target_os = "linux")]
         // SAFETY: prctl is async-signal-safe; the child gets SIGTERM when the thread that
         // spawned it (this job's thread, alive until the child exits) dies with the server.

@@ -6,6 +6,8 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
+pub mod lab;
+
 /// A committed tiny checkpoint (`tiny-llama`, `tiny-qwen3`, ...).
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -68,8 +70,14 @@ pub struct Served {
 
 /// Starts `hf2q serve ARGS --port 0` with `$HF2Q_HOME` = `home` and waits until it listens.
 pub fn serve(home: &Path, args: &[&str]) -> Served {
+    serve_env(home, args, &[])
+}
+
+/// [`serve`] with `env` added to the server's environment.
+pub fn serve_env(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Served {
     let mut child = Command::new(env!("CARGO_BIN_EXE_hf2q"))
         .env("HF2Q_HOME", home)
+        .envs(env.iter().copied())
         .env_remove("HF2Q_API_KEY")
         .arg("serve")
         .args(args)

@@ -3,6 +3,9 @@
 //! documented API, and a second loopback host standing for the CDN that LFS files redirect to.
 //!
 //! - `GET /api/models/{org}/{name}[/revision/{rev}]`: `{"id", "sha", "siblings": [{"rfilename"}]}`
+//!   (no `siblings` after [`MockHub::omit_siblings`]);
+//! - `GET /api/models/{org}/{name}/tree/{rev}[/{path}][?recursive=true]`: the paged tree
+//!   listing (`tree`);
 //! - `HEAD|GET /{org}/{name}/resolve/{rev}/{path}`: small files answered directly (`ETag`, `Range`);
 //!   LFS files (`.gguf`, `.safetensors`, `.bin`, or 1 MiB and more) `302` to the CDN with
 //!   `X-Linked-Etag` (the sha256) and `X-Linked-Size`; both carry `X-Repo-Commit`.
@@ -29,6 +32,7 @@ use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
 
+mod tree;
 mod write;
 
 /// Faults to inject (set with [`MockHub::set_faults`]).
@@ -88,6 +92,10 @@ struct State {
     lfs_pending: BTreeMap<String, Vec<u8>>,
     /// Tokens refused (403) on writes.
     read_only_tokens: Vec<String>,
+    /// Entries a page of the tree listing.
+    tree_page_size: usize,
+    /// Answer repo info without `siblings`.
+    omit_siblings: bool,
 }
 
 impl State {
@@ -134,6 +142,7 @@ impl MockHub {
             s.cdn = format!("http://{cdn_addr}");
             s.hub = format!("http://{hub_addr}");
             s.lfs_threshold = 1 << 20;
+            s.tree_page_size = 1000;
         }
         MockHub {
             state,
@@ -219,6 +228,39 @@ impl MockHub {
     /// Files of this many bytes and more are LFS files (on reads and in preupload answers).
     pub fn set_lfs_threshold(&self, bytes: u64) {
         self.state.lock().unwrap().lfs_threshold = bytes;
+    }
+
+    /// Entries a page of the tree listing (1000 unless set).
+    pub fn set_tree_page_size(&self, n: usize) {
+        self.state.lock().unwrap().tree_page_size = n;
+    }
+
+    /// Repo info answers leave out `siblings` (clients then list the tree).
+    pub fn omit_siblings(&self, omit: bool) {
+        self.state.lock().unwrap().omit_siblings = omit;
+    }
+
+    /// Adds a commit with `files` to `id` and points branch or ref `name` (e.g.
+    /// `refs/convert/parquet`) at it, leaving `main` as it was; returns the commit.
+    pub fn add_snapshot(&self, id: &str, name: &str, files: &[(&str, &[u8])]) -> String {
+        let mut h = Sha256::new();
+        h.update(format!("{id}@{name}"));
+        for (p, d) in files {
+            h.update(p.as_bytes());
+            h.update(sha256(d).as_bytes());
+        }
+        let commit = hex(&h.finalize())[..40].to_string();
+        let mut s = self.state.lock().unwrap();
+        let r = s.repos.get_mut(id).expect("known repo");
+        r.snapshots.insert(
+            commit.clone(),
+            files
+                .iter()
+                .map(|(p, d)| (p.to_string(), d.to_vec()))
+                .collect(),
+        );
+        r.refs.insert(name.to_string(), commit.clone());
+        commit
     }
 
     /// Writes with `Authorization: Bearer T` are refused (403) for these tokens.
@@ -435,7 +477,8 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         body.resize(n, 0);
         reader.read_exact(&mut body)?;
     }
-    let path = target.split('?').next().unwrap_or("").to_string();
+    let (path, query) = target.split_once('?').unwrap_or((target.as_str(), ""));
+    let path = path.to_string();
     let auth = headers.get("authorization").cloned();
     let range = headers.get("range").cloned();
     state.lock().unwrap().seen.push(Seen {
@@ -501,6 +544,20 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
         .split('/')
         .map(String::from)
         .collect();
+    // /api/{models|datasets}/{org}/{name}/tree/{rev}[/{path}]
+    if segs.len() >= 6 && segs[0] == "api" && segs[4] == "tree" {
+        let Some(key) = write::key(&segs[1], &segs[2], &segs[3]) else {
+            return reply.error(404, "", "not found");
+        };
+        let req = tree::TreeRequest {
+            key,
+            base: format!("/{}", segs[..5].join("/")),
+            rest: &segs[5..],
+            query,
+            token: token.as_deref(),
+        };
+        return tree::handle(&req, &mut reply, state);
+    }
     // /api/{models|datasets}/{org}/{name}[/revision/{rev}]
     if segs.len() >= 4 && segs[0] == "api" && (segs[1] == "models" || segs[1] == "datasets") {
         let name = format!("{}/{}", segs[2], segs[3]);
@@ -525,10 +582,12 @@ fn handle(host: Host, mut stream: TcpStream, state: &Mutex<State>) -> std::io::R
             .keys()
             .map(|f| serde_json::json!({ "rfilename": f }))
             .collect();
-        let body =
-            serde_json::json!({ "id": name, "modelId": name, "sha": commit, "private": false,
-            "gated": repo.gated.is_some(), "siblings": siblings })
-            .to_string();
+        let mut info = serde_json::json!({ "id": name, "modelId": name, "sha": commit,
+            "private": false, "gated": repo.gated.is_some(), "siblings": siblings });
+        if state.lock().unwrap().omit_siblings {
+            info.as_object_mut().map(|o| o.remove("siblings"));
+        }
+        let body = info.to_string();
         return reply.send(
             200,
             &[("Content-Type", "application/json".into())],

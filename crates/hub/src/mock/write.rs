@@ -32,7 +32,7 @@ fn send_json(reply: &mut Reply, status: u16, v: &Value) -> std::io::Result<()> {
 }
 
 /// `models`/`datasets` + org + name -> the mock's key (`org/name`, `datasets/org/name`).
-fn key(kind: &str, org: &str, name: &str) -> Option<String> {
+pub(super) fn key(kind: &str, org: &str, name: &str) -> Option<String> {
     match kind {
         "models" | "model" => Some(format!("{org}/{name}")),
         "datasets" | "dataset" => Some(format!("datasets/{org}/{name}")),

@@ -1,7 +1,7 @@
 //! `/api/jobs`, `/api/models`, `/api/datasets` and `/api/files`: the Lab's HTTP surface over
 //! [`hf2q_lab::Lab`] (jobs: submit, list, get, cancel, resume, delete, and the event log as SSE
 //! with replay from `Last-Event-ID`; models: [`super::lab_models`]; datasets:
-//! [`super::lab_datasets`]). Errors in the `/v1` shape. Guarded by the
+//! [`super::lab_datasets`]; settings (the Hub token): [`super::lab_settings`]). Errors in the `/v1` shape. Guarded by the
 //! API key like `/v1` (the caller's layer) and, for state-changing requests, by [`guard`]:
 //! `Content-Type: application/json` and a same-origin `Origin` when one is sent, so a page
 //! elsewhere cannot drive the Lab through a browser.
@@ -56,6 +56,11 @@ pub fn router() -> Router<Shared> {
         .route(
             "/api/datasets/{name}/stats",
             get(super::lab_datasets::stats),
+        )
+        .route("/api/settings", get(super::lab_settings::get))
+        .route(
+            "/api/settings/hub-token",
+            post(super::lab_settings::set_hub_token).delete(super::lab_settings::clear_hub_token),
         )
         .route(
             "/api/files",

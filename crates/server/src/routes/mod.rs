@@ -15,6 +15,7 @@ mod lab;
 mod lab_datasets;
 mod lab_files;
 mod lab_models;
+mod lab_settings;
 mod misc;
 
 use std::sync::Arc;

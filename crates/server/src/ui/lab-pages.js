@@ -1,7 +1,7 @@
 // hf2q Lab, the Models (#/models), Quantize (#/quantize) and Datasets (#/datasets) sections:
 // forms that submit jobs through /api, tables over /api/models, /api/files and /api/datasets,
 // and each submitted job's live panel (lab-jobs.js). The generation templates' form is in
-// lab-generate.js, fine-tuning in lab-train.js.
+// lab-generate.js, fine-tuning in lab-train.js, the Push cards and the Hub token in lab-hub.js.
 "use strict";
 
 // ---- Models --------------------------------------------------------------------------------
@@ -116,6 +116,7 @@ LAB_PAGES.quantize = {
     try {
       await Promise.all([refreshModels(), refreshFiles()]);
       fillSelect($("q-model"), modelOptions());
+      fillPushCard("quantize");
       fillFileSelects();
       syncQuantizeForm();
     } catch (e) { showLabError(e.message); }
@@ -159,6 +160,16 @@ $("quantize-form").addEventListener("submit", async (ev) => {
 function openQuantizeJob(job) {
   $("q-job").hidden = false;
   quantizePage.slot.open(job.id);
+  // The new model is the one the Push card offers first.
+  watchJob(job.id, async (j) => {
+    if (j.state !== "succeeded") return;
+    await refreshModels();
+    fillPushCard("quantize");
+    const out = (j.outputs || [])[0] || "";
+    const sel = document.querySelector(".push-card[data-push=quantize] select");
+    const hit = [...sel.options].find((o) => o.value && out.endsWith(o.value));
+    if (hit) sel.value = hit.value;
+  });
 }
 
 // ---- Datasets ------------------------------------------------------------------------------
@@ -251,6 +262,7 @@ async function refreshDatasetsPage() {
   renderFiles();
   renderDatasets();
   fillSelect($("d-model"), modelOptions(), "no token report");
+  fillPushCard("datasets");
   for (const f of datasetsPage.refreshed) f();
 }
 
@@ -279,8 +291,11 @@ $("dataset-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   $("d-error").textContent = "";
   const inputs = [...$("d-inputs").querySelectorAll("input:checked")].map((i) => i.value);
-  if (!inputs.length) { $("d-error").textContent = "tick at least one input file"; return; }
-  const params = readFields("d-", ["to", "on_error", "dedup", "valid_split", "seed", "model"], { inputs, output: $("d-output").value.trim() });
+  const hub = $("d-hub").value.split("\n").map((l) => l.trim()).filter((l) => l);
+  if (!inputs.length && !hub.length) { $("d-error").textContent = "tick an input file or name a Hub dataset"; return; }
+  const params = readFields("d-", ["to", "on_error", "dedup", "valid_split", "seed", "model"], { output: $("d-output").value.trim() });
+  if (inputs.length) params.inputs = inputs;
+  if (hub.length) params.hub = hub;
   const map = {};
   for (const line of $("d-map").value.split("\n")) {
     const t = line.trim();

@@ -102,6 +102,7 @@ LAB_PAGES.finetune = {
       fillSelect($("t-model"), modelOptions());
       fillSelect($("t-data"), dataOptions());
       fillSelect($("t-adapter"), adapterOptions(), "none (a new adapter)");
+      fillPushCard("finetune");
     } catch (e) { showLabError(e.message); }
     renderRuns();
   },

@@ -3,7 +3,7 @@
 //! mode in `agent.js`) talks only to the public API (`/v1/models`, `/v1/chat/completions` with
 //! streaming); history and settings stay in the browser's localStorage. The Lab's sections
 //! (`lab.js`: router, API client, plots; `lab-jobs.js`: job logs and the Jobs section;
-//! `lab-pages.js`: Models, Quantize, Datasets; `lab-generate.js`: the generation templates' form; `lab-train.js`: Fine-tune) drive `/api/*`.
+//! `lab-pages.js`: Models, Quantize, Datasets; `lab-generate.js`: the generation templates' form; `lab-train.js`: Fine-tune; `lab-hub.js`: the Hub token setting and the Push cards) drive `/api/*`.
 //!
 //! Not here: the routes those call (`crate::routes`).
 
@@ -21,6 +21,7 @@ const ASSETS: &[(&str, &str, &str)] = &[
     ("lab-pages.js", JS, include_str!("lab-pages.js")),
     ("lab-generate.js", JS, include_str!("lab-generate.js")),
     ("lab-train.js", JS, include_str!("lab-train.js")),
+    ("lab-hub.js", JS, include_str!("lab-hub.js")),
     ("style.css", CSS, include_str!("style.css")),
     ("lab.css", CSS, include_str!("lab.css")),
 ];

@@ -131,6 +131,26 @@ async function main() {
       await shot("quantize");
     });
 
+    await check("Quantize: the Push card offers the new model; the settings keep a Hub token without showing it", async () => {
+      const sel = ".push-card[data-push=quantize] select";
+      await page.waitForFunction((s) => document.querySelector(s).value.includes("smollm2-q4_0"), sel);
+      await page.fill(".push-card[data-push=quantize] input[name=repo]", "me/smollm2-q4_0");
+      await page.click("#lab-nav a[data-page=chat]");
+      if (await page.locator("#settings").isHidden()) await page.click("#settings-toggle");
+      await page.fill("#hub-token", "hf_browser_test_token");
+      await page.click("#hub-token-save");
+      await page.waitForFunction(() => document.querySelector("#hub-token-status").textContent === "a token is set");
+      if (await page.inputValue("#hub-token") !== "") throw new Error("the token stays in the field");
+      const s = await api("/api/settings");
+      if (s.hub_token_set !== true || JSON.stringify(s).includes("hf_browser_test_token")) throw new Error("settings: " + JSON.stringify(s));
+      await shot("settings-hub-token");
+      await page.click("#hub-token-clear");
+      await page.waitForFunction(() => document.querySelector("#hub-token-status").textContent === "no token set");
+      await page.click("#settings-toggle");
+      await page.click("#lab-nav a[data-page=quantize]");
+      await shot("quantize-push");
+    });
+
     let trainId = null;
     await check("Fine-tune: a short SFT run whose loss plot moves", async () => {
       await page.click("#lab-nav a[data-page=finetune]");

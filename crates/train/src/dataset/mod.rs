@@ -1,4 +1,4 @@
-//! The dataset builder: CSV, JSON and JSONL files to training records in one format, without
+//! The dataset builder: CSV, JSON, JSONL and Parquet files to training records in one format, without
 //! duplicates, shuffled and split into train and validation sets, with a report of what was
 //! read, skipped and removed (and, given a model, of token lengths).
 //!
@@ -16,6 +16,7 @@
 pub mod dedup;
 pub mod generate;
 pub mod map;
+pub mod parquet;
 pub mod read;
 pub mod stats;
 

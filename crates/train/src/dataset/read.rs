@@ -1,5 +1,5 @@
-//! Rows from CSV, JSON (one array of objects) and JSONL files, each with the file and 1-based
-//! line it starts on. A row is a flat JSON object: a CSV row's cells are strings under the
+//! Rows from CSV, JSON (one array of objects), JSONL and Parquet (`super::parquet`) files, each
+//! with the file and 1-based line it starts on (a Parquet row: its row number). A row is a flat JSON object: a CSV row's cells are strings under the
 //! header's names; a JSON(L) record is kept as it is.
 //!
 //! Bad input: a CSV row with the wrong number of cells or bytes that are not UTF-8, a JSONL line
@@ -16,12 +16,13 @@ use serde_json::{Map, Value};
 use super::Problem;
 use crate::{Error, Result};
 
-/// How a file is read, from its extension (`.csv`, `.json`, `.jsonl`/`.ndjson`).
+/// How a file is read, from its extension (`.csv`, `.json`, `.jsonl`/`.ndjson`, `.parquet`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FileKind {
     Csv,
     Json,
     Jsonl,
+    Parquet,
 }
 
 impl FileKind {
@@ -34,11 +35,13 @@ impl FileKind {
             "csv" => FileKind::Csv,
             "json" => FileKind::Json,
             "jsonl" | "ndjson" => FileKind::Jsonl,
+            "parquet" => FileKind::Parquet,
             _ => {
+                let want = ".csv, .json, .jsonl or .parquet";
                 return Err(Error::Config(format!(
-                    "{}: unknown data file type '.{ext}' (expected .csv, .json or .jsonl)",
+                    "{}: unknown data file type '.{ext}' (expected {want})",
                     path.display()
-                )))
+                )));
             }
         })
     }
@@ -47,6 +50,7 @@ impl FileKind {
             FileKind::Csv => "csv",
             FileKind::Json => "json",
             FileKind::Jsonl => "jsonl",
+            FileKind::Parquet => "parquet",
         }
     }
 }
@@ -83,6 +87,7 @@ pub fn read(file: &str, kind: FileKind, bytes: &[u8]) -> Result<(Vec<Row>, Vec<P
             })?;
             jsonl_rows(file, text)
         }
+        FileKind::Parquet => super::parquet::rows(file, bytes)?,
         FileKind::Json => {
             let text =
                 std::str::from_utf8(bytes).map_err(|_| whole(0, "the file is not UTF-8".into()))?;

@@ -286,7 +286,7 @@ pub enum Rephrasable {
     Record(Item, Format),
 }
 
-/// The inputs of rephrase: text lines (any extension but `.csv`, `.json`, `.jsonl`) or
+/// The inputs of rephrase: text lines (any extension but `.csv`, `.json`, `.jsonl`, `.parquet`) or
 /// records, with the problems of rows that cannot be used.
 pub fn read_rephrase(path: &Path) -> Result<(Vec<ToRephrase>, Vec<Problem>)> {
     let name = name_of(path);
