@@ -8,8 +8,8 @@
 
 use cudarc::driver::CudaSlice;
 
-use crate::backend::CudaBackend;
-use crate::{DevicePagedLayer, DevicePagedRows, KvDtype};
+use crate::backend::{CudaBackend, Raw};
+use crate::{DevicePagedLayer, DevicePagedRows, KvDtype, SampleArgs};
 use hf2q_tensor::kv::{DeviceKv, KvType};
 use hf2q_tensor::op::{AttentionParams, RopeParams};
 use hf2q_tensor::paged::{PagedLayout, PagedStep, PagedStore};
@@ -211,7 +211,92 @@ impl CudaBackend {
     }
 }
 
+/// How the token of one row of a step's logits is chosen ([`CudaBackend::pick_rows`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowPick {
+    /// The most likely token (the host sampler's greedy rule), on the device.
+    Argmax,
+    /// One draw with these settings (`sample_topk`: the host sampler's top-k, top-p, min-p,
+    /// temperature and draw with its uniform number), on the device.
+    Sample(SampleArgs),
+    /// The row itself, to the host (for what the device does not do: penalties, a logit bias,
+    /// grammar masks, log-probabilities).
+    Logits,
+}
+
+/// What [`CudaBackend::pick_rows`] gives back for one row.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RowPicked {
+    Token(u32),
+    Logits(Vec<f32>),
+}
+
 impl CudaBackend {
+    /// Picks each row's token of `logits (R, V)` as `picks[r]` says: greedy rows in one argmax
+    /// launch, sampled rows in one sampling launch (each row its own settings), and only the
+    /// ids and the [`RowPick::Logits`] rows cross to the host (one synchronisation).
+    pub fn pick_rows(&self, logits: &Tensor, picks: &[RowPick]) -> Result<Vec<RowPicked>> {
+        let (r, v) = logits.dims2();
+        if picks.len() != r {
+            return Err(Error::Shape(format!(
+                "pick_rows: {} picks for {r} rows of logits",
+                picks.len()
+            )));
+        }
+        let dev = self.device();
+        let l = self.raw(logits, "pick_rows")?;
+        let any = |f: fn(&RowPick) -> bool| picks.iter().any(f);
+        let greedy = if any(|p| matches!(p, RowPick::Argmax)) {
+            let mut ids = dev.alloc::<u32>(r.max(1))?;
+            dev.argmax(&l, r, v, &mut ids)?;
+            Some(ids)
+        } else {
+            None
+        };
+        let sampled = if any(|p| matches!(p, RowPick::Sample(_))) {
+            // Rows that are not drawn get settings that cost least (top-k 1).
+            let args: Vec<SampleArgs> = picks
+                .iter()
+                .map(|p| match p {
+                    RowPick::Sample(a) => *a,
+                    _ => SampleArgs {
+                        u: 0.0,
+                        top_p: 1.0,
+                        min_p: 0.0,
+                        temperature: 1.0,
+                        top_k: 1,
+                    },
+                })
+                .collect();
+            let a = dev.upload(&args)?;
+            let mut ids = dev.alloc::<u32>(r.max(1))?;
+            dev.sample_rows(&l, r, v, &a, &mut ids)?;
+            Some(ids)
+        } else {
+            None
+        };
+        let greedy = greedy.map(|g| dev.download(&g)).transpose()?;
+        let sampled = sampled.map(|s| dev.download(&s)).transpose()?;
+        picks
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                Ok(match p {
+                    RowPick::Argmax => RowPicked::Token(greedy.as_ref().map_or(0, |g| g[i])),
+                    RowPick::Sample(_) => RowPicked::Token(sampled.as_ref().map_or(0, |s| s[i])),
+                    RowPick::Logits => {
+                        let row = Raw {
+                            ptr: l.ptr + (4 * i * v) as u64,
+                            len: v,
+                            stream: l.stream,
+                        };
+                        RowPicked::Logits(dev.download(&row)?)
+                    }
+                })
+            })
+            .collect()
+    }
+
     /// The most likely token of each row of `logits (R, V)`, picked on the device in one
     /// launch (the host sampler's rule); only the ids come back.
     pub fn argmax_rows(&self, logits: &Tensor) -> Result<Vec<u32>> {

@@ -21,10 +21,11 @@ use super::{cuda_err, CudaOptions, DeviceInfo, Program};
 use hf2q_tensor::{Error, Result};
 
 /// Headers every program may `#include "..."` by these names.
-const HEADERS: [(&str, &str); 10] = [
+const HEADERS: [(&str, &str); 11] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
     ("linear.cuh", include_str!("kernels/linear.cuh")),
+    ("linear_tc.cuh", include_str!("kernels/linear_tc.cuh")),
     ("matvec.cuh", include_str!("kernels/matvec.cuh")),
     ("matvec_id.cuh", include_str!("kernels/matvec_id.cuh")),
     ("moe_route.cuh", include_str!("kernels/moe_route.cuh")),

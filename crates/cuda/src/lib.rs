@@ -63,6 +63,7 @@ pub use cudarc::driver::{
     ValidAsZeroBits,
 };
 
+pub use backend_paged::{RowPick, RowPicked};
 pub use blas::PrefillGemm;
 pub use compile::{
     compile_all_for, compile_for, compile_program_for, fill_cache_for, nvrtc_available,
@@ -146,7 +147,10 @@ pub struct CudaDev {
     attn_chunk: usize,
     /// Most rows of a product run as chunks of the small-batch kernels
     /// ([`CudaOptions::batch_mv`]).
-    batch_mv: usize,
+    batch_mv: std::sync::atomic::AtomicUsize,
+    /// Most rows of a product run on the tensor-core small-batch kernels
+    /// ([`CudaOptions::batch_tc`]; [`CudaDev::set_batch_tc`]).
+    batch_tc: std::sync::atomic::AtomicUsize,
     /// Prefill attention may take the tensor-core kernel ([`CudaOptions::attn_tensor_cores`]).
     attn_tensor_cores: bool,
     /// Rows per row group of the persistent kernels, as compiled
@@ -338,7 +342,8 @@ impl CudaDev {
             blas: Mutex::new(blas::BlasSlot::Untried),
             pdl,
             attn_chunk: options.attn_chunk.max(8),
-            batch_mv: options.batch_mv,
+            batch_mv: std::sync::atomic::AtomicUsize::new(options.batch_mv),
+            batch_tc: std::sync::atomic::AtomicUsize::new(options.batch_tc.min(64)),
             attn_tensor_cores: options.attn_tensor_cores,
             mp_rows: options.persistent_rows,
             options: options.clone(),

@@ -12,7 +12,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudarc::driver::DeviceRepr;
 
 use super::backend::Raw;
-use super::weight::{mv_kernel, DeviceWeight, MvFns, WeightArgs, EMBED_KERNEL, GEMM_KERNEL};
+use super::weight::{
+    mt_kernel, mv_kernel, DeviceWeight, MvFns, WeightArgs, EMBED_KERNEL, GEMM_KERNEL,
+};
 use super::{cuda_err, CudaDev, Program};
 use hf2q_tensor::op::{AttentionParams, RopeParams, RopeStyle};
 use hf2q_tensor::{Error, Result};
@@ -470,7 +472,8 @@ impl CudaDev {
     }
 
     /// `out (t, R) = x (t, C) · Wᵀ (+ bias)`. t <= 8 runs the matrix-vector kernels (weights read
-    /// once for all t tokens), larger t cuBLAS on f16 pairs or on f16 operands (`blas.rs`), or
+    /// once for all t tokens), 9..=`batch-tc` the tensor-core small-batch kernels (the same,
+    /// on f16 pairs, `linear_tc.cuh`), larger t cuBLAS on f16 pairs or on f16 operands (`blas.rs`), or
     /// the 8-bit integer kernel (`mmq.rs`), or the tiled tensor-core kernel (f16 operands, f32
     /// sums): see [`PrefillGemm`].
     pub fn linear(
@@ -503,7 +506,21 @@ impl CudaDev {
             let out_p = self.ptr_mut(out);
             return self.launch_mvf(&[(w, bias, out_p)], xp, false, None);
         }
-        if t > 8 && t <= self.batch_mv {
+        if t > 8 && xp % 16 == 0 && self.tc_rows(t, w) {
+            // A batched decode step on the tensor-core small-batch kernel (linear_tc.cuh).
+            let nt = t.div_ceil(8).next_power_of_two().max(2);
+            let f = &w.kernels[mt_kernel(nt)];
+            // 32 rows per block; warps per block sharing them (the partial sums' shared buffer
+            // bounds them: TC_RED_FLOATS / (32 lanes x 2 x nt x 4)), fewer when the row is short.
+            let chunks = w.cols / 32;
+            let warps = (8192 / (32 * 8 * nt)).min(16).min(chunks.max(1));
+            let grid = blocks(w.rows, 32)?;
+            let wa = w.args(self);
+            let (rows, ti) = (to_i32("rows", w.rows)?, to_i32("tokens", t)?);
+            let threads = 32 * warps as u32;
+            return launch!(self, f, (grid, 1, 1), (threads, 1, 1), 0; wa, xp, bp, op, rows, ti);
+        }
+        if t > 8 && t <= self.batch_mv.load(std::sync::atomic::Ordering::Relaxed) {
             // A batched decode step: chunks of 8 rows on the small-batch kernels, each chunk
             // reading the weight once (`batch-mv`).
             for t0 in (0..t).step_by(8) {
@@ -560,6 +577,29 @@ impl CudaDev {
             }
             launch!(self, f, (gx, gy, 1), (256, 1, 1), 0; wa, xp, bp, op, rows, ti)
         }
+    }
+
+    /// Most rows of a product that run as chunks of the small-batch matrix-vector kernels (the
+    /// `batch-mv` option).
+    pub fn set_batch_mv(&self, rows: usize) {
+        self.batch_mv
+            .store(rows, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Most rows of a product that run the tensor-core small-batch kernels (the `batch-tc`
+    /// option; 0: none, at most 64).
+    pub fn set_batch_tc(&self, rows: usize) {
+        self.batch_tc
+            .store(rows.min(64), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a product of `t` rows (9..=64) with `w` runs the tensor-core small-batch kernels:
+    /// `batch-tc` allows `t`, the width is whole 32-element chunks and the input rows are 16-byte
+    /// aligned (they are read as float4).
+    fn tc_rows(&self, t: usize, w: &DeviceWeight) -> bool {
+        t <= self.batch_tc.load(std::sync::atomic::Ordering::Relaxed)
+            && w.cols % 32 == 0
+            && w.cols > 0
     }
 
     /// Whether one-token products with `w` run the kernels of `matvec.cuh` (and so can be fused:
@@ -1391,8 +1431,26 @@ impl CudaDev {
             return Ok(());
         };
         let f = self.function(Program::Elementwise, "sample_topk")?;
-        let ap = self.ptr(args);
-        launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, c, ap, op)
+        let (ap, per_row) = (self.ptr(args), 0i32);
+        launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, c, ap, per_row, op)
+    }
+
+    /// [`CudaDev::sample`] with settings of its own for each row: `args` holds `rows` entries.
+    pub fn sample_rows(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        rows: usize,
+        cols: usize,
+        args: &CudaSlice<SampleArgs>,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        need("sample settings", args.len(), rows)?;
+        let Some((lp, op, c, grid)) = self.row_picks("sample", logits, rows, cols, out)? else {
+            return Ok(());
+        };
+        let f = self.function(Program::Elementwise, "sample_topk")?;
+        let (ap, per_row) = (self.ptr(args), 1i32);
+        launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, c, ap, per_row, op)
     }
 
     /// Greedy sampling: `out[r]` = index of the largest of `logits (rows, cols)` row r (first on

@@ -33,6 +33,13 @@ pub struct CudaOptions {
     /// of Llama-3.2-1B Q4_0 in 4.3 ms instead of 6.3, of Llama-3.1-8B Q4_K_M in 24.5 instead
     /// of 30.4; at 64 rows the prefill path is twice as fast (6.5 against 13.6 ms).
     pub batch_mv: usize,
+    /// Products of 9 to N rows (N <= 64) run the tensor-core small-batch kernels
+    /// (`kernels/linear_tc.cuh`: each weight read once for all rows, on f16 pairs as the prefill
+    /// path, f32 sums) where the width is a multiple of 32; before `batch-mv` (`batch-tc`; 0:
+    /// never). 64 by measurement (H100, cuda/NOTES.md): a 16-row product of the 1B's and 8B's
+    /// matrices in a third to a half of the time of the chunks of `batch-mv` or of the prefill
+    /// path.
+    pub batch_tc: usize,
     /// Kernels launched with programmatic dependent launch, on Hopper and later (`pdl`).
     pub pdl: bool,
     /// One-token Q4_K products prefetch their weights to L2 (`prefetch`).
@@ -70,6 +77,7 @@ impl Default for CudaOptions {
             attn_tensor_cores: true,
             attn_chunk: 16,
             batch_mv: 16,
+            batch_tc: 64,
             pdl: true,
             prefetch: false,
             norm_fold: true,
@@ -125,6 +133,12 @@ impl CudaOptions {
             values: "N>=0",
             help: "products of 9..N rows (batched decode) on the small-batch kernels, 8 rows \
                    per launch (default 16; 0: always the prefill path)",
+        },
+        OptionKey {
+            key: "batch-tc",
+            values: "0..=64",
+            help: "products of 9..N rows (batched decode) on the tensor-core small-batch \
+                   kernels, weights read once for all rows (default 64; 0: off)",
         },
         OptionKey {
             key: "pdl",
@@ -276,6 +290,13 @@ impl CudaOptions {
                     .filter(|&n: &usize| n <= 1 << 16)
                     .ok_or_else(bad)?
             }
+            "batch-tc" => {
+                self.batch_tc = value
+                    .parse()
+                    .ok()
+                    .filter(|&n: &usize| n <= 64)
+                    .ok_or_else(bad)?
+            }
             "pdl" => self.pdl = flag()?,
             "prefetch" => self.prefetch = flag()?,
             "norm-fold" => self.norm_fold = flag()?,
@@ -346,6 +367,11 @@ impl CudaOptions {
             self.batch_mv != d.batch_mv,
             "batch-mv",
             self.batch_mv.to_string(),
+        );
+        push(
+            self.batch_tc != d.batch_tc,
+            "batch-tc",
+            self.batch_tc.to_string(),
         );
         push(self.pdl != d.pdl, "pdl", on(self.pdl).into());
         push(
@@ -457,7 +483,7 @@ mod tests {
     fn every_key_round_trips_through_its_report() {
         let mut o = CudaOptions::default();
         o.set_list(
-            "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,pdl=0,prefetch=on,norm-fold=off,act8=all,\
+            "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,batch-tc=32,pdl=0,prefetch=on,norm-fold=off,act8=all,\
              p8=off,p8-blocks=1,p8-rows=4,q4k-relayout=all,q6k-relayout=off,mv-early=off,\
              mv-min-blocks=q4_k:5,mv-min-blocks=Q8_0s:0,mv-min-blocks=q4_k:6,moe-fused=yes",
         )

@@ -69,7 +69,8 @@ pub struct DeviceWeight {
     /// q4_ks: byte offset of the per-super-block `d` / `dmin` in `data`; q6_ks: of the per-unit
     /// scales and `d` (passed as `biases`).
     supers_at: Option<usize>,
-    /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed, deqh, deqt.
+    /// The format's kernels, looked up once: mv1, mv2, mv4, mv8, gemm, embed, deqh, deqt, mt2,
+    /// mt4, mt8.
     pub(crate) kernels: Vec<CudaFunction>,
     /// The one-token kernels of `kernels/matvec.cuh` (plain/fused `mvf`, gated `mvg`), for the
     /// formats that have them when the columns are a multiple of 32.
@@ -213,6 +214,15 @@ pub(crate) const EMBED_KERNEL: usize = 5;
 pub(crate) const DEQH_KERNEL: usize = 6;
 /// Rows to bf16 or f32 (`deqt_KIND`: the training products through a frozen weight).
 pub(crate) const DEQT_KERNEL: usize = 7;
+/// The tensor-core kernel for up to `8 * nt` tokens (nt = 2, 4 or 8: `mt{nt}_KIND`,
+/// `kernels/linear_tc.cuh`).
+pub(crate) fn mt_kernel(nt: usize) -> usize {
+    match nt {
+        2 => 8,
+        4 => 9,
+        _ => 10,
+    }
+}
 
 impl std::fmt::Debug for DeviceWeight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -383,10 +393,12 @@ impl CudaDev {
                 )
             }
         };
-        let kernels = ["mv1", "mv2", "mv4", "mv8", "gemm", "embed", "deqh", "deqt"]
-            .iter()
-            .map(|k| self.function(program, &format!("{k}_{kind}")))
-            .collect::<Result<Vec<_>>>()?;
+        let kernels = [
+            "mv1", "mv2", "mv4", "mv8", "gemm", "embed", "deqh", "deqt", "mt2", "mt4", "mt8",
+        ]
+        .iter()
+        .map(|k| self.function(program, &format!("{k}_{kind}")))
+        .collect::<Result<Vec<_>>>()?;
         let fns = |family: char| -> Result<MvFns> {
             let f = |form: &str| self.function(program, &format!("m{family}{form}_{kind}"));
             Ok(MvFns {

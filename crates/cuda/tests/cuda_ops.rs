@@ -437,6 +437,8 @@ fn run_linear(
 fn linear_every_format_decode_and_prefill() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new("linear");
+    // Every prefill path at T = 9 too (the small-batch kernels have their own test below).
+    dev.set_batch_tc(0);
     for (f, layout) in with_layouts(&all_formats()) {
         set_layouts(&dev, layout);
         if layout == hf2q_cuda::MvMode::Off {
@@ -473,6 +475,57 @@ fn linear_every_format_decode_and_prefill() {
         true,
     );
     dev.set_blas_chunk(0);
+    dev.set_batch_tc(hf2q_cuda::CudaOptions::default().batch_tc);
+}
+
+/// The tensor-core small-batch kernels (`linear_tc.cuh`, `batch-tc`): every format and layout,
+/// widths that are whole 32-element chunks (from 3 chunks, fewer than a block's warps, to 64),
+/// row counts that end inside a 32-row tile, every token-tile width (9..=64 rows, partial last
+/// tiles), with and without a bias. Against the f32 reference with the budget of the prefill
+/// path on f16 pairs, whose numerics the kernel shares (`run_linear` derives it): 1e-5 of
+/// Σ|w x| plus 2^-25 Σ|x| plus 1e-5 absolute.
+#[test]
+fn linear_small_batch_tensor_cores() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new("linear-tc");
+    dev.set_batch_tc(64);
+    for (f, layout) in with_layouts(&all_formats()) {
+        set_layouts(&dev, layout);
+        let mut widths: Vec<usize> = cols_for(f)
+            .into_iter()
+            .filter(|c| c.is_multiple_of(32))
+            .collect();
+        widths.push(2048);
+        for (ci, &cols) in widths.iter().enumerate() {
+            for (ti, t) in [9usize, 16, 17, 32, 33, 64].into_iter().enumerate() {
+                let rows = [131, 67, 32][(ci + ti) % 3];
+                let w = make_weight(&mut rng, f, rows, cols);
+                let dw = dev.upload_weight(&w).unwrap();
+                let x = rng.vec(t * cols, 2.0);
+                let bias = (t % 2 == 1).then(|| rng.vec(rows, 1.0));
+                let xd = dev.upload(&x).unwrap();
+                let bd = bias.as_ref().map(|b| dev.upload(b).unwrap());
+                let (want, mag) = reference_linear(&w, &x, t, bias.as_deref());
+                let xsum: Vec<f32> = x
+                    .chunks(cols)
+                    .map(|r| r.iter().map(|v| v.abs()).sum())
+                    .collect();
+                let mut out = poisoned(&dev, t * rows);
+                dev.linear(&xd, t, &dw, bd.as_ref(), &mut out).unwrap();
+                let got = dev.download(&out).unwrap();
+                check(
+                    &format!(
+                        "linear {f:?} ({layout:?}) {rows}x{cols} T={t} (tensor-core small batch)"
+                    ),
+                    &got,
+                    &want,
+                    |i| 1e-5 * mag[i] + 1e-5 + xsum[i / rows] / (1u32 << 25) as f32,
+                );
+            }
+        }
+    }
+    set_layouts(&dev, hf2q_cuda::MvMode::All);
+    dev.set_batch_tc(hf2q_cuda::CudaOptions::default().batch_tc);
 }
 
 /// The one-token kernels of matvec.cuh (split Q4_0 / Q8_0, Q4_K, padded Q6_K, and dense rows
@@ -1604,6 +1657,74 @@ fn big_weight(f: Fmt, rows: usize, cols: usize) -> QTensor {
             QTensor::affine("w", p, rows, cols, Bytes::from_vec(packed), s, b).unwrap()
         }
     }
+}
+
+/// `HF2Q_CUDA_BENCH=batch`: products of a batched decode step (16, 32, 64 rows) with the
+/// matrices of a 1B and an 8B Llama, on the tensor-core small-batch kernels (`batch-tc`),
+/// the chunks of the matrix-vector kernels (`batch-mv`) and the prefill path (cuBLAS on f16
+/// pairs). Graph-timed where the path can be captured; the prefill path eagerly (it is not
+/// used while capturing). Weights cycled over copies to defeat the L2.
+#[test]
+fn bench_small_batch() {
+    if std::env::var("HF2Q_CUDA_BENCH").map_or(true, |v| v != "batch") {
+        println!("skipped: set HF2Q_CUDA_BENCH=batch to time the small-batch products");
+        return;
+    }
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new("bench-batch");
+    let shapes = [
+        (3072, 2048),
+        (2048, 2048),
+        (16384, 2048),
+        (2048, 8192),
+        (128256, 2048),
+        (6144, 4096),
+        (28672, 4096),
+        (4096, 14336),
+    ];
+    for (rows, cols) in shapes {
+        for f in [
+            Fmt::Ggml(GgmlType::Q4_0),
+            Fmt::Ggml(GgmlType::Q4_K),
+            Fmt::Ggml(GgmlType::Q6_K),
+            Fmt::Ggml(GgmlType::Q8_0),
+        ] {
+            set_layouts(&dev, hf2q_cuda::MvMode::Auto);
+            let w = big_weight(f, rows, cols);
+            let bytes = w.stored_bytes();
+            let copies = (256usize << 20).div_ceil(bytes).max(2);
+            let ws: Vec<_> = (0..copies)
+                .map(|_| dev.upload_weight(&w).unwrap())
+                .collect();
+            for t in [16usize, 32, 64] {
+                let x = dev.upload(&rng.vec(t * cols, 1.0)).unwrap();
+                let mut out: CudaSlice<f32> = dev.alloc(t * rows).unwrap();
+                let mut cells = Vec::new();
+                for (name, tc, mv) in [("tc", 64, 0), ("mv", 0, 64), ("pairs", 0, 0)] {
+                    dev.set_batch_tc(tc);
+                    dev.set_batch_mv(mv);
+                    let run =
+                        |i: usize| dev.linear(&x, t, &ws[i % copies], None, &mut out).unwrap();
+                    let ms = if name == "pairs" {
+                        time_eager_ms(&dev, 20, run)
+                    } else {
+                        time_ms(&dev, 20, run)
+                    };
+                    let gbs = bytes as f64 / (ms as f64 * 1e6);
+                    cells.push(format!("{name} {:8.1} us {gbs:5.0} GB/s", ms * 1000.0));
+                }
+                println!(
+                    "batch {:>5} R={rows:>6} C={cols:>5} T={t:>2}: {}",
+                    w.type_name(),
+                    cells.join(" | ")
+                );
+            }
+        }
+    }
+    let d = hf2q_cuda::CudaOptions::default();
+    dev.set_batch_tc(d.batch_tc);
+    dev.set_batch_mv(d.batch_mv);
+    set_layouts(&dev, hf2q_cuda::MvMode::All);
 }
 
 #[test]

@@ -26,4 +26,6 @@ pub mod tool_calls;
 pub mod train_pass;
 
 pub use error::{Error, Result};
-pub use model::{BatchItem, ExpertsInfo, Model, ModelInfo, PagedItem, PagedKvCache, Session};
+pub use model::{
+    BatchItem, ExpertsInfo, Model, ModelInfo, PagedItem, PagedKvCache, Picked, RowPick, Session,
+};

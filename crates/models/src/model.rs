@@ -29,7 +29,7 @@ use crate::{Error, Result};
 use hf2q_tensor::kv::{KvStore, KvType};
 
 mod paged;
-pub use paged::{PagedItem, PagedKvCache};
+pub use paged::{PagedItem, PagedKvCache, Picked, RowPick};
 mod parts;
 mod swap;
 

@@ -135,7 +135,8 @@ impl SamplerConfig {
         Ok(())
     }
 
-    fn penalties_active(&self) -> bool {
+    /// Whether a penalty changes any logit (one of them set, over a non-empty window).
+    pub fn penalties_active(&self) -> bool {
         self.penalty_last_n > 0
             && (self.repetition_penalty != 1.0
                 || self.presence_penalty != 0.0

@@ -19,7 +19,8 @@ use std::path::Path;
 use common::{argmax, gpu, tiny};
 use hf2q_cpu::MatmulPath;
 use hf2q_models::model::BatchItem;
-use hf2q_models::{Error, Model, PagedItem, PagedKvCache};
+use hf2q_models::sampler::{Sampler, SamplerConfig};
+use hf2q_models::{Error, Model, PagedItem, PagedKvCache, Picked, RowPick};
 use hf2q_tensor::paged::BlockTable;
 
 fn ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
@@ -196,6 +197,108 @@ fn argmax_steps_pick_the_argmax_of_the_logits() {
         let mut m = Model::load(&tiny(name)).unwrap();
         m.set_cuda(Some(gpu.clone())).unwrap();
         argmax_picks(&m, name);
+    }
+}
+
+/// The scenario's steps through `step_paged_pick`, each item picking in turn greedily, by a
+/// seeded draw, by its logits or not at all, against `step_paged`'s logits on a second cache:
+/// greedy rows are their argmax; logits rows those logits (the output layer runs over fewer
+/// rows, 1e-3 absolute); skipped rows bring nothing; drawn rows are, on a GPU, the host
+/// sampler's draw with the same number from those logits, and on the CPU the logits
+/// themselves (the caller's sampler draws).
+fn mixed_picks(m: &Model, name: &str) {
+    let (lens, steps) = scenario();
+    let vocab = m.vocab_size().min(32000);
+    let toks: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| ids(i as u64 + 11, n, vocab))
+        .collect();
+    let blocks: usize = lens.iter().map(|l| l.div_ceil(16)).sum();
+    let mut caches = [
+        m.paged_cache(blocks, 16, 64).unwrap(),
+        m.paged_cache(blocks, 16, 64).unwrap(),
+    ];
+    let mut tables = [
+        vec![BlockTable::new(); lens.len()],
+        vec![BlockTable::new(); lens.len()],
+    ];
+    let on_gpu = m.cuda().is_some();
+    for (si, step) in steps.iter().enumerate() {
+        let cfg = |s: usize| SamplerConfig {
+            temperature: 0.9,
+            seed: Some((si * 10 + s) as u64),
+            ..SamplerConfig::default()
+        };
+        let picks: Vec<RowPick> = step
+            .iter()
+            .map(|(s, _)| match (si + s) % 4 {
+                0 => RowPick::Greedy,
+                1 => RowPick::Sample(
+                    Sampler::new(cfg(*s), vocab)
+                        .device_args()
+                        .expect("settings the device draws"),
+                ),
+                2 => RowPick::Logits,
+                _ => RowPick::Skip,
+            })
+            .collect();
+        let mut picked = Vec::new();
+        let mut reference = Vec::new();
+        for (c, (cache, tabs)) in caches.iter_mut().zip(tables.iter_mut()).enumerate() {
+            let mut tabs: Vec<Option<&mut BlockTable>> = tabs.iter_mut().map(Some).collect();
+            let mut items: Vec<PagedItem<'_>> = step
+                .iter()
+                .map(|(s, r)| PagedItem {
+                    table: tabs[*s].take().expect("a sequence once per step"),
+                    pos0: r.start,
+                    tokens: &toks[*s][r.clone()],
+                })
+                .collect();
+            if c == 0 {
+                picked = m.step_paged_pick(cache, &mut items, &picks).unwrap();
+            } else {
+                reference = m.step_paged(cache, &mut items).unwrap();
+            }
+        }
+        for (i, ((p, got), want)) in picks.iter().zip(&picked).zip(&reference).enumerate() {
+            let what = format!("{name}: step {si}, item {i}, {p:?}");
+            let close = |l: &[f32]| {
+                let d = l
+                    .iter()
+                    .zip(want)
+                    .fold(0f32, |d, (a, b)| d.max((a - b).abs()));
+                assert!(d <= 1e-3, "{what}: logits differ by {d}");
+            };
+            match (p, got) {
+                (RowPick::Skip, Picked::Nothing) => {}
+                (RowPick::Greedy, Picked::Token(t)) => {
+                    assert_eq!(*t as usize, argmax(want), "{what}")
+                }
+                (RowPick::Logits, Picked::Logits(l)) => close(l),
+                (RowPick::Sample(_), Picked::Logits(l)) if !on_gpu => close(l),
+                (RowPick::Sample(_), Picked::Token(t)) if on_gpu => {
+                    let s = step[i].0;
+                    let mut host = Sampler::new(cfg(s), vocab);
+                    let drawn = host.sample(&mut want.clone(), &[]);
+                    assert_eq!(*t, drawn, "{what}: device draw vs host draw");
+                }
+                _ => panic!("{what}: got {got:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn mixed_picks_follow_the_logits_and_the_host_sampler() {
+    for name in ["tiny-llama", "tiny-qwen3", "tiny-gemma3"] {
+        mixed_picks(&Model::load(&tiny(name)).unwrap(), name);
+    }
+    let Some(gpu) = gpu() else { return };
+    for name in ["tiny-llama", "tiny-qwen3", "tiny-gemma3"] {
+        let mut m = Model::load(&tiny(name)).unwrap();
+        m.set_cuda(Some(gpu.clone())).unwrap();
+        mixed_picks(&m, name);
     }
 }
 

@@ -19,10 +19,22 @@ const BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
 ];
 
-/// A cumulative histogram over [`BUCKETS`].
-#[derive(Debug, Default)]
+/// Sequences in one forward step, from one to a full GPU batch.
+const BATCH_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 256.0,
+];
+
+/// A cumulative histogram over fixed upper bounds ([`BUCKETS`], seconds, by default).
+#[derive(Debug)]
 pub struct Histogram {
+    bounds: &'static [f64],
     inner: Mutex<HistInner>,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram::with_bounds(BUCKETS)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -33,12 +45,20 @@ struct HistInner {
 }
 
 impl Histogram {
+    /// A histogram over these upper bounds (ascending).
+    pub fn with_bounds(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            inner: Mutex::new(HistInner::default()),
+        }
+    }
+
     pub fn observe(&self, secs: f64) {
         let mut h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if h.counts.is_empty() {
-            h.counts = vec![0; BUCKETS.len()];
+            h.counts = vec![0; self.bounds.len()];
         }
-        for (i, &b) in BUCKETS.iter().enumerate() {
+        for (i, &b) in self.bounds.iter().enumerate() {
             if secs <= b {
                 h.counts[i] += 1;
             }
@@ -50,7 +70,7 @@ impl Histogram {
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (i, b) in BUCKETS.iter().enumerate() {
+        for (i, b) in self.bounds.iter().enumerate() {
             let c = h.counts.get(i).copied().unwrap_or(0);
             let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
         }
@@ -111,6 +131,10 @@ pub struct Metrics {
     pub step_tokens: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Wall time of each forward step (the batch's forward and its token picks).
+    pub step_seconds: Histogram,
+    /// Sequences in each forward step.
+    pub batch_size: Histogram,
     pub rate: Mutex<RateMeter>,
     /// (route, HTTP status) -> count.
     requests: Mutex<BTreeMap<(String, u16), u64>>,
@@ -130,6 +154,8 @@ impl Default for Metrics {
             step_tokens: AtomicU64::new(0),
             ttft: Histogram::default(),
             itl: Histogram::default(),
+            step_seconds: Histogram::default(),
+            batch_size: Histogram::with_bounds(BATCH_BUCKETS),
             rate: Mutex::new(RateMeter::new(Duration::from_secs(10))),
             requests: Mutex::new(BTreeMap::new()),
             finished: Mutex::new(BTreeMap::new()),
@@ -145,6 +171,10 @@ pub struct Gauges {
     pub kv_reserved_bytes: u64,
     pub kv_used_bytes: u64,
     pub kv_capacity_bytes: u64,
+    /// KV blocks of [`crate::engine::BLOCK_TOKENS`] positions: reserved by admitted sequences
+    /// (or held by the prefix cache), and all of them (the `--kv-mem` budget).
+    pub kv_blocks_used: u64,
+    pub kv_blocks_total: u64,
     /// KV memory held by the prefix cache (evicted when admission needs it).
     pub prefix_cache_bytes: u64,
     pub prefix_cache_entries: usize,
@@ -284,6 +314,18 @@ impl Metrics {
         );
         gauge(
             &mut out,
+            "hf2q_kv_blocks_used",
+            "KV blocks reserved by admitted sequences or held by cached prefixes.",
+            g.kv_blocks_used as f64,
+        );
+        gauge(
+            &mut out,
+            "hf2q_kv_blocks_free",
+            "KV blocks free for admission.",
+            g.kv_blocks_total.saturating_sub(g.kv_blocks_used) as f64,
+        );
+        gauge(
+            &mut out,
             "hf2q_prefix_cache_bytes",
             "KV cache memory held by cached prefixes of finished requests (evictable).",
             g.prefix_cache_bytes as f64,
@@ -314,6 +356,16 @@ impl Metrics {
             &mut out,
             "hf2q_inter_token_latency_seconds",
             "Between consecutive generated tokens of a sequence.",
+        );
+        self.step_seconds.render(
+            &mut out,
+            "hf2q_engine_step_seconds",
+            "Wall time of a forward step (the batch's forward and its token picks).",
+        );
+        self.batch_size.render(
+            &mut out,
+            "hf2q_engine_batch_size",
+            "Sequences in a forward step.",
         );
         out
     }
@@ -358,9 +410,13 @@ mod tests {
         let m = Metrics::default();
         m.count_request("/v1/models", 200);
         m.count_finished("stop");
+        m.batch_size.observe(12.0);
+        m.step_seconds.observe(0.004);
         let s = m.render(&Gauges {
             queued: 3,
             up: true,
+            kv_blocks_used: 5,
+            kv_blocks_total: 64,
             ..Default::default()
         });
         for name in [
@@ -372,6 +428,12 @@ mod tests {
             "hf2q_prefix_cache_hits_total 0",
             "hf2q_prompt_tokens_cached_total 0",
             "hf2q_prefix_cache_bytes 0",
+            "hf2q_kv_blocks_used 5",
+            "hf2q_kv_blocks_free 59",
+            "hf2q_engine_step_seconds_bucket{le=\"0.005\"} 1",
+            // Batch sizes bucket by sequences: 12 is in 16's bucket, not in 8's.
+            "hf2q_engine_batch_size_bucket{le=\"8\"} 0",
+            "hf2q_engine_batch_size_bucket{le=\"16\"} 1",
         ] {
             assert!(s.contains(name), "{name} missing in\n{s}");
         }

@@ -72,3 +72,68 @@ async fn paged_answers_equal_per_request_caches_and_free_their_blocks() {
         paged.engine.shared().gauges()
     );
 }
+
+/// Rows that pick their token without the host's logits (greedy, and seeded draws the device
+/// sampler can make: on the CPU those come back as logits and the request's sampler draws with
+/// the number it set aside) mixed with rows that need them (log-probabilities, a penalty), all
+/// in one batch: each answer equals the same request sent alone, and a seeded request gives the
+/// same text twice.
+#[tokio::test]
+async fn paged_device_picks_and_host_rows_mixed_equal_each_alone() {
+    let mut c = paged_cfg();
+    c.engine.ctx_size = 512;
+    c.engine.kv_mem_bytes = 1 << 30;
+    let h = start(tiny(), c).await;
+    let addr = h.addr;
+    let body = |i: usize| {
+        let mut b = json!({"model": "tiny",
+            "messages": [{"role": "user", "content": format!("Story number {i} about the sea.")}],
+            "max_tokens": 20, "ignore_eos": true});
+        match i % 4 {
+            0 => b["temperature"] = json!(0),
+            1 => {
+                b["temperature"] = json!(0.9);
+                b["top_k"] = json!(40);
+                b["top_p"] = json!(0.95);
+                b["seed"] = json!(1000 + i);
+            }
+            2 => {
+                b["temperature"] = json!(0);
+                b["logprobs"] = json!(true);
+            }
+            _ => {
+                b["temperature"] = json!(0.7);
+                b["seed"] = json!(2000 + i);
+                b["frequency_penalty"] = json!(0.5);
+            }
+        }
+        b
+    };
+    let content = |r: &Resp| -> String {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content")
+            .to_string()
+    };
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let b = body(i);
+        tasks.push(tokio::spawn(async move {
+            post(addr, "/v1/chat/completions", &b).await
+        }));
+    }
+    let mut together = Vec::new();
+    for t in tasks {
+        together.push(content(&t.await.unwrap()));
+    }
+    for (i, got) in together.iter().enumerate() {
+        let alone = content(&post(addr, "/v1/chat/completions", &body(i)).await);
+        assert_eq!(
+            got,
+            &alone,
+            "request {i} (kind {}) in a batch vs alone",
+            i % 4
+        );
+    }
+}

@@ -466,7 +466,8 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 // Sampling on the device (top-k, then top-p, min-p, temperature, one draw), the CPU sampler's
 // steps in its order and arithmetic (`hf2q_models::sampler`), so that with the same uniform
 // number both pick the same token (up to the last bit of expf in a cumulative sum at a bucket
-// edge). One block of SAMPLE_THREADS threads per row.
+// edge). One block of SAMPLE_THREADS threads per row; the settings shared by every row, or
+// (per_row) one entry per row.
 // ---------------------------------------------------------------------------------------------
 
 #define SAMPLE_THREADS 1024
@@ -491,7 +492,7 @@ __device__ __forceinline__ float key_value(u32 k) {
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_topk(const float* __restrict__ logits, int V, const SampleArgs* __restrict__ args,
-                u32* __restrict__ out) {
+                int per_row, u32* __restrict__ out) {
     pdl_wait();
     __shared__ u32 hist[256];
     __shared__ u32 s_prefix, s_need, s_n, s_eq;
@@ -499,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ u32 ci[SAMPLE_MAX_K];  // candidate ids
     const int tid = threadIdx.x;
     const float* x = logits + (i64)blockIdx.x * V;
-    const SampleArgs a = *args;
+    const SampleArgs a = args[per_row ? blockIdx.x : 0];  // one row's settings, or all rows'
     const u32 k = (u32)min(max(a.top_k, 1), min(V, SAMPLE_MAX_K));
 
     // 1. Radix select of the k-th largest key, eight bits at a time from the top.

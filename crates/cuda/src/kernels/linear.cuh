@@ -15,6 +15,7 @@
 #pragma once
 #include "common.cuh"
 #include "quant.cuh"
+#include "linear_tc.cuh"
 
 #define MV_WARPS 4
 
@@ -381,7 +382,8 @@ __device__ __forceinline__ void deqt_impl(const WRef w, void* __restrict__ out, 
 }
 
 // The kernels of one format: mv{1,2,4,8}_NAME (matrix-vector for up to that many tokens),
-// gemm_NAME (tiled, any T), embed_NAME, deqh_NAME (rows to f16) and deqt_NAME (rows to bf16
+// gemm_NAME (tiled, any T), mt{2,4,8}_NAME (up to 16, 32, 64 tokens on the tensor cores,
+// linear_tc.cuh), embed_NAME, deqh_NAME (rows to f16) and deqt_NAME (rows to bf16
 // or f32). The host looks them up by these names.
 #define HF2Q_LINEAR_KERNELS(NAME, FMT)                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                          \
@@ -412,6 +414,21 @@ __device__ __forceinline__ void deqt_impl(const WRef w, void* __restrict__ out, 
         gemm_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T) {       \
         pdl_wait();                                                                            \
         gemm_impl<FMT>(w, x, b, o, rows, T);                                                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(512)                                          \
+        mt2_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T) {        \
+        pdl_wait();                                                                            \
+        mt_impl<FMT, 2, 2>(w, x, b, o, rows, T);                                               \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        mt4_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T) {        \
+        pdl_wait();                                                                            \
+        mt_impl<FMT, 2, 4>(w, x, b, o, rows, T);                                               \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        mt8_##NAME(WRef w, const float* x, const float* b, float* o, int rows, int T) {        \
+        pdl_wait();                                                                            \
+        mt_impl<FMT, 2, 8>(w, x, b, o, rows, T);                                               \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                          \
         embed_##NAME(WRef w, const u32* ids, float* o, int T, int vocab, float scale) {        \

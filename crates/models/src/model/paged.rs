@@ -43,6 +43,31 @@ impl PagedKvCache {
     }
 }
 
+/// How a paged step chooses one item's token ([`Model::step_paged_pick`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowPick {
+    /// No token this step: nothing comes back.
+    Skip,
+    /// The most likely token (the host sampler's greedy rule: first index on ties, NaN ignored).
+    Greedy,
+    /// One draw with these settings, on the device where there is one
+    /// ([`crate::sampler::Sampler::device_args`] gives them).
+    Sample(hf2q_cuda::SampleArgs),
+    /// The logits of the item's last row, on the host.
+    Logits,
+}
+
+/// One item's result of [`Model::step_paged_pick`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Picked {
+    /// A [`RowPick::Skip`] item.
+    Nothing,
+    /// The chosen token (a greedy row, or a row drawn on the device).
+    Token(u32),
+    /// The last row's logits `(V)`.
+    Logits(Vec<f32>),
+}
+
 /// One sequence in a paged step: `tokens` fed at positions `pos0..` (its table holds at least
 /// the blocks of `0..pos0` already written).
 pub struct PagedItem<'a> {
@@ -136,6 +161,100 @@ impl Model {
                     .collect())
             }
         }
+    }
+
+    /// [`Model::step_paged`] choosing each item's token as `picks[i]` says (one per item): on a
+    /// GPU greedy and sampled rows are picked on the device and only their ids come back, only
+    /// the [`RowPick::Logits`] rows bring their logits to the host, and [`RowPick::Skip`] rows
+    /// (a prompt chunk that does not end its prompt) bring nothing and skip the output layer. On
+    /// the CPU greedy rows are picked from the logits with the host sampler's rule and sampled
+    /// rows come back as logits (the caller's sampler then draws with the same number).
+    pub fn step_paged_pick(
+        &self,
+        cache: &mut PagedKvCache,
+        items: &mut [PagedItem<'_>],
+        picks: &[RowPick],
+    ) -> Result<Vec<Picked>> {
+        if picks.len() != items.len() {
+            return Err(Error::Msg(format!(
+                "{} picks for {} items of a paged step",
+                picks.len(),
+                items.len()
+            )));
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let h = self.paged_hidden(cache, items)?;
+        // The last row of each item that picks.
+        let mut end = 0;
+        let mut rows = Vec::new();
+        for (it, p) in items.iter().zip(picks) {
+            end += it.tokens.len();
+            if *p != RowPick::Skip {
+                rows.push(end - 1);
+            }
+        }
+        let mut out: Vec<Picked> = Vec::with_capacity(picks.len());
+        if rows.is_empty() {
+            out.resize_with(picks.len(), || Picked::Nothing);
+            return Ok(out);
+        }
+        let logits = self.logits(&self.rows_at(&h, &rows)?)?;
+        let mut got = match &self.cuda {
+            Some(cuda) => {
+                let dev: Vec<hf2q_cuda::RowPick> = picks
+                    .iter()
+                    .filter_map(|p| match p {
+                        RowPick::Skip => None,
+                        RowPick::Greedy => Some(hf2q_cuda::RowPick::Argmax),
+                        RowPick::Sample(a) => Some(hf2q_cuda::RowPick::Sample(*a)),
+                        RowPick::Logits => Some(hf2q_cuda::RowPick::Logits),
+                    })
+                    .collect();
+                cuda.pick_rows(&logits, &dev)?
+                    .into_iter()
+                    .map(|r| match r {
+                        hf2q_cuda::RowPicked::Token(t) => Picked::Token(t),
+                        hf2q_cuda::RowPicked::Logits(l) => Picked::Logits(l),
+                    })
+                    .collect::<Vec<_>>()
+            }
+            None => {
+                let l = self.be().to_host(&logits)?;
+                let v = l.dims2().1;
+                picks
+                    .iter()
+                    .filter(|p| **p != RowPick::Skip)
+                    .zip(l.data().chunks(v))
+                    .map(|(p, row)| match p {
+                        RowPick::Greedy => Picked::Token(crate::sampler::argmax(row)),
+                        _ => Picked::Logits(row.to_vec()),
+                    })
+                    .collect()
+            }
+        }
+        .into_iter();
+        for p in picks {
+            out.push(match p {
+                RowPick::Skip => Picked::Nothing,
+                _ => got.next().unwrap_or(Picked::Nothing),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Rows `rows` of `h (N, D)`, in that order -> `(rows.len(), D)`.
+    fn rows_at(&self, h: &Tensor, rows: &[usize]) -> Result<Tensor> {
+        let be = self.be();
+        if let [r] = rows {
+            return Ok(be.rows(h, *r, 1)?);
+        }
+        let parts = rows
+            .iter()
+            .map(|&r| be.rows(h, r, 1))
+            .collect::<hf2q_tensor::Result<Vec<_>>>()?;
+        Ok(be.concat_rows(&parts)?)
     }
 
     /// The blocks' output for every row of the step, final-normed `(ΣT, D)`.

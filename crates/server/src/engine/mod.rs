@@ -224,6 +224,8 @@ impl Shared {
             kv_reserved_bytes: blocks * block_bytes,
             kv_used_bytes: self.kv_used_bytes.load(Ordering::Relaxed),
             kv_capacity_bytes: self.total_blocks as u64 * block_bytes,
+            kv_blocks_used: blocks,
+            kv_blocks_total: self.total_blocks as u64,
             prefix_cache_bytes: self.prefix_cache_bytes.load(Ordering::Relaxed),
             prefix_cache_entries: self.prefix_cache_entries.load(Ordering::Relaxed),
             up: !self.is_dead(),

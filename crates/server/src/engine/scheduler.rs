@@ -28,7 +28,7 @@ use hf2q_models::kv_cache::{KvCache, KvType};
 use hf2q_models::sampler::{apply_mask, Sampler};
 use hf2q_models::stop::StopMatcher;
 use hf2q_models::tokenizer::DecodeStream;
-use hf2q_models::{BatchItem, Model, PagedItem, PagedKvCache};
+use hf2q_models::{BatchItem, Model, PagedItem, PagedKvCache, Picked, RowPick};
 use hf2q_tensor::paged::BlockTable;
 
 use super::adapters::{valid_name, AdapterInfo, AdapterRef};
@@ -136,6 +136,55 @@ impl<'m> Seq<'m> {
                 return self.fail(sh, format!("constrained decoding failed: {e}"));
             }
         }
+        self.accept(id, raw, eog, sh, now);
+    }
+
+    /// How a paged step should choose this sequence's token when it feeds `n` tokens: not at
+    /// all mid-prompt; on the device (greedy, or a draw the device sampler can make, whose
+    /// uniform number this draws) when nothing needs the logits on the host; else the logits.
+    fn row_pick(&mut self, n: usize) -> RowPick {
+        if self.next.is_none() && self.pos + n < self.p.req.prompt.len() {
+            return RowPick::Skip;
+        }
+        if self.p.req.constraint.is_some() || self.p.req.logprobs.is_some() {
+            return RowPick::Logits;
+        }
+        let c = self.sampler.config();
+        if !(c.temperature > 0.0) {
+            return if c.logit_bias.is_empty() && !c.penalties_active() {
+                RowPick::Greedy
+            } else {
+                RowPick::Logits
+            };
+        }
+        self.sampler
+            .device_args()
+            .map_or(RowPick::Logits, RowPick::Sample)
+    }
+
+    /// Takes the step's result for this sequence: a token picked on the device, or logits to
+    /// sample from here.
+    fn take_pick(&mut self, picked: Picked, eog: &[u32], sh: &Shared, now: Instant) {
+        match picked {
+            Picked::Nothing => {}
+            Picked::Logits(l) => self.sample(l, eog, sh, now),
+            Picked::Token(id) => {
+                self.sampler.device_drew();
+                self.accept(id, None, eog, sh, now)
+            }
+        }
+    }
+
+    /// Records the chosen token `id` (with the raw logits and the count of log-probabilities
+    /// asked for, if any), streams its text and sets `done` when the sequence ends.
+    fn accept(
+        &mut self,
+        id: u32,
+        raw: Option<(Vec<f32>, usize)>,
+        eog: &[u32],
+        sh: &Shared,
+        now: Instant,
+    ) {
         self.generated += 1;
         let m = &sh.metrics;
         m.completion_tokens.fetch_add(1, Ordering::Relaxed);
@@ -484,9 +533,13 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
         // By adapter, then admission order: each adapter's rows are one run of the batch.
         plan.sort_unstable_by_key(|&(i, _)| (running[i].slot(), i));
         let fed: usize = plan.iter().map(|p| p.1).sum();
+        let step_start = Instant::now();
         let result = {
-            let seqs = planned(&mut running, &plan);
+            let mut seqs = planned(&mut running, &plan);
             if let Some(pc) = paged.as_mut() {
+                // Tokens picked on the device where the request allows; only those ids (and
+                // the rows that need their logits here) come back.
+                let picks: Vec<RowPick> = seqs.iter_mut().map(|(s, n)| s.row_pick(*n)).collect();
                 let mut items: Vec<PagedItem<'_>> = seqs
                     .into_iter()
                     .map(|(s, n)| {
@@ -498,7 +551,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                         }
                     })
                     .collect();
-                model.step_paged(pc, &mut items)
+                model.step_paged_pick(pc, &mut items, &picks)
             } else {
                 let slots: Vec<Option<usize>> = seqs.iter().map(|(s, _)| s.slot()).collect();
                 let mut items: Vec<BatchItem<'_>> = seqs
@@ -512,10 +565,16 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                         }
                     })
                     .collect();
-                model.step_batch_served(&mut items, Some((&set, &slots)))
+                model
+                    .step_batch_served(&mut items, Some((&set, &slots)))
+                    .map(|rows| rows.into_iter().map(Picked::Logits).collect())
             }
         };
         sh.metrics.steps.fetch_add(1, Ordering::Relaxed);
+        sh.metrics
+            .step_seconds
+            .observe(step_start.elapsed().as_secs_f64());
+        sh.metrics.batch_size.observe(plan.len() as f64);
         sh.metrics
             .step_tokens
             .fetch_add(fed as u64, Ordering::Relaxed);
@@ -525,8 +584,8 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
         let now = Instant::now();
         let mut sampled = 0u64;
         match result {
-            Ok(logits) => {
-                for ((i, n), l) in plan.iter().zip(logits) {
+            Ok(picked) => {
+                for ((i, n), l) in plan.iter().zip(picked) {
                     let s = &mut running[*i];
                     s.pos += n;
                     let fed = s.next.take();
@@ -535,7 +594,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                         s.tokens.push(t);
                     }
                     if decoding || s.pos == s.p.req.prompt.len() {
-                        s.sample(l, &eog, sh, now);
+                        s.take_pick(l, &eog, sh, now);
                         sampled += 1;
                     }
                 }
