@@ -270,6 +270,7 @@ fn attention_forward_and_backward_match_the_reference() {
                 head_dim: 6,
                 scale: 0.45,
                 window,
+                sinks: None,
             },
             softcap,
         };
@@ -310,6 +311,7 @@ fn attention_never_crosses_sequences() {
             head_dim: 4,
             scale: 0.5,
             window: None,
+            sinks: None,
         },
         softcap: None,
     };

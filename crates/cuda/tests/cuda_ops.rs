@@ -1045,6 +1045,7 @@ fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
         head_dim: c.dh,
         scale: 1.0 / (c.dh as f32).sqrt(),
         window: c.window,
+        sinks: None,
     };
     let q = rng.vec(c.t * c.h * c.dh, 2.0);
     let qd = dev.upload(&q).unwrap();
@@ -1184,6 +1185,7 @@ fn attention_head_width_512() {
             head_dim: dh,
             scale: 1.0,
             window: None,
+            sinks: None,
         };
         let (q, pos) = (
             dev.upload(&vec![0f32; dh]).unwrap(),
@@ -1318,6 +1320,7 @@ impl Step {
             head_dim: dh,
             scale: 0.125,
             window: None,
+            sinks: None,
         };
         let scratch = poisoned(dev, dev.attention_scratch_len(&p, cap));
         Step {
@@ -1779,6 +1782,7 @@ fn bench_ops() {
         head_dim: dh,
         scale: 1.0 / (dh as f32).sqrt(),
         window: None,
+        sinks: None,
     };
     let mut cache = dev.alloc_kv_cache(hkv, cap, dh, KvDtype::F16).unwrap();
     let kv = dev.upload(&rng.vec(cap * hkv * dh, 1.0)).unwrap();
