@@ -472,18 +472,18 @@ impl Backend for CpuBackend {
     }
 
     /// The plain activations through their own ops; GPT-OSS's clamped SwiGLU element by
-    /// element ([`GateAct::apply`]).
+    /// element ([`hf2q_tensor::op::clamped_swiglu`]).
     fn gated_act(&self, gate: &Tensor, up: &Tensor, act: GateAct) -> Result<Tensor> {
         match act {
             GateAct::Silu => self.silu_mul(gate, up),
             GateAct::GeluTanh => self.gelu_tanh_mul(gate, up),
-            GateAct::ClampedSwiglu { .. } => {
+            GateAct::ClampedSwiglu { alpha, limit } => {
                 same_shape(gate, up, "gated_act")?;
                 let d = gate
                     .data()
                     .iter()
                     .zip(up.data())
-                    .map(|(&g, &u)| act.apply(g, u))
+                    .map(|(&g, &u)| hf2q_tensor::op::clamped_swiglu(g, u, alpha, limit))
                     .collect();
                 Tensor::new(gate.shape(), d)
             }

@@ -1805,7 +1805,7 @@ fn bench_ops() {
             bytes as f64 / (ms as f64 * 1e6)
         ));
     }
-    let mut pre = vec![(p, cache, scratch)];
+    let mut pre = vec![(p.clone(), cache, scratch)];
     {
         // The 1B shape: Dh = 64.
         let p1 = AttentionParams {

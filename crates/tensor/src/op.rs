@@ -430,23 +430,13 @@ pub enum GateAct {
     },
 }
 
-impl GateAct {
-    /// `act(g, u)` of one element (the reference every backend's kernels are held to).
-    #[inline]
-    pub fn apply(self, g: f32, u: f32) -> f32 {
-        match self {
-            GateAct::Silu => g / (1.0 + (-g).exp()) * u,
-            GateAct::GeluTanh => {
-                const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-                0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g)).tanh()) * u
-            }
-            GateAct::ClampedSwiglu { alpha, limit } => {
-                let g = g.min(limit);
-                let u = u.clamp(-limit, limit);
-                (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
-            }
-        }
-    }
+/// GPT-OSS's clamped SwiGLU of one element ([`GateAct::ClampedSwiglu`]): the reference every
+/// backend's kernel is held to.
+#[inline]
+pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+    let g = gate.min(limit);
+    let u = up.clamp(-limit, limit);
+    (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
 }
 
 /// [`Backend::rope_store`] as two RoPEs and a cache write (`heads`: q's and k's head counts,
@@ -562,6 +552,16 @@ pub fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// transformers' `GptOssExperts`: gate clamped above only, up both ways, `(up + 1)·glu`.
+    #[test]
+    fn clamped_swiglu_clamps_as_transformers() {
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let f = |g, u| super::clamped_swiglu(g, u, 1.702, 7.0);
+        assert_eq!(f(10.0, -9.0), (-7.0 + 1.0) * 7.0 * sig(1.702 * 7.0));
+        assert_eq!(f(-10.0, 9.0), (7.0 + 1.0) * -10.0 * sig(1.702 * -10.0));
+        assert_eq!(f(0.5, 0.25), 1.25 * 0.5 * sig(1.702 * 0.5));
+    }
+
     /// Every f16 bit pattern widens to what `half` gives (NaNs to a NaN).
     #[test]
     fn f16_widening_is_exact() {

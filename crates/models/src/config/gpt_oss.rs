@@ -154,6 +154,7 @@ pub(super) fn check_hf(v: &Value) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Arch, ModelConfig};
     use serde_json::json;
 
     /// transformers' `_compute_yarn_parameters` for GPT-OSS-20B's settings (head 64, θ 150000,
@@ -186,11 +187,6 @@ mod tests {
         );
         assert!(Yarn::from_hf(&json!({}), 2048).is_err());
     }
-}
-
-#[cfg(test)]
-mod config_tests {
-    use crate::config::{Arch, ModelConfig};
 
     /// The tiny fixture's config.json (transformers 5.17's `GptOssConfig.to_dict()`).
     #[test]
