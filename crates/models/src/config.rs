@@ -698,7 +698,7 @@ impl ModelConfig {
         };
         let moe = moe_from_hf(v, mt, n_layers)?;
         let yarn = match (rope_type, rs) {
-            (Some("yarn"), Some(r)) => Some(gpt_oss::Yarn::from_hf(
+            (Some("yarn"), Some(r)) if arch == Arch::GptOss => Some(gpt_oss::Yarn::from_hf(
                 r,
                 u("max_position_embeddings").unwrap_or(2048),
             )?),
