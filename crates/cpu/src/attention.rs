@@ -623,7 +623,8 @@ fn decode<T: KvRead>(
         let keys = &cache.k[base + lo * rw..base + (pos0 + 1) * rw];
         let vals = &cache.v[base + lo * rw..base + (pos0 + 1) * rw];
         let qh = &q.data()[hi * dh..(hi + 1) * dh];
-        let mut with = |s: &mut Vec<f32>| decode_dispatch(isa, qh, keys, vals, p.scale, s, o);
+        let mut with =
+            |s: &mut Vec<f32>| decode_dispatch(isa, qh, keys, vals, (p.scale, p.sink(hi)), s, o);
         SCORES.with(|c| match c.try_borrow_mut() {
             Ok(mut s) => with(&mut s),
             Err(_) => with(&mut Vec::new()),
@@ -649,7 +650,7 @@ fn decode_dispatch<T: KvRead>(
     q: &[f32],
     k: &[T],
     v: &[T],
-    scale: f32,
+    sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
@@ -657,16 +658,16 @@ fn decode_dispatch<T: KvRead>(
     {
         if isa == Isa::Avx512Vnni {
             // SAFETY: the CPU has AVX-512 F/BW/VL, FMA and F16C (`isa` is available).
-            return unsafe { decode_avx512(q, k, v, scale, s, o) };
+            return unsafe { decode_avx512(q, k, v, sm, s, o) };
         }
         if isa == Isa::Avx2 {
             // SAFETY: the CPU has AVX2, FMA and F16C (`isa` is available).
-            return unsafe { decode_avx2(q, k, v, scale, s, o) };
+            return unsafe { decode_avx2(q, k, v, sm, s, o) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
-    decode_head::<PORTABLE, T>(q, k, v, scale, s, o)
+    decode_head::<PORTABLE, T>(q, k, v, sm, s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -675,11 +676,11 @@ unsafe fn decode_avx512<T: KvRead>(
     q: &[f32],
     k: &[T],
     v: &[T],
-    scale: f32,
+    sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    decode_head::<AVX512, T>(q, k, v, scale, s, o)
+    decode_head::<AVX512, T>(q, k, v, sm, s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -688,22 +689,23 @@ unsafe fn decode_avx2<T: KvRead>(
     q: &[f32],
     k: &[T],
     v: &[T],
-    scale: f32,
+    sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    decode_head::<AVX2, T>(q, k, v, scale, s, o)
+    decode_head::<AVX2, T>(q, k, v, sm, s, o)
 }
 
 /// One query head `q (Dh)` over key and value rows `k`, `v` (n, Dh) -> `o (Dh)`: scores,
-/// softmax (with [`exp_fast`]), weighted sum. `s` is scratch. `L`: the vector unit the caller
+/// softmax (with [`exp_fast`]), weighted sum. `sm`: the score scale and the head's sink logit
+/// (`-inf`: none). `s` is scratch. `L`: the vector unit the caller
 /// was compiled for (the dot products and the weighted sum use its vectors directly).
 #[inline(always)]
 fn decode_head<const L: u8, T: KvRead>(
     q: &[f32],
     k: &[T],
     v: &[T],
-    scale: f32,
+    sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
@@ -716,9 +718,11 @@ fn decode_head<const L: u8, T: KvRead>(
     }
     // Plain loops, no closures: a closure is compiled without the caller's target features,
     // and its `mul_add` would become a library call.
+    let (scale, sink) = sm;
     s.clear();
     s.resize(n, 0.0);
-    let mut m = f32::NEG_INFINITY;
+    // A sink (GPT-OSS; -inf without one) joins the max and, below, the denominator only.
+    let mut m = sink;
     for (e, kr) in s.iter_mut().zip(k.chunks_exact(rw)) {
         *e = T::dot::<L>(q, kr) * scale;
         m = m.max(*e);
@@ -732,6 +736,9 @@ fn decode_head<const L: u8, T: KvRead>(
         }
     }
     let mut l = sum16(&lanes);
+    if sink != f32::NEG_INFINITY {
+        l += exp_fast(sink - m);
+    }
     for e in chunks.into_remainder() {
         *e = exp_fast(*e - m);
         l += *e;
@@ -1039,6 +1046,23 @@ fn tile_rows<const L: u8>(
             accumulate(ar, s, &kv.v[a * dh..b * dh]);
         }
         j0 += kb;
+    }
+    // A sink (GPT-OSS) is one more key whose value is zero: it joins the running max and sum
+    // once, after the keys, and adds nothing to the accumulator.
+    if p.sinks.is_some() {
+        for i in 0..n {
+            let sink = p.sink(g * group + (r0 + i) % group);
+            if sink == f32::NEG_INFINITY {
+                continue;
+            }
+            let mnew = m[i].max(sink);
+            if m[i] != f32::NEG_INFINITY && mnew > m[i] {
+                let c = exp_fast(m[i] - mnew);
+                l[i] *= c;
+                acc[i * dh..(i + 1) * dh].iter_mut().for_each(|v| *v *= c);
+            }
+            l[i] += exp_fast(sink - mnew);
+        }
     }
     let mut out = vec![0f32; n * dh];
     for i in 0..n {
@@ -1778,6 +1802,7 @@ mod tests {
                     head_dim: dh,
                     scale: 1.0 / (dh as f32).sqrt(),
                     window,
+                    sinks: None,
                 };
                 let k: Vec<f32> = (0..hkv * cap * dh).map(|_| 3.0 * f()).collect();
                 let v: Vec<f32> = (0..hkv * cap * dh).map(|_| f()).collect();
@@ -1843,7 +1868,14 @@ mod tests {
         let mut s = Vec::new();
         // No visible key: zeros, as the reference's empty sum.
         let mut o = vec![f32::NAN; 8];
-        decode_head::<PORTABLE, T>(&[1.0; 8], &[], &[], 1.0, &mut s, &mut o);
+        decode_head::<PORTABLE, T>(
+            &[1.0; 8],
+            &[],
+            &[],
+            (1.0, f32::NEG_INFINITY),
+            &mut s,
+            &mut o,
+        );
         assert_eq!(o, [0.0; 8]);
         for dh in [8, 16, 37, 40, 64, 100, 128] {
             for n in [1, 2, 17, 40] {
@@ -1866,20 +1898,24 @@ mod tests {
                 let l: f64 = p.iter().sum();
                 let mut forms: Vec<(&str, Vec<f32>)> = Vec::new();
                 let mut o = vec![f32::NAN; dh];
-                decode_head::<PORTABLE, T>(&q, &k, &v, scale, &mut s, &mut o);
+                decode_head::<PORTABLE, T>(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o);
                 forms.push(("portable", o.clone()));
                 #[cfg(target_arch = "x86_64")]
                 {
                     if Isa::Avx2.is_available() {
                         o.fill(f32::NAN);
                         // SAFETY: AVX2, FMA and F16C checked just above.
-                        unsafe { decode_avx2(&q, &k, &v, scale, &mut s, &mut o) };
+                        unsafe {
+                            decode_avx2(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o)
+                        };
                         forms.push(("avx2", o.clone()));
                     }
                     if Isa::Avx512Vnni.is_available() {
                         o.fill(f32::NAN);
                         // SAFETY: AVX-512 F/BW/VL checked just above.
-                        unsafe { decode_avx512(&q, &k, &v, scale, &mut s, &mut o) };
+                        unsafe {
+                            decode_avx512(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o)
+                        };
                         forms.push(("avx512", o.clone()));
                     }
                 }
@@ -1925,6 +1961,7 @@ mod tests {
                             head_dim: dh,
                             scale: 1.0 / (dh as f32).sqrt(),
                             window,
+                            sinks: None,
                         };
                         let k: Vec<f32> = (0..hkv * cap * dh).map(|_| 3.0 * f()).collect();
                         let v: Vec<f32> = (0..hkv * cap * dh).map(|_| f()).collect();
@@ -1977,6 +2014,7 @@ mod tests {
                             head_dim: dh,
                             scale: 1.0 / (dh as f32).sqrt(),
                             window,
+                            sinks: None,
                         };
                         let k = (0..n * hkv * dh).map(|_| 3.0 * f()).collect();
                         let v = (0..n * hkv * dh).map(|_| f()).collect();

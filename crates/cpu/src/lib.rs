@@ -20,7 +20,8 @@ use kernels::ActBits;
 
 use hf2q_tensor::kv::{KvStore, KvView};
 use hf2q_tensor::op::{
-    check_rows, same_shape, AttentionParams, Backend, LayerCache, MatmulSpec, RopeParams, RopeStyle,
+    check_rows, same_shape, AttentionParams, Backend, GateAct, LayerCache, MatmulSpec, RopeParams,
+    RopeStyle,
 };
 use hf2q_tensor::paged::{HostPaged, PagedStep, PagedStore};
 use hf2q_tensor::weight::dot;
@@ -221,8 +222,15 @@ impl CpuBackend {
                     dot(qv, &row) * p.scale
                 })
                 .collect();
-            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
+            // A sink (GPT-OSS) is one more score whose value is zero: it joins the max and
+            // the denominator only (`exp(-inf) = 0` without one).
+            let sink = p.sink(hi);
+            let m = scores.iter().cloned().fold(sink, f32::max);
+            let mut sum = if sink == f32::NEG_INFINITY {
+                0f32
+            } else {
+                (sink - m).exp()
+            };
             for s in scores.iter_mut() {
                 *s = (*s - m).exp();
                 sum += *s;
@@ -463,6 +471,25 @@ impl Backend for CpuBackend {
         Tensor::new(gate.shape(), d)
     }
 
+    /// The plain activations through their own ops; GPT-OSS's clamped SwiGLU element by
+    /// element ([`hf2q_tensor::op::clamped_swiglu`]).
+    fn gated_act(&self, gate: &Tensor, up: &Tensor, act: GateAct) -> Result<Tensor> {
+        match act {
+            GateAct::Silu => self.silu_mul(gate, up),
+            GateAct::GeluTanh => self.gelu_tanh_mul(gate, up),
+            GateAct::ClampedSwiglu { alpha, limit } => {
+                same_shape(gate, up, "gated_act")?;
+                let d = gate
+                    .data()
+                    .iter()
+                    .zip(up.data())
+                    .map(|(&g, &u)| hf2q_tensor::op::clamped_swiglu(g, u, alpha, limit))
+                    .collect();
+                Tensor::new(gate.shape(), d)
+            }
+        }
+    }
+
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         same_shape(x, y, "add")?;
         x.data_mut()
@@ -534,9 +561,7 @@ impl Backend for CpuBackend {
                 xe.extend_from_slice(x.row(tok));
             }
             let xe = Tensor::new(&[hits.len(), d], xe)?;
-            let [gate, up, down] = experts.expert(e);
-            let h = self.linear_gated(&xe, gate, up, spec.act)?;
-            let y = self.linear(&h, down, None)?;
+            let y = hf2q_tensor::moe::expert_mlp(self, &xe, experts, e, spec.act)?;
             for (i, &(tok, w)) in hits.iter().enumerate() {
                 for (o, v) in out[tok * d..(tok + 1) * d].iter_mut().zip(y.row(i)) {
                     *o += w * v;
@@ -668,6 +693,7 @@ mod tests {
             head_dim: 2,
             scale: 1.0,
             window: None,
+            sinks: None,
         };
         let k = vec![1.0, 0.0, 0.0, 0.0];
         let v = vec![3.0, 4.0, 0.0, 0.0];

@@ -64,6 +64,7 @@ pub fn paged_attention<T: KvScalar>(
         )));
     }
     rows.check(layout)?;
+    hf2q_tensor::op::check_sinks(p)?;
     let group = h / hkv;
     let mut out = vec![0.0f32; q.len()];
     out.par_chunks_mut(width).enumerate().for_each(|(r, orow)| {
@@ -85,8 +86,14 @@ pub fn paged_attention<T: KvScalar>(
                 let dot: f32 = qh.iter().zip(kr).map(|(a, b)| a * b.to_f32()).sum();
                 *s = dot * p.scale;
             }
-            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
+            // A sink (GPT-OSS) joins the max and the denominator only.
+            let sink = p.sink(head);
+            let m = scores.iter().copied().fold(sink, f32::max);
+            let mut sum = if sink == f32::NEG_INFINITY {
+                0.0f32
+            } else {
+                (sink - m).exp()
+            };
             for s in scores.iter_mut() {
                 *s = (*s - m).exp();
                 sum += *s;

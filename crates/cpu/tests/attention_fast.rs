@@ -1,6 +1,6 @@
 //! The tiled CPU attention of the fast paths against the scalar reference, on random inputs:
 //! decode (T = 1) and prefill shapes, GQA ratios, head widths, sliding windows, caches with
-//! spare capacity, f32 and f16 caches.
+//! spare capacity, f32 and f16 caches, attention sinks (every other case).
 
 use half::f16;
 use hf2q_cpu::KvRead;
@@ -31,12 +31,16 @@ fn tiled_attention_matches_reference() {
             for &(t, pos0) in &[(1, 0), (1, 5), (1, 300), (17, 0), (40, 23), (3, 70)] {
                 for &window in &[None, Some(7), Some(64)] {
                     let cap = pos0 + t + 13;
+                    // Sinks (GPT-OSS) on every other case, some above every score.
+                    let sinks = (cases % 2 == 1)
+                        .then(|| (0..h).map(|_| 6.0 * rng.f()).collect::<Vec<f32>>().into());
                     let p = AttentionParams {
                         n_heads: h,
                         n_kv_heads: hkv,
                         head_dim: dh,
                         scale: 1.0 / (dh as f32).sqrt(),
                         window,
+                        sinks,
                     };
                     // Large-ish scores so that the online rescaling matters.
                     let k: Vec<f32> = (0..hkv * cap * dh).map(|_| 3.0 * rng.f()).collect();
@@ -104,6 +108,58 @@ fn check<T: KvRead>(
     want
 }
 
+/// A sink is one more softmax column whose value is zero: with one key, the output is the key's
+/// value times `e^s / (e^s + e^sink)`; and a sink count other than the heads is refused.
+#[test]
+fn sinks_join_the_denominator() {
+    let (h, dh) = (2, 32);
+    let k: Vec<f32> = (0..dh).map(|i| (i as f32 * 0.1).sin()).collect();
+    let v: Vec<f32> = (0..dh).map(|i| (i as f32 * 0.3).cos()).collect();
+    let q = Tensor::new(
+        &[1, h * dh],
+        (0..h * dh).map(|i| (i % 7) as f32 * 0.2).collect(),
+    )
+    .unwrap();
+    let c = LayerCache {
+        k: &k,
+        v: &v,
+        capacity: 1,
+    };
+    let sinks = [0.5f32, -2.0];
+    let p = AttentionParams {
+        n_heads: h,
+        n_kv_heads: 1,
+        head_dim: dh,
+        scale: 0.25,
+        window: None,
+        sinks: Some(sinks.to_vec().into()),
+    };
+    let fast = CpuBackend {
+        matmul: MatmulPath::Fast,
+        ..CpuBackend::default()
+    };
+    for be in [&CpuBackend::REFERENCE, &fast] {
+        let out = be.attention(&q, &c, 0, &p).unwrap();
+        for hi in 0..h {
+            let qh = &q.data()[hi * dh..(hi + 1) * dh];
+            let s = qh.iter().zip(&k).map(|(a, b)| a * b).sum::<f32>() * 0.25;
+            let w = s.exp() / (s.exp() + sinks[hi].exp());
+            for d in 0..dh {
+                let got = out.data()[hi * dh + d];
+                assert!((got - w * v[d]).abs() < 1e-5, "head {hi} dim {d}: {got}");
+            }
+        }
+    }
+    let bad = AttentionParams {
+        sinks: Some(vec![0.0; 3].into()),
+        ..p
+    };
+    let e = CpuBackend::REFERENCE
+        .attention(&q, &c, 0, &bad)
+        .unwrap_err();
+    assert!(e.to_string().contains("3 sinks for 2 heads"), "{e}");
+}
+
 #[test]
 fn tiled_attention_checks_shapes() {
     let fast = CpuBackend {
@@ -116,6 +172,7 @@ fn tiled_attention_checks_shapes() {
         head_dim: 4,
         scale: 1.0,
         window: None,
+        sinks: None,
     };
     let kv = vec![0.5f32; 4 * 4];
     let c = LayerCache {

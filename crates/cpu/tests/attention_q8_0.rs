@@ -99,6 +99,7 @@ fn block_attention_equals_attention_over_dequantized_values() {
                         head_dim: dh,
                         scale: 1.0 / (dh as f32).sqrt(),
                         window,
+                        sinks: None,
                     };
                     let n = pos0 + t;
                     // Keys with a per-position magnitude (blocks of different scales) and
@@ -166,6 +167,7 @@ fn prefill_and_decode_see_the_same_values() {
         head_dim: dh,
         scale: 0.125,
         window: None,
+        sinks: None,
     };
     let q = Tensor::new(&[1, h * dh], (0..h * dh).map(|_| rng.f()).collect()).unwrap();
     let fast = CpuBackend {
@@ -197,6 +199,7 @@ fn q8_0_attention_checks_shapes() {
         head_dim: 48,
         scale: 1.0,
         window: None,
+        sinks: None,
     };
     let q = Tensor::new(&[1, 48], vec![0.1; 48]).unwrap();
     let e = reference()

@@ -35,6 +35,8 @@ struct Case {
     /// Tokens in each sequence's cache.
     lens: &'static [usize],
     window: Option<usize>,
+    /// Attention sinks (GPT-OSS), one per head.
+    sinks: bool,
 }
 
 fn run<T: PagedElem>(c: &Case, rng: &mut Rng) {
@@ -97,6 +99,13 @@ fn run<T: PagedElem>(c: &Case, rng: &mut Rng) {
         head_dim: c.dh,
         scale: 1.0 / (c.dh as f32).sqrt(),
         window: c.window,
+        sinks: c.sinks.then(|| {
+            rng.vec(c.h)
+                .iter()
+                .map(|x| 4.0 * x)
+                .collect::<Vec<_>>()
+                .into()
+        }),
     };
     let q = rng.vec(pos.len() * c.h * c.dh);
     let got = attention(&layer, &q, &rows, &p).unwrap();
@@ -159,6 +168,7 @@ const CASES: &[Case] = &[
         block: 16,
         lens: &[1, 17, 40],
         window: None,
+        sinks: false,
     },
     Case {
         h: 8,
@@ -167,6 +177,7 @@ const CASES: &[Case] = &[
         block: 16,
         lens: &[100, 3, 64, 65],
         window: None,
+        sinks: true,
     },
     Case {
         h: 6,
@@ -175,6 +186,7 @@ const CASES: &[Case] = &[
         block: 8,
         lens: &[50, 9],
         window: Some(12),
+        sinks: true,
     },
     Case {
         h: 16,
@@ -183,6 +195,7 @@ const CASES: &[Case] = &[
         block: 32,
         lens: &[33, 200],
         window: Some(40),
+        sinks: false,
     },
 ];
 
@@ -217,6 +230,7 @@ fn bad_rows_are_refused_not_read() {
         head_dim: 8,
         scale: 1.0,
         window: None,
+        sinks: None,
     };
     let q = vec![0.5f32; 8];
     let rows = |pos: &'static [i32], tables: &'static [i32]| PagedRows {

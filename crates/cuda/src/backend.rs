@@ -361,6 +361,7 @@ impl CudaBackend {
         up: &QTensor,
         act: GateAct,
     ) -> Result<Option<Tensor>> {
+        refuse_act(act)?;
         let (t, c) = x.dims2();
         let (g, u) = (self.weight(gate)?, self.weight(up)?);
         if t != 1
@@ -989,6 +990,7 @@ impl Backend for CudaBackend {
     }
 
     fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
+        refuse_sinks(p)?;
         let KvStore::Device(d) = kv else {
             return Err(Error::Msg(
                 "cuda attention: the cache is not on the device (write it first)".into(),
@@ -1046,6 +1048,7 @@ impl Backend for CudaBackend {
         step: &PagedStep,
         p: &AttentionParams,
     ) -> Result<Tensor> {
+        refuse_sinks(p)?;
         self.paged_attend_device(q, kv, step, p)
     }
 
@@ -1269,6 +1272,8 @@ impl Backend for CudaBackend {
         spec: &MoeSpec<'_>,
     ) -> Result<Tensor> {
         let t = check_moe(x, logits, experts)?;
+        refuse_act(spec.act)?;
+        refuse_expert_biases(experts)?;
         if t == 0 {
             return self.upload(&Tensor::zeros(&[0, experts.hidden()]));
         }
@@ -1296,6 +1301,8 @@ impl Backend for CudaBackend {
         spec: &MoeSpec<'_>,
         residual: &mut Tensor,
     ) -> Result<()> {
+        refuse_act(spec.act)?;
+        refuse_expert_biases(experts)?;
         let (t, d) = x.dims2();
         if d != experts.hidden() || router.rows != experts.n_experts() || router.cols != d {
             return Err(Error::Shape(format!(
@@ -1335,4 +1342,35 @@ impl Backend for CudaBackend {
     fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()> {
         crate::backend_train::matmul_acc(self, out, a, b, spec)
     }
+}
+
+/// GPT-OSS's attention sinks have no device kernel yet: refused by name, never ignored.
+fn refuse_sinks(p: &AttentionParams) -> Result<()> {
+    if p.sinks.is_some() {
+        return Err(Error::Msg(
+            "attention sinks (GPT-OSS) are not supported on CUDA yet; run on the CPU".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// GPT-OSS's clamped SwiGLU has no device kernel yet: refused by name, never run as SiLU.
+pub(crate) fn refuse_act(act: GateAct) -> Result<()> {
+    if let GateAct::ClampedSwiglu { .. } = act {
+        return Err(Error::Msg(
+            "the clamped SwiGLU (GPT-OSS experts) is not supported on CUDA yet; run on the CPU"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Experts with biases (GPT-OSS) have no device path yet.
+fn refuse_expert_biases(ex: &Experts) -> Result<()> {
+    if ex.has_biases() {
+        return Err(Error::Msg(
+            "experts with biases (GPT-OSS) are not supported on CUDA yet; run on the CPU".into(),
+        ));
+    }
+    Ok(())
 }

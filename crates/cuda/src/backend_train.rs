@@ -410,6 +410,7 @@ impl TrainBackend for CudaBackend {
         dy: &Tensor,
         act: GateAct,
     ) -> Result<(Tensor, Tensor)> {
+        crate::backend::refuse_act(act)?;
         same_shape(gate, up, "gated_act_backward")?;
         same_shape(gate, dy, "gated_act_backward")?;
         let dg = self.out(gate.shape())?;

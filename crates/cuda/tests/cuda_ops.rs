@@ -1098,6 +1098,7 @@ fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
         head_dim: c.dh,
         scale: 1.0 / (c.dh as f32).sqrt(),
         window: c.window,
+        sinks: None,
     };
     let q = rng.vec(c.t * c.h * c.dh, 2.0);
     let qd = dev.upload(&q).unwrap();
@@ -1237,6 +1238,7 @@ fn attention_head_width_512() {
             head_dim: dh,
             scale: 1.0,
             window: None,
+            sinks: None,
         };
         let (q, pos) = (
             dev.upload(&vec![0f32; dh]).unwrap(),
@@ -1371,6 +1373,7 @@ impl Step {
             head_dim: dh,
             scale: 0.125,
             window: None,
+            sinks: None,
         };
         let scratch = poisoned(dev, dev.attention_scratch_len(&p, cap));
         Step {
@@ -1900,6 +1903,7 @@ fn bench_ops() {
         head_dim: dh,
         scale: 1.0 / (dh as f32).sqrt(),
         window: None,
+        sinks: None,
     };
     let mut cache = dev.alloc_kv_cache(hkv, cap, dh, KvDtype::F16).unwrap();
     let kv = dev.upload(&rng.vec(cap * hkv * dh, 1.0)).unwrap();
@@ -1922,7 +1926,7 @@ fn bench_ops() {
             bytes as f64 / (ms as f64 * 1e6)
         ));
     }
-    let mut pre = vec![(p, cache, scratch)];
+    let mut pre = vec![(p.clone(), cache, scratch)];
     {
         // The 1B shape: Dh = 64.
         let p1 = AttentionParams {

@@ -157,6 +157,7 @@ fn run(dev: &CudaDev, rng: &mut Rng, c: &Case) {
         head_dim: c.dh,
         scale: 1.0 / (c.dh as f32).sqrt(),
         window: c.window,
+        sinks: None,
     };
     let q = rng.vec(r * c.h * c.dh, 2.0);
     let rows = PagedRows {
@@ -364,6 +365,7 @@ fn bench_paged_decode() {
         head_dim: dh,
         scale: 0.125,
         window: None,
+        sinks: None,
     };
     let mut rng = Rng(7);
     for &(bsz, ctx) in &[(1usize, 1024usize), (16, 1024), (64, 1024), (64, 4096)] {

@@ -437,6 +437,7 @@ fn run_attention(be: &CudaBackend, rng: &mut Rng, c: &AttnCase) {
             head_dim: c.dh,
             scale: 1.0 / (c.dh as f32).sqrt(),
             window: c.window,
+            sinks: None,
         },
         softcap: c.softcap,
     };
@@ -573,6 +574,7 @@ fn attention_forward_and_backward() {
             head_dim: 8,
             scale: 1.0,
             window: None,
+            sinks: None,
         },
         softcap: None,
     };

@@ -8,6 +8,7 @@ use serde_json::Value;
 use crate::{Error, Result};
 
 mod gemma4;
+pub mod gpt_oss;
 pub mod minicpm;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +36,9 @@ pub enum Arch {
     Olmo2,
     /// MiniCPM: a Llama with embedding, residual and logit multipliers (`config/minicpm.rs`).
     MiniCpm,
+    /// GPT-OSS: attention sinks and biases, sliding and full layers, YaRN, routed experts with
+    /// biases and the clamped SwiGLU, MXFP4 experts (`config/gpt_oss.rs`).
+    GptOss,
 }
 
 impl Arch {
@@ -51,6 +55,7 @@ impl Arch {
             Arch::Granite => "granite",
             Arch::Olmo2 => "olmo2",
             Arch::MiniCpm => "minicpm",
+            Arch::GptOss => "gpt-oss",
         }
     }
     /// The Hugging Face `model_type`s the loader accepts, for messages.
@@ -73,6 +78,7 @@ impl Arch {
         "granite",
         "olmo2",
         "minicpm",
+        "gpt_oss",
     ];
     /// The GGUF `general.architecture`s the loader accepts, for messages.
     pub const SUPPORTED_GGUF: &'static [&'static str] = &[
@@ -93,6 +99,7 @@ impl Arch {
             "granite" => Arch::Granite,
             "olmo2" => Arch::Olmo2,
             "minicpm" => Arch::MiniCpm,
+            "gpt_oss" => Arch::GptOss,
             _ => return None,
         })
     }
@@ -135,6 +142,9 @@ pub struct MoeConfig {
     /// Per layer: true where the MLP is routed (Qwen3-MoE's `mlp_only_layers` and
     /// `decoder_sparse_step` make some layers dense).
     pub layers: Vec<bool>,
+    /// GPT-OSS: the experts' activation is the clamped SwiGLU at this limit (alpha
+    /// [`gpt_oss::SWIGLU_ALPHA`]), and the router and the experts' products carry biases.
+    pub clamped_swiglu: Option<f32>,
 }
 
 impl MoeConfig {
@@ -216,6 +226,8 @@ pub struct ModelConfig {
     pub llama3_scaling: Option<Llama3Scaling>,
     /// LongRoPE scaling (Phi-3 / Phi-4).
     pub longrope: Option<LongRope>,
+    /// YaRN scaling (GPT-OSS).
+    pub yarn: Option<gpt_oss::Yarn>,
     /// Dimensions of each head RoPE rotates (the first ones; `partial_rotary_factor · Dh`).
     pub rope_dims: usize,
     /// Per layer: true where the layer applies no RoPE (SmolLM3's `no_rope_layers[i] == 0`).
@@ -229,6 +241,8 @@ pub struct ModelConfig {
     pub sliding_layers: Vec<bool>,
     pub tie_embeddings: bool,
     pub attention_bias: bool,
+    /// A learned per-head logit in every layer's softmax (`self_attn.sinks`, GPT-OSS).
+    pub attention_sinks: bool,
     pub qk_norm: bool,
     pub activation: Activation,
     /// Multiplier applied to embeddings (Gemma: √D).
@@ -400,6 +414,7 @@ fn moe_from_hf(v: &Value, model_type: &str, n_layers: usize) -> Result<Option<Mo
             expert_width: need("intermediate_size")?,
             renormalize: true,
             layers: vec![true; n_layers],
+            clamped_swiglu: None,
         }),
         "qwen3_moe" => {
             let dense: Vec<usize> = v
@@ -422,8 +437,10 @@ fn moe_from_hf(v: &Value, model_type: &str, n_layers: usize) -> Result<Option<Mo
                 layers: (0..n_layers)
                     .map(|i| !dense.contains(&i) && step > 0 && (i + 1).is_multiple_of(step))
                     .collect(),
+                clamped_swiglu: None,
             })
         }
+        "gpt_oss" => Some(gpt_oss::moe_from_hf(v, n_layers)?),
         _ => None,
     })
 }
@@ -552,6 +569,9 @@ impl ModelConfig {
         if arch == Arch::MiniCpm {
             minicpm::check_hf(v)?;
         }
+        if arch == Arch::GptOss {
+            gpt_oss::check_hf(v)?;
+        }
         let u = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
         let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
         let req = |k: &str| u(k).ok_or_else(|| bad(format!("config.json lacks '{k}'")));
@@ -601,7 +621,8 @@ impl ModelConfig {
             (Some(t), _)
                 if !matches!(t, "default" | "llama3" | "linear")
                     && arch != Arch::Gemma4
-                    && !(arch == Arch::Phi3 && matches!(t, "longrope" | "su")) =>
+                    && !(arch == Arch::Phi3 && matches!(t, "longrope" | "su"))
+                    && !(arch == Arch::GptOss && t == "yarn") =>
             {
                 return Err(bad(format!("unsupported RoPE type '{t}'")));
             }
@@ -615,7 +636,7 @@ impl ModelConfig {
         };
         // Mistral (v0.1) applies its window whenever one is set; Qwen2 only with use_sliding_window.
         let sliding_window = if gemma
-            || matches!(mt, "mistral" | "ministral")
+            || matches!(mt, "mistral" | "ministral" | "gpt_oss")
             || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true)
         {
             u("sliding_window")
@@ -676,6 +697,13 @@ impl ModelConfig {
             _ => attn_scale,
         };
         let moe = moe_from_hf(v, mt, n_layers)?;
+        let yarn = match (rope_type, rs) {
+            (Some("yarn"), Some(r)) if arch == Arch::GptOss => Some(gpt_oss::Yarn::from_hf(
+                r,
+                u("max_position_embeddings").unwrap_or(2048),
+            )?),
+            _ => None,
+        };
         let c = ModelConfig {
             arch,
             vocab_size: req("vocab_size")?,
@@ -691,6 +719,7 @@ impl ModelConfig {
             rope_style: RopeStyle::Neox,
             llama3_scaling,
             longrope,
+            yarn,
             rope_dims,
             nope_layers,
             rope_linear_factor,
@@ -703,6 +732,7 @@ impl ModelConfig {
                 .unwrap_or(gemma),
             attention_bias: arch == Arch::Qwen2
                 || v.get("attention_bias").and_then(Value::as_bool) == Some(true),
+            attention_sinks: arch == Arch::GptOss,
             qk_norm: matches!(
                 arch,
                 Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Olmo2
@@ -827,6 +857,7 @@ impl ModelConfig {
             } else {
                 None
             },
+            yarn: None,
             // Partial rotary is Phi's (Gemma 4 writes its global layers' width here).
             rope_dims: if arch == Arch::Phi3 {
                 u("rope.dimension_count").unwrap_or(head_dim)
@@ -843,6 +874,7 @@ impl ModelConfig {
             sliding_layers,
             tie_embeddings: !has_output,
             attention_bias: arch == Arch::Qwen2,
+            attention_sinks: false,
             qk_norm: matches!(
                 arch,
                 Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Olmo2
@@ -892,6 +924,7 @@ impl ModelConfig {
                     layers: (0..n_layers)
                         .map(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some())
                         .collect(),
+                    clamped_swiglu: None,
                 }),
             },
             layer_heads: Vec::new(),
@@ -1071,11 +1104,13 @@ mod tests {
             "{e}"
         );
         // The refusal names the checkpoint's class and lists what is supported.
-        let mut j = base(serde_json::json!({"model_type": "gpt_oss"}));
-        j["architectures"] = serde_json::json!(["GptOssForCausalLM"]);
+        let mut j = base(serde_json::json!({"model_type": "deepseek_v3"}));
+        j["architectures"] = serde_json::json!(["DeepseekV3ForCausalLM"]);
         let e = ModelConfig::from_hf_json(&j).unwrap_err().to_string();
-        assert!(e.contains("'gpt_oss' (GptOssForCausalLM)"), "{e}");
-        for a in ["llama", "phi3", "smollm3", "granite", "olmo2", "gemma4"] {
+        assert!(e.contains("'deepseek_v3' (DeepseekV3ForCausalLM)"), "{e}");
+        for a in [
+            "llama", "phi3", "smollm3", "granite", "olmo2", "gemma4", "gpt_oss",
+        ] {
             assert!(e.contains(a), "{e}");
         }
         let e = ModelConfig::from_hf_json(&base(

@@ -3,7 +3,8 @@
 //!
 //! - [`Experts`]: one layer's experts, each a gated MLP, as views of the stored bytes: stacked
 //!   as llama.cpp stores them (`ffn_{gate,up}_exps (E·F, D)`, `ffn_down_exps (E·D, F)`), fused
-//!   (transformers' `gate_up_proj`), or one tensor per expert.
+//!   (transformers' `gate_up_proj`), or one tensor per expert; optionally with biases on the
+//!   three products (GPT-OSS, [`ExpertBiases`]).
 //! - [`route`]: router logits `(T, E)` -> per token the `k` experts and their weights (softmax
 //!   over all experts in f32, top-k, optional renormalisation and per-expert scale), as
 //!   transformers' routers compute them.
@@ -40,9 +41,47 @@ pub struct Experts {
     /// `ffn_{gate,up}_exps (E·F, D)` and `ffn_down_exps (E·D, F)`): what a device kernel that
     /// indexes experts by id reads.
     stacked: Option<[QTensor; 3]>,
+    biases: Option<ExpertBiases>,
+}
+
+/// Biases of every expert's products (GPT-OSS): `gate`, `up` `(E·F)` and `down` `(E·D)`,
+/// expert `e`'s at `e·F..(e+1)·F` and `e·D..(e+1)·D`.
+#[derive(Clone, Debug)]
+pub struct ExpertBiases {
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
 }
 
 impl Experts {
+    /// The same experts with biases on their products (lengths checked against `E`, `F`, `D`).
+    pub fn with_biases(mut self, b: ExpertBiases) -> Result<Experts> {
+        let (e, f, d) = (self.n_experts(), self.width(), self.hidden());
+        if b.gate.len() != e * f || b.up.len() != e * f || b.down.len() != e * d {
+            return Err(Error::Shape(format!(
+                "expert biases of {}, {} and {} values for {e} experts of {f} x {d}",
+                b.gate.len(),
+                b.up.len(),
+                b.down.len()
+            )));
+        }
+        self.biases = Some(b);
+        Ok(self)
+    }
+    /// Whether the products carry biases.
+    pub fn has_biases(&self) -> bool {
+        self.biases.is_some()
+    }
+    /// Expert `e`'s gate `(F)`, up `(F)` and down `(D)` biases, when it has them.
+    pub fn biases(&self, e: usize) -> Option<[&[f32]; 3]> {
+        let b = self.biases.as_ref()?;
+        let (f, d) = (self.width(), self.hidden());
+        Some([
+            &b.gate[e * f..(e + 1) * f],
+            &b.up[e * f..(e + 1) * f],
+            &b.down[e * d..(e + 1) * d],
+        ])
+    }
     /// From stacked tensors, `gate`, `up` `(E·F, D)` and `down` `(E·D, F)`.
     pub fn from_stacked(
         n_experts: usize,
@@ -99,6 +138,7 @@ impl Experts {
         Ok(Experts {
             views,
             stacked: None,
+            biases: None,
         })
     }
     /// E
@@ -259,12 +299,34 @@ pub fn moe_ffn_composed<B: Backend + ?Sized>(
         let sel = be.upload(&Tensor::new(&[n, t], sel)?)?;
         let wt = be.upload(&Tensor::new(&[t, n], wt)?)?;
         let xe = be.matmul(&sel, x, MatmulSpec::NN)?;
-        let [g, u, dn] = ex.expert(e);
-        let h = be.linear_gated(&xe, g, u, spec.act)?;
-        let y = be.linear(&h, dn, None)?;
+        let y = expert_mlp(be, &xe, ex, e, spec.act)?;
         be.matmul_acc(&mut out, &wt, &y, MatmulSpec::NN)?;
     }
     Ok(out)
+}
+
+/// Expert `e`'s gated MLP of its tokens `xe (n, D)` -> `(n, D)`: `down(act(gate(x), up(x)))`,
+/// each product with its bias where the experts have them.
+pub fn expert_mlp<B: Backend + ?Sized>(
+    be: &B,
+    xe: &Tensor,
+    ex: &Experts,
+    e: usize,
+    act: GateAct,
+) -> Result<Tensor> {
+    let [g, u, dn] = ex.expert(e);
+    match ex.biases(e) {
+        None => {
+            let h = be.linear_gated(xe, g, u, act)?;
+            be.linear(&h, dn, None)
+        }
+        Some([bg, bu, bd]) => {
+            let gx = be.linear(xe, g, Some(bg))?;
+            let ux = be.linear(xe, u, Some(bu))?;
+            let h = be.gated_act(&gx, &ux, act)?;
+            be.linear(&h, dn, Some(bd))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ impl RopeParams {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct AttentionParams {
     pub n_heads: usize,
     pub n_kv_heads: usize,
@@ -53,6 +53,21 @@ pub struct AttentionParams {
     pub scale: f32,
     /// Keys at distance >= window from the query are masked (Gemma 3 local layers).
     pub window: Option<usize>,
+    /// Attention sinks (GPT-OSS), `(H)`: per query head a learned logit that joins the softmax
+    /// as one more column whose value is zero, i.e. `exp(sink - m)` is added to the softmax's
+    /// denominator and nothing to its numerator. `None`: a plain softmax.
+    pub sinks: Option<std::sync::Arc<[f32]>>,
+}
+
+impl AttentionParams {
+    /// Head `h`'s sink logit, or `-inf` (no sink: `exp(-inf) = 0` adds nothing).
+    #[inline]
+    pub fn sink(&self, h: usize) -> f32 {
+        self.sinks
+            .as_ref()
+            .and_then(|s| s.get(h).copied())
+            .unwrap_or(f32::NEG_INFINITY)
+    }
 }
 
 /// Key/value cache of one layer, laid out `(Hkv, S_cap, Dh)` so a head's keys are contiguous.
@@ -194,6 +209,18 @@ pub trait Backend: Send + Sync {
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
     /// `gelu_tanh(gate) * up`.
     fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
+    /// `act(gate, up)` element-wise for any [`GateAct`]: the plain two through
+    /// [`Backend::silu_mul`] and [`Backend::gelu_tanh_mul`]; a backend that has the others
+    /// overrides this (the default refuses them by name).
+    fn gated_act(&self, gate: &Tensor, up: &Tensor, act: GateAct) -> Result<Tensor> {
+        match act {
+            GateAct::Silu => self.silu_mul(gate, up),
+            GateAct::GeluTanh => self.gelu_tanh_mul(gate, up),
+            GateAct::ClampedSwiglu { .. } => Err(crate::Error::Msg(
+                "the clamped SwiGLU (GPT-OSS experts) is not supported on this backend yet".into(),
+            )),
+        }
+    }
     /// `x += y`.
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()>;
     /// `x = tanh(x / cap) * cap` (Gemma's final-logit soft cap).
@@ -391,10 +418,25 @@ pub fn check_rope(x: &Tensor, n_heads: usize, p: &RopeParams) -> Result<usize> {
 }
 
 /// The activation of a gated MLP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum GateAct {
     Silu,
     GeluTanh,
+    /// GPT-OSS's clamped SwiGLU (transformers' `GptOssExperts`): `g = min(gate, limit)`,
+    /// `u = clamp(up, -limit, limit)`, `(u + 1) · g · σ(alpha · g)`.
+    ClampedSwiglu {
+        alpha: f32,
+        limit: f32,
+    },
+}
+
+/// GPT-OSS's clamped SwiGLU of one element ([`GateAct::ClampedSwiglu`]): the reference every
+/// backend's kernel is held to.
+#[inline]
+pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+    let g = gate.min(limit);
+    let u = up.clamp(-limit, limit);
+    (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
 }
 
 /// [`Backend::rope_store`] as two RoPEs and a cache write (`heads`: q's and k's head counts,
@@ -445,10 +487,7 @@ pub fn linear_gated_composed<B: Backend + ?Sized>(
 ) -> Result<Tensor> {
     let g = be.linear(x, gate, None)?;
     let u = be.linear(x, up, None)?;
-    match act {
-        GateAct::Silu => be.silu_mul(&g, &u),
-        GateAct::GeluTanh => be.gelu_tanh_mul(&g, &u),
-    }
+    be.gated_act(&g, &u, act)
 }
 
 /// Checks an attention call's shapes against its cache (shared by every backend): `q` is
@@ -472,6 +511,7 @@ pub fn check_attention<T: KvElem>(
             T::VALUES
         )));
     }
+    check_sinks(p)?;
     let row = dh / T::VALUES;
     let total = pos0 + t;
     if total > cache.capacity
@@ -484,6 +524,18 @@ pub fn check_attention<T: KvElem>(
         )));
     }
     Ok(t)
+}
+
+/// Attention sinks, when given, are one per query head (every backend's attention).
+pub fn check_sinks(p: &AttentionParams) -> Result<()> {
+    match &p.sinks {
+        Some(s) if s.len() != p.n_heads => Err(crate::Error::Shape(format!(
+            "attention: {} sinks for {} heads",
+            s.len(),
+            p.n_heads
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Element-wise ops need equal shapes (shared by every backend).
@@ -500,6 +552,16 @@ pub fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// transformers' `GptOssExperts`: gate clamped above only, up both ways, `(up + 1)·glu`.
+    #[test]
+    fn clamped_swiglu_clamps_as_transformers() {
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let f = |g, u| super::clamped_swiglu(g, u, 1.702, 7.0);
+        assert_eq!(f(10.0, -9.0), (-7.0 + 1.0) * 7.0 * sig(1.702 * 7.0));
+        assert_eq!(f(-10.0, 9.0), (7.0 + 1.0) * -10.0 * sig(1.702 * -10.0));
+        assert_eq!(f(0.5, 0.25), 1.25 * 0.5 * sig(1.702 * 0.5));
+    }
+
     /// Every f16 bit pattern widens to what `half` gives (NaNs to a NaN).
     #[test]
     fn f16_widening_is_exact() {

@@ -114,7 +114,7 @@ impl SeqLayout {
 
 /// Attention of a training forward: [`AttentionParams`] plus the scores' soft cap
 /// (`cap · tanh(s / cap)` before the softmax, where the family has one).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct TrainAttention {
     pub p: AttentionParams,
     pub softcap: Option<f32>,
@@ -343,6 +343,11 @@ pub fn check_attention(
         return Err(Error::Shape(format!(
             "attention: {h} heads in {hkv} kv groups of width {dh}"
         )));
+    }
+    if p.sinks.is_some() {
+        return Err(Error::Msg(
+            "training attention with sinks (GPT-OSS) is not supported yet".into(),
+        ));
     }
     for (t, width, what) in [(q, h * dh, "q"), (k, hkv * dh, "k"), (v, hkv * dh, "v")] {
         layout.check(t, what)?;

@@ -29,6 +29,8 @@ fn act_and_slope(act: GateAct, g: f32) -> (f32, f32) {
                 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * da,
             )
         }
+        // Not of the form act(g) · up: refused by `gated_act_backward` before any element.
+        GateAct::ClampedSwiglu { .. } => (0.0, 0.0),
     }
 }
 
@@ -39,6 +41,11 @@ pub fn gated_act_backward(
     dy: &Tensor,
     act: GateAct,
 ) -> Result<(Tensor, Tensor)> {
+    if let GateAct::ClampedSwiglu { .. } = act {
+        return Err(hf2q_tensor::Error::Msg(
+            "training through the clamped SwiGLU (GPT-OSS experts) is not supported".into(),
+        ));
+    }
     same_shape(gate, up, "gated_act_backward")?;
     same_shape(gate, dy, "gated_act_backward")?;
     let (dg, du): (Vec<f32>, Vec<f32>) = gate

@@ -232,6 +232,7 @@ fn bench_train() {
                 head_dim: s.dh,
                 scale: 1.0 / (s.dh as f32).sqrt(),
                 window: None,
+                sinks: None,
             },
             softcap: None,
         };

@@ -313,6 +313,7 @@ impl Gemma4Block {
                 head_dim: dh,
                 scale: cfg.attn_scale,
                 window: if global { None } else { cfg.sliding_window },
+                sinks: None,
             },
             eps: cfg.rms_eps,
             norm_offset: cfg.norm_offset,

@@ -7,7 +7,8 @@
 //! Granite and MiniCPM (each half's output scaled by `residual_multiplier`, MiniCPM's
 //! `scale_depth / sqrt(layers)`, before the residual sum).
 //! Reference: `modeling_phi3.py` / `modeling_smollm3.py` / `modeling_granite.py` /
-//! `modeling_minicpm.py`.
+//! `modeling_minicpm.py`. GPT-OSS too: its sinks, biases and YaRN live in `Attention`, its
+//! router bias, expert biases and clamped SwiGLU in `MoeMlp` (`modeling_gpt_oss.py`).
 
 use hf2q_tensor::op::{PreNorm, RopeParams};
 use hf2q_tensor::Tensor;

@@ -171,6 +171,8 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
         Some(src.vector("rope_freqs.weight")?)
     } else if let Some(l) = &cfg.longrope {
         Some(l.short_factor.clone())
+    } else if let Some(y) = &cfg.yarn {
+        Some(y.freq_factors(cfg.rope_theta as f64, cfg.rope_dims))
     } else {
         cfg.llama3_freq_factors()
     };
@@ -194,7 +196,8 @@ pub fn load_blocks(src: &WeightSource, cfg: &ModelConfig) -> Result<Vec<Box<dyn 
                 | Arch::Phi3
                 | Arch::SmolLm3
                 | Arch::Granite
-                | Arch::MiniCpm => Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?),
+                | Arch::MiniCpm
+                | Arch::GptOss => Box::new(llama::LlamaBlock::load(src, cfg, i, rope)?),
                 Arch::Olmo2 => Box::new(olmo2::Olmo2Block::load(src, cfg, i, rope)?),
                 Arch::Gemma3 => Box::new(gemma3::Gemma3Block::load(src, cfg, i, rope)?),
                 Arch::Gemma4 => {

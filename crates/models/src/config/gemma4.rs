@@ -166,6 +166,7 @@ pub(super) fn from_hf(c: &mut ModelConfig, v: &Value) -> Result<()> {
             expert_width: need("moe_intermediate_size")?,
             renormalize: true,
             layers: vec![true; c.n_layers],
+            clamped_swiglu: None,
         })
     } else {
         None

@@ -195,6 +195,7 @@ fn hf_class(c: &ModelConfig) -> (&'static str, &'static str) {
         Arch::Granite => ("GraniteForCausalLM", "granite"),
         Arch::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
         Arch::MiniCpm => ("MiniCPMForCausalLM", "minicpm"),
+        Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
     }
 }
 

@@ -286,6 +286,14 @@ impl SourceModel {
     fn open_folder(dir: &Path) -> Result<SourceModel> {
         let cfg = read_config_json(dir)?;
         let config = ModelConfig::from_hf_json(&cfg)?;
+        if config.arch == crate::config::Arch::GptOss {
+            // Its MXFP4 experts, sinks and router have no GGUF/MLX names here yet.
+            return Err(Error::Msg(format!(
+                "{}: converting or quantizing GPT-OSS is not supported yet (it runs from its \
+                 folder as it is)",
+                dir.display()
+            )));
+        }
         let weights = WeightSource::safetensors(dir, &cfg)?;
         let WeightSource::St { st, prefixes, .. } = &weights else {
             unreachable!("folder source")

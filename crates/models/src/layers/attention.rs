@@ -1,7 +1,8 @@
 //! Self-attention with grouped KV heads, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3,
 //! Gemma 3), RoPE, optional sliding window, writing into the layer's KV cache; and its training
 //! forward (a packed batch, no cache) and backward. Gemma 4 adds a scale-less RMSNorm of the
-//! values and layers whose keys' projection gives the values (inference only).
+//! values and layers whose keys' projection gives the values (inference only); GPT-OSS a bias
+//! on the output projection and per-head sinks in the softmax (inference only).
 
 use hf2q_tensor::op::{AttentionParams, Backend, PreNorm, RopeParams};
 use hf2q_tensor::train_op::{AttentionOut, TrainAttention};
@@ -113,9 +114,14 @@ impl Attention {
                 Linear::load(src, &format!("{prefix}.self_attn.v_proj"), bias)?,
             )
         };
-        // LongRoPE's attention factor: on a fully rotated head it is the score's scale (s²);
-        // on a partial one, the rotated dimensions of the queries carry s².
-        let s = cfg.longrope.as_ref().map_or(1.0, |l| l.attn_factor);
+        // LongRoPE's and YaRN's attention factor (cos and sin times s): on a fully rotated head
+        // it is the score's scale (s²); on a partial one, the rotated dimensions of the queries
+        // carry s².
+        let s = match (&cfg.longrope, &cfg.yarn) {
+            (Some(l), _) => l.attn_factor,
+            (None, Some(y)) => y.attn_factor,
+            (None, None) => 1.0,
+        };
         let rotated = rope.dims;
         let (scale, q_rot_scale) = if s == 1.0 || rotated == 0 {
             (cfg.attn_scale, None)
@@ -124,11 +130,30 @@ impl Attention {
         } else {
             (cfg.attn_scale, Some((rotated, s * s)))
         };
+        let sinks = if cfg.attention_sinks {
+            let s = src.vector(&format!("{prefix}.self_attn.sinks"))?;
+            if s.len() != cfg.n_heads {
+                return Err(crate::Error::Config(format!(
+                    "'{prefix}.self_attn.sinks' has {} values for {} heads",
+                    s.len(),
+                    cfg.n_heads
+                )));
+            }
+            Some(s)
+        } else {
+            None
+        };
         Ok(Attention {
             q,
             k,
             v,
-            o: Linear::load(src, &format!("{prefix}.self_attn.o_proj"), false)?,
+            // The output projection's bias where the checkpoint has one (GPT-OSS; Qwen2's
+            // attention bias stops at q/k/v).
+            o: Linear::load(
+                src,
+                &format!("{prefix}.self_attn.o_proj"),
+                bias && src.contains(&format!("{prefix}.self_attn.o_proj.bias")),
+            )?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
             v_norm: None,
@@ -141,6 +166,7 @@ impl Attention {
                 head_dim: cfg.head_dim,
                 scale,
                 window,
+                sinks: sinks.map(Into::into),
             },
             eps: cfg.rms_eps,
             norm_offset: cfg.norm_offset,
@@ -358,7 +384,7 @@ pub struct AttentionSaved {
 impl Attention {
     fn train_params(&self) -> TrainAttention {
         TrainAttention {
-            p: self.params,
+            p: self.params.clone(),
             softcap: None,
         }
     }
@@ -372,6 +398,11 @@ impl Attention {
                 "training attention whose values are normed or are the keys (Gemma 4) is not \
                  supported yet"
                     .into(),
+            ));
+        }
+        if p.sinks.is_some() {
+            return Err(crate::Error::Msg(
+                "training attention with sinks (GPT-OSS) is not supported yet".into(),
             ));
         }
         let (q, sq) = self.q.forward_train(cx, h)?;

@@ -58,10 +58,7 @@ impl Mlp {
         if !self.gate.is_plain(cx) || !self.up.is_plain(cx) {
             let g = self.gate.forward(cx, x)?;
             let u = self.up.forward(cx, x)?;
-            return Ok(match act {
-                GateAct::Silu => be.silu_mul(&g, &u)?,
-                GateAct::GeluTanh => be.gelu_tanh_mul(&g, &u)?,
-            });
+            return Ok(be.gated_act(&g, &u, act)?);
         }
         Ok(be.linear_gated(x, &self.gate.w, &self.up.w, act)?)
     }
@@ -87,10 +84,7 @@ impl Mlp {
     pub fn forward_train(&self, cx: &TrainCtx, h: &Tensor) -> Result<(Tensor, MlpSaved)> {
         let (g, sg) = self.gate.forward_train(cx, h)?;
         let (u, su) = self.up.forward_train(cx, h)?;
-        let a = match self.gate_act() {
-            GateAct::Silu => cx.be.silu_mul(&g, &u)?,
-            GateAct::GeluTanh => cx.be.gelu_tanh_mul(&g, &u)?,
-        };
+        let a = cx.be.gated_act(&g, &u, self.gate_act())?;
         let (y, sd) = self.down.forward_train(cx, &a)?;
         Ok((
             y,

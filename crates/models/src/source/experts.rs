@@ -12,10 +12,17 @@
 //!   MLP (no `mlp.` in the path); in GGUF `ffn_gate_up_exps` (or gate and up apart) and
 //!   `ffn_down_exps`.
 //!
-//! Not read yet: MLX's `switch_mlp` (refused with a message naming it).
+//! - GPT-OSS: MXFP4 `mlp.experts.{gate_up,down}_proj_{blocks,scales}` (`(E, R, C/32, 16)` codes,
+//!   `(E, R, C/32)` E8M0 scales; gate and up rows interleaved, gate first) repacked once into
+//!   ggml's MXFP4 blocks (17 bytes per 32 values, the same values: the weights stay quantized),
+//!   with the products' biases (`*_proj_bias`).
+//!
+//! Not read yet: MLX's `switch_mlp` (refused with a message naming it); GPT-OSS experts in
+//! another form (a dequantized checkpoint's `gate_up_proj (E, D, 2F)`, GGUF).
 
-use hf2q_tensor::moe::{expert_name, Experts};
-use hf2q_tensor::QTensor;
+use hf2q_tensor::moe::{expert_name, ExpertBiases, Experts};
+use hf2q_tensor::quant::mxfp4;
+use hf2q_tensor::{Bytes, GgmlType, QTensor};
 
 use super::{st_dtype_to_ggml, WeightSource};
 use crate::names::hf_to_gguf;
@@ -140,6 +147,119 @@ impl WeightSource {
                 )?
                 .ok_or_else(|| Error::MissingTensor(format!("{stem}.gate_up_proj"))),
         }
+    }
+
+    /// GPT-OSS's MXFP4 experts of the layer under `prefix` (`model.layers.N`) with their
+    /// biases: `gate_up` `(E, 2F, D)` rows interleaved (row `2j` gate `j`, `2j + 1` up `j`, as
+    /// transformers' `gate_up[..., ::2]` / `[..., 1::2]` read them) become each expert's gate rows
+    /// then its up rows; `down` `(E, D, F)`.
+    pub fn gpt_oss_experts(&self, prefix: &str, n_experts: usize) -> Result<Experts> {
+        let WeightSource::St { st, prefixes, .. } = self else {
+            return Err(Error::Config(
+                "GPT-OSS from GGUF is not supported yet (Hugging Face MXFP4 checkpoints only)"
+                    .into(),
+            ));
+        };
+        let stem = format!("{prefix}.mlp.experts");
+        let find = |n: &str| Self::st_name(st, prefixes, &format!("{stem}.{n}"));
+        if find("gate_up_proj_blocks").is_none() && find("gate_up_proj").is_some() {
+            return Err(Error::Config(format!(
+                "{stem}: dequantized GPT-OSS experts (gate_up_proj) are not supported yet; \
+                 the MXFP4 checkpoint (gate_up_proj_blocks / _scales) is"
+            )));
+        }
+        // One packed part as `(E·R, C)` ggml MXFP4 rows, with `[E, R, C]`.
+        let packed = |part: &str| -> Result<(Vec<u8>, [usize; 3])> {
+            let get = |suffix: &str| {
+                let n = format!("{part}_{suffix}");
+                let name = find(&n).ok_or_else(|| Error::MissingTensor(format!("{stem}.{n}")))?;
+                let (file, info) = st
+                    .get(&name)
+                    .ok_or_else(|| Error::MissingTensor(name.clone()))?;
+                if info.dtype != hf2q_tensor::io::safetensors::StDtype::U8 {
+                    return Err(Error::Config(format!(
+                        "'{name}' is {:?}, uint8 MXFP4 expected",
+                        info.dtype
+                    )));
+                }
+                Ok((name, info.shape.clone(), file.tensor_data(info)?))
+            };
+            let (bn, bshape, blocks) = get("blocks")?;
+            let (sn, sshape, scales) = get("scales")?;
+            let [e, r, g, 16] = bshape[..] else {
+                return Err(Error::Config(format!(
+                    "'{bn}' has shape {bshape:?}, (experts, rows, blocks, 16) expected"
+                )));
+            };
+            if sshape != [e, r, g] || e != n_experts {
+                return Err(Error::Config(format!(
+                    "'{bn}' {bshape:?} and '{sn}' {sshape:?} disagree, or hold other than {n_experts} experts"
+                )));
+            }
+            let bytes = mxfp4::from_hf_blocks(blocks.as_slice(), scales.as_slice())?;
+            Ok((bytes, [e, r, g * mxfp4::QK_MXFP4]))
+        };
+        let bias = |part: &str, want: usize| -> Result<Vec<f32>> {
+            let n = format!("{part}_bias");
+            let name = find(&n).ok_or_else(|| Error::MissingTensor(format!("{stem}.{n}")))?;
+            let (file, info) = st
+                .get(&name)
+                .ok_or_else(|| Error::MissingTensor(name.clone()))?;
+            let b = file.to_f32(info)?;
+            if b.len() != want {
+                return Err(Error::Config(format!(
+                    "'{name}' has {} values, {want} expected",
+                    b.len()
+                )));
+            }
+            Ok(b)
+        };
+        let (gu, [_, two_f, d]) = packed("gate_up_proj")?;
+        let (dn, [_, dd, f]) = packed("down_proj")?;
+        if two_f != 2 * f || dd != d {
+            return Err(Error::Config(format!(
+                "{stem}: gate_up rows {two_f} x {d} and down {dd} x {f} disagree (2F x D and D x F)"
+            )));
+        }
+        // Each expert's interleaved rows regrouped: gate rows, then up rows.
+        let row = d / mxfp4::QK_MXFP4 * mxfp4::BLOCK_BYTES;
+        let mut grouped = Vec::with_capacity(gu.len());
+        for ex in gu.chunks_exact(two_f * row) {
+            for first in [0, 1] {
+                for j in 0..f {
+                    let at = (2 * j + first) * row;
+                    grouped.extend_from_slice(&ex[at..at + row]);
+                }
+            }
+        }
+        let name = |p: &str| format!("{stem}.{p}");
+        let gu_w = QTensor::ggml(
+            &name("gate_up_proj"),
+            GgmlType::MXFP4,
+            n_experts * two_f,
+            d,
+            Bytes::from_vec(grouped),
+        )?;
+        let dn_w = QTensor::ggml(
+            &name("down_proj"),
+            GgmlType::MXFP4,
+            n_experts * d,
+            f,
+            Bytes::from_vec(dn),
+        )?;
+        let gu_b = bias("gate_up_proj", n_experts * two_f)?;
+        let (gate, up) = (
+            gu_b.iter().step_by(2).copied().collect(),
+            gu_b.iter().skip(1).step_by(2).copied().collect(),
+        );
+        let down = bias("down_proj", n_experts * d)?;
+        Ok(
+            fused_views(&gu_w, &dn_w, n_experts, f, d)?.with_biases(ExpertBiases {
+                gate,
+                up,
+                down,
+            })?,
+        )
     }
 
     /// transformers' fused layout, when the checkpoint has it.

@@ -380,6 +380,19 @@ impl WeightSource {
                         continue;
                     }
                     let n: u64 = info.shape.iter().map(|&d| d as u64).product();
+                    // GPT-OSS's MXFP4 experts: two values a byte in `*_blocks`, the scales of
+                    // `*_scales` counted with them.
+                    if let Some(stem) = name.strip_suffix("_scales") {
+                        if st.get(&format!("{stem}_blocks")).is_some() {
+                            continue;
+                        }
+                    }
+                    if let Some(stem) = name.strip_suffix("_blocks") {
+                        if st.get(&format!("{stem}_scales")).is_some() {
+                            out.push((name.clone(), "MXFP4".into(), n * 2));
+                            continue;
+                        }
+                    }
                     let stem = name.strip_suffix(".weight").unwrap_or(name);
                     if let (Some(q), true) = (quant, st.get(&format!("{stem}.scales")).is_some()) {
                         let over = q.get(stem);
