@@ -238,8 +238,13 @@ fn split_kv_types_tiny() {
 }
 
 /// The 4- and 5-bit types (and q8_0 keys with q4_0 values) on real SmolLM2 against the f16
-/// cache, prefill and decode, with bounds set from measurement (fast path, the golden text's
-/// ids; measured values in the comments of the table).
+/// cache, prefill and decode (fast path, the golden text's ids). Bounds set from measurement,
+/// (prefill, decode) in each row's comment: SmolLM2-135M's keys are what 4-bit blocks hurt
+/// (a few large channels set each block's scale, the rest round to a few steps; with 3 kv heads
+/// every query head shares them), which is why q8_0 keys with q4_0 values sit 20x closer to f16
+/// than q4_0 for both. The margin covers the batch-dependent last bits of the fast path, which
+/// a block cache turns into whole-step differences (`gate`); these bounds state how far each
+/// type moves this model, not a quality promise.
 #[test]
 fn low_bit_kv_bound_smollm2() {
     let Some((mut model, ids)) = smollm2() else {
@@ -250,11 +255,11 @@ fn low_bit_kv_bound_smollm2() {
         v: KvType::Q4_0,
     };
     for (ty, limits) in [
-        (KvType::Q4_0.into(), (0, 1.0)),
-        (KvType::Q4_1.into(), (0, 1.0)),
-        (KvType::Q5_0.into(), (0, 1.0)),
-        (KvType::Q5_1.into(), (0, 1.0)),
-        (split, (0, 1.0)),
+        (KvType::Q4_0.into(), (65, 0.3)),  // 74/74, KL 0.19/0.18
+        (KvType::Q4_1.into(), (80, 0.15)), // 88/90, KL 0.084/0.086
+        (KvType::Q5_0.into(), (85, 6e-2)), // 96/92, KL 0.035/0.034
+        (KvType::Q5_1.into(), (88, 3e-2)), // 97/95, KL 0.016/0.017
+        (split, (90, 1.5e-2)),             // 96/97, KL 8.4e-3/8.5e-3
     ] {
         bound("smollm2", &mut model, &ids, ty, limits);
     }
