@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use hf2q_models::chat_template::{self, ChatMessage};
 use hf2q_models::generate::GenerateParams;
 use hf2q_models::generation::GenerationDefaults;
+use hf2q_models::kv_cache::KvTypes;
 use hf2q_models::sampler::SamplerConfig;
 use hf2q_models::Model;
 
@@ -74,8 +75,8 @@ pub struct SampleArgs {
     pub device: DeviceChoice,
     #[command(flatten)]
     pub cuda: CudaOptArgs,
-    #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
-    pub kv_type: KvTypeChoice,
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// A LoRA adapter to apply: a PEFT folder (adapter_config.json + adapter_model.safetensors,
     /// from `hf2q train` or `peft`), a llama.cpp LoRA .gguf, or an mlx-lm adapter folder
     /// (adapters.safetensors); told apart by content.
@@ -83,20 +84,46 @@ pub struct SampleArgs {
     pub adapter: Option<PathBuf>,
 }
 
+/// `--kv-type`, `--kv-type-k`, `--kv-type-v`: what the KV cache stores keys and values as, on
+/// every command that runs a model.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct KvArgs {
+    #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
+    pub kv_type: KvTypeChoice,
+    /// The keys' type (llama.cpp's -ctk), instead of --kv-type's.
+    #[arg(long, value_enum, value_name = "TYPE")]
+    pub kv_type_k: Option<KvTypeChoice>,
+    /// The values' type (llama.cpp's -ctv), instead of --kv-type's.
+    #[arg(long, value_enum, value_name = "TYPE")]
+    pub kv_type_v: Option<KvTypeChoice>,
+}
+
+impl KvArgs {
+    /// The key and value types: `--kv-type-k` / `--kv-type-v` where given, else `--kv-type`.
+    pub fn types(&self) -> KvTypes {
+        KvTypes {
+            k: self.kv_type_k.unwrap_or(self.kv_type).kv_type(),
+            v: self.kv_type_v.unwrap_or(self.kv_type).kv_type(),
+        }
+    }
+}
+
 /// `--kv-type`'s help, the same for every command that runs a model.
-pub const KV_TYPE_HELP: &str =
-    "What the KV cache stores: f16 (half the memory), f32 (exact), q8_0 or q4_0 (ggml blocks, CPU)";
+pub const KV_TYPE_HELP: &str = "What the KV cache stores: f16 (half the memory), f32 (exact), \
+q8_0, q4_0, q4_1, q5_0 or q5_1 (ggml blocks, CPU); --kv-type-k / --kv-type-v for each";
 pub const KV_TYPE_LONG_HELP: &str = "What the KV cache stores keys and values as (llama.cpp's \
 --cache-type-k/-v). f16, the default, halves the cache's memory (and what each generated token \
 reads); keys and values are rounded to f16 once, when written (next-token distributions move \
 by a mean KL of about 1e-6 on the tested models). f32 keeps what the model computed bit for \
 bit: for exact comparisons with the reference (--matmul reference) or with transformers. \
-q8_0 stores llama.cpp's Q8_0 blocks (32 values as an f16 scale and 32 8-bit integers, 34 bytes \
+q8_0, q4_0, q4_1, q5_0 and q5_1 store llama.cpp's blocks of 32 values; q8_0 stores Q8_0 blocks (32 values as an f16 scale and 32 8-bit integers, 34 bytes \
 against f16's 64; -ctk/-ctv q8_0), quantized when written and read directly by the attention; \
 it needs head widths that are multiples of 32 and runs on the CPU only for now (--device auto \
-then stays on the CPU). q4_0 stores Q4_0 blocks (4-bit values, 18 bytes per 32; 28 % of f16), \
-the same way, with a larger effect on the output. f16 and f32 apply to the CPU and the GPU \
-cache.";
+then stays on the CPU). q4_0 (4-bit values, 18 bytes per 32; 28 % of f16), q4_1 (4-bit with an \
+offset, 20), q5_0 (5-bit, 22) and q5_1 (5-bit with an offset, 24) are stored and read the same \
+way, with a larger effect on the output. --kv-type-k and --kv-type-v (llama.cpp's -ctk/-ctv) \
+choose the keys' and the values' type apart (keys are the more sensitive). f16 and f32 apply \
+to the CPU and the GPU cache (one type for both there).";
 
 /// `--kv-type`: what the KV cache stores.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -112,6 +139,15 @@ pub enum KvTypeChoice {
     /// llama.cpp's Q4_0 blocks (4.5 bits a value): 28 % of f16's memory, less exact; CPU only.
     #[value(name = "q4_0")]
     Q4_0,
+    /// llama.cpp's Q4_1 blocks (5 bits a value, 4-bit with an offset): 31 % of f16; CPU only.
+    #[value(name = "q4_1")]
+    Q4_1,
+    /// llama.cpp's Q5_0 blocks (5.5 bits a value): 34 % of f16; CPU only.
+    #[value(name = "q5_0")]
+    Q5_0,
+    /// llama.cpp's Q5_1 blocks (6 bits a value, 5-bit with an offset): 38 % of f16; CPU only.
+    #[value(name = "q5_1")]
+    Q5_1,
 }
 
 impl KvTypeChoice {
@@ -122,10 +158,19 @@ impl KvTypeChoice {
             KvTypeChoice::F32 => KvType::F32,
             KvTypeChoice::Q8_0 => KvType::Q8_0,
             KvTypeChoice::Q4_0 => KvType::Q4_0,
+            KvTypeChoice::Q4_1 => KvType::Q4_1,
+            KvTypeChoice::Q5_0 => KvType::Q5_0,
+            KvTypeChoice::Q5_1 => KvType::Q5_1,
         }
     }
     pub fn name(self) -> &'static str {
         self.kv_type().name()
+    }
+}
+
+impl From<KvTypeChoice> for KvTypes {
+    fn from(c: KvTypeChoice) -> KvTypes {
+        c.kv_type().into()
     }
 }
 
@@ -186,16 +231,16 @@ impl CudaOptArgs {
     }
 }
 
-/// Opens the device `choice` asks for, with the CUDA options of `cuda`, its KV caches of type
+/// Opens the device `choice` asks for, with the CUDA options of `cuda`, its KV caches of types
 /// `kv`: `None` means the CPU. Bad `--cuda-opt` settings are an error even on the CPU.
 pub fn open_device(
     choice: DeviceChoice,
     cuda: &CudaOptArgs,
-    kv: KvTypeChoice,
+    kv: impl Into<KvTypes>,
 ) -> Result<Option<std::sync::Arc<hf2q_cuda::backend::CudaBackend>>> {
     use hf2q_cuda::backend::CudaBackend;
     use hf2q_cuda::CudaDev;
-    let options = cuda.options()?;
+    let (options, kv) = (cuda.options()?, kv.into());
     if choice == DeviceChoice::Cpu {
         return Ok(None);
     }
@@ -203,15 +248,14 @@ pub fn open_device(
         Ok(Some(dev)) => {
             // A cache type the GPU has no kernels for: an error when the GPU was asked for,
             // else the CPU.
-            let kv_dtype = match hf2q_cuda::KvDtype::try_from(kv.kv_type()) {
+            let kv_dtype = match hf2q_cuda::KvDtype::try_from(kv) {
                 Ok(t) => t,
                 Err(e) if choice == DeviceChoice::Cuda => {
                     bail!("--device cuda --kv-type {}: {e}", kv.name())
                 }
                 Err(_) => {
                     eprintln!(
-                        "note: --kv-type {} runs on the CPU (the GPU has no {} cache yet)",
-                        kv.name(),
+                        "note: --kv-type {} runs on the CPU (the GPU has no such cache yet)",
                         kv.name()
                     );
                     return Ok(None);
@@ -284,9 +328,9 @@ impl SampleArgs {
             );
         }
         model.set_matmul_path(self.matmul.path());
-        model.set_kv_type(self.kv_type.kv_type());
+        model.set_kv_type(self.kv.types());
         model.check_kv_type()?;
-        model.set_cuda(open_device(self.device, &self.cuda, self.kv_type)?)?;
+        model.set_cuda(open_device(self.device, &self.cuda, self.kv.types())?)?;
         model.warm_up()?;
         Ok(())
     }

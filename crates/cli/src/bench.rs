@@ -25,7 +25,7 @@ use hf2q_cuda::DeviceCounters;
 use hf2q_models::{Model, ModelInfo, Session};
 use serde_json::json;
 
-use crate::args::{DeviceChoice, KvTypeChoice, MatmulChoice};
+use crate::args::{DeviceChoice, MatmulChoice};
 use crate::pull;
 
 /// Slack allowed above file + KV cache in the peak-memory target.
@@ -63,6 +63,7 @@ pub struct BenchArgs {
     #[arg(
         short = 'd',
         long = "n-depth",
+        visible_alias = "depth",
         value_name = "N,...",
         value_delimiter = ',',
         default_value = "0"
@@ -107,8 +108,8 @@ pub struct BenchArgs {
     pub device: DeviceChoice,
     #[command(flatten)]
     pub cuda: crate::args::CudaOptArgs,
-    #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = crate::args::KV_TYPE_HELP, long_help = crate::args::KV_TYPE_LONG_HELP)]
-    pub kv_type: KvTypeChoice,
+    #[command(flatten)]
+    pub kv: crate::args::KvArgs,
     /// Seed of the random token ids.
     #[arg(long, value_name = "N", default_value_t = 42)]
     pub seed: u64,
@@ -488,9 +489,9 @@ fn bench_model(
     let mut model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
     let load_rss = peak_rss_bytes();
     model.set_matmul_path(matmul.path());
-    model.set_kv_type(a.kv_type.kv_type());
+    model.set_kv_type(a.kv.types());
     model.check_kv_type()?;
-    model.set_cuda(crate::args::open_device(a.device, &a.cuda, a.kv_type)?)?;
+    model.set_cuda(crate::args::open_device(a.device, &a.cuda, a.kv.types())?)?;
     let info = model.info();
     // Keys and values of one position, all layers (what a context of N tokens holds N times).
     let kv_per_token = model.kv_bytes_per_token();
@@ -498,7 +499,7 @@ fn bench_model(
         let f16_per_token = model.kv_bytes_per_token_as(hf2q_models::kv_cache::KvType::F16);
         eprintln!(
             "bench: KV cache {}: {kv_per_token} bytes per token ({:.1} % of f16's {f16_per_token})",
-            a.kv_type.name(),
+            a.kv.types().name(),
             100.0 * kv_per_token as f64 / f16_per_token.max(1) as f64
         );
     }
@@ -592,7 +593,9 @@ fn bench_model(
                     "n_params": info.parameters,
                     "backend": device,
                     "path": path_name,
-                    "kv_type": a.kv_type.name(),
+                    "kv_type": a.kv.types().name(),
+                    "kv_type_k": a.kv.types().k.name(),
+                    "kv_type_v": a.kv.types().v.name(),
                     "threads": t,
                     "test": test.name(),
                     "n_prompt": n_prompt,
@@ -634,7 +637,7 @@ fn bench_model(
                             (_, Some(g), false) => g.to_string(),
                             _ => path_name.to_string(),
                         },
-                        a.kv_type.name().to_string(),
+                        a.kv.types().name(),
                         t.to_string(),
                         test.name(),
                         format!("{mean:.2} ± {sd:.2}"),

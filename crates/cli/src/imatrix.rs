@@ -38,8 +38,8 @@ pub struct ImatrixArgs {
     /// NDJSON on stdout: progress lines, then the summary as the last line.
     #[arg(long)]
     pub json: bool,
-    #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
-    pub kv_type: args::KvTypeChoice,
+    #[command(flatten)]
+    pub kv: args::KvArgs,
 }
 
 pub fn run(a: ImatrixArgs) -> Result<()> {
@@ -54,7 +54,7 @@ pub fn run(a: ImatrixArgs) -> Result<()> {
         .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, mut model) = args::load_model(Some(&a.model))?;
     model.set_matmul_path(a.matmul.path());
-    model.set_kv_type(a.kv_type.kv_type());
+    model.set_kv_type(a.kv.types());
     model.check_kv_type()?;
     let opts = ImatrixOptions {
         ctx: a.ctx,

@@ -1,4 +1,5 @@
-//! `hf2q inspect`: what a model is, as a readable table or as JSON (`ModelInfo`).
+//! `hf2q inspect`: what a model is, as a readable table or as JSON (`ModelInfo`); with `--kv`,
+//! also what its KV cache takes per token and for a context, for the chosen cache types.
 
 use anyhow::Result;
 use hf2q_models::ModelInfo;
@@ -12,17 +13,80 @@ pub struct InspectArgs {
     /// Print the information as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Also show the KV cache's size: bytes per token and for --ctx tokens, for the cache
+    /// types of --kv-type / --kv-type-k / --kv-type-v (JSON: a `kv` object).
+    #[arg(long)]
+    pub kv: bool,
+    /// Context for --kv, in tokens [default: the model's context length].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub ctx: Option<usize>,
+    #[command(flatten)]
+    pub kv_types: args::KvArgs,
+}
+
+/// The KV cache's size for one choice of types (`inspect --kv`).
+#[derive(serde::Serialize)]
+struct KvSize {
+    kv_type: String,
+    kv_type_k: &'static str,
+    kv_type_v: &'static str,
+    bytes_per_token: usize,
+    /// What an f16 cache takes per token (the default, for comparison).
+    f16_bytes_per_token: usize,
+    context: usize,
+    /// Keys and values of `context` tokens, all layers.
+    bytes: u64,
 }
 
 pub fn inspect(a: InspectArgs) -> Result<()> {
-    let (_, model) = args::load_model(a.model.as_deref())?;
+    let (_, mut model) = args::load_model(a.model.as_deref())?;
     let info = model.info();
+    let kv = if a.kv {
+        let types = a.kv_types.types();
+        model.set_kv_type(types);
+        model.check_kv_type()?;
+        let per = model.kv_bytes_per_token();
+        let context = a.ctx.unwrap_or(model.context_length());
+        Some(KvSize {
+            kv_type: types.name(),
+            kv_type_k: types.k.name(),
+            kv_type_v: types.v.name(),
+            bytes_per_token: per,
+            f16_bytes_per_token: model.kv_bytes_per_token_as(hf2q_models::kv_cache::KvType::F16),
+            context,
+            bytes: per as u64 * context as u64,
+        })
+    } else {
+        None
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&info)?);
+        let mut v = serde_json::to_value(&info)?;
+        if let Some(kv) = &kv {
+            v["kv"] = serde_json::to_value(kv)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", table(&info));
+        if let Some(kv) = &kv {
+            print!("{}", kv_table(kv));
+        }
     }
     Ok(())
+}
+
+/// `inspect --kv`'s section, after the tensor types.
+fn kv_table(kv: &KvSize) -> String {
+    let pct = 100.0 * kv.bytes_per_token as f64 / kv.f16_bytes_per_token.max(1) as f64;
+    format!(
+        "\nkv cache:\n  type             {}\n  bytes per token  {} ({pct:.1} % of f16's {})\n  \
+         context          {} tokens: {} ({} bytes)\n",
+        kv.kv_type,
+        kv.bytes_per_token,
+        kv.f16_bytes_per_token,
+        kv.context,
+        human_bytes(kv.bytes),
+        kv.bytes,
+    )
 }
 
 /// 134_515_008 -> "134.5M".

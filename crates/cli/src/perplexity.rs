@@ -29,8 +29,8 @@ pub struct PerplexityArgs {
     /// NDJSON on stdout: progress lines, then the result as the last line.
     #[arg(long)]
     pub json: bool,
-    #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
-    pub kv_type: args::KvTypeChoice,
+    #[command(flatten)]
+    pub kv: args::KvArgs,
 }
 
 pub fn run(a: PerplexityArgs) -> Result<()> {
@@ -38,12 +38,12 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, mut model) = args::load_model(Some(&a.model))?;
-    model.set_kv_type(a.kv_type.kv_type());
+    model.set_kv_type(a.kv.types());
     model.check_kv_type()?;
     let base = match &a.kl_base {
         Some(b) => {
             let mut m = args::load_model(Some(b))?.1;
-            m.set_kv_type(a.kv_type.kv_type());
+            m.set_kv_type(a.kv.types());
             m.check_kv_type()?;
             Some(m)
         }

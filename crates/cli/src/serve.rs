@@ -84,8 +84,8 @@ pub struct ServeArgs {
     pub device: args::DeviceChoice,
     #[command(flatten)]
     pub cuda: args::CudaOptArgs,
-    #[arg(long, value_enum, value_name = "TYPE", default_value_t = args::KvTypeChoice::F16, help = args::KV_TYPE_HELP, long_help = args::KV_TYPE_LONG_HELP)]
-    pub kv_type: args::KvTypeChoice,
+    #[command(flatten)]
+    pub kv: args::KvArgs,
     /// Serve a LoRA adapter (a PEFT folder) beside the base as NAME: requests pick it with
     /// `"model": "BASE:NAME"` (or `NAME`), and sequences of different adapters share one batch.
     /// Repeat for several. CPU only.
@@ -254,9 +254,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     cfg.validate()?;
     let (path, mut model) = args::load_model(Some(&arg))?;
     model.set_matmul_path(a.matmul.path());
-    model.set_kv_type(a.kv_type.kv_type());
+    model.set_kv_type(a.kv.types());
     model.check_kv_type()?;
-    model.set_cuda(args::open_device(a.device, &a.cuda, a.kv_type)?)?;
+    model.set_cuda(args::open_device(a.device, &a.cuda, a.kv.types())?)?;
     model.warm_up()?;
     let trained = model.context_length();
     cfg.engine.ctx_size = match a.ctx_size {

@@ -482,9 +482,9 @@ struct Tile {
 
 /// Causal attention of `q (T, H*Dh)` at positions `pos0..pos0+T` over `cache` (see
 /// `Backend::attend`), flash style (module header).
-pub fn attention<T: KvRead>(
+pub fn attention<K: KvRead, V: KvRead>(
     q: &Tensor,
-    cache: &LayerCache<'_, T>,
+    cache: &LayerCache<'_, K, V>,
     pos0: usize,
     p: &AttentionParams,
 ) -> Result<Tensor> {
@@ -493,10 +493,10 @@ pub fn attention<T: KvRead>(
 
 /// [`attention`] with the kernels of `isa` (x86-64: AVX-512, AVX2; anything else runs the
 /// portable loops), so that tests can hold each form to the others on one machine.
-pub(crate) fn attention_on<T: KvRead>(
+pub(crate) fn attention_on<K: KvRead, V: KvRead>(
     isa: Isa,
     q: &Tensor,
-    cache: &LayerCache<'_, T>,
+    cache: &LayerCache<'_, K, V>,
     pos0: usize,
     p: &AttentionParams,
 ) -> Result<Tensor> {
@@ -510,8 +510,8 @@ pub(crate) fn attention_on<T: KvRead>(
         return decode(isa, q, cache, pos0, p);
     }
     let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
-    // A cache row's length in elements (Dh, or Dh / 32 blocks).
-    let rw = dh / T::VALUES;
+    // A key and a value row's lengths in elements (Dh, or Dh / 32 blocks).
+    let (rk, rv) = (dh / K::VALUES, dh / V::VALUES);
     let width = h * dh;
     let total = pos0 + t;
     let group = h / hkv;
@@ -523,7 +523,7 @@ pub(crate) fn attention_on<T: KvRead>(
     let kts: Vec<(Vec<f32>, usize)> = (0..hkv)
         .into_par_iter()
         .map(|g| {
-            let kbase = g * cache.capacity * rw;
+            let kbase = g * cache.capacity * rk;
             let mut buf = vec![0f32; dh * s_all + 16];
             let off = buf.as_ptr().align_offset(64).min(16);
             let kt = &mut buf[off..off + dh * s_all];
@@ -531,7 +531,7 @@ pub(crate) fn attention_on<T: KvRead>(
             for j in 0..total {
                 let krow = as_f32(
                     isa,
-                    &cache.k[kbase + j * rw..kbase + (j + 1) * rw],
+                    &cache.k[kbase + j * rk..kbase + (j + 1) * rk],
                     &mut row,
                 );
                 for (d, &kv) in krow.iter().enumerate() {
@@ -547,8 +547,8 @@ pub(crate) fn attention_on<T: KvRead>(
     let vs: Vec<std::borrow::Cow<'_, [f32]>> = (0..hkv)
         .into_par_iter()
         .map(|g| {
-            let src = &cache.v[g * cache.capacity * rw..g * cache.capacity * rw + total * rw];
-            match T::as_f32(src) {
+            let src = &cache.v[g * cache.capacity * rv..g * cache.capacity * rv + total * rv];
+            match V::as_f32(src) {
                 Some(v) => std::borrow::Cow::Borrowed(v),
                 None => {
                     let mut buf = vec![0f32; total * dh];
@@ -603,15 +603,15 @@ thread_local! {
 /// (two passes: scores, then the weighted sum of values). The tiled path would transpose every
 /// visible key of every kv head for this one row, which cost more than the attention itself.
 /// Already checked by the caller: `q` is one row, the cache holds `pos0 + 1` positions.
-fn decode<T: KvRead>(
+fn decode<K: KvRead, V: KvRead>(
     isa: Isa,
     q: &Tensor,
-    cache: &LayerCache<'_, T>,
+    cache: &LayerCache<'_, K, V>,
     pos0: usize,
     p: &AttentionParams,
 ) -> Result<Tensor> {
     let (h, dh) = (p.n_heads, p.head_dim);
-    let rw = dh / T::VALUES;
+    let (rk, rv) = (dh / K::VALUES, dh / V::VALUES);
     let group = h / p.n_kv_heads;
     let lo = match p.window {
         Some(w) => (pos0 + 1).saturating_sub(w),
@@ -619,9 +619,12 @@ fn decode<T: KvRead>(
     };
     let mut out = vec![0f32; h * dh];
     let run = |hi: usize, o: &mut [f32]| {
-        let base = (hi / group) * cache.capacity * rw;
-        let keys = &cache.k[base + lo * rw..base + (pos0 + 1) * rw];
-        let vals = &cache.v[base + lo * rw..base + (pos0 + 1) * rw];
+        let (kb, vb) = (
+            (hi / group) * cache.capacity * rk,
+            (hi / group) * cache.capacity * rv,
+        );
+        let keys = &cache.k[kb + lo * rk..kb + (pos0 + 1) * rk];
+        let vals = &cache.v[vb + lo * rv..vb + (pos0 + 1) * rv];
         let qh = &q.data()[hi * dh..(hi + 1) * dh];
         let mut with =
             |s: &mut Vec<f32>| decode_dispatch(isa, qh, keys, vals, (p.scale, p.sink(hi)), s, o);
@@ -645,11 +648,11 @@ fn decode<T: KvRead>(
 }
 
 /// [`decode_head`] compiled for `isa` (available: checked by [`attention_on`]).
-fn decode_dispatch<T: KvRead>(
+fn decode_dispatch<K: KvRead, V: KvRead>(
     isa: Isa,
     q: &[f32],
-    k: &[T],
-    v: &[T],
+    k: &[K],
+    v: &[V],
     sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
@@ -667,33 +670,33 @@ fn decode_dispatch<T: KvRead>(
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
-    decode_head::<PORTABLE, T>(q, k, v, sm, s, o)
+    decode_head::<PORTABLE, K, V>(q, k, v, sm, s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn decode_avx512<T: KvRead>(
+unsafe fn decode_avx512<K: KvRead, V: KvRead>(
     q: &[f32],
-    k: &[T],
-    v: &[T],
+    k: &[K],
+    v: &[V],
     sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    decode_head::<AVX512, T>(q, k, v, sm, s, o)
+    decode_head::<AVX512, K, V>(q, k, v, sm, s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_avx2<T: KvRead>(
+unsafe fn decode_avx2<K: KvRead, V: KvRead>(
     q: &[f32],
-    k: &[T],
-    v: &[T],
+    k: &[K],
+    v: &[V],
     sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    decode_head::<AVX2, T>(q, k, v, sm, s, o)
+    decode_head::<AVX2, K, V>(q, k, v, sm, s, o)
 }
 
 /// One query head `q (Dh)` over key and value rows `k`, `v` (n, Dh) -> `o (Dh)`: scores,
@@ -701,15 +704,15 @@ unsafe fn decode_avx2<T: KvRead>(
 /// (`-inf`: none). `s` is scratch. `L`: the vector unit the caller
 /// was compiled for (the dot products and the weighted sum use its vectors directly).
 #[inline(always)]
-fn decode_head<const L: u8, T: KvRead>(
+fn decode_head<const L: u8, K: KvRead, V: KvRead>(
     q: &[f32],
-    k: &[T],
-    v: &[T],
+    k: &[K],
+    v: &[V],
     sm: (f32, f32),
     s: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    let rw = q.len() / T::VALUES;
+    let rw = q.len() / K::VALUES;
     let n = k.len() / rw;
     if n == 0 {
         // No visible key (a zero-width window): the reference's empty sum.
@@ -724,7 +727,7 @@ fn decode_head<const L: u8, T: KvRead>(
     // A sink (GPT-OSS; -inf without one) joins the max and, below, the denominator only.
     let mut m = sink;
     for (e, kr) in s.iter_mut().zip(k.chunks_exact(rw)) {
-        *e = T::dot::<L>(q, kr) * scale;
+        *e = K::dot::<L>(q, kr) * scale;
         m = m.max(*e);
     }
     let mut lanes = [0f32; 16];
@@ -744,7 +747,7 @@ fn decode_head<const L: u8, T: KvRead>(
         l += *e;
     }
     o.fill(0.0);
-    T::accumulate::<L>(o, &s[..n], v);
+    V::accumulate::<L>(o, &s[..n], v);
     let inv = 1.0 / l;
     for x in o.iter_mut() {
         *x *= inv;
@@ -1868,7 +1871,7 @@ mod tests {
         let mut s = Vec::new();
         // No visible key: zeros, as the reference's empty sum.
         let mut o = vec![f32::NAN; 8];
-        decode_head::<PORTABLE, T>(
+        decode_head::<PORTABLE, T, T>(
             &[1.0; 8],
             &[],
             &[],
@@ -1898,7 +1901,7 @@ mod tests {
                 let l: f64 = p.iter().sum();
                 let mut forms: Vec<(&str, Vec<f32>)> = Vec::new();
                 let mut o = vec![f32::NAN; dh];
-                decode_head::<PORTABLE, T>(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o);
+                decode_head::<PORTABLE, T, T>(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o);
                 forms.push(("portable", o.clone()));
                 #[cfg(target_arch = "x86_64")]
                 {
@@ -1992,12 +1995,13 @@ mod tests {
         assert_eq!(cases, 108);
     }
 
-    /// Every kernel form this CPU runs over Q8_0 caches (decode reads the blocks with each
-    /// form's dot and weighted sum; prefill dequantizes rows into its tiles), against the
-    /// portable form and the reference over the same blocks.
+    /// Every kernel form this CPU runs over block caches of every type (and keys and values of
+    /// different types; decode reads the blocks with each form's dot and weighted sum; prefill
+    /// dequantizes rows into its tiles), against the portable form and the reference over the
+    /// same blocks.
     #[test]
     fn every_isa_agrees_on_block_caches() {
-        use hf2q_tensor::kv::{HostKv, KvType, KvView};
+        use hf2q_tensor::kv::{HostKv, KvType, KvTypes};
         let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
             .into_iter()
             .filter(|i| i.is_available())
@@ -2025,15 +2029,24 @@ mod tests {
                         let q = (0..t * h * dh).map(|_| 3.0 * f()).collect();
                         let q = Tensor::new(&[t, h * dh], q).unwrap();
                         let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
-                        for ty in [KvType::Q8_0, KvType::Q4_0] {
+                        // Every block type, and a key type unlike the value type.
+                        let split = KvTypes {
+                            k: KvType::Q8_0,
+                            v: KvType::Q5_1,
+                        };
+                        let types = KvType::BLOCKS.map(KvTypes::from);
+                        for ty in types.into_iter().chain([split]) {
                             let mut kv = HostKv::new(hkv, dh, ty);
                             kv.write(&kt, &vt, 0, n + 5).unwrap();
                             let what = format!("{} {what}", ty.name());
-                            match kv.view() {
-                                KvView::Q8_0(c) => all_forms_agree(&isas, &q, &c, pos0, &p, &what),
-                                KvView::Q4_0(c) => all_forms_agree(&isas, &q, &c, pos0, &p, &what),
-                                _ => unreachable!(),
-                            }
+                            let forms = AllForms {
+                                isas: &isas,
+                                q: &q,
+                                pos0,
+                                p: &p,
+                                what: &what,
+                            };
+                            crate::kv_view::visit(kv.view(), forms);
                         }
                     }
                 }
@@ -2041,10 +2054,26 @@ mod tests {
         }
     }
 
-    fn all_forms_agree<T: KvRead>(
+    /// The check of [`all_forms_agree`] as a visitor of a cache of any types.
+    struct AllForms<'a> {
+        isas: &'a [Isa],
+        q: &'a Tensor,
+        pos0: usize,
+        p: &'a AttentionParams,
+        what: &'a str,
+    }
+
+    impl crate::kv_view::KvVisit for AllForms<'_> {
+        type Out = ();
+        fn visit<K: KvRead, V: KvRead>(self, c: &LayerCache<'_, K, V>) {
+            all_forms_agree(self.isas, self.q, c, self.pos0, self.p, self.what)
+        }
+    }
+
+    fn all_forms_agree<K: KvRead, V: KvRead>(
         isas: &[Isa],
         q: &Tensor,
-        c: &LayerCache<'_, T>,
+        c: &LayerCache<'_, K, V>,
         pos0: usize,
         p: &AttentionParams,
         what: &str,

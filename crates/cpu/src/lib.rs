@@ -3,7 +3,8 @@
 //!
 //! The reference path is scalar, obvious f32 code (parallel over rows/heads with rayon); every
 //! faster kernel, CPU SIMD ([`kernels`]) or CUDA (`hf2q-cuda`), is held to its results. Also here:
-//! the tiled attention (`attention.rs`), the paged KV cache's host twin ([`paged`]), dense f32 products ([`dense`]) and the training ops
+//! the tiled attention (`attention.rs`) and its dispatch over a cache's key and value types
+//! ([`kv_view`]), the paged KV cache's host twin ([`paged`]), dense f32 products ([`dense`]) and the training ops
 //! (`train/`). Not here: the op set's types and checks (`hf2q_tensor::op`, `train_op`).
 
 use rayon::prelude::*;
@@ -11,6 +12,7 @@ use rayon::prelude::*;
 mod attention;
 pub mod dense;
 pub mod kernels;
+pub mod kv_view;
 pub mod paged;
 pub(crate) mod train;
 
@@ -18,7 +20,7 @@ pub use attention::{BlockRead, KvRead};
 
 use kernels::ActBits;
 
-use hf2q_tensor::kv::{KvStore, KvView};
+use hf2q_tensor::kv::KvStore;
 use hf2q_tensor::op::{
     check_rows, same_shape, AttentionParams, Backend, GateAct, LayerCache, MatmulSpec, RopeParams,
     RopeStyle,
@@ -175,10 +177,10 @@ impl CpuBackend {
     /// Causal attention over a host cache view (f32 or f16 values, or Q8_0 blocks): the tiled kernel
     /// (`attention.rs`) on the fast paths, the scalar reference of every device's `attend` on
     /// the reference path.
-    pub fn attention<T: KvRead>(
+    pub fn attention<K: KvRead, V: KvRead>(
         &self,
         q: &Tensor,
-        cache: &LayerCache<'_, T>,
+        cache: &LayerCache<'_, K, V>,
         pos0: usize,
         p: &AttentionParams,
     ) -> Result<Tensor> {
@@ -190,10 +192,10 @@ impl CpuBackend {
 
     /// The scalar reference attention (each key and value row widened, or dequantized, to f32 as
     /// it is read).
-    pub fn attention_reference<T: KvRead>(
+    pub fn attention_reference<K: KvRead, V: KvRead>(
         &self,
         q: &Tensor,
-        cache: &LayerCache<'_, T>,
+        cache: &LayerCache<'_, K, V>,
         pos0: usize,
         p: &AttentionParams,
     ) -> Result<Tensor> {
@@ -212,13 +214,13 @@ impl CpuBackend {
                 None => 0,
             };
             let qv = &q.data()[ti * width + hi * dh..ti * width + (hi + 1) * dh];
-            // A row's length in cache elements (Dh values, or Dh / 32 blocks).
-            let rw = dh / T::VALUES;
-            let kbase = kvh * cache.capacity * rw;
+            // A key and a value row's lengths in cache elements (Dh values, or Dh / 32 blocks).
+            let (rk, rv) = (dh / K::VALUES, dh / V::VALUES);
+            let (kbase, vbase) = (kvh * cache.capacity * rk, kvh * cache.capacity * rv);
             let mut row = vec![0f32; dh];
             let mut scores: Vec<f32> = (lo..=qpos)
                 .map(|j| {
-                    T::dequantize_row(&cache.k[kbase + j * rw..kbase + (j + 1) * rw], &mut row);
+                    K::dequantize_row(&cache.k[kbase + j * rk..kbase + (j + 1) * rk], &mut row);
                     dot(qv, &row) * p.scale
                 })
                 .collect();
@@ -238,7 +240,7 @@ impl CpuBackend {
             o.iter_mut().for_each(|v| *v = 0.0);
             for (s, j) in scores.iter().zip(lo..=qpos) {
                 let w = s / sum;
-                T::dequantize_row(&cache.v[kbase + j * rw..kbase + (j + 1) * rw], &mut row);
+                V::dequantize_row(&cache.v[vbase + j * rv..vbase + (j + 1) * rv], &mut row);
                 for (ov, vv) in o.iter_mut().zip(&row) {
                     *ov += w * vv;
                 }
@@ -432,12 +434,15 @@ impl Backend for CpuBackend {
 
     fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
         match kv {
-            KvStore::Host(h) => match h.view() {
-                KvView::F16(c) => self.attention(q, &c, pos0, p),
-                KvView::F32(c) => self.attention(q, &c, pos0, p),
-                KvView::Q8_0(c) => self.attention(q, &c, pos0, p),
-                KvView::Q4_0(c) => self.attention(q, &c, pos0, p),
-            },
+            KvStore::Host(h) => kv_view::visit(
+                h.view(),
+                kv_view::Attend {
+                    be: self,
+                    q,
+                    pos0,
+                    p,
+                },
+            ),
             _ => Err(Error::Msg(
                 "the CPU backend was given a device KV cache".into(),
             )),

@@ -1,10 +1,12 @@
-//! Attention over Q8_0 and Q4_0 KV caches (ggml blocks, quantized when written) against the reference
-//! attention over the blocks' dequantized values in f32: decode (T = 1) and prefill shapes, GQA
-//! ratios, head widths, sliding windows, spare capacity. The cache is filled through
-//! `HostKv::write`, as a model fills it.
+//! Attention over block KV caches (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, quantized when written;
+//! keys and values of one type or of two) against the reference attention over the blocks'
+//! dequantized values in f32: decode (T = 1) and prefill shapes, GQA ratios, head widths,
+//! sliding windows, spare capacity. The cache is filled through `HostKv::write`, as a model
+//! fills it.
 
+use hf2q_cpu::kv_view::{self, KvVisit};
 use hf2q_cpu::{CpuBackend, KvRead, MatmulPath};
-use hf2q_tensor::kv::{BlockQ8_0, HostKv, KvType, KvView};
+use hf2q_tensor::kv::{BlockQ8_0, HostKv, KvType, KvTypes, PlaneView};
 use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache};
 use hf2q_tensor::Tensor;
 
@@ -43,9 +45,24 @@ fn dequantized<T: KvElem>(blocks: &[T]) -> Vec<f32> {
     out
 }
 
+/// [`check_blocks`] as a visitor of a cache of any types.
+struct Check<'a> {
+    q: &'a Tensor,
+    pos0: usize,
+    p: &'a AttentionParams,
+    what: &'a str,
+}
+
+impl KvVisit for Check<'_> {
+    type Out = ();
+    fn visit<K: KvRead, V: KvRead>(self, c: &LayerCache<'_, K, V>) {
+        check_blocks(c, self.q, self.pos0, self.p, self.what)
+    }
+}
+
 /// Attention over block cache `c` against the reference over its dequantized values.
-fn check_blocks<T: KvRead>(
-    c: &LayerCache<'_, T>,
+fn check_blocks<K: KvRead, V: KvRead>(
+    c: &LayerCache<'_, K, V>,
     q: &Tensor,
     pos0: usize,
     p: &AttentionParams,
@@ -117,18 +134,28 @@ fn block_attention_equals_attention_over_dequantized_values() {
                         (0..t * h * dh).map(|_| 3.0 * rng.f()).collect(),
                     )
                     .unwrap();
-                    for ty in [KvType::Q8_0, KvType::Q4_0] {
+                    // Every block type, and keys and values of different types (a block
+                    // type with f16, two block types).
+                    let split = |k, v| KvTypes { k, v };
+                    let types = KvType::BLOCKS.map(KvTypes::from).into_iter().chain([
+                        split(KvType::Q8_0, KvType::Q4_0),
+                        split(KvType::F16, KvType::Q5_1),
+                        split(KvType::Q4_1, KvType::F32),
+                    ]);
+                    for ty in types {
                         let mut kv = HostKv::new(hkv, dh, ty);
                         kv.write(&kt, &vt, 0, 4096).unwrap();
                         let what = format!(
                             "{} h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}",
                             ty.name()
                         );
-                        match kv.view() {
-                            KvView::Q8_0(c) => check_blocks(&c, &q, pos0, &p, &what),
-                            KvView::Q4_0(c) => check_blocks(&c, &q, pos0, &p, &what),
-                            _ => unreachable!(),
-                        }
+                        let check = Check {
+                            q: &q,
+                            pos0,
+                            p: &p,
+                            what: &what,
+                        };
+                        kv_view::visit(kv.view(), check);
                     }
                     cases += 1;
                 }
@@ -174,8 +201,21 @@ fn prefill_and_decode_see_the_same_values() {
         matmul: MatmulPath::Fast,
         ..CpuBackend::default()
     };
-    let (KvView::Q8_0(a), KvView::Q8_0(b)) = (whole.view(), steps.view()) else {
+    let (wv, sv) = (whole.view(), steps.view());
+    let (PlaneView::Q8_0(ak), PlaneView::Q8_0(av), PlaneView::Q8_0(bk), PlaneView::Q8_0(bv)) =
+        (wv.k, wv.v, sv.k, sv.v)
+    else {
         panic!("q8_0 caches")
+    };
+    let a = LayerCache {
+        k: ak,
+        v: av,
+        capacity: wv.capacity,
+    };
+    let b = LayerCache {
+        k: bk,
+        v: bv,
+        capacity: sv.capacity,
     };
     let (x, y) = (
         fast.attention(&q, &a, n - 1, &p).unwrap(),

@@ -970,7 +970,7 @@ impl Backend for CudaBackend {
             }
             // A quantized host type asked for has no device form yet: refuse rather than store
             // something else than was asked.
-            KvDtype::try_from(h.kv_type())?;
+            KvDtype::try_from(h.kv_types())?;
             let cache =
                 self.dev
                     .alloc_kv_cache(h.n_kv_heads(), limit, h.head_dim(), self.kv_dtype)?;

@@ -344,13 +344,31 @@ impl TryFrom<hf2q_tensor::kv::KvType> for KvDtype {
         match t {
             KvType::F16 => Ok(KvDtype::F16),
             KvType::F32 => Ok(KvDtype::F32),
-            KvType::Q8_0 | KvType::Q4_0 => Err(Error::Msg(format!(
-                "the CUDA backend has no {} KV cache yet (f16 or f32 on the GPU; a {} cache \
-                 runs on the CPU, --device cpu)",
-                t.name(),
-                t.name()
-            ))),
+            KvType::Q8_0 | KvType::Q4_0 | KvType::Q4_1 | KvType::Q5_0 | KvType::Q5_1 => {
+                Err(Error::Msg(format!(
+                    "the CUDA backend has no {} KV cache yet (f16 or f32 on the GPU; a {} cache \
+                     runs on the CPU, --device cpu)",
+                    t.name(),
+                    t.name()
+                )))
+            }
         }
+    }
+}
+
+/// The device cache type for keys and values of host types `t`: one type the GPU has, else
+/// refused (the device cache stores keys and values in one type).
+impl TryFrom<hf2q_tensor::kv::KvTypes> for KvDtype {
+    type Error = Error;
+    fn try_from(t: hf2q_tensor::kv::KvTypes) -> Result<Self> {
+        let (k, v) = (KvDtype::try_from(t.k)?, KvDtype::try_from(t.v)?);
+        if k != v {
+            return Err(Error::Msg(format!(
+                "the CUDA backend stores keys and values in one type, not {} (--device cpu)",
+                t.name()
+            )));
+        }
+        Ok(k)
     }
 }
 
@@ -1487,13 +1505,22 @@ mod tests {
     /// The host cache types the device stores, and the quantized ones it refuses by name.
     #[test]
     fn kv_types_the_device_takes() {
-        use hf2q_tensor::kv::KvType;
+        use hf2q_tensor::kv::{KvType, KvTypes};
         assert_eq!(KvDtype::try_from(KvType::F16).unwrap(), KvDtype::F16);
         assert_eq!(KvDtype::try_from(KvType::F32).unwrap(), KvDtype::F32);
-        for (t, name) in [(KvType::Q8_0, "q8_0"), (KvType::Q4_0, "q4_0")] {
+        for t in KvType::BLOCKS {
             let e = KvDtype::try_from(t).unwrap_err().to_string();
-            assert!(e.contains(name) && e.contains("CUDA"), "{e}");
+            assert!(e.contains(t.name()) && e.contains("CUDA"), "{e}");
         }
+        // Keys and values of two types: refused, even when the GPU has both.
+        let split = KvTypes {
+            k: KvType::F16,
+            v: KvType::F32,
+        };
+        let e = KvDtype::try_from(split).unwrap_err().to_string();
+        assert!(e.contains("k f16 / v f32"), "{e}");
+        let same = KvTypes::from(KvType::F16);
+        assert_eq!(KvDtype::try_from(same).unwrap(), KvDtype::F16);
     }
 
     /// The row split on an H200 (132 multiprocessors), with the blocks of each split in the

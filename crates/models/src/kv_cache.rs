@@ -3,7 +3,7 @@
 //! backend on first write). Layers may differ in `Hkv` and `Dh` ([`KvCache::per_layer`]).
 
 use hf2q_tensor::kv::KvStore;
-pub use hf2q_tensor::kv::KvType;
+pub use hf2q_tensor::kv::{KvType, KvTypes};
 use hf2q_tensor::paged::{PagedStep, PagedStore};
 
 use crate::{Error, Result};
@@ -41,14 +41,16 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// An empty cache whose host layers store `ty` values (a device backend uses its own type).
+    /// An empty cache whose host layers store keys and values as `ty` (one type or one each; a
+    /// device backend uses its own type).
     pub fn new(
         n_layers: usize,
         n_kv_heads: usize,
         head_dim: usize,
         limit: usize,
-        ty: KvType,
+        ty: impl Into<KvTypes>,
     ) -> KvCache {
+        let ty = ty.into();
         KvCache {
             layers: (0..n_layers)
                 .map(|_| KvStore::new(n_kv_heads, head_dim, ty))
@@ -59,7 +61,8 @@ impl KvCache {
     }
     /// An empty cache of one layer per `(Hkv, Dh)` in `heads` (layers of their own head count
     /// and width, as Gemma 4's sliding and global layers).
-    pub fn per_layer(heads: &[(usize, usize)], limit: usize, ty: KvType) -> KvCache {
+    pub fn per_layer(heads: &[(usize, usize)], limit: usize, ty: impl Into<KvTypes>) -> KvCache {
+        let ty = ty.into();
         KvCache {
             layers: heads
                 .iter()

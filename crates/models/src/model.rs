@@ -26,7 +26,7 @@ use crate::layers::served::{BatchLora, Fwd};
 use crate::source::{config_from_source, read_config_json, resolve_hf_cache, Format, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
-use hf2q_tensor::kv::{KvStore, KvType};
+use hf2q_tensor::kv::{KvStore, KvTypes};
 
 mod paged;
 pub use paged::{PagedItem, PagedKvCache, Picked, RowPick};
@@ -106,7 +106,7 @@ pub struct Model {
     /// A capture was refused (a step has an op that only runs eagerly): decode eagerly.
     graphs_refused: std::sync::atomic::AtomicBool,
     /// What new host KV caches store.
-    kv_type: KvType,
+    kv_type: KvTypes,
     /// Recommended sampling: the folder's generation_config.json, or what the caller set.
     generation: crate::generation::GenerationDefaults,
 }
@@ -272,7 +272,7 @@ impl Model {
             // head scale through the host (no device op scales a tensor yet): a step with them
             // cannot be captured, so such a model decodes eagerly on a GPU.
             graphs_refused: std::sync::atomic::AtomicBool::new(host_steps),
-            kv_type: KvType::default(),
+            kv_type: KvTypes::default(),
             generation: Default::default(),
         })
     }
@@ -380,13 +380,14 @@ impl Model {
     pub fn matmul_path(&self) -> MatmulPath {
         self.backend.matmul
     }
-    /// What the host KV caches made from now on store: f16 (the default: half the memory, values
-    /// rounded once when written) or f32 (bit-exact with the reference). A GPU cache's type is
+    /// What the host KV caches made from now on store keys and values as (one type, or one
+    /// each as `KvTypes { k, v }`): f16 (the default: half the memory, values rounded once when
+    /// written), f32 (bit-exact with the reference) or a ggml block type. A GPU cache's type is
     /// the [`CudaBackend`]'s.
-    pub fn set_kv_type(&mut self, ty: KvType) {
-        self.kv_type = ty;
+    pub fn set_kv_type(&mut self, ty: impl Into<KvTypes>) {
+        self.kv_type = ty.into();
     }
-    pub fn kv_type(&self) -> KvType {
+    pub fn kv_type(&self) -> KvTypes {
         self.kv_type
     }
     /// Whether the host KV cache type suits every layer's head width (a block type such as
@@ -402,13 +403,13 @@ impl Model {
     pub fn kv_bytes_per_token(&self) -> usize {
         self.kv_bytes_per_token_as(self.kv_type)
     }
-    /// [`Model::kv_bytes_per_token`] for a cache of type `ty`.
-    pub fn kv_bytes_per_token_as(&self, ty: KvType) -> usize {
-        let c = &self.config;
+    /// [`Model::kv_bytes_per_token`] for a cache of type `ty` (one type, or one each).
+    pub fn kv_bytes_per_token_as(&self, ty: impl Into<KvTypes>) -> usize {
+        let (c, ty) = (&self.config, ty.into());
         (0..c.n_layers)
             .map(|i| {
                 let (kv, dh) = c.heads_of(i);
-                2 * kv * ty.row_bytes(dh)
+                kv * ty.row_bytes(dh)
             })
             .sum()
     }

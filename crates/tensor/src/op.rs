@@ -71,13 +71,14 @@ impl AttentionParams {
 }
 
 /// Key/value cache of one layer, laid out `(Hkv, S_cap, Dh)` so a head's keys are contiguous.
-/// `T` is what the cache stores: f32, f16 (half the memory; attention widens each row to f32
-/// as it reads it, so only the rounding of the stored values differs), or blocks of several
-/// values ([`crate::kv::BlockQ8_0`]: a row of `Dh` values is `Dh / 32` blocks, so the slices hold
-/// `Hkv * S_cap * Dh / T::VALUES` elements).
-pub struct LayerCache<'a, T = f32> {
-    pub k: &'a [T],
-    pub v: &'a [T],
+/// `K` and `V` are what the cache stores keys and values as (each its own, as llama.cpp's
+/// `-ctk/-ctv`): f32, f16 (half the memory; attention widens each row to f32 as it reads it, so
+/// only the rounding of the stored values differs), or blocks of several values
+/// ([`crate::kv::BlockQ8_0`]: a row of `Dh` values is `Dh / 32` blocks, so the slices hold
+/// `Hkv * S_cap * Dh / K::VALUES` elements).
+pub struct LayerCache<'a, K = f32, V = K> {
+    pub k: &'a [K],
+    pub v: &'a [V],
     /// S_cap: capacity in positions (stride between heads).
     pub capacity: usize,
 }
@@ -492,9 +493,9 @@ pub fn linear_gated_composed<B: Backend + ?Sized>(
 
 /// Checks an attention call's shapes against its cache (shared by every backend): `q` is
 /// `(T, H*Dh)`, heads divide into kv groups, and positions `0..pos0+T` fit the cache. Returns T.
-pub fn check_attention<T: KvElem>(
+pub fn check_attention<K: KvElem, V: KvElem>(
     q: &Tensor,
-    cache: &LayerCache<'_, T>,
+    cache: &LayerCache<'_, K, V>,
     pos0: usize,
     p: &AttentionParams,
 ) -> Result<usize> {
@@ -505,18 +506,18 @@ pub fn check_attention<T: KvElem>(
             "attention: q width {width} for {h} heads of {dh} ({hkv} kv heads)"
         )));
     }
-    if !dh.is_multiple_of(T::VALUES) {
-        return Err(crate::Error::Shape(format!(
-            "attention: head width {dh} is not a whole number of {}-value cache blocks",
-            T::VALUES
-        )));
+    for values in [K::VALUES, V::VALUES] {
+        if !dh.is_multiple_of(values) {
+            return Err(crate::Error::Shape(format!(
+                "attention: head width {dh} is not a whole number of {values}-value cache blocks"
+            )));
+        }
     }
     check_sinks(p)?;
-    let row = dh / T::VALUES;
     let total = pos0 + t;
     if total > cache.capacity
-        || cache.k.len() < hkv * cache.capacity * row
-        || cache.v.len() < hkv * cache.capacity * row
+        || cache.k.len() < hkv * cache.capacity * (dh / K::VALUES)
+        || cache.v.len() < hkv * cache.capacity * (dh / V::VALUES)
     {
         return Err(crate::Error::Shape(format!(
             "attention: {total} positions exceed the cache capacity {}",

@@ -111,7 +111,13 @@ impl Model {
                     block_tokens,
                     head_dim,
                 };
-                be.paged_alloc(layout, self.kv_type)
+                let ty = self.kv_type.same().ok_or_else(|| {
+                    hf2q_tensor::Error::Msg(format!(
+                        "the paged KV cache stores keys and values in one type, not {}",
+                        self.kv_type.name()
+                    ))
+                })?;
+                be.paged_alloc(layout, ty)
             })
             .collect::<hf2q_tensor::Result<Vec<_>>>()?;
         Ok(PagedKvCache {
