@@ -1901,7 +1901,14 @@ mod tests {
                 let l: f64 = p.iter().sum();
                 let mut forms: Vec<(&str, Vec<f32>)> = Vec::new();
                 let mut o = vec![f32::NAN; dh];
-                decode_head::<PORTABLE, T, T>(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o);
+                decode_head::<PORTABLE, T, T>(
+                    &q,
+                    &k,
+                    &v,
+                    (scale, f32::NEG_INFINITY),
+                    &mut s,
+                    &mut o,
+                );
                 forms.push(("portable", o.clone()));
                 #[cfg(target_arch = "x86_64")]
                 {

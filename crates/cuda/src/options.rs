@@ -36,9 +36,10 @@ pub struct CudaOptions {
     /// Products of 9 to N rows (N <= 64) run the tensor-core small-batch kernels
     /// (`kernels/linear_tc.cuh`: each weight read once for all rows, on f16 pairs as the prefill
     /// path, f32 sums) where the width is a multiple of 32; before `batch-mv` (`batch-tc`; 0:
-    /// never). 64 by measurement (H100, cuda/NOTES.md): a 16-row product of the 1B's and 8B's
-    /// matrices in a third to a half of the time of the chunks of `batch-mv` or of the prefill
-    /// path.
+    /// never). 32 by measurement (H200, cuda/NOTES.md "Small-batch products"): up to 32 rows
+    /// it beats the chunks of `batch-mv` and the prefill path on nearly every matrix of the 1B
+    /// and the 8B (16 rows: a third to a half of their time); at 64 rows the prefill path wins
+    /// on the long-row down projections (the 8B's step at 64 sequences: 28.5 ms against 31.3).
     pub batch_tc: usize,
     /// Kernels launched with programmatic dependent launch, on Hopper and later (`pdl`).
     pub pdl: bool,
@@ -77,7 +78,7 @@ impl Default for CudaOptions {
             attn_tensor_cores: true,
             attn_chunk: 16,
             batch_mv: 16,
-            batch_tc: 64,
+            batch_tc: 32,
             pdl: true,
             prefetch: false,
             norm_fold: true,
@@ -138,7 +139,7 @@ impl CudaOptions {
             key: "batch-tc",
             values: "0..=64",
             help: "products of 9..N rows (batched decode) on the tensor-core small-batch \
-                   kernels, weights read once for all rows (default 64; 0: off)",
+                   kernels, weights read once for all rows (default 32; 0: off)",
         },
         OptionKey {
             key: "pdl",
@@ -483,7 +484,7 @@ mod tests {
     fn every_key_round_trips_through_its_report() {
         let mut o = CudaOptions::default();
         o.set_list(
-            "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,batch-tc=32,pdl=0,prefetch=on,norm-fold=off,act8=all,\
+            "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,batch-tc=48,pdl=0,prefetch=on,norm-fold=off,act8=all,\
              p8=off,p8-blocks=1,p8-rows=4,q4k-relayout=all,q6k-relayout=off,mv-early=off,\
              mv-min-blocks=q4_k:5,mv-min-blocks=Q8_0s:0,mv-min-blocks=q4_k:6,moe-fused=yes",
         )
