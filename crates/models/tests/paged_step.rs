@@ -142,15 +142,20 @@ fn paged_steps_equal_per_sequence_steps_on_the_cpu() {
     }
 }
 
-/// The scenario's steps through `step_paged_argmax` take the argmax of `step_paged`'s logits
-/// (the host sampler's rule), on `m`'s device.
-fn argmax_picks(m: &Model, name: &str) {
+/// The scenario's steps on two paged caches of `m` side by side, with the same tokens (drawn from
+/// `seed`): `each(step index, step, cache index, cache, items)` runs for cache 0, then cache 1,
+/// at every step.
+fn twin_steps(
+    m: &Model,
+    seed: u64,
+    mut each: impl FnMut(usize, &Step, usize, &mut PagedKvCache, &mut [PagedItem<'_>]),
+) {
     let (lens, steps) = scenario();
     let vocab = m.vocab_size().min(32000);
     let toks: Vec<Vec<u32>> = lens
         .iter()
         .enumerate()
-        .map(|(i, &n)| ids(i as u64 + 7, n, vocab))
+        .map(|(i, &n)| ids(i as u64 + seed, n, vocab))
         .collect();
     let blocks: usize = lens.iter().map(|l| l.div_ceil(16)).sum();
     let mut caches = [
@@ -162,7 +167,6 @@ fn argmax_picks(m: &Model, name: &str) {
         vec![BlockTable::new(); lens.len()],
     ];
     for (si, step) in steps.iter().enumerate() {
-        let mut outs = Vec::new();
         for (c, (cache, tabs)) in caches.iter_mut().zip(tables.iter_mut()).enumerate() {
             let mut tabs: Vec<Option<&mut BlockTable>> = tabs.iter_mut().map(Some).collect();
             let mut items: Vec<PagedItem<'_>> = step
@@ -173,18 +177,28 @@ fn argmax_picks(m: &Model, name: &str) {
                     tokens: &toks[*s][r.clone()],
                 })
                 .collect();
-            outs.push(if c == 0 {
-                m.step_paged_argmax(cache, &mut items).unwrap()
-            } else {
-                m.step_paged(cache, &mut items)
-                    .unwrap()
-                    .iter()
-                    .map(|l| argmax(l) as u32)
-                    .collect()
-            });
+            each(si, step, c, cache, &mut items);
         }
-        assert_eq!(outs[0], outs[1], "{name}: step {si}");
     }
+}
+
+/// The scenario's steps through `step_paged_argmax` take the argmax of `step_paged`'s logits
+/// (the host sampler's rule), on `m`'s device.
+fn argmax_picks(m: &Model, name: &str) {
+    let mut picked = Vec::new();
+    twin_steps(m, 7, |si, _, c, cache, items| {
+        if c == 0 {
+            picked = m.step_paged_argmax(cache, items).unwrap();
+        } else {
+            let want: Vec<u32> = m
+                .step_paged(cache, items)
+                .unwrap()
+                .iter()
+                .map(|l| argmax(l) as u32)
+                .collect();
+            assert_eq!(picked, want, "{name}: step {si}");
+        }
+    });
 }
 
 #[test]
@@ -207,60 +221,33 @@ fn argmax_steps_pick_the_argmax_of_the_logits() {
 /// sampler's draw with the same number from those logits, and on the CPU the logits
 /// themselves (the caller's sampler draws).
 fn mixed_picks(m: &Model, name: &str) {
-    let (lens, steps) = scenario();
     let vocab = m.vocab_size().min(32000);
-    let toks: Vec<Vec<u32>> = lens
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| ids(i as u64 + 11, n, vocab))
-        .collect();
-    let blocks: usize = lens.iter().map(|l| l.div_ceil(16)).sum();
-    let mut caches = [
-        m.paged_cache(blocks, 16, 64).unwrap(),
-        m.paged_cache(blocks, 16, 64).unwrap(),
-    ];
-    let mut tables = [
-        vec![BlockTable::new(); lens.len()],
-        vec![BlockTable::new(); lens.len()],
-    ];
     let on_gpu = m.cuda().is_some();
-    for (si, step) in steps.iter().enumerate() {
-        let cfg = |s: usize| SamplerConfig {
-            temperature: 0.9,
-            seed: Some((si * 10 + s) as u64),
-            ..SamplerConfig::default()
-        };
-        let picks: Vec<RowPick> = step
-            .iter()
-            .map(|(s, _)| match (si + s) % 4 {
-                0 => RowPick::Greedy,
-                1 => RowPick::Sample(
-                    Sampler::new(cfg(*s), vocab)
-                        .device_args()
-                        .expect("settings the device draws"),
-                ),
-                2 => RowPick::Logits,
-                _ => RowPick::Skip,
-            })
-            .collect();
-        let mut picked = Vec::new();
-        let mut reference = Vec::new();
-        for (c, (cache, tabs)) in caches.iter_mut().zip(tables.iter_mut()).enumerate() {
-            let mut tabs: Vec<Option<&mut BlockTable>> = tabs.iter_mut().map(Some).collect();
-            let mut items: Vec<PagedItem<'_>> = step
+    let cfg = |si: usize, s: usize| SamplerConfig {
+        temperature: 0.9,
+        seed: Some((si * 10 + s) as u64),
+        ..SamplerConfig::default()
+    };
+    let (mut picks, mut picked) = (Vec::new(), Vec::new());
+    twin_steps(m, 11, |si, step, c, cache, items| {
+        if c == 0 {
+            picks = step
                 .iter()
-                .map(|(s, r)| PagedItem {
-                    table: tabs[*s].take().expect("a sequence once per step"),
-                    pos0: r.start,
-                    tokens: &toks[*s][r.clone()],
+                .map(|(s, _)| match (si + s) % 4 {
+                    0 => RowPick::Greedy,
+                    1 => RowPick::Sample(
+                        Sampler::new(cfg(si, *s), vocab)
+                            .device_args()
+                            .expect("settings the device draws"),
+                    ),
+                    2 => RowPick::Logits,
+                    _ => RowPick::Skip,
                 })
                 .collect();
-            if c == 0 {
-                picked = m.step_paged_pick(cache, &mut items, &picks).unwrap();
-            } else {
-                reference = m.step_paged(cache, &mut items).unwrap();
-            }
+            picked = m.step_paged_pick(cache, items, &picks).unwrap();
+            return;
         }
+        let reference = m.step_paged(cache, items).unwrap();
         for (i, ((p, got), want)) in picks.iter().zip(&picked).zip(&reference).enumerate() {
             let what = format!("{name}: step {si}, item {i}, {p:?}");
             let close = |l: &[f32]| {
@@ -278,15 +265,14 @@ fn mixed_picks(m: &Model, name: &str) {
                 (RowPick::Logits, Picked::Logits(l)) => close(l),
                 (RowPick::Sample(_), Picked::Logits(l)) if !on_gpu => close(l),
                 (RowPick::Sample(_), Picked::Token(t)) if on_gpu => {
-                    let s = step[i].0;
-                    let mut host = Sampler::new(cfg(s), vocab);
+                    let mut host = Sampler::new(cfg(si, step[i].0), vocab);
                     let drawn = host.sample(&mut want.clone(), &[]);
                     assert_eq!(*t, drawn, "{what}: device draw vs host draw");
                 }
                 _ => panic!("{what}: got {got:?}"),
             }
         }
-    }
+    });
 }
 
 #[test]
