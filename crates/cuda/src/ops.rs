@@ -1444,13 +1444,7 @@ impl CudaDev {
         args: &CudaSlice<SampleArgs>,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
-        need("sample settings", args.len(), 1)?;
-        let Some((lp, op, c, grid)) = self.row_picks("sample", logits, rows, cols, out)? else {
-            return Ok(());
-        };
-        let f = self.function(Program::Elementwise, "sample_topk")?;
-        let (ap, per_row) = (self.ptr(args), 0i32);
-        launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, c, ap, per_row, op)
+        self.sample_with(logits, rows, cols, args, false, out)
     }
 
     /// [`CudaDev::sample`] with settings of its own for each row: `args` holds `rows` entries.
@@ -1462,12 +1456,30 @@ impl CudaDev {
         args: &CudaSlice<SampleArgs>,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
-        need("sample settings", args.len(), rows)?;
+        self.sample_with(logits, rows, cols, args, true, out)
+    }
+
+    /// One launch of `sample_topk`: every row with `args[0]`, or (`per_row`) row r with
+    /// `args[r]`.
+    fn sample_with(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        rows: usize,
+        cols: usize,
+        args: &CudaSlice<SampleArgs>,
+        per_row: bool,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        need(
+            "sample settings",
+            args.len(),
+            if per_row { rows } else { 1 },
+        )?;
         let Some((lp, op, c, grid)) = self.row_picks("sample", logits, rows, cols, out)? else {
             return Ok(());
         };
         let f = self.function(Program::Elementwise, "sample_topk")?;
-        let (ap, per_row) = (self.ptr(args), 1i32);
+        let (ap, per_row) = (self.ptr(args), i32::from(per_row));
         launch!(self, f, (grid, 1, 1), (1024, 1, 1), 0; lp, c, ap, per_row, op)
     }
 
