@@ -58,7 +58,7 @@ music friend mother father child village road field mountain island forest winte
 autumn weather journey machine engine bridge station harbour library kitchen doctor teacher
 farmer painter writer student minister council history science nature animal flower stone metal
 glass silver golden quiet careful simple gentle bright early late strong heavy narrow open
-clear warm cold happy ready certain common public private natural modern ancient careful
+clear warm cold happy ready certain common public private natural modern ancient patient
 remember follow carry build write read speak listen travel return begin finish wonder decide
 explain describe consider discover produce receive provide develop improve measure compare
 """.split()
@@ -252,8 +252,9 @@ def prompt_counter(client):
 
 def synthetic_requests(count, n, seed, prompt_range, output_range):
     """`n` (prompt, output_len, prompt_tokens) triples: lengths drawn uniformly from the ranges
-    with Random(seed), request i's words from Random("SEED:i"), as many of them as fit its drawn
-    length in `count`'s tokens (the longest cut not over it; at least one word)."""
+    with Random(seed), request i's words from Random("SEED:i"), cut where `count` (the server's
+    tokens) comes nearest the drawn length: the longest cut not over it or the shortest over it,
+    whichever is nearer, preferring one inside the prompt range (at least one word)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
