@@ -374,14 +374,17 @@ def summarize(concurrency, results, wall):
     }
 
 
-def prefill_rate(client, model, n_tokens, repeats):
+def prefill_rate(client, model, n_tokens, repeats, vocab=None):
     """Prompt tokens per second for an `n_tokens` prompt (pp512 when n = 512): a completion of
     one token, timed to its first chunk. The best of `repeats`. Every try starts with a
-    different token, so a server's prefix cache cannot serve any of it."""
+    different token, so a server's prefix cache cannot serve any of it. Token ids 100..2002; in
+    a vocabulary under 2,100 tokens (`vocab`, when the server tells it), ids below vocab - 8."""
     best = float("inf")
     for rep in range(repeats):
         prompt = [100 + (i * 7 + 13 * rep) % 1000 for i in range(n_tokens)]
         prompt[0] = 2000 + rep
+        if vocab and vocab < 2100:
+            prompt = [t % (vocab - 8) for t in prompt]
         body = {"model": model, "prompt": prompt, "max_tokens": 1,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         t0 = time.perf_counter()
@@ -427,7 +430,10 @@ def main():
     a = ap.parse_args()
 
     client = Client(a.base_url, a.api_key, a.timeout)
-    model = client.get_json("/v1/models")["data"][0]["id"]
+    listed = client.get_json("/v1/models")["data"][0]
+    model = listed["id"]
+    meta = listed.get("meta") or {}
+    vocab = meta.get("vocab_size") or meta.get("n_vocab")  # hf2q's, llama-server's
     models = a.models.split(",") if a.models else [model]
     if a.requests and os.path.exists(a.requests):
         with open(a.requests, encoding="utf-8") as f:
@@ -462,8 +468,13 @@ def main():
               "prompt_tokens_mean": statistics.mean(r[2] for r in reqs),
               "output_tokens_mean": statistics.mean(r[1] for r in reqs), "levels": []}
     if a.pp:
-        report[f"pp{a.pp}_tok_per_s"] = prefill_rate(client, model, a.pp, 3)
-        print(f"pp{a.pp}: {report[f'pp{a.pp}_tok_per_s']:.1f} tok/s", file=sys.stderr)
+        try:
+            report[f"pp{a.pp}_tok_per_s"] = prefill_rate(client, model, a.pp, 3, vocab)
+            print(f"pp{a.pp}: {report[f'pp{a.pp}_tok_per_s']:.1f} tok/s", file=sys.stderr)
+        except Exception as e:  # the levels still run
+            report["pp_error"] = f"{type(e).__name__}: {e}"
+            print(f"pp{a.pp} probe failed: {report['pp_error']}", file=sys.stderr)
+            a.pp = 0
     for level in [int(x) for x in a.concurrency.split(",")]:
         results, wall = run_level(client, models, reqs, level, a.duration)
         s = summarize(level, results, wall)

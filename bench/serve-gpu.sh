@@ -123,7 +123,7 @@ while time.time() - t0 < limit:
     try:
         os.kill(pid, 0)
     except OSError:
-        print("  the server exited before it was ready", file=sys.stderr)
+        print("  the server exited before it was ready", flush=True)
         sys.exit(1)
     try:
         for path in ("/health", "/v1/models"):
@@ -134,7 +134,7 @@ while time.time() - t0 < limit:
         sys.exit(0)
     except Exception:
         time.sleep(0.5)
-print(f"  not ready after {limit:.0f} s", file=sys.stderr)
+print(f"  not ready after {limit:.0f} s", flush=True)
 sys.exit(1)
 EOF
     }
