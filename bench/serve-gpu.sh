@@ -9,7 +9,10 @@
 # network) into $WORK/llama and builds only llama-server (CUDA for sm_90, no curl, no OpenSSL)
 # with CMake and ninja; it prints the build time. `run` takes the release `hf2q` in BIN_DIR
 # (built elsewhere), synthesizes MODELS (shape:type pairs; default llama-3.2-1b:q4_0) with
-# `hf2q synth` when missing, then for each model:
+# `hf2q synth` when missing, with a vocabulary of the shape's size that is all text
+# (bench/synth_vocab.py; VOCAB_SIZE overrides the size, 0 = the tiny-llama tokenizer padded with
+# unused tokens, which a random model generates and the two servers stream differently), then
+# for each model:
 #   - for each of CONFIGS (`tag` or `tag:KEY=VALUE,...`, CUDA options as `--cuda-opt` takes them,
 #     separated by ';'; default `default`): starts `hf2q serve FILE --device cuda --kv-paged`
 #     on a loopback port, waits for /health and /v1/models, runs bench/loadgen.py at each of
@@ -85,10 +88,25 @@ run)
         for f in $MODEL_FILES; do MODEL_LIST+=("$(basename "$f")"$'\t'"$f"); done
     else
         for m in $MODELS; do
-            f="$WORK/${m%%:*}-${m##*:}.gguf"
+            shape=${m%%:*}
+            # A vocabulary of the shape's size, all text (bench/synth_vocab.py says why).
+            case $shape in
+            llama-3.*) n=128256 ;;
+            qwen3-8b | qwen3-30b-a3b) n=151936 ;;
+            smollm2-135m) n=49152 ;;
+            mixtral-8x7b) n=32000 ;;
+            *) n=0 ;;
+            esac
+            n=${VOCAB_SIZE:-$n}
+            vocab=$TOK
+            if [ "$n" != 0 ]; then
+                vocab="$WORK/vocab-$n"
+                [ -f "$vocab/tokenizer.json" ] || python3 "$ROOT/bench/synth_vocab.py" "$vocab" "$n" >/dev/null || continue
+            fi
+            f="$WORK/$shape-${m##*:}-v$n.gguf"
             if [ ! -f "$f" ]; then
                 start=$(date +%s)
-                "$BIN/hf2q" synth --shape "${m%%:*}" --type "${m##*:}" --vocab-from "$TOK" "$f" \
+                "$BIN/hf2q" synth --shape "$shape" --type "${m##*:}" --vocab-from "$vocab" "$f" \
                     >>"$OUT_DIR/synth.log" 2>&1 || { tail -5 "$OUT_DIR/synth.log"; continue; }
                 echo "synthesized $f ($(du -h "$f" | cut -f1)) in $(($(date +%s) - start)) s"
             fi
@@ -182,18 +200,18 @@ for r in rows:
         r["serve_model"], r["serve_server"], r["serve_config"], r["concurrency"], r["requests"],
         r["errors"], r["output_tok_per_s"], r["ttft_p50_s"], r["ttft_p99_s"],
         1000 * r["itl_p50_s"], 1000 * r["itl_p99_s"]))
-notes = {}
-for r in rows:
-    key = (r["serve_model"], r["serve_server"], r["serve_config"])
-    pp = [(k, v) for k, v in r.items() if k.startswith("pp") and k.endswith("_tok_per_s")]
-    if pp and key not in notes:
-        notes[key] = "%s %s / %s: %s" % (key + (", ".join("%s %.0f tok/s" % (k[:-10], v) for k, v in pp),))
-if rows:
-    print("\n%s; mean prompt %.0f tokens (counted by %s), mean output %.0f tokens." % (
-        rows[0]["dataset"], rows[0]["prompt_tokens_mean"], rows[0]["prompt_tokens_counted_by"],
-        rows[0]["output_tokens_mean"]))
-for n in notes.values():
-    print("\n" + n)
+print()
+for m in dict.fromkeys(r["serve_model"] for r in rows):
+    r = next(r for r in rows if r["serve_model"] == m)
+    print("%s: %s; mean prompt %.0f tokens (counted by %s), mean output %.0f tokens.  " % (
+        m, r["dataset"], r["prompt_tokens_mean"], r["prompt_tokens_counted_by"], r["output_tokens_mean"]))
+    for r in rows:
+        pp = [(k, v) for k, v in r.items() if k.startswith("pp") and k.endswith("_tok_per_s")]
+        if r["serve_model"] == m and pp:
+            print("%s / %s: %s.  " % (r["serve_server"], r["serve_config"],
+                  ", ".join("%s %.0f tok/s" % (k[:-10], v) for k, v in pp)))
+        elif r["serve_model"] == m and r.get("pp_error"):
+            print("%s / %s: prefill probe failed (%s).  " % (r["serve_server"], r["serve_config"], r["pp_error"][:120]))
 EOF
     }
 
