@@ -133,6 +133,10 @@ pub enum StepOutput {
 /// [`CudaBackend::replay_pick`] (token ids).
 pub struct StepGraph {
     graph: crate::DeviceGraph,
+    /// The token ids the graph's embedding reads: its own buffer, written before each replay
+    /// (the backend's shared ids buffer grows with eager steps, which would leave a graph
+    /// reading a freed one).
+    input_ids: CudaSlice<u32>,
     out: CudaSlice<f32>,
     kind: StepOutput,
     /// Argmax / Sample graphs: the token picked from each output row inside the graph.
@@ -164,6 +168,14 @@ impl StepGraph {
     /// Nodes of the captured graph (kernels, copies, allocations): the work of one replay.
     pub fn node_count(&self) -> usize {
         self.graph.node_count()
+    }
+    /// The buffer the graph copies its output into, and that output's shape.
+    pub(crate) fn output_buffer(&self) -> (&CudaSlice<f32>, &[usize]) {
+        (&self.out, &self.shape)
+    }
+    /// Token ids a replay takes.
+    pub fn tokens(&self) -> usize {
+        self.tokens
     }
 }
 
@@ -521,9 +533,19 @@ impl CudaBackend {
         self.dev.write(&mut *g, ids)
     }
 
-    /// Writes the step's inputs (token ids, `pos0`) into their device words.
-    fn write_inputs(&self, ids: &[u32], pos0: usize) -> Result<()> {
-        self.write_ids(ids)?;
+    /// Writes a replay's inputs: the token ids into the graph's own buffer, `pos0` into the
+    /// device word.
+    fn write_inputs(&self, g: &mut StepGraph, ids: &[u32], pos0: usize) -> Result<()> {
+        if ids.len() != g.tokens {
+            return Err(Error::Shape(format!(
+                "cuda replay: the graph takes {} tokens, {} given",
+                g.tokens,
+                ids.len()
+            )));
+        }
+        if !ids.is_empty() {
+            self.dev.write(&mut g.input_ids, ids)?;
+        }
         self.write_pos(&mut lock(&self.pos), pos0)
     }
 
@@ -603,7 +625,11 @@ impl CudaBackend {
         step: &mut impl FnMut() -> std::result::Result<Tensor, E>,
     ) -> std::result::Result<StepGraph, E> {
         use std::sync::atomic::Ordering::Relaxed;
-        self.write_inputs(ids, pos0)?;
+        self.write_pos(&mut lock(&self.pos), pos0)?;
+        let mut input_ids = self.dev.alloc::<u32>(ids.len().max(1))?;
+        if !ids.is_empty() {
+            self.dev.write(&mut input_ids, ids)?;
+        }
         *lock(&self.step_ids) = ids.to_vec();
         {
             let mut a = lock(&self.arena);
@@ -631,7 +657,13 @@ impl CudaBackend {
             None
         };
         self.dev.synchronize()?;
-        self.dev.begin_capture()?;
+        // The graph's embedding reads its own ids buffer: it stands in for the shared one
+        // while capturing (swapped back below, whatever happens).
+        std::mem::swap(&mut *lock(&self.ids), &mut input_ids);
+        if let Err(e) = self.dev.begin_capture() {
+            std::mem::swap(&mut *lock(&self.ids), &mut input_ids);
+            return Err(e.into());
+        }
         self.capturing.store(true, Relaxed);
         let recorded = (|| -> std::result::Result<Vec<usize>, E> {
             let y = step()?;
@@ -669,6 +701,7 @@ impl CudaBackend {
         self.capturing.store(false, Relaxed);
         // End the capture whatever happened, so the stream is usable again.
         let graph = self.dev.end_capture();
+        std::mem::swap(&mut *lock(&self.ids), &mut input_ids);
         let shape = recorded?;
         let graph = graph?;
         let tail = match (&mask, picked.as_mut()) {
@@ -692,6 +725,7 @@ impl CudaBackend {
         };
         Ok(StepGraph {
             graph,
+            input_ids,
             out,
             _arena: lock(&self.arena).buf.clone(),
             kind,
@@ -706,17 +740,16 @@ impl CudaBackend {
 
     /// Runs a captured step for `ids` at `pos0` and returns its output on the host.
     pub fn replay(&self, g: &mut StepGraph, ids: &[u32], pos0: usize) -> Result<Tensor> {
-        if ids.len() != g.tokens {
-            return Err(Error::Shape(format!(
-                "cuda replay: the graph takes {} tokens, {} given",
-                g.tokens,
-                ids.len()
-            )));
-        }
-        self.write_inputs(ids, pos0)?;
-        self.dev.launch_graph(&g.graph)?;
+        self.replay_launch(g, ids, pos0)?;
         let data = self.dev.read(&g.out)?;
         Tensor::new(&g.shape, data)
+    }
+
+    /// Launches a captured step for `ids` at `pos0` and returns at once: its output stays in
+    /// the graph's buffer for [`CudaBackend::pick_graph_rows`] (nothing crosses to the host).
+    pub fn replay_launch(&self, g: &mut StepGraph, ids: &[u32], pos0: usize) -> Result<()> {
+        self.write_inputs(g, ids, pos0)?;
+        self.dev.launch_graph(&g.graph)
     }
 
     /// Runs a graph that picks tokens ([`StepOutput::Argmax`], or [`StepOutput::Sample`] with
@@ -754,7 +787,7 @@ impl CudaBackend {
             return Err(Error::Msg("cuda replay: this graph takes no token mask".into()).into());
         }
         self.check_pick(g, ids, sample)?;
-        self.write_inputs(ids, pos0)?;
+        self.write_inputs(g, ids, pos0)?;
         self.dev.launch_graph(&g.graph)?;
         let bits = mask()?;
         let buf = g.mask.as_mut().expect("checked above");
@@ -790,7 +823,7 @@ impl CudaBackend {
             ));
         }
         self.check_pick(g, ids, sample)?;
-        self.write_inputs(ids, pos0)?;
+        self.write_inputs(g, ids, pos0)?;
         self.dev.launch_graph(&g.graph)?;
         self.dev
             .read(g.ids.as_ref().expect("checked: a pick graph"))

@@ -6,7 +6,7 @@
 //! Not here: the kernels and their launchers (`paged.rs`), the pool and tables
 //! (`hf2q_tensor::paged`).
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use crate::backend::{CudaBackend, Raw};
 use crate::{DevicePagedLayer, DevicePagedRows, KvDtype, SampleArgs};
@@ -30,13 +30,34 @@ impl DeviceKv for PagedKv {
     }
 }
 
-/// A step's rows on the device (`PagedStep::device`).
-struct DeviceStep {
+/// A step's row arrays on the device.
+struct RowBufs {
     seq: CudaSlice<i32>,
     pos: CudaSlice<i32>,
     slots: CudaSlice<i32>,
     tables: CudaSlice<i32>,
-    /// Largest row position + 1: sets the attention's key splits.
+}
+
+/// Device row arrays at fixed addresses, for paged steps captured as graphs: each step's rows
+/// are written into them ([`CudaBackend::paged_prepare_fixed`]) and every graph captured over
+/// them reads them at replay. Sized for `rows` rows and `rows` block tables of `max_blocks`.
+pub struct PagedInputs {
+    bufs: std::sync::Arc<RowBufs>,
+    rows: usize,
+    max_blocks: usize,
+}
+
+impl PagedInputs {
+    /// Most rows (and sequences) a step written into these arrays may have.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// A step's rows on the device (`PagedStep::device`).
+struct DeviceStep {
+    bufs: std::sync::Arc<RowBufs>,
+    /// Bounds every row's position + 1: sets the attention's key splits.
     max_len: usize,
     /// The pool shape `(n_blocks, B)` the rows were checked against: every layer of a model's
     /// paged cache shares it, so the host checks the rows once a step, not once a layer.
@@ -65,6 +86,19 @@ fn check_rows(step: &PagedStep, ds: &DeviceStep, layout: &PagedLayout) -> Result
     }
     // A second pool shape in one step (not something a model makes) is checked every time.
     let _ = ds.checked.set(shape);
+    Ok(())
+}
+
+/// One sequence and one slot per row.
+fn check_lengths(step: &PagedStep) -> Result<()> {
+    let r = step.len();
+    if step.seq.len() != r || step.slots.len() != r {
+        return Err(Error::Shape(format!(
+            "paged step: {r} positions, {} sequences, {} slots",
+            step.seq.len(),
+            step.slots.len()
+        )));
+    }
     Ok(())
 }
 
@@ -113,14 +147,7 @@ impl CudaBackend {
     }
 
     pub(crate) fn paged_prepare_device(&self, step: &mut PagedStep) -> Result<()> {
-        let r = step.len();
-        if step.seq.len() != r || step.slots.len() != r {
-            return Err(Error::Shape(format!(
-                "paged step: {r} positions, {} sequences, {} slots",
-                step.seq.len(),
-                step.slots.len()
-            )));
-        }
+        check_lengths(step)?;
         let dev = self.device();
         // A device buffer is never empty.
         let up = |v: &[i32]| {
@@ -131,10 +158,12 @@ impl CudaBackend {
             }
         };
         let d = DeviceStep {
-            seq: up(&step.seq)?,
-            pos: up(&step.pos)?,
-            slots: up(&step.slots)?,
-            tables: up(&step.tables)?,
+            bufs: std::sync::Arc::new(RowBufs {
+                seq: up(&step.seq)?,
+                pos: up(&step.pos)?,
+                slots: up(&step.slots)?,
+                tables: up(&step.tables)?,
+            }),
             max_len: step
                 .pos
                 .iter()
@@ -144,6 +173,67 @@ impl CudaBackend {
             checked: std::sync::OnceLock::new(),
         };
         step.device = Some(Box::new(d));
+        Ok(())
+    }
+
+    /// Row arrays at fixed device addresses for steps of up to `rows` rows (and sequences)
+    /// with tables of `max_blocks` entries ([`PagedInputs`]).
+    pub fn paged_inputs(&self, rows: usize, max_blocks: usize) -> Result<PagedInputs> {
+        let dev = self.device();
+        let (n, t) = (rows.max(1), (rows * max_blocks).max(1));
+        Ok(PagedInputs {
+            bufs: std::sync::Arc::new(RowBufs {
+                seq: dev.alloc::<i32>(n)?,
+                pos: dev.alloc::<i32>(n)?,
+                slots: dev.alloc::<i32>(n)?,
+                tables: dev.alloc::<i32>(t)?,
+            }),
+            rows,
+            max_blocks,
+        })
+    }
+
+    /// [`hf2q_tensor::op::Backend::paged_prepare`] through `inputs`: the step's rows are
+    /// written into its fixed arrays (not while capturing: then a replay's step writes them
+    /// before the launch) and the attention splits its keys for rows of up to `max_len`
+    /// positions whatever the rows' own (so a graph captured over them fits every step of its
+    /// size). The previous step over `inputs` must be dropped first.
+    pub fn paged_prepare_fixed(
+        &self,
+        step: &mut PagedStep,
+        inputs: &mut PagedInputs,
+        max_len: usize,
+    ) -> Result<()> {
+        check_lengths(step)?;
+        let (r, n_seqs) = (step.len(), step.tables.len() / step.max_blocks.max(1));
+        if r > inputs.rows || n_seqs > inputs.rows || step.max_blocks != inputs.max_blocks {
+            return Err(Error::Shape(format!(
+                "paged step: {r} rows of {n_seqs} tables of {} blocks for fixed arrays of {} \
+                 rows and tables of {}",
+                step.max_blocks, inputs.rows, inputs.max_blocks
+            )));
+        }
+        if !self.capturing() {
+            let bufs = std::sync::Arc::get_mut(&mut inputs.bufs).ok_or_else(|| {
+                Error::Msg("paged step: the previous step over these arrays is still alive".into())
+            })?;
+            let dev = self.device();
+            for (buf, v) in [
+                (&mut bufs.seq, &step.seq),
+                (&mut bufs.pos, &step.pos),
+                (&mut bufs.slots, &step.slots),
+                (&mut bufs.tables, &step.tables),
+            ] {
+                if !v.is_empty() {
+                    dev.write(buf, v)?;
+                }
+            }
+        }
+        step.device = Some(Box::new(DeviceStep {
+            bufs: inputs.bufs.clone(),
+            max_len: max_len.max(1),
+            checked: std::sync::OnceLock::new(),
+        }));
         Ok(())
     }
 
@@ -174,8 +264,8 @@ impl CudaBackend {
             step.len(),
             n_heads,
             l,
-            &ds.pos,
-            &ds.slots,
+            &ds.bufs.pos,
+            &ds.bufs.slots,
             &table,
         )
     }
@@ -192,9 +282,9 @@ impl CudaBackend {
         check_rows(step, ds, l.layout())?;
         let r = step.len();
         let rows = DevicePagedRows {
-            seq: &ds.seq,
-            pos: &ds.pos,
-            tables: &ds.tables,
+            seq: &ds.bufs.seq,
+            pos: &ds.bufs.pos,
+            tables: &ds.bufs.tables,
             rows: r,
             max_blocks: step.max_blocks,
             max_len: ds.max_len,
@@ -243,34 +333,79 @@ impl CudaBackend {
                 picks.len()
             )));
         }
-        let dev = self.device();
         let l = self.raw(logits, "pick_rows")?;
-        let any = |f: fn(&RowPick) -> bool| picks.iter().any(f);
+        let at: Vec<(usize, RowPick)> = picks.iter().copied().enumerate().collect();
+        self.pick_at(&l, r, v, &at)
+    }
+
+    /// [`CudaBackend::pick_rows`] of the rows `picks` names (`(row, how)`; rows not named are
+    /// not read).
+    pub fn pick_rows_at(
+        &self,
+        logits: &Tensor,
+        picks: &[(usize, RowPick)],
+    ) -> Result<Vec<RowPicked>> {
+        let (r, v) = logits.dims2();
+        let l = self.raw(logits, "pick_rows")?;
+        self.pick_at(&l, r, v, picks)
+    }
+
+    /// [`CudaBackend::pick_rows`] over the logits `(R, V)` a captured step left in its output
+    /// buffer ([`CudaBackend::replay_launch`]): `picks` pairs a row with how to pick it (rows
+    /// not named are not read).
+    pub fn pick_graph_rows(
+        &self,
+        g: &crate::backend::StepGraph,
+        picks: &[(usize, RowPick)],
+    ) -> Result<Vec<RowPicked>> {
+        let (out, shape) = g.output_buffer();
+        let &[r, v] = shape else {
+            return Err(Error::Shape(format!(
+                "pick_graph_rows: the graph's output {shape:?} is not rows of logits"
+            )));
+        };
+        let l = Raw {
+            ptr: out.device_ptr(self.device().stream()).0,
+            len: r * v,
+            stream: self.device().stream(),
+        };
+        self.pick_at(&l, r, v, picks)
+    }
+
+    /// Picks `(row, how)` of `l (R, V)`: the argmax and sampling launches cover all `R` rows.
+    fn pick_at(&self, l: &Raw<'_>, r: usize, v: usize, picks: &[(usize, RowPick)]) -> Result<Vec<RowPicked>> {
+        if let Some((row, _)) = picks.iter().find(|(row, _)| *row >= r) {
+            return Err(Error::Shape(format!("pick: row {row} of {r} rows of logits")));
+        }
+        let dev = self.device();
+        let any = |f: fn(&RowPick) -> bool| picks.iter().any(|(_, p)| f(p));
         let greedy = if any(|p| matches!(p, RowPick::Argmax)) {
             let mut ids = dev.alloc::<u32>(r.max(1))?;
-            dev.argmax(&l, r, v, &mut ids)?;
+            dev.argmax(l, r, v, &mut ids)?;
             Some(ids)
         } else {
             None
         };
         let sampled = if any(|p| matches!(p, RowPick::Sample(_))) {
             // Rows that are not drawn get settings that cost least (top-k 1).
-            let args: Vec<SampleArgs> = picks
-                .iter()
-                .map(|p| match p {
-                    RowPick::Sample(a) => *a,
-                    _ => SampleArgs {
-                        u: 0.0,
-                        top_p: 1.0,
-                        min_p: 0.0,
-                        temperature: 1.0,
-                        top_k: 1,
-                    },
-                })
-                .collect();
+            let mut args = vec![
+                SampleArgs {
+                    u: 0.0,
+                    top_p: 1.0,
+                    min_p: 0.0,
+                    temperature: 1.0,
+                    top_k: 1,
+                };
+                r
+            ];
+            for (row, p) in picks {
+                if let RowPick::Sample(a) = p {
+                    args[*row] = *a;
+                }
+            }
             let a = dev.upload(&args)?;
             let mut ids = dev.alloc::<u32>(r.max(1))?;
-            dev.sample_rows(&l, r, v, &a, &mut ids)?;
+            dev.sample_rows(l, r, v, &a, &mut ids)?;
             Some(ids)
         } else {
             None
@@ -279,8 +414,7 @@ impl CudaBackend {
         let sampled = sampled.map(|s| dev.download(&s)).transpose()?;
         picks
             .iter()
-            .enumerate()
-            .map(|(i, p)| {
+            .map(|&(i, p)| {
                 Ok(match p {
                     RowPick::Argmax => RowPicked::Token(greedy.as_ref().map_or(0, |g| g[i])),
                     RowPick::Sample(_) => RowPicked::Token(sampled.as_ref().map_or(0, |s| s[i])),

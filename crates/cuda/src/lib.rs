@@ -63,7 +63,7 @@ pub use cudarc::driver::{
     ValidAsZeroBits,
 };
 
-pub use backend_paged::{RowPick, RowPicked};
+pub use backend_paged::{PagedInputs, RowPick, RowPicked};
 pub use blas::PrefillGemm;
 pub use compile::{
     compile_all_for, compile_for, compile_program_for, fill_cache_for, nvrtc_available,

@@ -68,6 +68,9 @@ pub struct CudaOptions {
     pub mv_min_blocks: Vec<(String, u32)>,
     /// Mixture-of-experts decode in its fused form (`moe-fused`).
     pub moe_fused: bool,
+    /// Batched decode steps over a paged KV cache (`serve --kv-paged`) replay one CUDA graph
+    /// per batch-size bucket instead of launching their kernels one by one (`paged-graphs`).
+    pub paged_graphs: bool,
 }
 
 impl Default for CudaOptions {
@@ -91,6 +94,7 @@ impl Default for CudaOptions {
             mv_early: true,
             mv_min_blocks: Vec::new(),
             moe_fused: false,
+            paged_graphs: false,
         }
     }
 }
@@ -205,6 +209,13 @@ impl CudaOptions {
             key: "moe-fused",
             values: BOOL,
             help: "mixture-of-experts decode in its fused form (off: measured slower)",
+        },
+        OptionKey {
+            key: "paged-graphs",
+            values: BOOL,
+            help: "batched decode steps over the paged KV cache (serve --kv-paged) replay one \
+                   CUDA graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128 \
+                   rows) instead of launching each kernel (off)",
         },
     ];
 
@@ -332,6 +343,7 @@ impl CudaOptions {
                 self.mv_min_blocks.push((family, n));
             }
             "moe-fused" => self.moe_fused = flag()?,
+            "paged-graphs" => self.paged_graphs = flag()?,
             _ => unreachable!("every key of KEYS has an arm"),
         }
         Ok(())
@@ -424,6 +436,11 @@ impl CudaOptions {
             "moe-fused",
             on(self.moe_fused).into(),
         );
+        push(
+            self.paged_graphs != d.paged_graphs,
+            "paged-graphs",
+            on(self.paged_graphs).into(),
+        );
         out
     }
 
@@ -486,7 +503,8 @@ mod tests {
         o.set_list(
             "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,batch-tc=48,pdl=0,prefetch=on,norm-fold=off,act8=all,\
              p8=off,p8-blocks=1,p8-rows=4,q4k-relayout=all,q6k-relayout=off,mv-early=off,\
-             mv-min-blocks=q4_k:5,mv-min-blocks=Q8_0s:0,mv-min-blocks=q4_k:6,moe-fused=yes",
+             mv-min-blocks=q4_k:5,mv-min-blocks=Q8_0s:0,mv-min-blocks=q4_k:6,moe-fused=yes,\
+             paged-graphs=on",
         )
         .unwrap();
         let report = o.changed();

@@ -29,6 +29,7 @@ use crate::{Error, Result};
 use hf2q_tensor::kv::{KvStore, KvTypes};
 
 mod paged;
+mod paged_graph;
 pub use paged::{PagedItem, PagedKvCache, Picked, RowPick};
 mod parts;
 mod swap;
@@ -103,6 +104,9 @@ pub struct Model {
     /// Set: every op runs on this GPU instead of `backend`.
     cuda: Option<Arc<CudaBackend>>,
     cuda_graphs: bool,
+    /// Paged decode steps replay a graph per batch-size bucket (`paged_graph.rs`): the
+    /// device's `paged-graphs` option when [`Model::set_cuda`] is given one.
+    paged_graphs: bool,
     /// A capture was refused (a step has an op that only runs eagerly): decode eagerly.
     graphs_refused: std::sync::atomic::AtomicBool,
     /// What new host KV caches store.
@@ -268,6 +272,7 @@ impl Model {
             backend: CpuBackend::default(),
             cuda: None,
             cuda_graphs: true,
+            paged_graphs: false,
             // Granite's residual multiplier and LongRoPE's attention factor on a partly rotated
             // head scale through the host (no device op scales a tensor yet): a step with them
             // cannot be captured, so such a model decodes eagerly on a GPU.
@@ -360,6 +365,9 @@ impl Model {
     /// Adapters move with the model (see [`Model::place_adapters`]).
     pub fn set_cuda(&mut self, cuda: Option<Arc<CudaBackend>>) -> Result<()> {
         self.adapters_to_host()?;
+        self.paged_graphs = cuda
+            .as_ref()
+            .is_some_and(|c| c.device().options().paged_graphs);
         self.cuda = cuda;
         self.place_adapters()
     }
@@ -656,6 +664,13 @@ impl Model {
     /// Enables (default) or disables CUDA-graph decode ([`Session::decode`] on a GPU).
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.cuda_graphs = on;
+    }
+
+    /// Enables or disables replaying paged decode steps as one graph per batch-size bucket
+    /// ([`Model::step_paged_pick`] on a GPU; the default is the device's `paged-graphs`
+    /// option). Graphs already captured in a paged cache stay there.
+    pub fn set_paged_graphs(&mut self, on: bool) {
+        self.paged_graphs = on;
     }
 
     /// One-token decode of one sequence as a replayed CUDA graph: `None` when this model does

@@ -288,6 +288,144 @@ fn mixed_picks_follow_the_logits_and_the_host_sampler() {
     }
 }
 
+/// Decode steps replayed as graphs (`Model::set_paged_graphs`) against the same steps run
+/// eagerly on a second model and cache: six sequences prefill eagerly, then decode with 6, 3,
+/// 1 and 5 of them in turn, each batch size twice or more (the first step of a bucket runs
+/// eagerly over the graph's arrays, the next ones replay it, padded to the bucket), every item
+/// picking greedily, by its logits, by a seeded draw or not at all. The graph runs the padded
+/// bucket's row count, whose products may take other kernels than the eager step's rows, so
+/// logits agree within 1e-3 absolute (as `mixed_picks`) and greedy picks equal the eager
+/// argmax wherever its margin over the runner-up exceeds that.
+fn graph_picks(graphs: &Model, eager: &Model, name: &str) {
+    let vocab = graphs.vocab_size().min(32000);
+    let (n_seqs, prompt) = (6usize, 11usize);
+    let sets: [&[usize]; 10] = [
+        &[0, 1, 2, 3, 4, 5],
+        &[0, 1, 2, 3, 4, 5],
+        &[0, 1, 2, 3, 4, 5],
+        &[0, 2, 4],
+        &[1, 3, 5],
+        &[0, 2, 4],
+        &[3],
+        &[3],
+        &[5, 4, 3, 2, 1],
+        &[1, 2, 3, 4, 5],
+    ];
+    let len = prompt + sets.len();
+    let toks: Vec<Vec<u32>> = (0..n_seqs).map(|i| ids(40 + i as u64, len, vocab)).collect();
+    let blocks = n_seqs * len.div_ceil(8);
+    let mut caches = [
+        graphs.paged_cache(blocks, 8, len).unwrap(),
+        eager.paged_cache(blocks, 8, len).unwrap(),
+    ];
+    let mut tables = [
+        vec![BlockTable::new(); n_seqs],
+        vec![BlockTable::new(); n_seqs],
+    ];
+    let mut fed = vec![prompt; n_seqs];
+    for (m, (cache, tabs)) in [graphs, eager].iter().zip(caches.iter_mut().zip(tables.iter_mut())) {
+        let mut items: Vec<PagedItem<'_>> = tabs
+            .iter_mut()
+            .zip(&toks)
+            .map(|(t, s)| PagedItem {
+                table: t,
+                pos0: 0,
+                tokens: &s[..prompt],
+            })
+            .collect();
+        m.step_paged(cache, &mut items).unwrap();
+    }
+    for (si, set) in sets.iter().enumerate() {
+        let picks: Vec<RowPick> = set
+            .iter()
+            .map(|&s| match (si + s) % 4 {
+                0 | 3 => RowPick::Greedy,
+                1 => RowPick::Logits,
+                _ if si % 3 == 0 => RowPick::Skip,
+                _ => RowPick::Sample(
+                    Sampler::new(
+                        SamplerConfig {
+                            temperature: 0.8,
+                            seed: Some(si as u64),
+                            ..SamplerConfig::default()
+                        },
+                        vocab,
+                    )
+                    .device_args()
+                    .expect("settings the device draws"),
+                ),
+            })
+            .collect();
+        let mut results = Vec::new();
+        for (c, (m, (cache, tabs))) in [graphs, eager]
+            .iter()
+            .zip(caches.iter_mut().zip(tables.iter_mut()))
+            .enumerate()
+        {
+            let mut tabs: Vec<Option<&mut BlockTable>> = tabs.iter_mut().map(Some).collect();
+            let mut items: Vec<PagedItem<'_>> = set
+                .iter()
+                .map(|&s| PagedItem {
+                    table: tabs[s].take().expect("a sequence once per step"),
+                    pos0: fed[s],
+                    tokens: &toks[s][fed[s]..fed[s] + 1],
+                })
+                .collect();
+            results.push(if c == 0 {
+                m.step_paged_pick(cache, &mut items, &picks).unwrap()
+            } else {
+                m.step_paged(cache, &mut items)
+                    .unwrap()
+                    .into_iter()
+                    .map(Picked::Logits)
+                    .collect()
+            });
+        }
+        for (i, (p, (got, want))) in picks.iter().zip(results[0].iter().zip(&results[1])).enumerate() {
+            let what = format!("{name}: step {si} ({} rows), item {i}, {p:?}", set.len());
+            let Picked::Logits(want) = want else { unreachable!() };
+            match (p, got) {
+                (RowPick::Skip, Picked::Nothing) => {}
+                (RowPick::Logits, Picked::Logits(l)) => {
+                    let d = l.iter().zip(want).fold(0f32, |d, (a, b)| d.max((a - b).abs()));
+                    assert!(d <= 1e-3, "{what}: logits differ by {d}");
+                }
+                (RowPick::Greedy, Picked::Token(t)) => {
+                    let best = argmax(want);
+                    let runner_up = want
+                        .iter()
+                        .enumerate()
+                        .filter(|&(j, _)| j != best)
+                        .fold(f32::MIN, |m, (_, &v)| m.max(v));
+                    if want[best] - runner_up > 1e-3 {
+                        assert_eq!(*t as usize, best, "{what}");
+                    }
+                }
+                (RowPick::Sample(_), Picked::Token(t)) => assert!((*t as usize) < vocab, "{what}"),
+                _ => panic!("{what}: got {got:?}"),
+            }
+        }
+        for &s in *set {
+            fed[s] += 1;
+        }
+    }
+}
+
+#[test]
+fn graph_steps_equal_eager_steps_on_the_gpu() {
+    let Some(gpu) = gpu() else { return };
+    for name in ["tiny-llama", "tiny-qwen3", "tiny-gemma3", "tiny-phi3"] {
+        let mut graphs = Model::load(&tiny(name)).unwrap();
+        graphs.set_cuda(Some(gpu.clone())).unwrap();
+        graphs.set_paged_graphs(true);
+        let mut eager = Model::load(&tiny(name)).unwrap();
+        eager.set_cuda(Some(gpu.clone())).unwrap();
+        eager.set_paged_graphs(false);
+        graph_picks(&graphs, &eager, name);
+        println!("{name}: graph steps equal eager steps");
+    }
+}
+
 #[test]
 fn an_empty_pool_fails_the_step_and_takes_nothing() {
     let m = Model::load(&tiny("tiny-llama")).unwrap();
@@ -376,8 +514,8 @@ fn paged_steps_on_the_gpu_equal_per_sequence_steps_on_the_cpu() {
 
 /// Decode throughput of the batched step, paged against per-sequence caches, with the model of
 /// `HF2Q_BENCH_MODEL` on the GPU: B sequences of a 128-token prompt each, then 32 timed decode
-/// steps of one token per sequence (both eager: no graph; both bring every row's logits to the
-/// host). Prints tokens per second. A benchmark, not a check: run it with `--ignored` and
+/// steps of one token per sequence (eager, every row's logits to the host; eager, argmax on the
+/// device; replayed graphs per batch size, greedy picks on the device). Prints tokens per second. A benchmark, not a check: run it with `--ignored` and
 /// `HF2Q_BENCH_MODEL` naming the GGUF (the model a benchmark measures is its input, like the
 /// real-model tests' `HF2Q_TEST_*_GGUF`).
 #[test]
@@ -409,7 +547,8 @@ fn bench_paged_decode_steps() {
             .unwrap();
         }
         // Decode steps of one token per sequence (positions rewritten on the second pass).
-        let timed = |cache: &mut PagedKvCache, tables: &mut [BlockTable], argmax: bool| {
+        // 0: logits to the host; 1: argmax on the device; 2: greedy picks (graphs if on).
+        let timed = |m: &Model, cache: &mut PagedKvCache, tables: &mut [BlockTable], mode: u8| {
             let t0 = std::time::Instant::now();
             for k in 0..steps {
                 let mut items: Vec<PagedItem<'_>> = tables
@@ -421,17 +560,25 @@ fn bench_paged_decode_steps() {
                         tokens: &s[prompt + k..prompt + k + 1],
                     })
                     .collect();
-                if argmax {
-                    m.step_paged_argmax(cache, &mut items).unwrap();
-                } else {
-                    m.step_paged(cache, &mut items).unwrap();
+                match mode {
+                    0 => drop(m.step_paged(cache, &mut items).unwrap()),
+                    1 => drop(m.step_paged_argmax(cache, &mut items).unwrap()),
+                    _ => {
+                        let picks = vec![RowPick::Greedy; items.len()];
+                        drop(m.step_paged_pick(cache, &mut items, &picks).unwrap())
+                    }
                 }
             }
             (b * steps) as f64 / t0.elapsed().as_secs_f64()
         };
-        let paged = timed(&mut cache, &mut tables, false);
+        let paged = timed(&m, &mut cache, &mut tables, 0);
         // Picking on the device: only ids back.
-        let greedy = timed(&mut cache, &mut tables, true);
+        let greedy = timed(&m, &mut cache, &mut tables, 1);
+        // The same as replayed graphs (the first pass captures).
+        m.set_paged_graphs(true);
+        timed(&m, &mut cache, &mut tables, 2);
+        let graphs = timed(&m, &mut cache, &mut tables, 2);
+        m.set_paged_graphs(false);
         // The same rows as one sequence's chunk: one forward of b rows, one row of logits.
         for t in &mut tables {
             t.clear(cache.pool_mut());
@@ -476,10 +623,11 @@ fn bench_paged_decode_steps() {
         }
         let per_seq = (b * steps) as f64 / t0.elapsed().as_secs_f64();
         println!(
-            "batched decode, {b} sequences at {prompt}..{} tokens: paged {paged:.0} tok/s ({:.2} ms a step), paged picking on the device {greedy:.0} tok/s ({:.2} ms), per-sequence caches {per_seq:.0} tok/s ({:.2}x); one sequence's {b}-token chunk: {chunk_ms:.2} ms a step",
+            "batched decode, {b} sequences at {prompt}..{} tokens: paged {paged:.0} tok/s ({:.2} ms a step), paged picking on the device {greedy:.0} tok/s ({:.2} ms), as graphs {graphs:.0} tok/s ({:.2} ms), per-sequence caches {per_seq:.0} tok/s ({:.2}x); one sequence's {b}-token chunk: {chunk_ms:.2} ms a step",
             prompt + steps,
             b as f64 * 1e3 / paged,
             b as f64 * 1e3 / greedy,
+            b as f64 * 1e3 / graphs,
             paged / per_seq
         );
     }

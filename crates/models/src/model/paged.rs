@@ -19,10 +19,12 @@ use crate::{Error, Result};
 
 /// One paged store per layer (on the model's backend) and the pool of their blocks.
 pub struct PagedKvCache {
-    layers: Vec<PagedStore>,
-    pool: BlockPool,
+    pub(super) layers: Vec<PagedStore>,
+    pub(super) pool: BlockPool,
     /// Entries of each sequence's table: `max_context / B`, rounded up.
-    max_blocks: usize,
+    pub(super) max_blocks: usize,
+    /// Decode steps captured as CUDA graphs (`paged-graphs`), made at the first such step.
+    pub(super) graphs: Option<super::paged_graph::PagedGraphs>,
 }
 
 impl PagedKvCache {
@@ -124,6 +126,7 @@ impl Model {
             layers,
             pool,
             max_blocks: max_context.div_ceil(block_tokens),
+            graphs: None,
         })
     }
 
@@ -191,6 +194,9 @@ impl Model {
         if items.is_empty() {
             return Ok(Vec::new());
         }
+        if let Some(out) = self.paged_graph_pick(cache, items, picks)? {
+            return Ok(out);
+        }
         let h = self.paged_hidden(cache, items)?;
         // The last row of each item that picks.
         let mut end = 0;
@@ -201,13 +207,11 @@ impl Model {
                 rows.push(end - 1);
             }
         }
-        let mut out: Vec<Picked> = Vec::with_capacity(picks.len());
         if rows.is_empty() {
-            out.resize_with(picks.len(), || Picked::Nothing);
-            return Ok(out);
+            return Ok(picks.iter().map(|_| Picked::Nothing).collect());
         }
         let logits = self.logits(&self.rows_at(&h, &rows)?)?;
-        let mut got = match &self.cuda {
+        let got = match &self.cuda {
             Some(cuda) => {
                 let dev: Vec<hf2q_cuda::RowPick> = picks
                     .iter()
@@ -219,12 +223,6 @@ impl Model {
                     })
                     .collect();
                 cuda.pick_rows(&logits, &dev)?
-                    .into_iter()
-                    .map(|r| match r {
-                        hf2q_cuda::RowPicked::Token(t) => Picked::Token(t),
-                        hf2q_cuda::RowPicked::Logits(l) => Picked::Logits(l),
-                    })
-                    .collect::<Vec<_>>()
             }
             None => {
                 let l = self.be().to_host(&logits)?;
@@ -234,20 +232,13 @@ impl Model {
                     .filter(|p| **p != RowPick::Skip)
                     .zip(l.data().chunks(v))
                     .map(|(p, row)| match p {
-                        RowPick::Greedy => Picked::Token(crate::sampler::argmax(row)),
-                        _ => Picked::Logits(row.to_vec()),
+                        RowPick::Greedy => hf2q_cuda::RowPicked::Token(crate::sampler::argmax(row)),
+                        _ => hf2q_cuda::RowPicked::Logits(row.to_vec()),
                     })
                     .collect()
             }
-        }
-        .into_iter();
-        for p in picks {
-            out.push(match p {
-                RowPick::Skip => Picked::Nothing,
-                _ => got.next().unwrap_or(Picked::Nothing),
-            });
-        }
-        Ok(out)
+        };
+        Ok(spread_picks(picks, got))
     }
 
     /// Rows `rows` of `h (N, D)`, in that order -> `(rows.len(), D)`.
@@ -269,6 +260,22 @@ impl Model {
         cache: &mut PagedKvCache,
         items: &mut [PagedItem<'_>],
     ) -> Result<Tensor> {
+        self.reserve_items(cache, items)?;
+        let mut step = self.paged_rows(cache, items)?;
+        self.be().paged_prepare(&mut step)?;
+        let ids: Vec<u32> = items
+            .iter()
+            .flat_map(|it| it.tokens.iter().copied())
+            .collect();
+        self.paged_forward(&mut cache.layers, &step, &ids)
+    }
+
+    /// Takes from the pool the blocks each item's tokens need (see [`Model::step_paged`]).
+    pub(super) fn reserve_items(
+        &self,
+        cache: &mut PagedKvCache,
+        items: &mut [PagedItem<'_>],
+    ) -> Result<()> {
         let max_ctx = cache.max_context();
         for it in items.iter_mut() {
             if it.tokens.is_empty() {
@@ -284,19 +291,24 @@ impl Model {
             }
             it.table.reserve(&mut cache.pool, end)?;
         }
-        let mut step = self.paged_rows(cache, items)?;
+        Ok(())
+    }
+
+    /// The forward of `ids`, one per row of `step` (prepared on the backend), over the paged
+    /// `layers`: final-normed `(ΣT, D)`.
+    pub(super) fn paged_forward(
+        &self,
+        layers: &mut [PagedStore],
+        step: &PagedStep,
+        ids: &[u32],
+    ) -> Result<Tensor> {
         let be = self.be();
-        be.paged_prepare(&mut step)?;
-        let ids: Vec<u32> = items
-            .iter()
-            .flat_map(|it| it.tokens.iter().copied())
-            .collect();
         let cx = Fwd { be, lora: None };
-        let mut x: Tensor = be.embedding(&self.embed, &ids, self.config.embed_scale)?;
+        let mut x: Tensor = be.embedding(&self.embed, ids, self.config.embed_scale)?;
         let mut kv = StepKv::Paged {
-            layers: &mut cache.layers,
-            step: &step,
-            ids: &ids,
+            layers,
+            step,
+            ids,
         };
         self.run_blocks_kv(&cx, 0..self.blocks.len(), &mut x, &mut kv)?;
         Ok(be.rms_norm(
@@ -309,7 +321,11 @@ impl Model {
 
     /// The step's rows: item `i`'s tokens are rows of sequence `i` at `pos0..`, each stored at
     /// the slot its table gives that position.
-    fn paged_rows(&self, cache: &PagedKvCache, items: &[PagedItem<'_>]) -> Result<PagedStep> {
+    pub(super) fn paged_rows(
+        &self,
+        cache: &PagedKvCache,
+        items: &[PagedItem<'_>],
+    ) -> Result<PagedStep> {
         let layout = PagedLayout {
             n_blocks: cache.pool.n_blocks(),
             n_kv_heads: 1,
@@ -335,6 +351,25 @@ impl Model {
         }
         Ok(step)
     }
+}
+
+/// Each item's result from the picks of its non-[`RowPick::Skip`] rows, in order.
+pub(super) fn spread_picks(
+    picks: &[RowPick],
+    got: Vec<hf2q_cuda::RowPicked>,
+) -> Vec<Picked> {
+    let mut got = got.into_iter();
+    picks
+        .iter()
+        .map(|p| match p {
+            RowPick::Skip => Picked::Nothing,
+            _ => match got.next() {
+                Some(hf2q_cuda::RowPicked::Token(t)) => Picked::Token(t),
+                Some(hf2q_cuda::RowPicked::Logits(l)) => Picked::Logits(l),
+                None => Picked::Nothing,
+            },
+        })
+        .collect()
 }
 
 fn lens(items: &[PagedItem<'_>]) -> Vec<usize> {
