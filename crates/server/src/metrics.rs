@@ -129,6 +129,9 @@ pub struct Metrics {
     /// Forward steps run by the engine and tokens fed through them (batch size = ratio).
     pub steps: AtomicU64,
     pub step_tokens: AtomicU64,
+    /// Running sequences preempted because a step of the paged KV cache could not get its
+    /// blocks (their blocks freed; recomputed when readmitted).
+    pub preemptions: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
     /// Wall time of each forward step (the batch's forward and its token picks).
@@ -152,6 +155,7 @@ impl Default for Metrics {
             prompt_tokens_cached: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             step_tokens: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
             ttft: Histogram::default(),
             itl: Histogram::default(),
             step_seconds: Histogram::default(),
@@ -275,6 +279,12 @@ impl Metrics {
             "hf2q_engine_step_tokens_total",
             "Tokens fed through forward steps.",
             ld(&self.step_tokens),
+        );
+        counter(
+            &mut out,
+            "hf2q_preemptions_total",
+            "Running sequences preempted for lack of KV blocks (--kv-paged; recomputed when readmitted).",
+            ld(&self.preemptions),
         );
         gauge(
             &mut out,
@@ -428,6 +438,7 @@ mod tests {
             "hf2q_prefix_cache_hits_total 0",
             "hf2q_prompt_tokens_cached_total 0",
             "hf2q_prefix_cache_bytes 0",
+            "hf2q_preemptions_total 0",
             "hf2q_kv_blocks_used 5",
             "hf2q_kv_blocks_free 59",
             "hf2q_engine_step_seconds_bucket{le=\"0.005\"} 1",
