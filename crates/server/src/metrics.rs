@@ -176,7 +176,8 @@ pub struct Gauges {
     pub kv_used_bytes: u64,
     pub kv_capacity_bytes: u64,
     /// KV blocks of [`crate::engine::BLOCK_TOKENS`] positions: reserved by admitted sequences
-    /// (or held by the prefix cache), and all of them (the `--kv-mem` budget).
+    /// (or held by the prefix cache; with `--kv-paged`, held by running sequences' block
+    /// tables), and all of them (the `--kv-mem` budget).
     pub kv_blocks_used: u64,
     pub kv_blocks_total: u64,
     /// KV memory held by the prefix cache (evicted when admission needs it).
@@ -325,7 +326,7 @@ impl Metrics {
         gauge(
             &mut out,
             "hf2q_kv_blocks_used",
-            "KV blocks reserved by admitted sequences or held by cached prefixes.",
+            "KV blocks reserved by admitted sequences (--kv-paged: held by their block tables) or held by cached prefixes.",
             g.kv_blocks_used as f64,
         );
         gauge(

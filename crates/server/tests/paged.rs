@@ -321,3 +321,37 @@ async fn paged_prompt_larger_than_the_pool_is_refused() {
     assert_eq!(preemptions(&h), 0);
     assert_all_blocks_back(&h).await;
 }
+
+/// A preempted request whose client goes away is dropped (whether it is noticed while it waits
+/// or after it is readmitted): the other request finishes and every block and queue slot comes
+/// back.
+#[tokio::test]
+async fn paged_preempted_request_whose_client_leaves_is_dropped() {
+    let mut c = small_pool_cfg(14);
+    c.engine.step_delay = Duration::from_millis(5);
+    let h = start(tiny(), c).await;
+    let addr = h.addr;
+    let long = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                      "max_tokens": 180, "temperature": 0, "ignore_eos": true});
+    let first = tokio::spawn(async move { post(addr, "/v1/chat/completions", &long).await });
+    assert!(
+        wait_until(Duration::from_secs(5), || h.engine.shared().gauges().running == 1).await,
+        "the long request did not start"
+    );
+    let young = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about cats."}],
+                       "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": true});
+    let mut s = open(addr, "POST", "/v1/chat/completions", &[], Some(&young.to_string())).await;
+    assert_eq!(s.status, 200);
+    while preemptions(&h) == 0 {
+        assert!(s.next().await.is_some(), "the stream ended unpreempted");
+    }
+    drop(s);
+    let r = first.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sh = h.engine.shared();
+    assert!(
+        wait_until(Duration::from_secs(10), || sh.metrics.finished("cancelled") == 1).await,
+        "the preempted request was not dropped"
+    );
+    assert_all_blocks_back(&h).await;
+}
