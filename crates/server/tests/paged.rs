@@ -46,7 +46,11 @@ fn answer(r: &Resp, stream: bool) -> String {
 }
 
 fn preemptions(h: &hf2q_server::ServerHandle) -> u64 {
-    h.engine.shared().metrics.preemptions.load(Ordering::Relaxed)
+    h.engine
+        .shared()
+        .metrics
+        .preemptions
+        .load(Ordering::Relaxed)
 }
 
 /// Waits until nothing runs or waits and every block is back in the pool.
@@ -189,7 +193,15 @@ async fn paged_preemption_keeps_every_answer_exact() {
     let h = start(tiny(), small_pool_cfg(20)).await;
     let addr = h.addr;
     let topics = [
-        "cats", "the sea", "bread", "winter", "rust code", "a robot", "the moon", "tea", "rivers",
+        "cats",
+        "the sea",
+        "bread",
+        "winter",
+        "rust code",
+        "a robot",
+        "the moon",
+        "tea",
+        "rivers",
         "music",
     ];
     let body = |i: usize, stream: bool| {
@@ -209,7 +221,10 @@ async fn paged_preemption_keeps_every_answer_exact() {
         together.push(answer(&t.await.unwrap(), i % 2 == 1));
     }
     let preempted = preemptions(&h);
-    assert!(preempted > 0, "the pool was large enough: nothing was preempted");
+    assert!(
+        preempted > 0,
+        "the pool was large enough: nothing was preempted"
+    );
     let metrics = http(addr, "GET", "/metrics", &[], None).await.text();
     assert!(
         metrics.contains(&format!("hf2q_preemptions_total {preempted}")),
@@ -220,7 +235,11 @@ async fn paged_preemption_keeps_every_answer_exact() {
         let alone = post(addr, "/v1/chat/completions", &body(i, false)).await;
         let usage = alone.json()["usage"].clone();
         assert_eq!(usage["completion_tokens"], 40 + 10 * i, "{usage}");
-        assert_eq!(got, &answer(&alone, false), "request {i} with others vs alone");
+        assert_eq!(
+            got,
+            &answer(&alone, false),
+            "request {i} with others vs alone"
+        );
     }
     assert_eq!(preemptions(&h), preempted, "a request alone fits the pool");
     eprintln!("{preempted} preemptions");
@@ -247,7 +266,13 @@ async fn paged_preempted_seeded_request_continues_its_draws() {
     let b = long.clone();
     let first = tokio::spawn(async move { post(addr, "/v1/chat/completions", &b).await });
     assert!(
-        wait_until(Duration::from_secs(5), || h.engine.shared().gauges().running == 1).await,
+        wait_until(Duration::from_secs(5), || h
+            .engine
+            .shared()
+            .gauges()
+            .running
+            == 1)
+        .await,
         "the long request did not start"
     );
     let mut s = open(
@@ -271,11 +296,17 @@ async fn paged_preempted_seeded_request_continues_its_draws() {
     }
     let streamed = streamed_text(&String::from_utf8_lossy(&body));
     assert_eq!(before_text, Some(0), "preempted before it streamed text");
-    assert!(preemptions(&h) > 0, "the seeded request was never preempted");
+    assert!(
+        preemptions(&h) > 0,
+        "the seeded request was never preempted"
+    );
     let long_answer = answer(&first.await.unwrap(), false);
     assert_all_blocks_back(&h).await;
     let preempted = preemptions(&h);
-    let alone = answer(&post(addr, "/v1/chat/completions", &seeded(false)).await, false);
+    let alone = answer(
+        &post(addr, "/v1/chat/completions", &seeded(false)).await,
+        false,
+    );
     assert_eq!(streamed, alone, "the preempted seeded request vs alone");
     let long_alone = answer(&post(addr, "/v1/chat/completions", &long).await, false);
     assert_eq!(long_answer, long_alone);
@@ -297,7 +328,12 @@ async fn paged_prompt_larger_than_the_pool_is_refused() {
         }
         b
     };
-    let r = post(h.addr, "/v1/chat/completions", &chat("word ".repeat(20), Some(8))).await;
+    let r = post(
+        h.addr,
+        "/v1/chat/completions",
+        &chat("word ".repeat(20), Some(8)),
+    )
+    .await;
     assert_eq!(r.status, 400, "{}", r.text());
     let e: Value = r.json()["error"].clone();
     assert_eq!(e["code"], "context_length_exceeded", "{e}");
@@ -335,12 +371,25 @@ async fn paged_preempted_request_whose_client_leaves_is_dropped() {
                       "max_tokens": 180, "temperature": 0, "ignore_eos": true});
     let first = tokio::spawn(async move { post(addr, "/v1/chat/completions", &long).await });
     assert!(
-        wait_until(Duration::from_secs(5), || h.engine.shared().gauges().running == 1).await,
+        wait_until(Duration::from_secs(5), || h
+            .engine
+            .shared()
+            .gauges()
+            .running
+            == 1)
+        .await,
         "the long request did not start"
     );
     let young = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about cats."}],
                        "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": true});
-    let mut s = open(addr, "POST", "/v1/chat/completions", &[], Some(&young.to_string())).await;
+    let mut s = open(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        Some(&young.to_string()),
+    )
+    .await;
     assert_eq!(s.status, 200);
     while preemptions(&h) == 0 {
         assert!(s.next().await.is_some(), "the stream ended unpreempted");
@@ -350,7 +399,9 @@ async fn paged_preempted_request_whose_client_leaves_is_dropped() {
     assert_eq!(r.status, 200, "{}", r.text());
     let sh = h.engine.shared();
     assert!(
-        wait_until(Duration::from_secs(10), || sh.metrics.finished("cancelled") == 1).await,
+        wait_until(Duration::from_secs(10), || sh.metrics.finished("cancelled")
+            == 1)
+        .await,
         "the preempted request was not dropped"
     );
     assert_all_blocks_back(&h).await;

@@ -176,3 +176,28 @@ pub(super) fn reserve_rows<'m>(
     }
     Reserved::All
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_keeps_the_watermark_back_unless_nothing_runs() {
+        let mut pool = BlockPool::new(250, 16).unwrap();
+        assert_eq!(watermark(&pool), 2, "1 % of 250 blocks");
+        assert_eq!(
+            watermark(&BlockPool::new(20, 16).unwrap()),
+            1,
+            "at least one"
+        );
+        let _held = pool.alloc(240).unwrap();
+        // 10 free: an 8-block prompt leaves the 2 kept back, a 9-block one would not.
+        assert!(admits(&pool, 8 * 16, false));
+        assert!(!admits(&pool, 8 * 16 + 1, false));
+        assert!(
+            admits(&pool, 10 * 16, true),
+            "no watermark when nothing runs"
+        );
+        assert!(!admits(&pool, 10 * 16 + 1, true));
+    }
+}

@@ -568,7 +568,12 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             seq.table = table;
             running.push(seq);
         }
-        publish(&running, blocks_used(free_blocks, &pool, &paged, sh), &pool, sh);
+        publish(
+            &running,
+            blocks_used(free_blocks, &pool, &paged, sh),
+            &pool,
+            sh,
+        );
         if running.is_empty() {
             continue;
         }
@@ -587,7 +592,12 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         if plan.is_empty() {
             // Everything left was preempted or ended.
             retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
-            publish(&running, blocks_used(free_blocks, &pool, &paged, sh), &pool, sh);
+            publish(
+                &running,
+                blocks_used(free_blocks, &pool, &paged, sh),
+                &pool,
+                sh,
+            );
             continue;
         }
         let fed: usize = plan.iter().map(|p| p.1).sum();
@@ -678,7 +688,12 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             .unwrap_or_else(|e| e.into_inner())
             .add(now, sampled);
         retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
-        publish(&running, blocks_used(free_blocks, &pool, &paged, sh), &pool, sh);
+        publish(
+            &running,
+            blocks_used(free_blocks, &pool, &paged, sh),
+            &pool,
+            sh,
+        );
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
         }
@@ -754,7 +769,12 @@ fn retire(
             None => *free_blocks += s.p.blocks,
         }
     }
-    publish(running, blocks_used(*free_blocks, pool, paged, sh), pool, sh);
+    publish(
+        running,
+        blocks_used(*free_blocks, pool, paged, sh),
+        pool,
+        sh,
+    );
     for mut s in finished {
         let reason = s.done.expect("partitioned on done");
         s.finish(reason, sh);

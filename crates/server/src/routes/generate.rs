@@ -307,7 +307,11 @@ fn submit(
         SubmitError::QueueFull(_) => ApiError::busy(e.to_string()),
         SubmitError::Unavailable(m) => ApiError::unavailable(m),
         SubmitError::TooLarge { prompt_only, .. } => {
-            let param = if prompt_only { "messages" } else { "max_tokens" };
+            let param = if prompt_only {
+                "messages"
+            } else {
+                "max_tokens"
+            };
             ApiError::invalid(param, e.to_string()).with_code("context_length_exceeded")
         }
     })?;
