@@ -568,12 +568,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             seq.table = table;
             running.push(seq);
         }
-        publish(
-            &running,
-            blocks_used(free_blocks, &pool, &paged, sh),
-            &pool,
-            sh,
-        );
+        publish(&running, free_blocks, &pool, &paged, sh);
         if running.is_empty() {
             continue;
         }
@@ -592,12 +587,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         if plan.is_empty() {
             // Everything left was preempted or ended.
             retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
-            publish(
-                &running,
-                blocks_used(free_blocks, &pool, &paged, sh),
-                &pool,
-                sh,
-            );
+            publish(&running, free_blocks, &pool, &paged, sh);
             continue;
         }
         let fed: usize = plan.iter().map(|p| p.1).sum();
@@ -688,12 +678,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             .unwrap_or_else(|e| e.into_inner())
             .add(now, sampled);
         retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
-        publish(
-            &running,
-            blocks_used(free_blocks, &pool, &paged, sh),
-            &pool,
-            sh,
-        );
+        publish(&running, free_blocks, &pool, &paged, sh);
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
         }
@@ -769,12 +754,7 @@ fn retire(
             None => *free_blocks += s.p.blocks,
         }
     }
-    publish(
-        running,
-        blocks_used(*free_blocks, pool, paged, sh),
-        pool,
-        sh,
-    );
+    publish(running, *free_blocks, pool, paged, sh);
     for mut s in finished {
         let reason = s.done.expect("partitioned on done");
         s.finish(reason, sh);
@@ -932,21 +912,20 @@ fn install(
     Ok(a)
 }
 
-/// KV blocks in use: held by sequences' tables in the paged KV cache's pool; else reserved by
-/// running sequences or held by the prefix cache.
-fn blocks_used(
+/// Updates the engine's gauges in `sh`. KV blocks in use: with the paged KV cache those its
+/// pool has handed out (to running sequences' tables); else the blocks reserved by running
+/// sequences and held by the prefix cache (`total - free_blocks`).
+fn publish(
+    running: &[Seq<'_>],
     free_blocks: usize,
     pool: &PrefixPool,
     paged: &Option<PagedKvCache>,
     sh: &Shared,
-) -> usize {
-    match paged {
+) {
+    let blocks_used = match paged {
         Some(pc) => pc.pool().used_blocks(),
         None => sh.total_blocks - free_blocks - pool.blocks(),
-    }
-}
-
-fn publish(running: &[Seq<'_>], blocks_used: usize, pool: &PrefixPool, sh: &Shared) {
+    };
     sh.running.store(running.len(), Ordering::SeqCst);
     sh.kv_reserved_blocks.store(blocks_used, Ordering::Relaxed);
     let paged_bytes =
