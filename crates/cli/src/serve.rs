@@ -73,7 +73,9 @@ pub struct ServeArgs {
     /// Keep every running request's keys and values in one paged KV cache (blocks of 16
     /// positions from the --kv-mem budget) and run each step's attention once over all
     /// requests instead of once per request: several times the throughput with many clients on
-    /// a GPU. Off by default for now; no prefix cache and no --adapter with it yet.
+    /// a GPU. A request takes blocks as it grows (its prompt's at admission); when the pool runs
+    /// out the latest admitted one is preempted and recomputed later, its stream unbroken. Off
+    /// by default for now; no prefix cache and no --adapter with it yet.
     #[arg(long, conflicts_with = "adapters")]
     pub kv_paged: bool,
     /// Matmul kernels for quantized weights (CPU).

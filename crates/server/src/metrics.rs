@@ -129,6 +129,9 @@ pub struct Metrics {
     /// Forward steps run by the engine and tokens fed through them (batch size = ratio).
     pub steps: AtomicU64,
     pub step_tokens: AtomicU64,
+    /// Running sequences preempted because a step of the paged KV cache could not get its
+    /// blocks (their blocks freed; recomputed when readmitted).
+    pub preemptions: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
     /// Wall time of each forward step (the batch's forward and its token picks).
@@ -152,6 +155,7 @@ impl Default for Metrics {
             prompt_tokens_cached: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             step_tokens: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
             ttft: Histogram::default(),
             itl: Histogram::default(),
             step_seconds: Histogram::default(),
@@ -172,7 +176,8 @@ pub struct Gauges {
     pub kv_used_bytes: u64,
     pub kv_capacity_bytes: u64,
     /// KV blocks of [`crate::engine::BLOCK_TOKENS`] positions: reserved by admitted sequences
-    /// (or held by the prefix cache), and all of them (the `--kv-mem` budget).
+    /// (or held by the prefix cache; with `--kv-paged`, held by running sequences' block
+    /// tables), and all of them (the `--kv-mem` budget).
     pub kv_blocks_used: u64,
     pub kv_blocks_total: u64,
     /// KV memory held by the prefix cache (evicted when admission needs it).
@@ -276,6 +281,12 @@ impl Metrics {
             "Tokens fed through forward steps.",
             ld(&self.step_tokens),
         );
+        counter(
+            &mut out,
+            "hf2q_preemptions_total",
+            "Running sequences preempted for lack of KV blocks (--kv-paged; recomputed when readmitted).",
+            ld(&self.preemptions),
+        );
         gauge(
             &mut out,
             "hf2q_up",
@@ -315,7 +326,7 @@ impl Metrics {
         gauge(
             &mut out,
             "hf2q_kv_blocks_used",
-            "KV blocks reserved by admitted sequences or held by cached prefixes.",
+            "KV blocks reserved by admitted sequences (--kv-paged: held by their block tables) or held by cached prefixes.",
             g.kv_blocks_used as f64,
         );
         gauge(
@@ -428,6 +439,7 @@ mod tests {
             "hf2q_prefix_cache_hits_total 0",
             "hf2q_prompt_tokens_cached_total 0",
             "hf2q_prefix_cache_bytes 0",
+            "hf2q_preemptions_total 0",
             "hf2q_kv_blocks_used 5",
             "hf2q_kv_blocks_free 59",
             "hf2q_engine_step_seconds_bucket{le=\"0.005\"} 1",

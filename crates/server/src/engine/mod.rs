@@ -7,16 +7,20 @@
 //! for this design is vLLM's scheduler (admission under a KV budget, chunked prefill with a token
 //! budget per step, decode first so running streams keep flowing).
 //!
-//! KV memory is accounted in blocks of [`BLOCK_TOKENS`] positions against a cap (`--kv-mem`). A
-//! sequence reserves its worst case (prompt + max_tokens, at most the context size) when it is
-//! admitted, and its cache is created with exactly that limit, so the memory a sequence can
-//! allocate never exceeds what it reserved. Requests wait in a bounded FIFO queue until their
-//! blocks are free; a full queue answers 429, a draining or dead engine 503.
+//! KV memory is accounted in blocks of [`BLOCK_TOKENS`] positions against a cap (`--kv-mem`).
+//! With per-request caches (the default) a sequence reserves its worst case (prompt +
+//! max_tokens, at most the context size) when it is admitted, and its cache is created with
+//! exactly that limit, so the memory a sequence can allocate never exceeds what it reserved.
+//! With the paged KV cache (`--kv-paged`, [`EngineConfig::paged_kv`]) a sequence takes only its
+//! prompt's blocks at admission (a watermark of free blocks kept back) and one more block
+//! whenever a step crosses into it; when a step cannot get its blocks the youngest running
+//! sequence is preempted and later recomputed ([`preempt`]). Requests wait in a bounded FIFO
+//! queue until their blocks are free; a full queue answers 429, a draining or dead engine 503.
 //!
 //! Cancellation: each request carries a flag set when its [`Ticket`] is dropped (the HTTP
 //! handler or response stream went away, i.e. the client disconnected). The scheduler checks
-//! flags before every step, so a request is dropped whether it is queued, prefilling or
-//! decoding, and its blocks are freed at once.
+//! flags before every step, so a request is dropped whether it is queued, prefilling,
+//! decoding or preempted, and its blocks are freed at once.
 //!
 //! Prefix caching ([`prefix`], on unless `--no-prefix-cache`): a finished sequence's cache is
 //! kept with the tokens it holds, and a new request whose prompt starts with the same tokens
@@ -24,17 +28,21 @@
 //! values instead of prefilling them; running sequences' caches serve as sources too. Kept
 //! caches count against the same KV budget and are evicted least recently used first whenever
 //! admission needs their blocks, so caching never makes a request wait. Host (CPU) caches only:
-//! with a device backend nothing is kept.
+//! with a device backend nothing is kept. Off with the paged KV cache (blocks are not shared
+//! yet).
 //!
 //! Served adapters ([`adapters`]): a request may name a LoRA adapter loaded beside the base
 //! (`--adapter`, `POST /v1/adapters`); sequences of different adapters share one batch (the
 //! base products once, each adapter's over its rows: `Model::step_batch_served`), and prefix
 //! cache entries are keyed by the adapter too.
 //!
-//! What it is not: paged attention (the KV layout belongs to `hf2q_models::kv_cache` and is
-//! contiguous per sequence, so a reused prefix is copied, not shared), or preemption.
+//! What it is not: block sharing between sequences in the paged cache (a reused prefix is
+//! copied between per-request caches, not shared), or preemption by swapping KV to host memory
+//! (a preempted sequence is recomputed), or preemption with per-request caches (their
+//! reservation never runs out).
 
 pub mod adapters;
+mod preempt;
 mod prefix;
 mod scheduler;
 
@@ -160,11 +168,18 @@ pub enum SubmitError {
     QueueFull(usize),
     #[error("{0}")]
     Unavailable(String),
+    /// The request can never fit the whole KV pool: `need` positions (rounded up to whole
+    /// blocks) of `pool`. `prompt_only`: what was counted is the prompt alone (the paged KV
+    /// cache takes a sequence's blocks as it grows), not prompt + max_tokens.
     #[error(
-        "this request needs {need} tokens of KV cache but the server's KV memory (--kv-mem) holds only {pool}; \
-         lower max_tokens or shorten the prompt"
+        "this request needs {need} tokens of KV cache but the server's KV memory (--kv-mem) holds only {pool}; {}",
+        if *.prompt_only { "shorten the prompt" } else { "lower max_tokens or shorten the prompt" }
     )]
-    TooLarge { need: usize, pool: usize },
+    TooLarge {
+        need: usize,
+        pool: usize,
+        prompt_only: bool,
+    },
 }
 
 /// State shared by the engine thread and the HTTP side.
@@ -184,6 +199,10 @@ pub struct Shared {
     draining: AtomicBool,
     dead: watch::Sender<bool>,
     pub total_blocks: usize,
+    /// True when the engine runs its steps over the paged KV cache (`cfg.paged_kv` asked for it
+    /// and the model has a paged path); set by the engine thread before [`Engine::start`]
+    /// returns.
+    paged: AtomicBool,
     pub bytes_per_token: u64,
     pub cfg: EngineConfig,
     /// The served adapters' names and reference counts.
@@ -210,6 +229,10 @@ impl Shared {
     }
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
+    }
+    /// Whether the engine runs over the paged KV cache (see [`EngineConfig::paged_kv`]).
+    pub fn is_paged(&self) -> bool {
+        self.paged.load(Ordering::SeqCst)
     }
     /// Work submitted and not finished.
     pub fn busy(&self) -> bool {
@@ -252,6 +275,8 @@ struct Pending {
     out: tmpsc::UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
     arrived: Instant,
+    /// Blocks reserved at admission with per-request caches (prompt + max_tokens); the paged
+    /// cache counts what its sequences hold in its own pool instead.
     blocks: usize,
 }
 
@@ -317,11 +342,15 @@ impl Engine {
             draining: AtomicBool::new(false),
             dead,
             total_blocks,
+            paged: AtomicBool::new(false),
             bytes_per_token,
             cfg,
             adapters: Mutex::new(Registry::default()),
         });
         let (tx, rx) = mpsc::channel();
+        // The engine thread says once whether it runs the paged KV cache (`Shared::paged`),
+        // before any request is submitted: admission limits depend on it.
+        let (ready_tx, ready_rx) = mpsc::channel::<()>();
         let (m, s) = (model.clone(), shared.clone());
         std::thread::Builder::new()
             .name("hf2q-engine".into())
@@ -336,8 +365,8 @@ impl Engine {
                         .thread_name(|i| format!("hf2q-engine-{i}"))
                         .build()
                     {
-                        Ok(pool) => pool.install(|| scheduler::run(&m, &s, rx)),
-                        Err(_) => scheduler::run(&m, &s, rx),
+                        Ok(pool) => pool.install(|| scheduler::run(&m, &s, rx, ready_tx)),
+                        Err(_) => scheduler::run(&m, &s, rx, ready_tx),
                     }
                 }));
                 if r.is_err() {
@@ -347,6 +376,8 @@ impl Engine {
                 s.queued.store(0, Ordering::Relaxed);
                 s.dead.send_replace(true);
             })?;
+        // An error here means the thread ended first; `submit` then finds it dead.
+        let _ = ready_rx.recv();
         Ok(Engine { tx, shared, model })
     }
 
@@ -357,11 +388,32 @@ impl Engine {
         &self.model
     }
 
-    /// KV blocks a request reserves.
+    /// KV blocks a request reserves at admission with per-request caches (its worst case).
     pub fn blocks_for(&self, prompt: usize, max_tokens: usize) -> usize {
         (prompt + max_tokens)
             .min(self.shared.cfg.ctx_size)
             .div_ceil(BLOCK_TOKENS)
+    }
+
+    /// Refuses a request that could never be admitted, even alone: with per-request caches when
+    /// its reservation exceeds the whole budget, with the paged cache when its prompt alone
+    /// does (it grows block by block; alone in the pool it ends with `length` when full).
+    fn check_fits(&self, r: &GenRequest) -> Result<(), SubmitError> {
+        let sh = &self.shared;
+        let prompt_only = sh.is_paged();
+        let need = if prompt_only {
+            r.prompt.len().div_ceil(BLOCK_TOKENS)
+        } else {
+            self.blocks_for(r.prompt.len(), r.max_tokens)
+        };
+        if need > sh.total_blocks {
+            return Err(SubmitError::TooLarge {
+                need: need * BLOCK_TOKENS,
+                pool: sh.total_blocks * BLOCK_TOKENS,
+                prompt_only,
+            });
+        }
+        Ok(())
     }
 
     /// Submits one request (see [`Engine::submit_many`]).
@@ -385,13 +437,7 @@ impl Engine {
             ));
         }
         for r in &reqs {
-            let need = self.blocks_for(r.prompt.len(), r.max_tokens);
-            if need > sh.total_blocks {
-                return Err(SubmitError::TooLarge {
-                    need: need * BLOCK_TOKENS,
-                    pool: sh.total_blocks * BLOCK_TOKENS,
-                });
-            }
+            self.check_fits(r)?;
         }
         let n = reqs.len();
         let before = sh.queued.fetch_add(n, Ordering::SeqCst);

@@ -6,9 +6,13 @@
 //! 3. admit queued requests in arrival order while a slot and their KV blocks are free (FIFO:
 //!    a large request at the head is not overtaken, so it cannot starve); blocks held by the
 //!    prefix cache count as free (least recently used entries are evicted as needed), and a
-//!    new sequence starts from the longest cached prefix of its prompt ([`super::prefix`]);
+//!    new sequence starts from the longest cached prefix of its prompt ([`super::prefix`]).
+//!    With the paged KV cache, preempted sequences come first and a sequence takes only the
+//!    blocks of the tokens it prefills ([`super::preempt`]);
 //! 4. build the batch under the token budget: every decoding sequence's one token first, then
-//!    chunks of prompts being prefilled (oldest first) with what budget is left;
+//!    chunks of prompts being prefilled (oldest first) with what budget is left. With the paged
+//!    KV cache the rows' blocks are taken now, preempting the youngest sequences while the pool
+//!    cannot give them, and the batch is planned again without them;
 //! 5. one `Model::step_batch_served` (sequences ordered by served adapter, so each adapter's
 //!    rows are one run); sample for every sequence whose prompt is complete;
 //! 6. retire finished sequences: their blocks return to the budget and their caches (compacted)
@@ -32,28 +36,33 @@ use hf2q_models::{BatchItem, Model, PagedItem, PagedKvCache, Picked, RowPick};
 use hf2q_tensor::paged::BlockTable;
 
 use super::adapters::{valid_name, AdapterInfo, AdapterRef};
+use super::preempt::{self, Requeued, Reserved};
 use super::prefix::{common_prefix, usable, PrefixPool, MIN_REUSE};
 use super::{Cmd, Event, Install, Pending, Shared, TokenLogprob, BLOCK_TOKENS};
 
-/// One admitted sequence.
-struct Seq<'m> {
-    p: Pending,
+/// One admitted sequence (running, or preempted and waiting to be readmitted).
+pub(super) struct Seq<'m> {
+    pub(super) p: Pending,
+    /// Admission order (0 for the first request the engine admitted); kept across a preemption,
+    /// so the largest is the youngest (latest arrival), the one preempted first.
+    pub(super) order: u64,
     cache: KvCache,
     /// The sequence's blocks in the engine's paged KV cache (`--kv-paged`; empty otherwise,
-    /// when `cache` holds its keys and values).
-    table: BlockTable,
+    /// when `cache` holds its keys and values). Covers at least `0..pos`.
+    pub(super) table: BlockTable,
     /// Tokens in the cache.
-    pos: usize,
-    /// The tokens whose keys and values are in the cache: `tokens[..pos]` (the prompt, then
-    /// every sampled token once it has been fed).
-    tokens: Vec<u32>,
+    pub(super) pos: usize,
+    /// `tokens[..pos]` are in the cache, `tokens[pos..]` are still to be prefilled: at first the
+    /// prompt; every sampled token joins once it has been fed; after a preemption (`pos` back to
+    /// 0) the prompt and every generated token, all recomputed.
+    pub(super) tokens: Vec<u32>,
     /// Prompt tokens whose keys and values were copied from the prefix cache.
     cached: usize,
     /// False once a forward step failed for this sequence: its cache may hold partial rows, so
     /// it is not offered to the prefix cache.
     poolable: bool,
     /// The sampled token to feed next (decode phase); `None` while prefilling.
-    next: Option<u32>,
+    pub(super) next: Option<u32>,
     sampler: Sampler,
     stop: StopMatcher,
     tok: &'m hf2q_models::tokenizer::Tokenizer,
@@ -66,7 +75,7 @@ struct Seq<'m> {
     lps: Vec<TokenLogprob>,
     last_token_at: Option<Instant>,
     /// Set when the sequence must leave the batch.
-    done: Option<FinishReason>,
+    pub(super) done: Option<FinishReason>,
 }
 
 /// Most positions a request's cache may hold (what its reserved blocks cover).
@@ -75,11 +84,13 @@ fn cache_limit(p: &Pending, ctx: usize) -> usize {
 }
 
 impl<'m> Seq<'m> {
-    /// A sequence starting from `cache`, which already holds the first `cached` prompt tokens.
-    fn new(p: Pending, model: &'m Model, cache: KvCache, cached: usize) -> Seq<'m> {
+    /// The `order`-th admitted sequence, starting from `cache`, which already holds the first
+    /// `cached` prompt tokens.
+    fn new(p: Pending, order: u64, model: &'m Model, cache: KvCache, cached: usize) -> Seq<'m> {
         let keep = p.req.sampler.penalty_last_n;
         let history = p.req.prompt[p.req.prompt.len().saturating_sub(keep)..].to_vec();
         Seq {
+            order,
             cache,
             table: BlockTable::new(),
             pos: cached,
@@ -113,6 +124,22 @@ impl<'m> Seq<'m> {
         self.p.cancel.load(Ordering::Relaxed) || self.p.out.is_closed()
     }
 
+    /// Marks the sequence done when its client went away or its deadline passed (then it ends
+    /// with `length`, the text so far being its answer).
+    pub(super) fn check_alive(&mut self, now: Instant, sh: &Shared) {
+        if self.cancelled() {
+            self.done = Some(FinishReason::Cancelled);
+        } else if self.p.req.deadline.is_some_and(|d| now >= d) {
+            sh.metrics.count_finished("timeout");
+            self.done = Some(FinishReason::Length);
+        }
+    }
+
+    /// Still prefilling (its prompt, or after a preemption its prompt and generated tokens).
+    fn prefilling(&self) -> bool {
+        self.next.is_none() && self.pos < self.tokens.len()
+    }
+
     fn send(&mut self, ev: Event) {
         if self.p.out.send(ev).is_err() {
             self.done.get_or_insert(FinishReason::Cancelled);
@@ -143,7 +170,7 @@ impl<'m> Seq<'m> {
     /// all mid-prompt; on the device (greedy, or a draw the device sampler can make, whose
     /// uniform number this draws) when nothing needs the logits on the host; else the logits.
     fn row_pick(&mut self, n: usize) -> RowPick {
-        if self.next.is_none() && self.pos + n < self.p.req.prompt.len() {
+        if self.next.is_none() && self.pos + n < self.tokens.len() {
             return RowPick::Skip;
         }
         if self.p.req.constraint.is_some() || self.p.req.logprobs.is_some() {
@@ -337,20 +364,26 @@ pub(super) fn logprobs(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
     }
 }
 
-/// The engine loop; returns on `Cmd::Stop` or when every handle is gone.
-pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
+/// The engine loop; returns on `Cmd::Stop` or when every handle is gone. Says on `ready`, once
+/// `Shared::paged` is set, that requests may come.
+pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mpsc::Sender<()>) {
     let eog = model.tokenizer().eog_ids().to_vec();
     let cfg = sh.cfg.clone();
     let mut waiting: VecDeque<Pending> = VecDeque::new();
     let mut running: Vec<Seq<'_>> = Vec::new();
-    // Blocks neither reserved by a running sequence nor held by the prefix cache.
+    // Preempted sequences (paged KV cache only), readmitted before `waiting`.
+    let mut requeued = Requeued::default();
+    // Admissions so far: the next sequence's `Seq::order`.
+    let mut admitted: u64 = 0;
+    // Per-request caches: blocks neither reserved by a running sequence nor held by the prefix
+    // cache. (The paged KV cache counts its blocks in its own pool.)
     let mut free_blocks = sh.total_blocks;
     let mut pool = PrefixPool::default();
     // The served adapters' factors; the registry in `sh` names them.
     let mut set = AdapterSet::new();
     // With `paged_kv`, one paged store per layer holds every running sequence's keys and values
-    // (its pool is the --kv-mem budget in blocks); a request still reserves its blocks for
-    // prompt + max_tokens at admission, so a step never runs out of them.
+    // (its pool is the --kv-mem budget in blocks); a sequence takes its blocks as it grows and
+    // is preempted when a step cannot get them ([`preempt`]).
     let mut paged: Option<PagedKvCache> = if cfg.paged_kv {
         match model.paged_cache(sh.total_blocks.max(1), BLOCK_TOKENS, cfg.ctx_size) {
             Ok(c) => Some(c),
@@ -362,6 +395,8 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
     } else {
         None
     };
+    sh.paged.store(paged.is_some(), Ordering::SeqCst);
+    let _ = ready.send(());
     loop {
         sh.beat();
         // Unloaded adapters that no request holds any more: free their slots and cached prefixes.
@@ -372,7 +407,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
         }
         // 1. Commands; block only when idle (with a timeout, to keep the heartbeat fresh).
         let mut cmds: Vec<Cmd> = Vec::new();
-        if waiting.is_empty() && running.is_empty() {
+        if waiting.is_empty() && running.is_empty() && requeued.is_empty() {
             match rx.recv_timeout(Duration::from_millis(200)) {
                 Ok(c) => cmds.push(c),
                 Err(RecvTimeoutError::Timeout) => continue,
@@ -410,10 +445,16 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                             status: 503,
                             message: why.clone(),
                         });
-                        free_blocks += s.p.blocks;
-                        if let Some(pc) = paged.as_mut() {
-                            s.table.clear(pc.pool_mut());
+                        match paged.as_mut() {
+                            Some(pc) => s.table.clear(pc.pool_mut()),
+                            None => free_blocks += s.p.blocks,
                         }
+                    }
+                    for mut s in requeued.drain(sh) {
+                        s.send(Event::Error {
+                            status: 503,
+                            message: why.clone(),
+                        });
                     }
                 }
                 Cmd::Stop => {
@@ -423,7 +464,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                             message: "the server is shutting down".into(),
                         });
                     }
-                    for mut s in running.drain(..) {
+                    for mut s in running.drain(..).chain(requeued.drain(sh)) {
                         s.send(Event::Error {
                             status: 503,
                             message: "the server is shutting down".into(),
@@ -456,19 +497,33 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
             true
         });
         for s in running.iter_mut() {
-            if s.cancelled() {
-                s.done = Some(FinishReason::Cancelled);
-            } else if s.p.req.deadline.is_some_and(|d| now >= d) {
-                sh.metrics.count_finished("timeout");
-                s.done = Some(FinishReason::Length);
-            }
+            s.check_alive(now, sh);
+        }
+        if let Some(pc) = paged.as_ref() {
+            running.extend(requeued.expire(pc.pool(), now, sh));
         }
         retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
 
-        // 3. Admission, in arrival order. The prefix cache's blocks are free for the taking.
+        // 3. Admission, in arrival order: preempted sequences first (paged KV cache), then
+        // new requests. The prefix cache's blocks are free for the taking.
         while running.len() < cfg.max_seqs {
+            if let Some(pc) = paged.as_mut() {
+                if !requeued.is_empty() {
+                    match requeued.readmit(pc.pool_mut(), running.is_empty(), sh) {
+                        Some(s) => {
+                            running.push(s);
+                            continue;
+                        }
+                        None => break,
+                    }
+                }
+            }
             let Some(front) = waiting.front() else { break };
-            if front.blocks > free_blocks + pool.blocks() {
+            let fits = match paged.as_ref() {
+                Some(pc) => preempt::admits(pc.pool(), front.req.prompt.len(), running.is_empty()),
+                None => front.blocks <= free_blocks + pool.blocks(),
+            };
+            if !fits {
                 break;
             }
             let p = waiting.pop_front().expect("front exists");
@@ -488,8 +543,8 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
             let mut table = BlockTable::new();
             let (cache, cached) = match paged.as_mut() {
                 Some(pc) => {
-                    // The budget checked above covers the blocks (nothing else holds any).
-                    if let Err(e) = table.reserve(pc.pool_mut(), cache_limit(&p, cfg.ctx_size)) {
+                    // The prompt's blocks, which `admits` saw free (all or nothing).
+                    if let Err(e) = table.reserve(pc.pool_mut(), p.req.prompt.len()) {
                         let _ = p.out.send(Event::Error {
                             status: 503,
                             message: format!("the KV cache is full: {e}"),
@@ -499,39 +554,42 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                     // Holds nothing (nothing writes it); its limit bounds the sequence's length.
                     (model.new_cache(cache_limit(&p, cfg.ctx_size)), 0)
                 }
-                None => start_cache(model, &p, &mut pool, &running, &mut free_blocks, sh),
+                None => {
+                    let c = start_cache(model, &p, &mut pool, &running, &mut free_blocks, sh);
+                    free_blocks -= p.blocks;
+                    c
+                }
             };
-            free_blocks -= p.blocks;
             sh.metrics
                 .prompt_tokens
                 .fetch_add(p.req.prompt.len() as u64, Ordering::Relaxed);
-            let mut seq = Seq::new(p, model, cache, cached);
+            let mut seq = Seq::new(p, admitted, model, cache, cached);
+            admitted += 1;
             seq.table = table;
             running.push(seq);
         }
-        publish(&running, free_blocks, &pool, sh);
+        publish(&running, free_blocks, &pool, &paged, sh);
         if running.is_empty() {
             continue;
         }
 
-        // 4. The batch: decode tokens first, then prompt chunks.
-        let mut budget = cfg.max_batch_tokens.max(1);
-        let mut plan: Vec<(usize, usize)> = Vec::new(); // (index in running, tokens fed)
-        for (i, s) in running.iter().enumerate() {
-            if s.next.is_some() && budget > 0 {
-                plan.push((i, 1));
-                budget -= 1;
+        // 4. The batch: decode tokens first, then prompt chunks. With the paged KV cache, the
+        // rows' blocks first: while the pool cannot give them, the youngest sequence is
+        // preempted (or, alone, ended) and the batch planned again without it.
+        let plan = loop {
+            let plan = plan_batch(&running, cfg.max_batch_tokens);
+            let Some(pc) = paged.as_mut() else { break plan };
+            match preempt::reserve_rows(&mut running, &plan, pc.pool_mut(), &mut requeued, sh) {
+                Reserved::All => break plan,
+                Reserved::Changed => continue,
             }
+        };
+        if plan.is_empty() {
+            // Everything left was preempted or ended.
+            retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
+            publish(&running, free_blocks, &pool, &paged, sh);
+            continue;
         }
-        for (i, s) in running.iter().enumerate() {
-            if s.next.is_none() && budget > 0 {
-                let n = (s.p.req.prompt.len() - s.pos).min(budget);
-                plan.push((i, n));
-                budget -= n;
-            }
-        }
-        // By adapter, then admission order: each adapter's rows are one run of the batch.
-        plan.sort_unstable_by_key(|&(i, _)| (running[i].slot(), i));
         let fed: usize = plan.iter().map(|p| p.1).sum();
         let step_start = Instant::now();
         let result = {
@@ -543,7 +601,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 let mut items: Vec<PagedItem<'_>> = seqs
                     .into_iter()
                     .map(|(s, n)| {
-                        let tokens = tokens_fed(&s.next, &s.p.req.prompt, s.pos, n);
+                        let tokens = tokens_fed(&s.next, &s.tokens, s.pos, n);
                         PagedItem {
                             table: &mut s.table,
                             pos0: s.pos,
@@ -557,7 +615,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                 let mut items: Vec<BatchItem<'_>> = seqs
                     .into_iter()
                     .map(|(s, n)| {
-                        let tokens = tokens_fed(&s.next, &s.p.req.prompt, s.pos, n);
+                        let tokens = tokens_fed(&s.next, &s.tokens, s.pos, n);
                         BatchItem {
                             cache: &mut s.cache,
                             pos0: s.pos,
@@ -593,7 +651,8 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
                     if let Some(t) = fed {
                         s.tokens.push(t);
                     }
-                    if decoding || s.pos == s.p.req.prompt.len() {
+                    // A decoded token, or the last of the tokens to prefill: pick the next.
+                    if decoding || s.pos == s.tokens.len() {
                         s.take_pick(l, &eog, sh, now);
                         sampled += 1;
                     }
@@ -619,19 +678,45 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>) {
             .unwrap_or_else(|e| e.into_inner())
             .add(now, sampled);
         retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
-        publish(&running, free_blocks, &pool, sh);
+        publish(&running, free_blocks, &pool, &paged, sh);
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
         }
     }
 }
 
-/// The tokens a sequence feeds this step: its sampled token, or the next `n` of its prompt
-/// after `pos` (fields, not the sequence, so its cache or table can be borrowed beside them).
-fn tokens_fed<'a>(next: &'a Option<u32>, prompt: &'a [u32], pos: usize, n: usize) -> &'a [u32] {
+/// One step's batch under the token budget `max_batch_tokens`: (index in `running`, tokens
+/// fed), every decoding sequence's one token first, then chunks of the tokens still to prefill
+/// (in admission order) with what budget is left; sequences already `done` sit out. Ordered by
+/// adapter, then index: each adapter's rows are one run of the batch.
+fn plan_batch(running: &[Seq<'_>], max_batch_tokens: usize) -> Vec<(usize, usize)> {
+    let mut budget = max_batch_tokens.max(1);
+    let mut plan: Vec<(usize, usize)> = Vec::new();
+    let live = || running.iter().enumerate().filter(|(_, s)| s.done.is_none());
+    for (i, s) in live() {
+        if s.next.is_some() && budget > 0 {
+            plan.push((i, 1));
+            budget -= 1;
+        }
+    }
+    for (i, s) in live() {
+        if s.prefilling() && budget > 0 {
+            let n = (s.tokens.len() - s.pos).min(budget);
+            plan.push((i, n));
+            budget -= n;
+        }
+    }
+    plan.sort_unstable_by_key(|&(i, _)| (running[i].slot(), i));
+    plan
+}
+
+/// The tokens a sequence feeds this step: its sampled token, or the next `n` of its tokens to
+/// prefill after `pos` (fields, not the sequence, so its cache or table can be borrowed beside
+/// them).
+fn tokens_fed<'a>(next: &'a Option<u32>, tokens: &'a [u32], pos: usize, n: usize) -> &'a [u32] {
     match next {
         Some(t) => std::slice::from_ref(t),
-        None => &prompt[pos..pos + n],
+        None => &tokens[pos..pos + n],
     }
 }
 
@@ -664,12 +749,12 @@ fn retire(
     }
     // The gauges first: a client that has its answer must also see its slot free (/metrics).
     for s in &mut finished {
-        *free_blocks += s.p.blocks;
-        if let Some(pc) = paged.as_mut() {
-            s.table.clear(pc.pool_mut());
+        match paged.as_mut() {
+            Some(pc) => s.table.clear(pc.pool_mut()),
+            None => *free_blocks += s.p.blocks,
         }
     }
-    publish(running, *free_blocks, pool, sh);
+    publish(running, *free_blocks, pool, paged, sh);
     for mut s in finished {
         let reason = s.done.expect("partitioned on done");
         s.finish(reason, sh);
@@ -827,12 +912,22 @@ fn install(
     Ok(a)
 }
 
-fn publish(running: &[Seq<'_>], free_blocks: usize, pool: &PrefixPool, sh: &Shared) {
+/// Updates the engine's gauges in `sh`. KV blocks in use: with the paged KV cache those its
+/// pool has handed out (to running sequences' tables); else the blocks reserved by running
+/// sequences and held by the prefix cache (`total - free_blocks`).
+fn publish(
+    running: &[Seq<'_>],
+    free_blocks: usize,
+    pool: &PrefixPool,
+    paged: &Option<PagedKvCache>,
+    sh: &Shared,
+) {
+    let blocks_used = match paged {
+        Some(pc) => pc.pool().used_blocks(),
+        None => sh.total_blocks - free_blocks - pool.blocks(),
+    };
     sh.running.store(running.len(), Ordering::SeqCst);
-    sh.kv_reserved_blocks.store(
-        sh.total_blocks - free_blocks - pool.blocks(),
-        Ordering::Relaxed,
-    );
+    sh.kv_reserved_blocks.store(blocks_used, Ordering::Relaxed);
     let paged_bytes =
         |s: &Seq<'_>| s.table.blocks().len() * BLOCK_TOKENS * sh.bytes_per_token as usize;
     let used: usize = running

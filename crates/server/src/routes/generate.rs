@@ -306,8 +306,13 @@ fn submit(
     let tickets = st.engine.submit_many(reqs).map_err(|e| match e {
         SubmitError::QueueFull(_) => ApiError::busy(e.to_string()),
         SubmitError::Unavailable(m) => ApiError::unavailable(m),
-        SubmitError::TooLarge { .. } => {
-            ApiError::invalid("max_tokens", e.to_string()).with_code("context_length_exceeded")
+        SubmitError::TooLarge { prompt_only, .. } => {
+            let param = if prompt_only {
+                "messages"
+            } else {
+                "max_tokens"
+            };
+            ApiError::invalid(param, e.to_string()).with_code("context_length_exceeded")
         }
     })?;
     let jobs = tickets
