@@ -10,7 +10,9 @@ CACHE="${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-test}"
 mkdir -p "$HF2Q_HOME" "$CACHE"
 
 echo "== build"
-cargo build --release --locked -p hf2q
+# Every test and the hf2q binary in one feature set: a separate `cargo build -p hf2q` resolves
+# features without the tests' dev-dependencies and compiles about forty crates a second time.
+cargo test --release --locked --workspace --no-run
 BIN=target/release/hf2q
 
 echo "== models (cached in $HF2Q_HOME)"
@@ -80,4 +82,6 @@ export HF2Q_TEST_NODE_MODULES="$SERVE_CACHE/node/node_modules"
 HF2Q_TEST_CHROMIUM="$(command -v chromium || true)"
 export HF2Q_TEST_CHROMIUM
 export HF2Q_TEST_BIN="$PWD/$BIN"
-cargo test --release --locked -p hf2q-server --test clients -- --test-threads 1
+# --workspace keeps the feature set the build step compiled (`-p` would resolve another and
+# compile a few dozen crates again).
+cargo test --release --locked --workspace --test clients -- --test-threads 1
