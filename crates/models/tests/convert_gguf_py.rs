@@ -4,7 +4,7 @@
 //!
 //! Runs when `HF2Q_TEST_GGUF_PY` names a Python with `gguf==0.19.0` installed (see
 //! `scripts/fixtures/gguf_py_summary.py`); prints "skipped" otherwise. Covers float and
-//! quantized outputs of every family (tiny checkpoints), and SmolLM2 presets when
+//! quantized outputs of every family (tiny checkpoints; GPT-OSS with its MXFP4 experts), and SmolLM2 presets when
 //! `HF2Q_TEST_SMOLLM2_GGUF` is set too.
 
 use std::path::{Path, PathBuf};
@@ -130,6 +130,8 @@ fn hf2q_gguf_reads_the_same_in_gguf_py() {
         ("tiny-qwen2", Some("Q8_0")),
         ("tiny-qwen3", Some("Q4_0")),
         ("tiny-gemma3", Some("BF16")),
+        // llama.cpp's `gpt-oss` names, its MXFP4 experts (type 39) decoded by gguf-py too.
+        ("tiny-gpt-oss", None),
     ] {
         let src = SourceModel::open(&tiny.join(name)).unwrap();
         let out = dir.path().join(format!("{name}.gguf"));

@@ -204,6 +204,11 @@ pub fn gguf_to_hf_table(arch: Arch, n_layers: usize) -> std::collections::HashMa
                     add(format!("model.layers.{l}.{p}.{s}"));
                 }
             }
+            if arch == Arch::GptOss {
+                // Its router's name and its sinks (no `.weight` on the HF side).
+                add(format!("model.layers.{l}.mlp.router.{s}"));
+                add(format!("model.layers.{l}.self_attn.sinks"));
+            }
         }
     }
     m
@@ -286,14 +291,6 @@ impl SourceModel {
     fn open_folder(dir: &Path) -> Result<SourceModel> {
         let cfg = read_config_json(dir)?;
         let config = ModelConfig::from_hf_json(&cfg)?;
-        if config.arch == crate::config::Arch::GptOss {
-            // Its MXFP4 experts, sinks and router have no GGUF/MLX names here yet.
-            return Err(Error::Msg(format!(
-                "{}: converting or quantizing GPT-OSS is not supported yet (it runs from its \
-                 folder as it is)",
-                dir.display()
-            )));
-        }
         let weights = WeightSource::safetensors(dir, &cfg)?;
         let WeightSource::St { st, prefixes, .. } = &weights else {
             unreachable!("folder source")
@@ -368,6 +365,7 @@ impl SourceModel {
                 tensors.extend(stacked_tensors(&weights, &config, l, moe.n_experts)?);
             }
         }
+
         // Llama 3 RoPE scaling lives in config.json here and in a `rope_freqs` tensor in GGUF:
         // a virtual tensor computed from the config stands in for it.
         if let (Some(ff), false) = (
@@ -485,6 +483,9 @@ impl SourceModel {
                 }
             }
             WeightSource::St { .. } if t.shape.len() == 3 => self.read_stacked_experts(t)?,
+            WeightSource::St { .. } if stacked_expert_bias(&t.hf).is_some() => {
+                self.read_expert_biases(t)?
+            }
             WeightSource::St { .. } => {
                 if t.shape.len() == 1 {
                     self.weights.vector(&t.hf)?
@@ -541,9 +542,7 @@ impl SourceModel {
             ))
         })?;
         let n_experts = t.shape[0];
-        let ex = self
-            .weights
-            .experts(&format!("model.layers.{layer}"), n_experts)?;
+        let ex = layer_experts(&self.weights, &self.config, layer, n_experts)?;
         let per = t.numel() / n_experts.max(1);
         let mut out = vec![0f32; t.numel()];
         out.par_chunks_mut(per.max(1))
@@ -565,6 +564,50 @@ impl SourceModel {
     }
 }
 
+impl SourceModel {
+    /// The `(E, F)` / `(E, D)` biases of a stacked experts part (GPT-OSS), expert after expert.
+    fn read_expert_biases(&self, t: &SrcTensor) -> Result<Vec<f32>> {
+        let (layer, part) = stacked_expert_bias(&t.hf)
+            .ok_or_else(|| Error::Config(format!("tensor '{}' is not an experts bias", t.hf)))?;
+        let n_experts = t.shape[0];
+        let ex = layer_experts(&self.weights, &self.config, layer, n_experts)?;
+        let mut out = Vec::with_capacity(t.numel());
+        for e in 0..n_experts {
+            let b = ex
+                .biases(e)
+                .ok_or_else(|| Error::MissingTensor(t.hf.clone()))?;
+            out.extend_from_slice(b[part]);
+        }
+        Ok(out)
+    }
+
+    /// The stored bytes of a folder's stacked experts tensor when its experts are already in a
+    /// ggml block type (GPT-OSS's MXFP4, repacked at read): copied as they are, never decoded.
+    pub fn raw_stacked(&self, t: &SrcTensor) -> Result<Option<(GgmlType, Vec<u8>)>> {
+        let (Some((layer, part)), WeightSource::St { .. }, false) = (
+            stacked_expert(&t.hf),
+            &self.weights,
+            self.deltas.contains_key(&t.hf),
+        ) else {
+            return Ok(None);
+        };
+        if self.config.arch != Arch::GptOss {
+            return Ok(None);
+        }
+        let ex = layer_experts(&self.weights, &self.config, layer, t.shape[0])?;
+        let mut ty = None;
+        let mut out = Vec::new();
+        for e in 0..t.shape[0] {
+            let hf2q_tensor::WeightData::Ggml { ty: et, data } = &ex.expert(e)[part].data else {
+                return Ok(None);
+            };
+            ty = Some(*et);
+            out.extend_from_slice(data.as_slice());
+        }
+        Ok(ty.map(|ty| (ty, out)))
+    }
+}
+
 /// The stacked expert tensors of routed layer `layer` of a folder source, shaped and typed from
 /// its first expert (the per-expert or fused tensors are read by [`SourceModel::read_f32`]).
 fn stacked_tensors(
@@ -573,8 +616,8 @@ fn stacked_tensors(
     layer: usize,
     n_experts: usize,
 ) -> Result<Vec<SrcTensor>> {
-    let ex = weights.experts(&format!("model.layers.{layer}"), n_experts)?;
-    EXPERT_PARTS
+    let ex = layer_experts(weights, config, layer, n_experts)?;
+    let mut out: Vec<SrcTensor> = EXPERT_PARTS
         .iter()
         .enumerate()
         .map(|(p, part)| {
@@ -594,7 +637,43 @@ fn stacked_tensors(
                 stored: Stored::Ggml(ty),
             })
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    if let Some(b) = ex.biases(0) {
+        // GPT-OSS's expert biases: `(E, F)` / `(E, D)` as llama.cpp's `ffn_*_exps.bias`.
+        for (p, part) in EXPERT_PARTS.iter().enumerate() {
+            let hf = format!("model.layers.{layer}.mlp.experts.{part}.bias");
+            let gguf = hf_to_gguf(config.arch, &hf)
+                .ok_or_else(|| Error::Msg(format!("{hf}: no GGUF name in hf2q's table")))?;
+            out.push(SrcTensor {
+                hf,
+                gguf,
+                shape: vec![n_experts, b[p].len()],
+                stored: Stored::Ggml(GgmlType::F32),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The routed experts of `layer` of a folder source, by the family's own reader.
+fn layer_experts(
+    weights: &WeightSource,
+    config: &ModelConfig,
+    layer: usize,
+    n_experts: usize,
+) -> Result<hf2q_tensor::moe::Experts> {
+    let prefix = format!("model.layers.{layer}");
+    if config.arch == Arch::GptOss {
+        weights.gpt_oss_experts(&prefix, n_experts)
+    } else {
+        weights.experts(&prefix, n_experts)
+    }
+}
+
+/// `(layer, part)` of a stacked experts bias's HF name
+/// (`model.layers.N.mlp.experts.{gate,up,down}_proj.bias`, GPT-OSS).
+fn stacked_expert_bias(hf: &str) -> Option<(usize, usize)> {
+    stacked_expert(&format!("{}.weight", hf.strip_suffix(".bias")?))
 }
 
 /// Weight bytes read to decode one token, for a bandwidth floor (`hf2q bench`).
