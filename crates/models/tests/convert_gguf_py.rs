@@ -112,6 +112,27 @@ fn check(py: &str, file: &Path) {
             p["sum"]
         );
     }
+    if f.architecture() == Some("gpt-oss") {
+        // Every name and key is one gguf-py's constants give the family (llama.cpp's loader
+        // looks tensors up by these names).
+        let set = |k: &str| -> Vec<String> {
+            s[k].as_array()
+                .unwrap_or_else(|| panic!("gguf-py does not know gpt-oss"))
+                .iter()
+                .map(|v| v.as_str().unwrap().to_string())
+                .collect()
+        };
+        let (names, keys) = (set("arch_names"), set("arch_keys"));
+        for t in &f.tensors {
+            let stem = t.name.rsplit_once('.').map_or(t.name.as_str(), |x| x.0);
+            assert!(names.iter().any(|n| n == stem), "{}: not a gpt-oss tensor in gguf-py", t.name);
+        }
+        for (k, _) in &f.metadata {
+            if !k.starts_with("tokenizer.") && !k.starts_with("general.") {
+                assert!(keys.contains(k), "{k}: not a key gguf-py names");
+            }
+        }
+    }
     eprintln!(
         "{}: gguf-py agrees ({} keys, {} tensors)",
         file.display(),
