@@ -254,7 +254,10 @@ mod tests {
         }
         for (hf, g) in [
             ("model.layers.1.self_attn.sinks", "blk.1.attn_sinks.weight"),
-            ("model.layers.1.mlp.router.weight", "blk.1.ffn_gate_inp.weight"),
+            (
+                "model.layers.1.mlp.router.weight",
+                "blk.1.ffn_gate_inp.weight",
+            ),
             ("model.layers.1.mlp.router.bias", "blk.1.ffn_gate_inp.bias"),
             (
                 "model.layers.0.post_attention_layernorm.weight",

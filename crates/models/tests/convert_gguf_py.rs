@@ -125,7 +125,11 @@ fn check(py: &str, file: &Path) {
         let (names, keys) = (set("arch_names"), set("arch_keys"));
         for t in &f.tensors {
             let stem = t.name.rsplit_once('.').map_or(t.name.as_str(), |x| x.0);
-            assert!(names.iter().any(|n| n == stem), "{}: not a gpt-oss tensor in gguf-py", t.name);
+            assert!(
+                names.iter().any(|n| n == stem),
+                "{}: not a gpt-oss tensor in gguf-py",
+                t.name
+            );
         }
         for (k, _) in &f.metadata {
             if !k.starts_with("tokenizer.") && !k.starts_with("general.") {

@@ -60,7 +60,14 @@ fn to_gguf(dir: &Path) -> PathBuf {
 /// written out as llama.cpp's `transform_nibble_layout` does it: each block's scale byte, then
 /// 16 bytes whose low nibbles are values 0..16 and high nibbles 16..32 (the checkpoint packs
 /// values `2k` and `2k + 1` into byte `k`). `rows` picks the rows of each expert.
-fn ggml_mxfp4(blocks: &[u8], scales: &[u8], e: usize, r: usize, g: usize, rows: &[usize]) -> Vec<u8> {
+fn ggml_mxfp4(
+    blocks: &[u8],
+    scales: &[u8],
+    e: usize,
+    r: usize,
+    g: usize,
+    rows: &[usize],
+) -> Vec<u8> {
     let mut out = Vec::new();
     for ex in 0..e {
         for &row in rows {
@@ -164,7 +171,10 @@ fn hf_to_gguf_matches_the_golden_in_llama_cpp_layout() {
     let st = SafeTensors::open(&tiny().join("model.safetensors")).unwrap();
     let raw = |n: &str| {
         let info = st.tensor(n).unwrap_or_else(|| panic!("{n}"));
-        (st.tensor_data(info).unwrap().as_slice().to_vec(), info.shape.clone())
+        (
+            st.tensor_data(info).unwrap().as_slice().to_vec(),
+            info.shape.clone(),
+        )
     };
     for l in 0..2 {
         let p = format!("model.layers.{l}.mlp.experts");
@@ -179,7 +189,10 @@ fn hf_to_gguf_matches_the_golden_in_llama_cpp_layout() {
         for (name, bytes) in [
             ("ffn_gate_exps", ggml_mxfp4(&gb, &gs, e, r, g, &even)),
             ("ffn_up_exps", ggml_mxfp4(&gb, &gs, e, r, g, &odd)),
-            ("ffn_down_exps", ggml_mxfp4(&db, &ds, e, dshape[1], dshape[2], &all)),
+            (
+                "ffn_down_exps",
+                ggml_mxfp4(&db, &ds, e, dshape[1], dshape[2], &all),
+            ),
         ] {
             let t = f.tensor(&format!("blk.{l}.{name}.weight")).unwrap();
             assert!(
@@ -197,7 +210,12 @@ fn hf_to_gguf_matches_the_golden_in_llama_cpp_layout() {
         .as_array()
         .unwrap()
         .iter()
-        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+        .flat_map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+        })
         .collect();
     let (dg, dh) = (max_diff(&from_gguf, &want), max_diff(&from_gguf, &from_hf));
     eprintln!("tiny-gpt-oss GGUF: vs golden {dg:.2e}, vs the folder {dh:.2e}");
@@ -229,7 +247,10 @@ fn gguf_round_trip_and_refusals() {
     let src = SourceModel::open(&gguf).unwrap();
     let again = dir.path().join("again.gguf");
     convert(&src, &again, &ConvertTarget::Gguf(None), &NoProgress).unwrap();
-    let (a, b) = (GgufFile::open(&gguf).unwrap(), GgufFile::open(&again).unwrap());
+    let (a, b) = (
+        GgufFile::open(&gguf).unwrap(),
+        GgufFile::open(&again).unwrap(),
+    );
     assert_eq!(a.tensors.len(), b.tensors.len());
     for t in &a.tensors {
         let u = b.tensor(&t.name).unwrap();
@@ -243,9 +264,14 @@ fn gguf_round_trip_and_refusals() {
     for s in [&gguf, &tiny()] {
         let src = SourceModel::open(s).unwrap();
         let out = dir.path().join("hf-out");
-        let e = convert(&src, &out, &ConvertTarget::Hf(HfOptions::default()), &NoProgress)
-            .unwrap_err()
-            .to_string();
+        let e = convert(
+            &src,
+            &out,
+            &ConvertTarget::Hf(HfOptions::default()),
+            &NoProgress,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("GPT-OSS") && e.contains("Hugging Face"), "{e}");
         assert!(!out.exists());
         let q = hf2q_models::quantize::presets::QuantTarget::parse("Q8_0", None).unwrap();
@@ -281,7 +307,8 @@ fn bad_gguf_fails_by_name() {
         }
         let kept: Vec<_> = f.tensors.iter().filter(|t| t.name != skip).collect();
         for t in &kept {
-            w.add_tensor_info(t.name.clone(), t.dims.clone(), t.ty).unwrap();
+            w.add_tensor_info(t.name.clone(), t.dims.clone(), t.ty)
+                .unwrap();
         }
         w.write_file_with(path, |info| {
             let t = f.tensor(&info.name).unwrap();
@@ -297,7 +324,10 @@ fn bad_gguf_fails_by_name() {
     rewrite(
         &p,
         "",
-        Some(("gpt-oss.rope.scaling.type", GgufValue::String("linear".into()))),
+        Some((
+            "gpt-oss.rope.scaling.type",
+            GgufValue::String("linear".into()),
+        )),
     );
     let e = Model::load(&p).err().expect("refused").to_string();
     assert!(e.contains("RoPE scaling 'linear'"), "{e}");

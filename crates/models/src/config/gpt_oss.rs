@@ -20,7 +20,7 @@
 use hf2q_tensor::io::gguf::GgufFile;
 use serde_json::Value;
 
-use super::{bad, MoeConfig, ModelConfig};
+use super::{bad, ModelConfig, MoeConfig};
 use crate::Result;
 
 /// GPT-OSS's SwiGLU `alpha` (fixed in transformers' `GptOssExperts`).
@@ -166,15 +166,16 @@ pub(super) fn from_gguf(c: &mut ModelConfig, g: &GgufFile, a: &str) -> Result<()
             let mut r = serde_json::Map::new();
             for (gk, hk) in [
                 ("rope.scaling.factor", "factor"),
-                ("rope.scaling.original_context_length", "original_max_position_embeddings"),
+                (
+                    "rope.scaling.original_context_length",
+                    "original_max_position_embeddings",
+                ),
                 ("rope.scaling.yarn_beta_fast", "beta_fast"),
                 ("rope.scaling.yarn_beta_slow", "beta_slow"),
                 ("rope.scaling.yarn_attn_factor", "attention_factor"),
             ] {
                 let v = match gk {
-                    "rope.scaling.original_context_length" => {
-                        g.get_u64(&key(gk)).map(|x| x as f64)
-                    }
+                    "rope.scaling.original_context_length" => g.get_u64(&key(gk)).map(|x| x as f64),
                     _ => f(gk),
                 };
                 if let Some(v) = v {
@@ -190,10 +191,12 @@ pub(super) fn from_gguf(c: &mut ModelConfig, g: &GgufFile, a: &str) -> Result<()
             )))
         }
     };
-    let m = c
-        .moe
-        .as_mut()
-        .ok_or_else(|| bad(format!("GGUF lacks '{}' (GPT-OSS is routed)", key("expert_count"))))?;
+    let m = c.moe.as_mut().ok_or_else(|| {
+        bad(format!(
+            "GGUF lacks '{}' (GPT-OSS is routed)",
+            key("expert_count")
+        ))
+    })?;
     m.renormalize = true;
     m.clamped_swiglu = Some(7.0);
     Ok(())

@@ -47,6 +47,8 @@ const PRE_NAMES: &[(&[&str], &str)] = &[
     (&[r"\p{N}", RE_GPT2], "smollm"),
     (&[RE_LLAMA3], "llama-bpe"),
     (&[RE_QWEN2], "qwen2"),
+    // o200k (GPT-OSS, Llama 4): llama.cpp's `gpt-4o`.
+    (&[crate::tokenizer::gguf::RE_GPT4O], "gpt-4o"),
 ];
 
 /// The regexes a tokenizer.json `pre_tokenizer` splits with: `Split` patterns, `Digits`
@@ -557,6 +559,8 @@ mod tests {
         let gguf_smol = json!({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": r"\p{N}"}}, {"type": "Split", "pattern": {"Regex": RE_GPT2}}, {"type": "ByteLevel", "use_regex": false}]});
         assert_eq!(pre_tokenizer_name(&gguf_smol).unwrap(), "smollm");
         assert_eq!(pre_tokenizer_name(&qwen).unwrap(), "qwen2");
+        let o200k = json!({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": crate::tokenizer::gguf::RE_GPT4O}, "behavior": "Isolated", "invert": false}, {"type": "ByteLevel", "use_regex": false}]});
+        assert_eq!(pre_tokenizer_name(&o200k).unwrap(), "gpt-4o");
         assert!(pre_tokenizer_name(&json!({"type": "Whitespace"})).is_err());
     }
 }

@@ -159,7 +159,9 @@ impl WeightSource {
     pub fn gpt_oss_experts(&self, prefix: &str, n_experts: usize) -> Result<Experts> {
         let (st, prefixes) = match self {
             WeightSource::St { st, prefixes, .. } => (st, prefixes),
-            WeightSource::Gguf { file, .. } => return gguf_gpt_oss_experts(file, prefix, n_experts),
+            WeightSource::Gguf { file, .. } => {
+                return gguf_gpt_oss_experts(file, prefix, n_experts)
+            }
         };
         let stem = format!("{prefix}.mlp.experts");
         let find = |n: &str| Self::st_name(st, prefixes, &format!("{stem}.{n}"));
