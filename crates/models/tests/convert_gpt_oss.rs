@@ -290,6 +290,42 @@ fn gguf_round_trip_and_refusals() {
     }
 }
 
+/// What llama.cpp's `gpt-oss` keys cannot say (YaRN truncated, other sliding layers, another
+/// SwiGLU limit) is refused when converting, never written as another model.
+#[test]
+fn inexpressible_configs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (edit, words) in [
+        ("truncate", "truncate true"),
+        ("layers", "sliding layers"),
+        ("limit", "swiglu_limit"),
+    ] {
+        let d = dir.path().join(edit);
+        std::fs::create_dir_all(&d).unwrap();
+        for e in std::fs::read_dir(tiny()).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
+        }
+        let mut cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+        match edit {
+            "truncate" => cfg["rope_parameters"]["truncate"] = true.into(),
+            "layers" => {
+                cfg["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"])
+            }
+            _ => cfg["swiglu_limit"] = 5.0.into(),
+        }
+        std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+        let src = SourceModel::open(&d).unwrap();
+        let out = dir.path().join(format!("{edit}.gguf"));
+        let e = convert(&src, &out, &ConvertTarget::Gguf(None), &NoProgress)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(words), "{edit}: {e}");
+        assert!(!out.exists());
+    }
+}
+
 /// A GGUF lacking an expert bias, or of another RoPE scaling, fails with a message naming it.
 #[test]
 fn bad_gguf_fails_by_name() {

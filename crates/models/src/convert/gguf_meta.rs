@@ -489,6 +489,13 @@ fn gpt_oss_metadata(c: &ModelConfig) -> Result<Meta> {
         ));
     }
     if let Some(y) = &c.yarn {
+        if y.truncate {
+            // GGUF has no key for it and the loader reads GPT-OSS's own `truncate: false`.
+            return Err(Error::Msg(
+                "GPT-OSS with YaRN truncate true: its GGUF (no key for it) cannot express it"
+                    .into(),
+            ));
+        }
         m.push((k("rope.scaling.type"), "yarn".into()));
         m.push((k("rope.scaling.factor"), GgufValue::F32(y.factor as f32)));
         m.push((
