@@ -83,7 +83,7 @@ impl Arch {
     /// The GGUF `general.architecture`s the loader accepts, for messages.
     pub const SUPPORTED_GGUF: &'static [&'static str] = &[
         "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "phi3", "smollm3",
-        "granite", "olmo2", "minicpm",
+        "granite", "olmo2", "minicpm", "gpt-oss",
     ];
     fn from_hf(model_type: &str) -> Option<Arch> {
         Some(match model_type {
@@ -123,6 +123,7 @@ impl Arch {
             "granite" => Arch::Granite,
             "olmo2" => Arch::Olmo2,
             "minicpm" => Arch::MiniCpm,
+            "gpt-oss" => Arch::GptOss,
             _ => return None,
         })
     }
@@ -934,6 +935,9 @@ impl ModelConfig {
         c.layer_heads = vec![(c.n_kv_heads, c.head_dim); n_layers];
         if arch == Arch::MiniCpm {
             minicpm::from_gguf(&mut c, g);
+        }
+        if arch == Arch::GptOss {
+            gpt_oss::from_gguf(&mut c, g, &a)?;
         }
         if arch == Arch::Gemma4 {
             gemma4::from_gguf(&mut c, g)?;

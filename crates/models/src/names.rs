@@ -102,12 +102,24 @@ pub fn hf_to_gguf(arch: Arch, hf: &str) -> Option<String> {
     let rest = stem.strip_prefix("model.layers.")?;
     let (idx, part) = rest.split_once('.')?;
     idx.parse::<usize>().ok()?;
+    if arch == Arch::GptOss {
+        // llama.cpp's `gpt-oss` names: the sinks gain a `.weight`, the router is `ffn_gate_inp`.
+        match part {
+            "self_attn.sinks" if suffix.is_empty() => {
+                return Some(format!("blk.{idx}.attn_sinks.weight"))
+            }
+            "mlp.router" => return Some(format!("blk.{idx}.ffn_gate_inp{dot_suffix}")),
+            _ => {}
+        }
+    }
     // The one name whose meaning differs by family: Llama's "post attention" norm is the norm
-    // before the MLP; Gemma 3's and OLMo 2's is applied to the attention output.
+    // before the MLP; Gemma 3's and OLMo 2's is applied to the attention output. GPT-OSS's is
+    // Llama's norm but llama.cpp names it `post_attention_norm` (its `gpt-oss` tensor list has
+    // no `ffn_norm`).
     let g = if part == "mlp.gate_up_proj" && arch == Arch::Phi3 {
         "ffn_up"
     } else if part == "post_attention_layernorm" {
-        if matches!(arch, Arch::Gemma3 | Arch::Olmo2) {
+        if matches!(arch, Arch::Gemma3 | Arch::Olmo2 | Arch::GptOss) {
             "post_attention_norm"
         } else {
             "ffn_norm"
@@ -239,6 +251,28 @@ mod tests {
             ),
         ] {
             assert_eq!(hf_to_gguf(Arch::Gemma4, hf).as_deref(), Some(g), "{hf}");
+        }
+        for (hf, g) in [
+            ("model.layers.1.self_attn.sinks", "blk.1.attn_sinks.weight"),
+            (
+                "model.layers.1.mlp.router.weight",
+                "blk.1.ffn_gate_inp.weight",
+            ),
+            ("model.layers.1.mlp.router.bias", "blk.1.ffn_gate_inp.bias"),
+            (
+                "model.layers.0.post_attention_layernorm.weight",
+                "blk.0.post_attention_norm.weight",
+            ),
+            (
+                "model.layers.0.mlp.experts.gate_proj.bias",
+                "blk.0.ffn_gate_exps.bias",
+            ),
+            (
+                "model.layers.0.self_attn.o_proj.bias",
+                "blk.0.attn_output.bias",
+            ),
+        ] {
+            assert_eq!(hf_to_gguf(Arch::GptOss, hf).as_deref(), Some(g), "{hf}");
         }
         assert_eq!(
             hf_to_gguf(Arch::Llama, "model.layers.2.block_sparse_moe.gate.weight").unwrap(),

@@ -4,7 +4,7 @@
 //!
 //! Runs when `HF2Q_TEST_GGUF_PY` names a Python with `gguf==0.19.0` installed (see
 //! `scripts/fixtures/gguf_py_summary.py`); prints "skipped" otherwise. Covers float and
-//! quantized outputs of every family (tiny checkpoints), and SmolLM2 presets when
+//! quantized outputs of every family (tiny checkpoints; GPT-OSS with its MXFP4 experts), and SmolLM2 presets when
 //! `HF2Q_TEST_SMOLLM2_GGUF` is set too.
 
 use std::path::{Path, PathBuf};
@@ -112,6 +112,31 @@ fn check(py: &str, file: &Path) {
             p["sum"]
         );
     }
+    if f.architecture() == Some("gpt-oss") {
+        // Every name and key is one gguf-py's constants give the family (llama.cpp's loader
+        // looks tensors up by these names).
+        let set = |k: &str| -> Vec<String> {
+            s[k].as_array()
+                .unwrap_or_else(|| panic!("gguf-py does not know gpt-oss"))
+                .iter()
+                .map(|v| v.as_str().unwrap().to_string())
+                .collect()
+        };
+        let (names, keys) = (set("arch_names"), set("arch_keys"));
+        for t in &f.tensors {
+            let stem = t.name.rsplit_once('.').map_or(t.name.as_str(), |x| x.0);
+            assert!(
+                names.iter().any(|n| n == stem),
+                "{}: not a gpt-oss tensor in gguf-py",
+                t.name
+            );
+        }
+        for (k, _) in &f.metadata {
+            if !k.starts_with("tokenizer.") && !k.starts_with("general.") {
+                assert!(keys.contains(k), "{k}: not a key gguf-py names");
+            }
+        }
+    }
     eprintln!(
         "{}: gguf-py agrees ({} keys, {} tensors)",
         file.display(),
@@ -130,6 +155,8 @@ fn hf2q_gguf_reads_the_same_in_gguf_py() {
         ("tiny-qwen2", Some("Q8_0")),
         ("tiny-qwen3", Some("Q4_0")),
         ("tiny-gemma3", Some("BF16")),
+        // llama.cpp's `gpt-oss` names, its MXFP4 experts (type 39) decoded by gguf-py too.
+        ("tiny-gpt-oss", None),
     ] {
         let src = SourceModel::open(&tiny.join(name)).unwrap();
         let out = dir.path().join(format!("{name}.gguf"));

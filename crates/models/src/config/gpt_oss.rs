@@ -9,12 +9,18 @@
 //! Reference: transformers' `modeling_gpt_oss.py` and `_compute_yarn_parameters` in
 //! `modeling_rope_utils.py`.
 //!
-//! Not here: GGUF metadata of the family (refused by the GGUF loader), the harmony chat
-//! template, other quantization methods of the experts (refused by name).
+//! GGUF (llama.cpp's `gpt-oss` architecture) carries the same settings in its own keys
+//! ([`from_gguf`]); what it leaves implicit (biases, sinks, the SwiGLU limit 7, even layers
+//! sliding, renormalised top-k) is llama.cpp's fixed choice for the family, which is
+//! transformers'.
+//!
+//! Not here: the harmony chat template, other quantization methods of the experts (refused by
+//! name).
 
+use hf2q_tensor::io::gguf::GgufFile;
 use serde_json::Value;
 
-use super::{bad, MoeConfig};
+use super::{bad, ModelConfig, MoeConfig};
 use crate::Result;
 
 /// GPT-OSS's SwiGLU `alpha` (fixed in transformers' `GptOssExperts`).
@@ -134,6 +140,66 @@ pub(super) fn moe_from_hf(v: &Value, n_layers: usize) -> Result<MoeConfig> {
         layers: vec![true; n_layers],
         clamped_swiglu: Some(limit),
     })
+}
+
+/// GPT-OSS's settings from a GGUF of architecture `a` (`gpt-oss`), on top of the common ones
+/// [`ModelConfig::from_gguf`] read: q/k/v/o biases and sinks; llama.cpp's sliding pattern
+/// (`set_swa_pattern(2)`: even layers slide, as GPT-OSS's `layer_types`); YaRN from
+/// `rope.scaling.{factor,original_context_length,yarn_beta_fast,yarn_beta_slow}`; the experts'
+/// clamped SwiGLU at 7 (llama.cpp's fixed limit; GGUF has no key) with a renormalised top-k.
+///
+/// YaRN's ramp is not truncated: GPT-OSS sets `truncate: false`, which the reference
+/// implementation and transformers follow; llama.cpp's YaRN rounds the correction dims (it has
+/// no key for it), so it differs slightly there. hf2q keeps the model's own behaviour, so a
+/// GGUF gives the same logits as the Hugging Face folder.
+pub(super) fn from_gguf(c: &mut ModelConfig, g: &GgufFile, a: &str) -> Result<()> {
+    let key = |k: &str| format!("{a}.{k}");
+    let f = |k: &str| g.get_f32(&key(k)).map(f64::from);
+    c.attention_bias = true;
+    c.attention_sinks = true;
+    if c.sliding_window.is_some() {
+        c.sliding_layers = (0..c.n_layers).map(|i| i % 2 == 0).collect();
+    }
+    c.yarn = match g.get_str(&key("rope.scaling.type")) {
+        None | Some("none") => None,
+        Some("yarn") => {
+            let mut r = serde_json::Map::new();
+            for (gk, hk) in [
+                ("rope.scaling.factor", "factor"),
+                (
+                    "rope.scaling.original_context_length",
+                    "original_max_position_embeddings",
+                ),
+                ("rope.scaling.yarn_beta_fast", "beta_fast"),
+                ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                ("rope.scaling.yarn_attn_factor", "attention_factor"),
+            ] {
+                let v = match gk {
+                    "rope.scaling.original_context_length" => g.get_u64(&key(gk)).map(|x| x as f64),
+                    _ => f(gk),
+                };
+                if let Some(v) = v {
+                    r.insert(hk.into(), v.into());
+                }
+            }
+            r.insert("truncate".into(), false.into());
+            Some(Yarn::from_hf(&Value::Object(r), c.context_length)?)
+        }
+        Some(t) => {
+            return Err(bad(format!(
+                "GPT-OSS GGUF with RoPE scaling '{t}' is not supported (yarn or none)"
+            )))
+        }
+    };
+    let m = c.moe.as_mut().ok_or_else(|| {
+        bad(format!(
+            "GGUF lacks '{}' (GPT-OSS is routed)",
+            key("expert_count")
+        ))
+    })?;
+    m.renormalize = true;
+    m.clamped_swiglu = Some(7.0);
+    Ok(())
 }
 
 /// Refuses what this loader does not run: experts quantized other than as MXFP4 (a

@@ -47,6 +47,8 @@ const PRE_NAMES: &[(&[&str], &str)] = &[
     (&[r"\p{N}", RE_GPT2], "smollm"),
     (&[RE_LLAMA3], "llama-bpe"),
     (&[RE_QWEN2], "qwen2"),
+    // o200k (GPT-OSS, Llama 4): llama.cpp's `gpt-4o`.
+    (&[crate::tokenizer::gguf::RE_GPT4O], "gpt-4o"),
 ];
 
 /// The regexes a tokenizer.json `pre_tokenizer` splits with: `Split` patterns, `Digits`
@@ -462,7 +464,63 @@ fn llama_variant_metadata(c: &ModelConfig) -> Result<Meta> {
                 m.push((k("rope.scaling.attn_factor"), GgufValue::F32(l.attn_factor)));
             }
         }
+        Arch::GptOss => m.extend(gpt_oss_metadata(c)?),
         _ => {}
+    }
+    Ok(m)
+}
+
+/// GPT-OSS's keys as llama.cpp's converter writes them: YaRN's `rope.scaling.*` (type, factor,
+/// original context, betas; the attention factor only where it is not YaRN's default). What
+/// llama.cpp fixes for the family (even layers sliding, SwiGLU limit 7) is checked, never
+/// silently changed; the ramp's truncation has no key (the loader restores GPT-OSS's own).
+fn gpt_oss_metadata(c: &ModelConfig) -> Result<Meta> {
+    let k = |s: &str| format!("{}.{s}", c.arch.name());
+    let mut m: Meta = Vec::new();
+    if c.sliding_window.is_some() && (0..c.n_layers).any(|i| c.sliding_layers[i] != (i % 2 == 0)) {
+        return Err(Error::Msg(
+            "GPT-OSS whose sliding layers are not the even ones: llama.cpp's GGUF cannot express it"
+                .into(),
+        ));
+    }
+    if c.moe.as_ref().and_then(|m| m.clamped_swiglu) != Some(7.0) {
+        return Err(Error::Msg(
+            "GPT-OSS with a swiglu_limit other than 7: llama.cpp's GGUF cannot express it".into(),
+        ));
+    }
+    if let Some(y) = &c.yarn {
+        if y.truncate {
+            // GGUF has no key for it and the loader reads GPT-OSS's own `truncate: false`.
+            return Err(Error::Msg(
+                "GPT-OSS with YaRN truncate true: its GGUF (no key for it) cannot express it"
+                    .into(),
+            ));
+        }
+        m.push((k("rope.scaling.type"), "yarn".into()));
+        m.push((k("rope.scaling.factor"), GgufValue::F32(y.factor as f32)));
+        m.push((
+            k("rope.scaling.original_context_length"),
+            GgufValue::U32(y.original_max_position as u32),
+        ));
+        m.push((
+            k("rope.scaling.yarn_beta_fast"),
+            GgufValue::F32(y.beta_fast as f32),
+        ));
+        m.push((
+            k("rope.scaling.yarn_beta_slow"),
+            GgufValue::F32(y.beta_slow as f32),
+        ));
+        let default = if y.factor <= 1.0 {
+            1.0
+        } else {
+            (0.1 * y.factor.ln() + 1.0) as f32
+        };
+        if (y.attn_factor - default).abs() > 1e-6 {
+            m.push((
+                k("rope.scaling.yarn_attn_factor"),
+                GgufValue::F32(y.attn_factor),
+            ));
+        }
     }
     Ok(m)
 }
@@ -508,6 +566,8 @@ mod tests {
         let gguf_smol = json!({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": r"\p{N}"}}, {"type": "Split", "pattern": {"Regex": RE_GPT2}}, {"type": "ByteLevel", "use_regex": false}]});
         assert_eq!(pre_tokenizer_name(&gguf_smol).unwrap(), "smollm");
         assert_eq!(pre_tokenizer_name(&qwen).unwrap(), "qwen2");
+        let o200k = json!({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": crate::tokenizer::gguf::RE_GPT4O}, "behavior": "Isolated", "invert": false}, {"type": "ByteLevel", "use_regex": false}]});
+        assert_eq!(pre_tokenizer_name(&o200k).unwrap(), "gpt-4o");
         assert!(pre_tokenizer_name(&json!({"type": "Whitespace"})).is_err());
     }
 }

@@ -179,6 +179,11 @@ pub(crate) fn produce(
             }
         }
     }
+    if let Some((ty, data)) = src.raw_stacked(t)? {
+        if ty == to {
+            return Ok(data);
+        }
+    }
     let x = src.read_f32(t, Layout::Gguf)?;
     let weights = imatrix
         .and_then(|m| m.get(&t.gguf))

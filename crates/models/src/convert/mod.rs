@@ -16,6 +16,7 @@ pub mod gguf_out;
 pub mod hf_out;
 pub mod mlx_out;
 pub mod source;
+mod stacked;
 
 use std::path::{Path, PathBuf};
 

@@ -17,6 +17,8 @@
 //! `ffn_{gate,up,down}_exps`) of shape `(E, F, D)` / `(E, D, F)`. A folder's per-expert or fused
 //! tensors are read into that form (expert after expert, as ggml's layout is), so every writer
 //! sees one 3-D tensor; [`super::hf_out`] splits it again into the checkpoint's own names.
+//! GPT-OSS's MXFP4 experts are listed the same way (stored type MXFP4, gate and up apart, as
+//! llama.cpp's converter writes them) with their biases beside them (`super::stacked`).
 
 use std::path::{Path, PathBuf};
 
@@ -27,6 +29,7 @@ use hf2q_tensor::{Bytes, GgmlType};
 use rayon::prelude::*;
 use serde_json::Value;
 
+use super::stacked::{stacked_expert_bias, stacked_tensors};
 use crate::config::{Arch, ModelConfig};
 use crate::names::hf_to_gguf;
 use crate::source::{read_config_json, resolve_hf_cache, Format, WeightSource};
@@ -204,6 +207,11 @@ pub fn gguf_to_hf_table(arch: Arch, n_layers: usize) -> std::collections::HashMa
                     add(format!("model.layers.{l}.{p}.{s}"));
                 }
             }
+            if arch == Arch::GptOss {
+                // Its router's name and its sinks (no `.weight` on the HF side).
+                add(format!("model.layers.{l}.mlp.router.{s}"));
+                add(format!("model.layers.{l}.self_attn.sinks"));
+            }
         }
     }
     m
@@ -286,14 +294,6 @@ impl SourceModel {
     fn open_folder(dir: &Path) -> Result<SourceModel> {
         let cfg = read_config_json(dir)?;
         let config = ModelConfig::from_hf_json(&cfg)?;
-        if config.arch == crate::config::Arch::GptOss {
-            // Its MXFP4 experts, sinks and router have no GGUF/MLX names here yet.
-            return Err(Error::Msg(format!(
-                "{}: converting or quantizing GPT-OSS is not supported yet (it runs from its \
-                 folder as it is)",
-                dir.display()
-            )));
-        }
         let weights = WeightSource::safetensors(dir, &cfg)?;
         let WeightSource::St { st, prefixes, .. } = &weights else {
             unreachable!("folder source")
@@ -368,6 +368,7 @@ impl SourceModel {
                 tensors.extend(stacked_tensors(&weights, &config, l, moe.n_experts)?);
             }
         }
+
         // Llama 3 RoPE scaling lives in config.json here and in a `rope_freqs` tensor in GGUF:
         // a virtual tensor computed from the config stands in for it.
         if let (Some(ff), false) = (
@@ -485,6 +486,9 @@ impl SourceModel {
                 }
             }
             WeightSource::St { .. } if t.shape.len() == 3 => self.read_stacked_experts(t)?,
+            WeightSource::St { .. } if stacked_expert_bias(&t.hf).is_some() => {
+                self.read_expert_biases(t)?
+            }
             WeightSource::St { .. } => {
                 if t.shape.len() == 1 {
                     self.weights.vector(&t.hf)?
@@ -528,73 +532,6 @@ impl SourceModel {
         }
         Ok(v)
     }
-}
-
-impl SourceModel {
-    /// A stacked experts tensor `(E, R, C)` of a folder source: each expert's matrix (per-expert
-    /// or fused in the checkpoint) decoded into its place, experts in parallel.
-    fn read_stacked_experts(&self, t: &SrcTensor) -> Result<Vec<f32>> {
-        let (layer, part) = stacked_expert(&t.hf).ok_or_else(|| {
-            Error::Config(format!(
-                "tensor '{}' has 3 dims and is not a stacked experts tensor",
-                t.hf
-            ))
-        })?;
-        let n_experts = t.shape[0];
-        let ex = self
-            .weights
-            .experts(&format!("model.layers.{layer}"), n_experts)?;
-        let per = t.numel() / n_experts.max(1);
-        let mut out = vec![0f32; t.numel()];
-        out.par_chunks_mut(per.max(1))
-            .enumerate()
-            .try_for_each(|(e, dst)| -> Result<()> {
-                let v = ex.expert(e)[part].to_f32()?;
-                if v.len() != dst.len() {
-                    return Err(Error::Config(format!(
-                        "tensor '{}': expert {e} has {} values, {} expected",
-                        t.hf,
-                        v.len(),
-                        dst.len()
-                    )));
-                }
-                dst.copy_from_slice(&v);
-                Ok(())
-            })?;
-        Ok(out)
-    }
-}
-
-/// The stacked expert tensors of routed layer `layer` of a folder source, shaped and typed from
-/// its first expert (the per-expert or fused tensors are read by [`SourceModel::read_f32`]).
-fn stacked_tensors(
-    weights: &WeightSource,
-    config: &ModelConfig,
-    layer: usize,
-    n_experts: usize,
-) -> Result<Vec<SrcTensor>> {
-    let ex = weights.experts(&format!("model.layers.{layer}"), n_experts)?;
-    EXPERT_PARTS
-        .iter()
-        .enumerate()
-        .map(|(p, part)| {
-            let hf = format!("model.layers.{layer}.mlp.experts.{part}.weight");
-            let v = &ex.expert(0)[p];
-            let hf2q_tensor::WeightData::Ggml { ty, .. } = v.data else {
-                return Err(Error::Config(format!(
-                    "{hf}: quantized (MLX) experts cannot be converted yet"
-                )));
-            };
-            let gguf = hf_to_gguf(config.arch, &hf)
-                .ok_or_else(|| Error::Msg(format!("{hf}: no GGUF name in hf2q's table")))?;
-            Ok(SrcTensor {
-                hf,
-                gguf,
-                shape: vec![n_experts, v.rows, v.cols],
-                stored: Stored::Ggml(ty),
-            })
-        })
-        .collect()
 }
 
 /// Weight bytes read to decode one token, for a bandwidth floor (`hf2q bench`).

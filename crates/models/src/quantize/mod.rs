@@ -102,6 +102,13 @@ pub fn quantize(
     opts: &QuantizeOptions,
     progress: &dyn Progress,
 ) -> Result<QuantizeReport> {
+    if src.config.arch == crate::config::Arch::GptOss {
+        return Err(crate::Error::Msg(format!(
+            "{}: quantizing GPT-OSS is not supported yet; `hf2q convert --to gguf` (no \
+             quantization) writes it with its MXFP4 experts, as llama.cpp's converter does",
+            src.path.display()
+        )));
+    }
     let requantized = src.is_quantized();
     if requantized {
         progress.warn(&format!(

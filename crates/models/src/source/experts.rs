@@ -17,8 +17,11 @@
 //!   ggml's MXFP4 blocks (17 bytes per 32 values, the same values: the weights stay quantized),
 //!   with the products' biases (`*_proj_bias`).
 //!
-//! Not read yet: MLX's `switch_mlp` (refused with a message naming it); GPT-OSS experts in
-//! another form (a dequantized checkpoint's `gate_up_proj (E, D, 2F)`, GGUF).
+//!   In GGUF (llama.cpp's `gpt-oss`): `ffn_{gate,up,down}_exps.weight` (MXFP4 as its converter
+//!   writes them, gate and up apart or fused as `ffn_gate_up_exps`) and their `.bias`.
+//!
+//! Not read yet: MLX's `switch_mlp` (refused with a message naming it); a dequantized GPT-OSS
+//! checkpoint's `gate_up_proj (E, D, 2F)`.
 
 use hf2q_tensor::moe::{expert_name, ExpertBiases, Experts};
 use hf2q_tensor::quant::mxfp4;
@@ -154,11 +157,11 @@ impl WeightSource {
     /// transformers' `gate_up[..., ::2]` / `[..., 1::2]` read them) become each expert's gate rows
     /// then its up rows; `down` `(E, D, F)`.
     pub fn gpt_oss_experts(&self, prefix: &str, n_experts: usize) -> Result<Experts> {
-        let WeightSource::St { st, prefixes, .. } = self else {
-            return Err(Error::Config(
-                "GPT-OSS from GGUF is not supported yet (Hugging Face MXFP4 checkpoints only)"
-                    .into(),
-            ));
+        let (st, prefixes) = match self {
+            WeightSource::St { st, prefixes, .. } => (st, prefixes),
+            WeightSource::Gguf { file, .. } => {
+                return gguf_gpt_oss_experts(file, prefix, n_experts)
+            }
         };
         let stem = format!("{prefix}.mlp.experts");
         let find = |n: &str| Self::st_name(st, prefixes, &format!("{stem}.{n}"));
@@ -316,6 +319,79 @@ impl WeightSource {
         }
         Ok(Some(fused_views(&gu_w, &dn_w, n_experts, f, d)?))
     }
+}
+
+/// GPT-OSS's experts in llama.cpp's `gpt-oss` layout: `blk.N.ffn_{gate,up,down}_exps.weight`
+/// (any stored type, MXFP4 as its converter writes them) with their `.bias` `[F, E]` / `[D, E]`,
+/// or gate and up fused as `ffn_gate_up_exps` (each expert's gate rows, then its up rows).
+fn gguf_gpt_oss_experts(
+    file: &hf2q_tensor::io::gguf::GgufFile,
+    prefix: &str,
+    n_experts: usize,
+) -> Result<Experts> {
+    let layer = prefix.strip_prefix("model.layers.").unwrap_or(prefix);
+    let name = |t: &str, s: &str| format!("blk.{layer}.ffn_{t}_exps.{s}");
+    let weight = |t: &str| -> Result<Option<QTensor>> {
+        let n = name(t, "weight");
+        file.tensor(&n)
+            .map(|info| stacked_tensor(file, info, &n, n_experts))
+            .transpose()
+    };
+    let bias = |t: &str, want: usize| -> Result<Vec<f32>> {
+        let n = name(t, "bias");
+        let info = file
+            .tensor(&n)
+            .ok_or_else(|| Error::MissingTensor(n.clone()))?;
+        let count = usize::try_from(info.numel())
+            .map_err(|_| Error::Config(format!("tensor '{n}' is too large")))?;
+        if count != want {
+            return Err(Error::Config(format!(
+                "tensor '{n}' has {count} values, {want} expected"
+            )));
+        }
+        let mut out = vec![0f32; count];
+        hf2q_tensor::quant::dequantize(info.ty, file.tensor_data(info)?.as_slice(), &mut out)?;
+        Ok(out)
+    };
+    let down = weight("down")?.ok_or_else(|| Error::MissingTensor(name("down", "weight")))?;
+    let (d, f) = (down.rows / n_experts, down.cols);
+    let down_b = bias("down", n_experts * d)?;
+    let experts = match weight("gate_up")? {
+        Some(gu) => {
+            if gu.rows != n_experts * 2 * f || gu.cols != d {
+                return Err(Error::Config(format!(
+                    "'{}' is {} x {}, {} x {d} expected",
+                    name("gate_up", "weight"),
+                    gu.rows,
+                    gu.cols,
+                    n_experts * 2 * f
+                )));
+            }
+            let gu_b = bias("gate_up", n_experts * 2 * f)?;
+            let (mut gate, mut up) = (Vec::new(), Vec::new());
+            for ex in gu_b.chunks_exact(2 * f) {
+                gate.extend_from_slice(&ex[..f]);
+                up.extend_from_slice(&ex[f..]);
+            }
+            fused_views(&gu, &down, n_experts, f, d)?.with_biases(ExpertBiases {
+                gate,
+                up,
+                down: down_b,
+            })?
+        }
+        None => {
+            let need = |t: &str| -> Result<QTensor> {
+                weight(t)?.ok_or_else(|| Error::MissingTensor(name(t, "weight")))
+            };
+            let (gate, up) = (need("gate")?, need("up")?);
+            Experts::from_stacked(n_experts, gate, up, down)?.with_biases(ExpertBiases {
+                gate: bias("gate", n_experts * f)?,
+                up: bias("up", n_experts * f)?,
+                down: down_b,
+            })?
+        }
+    };
+    Ok(experts)
 }
 
 /// Per-expert views of fused experts: `gu (E·2F, D)` (each expert's gate rows, then its up

@@ -19,7 +19,7 @@
 //! references. Text from users must be encoded with `parse_special = false` (see
 //! [`crate::chat_template::encode_chat`]) so that it cannot smuggle in control tokens.
 
-mod gguf;
+pub(crate) mod gguf;
 mod stream;
 
 use std::collections::{HashMap, HashSet};
