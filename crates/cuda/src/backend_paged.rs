@@ -373,9 +373,17 @@ impl CudaBackend {
     }
 
     /// Picks `(row, how)` of `l (R, V)`: the argmax and sampling launches cover all `R` rows.
-    fn pick_at(&self, l: &Raw<'_>, r: usize, v: usize, picks: &[(usize, RowPick)]) -> Result<Vec<RowPicked>> {
+    fn pick_at(
+        &self,
+        l: &Raw<'_>,
+        r: usize,
+        v: usize,
+        picks: &[(usize, RowPick)],
+    ) -> Result<Vec<RowPicked>> {
         if let Some((row, _)) = picks.iter().find(|(row, _)| *row >= r) {
-            return Err(Error::Shape(format!("pick: row {row} of {r} rows of logits")));
+            return Err(Error::Shape(format!(
+                "pick: row {row} of {r} rows of logits"
+            )));
         }
         let dev = self.device();
         let any = |f: fn(&RowPick) -> bool| picks.iter().any(|(_, p)| f(p));

@@ -312,7 +312,9 @@ fn graph_picks(graphs: &Model, eager: &Model, name: &str) {
         &[1, 2, 3, 4, 5],
     ];
     let len = prompt + sets.len();
-    let toks: Vec<Vec<u32>> = (0..n_seqs).map(|i| ids(40 + i as u64, len, vocab)).collect();
+    let toks: Vec<Vec<u32>> = (0..n_seqs)
+        .map(|i| ids(40 + i as u64, len, vocab))
+        .collect();
     let blocks = n_seqs * len.div_ceil(8);
     let mut caches = [
         graphs.paged_cache(blocks, 8, len).unwrap(),
@@ -323,7 +325,10 @@ fn graph_picks(graphs: &Model, eager: &Model, name: &str) {
         vec![BlockTable::new(); n_seqs],
     ];
     let mut fed = vec![prompt; n_seqs];
-    for (m, (cache, tabs)) in [graphs, eager].iter().zip(caches.iter_mut().zip(tables.iter_mut())) {
+    for (m, (cache, tabs)) in [graphs, eager]
+        .iter()
+        .zip(caches.iter_mut().zip(tables.iter_mut()))
+    {
         let mut items: Vec<PagedItem<'_>> = tabs
             .iter_mut()
             .zip(&toks)
@@ -381,13 +386,22 @@ fn graph_picks(graphs: &Model, eager: &Model, name: &str) {
                     .collect()
             });
         }
-        for (i, (p, (got, want))) in picks.iter().zip(results[0].iter().zip(&results[1])).enumerate() {
+        for (i, (p, (got, want))) in picks
+            .iter()
+            .zip(results[0].iter().zip(&results[1]))
+            .enumerate()
+        {
             let what = format!("{name}: step {si} ({} rows), item {i}, {p:?}", set.len());
-            let Picked::Logits(want) = want else { unreachable!() };
+            let Picked::Logits(want) = want else {
+                unreachable!()
+            };
             match (p, got) {
                 (RowPick::Skip, Picked::Nothing) => {}
                 (RowPick::Logits, Picked::Logits(l)) => {
-                    let d = l.iter().zip(want).fold(0f32, |d, (a, b)| d.max((a - b).abs()));
+                    let d = l
+                        .iter()
+                        .zip(want)
+                        .fold(0f32, |d, (a, b)| d.max((a - b).abs()));
                     assert!(d <= 1e-3, "{what}: logits differ by {d}");
                 }
                 (RowPick::Greedy, Picked::Token(t)) => {

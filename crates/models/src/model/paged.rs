@@ -305,11 +305,7 @@ impl Model {
         let be = self.be();
         let cx = Fwd { be, lora: None };
         let mut x: Tensor = be.embedding(&self.embed, ids, self.config.embed_scale)?;
-        let mut kv = StepKv::Paged {
-            layers,
-            step,
-            ids,
-        };
+        let mut kv = StepKv::Paged { layers, step, ids };
         self.run_blocks_kv(&cx, 0..self.blocks.len(), &mut x, &mut kv)?;
         Ok(be.rms_norm(
             &x,
@@ -354,10 +350,7 @@ impl Model {
 }
 
 /// Each item's result from the picks of its non-[`RowPick::Skip`] rows, in order.
-pub(super) fn spread_picks(
-    picks: &[RowPick],
-    got: Vec<hf2q_cuda::RowPicked>,
-) -> Vec<Picked> {
+pub(super) fn spread_picks(picks: &[RowPick], got: Vec<hf2q_cuda::RowPicked>) -> Vec<Picked> {
     let mut got = got.into_iter();
     picks
         .iter()

@@ -91,7 +91,9 @@ impl Model {
         };
         if items.iter().any(|it| it.tokens.len() != 1)
             || picks.iter().all(|p| *p == RowPick::Skip)
-            || self.graphs_refused.load(std::sync::atomic::Ordering::Relaxed)
+            || self
+                .graphs_refused
+                .load(std::sync::atomic::Ordering::Relaxed)
             || cache.graphs.as_ref().is_some_and(|g| g.refused)
         {
             return Ok(None);
