@@ -173,10 +173,6 @@ impl StepGraph {
     pub(crate) fn output_buffer(&self) -> (&CudaSlice<f32>, &[usize]) {
         (&self.out, &self.shape)
     }
-    /// Token ids a replay takes.
-    pub fn tokens(&self) -> usize {
-        self.tokens
-    }
 }
 
 // SAFETY: a graph is only launched through `&mut StepGraph` (one thread at a time), which is

@@ -47,13 +47,6 @@ pub struct PagedInputs {
     max_blocks: usize,
 }
 
-impl PagedInputs {
-    /// Most rows (and sequences) a step written into these arrays may have.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-}
-
 /// A step's rows on the device (`PagedStep::device`).
 struct DeviceStep {
     bufs: std::sync::Arc<RowBufs>,

@@ -66,6 +66,36 @@ async fn assert_all_blocks_back(h: &hf2q_server::ServerHandle) {
     );
 }
 
+/// A 14-block pool with slow steps (5 ms each, so that a later request streams for a while
+/// before the pool runs out) running one long greedy request (180 tokens): the next request
+/// to arrive is the youngest, preempted when the long one needs its blocks. Returns the server,
+/// the long request's body and its task.
+async fn pool_busy_with_a_long_request() -> (
+    hf2q_server::ServerHandle,
+    Value,
+    tokio::task::JoinHandle<Resp>,
+) {
+    let mut c = small_pool_cfg(14);
+    c.engine.step_delay = Duration::from_millis(5);
+    let h = start(tiny(), c).await;
+    let addr = h.addr;
+    let long = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                      "max_tokens": 180, "temperature": 0, "ignore_eos": true});
+    let b = long.clone();
+    let first = tokio::spawn(async move { post(addr, "/v1/chat/completions", &b).await });
+    assert!(
+        wait_until(Duration::from_secs(5), || h
+            .engine
+            .shared()
+            .gauges()
+            .running
+            == 1)
+        .await,
+        "the long request did not start"
+    );
+    (h, long, first)
+}
+
 #[tokio::test]
 async fn paged_concurrent_streams_equal_each_alone() {
     concurrent_equals_alone(tiny(), "tiny", &["tiny"], 16, 24, None, paged_cfg()).await;
@@ -192,18 +222,7 @@ async fn paged_device_picks_and_host_rows_mixed_equal_each_alone() {
 async fn paged_preemption_keeps_every_answer_exact() {
     let h = start(tiny(), small_pool_cfg(20)).await;
     let addr = h.addr;
-    let topics = [
-        "cats",
-        "the sea",
-        "bread",
-        "winter",
-        "rust code",
-        "a robot",
-        "the moon",
-        "tea",
-        "rivers",
-        "music",
-    ];
+    let topics = &common::TOPICS[..10];
     let body = |i: usize, stream: bool| {
         json!({"model": "tiny",
                "messages": [{"role": "user", "content": format!("Tell me about {}.", topics[i])}],
@@ -251,30 +270,13 @@ async fn paged_preemption_keeps_every_answer_exact() {
 /// run alone: its sampler (and the random numbers it drew) went on, not restarted.
 #[tokio::test]
 async fn paged_preempted_seeded_request_continues_its_draws() {
-    let mut c = small_pool_cfg(14);
-    // Slow steps: the preemption comes about 80 steps after the seeded request's first token.
-    c.engine.step_delay = Duration::from_millis(5);
-    let h = start(tiny(), c).await;
+    let (h, long, first) = pool_busy_with_a_long_request().await;
     let addr = h.addr;
-    let long = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}],
-                      "max_tokens": 180, "temperature": 0, "ignore_eos": true});
     let seeded = |stream: bool| {
         json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about cats."}],
                "max_tokens": 120, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7,
                "ignore_eos": true, "stream": stream})
     };
-    let b = long.clone();
-    let first = tokio::spawn(async move { post(addr, "/v1/chat/completions", &b).await });
-    assert!(
-        wait_until(Duration::from_secs(5), || h
-            .engine
-            .shared()
-            .gauges()
-            .running
-            == 1)
-        .await,
-        "the long request did not start"
-    );
     let mut s = open(
         addr,
         "POST",
@@ -363,23 +365,8 @@ async fn paged_prompt_larger_than_the_pool_is_refused() {
 /// back.
 #[tokio::test]
 async fn paged_preempted_request_whose_client_leaves_is_dropped() {
-    let mut c = small_pool_cfg(14);
-    c.engine.step_delay = Duration::from_millis(5);
-    let h = start(tiny(), c).await;
+    let (h, _, first) = pool_busy_with_a_long_request().await;
     let addr = h.addr;
-    let long = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}],
-                      "max_tokens": 180, "temperature": 0, "ignore_eos": true});
-    let first = tokio::spawn(async move { post(addr, "/v1/chat/completions", &long).await });
-    assert!(
-        wait_until(Duration::from_secs(5), || h
-            .engine
-            .shared()
-            .gauges()
-            .running
-            == 1)
-        .await,
-        "the long request did not start"
-    );
     let young = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about cats."}],
                        "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": true});
     let mut s = open(

@@ -59,6 +59,18 @@ pub enum RowPick {
     Logits,
 }
 
+impl RowPick {
+    /// The device's form of this pick (`None`: a skipped row, nothing to pick).
+    pub(super) fn on_device(&self) -> Option<hf2q_cuda::RowPick> {
+        match self {
+            RowPick::Skip => None,
+            RowPick::Greedy => Some(hf2q_cuda::RowPick::Argmax),
+            RowPick::Sample(a) => Some(hf2q_cuda::RowPick::Sample(*a)),
+            RowPick::Logits => Some(hf2q_cuda::RowPick::Logits),
+        }
+    }
+}
+
 /// One item's result of [`Model::step_paged_pick`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum Picked {
@@ -213,15 +225,8 @@ impl Model {
         let logits = self.logits(&self.rows_at(&h, &rows)?)?;
         let got = match &self.cuda {
             Some(cuda) => {
-                let dev: Vec<hf2q_cuda::RowPick> = picks
-                    .iter()
-                    .filter_map(|p| match p {
-                        RowPick::Skip => None,
-                        RowPick::Greedy => Some(hf2q_cuda::RowPick::Argmax),
-                        RowPick::Sample(a) => Some(hf2q_cuda::RowPick::Sample(*a)),
-                        RowPick::Logits => Some(hf2q_cuda::RowPick::Logits),
-                    })
-                    .collect();
+                let dev: Vec<hf2q_cuda::RowPick> =
+                    picks.iter().filter_map(RowPick::on_device).collect();
                 cuda.pick_rows(&logits, &dev)?
             }
             None => {

@@ -117,17 +117,7 @@ impl Model {
         let at: Vec<(usize, hf2q_cuda::RowPick)> = picks
             .iter()
             .enumerate()
-            .filter_map(|(row, p)| {
-                Some((
-                    row,
-                    match p {
-                        RowPick::Skip => return None,
-                        RowPick::Greedy => hf2q_cuda::RowPick::Argmax,
-                        RowPick::Sample(a) => hf2q_cuda::RowPick::Sample(*a),
-                        RowPick::Logits => hf2q_cuda::RowPick::Logits,
-                    },
-                ))
-            })
+            .filter_map(|(row, p)| Some((row, p.on_device()?)))
             .collect();
         let max_len = cache.max_context();
         if cache.graphs.is_none() {

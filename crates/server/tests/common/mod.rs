@@ -321,6 +321,26 @@ fn tokens_of(resp: &Resp, stream: bool) -> Vec<Tok> {
     out
 }
 
+/// Topics of the test prompts ("Tell me about {topic}."): one per concurrent request.
+pub const TOPICS: [&str; 16] = [
+    "cats",
+    "the sea",
+    "bread",
+    "winter",
+    "rust code",
+    "a robot",
+    "the moon",
+    "tea",
+    "rivers",
+    "music",
+    "chess",
+    "trains",
+    "gardens",
+    "clocks",
+    "bees",
+    "maps",
+];
+
 /// `streams` requests at once, greedy (stream `i`: model `models[i % models.len()]`, e.g. the
 /// base and served adapters, and topic `i / models.len() % 16`, so each topic runs on every
 /// model in turn): every stream completes and equals the same request run alone afterwards.
@@ -348,27 +368,9 @@ pub async fn concurrent_equals_alone(
     c.engine.max_batch_tokens = 2048;
     let h = start(model, c).await;
     let addr = h.addr;
-    let topics = [
-        "cats",
-        "the sea",
-        "bread",
-        "winter",
-        "rust code",
-        "a robot",
-        "the moon",
-        "tea",
-        "rivers",
-        "music",
-        "chess",
-        "trains",
-        "gardens",
-        "clocks",
-        "bees",
-        "maps",
-    ];
     let body = |i: usize, stream: bool| {
         let (t, m) = (
-            topics[i / models.len() % topics.len()],
+            TOPICS[i / models.len() % TOPICS.len()],
             models[i % models.len()],
         );
         json!({"model": m, "messages": [{"role": "user", "content": format!("Tell me about {t}.")}],
@@ -395,7 +397,7 @@ pub async fn concurrent_equals_alone(
     for i in 0..streams {
         let t = format!(
             "{} with {}",
-            topics[i / models.len() % topics.len()],
+            TOPICS[i / models.len() % TOPICS.len()],
             models[i % models.len()]
         );
         let alone = post(addr, "/v1/chat/completions", &body(i, false)).await;
