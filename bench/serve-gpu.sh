@@ -41,23 +41,7 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib
 
 case "${1:-}" in
 build)
-    SRC=${2:?usage: serve-gpu.sh build LLAMA_SRC_TARBALL}
-    rm -rf "$WORK/llama" && mkdir -p "$WORK/llama"
-    tar xzf "$SRC" -C "$WORK/llama"
-    # A tarball holding one top-level folder: build in it.
-    if [ ! -f "$WORK/llama/CMakeLists.txt" ] && [ "$(ls "$WORK/llama" | wc -l)" = 1 ]; then
-        d=$(ls "$WORK/llama")
-        mv "$WORK/llama/$d" "$WORK/llama-src.tmp" && rmdir "$WORK/llama" && mv "$WORK/llama-src.tmp" "$WORK/llama"
-    fi
-    start=$(date +%s)
-    cmake -S "$WORK/llama" -B "$WORK/llama/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF \
-        >"$WORK/llama-cmake.log" 2>&1 || { tail -30 "$WORK/llama-cmake.log"; exit 1; }
-    cmake --build "$WORK/llama/build" --target llama-server -j "$(nproc)" \
-        >"$WORK/llama-build.log" 2>&1 || { tail -30 "$WORK/llama-build.log"; exit 1; }
-    echo "llama-server built in $(($(date +%s) - start)) s: $WORK/llama/build/bin/llama-server"
+    "$ROOT/bench/llama-build.sh" llama-server "${2:?usage: serve-gpu.sh build LLAMA_SRC_TARBALL}" "$WORK" || exit 1
     ;;
 run)
     BIN=$(cd "${2:?usage: serve-gpu.sh run BIN_DIR [OUT_DIR]}" && pwd)
