@@ -300,10 +300,11 @@ def pct(xs, q):
     return xs[f] + (xs[c] - xs[f]) * (k - f)
 
 
-def run_level(client, models, reqs, concurrency, duration):
+def run_level(client, models, reqs, concurrency, duration, system=None):
     """Runs `reqs` with `concurrency` workers (cycling through them for `duration` seconds when
-    set); request i names `models[i % len(models)]` (the base, or served adapters). Returns the
-    list of results and the wall time."""
+    set); request i names `models[i % len(models)]` (the base, or served adapters), and every
+    request starts with the system message `system` when one is given. Returns the list of
+    results and the wall time."""
     lock = threading.Lock()
     results = []
     nxt = [0]
@@ -325,9 +326,12 @@ def run_level(client, models, reqs, concurrency, duration):
             if r is None:
                 return
             prompt, out_len, p_tokens, model = r
+            messages = [{"role": "user", "content": prompt}]
+            if system:
+                messages.insert(0, {"role": "system", "content": system})
             body = {
                 "model": model,
-                "messages": [{"role": "user", "content": prompt}],
+                "messages": messages,
                 "max_tokens": out_len,
                 "temperature": 0,
                 "ignore_eos": True,
@@ -422,6 +426,9 @@ def main():
                     help="replay the request list in FILE when it exists (the dataset options are then unused); "
                          "otherwise build it and write it there")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system-prompt-words", type=int, default=0, metavar="N",
+                    help="start every request with the same system prompt of N words (a shared prefix for "
+                         "prefix caches to reuse; its tokens are not in the prompt token counts)")
     ap.add_argument("--pp", type=int, default=512, help="also measure the prefill rate of a prompt this long (0 = skip)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -475,8 +482,13 @@ def main():
             report["pp_error"] = f"{type(e).__name__}: {e}"
             print(f"pp{a.pp} probe failed: {report['pp_error']}", file=sys.stderr)
             a.pp = 0
+    system = None
+    if a.system_prompt_words > 0:
+        srng = random.Random("system")
+        system = " ".join(srng.choice(WORDS) for _ in range(a.system_prompt_words))
+        report["system_prompt_words"] = a.system_prompt_words
     for level in [int(x) for x in a.concurrency.split(",")]:
-        results, wall = run_level(client, models, reqs, level, a.duration)
+        results, wall = run_level(client, models, reqs, level, a.duration, system)
         s = summarize(level, results, wall)
         report["levels"].append(s)
         print(json.dumps(s), file=sys.stderr)

@@ -13,7 +13,8 @@
 # (bench/synth_vocab.py; VOCAB_SIZE overrides the size, 0 = the tiny-llama tokenizer padded with
 # unused tokens, which a random model generates and the two servers stream differently), then
 # for each model:
-#   - for each of CONFIGS (`tag` or `tag:KEY=VALUE,...`, CUDA options as `--cuda-opt` takes them,
+#   - for each of CONFIGS (`tag`, `tag:KEY=VALUE,...` with CUDA options as `--cuda-opt` takes
+#     them, or `tag:--flag ...` with `hf2q serve` flags, e.g. `nocache:--no-prefix-cache`;
 #     separated by ';'; default `default`): starts `hf2q serve FILE --device cuda --kv-paged`
 #     on a loopback port, waits for /health and /v1/models, runs bench/loadgen.py at each of
 #     LEVELS, stops the server (SIGTERM, then waits);
@@ -29,7 +30,8 @@
 # Environment: WORK (default /tmp/hf2q-serve), MODELS, CONFIGS, LEVELS (1,16,64), NUM_PROMPTS
 # (128), SEED (0), PROMPT_TOKENS (64:512), OUTPUT_TOKENS (64:256), CTX (per-request context,
 # 1024), NP (slots: llama-server -np, hf2q --max-seqs; 64), KV_MEM (hf2q --kv-mem; 16G, 1G on the
-# CPU), PP (loadgen's prefill probe, 512; 0 = none), PORT (first port, 18090), HF2Q_ARGS and
+# CPU), PP (loadgen's prefill probe, 512; 0 = none), SYSTEM_WORDS (a system prompt of that many
+# words shared by every request, loadgen --system-prompt-words; 0 = none), PORT (first port, 18090), HF2Q_ARGS and
 # LLAMA_ARGS (extra flags), DEVICE (cuda; `cpu` for a trial without a GPU), MODEL_FILES (model
 # files or folders to serve as they are, instead of synthesizing MODELS), READY_TIMEOUT (600 s).
 set -uo pipefail
@@ -58,6 +60,7 @@ run)
     DEVICE=${DEVICE:-cuda}
     if [ "$DEVICE" = cpu ]; then KV_MEM=${KV_MEM:-1G}; NGL=0; else KV_MEM=${KV_MEM:-16G}; NGL=99; fi
     PP=${PP:-512}
+    SYSTEM_WORDS=${SYSTEM_WORDS:-0}
     PORT=${PORT:-18090}
     READY_TIMEOUT=${READY_TIMEOUT:-600}
     LLAMA_SERVER=${LLAMA_SERVER:-$WORK/llama/build/bin/llama-server}
@@ -153,6 +156,7 @@ EOF
                 --dataset "synthetic:$SEED" --synthetic-prompt-tokens "$PROMPT_TOKENS" \
                 --synthetic-output-tokens "$OUTPUT_TOKENS" --num-prompts "$NUM_PROMPTS" \
                 --requests "$reqs" --concurrency "$level" --pp "$pp" \
+                --system-prompt-words "$SYSTEM_WORDS" \
                 --json "$OUT_DIR/$label-c$level.json" \
                 >"$OUT_DIR/$label-c$level.txt" 2>>"$OUT_DIR/loadgen.log"
             echo "  $server $config $model: $level clients, loadgen exit status $?"
@@ -209,7 +213,11 @@ EOF
         for cfg in "${CFGS[@]}"; do
             tag=${cfg%%:*}
             opts=()
-            [[ $cfg == *:* ]] && opts=(--cuda-opt "${cfg#*:}")
+            if [[ $cfg == *:--* ]]; then
+                read -ra opts <<<"${cfg#*:}"
+            elif [[ $cfg == *:* ]]; then
+                opts=(--cuda-opt "${cfg#*:}")
+            fi
             log="$OUT_DIR/hf2q-$tag-${m//[:\/]/_}.log"
             echo "hf2q serve $m ($tag) on port $PORT"
             # shellcheck disable=SC2086

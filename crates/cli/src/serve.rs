@@ -67,7 +67,9 @@ pub struct ServeArgs {
     /// Do not keep finished requests' KV caches for reuse. By default a request whose prompt
     /// starts with tokens already computed (a chat's earlier turns, a shared system prompt)
     /// copies their keys and values instead of prefilling them; kept caches use --kv-mem that no
-    /// request needs and are evicted when one does. CPU only (a GPU keeps nothing).
+    /// request needs and are evicted when one does. Without --kv-paged, CPU only (a GPU keeps
+    /// nothing); with --kv-paged, on every device: full blocks of 16 positions stay cached after
+    /// their request and are shared by the requests that start with the same tokens.
     #[arg(long)]
     pub no_prefix_cache: bool,
     /// Keep every running request's keys and values in one paged KV cache (blocks of 16
@@ -75,7 +77,7 @@ pub struct ServeArgs {
     /// requests instead of once per request: several times the throughput with many clients on
     /// a GPU. A request takes blocks as it grows (its prompt's at admission); when the pool runs
     /// out the latest admitted one is preempted and recomputed later, its stream unbroken. Off
-    /// by default for now; no prefix cache and no --adapter with it yet.
+    /// by default for now; no --adapter with it yet.
     #[arg(long, conflicts_with = "adapters")]
     pub kv_paged: bool,
     /// Matmul kernels for quantized weights (CPU).
@@ -234,7 +236,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             max_queue: a.max_queue,
             max_batch_tokens: a.max_batch_tokens,
             step_delay: Duration::ZERO,
-            prefix_cache: !a.no_prefix_cache && !a.kv_paged,
+            prefix_cache: !a.no_prefix_cache,
             paged_kv: a.kv_paged,
         },
         agent: a.agent.config()?,

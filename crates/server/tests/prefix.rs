@@ -3,6 +3,7 @@
 //! a cached prefix answers what it answers with caching off, the reuse is visible in the usage
 //! and the metrics (so a cache that silently does nothing fails), a tight KV budget evicts
 //! cached prefixes instead of refusing or stalling requests, and cancellation still frees blocks.
+//! The same with the paged KV cache, whose prefix cache shares full blocks.
 
 mod common;
 
@@ -311,4 +312,140 @@ async fn cancellation_frees_blocks_with_prefix_caching_on() {
         })
         .await
     );
+}
+
+/// The paged KV cache (`--kv-paged`) with prefix caching on or off, a pool of `blocks` blocks.
+fn paged(blocks: usize, on: bool) -> ServerConfig {
+    let mut c = tight(blocks, on);
+    c.engine.paged_kv = true;
+    c
+}
+
+/// Waits until nothing runs or waits and no sequence holds a block (cached blocks only the
+/// prefix cache holds do not count).
+async fn no_blocks_held(h: &ServerHandle) -> bool {
+    wait_until(Duration::from_secs(5), || {
+        let g = h.engine.shared().gauges();
+        g.running == 0 && g.queued == 0 && g.kv_blocks_used == 0
+    })
+    .await
+}
+
+/// With the paged KV cache, full blocks stay cached and are shared: a request extending an
+/// earlier prompt and a chat sent again start from the cached blocks (exactly the full blocks
+/// of the shared tokens), and every answer equals the one computed without the cache, to the
+/// last bit of its log-probabilities.
+#[tokio::test]
+async fn paged_blocks_are_shared_by_their_tokens_and_answers_are_unchanged() {
+    let on = start(tiny(), paged(64, true)).await;
+    let off = start(tiny(), paged(64, false)).await;
+    let a = prompt(1);
+    let ra = ok(&on, "/v1/completions", &completion(&a, 24)).await;
+    same(
+        &ra,
+        &ok(&off, "/v1/completions", &completion(&a, 24)).await,
+        "first",
+    );
+    assert_eq!(cached_of(&ra), 0, "nothing to reuse yet");
+    assert!(no_blocks_held(&on).await);
+    // 40 prompt + 23 fed tokens: 3 full blocks cached.
+    assert_eq!(on.engine.shared().gauges().prefix_cache_entries, 3);
+
+    // The same 40 tokens and 10 more: blocks 0 and 1 (32 tokens) are shared; block 2 holds
+    // prompt tokens 32..40 and generated ones, so the new prompt's block 2 differs.
+    let mut b = a.clone();
+    b.extend(100..110);
+    let rb = ok(&on, "/v1/completions", &completion(&b, 24)).await;
+    same(
+        &rb,
+        &ok(&off, "/v1/completions", &completion(&b, 24)).await,
+        "extended",
+    );
+    assert_eq!(cached_of(&rb), 2 * BLOCK as u64, "{}", rb["usage"]);
+    assert_eq!(hits(&on), 1);
+
+    // The same chat twice: the second starts from the first's blocks, all its full blocks but
+    // the one holding its last prompt token.
+    let follow = chat(
+        json!([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "cats?"}]),
+        16,
+    );
+    let f1 = ok(&on, "/v1/chat/completions", &follow).await;
+    let f2 = ok(&on, "/v1/chat/completions", &follow).await;
+    same(&f1, &f2, "the same chat twice");
+    same(
+        &f2,
+        &ok(&off, "/v1/chat/completions", &follow).await,
+        "chat",
+    );
+    let p = f2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        cached_of(&f2),
+        (p - 1) / BLOCK as u64 * BLOCK as u64,
+        "{}",
+        f2["usage"]
+    );
+    assert_eq!(
+        cached_of(&ok(&off, "/v1/chat/completions", &follow).await),
+        0
+    );
+    assert!(no_blocks_held(&on).await);
+    assert!(no_blocks_held(&off).await);
+    assert_eq!(off.engine.shared().gauges().prefix_cache_entries, 0);
+}
+
+/// A pool too small for the load with prefix caching on: cached blocks are evicted before any
+/// sequence is preempted or waits, sequences are still preempted when the running ones need
+/// every block (and readmitted with whatever of their blocks is still cached), and every answer
+/// equals the same request on a large pool without the cache. Every block comes back.
+#[tokio::test]
+async fn paged_prefix_cache_under_a_tight_pool_evicts_and_preempts_without_changing_answers() {
+    // 16 blocks: four requests of 40 + 24 positions at most.
+    let on = start(tiny(), paged(16, true)).await;
+    let off = start(tiny(), paged(256, false)).await;
+    let mut want = Vec::new();
+    for seed in 0..12 {
+        want.push(ok(&off, "/v1/completions", &completion(&prompt(seed), 24)).await);
+    }
+    // One at a time: each leaves its blocks cached; older ones are evicted to admit new ones.
+    for seed in 0..6 {
+        let r = ok(&on, "/v1/completions", &completion(&prompt(seed), 24)).await;
+        same(&r, &want[seed as usize], "sequential");
+        assert!(on.engine.shared().gauges().prefix_cache_entries <= 16);
+    }
+    // Each leaves 3 full blocks (40 prompt + 8 generated tokens): the sixth needed the first
+    // one's, least recently used, whose answer is computed again in full.
+    let first = ok(&on, "/v1/completions", &completion(&prompt(0), 24)).await;
+    same(&first, &want[0], "evicted");
+    assert_eq!(cached_of(&first), 0, "{}", first["usage"]);
+    // The last one again: its blocks are still cached.
+    let again = ok(&on, "/v1/completions", &completion(&prompt(5), 24)).await;
+    same(&again, &want[5], "again");
+    assert_eq!(cached_of(&again), 2 * BLOCK as u64);
+    // Twelve at once, three of them cached: all complete, each as on the large pool.
+    let mut tasks = Vec::new();
+    for seed in 0..12u32 {
+        let addr = on.addr;
+        tasks.push(tokio::spawn(async move {
+            post(addr, "/v1/completions", &completion(&prompt(seed), 24)).await
+        }));
+    }
+    for (seed, t) in tasks.into_iter().enumerate() {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        same(&r.json(), &want[seed], "concurrent");
+    }
+    assert!(
+        no_blocks_held(&on).await,
+        "{:?}",
+        on.engine.shared().gauges()
+    );
+    assert!(on.engine.shared().gauges().prefix_cache_entries <= 16);
+    let preempted = on
+        .engine
+        .shared()
+        .metrics
+        .preemptions
+        .load(Ordering::Relaxed);
+    assert!(preempted > 0, "the load was meant to preempt");
 }

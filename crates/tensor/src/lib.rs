@@ -9,6 +9,7 @@
 //! - [`tensor`] + [`op`]: activations and the closed op set (the [`op::Backend`] trait).
 //! - [`kv`]: the per-layer KV cache a backend reads and writes (host planes or a device cache).
 //! - [`paged`]: the paged KV cache's block pool, block tables and layout (no storage).
+//! - [`paged_prefix`]: the paged KV cache's prefix cache (full blocks found again by their tokens).
 //! - [`moe`]: mixture-of-experts routing and expert products over the op set.
 //! - [`train_op`]: the training op set (backward of every op, attention with its log-sum-exp,
 //!   the fused output layer and loss, AdamW) and the shape checks every backend shares.
@@ -21,6 +22,7 @@ pub mod kv_blocks;
 pub mod moe;
 pub mod op;
 pub mod paged;
+pub mod paged_prefix;
 pub mod quant;
 pub mod storage;
 pub mod tensor;

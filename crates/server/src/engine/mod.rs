@@ -28,20 +28,24 @@
 //! values instead of prefilling them; running sequences' caches serve as sources too. Kept
 //! caches count against the same KV budget and are evicted least recently used first whenever
 //! admission needs their blocks, so caching never makes a request wait. Host (CPU) caches only:
-//! with a device backend nothing is kept. Off with the paged KV cache (blocks are not shared
-//! yet).
+//! with a device backend nothing is kept. With the paged KV cache, on every device, the cache
+//! is made of blocks ([`paged_blocks`], `hf2q_tensor::paged_prefix`): a block joins it once its
+//! positions are all written, a new (or readmitted) sequence shares the cached blocks of its
+//! leading tokens by reference instead of computing them, and blocks no sequence holds are
+//! evicted least recently used first whenever admission or a step needs free blocks.
 //!
 //! Served adapters ([`adapters`]): a request may name a LoRA adapter loaded beside the base
 //! (`--adapter`, `POST /v1/adapters`); sequences of different adapters share one batch (the
 //! base products once, each adapter's over its rows: `Model::step_batch_served`), and prefix
 //! cache entries are keyed by the adapter too.
 //!
-//! What it is not: block sharing between sequences in the paged cache (a reused prefix is
-//! copied between per-request caches, not shared), or preemption by swapping KV to host memory
+//! What it is not: block sharing between per-request caches (a reused prefix is copied), or
+//! preemption by swapping KV to host memory
 //! (a preempted sequence is recomputed), or preemption with per-request caches (their
 //! reservation never runs out).
 
 pub mod adapters;
+mod paged_blocks;
 mod preempt;
 mod prefix;
 mod scheduler;
@@ -82,12 +86,12 @@ pub struct EngineConfig {
     /// slow enough to observe (stop buttons, disconnects).
     pub step_delay: Duration,
     /// Keep finished sequences' KV caches and start new requests from the longest cached
-    /// prefix of their prompt (see the module docs).
+    /// prefix of their prompt (see the module docs); with `paged_kv`, keep full blocks and share
+    /// them (`paged_blocks`).
     pub prefix_cache: bool,
     /// Keep every running sequence's keys and values in one paged cache per layer and run
     /// each step's norms, RoPE, cache writes and attention once over all rows
-    /// (`Model::step_paged`) instead of per sequence. No prefix cache and no served adapters
-    /// with it yet.
+    /// (`Model::step_paged`) instead of per sequence. No served adapters with it yet.
     pub paged_kv: bool,
 }
 

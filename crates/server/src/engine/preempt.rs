@@ -10,7 +10,9 @@
 //! it sampled and did not feed yet joins its tokens, and the whole sequence object (its sampler
 //! and RNG, stop matcher, text decoder, constraint, penalty history, counts) waits in
 //! [`Requeued`], which is admitted before any new request. Readmitted, it prefills its prompt
-//! and generated tokens again (chunked like any prompt, all their blocks taken at once); the
+//! and generated tokens again (chunked like any prompt, all their blocks taken at once; with
+//! prefix caching on, its full blocks that are still cached are shared instead: a preempted
+//! sequence's blocks stay cached until the pool needs them, see [`super::paged_blocks`]); the
 //! last of those rows picks its next token and generation goes on: its client sees one stream,
 //! with no token repeated or lost, only a pause.
 //!
@@ -35,23 +37,17 @@ use std::time::Instant;
 
 use hf2q_models::generate::FinishReason;
 use hf2q_tensor::paged::BlockPool;
+use hf2q_tensor::paged_prefix::PrefixBlocks;
 
+use super::paged_blocks;
 use super::scheduler::Seq;
-use super::Shared;
+use super::{Shared, BLOCK_TOKENS};
 
 /// Free blocks admission keeps back while anything runs: 1 % of the pool, at least one block
 /// (vLLM's default), so that the running sequences' next blocks do not force a preemption right
 /// after every admission.
 pub(super) fn watermark(pool: &BlockPool) -> usize {
     (pool.n_blocks() / 100).max(1)
-}
-
-/// Whether a sequence with `tokens` positions to prefill may be admitted now: its blocks and the
-/// watermark are free. The watermark is waived when nothing runs, so that a sequence needing the
-/// whole pool still gets in once the pool is empty.
-pub(super) fn admits(pool: &BlockPool, tokens: usize, nothing_running: bool) -> bool {
-    let keep = if nothing_running { 0 } else { watermark(pool) };
-    pool.blocks_for(tokens) + keep <= pool.free_blocks()
 }
 
 /// Preempted sequences waiting to be readmitted, oldest (first admitted) first. They count as
@@ -69,8 +65,15 @@ impl<'m> Requeued<'m> {
     /// Preempts `s`: its blocks go back to `pool`, its sampled but unfed token joins the tokens
     /// to recompute, and it waits in arrival order (ahead of every request not yet admitted,
     /// which all arrived after it).
-    fn preempt(&mut self, mut s: Seq<'m>, pool: &mut BlockPool, sh: &Shared) {
-        s.table.clear(pool);
+    fn preempt(
+        &mut self,
+        mut s: Seq<'m>,
+        pool: &mut BlockPool,
+        prefix: Option<&mut PrefixBlocks>,
+        sh: &Shared,
+    ) {
+        paged_blocks::release(&mut s.table, pool, prefix);
+        s.shared_blocks = 0;
         if let Some(t) = s.next.take() {
             s.tokens.push(t);
         }
@@ -81,23 +84,21 @@ impl<'m> Requeued<'m> {
         self.seqs.insert(at, s);
     }
 
-    /// The oldest preempted sequence, its blocks for every token to recompute taken from `pool`,
-    /// when [`admits`] lets it in; `None` when none waits or the oldest must wait longer (then
-    /// nothing else is admitted either: FIFO).
-    pub(super) fn readmit(
-        &mut self,
-        pool: &mut BlockPool,
-        nothing_running: bool,
-        sh: &Shared,
-    ) -> Option<Seq<'m>> {
-        let s = self.seqs.front_mut()?;
-        if !admits(pool, s.tokens.len(), nothing_running) {
-            return None;
-        }
-        // All or nothing, and `admits` saw the blocks free.
-        s.table.reserve(pool, s.tokens.len()).ok()?;
+    /// The oldest preempted sequence: the next to readmit (nothing else is admitted before it:
+    /// FIFO).
+    pub(super) fn front(&self) -> Option<&Seq<'m>> {
+        self.seqs.front()
+    }
+
+    /// Takes the oldest preempted sequence out to run again: the caller gave it blocks for every
+    /// token to recompute ([`paged_blocks::admit`]; its cached prefix is not recomputed).
+    pub(super) fn readmit(&mut self, admitted: paged_blocks::Admitted, sh: &Shared) -> Seq<'m> {
+        let mut s = self.seqs.pop_front().expect("a preempted sequence waits");
         sh.queued.fetch_sub(1, Ordering::SeqCst);
-        self.seqs.pop_front()
+        s.pos = admitted.shared * BLOCK_TOKENS;
+        s.table = admitted.table;
+        s.shared_blocks = admitted.shared;
+        s
     }
 
     /// Takes out, `done` set, the sequences that leave without being readmitted: cancelled, past
@@ -148,6 +149,7 @@ pub(super) fn reserve_rows<'m>(
     running: &mut Vec<Seq<'m>>,
     plan: &[(usize, usize)],
     pool: &mut BlockPool,
+    mut prefix: Option<&mut PrefixBlocks>,
     requeued: &mut Requeued<'m>,
     sh: &Shared,
 ) -> Reserved {
@@ -155,6 +157,11 @@ pub(super) fn reserve_rows<'m>(
     rows.sort_unstable_by_key(|&(i, _)| running[i].order);
     for (i, n) in rows {
         let s = &mut running[i];
+        // Cached blocks no table holds go before any sequence does.
+        let need = pool
+            .blocks_for(s.pos + n)
+            .saturating_sub(s.table.blocks().len());
+        paged_blocks::make_room(pool, prefix.as_deref_mut(), need);
         if s.table.reserve(pool, s.pos + n).is_ok() {
             continue;
         }
@@ -170,34 +177,9 @@ pub(super) fn reserve_rows<'m>(
             running[i].done = Some(FinishReason::Length);
         } else {
             let victim = running.remove(youngest);
-            requeued.preempt(victim, pool, sh);
+            requeued.preempt(victim, pool, prefix, sh);
         }
         return Reserved::Changed;
     }
     Reserved::All
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn admission_keeps_the_watermark_back_unless_nothing_runs() {
-        let mut pool = BlockPool::new(250, 16).unwrap();
-        assert_eq!(watermark(&pool), 2, "1 % of 250 blocks");
-        assert_eq!(
-            watermark(&BlockPool::new(20, 16).unwrap()),
-            1,
-            "at least one"
-        );
-        let _held = pool.alloc(240).unwrap();
-        // 10 free: an 8-block prompt leaves the 2 kept back, a 9-block one would not.
-        assert!(admits(&pool, 8 * 16, false));
-        assert!(!admits(&pool, 8 * 16 + 1, false));
-        assert!(
-            admits(&pool, 10 * 16, true),
-            "no watermark when nothing runs"
-        );
-        assert!(!admits(&pool, 10 * 16 + 1, true));
-    }
 }

@@ -34,8 +34,10 @@ use hf2q_models::stop::StopMatcher;
 use hf2q_models::tokenizer::DecodeStream;
 use hf2q_models::{BatchItem, Model, PagedItem, PagedKvCache, Picked, RowPick};
 use hf2q_tensor::paged::BlockTable;
+use hf2q_tensor::paged_prefix::PrefixBlocks;
 
 use super::adapters::{valid_name, AdapterInfo, AdapterRef};
+use super::paged_blocks;
 use super::preempt::{self, Requeued, Reserved};
 use super::prefix::{common_prefix, usable, PrefixPool, MIN_REUSE};
 use super::{Cmd, Event, Install, Pending, Shared, TokenLogprob, BLOCK_TOKENS};
@@ -56,8 +58,12 @@ pub(super) struct Seq<'m> {
     /// prompt; every sampled token joins once it has been fed; after a preemption (`pos` back to
     /// 0) the prompt and every generated token, all recomputed.
     pub(super) tokens: Vec<u32>,
-    /// Prompt tokens whose keys and values were copied from the prefix cache.
+    /// Prompt tokens whose keys and values were copied from the prefix cache (or, with the paged
+    /// KV cache, whose blocks it shares).
     cached: usize,
+    /// With the paged KV cache and prefix caching: how many of `table`'s leading blocks are in
+    /// the prefix cache (shared at admission or registered since).
+    pub(super) shared_blocks: usize,
     /// False once a forward step failed for this sequence: its cache may hold partial rows, so
     /// it is not offered to the prefix cache.
     poolable: bool,
@@ -96,6 +102,7 @@ impl<'m> Seq<'m> {
             pos: cached,
             tokens: p.req.prompt.clone(),
             cached,
+            shared_blocks: 0,
             poolable: true,
             next: None,
             sampler: Sampler::new(p.req.sampler.clone(), model.vocab_size()),
@@ -396,6 +403,11 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         None
     };
     sh.paged.store(paged.is_some(), Ordering::SeqCst);
+    // The paged KV cache's prefix cache: full blocks kept and shared by their tokens.
+    let mut blocks_cache: Option<PrefixBlocks> = match &paged {
+        Some(pc) if cfg.prefix_cache => Some(PrefixBlocks::new(pc.pool().block_tokens())),
+        _ => None,
+    };
     let _ = ready.send(());
     loop {
         sh.beat();
@@ -446,7 +458,11 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                             message: why.clone(),
                         });
                         match paged.as_mut() {
-                            Some(pc) => s.table.clear(pc.pool_mut()),
+                            Some(pc) => paged_blocks::release(
+                                &mut s.table,
+                                pc.pool_mut(),
+                                blocks_cache.as_mut(),
+                            ),
                             None => free_blocks += s.p.blocks,
                         }
                     }
@@ -502,16 +518,31 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         if let Some(pc) = paged.as_ref() {
             running.extend(requeued.expire(pc.pool(), now, sh));
         }
-        retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
+        retire(
+            &mut running,
+            &mut free_blocks,
+            &mut pool,
+            &mut paged,
+            &mut blocks_cache,
+            sh,
+        );
 
         // 3. Admission, in arrival order: preempted sequences first (paged KV cache), then
         // new requests. The prefix cache's blocks are free for the taking.
         while running.len() < cfg.max_seqs {
             if let Some(pc) = paged.as_mut() {
-                if !requeued.is_empty() {
-                    match requeued.readmit(pc.pool_mut(), running.is_empty(), sh) {
-                        Some(s) => {
-                            running.push(s);
+                if let Some(s) = requeued.front() {
+                    let nothing_running = running.is_empty();
+                    let cache = blocks_cache.as_mut();
+                    match paged_blocks::admit(
+                        pc.pool_mut(),
+                        cache,
+                        &s.tokens,
+                        s.uid(),
+                        nothing_running,
+                    ) {
+                        Some(a) => {
+                            running.push(requeued.readmit(a, sh));
                             continue;
                         }
                         None => break,
@@ -519,16 +550,33 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                 }
             }
             let Some(front) = waiting.front() else { break };
-            let fits = match paged.as_ref() {
-                Some(pc) => preempt::admits(pc.pool(), front.req.prompt.len(), running.is_empty()),
-                None => front.blocks <= free_blocks + pool.blocks(),
-            };
-            if !fits {
-                break;
+            let valid = !front.req.prompt.is_empty() && front.req.prompt.len() <= cfg.ctx_size;
+            // With the paged KV cache, the prompt's blocks (its cached prefix shared) now.
+            let mut blocks = None;
+            if valid {
+                match paged.as_mut() {
+                    Some(pc) => {
+                        let adapter = front.req.adapter.as_ref().map(|a| a.uid);
+                        let prompt = &front.req.prompt;
+                        let cache = blocks_cache.as_mut();
+                        match paged_blocks::admit(
+                            pc.pool_mut(),
+                            cache,
+                            prompt,
+                            adapter,
+                            running.is_empty(),
+                        ) {
+                            Some(a) => blocks = Some(a),
+                            None => break,
+                        }
+                    }
+                    None if front.blocks > free_blocks + pool.blocks() => break,
+                    None => {}
+                }
             }
             let p = waiting.pop_front().expect("front exists");
             sh.queued.fetch_sub(1, Ordering::SeqCst);
-            if p.req.prompt.is_empty() || p.req.prompt.len() > cfg.ctx_size {
+            if !valid {
                 let message = format!(
                     "the prompt has {} tokens; 1 to {} are allowed",
                     p.req.prompt.len(),
@@ -541,18 +589,23 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                 continue;
             }
             let mut table = BlockTable::new();
-            let (cache, cached) = match paged.as_mut() {
-                Some(pc) => {
-                    // The prompt's blocks, which `admits` saw free (all or nothing).
-                    if let Err(e) = table.reserve(pc.pool_mut(), p.req.prompt.len()) {
-                        let _ = p.out.send(Event::Error {
-                            status: 503,
-                            message: format!("the KV cache is full: {e}"),
-                        });
-                        continue;
+            let mut shared_blocks = 0;
+            let (cache, cached) = match blocks {
+                Some(a) => {
+                    if blocks_cache.is_some() {
+                        let m = &sh.metrics;
+                        m.prefix_cache_queries.fetch_add(1, Ordering::Relaxed);
+                        if a.shared > 0 {
+                            count_prefix_hit(sh, a.shared * BLOCK_TOKENS);
+                        }
                     }
+                    table = a.table;
+                    shared_blocks = a.shared;
                     // Holds nothing (nothing writes it); its limit bounds the sequence's length.
-                    (model.new_cache(cache_limit(&p, cfg.ctx_size)), 0)
+                    (
+                        model.new_cache(cache_limit(&p, cfg.ctx_size)),
+                        a.shared * BLOCK_TOKENS,
+                    )
                 }
                 None => {
                     let c = start_cache(model, &p, &mut pool, &running, &mut free_blocks, sh);
@@ -566,9 +619,10 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             let mut seq = Seq::new(p, admitted, model, cache, cached);
             admitted += 1;
             seq.table = table;
+            seq.shared_blocks = shared_blocks;
             running.push(seq);
         }
-        publish(&running, free_blocks, &pool, &paged, sh);
+        publish(&running, free_blocks, &pool, &paged, &blocks_cache, sh);
         if running.is_empty() {
             continue;
         }
@@ -579,15 +633,30 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         let plan = loop {
             let plan = plan_batch(&running, cfg.max_batch_tokens);
             let Some(pc) = paged.as_mut() else { break plan };
-            match preempt::reserve_rows(&mut running, &plan, pc.pool_mut(), &mut requeued, sh) {
+            let cache = blocks_cache.as_mut();
+            match preempt::reserve_rows(
+                &mut running,
+                &plan,
+                pc.pool_mut(),
+                cache,
+                &mut requeued,
+                sh,
+            ) {
                 Reserved::All => break plan,
                 Reserved::Changed => continue,
             }
         };
         if plan.is_empty() {
             // Everything left was preempted or ended.
-            retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
-            publish(&running, free_blocks, &pool, &paged, sh);
+            retire(
+                &mut running,
+                &mut free_blocks,
+                &mut pool,
+                &mut paged,
+                &mut blocks_cache,
+                sh,
+            );
+            publish(&running, free_blocks, &pool, &paged, &blocks_cache, sh);
             continue;
         }
         let fed: usize = plan.iter().map(|p| p.1).sum();
@@ -651,6 +720,17 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                     if let Some(t) = fed {
                         s.tokens.push(t);
                     }
+                    // Blocks this step filled join the prefix cache.
+                    if let Some(pc) = paged.as_mut() {
+                        s.shared_blocks = paged_blocks::register(
+                            pc.pool_mut(),
+                            blocks_cache.as_mut(),
+                            &s.table,
+                            &s.tokens[..s.pos],
+                            s.uid(),
+                            s.shared_blocks,
+                        );
+                    }
                     // A decoded token, or the last of the tokens to prefill: pick the next.
                     if decoding || s.pos == s.tokens.len() {
                         s.take_pick(l, &eog, sh, now);
@@ -677,8 +757,15 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add(now, sampled);
-        retire(&mut running, &mut free_blocks, &mut pool, &mut paged, sh);
-        publish(&running, free_blocks, &pool, &paged, sh);
+        retire(
+            &mut running,
+            &mut free_blocks,
+            &mut pool,
+            &mut paged,
+            &mut blocks_cache,
+            sh,
+        );
+        publish(&running, free_blocks, &pool, &paged, &blocks_cache, sh);
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
         }
@@ -738,6 +825,7 @@ fn retire(
     free_blocks: &mut usize,
     pool: &mut PrefixPool,
     paged: &mut Option<PagedKvCache>,
+    blocks_cache: &mut Option<PrefixBlocks>,
     sh: &Shared,
 ) {
     let (mut finished, still): (Vec<Seq<'_>>, Vec<Seq<'_>>) = std::mem::take(running)
@@ -750,11 +838,11 @@ fn retire(
     // The gauges first: a client that has its answer must also see its slot free (/metrics).
     for s in &mut finished {
         match paged.as_mut() {
-            Some(pc) => s.table.clear(pc.pool_mut()),
+            Some(pc) => paged_blocks::release(&mut s.table, pc.pool_mut(), blocks_cache.as_mut()),
             None => *free_blocks += s.p.blocks,
         }
     }
-    publish(running, *free_blocks, pool, paged, sh);
+    publish(running, *free_blocks, pool, paged, blocks_cache, sh);
     for mut s in finished {
         let reason = s.done.expect("partitioned on done");
         s.finish(reason, sh);
@@ -862,10 +950,7 @@ fn start_cache(
             if let (Src::Pool(id), None) = (&src, &taken) {
                 pool.touch(*id);
             }
-            let m = &sh.metrics;
-            m.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
-            m.prompt_tokens_cached
-                .fetch_add(n as u64, Ordering::Relaxed);
+            count_prefix_hit(sh, n);
             (cache, n)
         }
         Some(Err(e)) => {
@@ -874,6 +959,14 @@ fn start_cache(
         }
         None => (model.new_cache(limit), 0),
     }
+}
+
+/// Counts a prefix cache hit that gave a new request `cached` of its prompt tokens.
+fn count_prefix_hit(sh: &Shared, cached: usize) {
+    let m = &sh.metrics;
+    m.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
+    m.prompt_tokens_cached
+        .fetch_add(cached as u64, Ordering::Relaxed);
 }
 
 /// Puts an adapter into a free slot of `set` and registers it under `name`.
@@ -920,10 +1013,11 @@ fn publish(
     free_blocks: usize,
     pool: &PrefixPool,
     paged: &Option<PagedKvCache>,
+    blocks_cache: &Option<PrefixBlocks>,
     sh: &Shared,
 ) {
     let blocks_used = match paged {
-        Some(pc) => pc.pool().used_blocks(),
+        Some(pc) => paged_blocks::held(pc.pool(), blocks_cache.as_ref()),
         None => sh.total_blocks - free_blocks - pool.blocks(),
     };
     sh.running.store(running.len(), Ordering::SeqCst);
@@ -935,9 +1029,18 @@ fn publish(
         .map(|s| s.cache.bytes() + paged_bytes(s))
         .sum();
     sh.kv_used_bytes.store(used as u64, Ordering::Relaxed);
+    // With the paged KV cache, its prefix cache's blocks (entries are blocks).
+    let (cached_bytes, cached_entries) = match blocks_cache {
+        Some(c) => (
+            c.len() * BLOCK_TOKENS * sh.bytes_per_token as usize,
+            c.len(),
+        ),
+        None => (pool.bytes(), pool.len()),
+    };
     sh.prefix_cache_bytes
-        .store(pool.bytes() as u64, Ordering::Relaxed);
-    sh.prefix_cache_entries.store(pool.len(), Ordering::Relaxed);
+        .store(cached_bytes as u64, Ordering::Relaxed);
+    sh.prefix_cache_entries
+        .store(cached_entries, Ordering::Relaxed);
 }
 
 #[cfg(test)]
