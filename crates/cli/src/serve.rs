@@ -77,8 +77,8 @@ pub struct ServeArgs {
     /// requests instead of once per request: several times the throughput with many clients on
     /// a GPU. A request takes blocks as it grows (its prompt's at admission); when the pool runs
     /// out the latest admitted one is preempted and recomputed later, its stream unbroken. Off
-    /// by default for now; no --adapter with it yet.
-    #[arg(long, conflicts_with = "adapters")]
+    /// by default for now.
+    #[arg(long)]
     pub kv_paged: bool,
     /// Matmul kernels for quantized weights (CPU).
     #[arg(long, value_enum, value_name = "PATH", default_value_t = args::MatmulChoice::Fast)]

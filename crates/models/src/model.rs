@@ -601,26 +601,9 @@ impl Model {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let lora = match served {
-            Some((set, slots)) if slots.iter().any(Option::is_some) => {
-                if slots.len() != items.len() {
-                    return Err(Error::Msg(format!(
-                        "{} adapter slots for a batch of {} sequences",
-                        slots.len(),
-                        items.len()
-                    )));
-                }
-                let seqs: Vec<(usize, Option<usize>)> = items
-                    .iter()
-                    .zip(slots)
-                    .map(|(it, s)| (it.tokens.len(), *s))
-                    .collect();
-                Some(BatchLora::new(set, &seqs)?)
-            }
-            _ => None,
-        };
-        let h = self.hidden_batch(items, lora.as_ref())?;
         let lens: Vec<usize> = items.iter().map(|it| it.tokens.len()).collect();
+        let lora = batch_lora(served, &lens)?;
+        let h = self.hidden_batch(items, lora.as_ref())?;
         self.last_logits(&h, &lens)
     }
 
@@ -1064,5 +1047,29 @@ impl<'m> Session<'m> {
         let l = self.model.be().to_host(&self.model.logits(&h)?)?;
         self.pos += tokens.len();
         Ok(l)
+    }
+}
+
+/// Which rows of a batch of sequences (`lens` rows each, one after another) use which served
+/// adapter: `served` is the adapters and each sequence's slot (`None`: the base). `None` when
+/// no sequence uses an adapter.
+fn batch_lora<'a>(
+    served: Option<(&'a AdapterSet, &[Option<usize>])>,
+    lens: &[usize],
+) -> Result<Option<BatchLora<'a>>> {
+    match served {
+        Some((set, slots)) if slots.iter().any(Option::is_some) => {
+            if slots.len() != lens.len() {
+                return Err(Error::Msg(format!(
+                    "{} adapter slots for a batch of {} sequences",
+                    slots.len(),
+                    lens.len()
+                )));
+            }
+            let seqs: Vec<(usize, Option<usize>)> =
+                lens.iter().copied().zip(slots.iter().copied()).collect();
+            Ok(Some(BatchLora::new(set, &seqs)?))
+        }
+        _ => Ok(None),
     }
 }

@@ -3,7 +3,7 @@
 //! lists them; loading and unloading at run time behind the API key (the tiny model), an
 //! unload while a stream runs (it finishes with its adapter), unknown adapters answered 404 in
 //! OpenAI's shape, paths outside the adapter roots refused, prefix-cache entries kept apart
-//! per adapter.
+//! per adapter; the same with the paged KV cache (`--kv-paged`).
 
 mod common;
 
@@ -52,15 +52,33 @@ fn make_adapter(base: &Path, seed: u64, amp: f32, out: &Path) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_adapters_and_the_base_in_one_batch_equal_solo_runs_smollm2() {
-    let test = "two_adapters_and_the_base_in_one_batch_equal_solo_runs_smollm2";
+    adapters_and_the_base_equal_solo_runs(
+        "two_adapters_and_the_base_in_one_batch_equal_solo_runs_smollm2",
+        false,
+    )
+    .await
+}
+
+/// The same with the paged KV cache: the adapters' rows ride in the paged step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_adapters_and_the_base_in_one_paged_batch_equal_solo_runs_smollm2() {
+    adapters_and_the_base_equal_solo_runs(
+        "two_adapters_and_the_base_in_one_paged_batch_equal_solo_runs_smollm2",
+        true,
+    )
+    .await
+}
+
+async fn adapters_and_the_base_equal_solo_runs(test: &str, paged: bool) {
     let Some(m) = smollm2(test) else { return };
     let gguf = PathBuf::from(std::env::var("HF2Q_TEST_SMOLLM2_GGUF").unwrap());
-    let dir = scratch("smollm2");
+    let dir = scratch(if paged { "smollm2-paged" } else { "smollm2" });
     let (a, b) = (dir.join("sql"), dir.join("poet"));
     make_adapter(&gguf, 5, 0.3, &a);
     make_adapter(&gguf, 9, 0.3, &b);
     let mut c = cfg();
     c.adapters = vec![("sql".into(), a), ("poet".into(), b)];
+    c.engine.paged_kv = paged;
     // Stream i: model i % 3, topic i / 3: topics 0..4 each on the base and on both adapters
     // (by `BASE:NAME` and by the bare name), interleaved in one batch.
     let models = ["smollm2", "smollm2:sql", "poet"];
@@ -89,7 +107,17 @@ fn text_of(v: &Value) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_unload_at_run_time_behind_the_key() {
-    let dir = scratch("tiny");
+    load_unload_at_run_time(false).await
+}
+
+/// The same with the paged KV cache (its prefix cache keys blocks by adapter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_unload_at_run_time_with_the_paged_kv_cache() {
+    load_unload_at_run_time(true).await
+}
+
+async fn load_unload_at_run_time(paged: bool) {
+    let dir = scratch(if paged { "tiny-paged" } else { "tiny" });
     let root = dir.join("root");
     std::fs::create_dir_all(&root).unwrap();
     let (x, y, outside) = (root.join("x"), root.join("y"), dir.join("outside"));
@@ -100,6 +128,7 @@ async fn load_unload_at_run_time_behind_the_key() {
     c.api_key = Some("k".into());
     c.adapter_roots = vec![root.canonicalize().unwrap()];
     c.engine.step_delay = Duration::from_millis(15);
+    c.engine.paged_kv = paged;
     let h = start(tiny(), c).await;
     let addr = h.addr;
     let auth = [("Authorization", "Bearer k")];

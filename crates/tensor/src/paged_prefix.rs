@@ -203,6 +203,18 @@ impl PrefixBlocks {
         freed
     }
 
+    /// Takes out every block written under `adapter` (an unloaded adapter, whose unique id no
+    /// request names again), releasing the cache's references. Returns the blocks freed.
+    pub fn drop_adapter(&mut self, pool: &mut BlockPool, adapter: u64) -> usize {
+        let roots: Vec<BlockId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.key.parent.is_none() && e.key.adapter == Some(adapter))
+            .map(|(&id, _)| id)
+            .collect();
+        roots.into_iter().map(|id| self.unregister(pool, id)).sum()
+    }
+
     /// Empties the cache, releasing its references. Returns the blocks freed.
     pub fn clear(&mut self, pool: &mut BlockPool) -> usize {
         let before = pool.free_blocks();
@@ -341,6 +353,12 @@ mod tests {
         let mut ta = written(&mut pool, &mut cache, &a, None);
         let mut tb = written(&mut pool, &mut cache, &b, None);
         let (a_blocks, b_blocks) = (ta.blocks().to_vec(), tb.blocks().to_vec());
+        // An adapter's blocks are taken out with it.
+        let c: Vec<u32> = (300..308).collect();
+        let mut tc = written(&mut pool, &mut cache, &c, Some(3));
+        tc.clear(&mut pool);
+        assert_eq!(cache.drop_adapter(&mut pool, 3), 2);
+        assert_eq!(cache.len(), 5);
         // Held blocks are never evicted.
         assert_eq!(cache.evict(&mut pool, 3), 0);
         ta.clear(&mut pool);

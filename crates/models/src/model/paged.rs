@@ -13,8 +13,9 @@
 use hf2q_tensor::paged::{BlockPool, BlockTable, PagedLayout, PagedStep, PagedStore};
 use hf2q_tensor::Tensor;
 
-use super::{Model, StepKv};
-use crate::layers::served::Fwd;
+use super::{batch_lora, Model, StepKv};
+use crate::adapter_set::AdapterSet;
+use crate::layers::served::{BatchLora, Fwd};
 use crate::{Error, Result};
 
 /// One paged store per layer (on the model's backend) and the pool of their blocks.
@@ -154,7 +155,7 @@ impl Model {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let h = self.paged_hidden(cache, items)?;
+        let h = self.paged_hidden(cache, items, None)?;
         self.last_logits(&h, &lens(items))
     }
 
@@ -169,7 +170,7 @@ impl Model {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let h = self.paged_hidden(cache, items)?;
+        let h = self.paged_hidden(cache, items, None)?;
         let logits = self.logits(&self.last_rows(&h, &lens(items))?)?;
         match &self.cuda {
             Some(cuda) => Ok(cuda.argmax_rows(&logits)?),
@@ -196,6 +197,20 @@ impl Model {
         items: &mut [PagedItem<'_>],
         picks: &[RowPick],
     ) -> Result<Vec<Picked>> {
+        self.step_paged_served(cache, items, picks, None)
+    }
+
+    /// [`Model::step_paged_pick`] with served LoRA adapters: `served` is the adapters and each
+    /// item's slot (`None`: the base), the base products running once over every row and each
+    /// adapter's term over its items' rows (as [`Model::step_batch_served`]). A step with
+    /// adapter rows runs eagerly (never as a captured graph).
+    pub fn step_paged_served(
+        &self,
+        cache: &mut PagedKvCache,
+        items: &mut [PagedItem<'_>],
+        picks: &[RowPick],
+        served: Option<(&AdapterSet, &[Option<usize>])>,
+    ) -> Result<Vec<Picked>> {
         if picks.len() != items.len() {
             return Err(Error::Msg(format!(
                 "{} picks for {} items of a paged step",
@@ -206,10 +221,13 @@ impl Model {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        if let Some(out) = self.paged_graph_pick(cache, items, picks)? {
-            return Ok(out);
+        let lora = batch_lora(served, &lens(items))?;
+        if lora.is_none() {
+            if let Some(out) = self.paged_graph_pick(cache, items, picks)? {
+                return Ok(out);
+            }
         }
-        let h = self.paged_hidden(cache, items)?;
+        let h = self.paged_hidden(cache, items, lora.as_ref())?;
         // The last row of each item that picks.
         let mut end = 0;
         let mut rows = Vec::new();
@@ -264,6 +282,7 @@ impl Model {
         &self,
         cache: &mut PagedKvCache,
         items: &mut [PagedItem<'_>],
+        lora: Option<&BatchLora<'_>>,
     ) -> Result<Tensor> {
         self.reserve_items(cache, items)?;
         let mut step = self.paged_rows(cache, items)?;
@@ -272,7 +291,7 @@ impl Model {
             .iter()
             .flat_map(|it| it.tokens.iter().copied())
             .collect();
-        self.paged_forward(&mut cache.layers, &step, &ids)
+        self.paged_forward(&mut cache.layers, &step, &ids, lora)
     }
 
     /// Takes from the pool the blocks each item's tokens need (see [`Model::step_paged`]).
@@ -300,15 +319,16 @@ impl Model {
     }
 
     /// The forward of `ids`, one per row of `step` (prepared on the backend), over the paged
-    /// `layers`: final-normed `(ΣT, D)`.
+    /// `layers`, with the served adapters' terms of `lora`: final-normed `(ΣT, D)`.
     pub(super) fn paged_forward(
         &self,
         layers: &mut [PagedStore],
         step: &PagedStep,
         ids: &[u32],
+        lora: Option<&BatchLora<'_>>,
     ) -> Result<Tensor> {
         let be = self.be();
-        let cx = Fwd { be, lora: None };
+        let cx = Fwd { be, lora };
         let mut x: Tensor = be.embedding(&self.embed, ids, self.config.embed_scale)?;
         let mut kv = StepKv::Paged { layers, step, ids };
         self.run_blocks_kv(&cx, 0..self.blocks.len(), &mut x, &mut kv)?;

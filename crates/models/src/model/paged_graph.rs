@@ -139,7 +139,7 @@ impl Model {
         let template = host_copy(&step);
         cuda.paged_prepare_fixed(&mut step, &mut gs.inputs, max_len)?;
         let got = {
-            let logits = self.logits(&self.paged_forward(layers, &step, &ids)?)?;
+            let logits = self.logits(&self.paged_forward(layers, &step, &ids, None)?)?;
             cuda.pick_rows_at(&logits, &at)?
         };
         drop(step);
@@ -147,7 +147,7 @@ impl Model {
         let captured = cuda.capture(&ids, 0, bucket * vocab, StepOutput::Logits, || {
             let mut step = host_copy(&template);
             cuda.paged_prepare_fixed(&mut step, &mut gs.inputs, max_len)?;
-            let h = self.paged_forward(layers, &step, &ids)?;
+            let h = self.paged_forward(layers, &step, &ids, None)?;
             self.logits(&h)
         });
         // This step's tokens are picked already: a capture that fails (an op that only runs

@@ -91,7 +91,8 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
     /// Keep every running sequence's keys and values in one paged cache per layer and run
     /// each step's norms, RoPE, cache writes and attention once over all rows
-    /// (`Model::step_paged`) instead of per sequence. No served adapters with it yet.
+    /// (`Model::step_paged`) instead of per sequence; served adapters' rows ride in the same
+    /// step (`Model::step_paged_served`).
     pub paged_kv: bool,
 }
 

@@ -416,6 +416,9 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         for a in released {
             set.remove(a.slot);
             free_blocks += pool.drop_adapter(a.uid);
+            if let (Some(pc), Some(c)) = (paged.as_mut(), blocks_cache.as_mut()) {
+                c.drop_adapter(pc.pool_mut(), a.uid);
+            }
         }
         // 1. Commands; block only when idle (with a timeout, to keep the heartbeat fresh).
         let mut cmds: Vec<Cmd> = Vec::new();
@@ -437,11 +440,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                         adapter,
                         reply,
                     } = *i;
-                    let r = if paged.is_some() {
-                        Err("adapters are not served with the paged KV cache yet".to_string())
-                    } else {
-                        install(model, sh, &mut set, name, path, adapter)
-                    };
+                    let r = install(model, sh, &mut set, name, path, adapter);
                     let _ = reply.send(r);
                 }
                 Cmd::AbortAll(why) => {
@@ -663,6 +662,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         let step_start = Instant::now();
         let result = {
             let mut seqs = planned(&mut running, &plan);
+            let slots: Vec<Option<usize>> = seqs.iter().map(|(s, _)| s.slot()).collect();
             if let Some(pc) = paged.as_mut() {
                 // Tokens picked on the device where the request allows; only those ids (and
                 // the rows that need their logits here) come back.
@@ -678,9 +678,8 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                         }
                     })
                     .collect();
-                model.step_paged_pick(pc, &mut items, &picks)
+                model.step_paged_served(pc, &mut items, &picks, Some((&set, &slots)))
             } else {
-                let slots: Vec<Option<usize>> = seqs.iter().map(|(s, _)| s.slot()).collect();
                 let mut items: Vec<BatchItem<'_>> = seqs
                     .into_iter()
                     .map(|(s, n)| {
