@@ -96,6 +96,7 @@ impl StreamCalls {
         for e in events {
             match e {
                 ToolEvent::Content(t) => out.push(json!({"content": t})),
+                ToolEvent::Reasoning(t) => out.push(json!({"reasoning_content": t})),
                 ToolEvent::Start { index, name, .. } => {
                     let id = call_id(self.format);
                     let mut c = call_json(&id, &name, "");

@@ -12,7 +12,7 @@
 use hf2q_models::constraint::{Constraint, ConstraintEnv, GrammarSpec};
 use hf2q_models::tokenizer::Tokenizer;
 use hf2q_models::tool_calls::grammar::{self, GrammarTool};
-use hf2q_models::tool_calls::{generic_tool_prompt, ToolFormat};
+use hf2q_models::tool_calls::{generic_tool_prompt, ToolFormat, HARMONY_MARKERS};
 use hf2q_models::Error as ModelError;
 use serde_json::{json, Value};
 
@@ -94,6 +94,7 @@ pub fn markup_tokens(format: ToolFormat, tok: &Tokenizer) -> Vec<u32> {
         ToolFormat::Llama3Json => &["<|python_tag|>"],
         ToolFormat::Mistral { .. } => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
         ToolFormat::FunctionGemma => &["<start_function_call>", "<end_function_call>", "<escape>"],
+        ToolFormat::Harmony => HARMONY_MARKERS,
         ToolFormat::Generic => &[],
     };
     markup
