@@ -136,6 +136,8 @@ impl<'m> AgentChat<'m> {
                         content.push_str(&t);
                         let _ = out.write_all(t.as_bytes());
                     }
+                    // The model's reasoning (harmony's analysis channel) is not its reply.
+                    ToolEvent::Reasoning(_) => {}
                     ToolEvent::Start { name, .. } => {
                         calls.push((name.clone(), String::new()));
                         let _ = write!(out, "\n→ {name} ");

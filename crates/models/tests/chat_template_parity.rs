@@ -6,8 +6,9 @@
 //! whitespace that templates trim, special-token strings in content, reasoning blocks, tools and
 //! a role-order error that Gemma's template raises.
 //!
-//! SmolLM2, Qwen2.5 and Qwen3 templates (Apache-2.0) are committed as fixtures, so those tests
-//! always run. Llama 3 / 3.2 and Gemma 3 templates are read from `HF2Q_TEST_TOKENIZERS_DIR`, the
+//! SmolLM2, Qwen2.5, Qwen3 and GPT-OSS templates (Apache-2.0) are committed as fixtures, so those
+//! tests always run (GPT-OSS's conversations and renders: harmony_conversations.json and
+//! make_harmony_expected.py). Llama 3 / 3.2 and Gemma 3 templates are read from `HF2Q_TEST_TOKENIZERS_DIR`, the
 //! Qwen2.5-Coder GGUF template from `HF2Q_TEST_QWEN25_GGUF`; token-id checks of [`encode_chat`]
 //! need the matching tokenizer. Missing inputs print "skipped: ..." and pass.
 
@@ -15,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use hf2q_models::chat_template::{encode_chat_json, ChatTemplate, RenderOptions};
 use hf2q_models::tokenizer::Tokenizer;
+use hf2q_models::tool_calls::ToolFormat;
 use serde_json::Value;
 
 fn fixture_dir() -> PathBuf {
@@ -41,6 +43,8 @@ struct Conv {
     only: Option<Vec<String>>,
     /// Content carries special-token strings.
     injection: bool,
+    /// Template variables beyond messages and tools (`reasoning_effort`, ...).
+    extra: Option<Value>,
 }
 
 impl Conv {
@@ -48,7 +52,7 @@ impl Conv {
         RenderOptions {
             add_generation_prompt: self.add_generation_prompt,
             tools: self.tools.as_ref(),
-            extra: None,
+            extra: self.extra.as_ref().and_then(Value::as_object),
         }
     }
     fn applies_to(&self, template: &str) -> bool {
@@ -59,7 +63,11 @@ impl Conv {
 }
 
 fn conversations() -> Vec<Conv> {
-    let f = fixture("conversations.json");
+    conversations_in("conversations.json")
+}
+
+fn conversations_in(file: &str) -> Vec<Conv> {
+    let f = fixture(file);
     f["conversations"]
         .as_object()
         .unwrap()
@@ -77,12 +85,13 @@ fn conversations() -> Vec<Conv> {
                     .collect()
             }),
             injection: c.get("injection").and_then(Value::as_bool).unwrap_or(false),
+            extra: c.get("extra").cloned(),
         })
         .collect()
 }
 
-fn fixed_now() -> chrono::NaiveDateTime {
-    let s = fixture("conversations.json")["now"]
+fn fixed_now(conversations_file: &str) -> chrono::NaiveDateTime {
+    let s = fixture(conversations_file)["now"]
         .as_str()
         .unwrap()
         .to_string();
@@ -91,15 +100,24 @@ fn fixed_now() -> chrono::NaiveDateTime {
 
 /// Renders every conversation with `source` and compares with the jinja2 result.
 fn check_template(name: &str, source: &str) {
-    let expected = &fixture("expected_chat.json")["templates"][name];
+    check_renders(name, source, "conversations.json", "expected_chat.json");
+}
+
+/// [`check_template`] over the conversations of `conversations_file` and the renders of
+/// `expected_file`.
+fn check_renders(name: &str, source: &str, conversations_file: &str, expected_file: &str) {
+    let expected = &fixture(expected_file)["templates"][name];
     let bos = expected["bos_token"].as_str();
     let eos = expected["eos_token"].as_str();
     let tmpl = ChatTemplate::new(source, bos, eos)
         .unwrap()
-        .with_now(fixed_now())
+        .with_now(fixed_now(conversations_file))
         .unwrap();
     let mut fails = Vec::new();
-    for conv in conversations().into_iter().filter(|c| c.applies_to(name)) {
+    for conv in conversations_in(conversations_file)
+        .into_iter()
+        .filter(|c| c.applies_to(name))
+    {
         let want = &expected["renders"][&conv.name];
         let got = tmpl.render_json(&conv.messages, &conv.opts());
         match (want.get("text").and_then(Value::as_str), got) {
@@ -152,6 +170,22 @@ fn qwen3_template() {
     check_template("qwen3", &committed_template("qwen3"));
 }
 
+/// GPT-OSS's harmony template (Apache-2.0, committed): system and developer messages, tools
+/// rendered as TypeScript namespaces, an assistant tool call with its analysis, a tool result,
+/// `reasoning_effort` / `builtin_tools` / `model_identity`, and the template's own errors.
+/// Expected renders: make_harmony_expected.py.
+#[test]
+fn gpt_oss_template() {
+    let source = committed_template("gpt_oss");
+    check_renders(
+        "gpt_oss",
+        &source,
+        "harmony_conversations.json",
+        "expected_harmony.json",
+    );
+    assert_eq!(ToolFormat::detect(&source), ToolFormat::Harmony);
+}
+
 fn hf_tokenizer(name: &str) -> Option<Tokenizer> {
     let Some(dir) = env_path("HF2Q_TEST_TOKENIZERS_DIR") else {
         eprintln!("skipped: HF2Q_TEST_TOKENIZERS_DIR not set (scripts/fetch-tokenizers.sh DIR)");
@@ -189,7 +223,7 @@ fn check_chat_ids(tok: &Tokenizer, source: &str, template_name: &str, ids_name: 
         chat["eos_token"].as_str(),
     )
     .unwrap()
-    .with_now(fixed_now())
+    .with_now(fixed_now("conversations.json"))
     .unwrap();
     let (mut honest, mut hostile) = (0, 0);
     for conv in conversations()

@@ -295,6 +295,7 @@ fn tool_call_grammars_of_every_format_yield_valid_calls() {
         ToolFormat::Mistral { v11: false },
         ToolFormat::Mistral { v11: true },
         ToolFormat::FunctionGemma,
+        ToolFormat::Harmony,
         ToolFormat::Generic,
     ];
     // The tiny vocabulary has no markup tokens: pretend `</s>`-like ids exist for the

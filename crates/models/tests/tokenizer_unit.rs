@@ -183,6 +183,41 @@ fn byte_level_bos_eos_and_eog() {
 }
 
 #[test]
+fn harmony_end_of_message_does_not_end_generation() {
+    let mut v = byte_level();
+    for t in [
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|return|>",
+        "<|call|>",
+    ] {
+        v.tokens.push(t.to_string());
+        v.token_types.as_mut().unwrap().push(3);
+    }
+    let eog_of = |v: GgufVocab| {
+        let tok = Tokenizer::from_gguf_vocab(v).unwrap();
+        let eog: Vec<String> = tok
+            .eog_ids()
+            .iter()
+            .map(|&i| tok.token_to_str(i).unwrap().to_string())
+            .collect();
+        eog
+    };
+    assert_eq!(
+        eog_of(v.clone()),
+        ["<|endoftext|>", "<|im_end|>", "<|return|>", "<|call|>"]
+    );
+    // Without `<|call|>` (Phi-3's vocabulary has `<|end|>` alone), `<|end|>` ends generation.
+    let i = v.tokens.iter().position(|t| t == "<|call|>").unwrap();
+    v.tokens[i] = "<|other|>".into();
+    assert_eq!(
+        eog_of(v),
+        ["<|endoftext|>", "<|im_end|>", "<|end|>", "<|return|>"]
+    );
+}
+
+#[test]
 fn byte_level_utf8_roundtrip_and_stream() {
     let tok = Tokenizer::from_gguf_vocab(byte_level()).unwrap();
     let text = "h\u{e9}llo \u{1F600} \u{4f60}\u{597d}\r\n\tend";

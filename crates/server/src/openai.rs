@@ -65,6 +65,9 @@ pub struct ChatRequest {
     pub response_format: Option<GrammarSpec>,
     /// `Some(k)` when `logprobs: true` (k = `top_logprobs`, default 0).
     pub logprobs: Option<usize>,
+    /// `reasoning_effort` (`low`, `medium` or `high`): a template variable, for the templates
+    /// that take it (GPT-OSS's); the route refuses it for the others.
+    pub reasoning_effort: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -373,7 +376,18 @@ pub fn parse_chat(v: &Value, lim: Limits) -> ApiResult<ChatRequest> {
     )?;
     refuse_unless(m, "audio", |_| false, "audio output")?;
     refuse_unless(m, "prediction", |_| false, "predicted outputs")?;
-    refuse_unless(m, "reasoning_effort", |_| false, "reasoning effort")?;
+    let reasoning_effort = match present(m, "reasoning_effort") {
+        None => None,
+        Some(Value::String(s)) if ["low", "medium", "high"].contains(&s.as_str()) => {
+            Some(s.clone())
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                "'reasoning_effort' must be 'low', 'medium' or 'high'",
+            ))
+        }
+    };
     refuse_unless(m, "web_search_options", |_| false, "web search")?;
     boolean(m, "store")?;
     let common = parse_common(m, lim, "max_completion_tokens")?;
@@ -412,6 +426,7 @@ pub fn parse_chat(v: &Value, lim: Limits) -> ApiResult<ChatRequest> {
         tools,
         response_format,
         logprobs,
+        reasoning_effort,
     })
 }
 
@@ -487,6 +502,7 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<Value> {
             "tool_call_id",
             "function_call",
             "refusal",
+            "reasoning_content",
         ]
         .contains(&k.as_str())
         {
@@ -528,6 +544,21 @@ fn parse_message(i: usize, v: &Value) -> ApiResult<Value> {
         }
     };
     out.insert("content".into(), content.into());
+    // The reasoning a reply came with (what this server returns as `reasoning_content`; clients
+    // send the message back as they got it): kept for the templates that render it.
+    match present(m, "reasoning_content") {
+        Some(Value::String(s)) if role == "assistant" => {
+            out.insert("reasoning_content".into(), s.clone().into());
+        }
+        Some(Value::String(_)) => {
+            return Err(ApiError::invalid(
+                &p("reasoning_content"),
+                "only assistant messages carry 'reasoning_content'",
+            ))
+        }
+        Some(_) => return Err(ApiError::wrong_type(&p("reasoning_content"), "a string")),
+        None => {}
+    }
     Ok(Value::Object(out))
 }
 
@@ -630,6 +661,8 @@ pub struct ChoiceOut {
     pub finish: String,
     /// Chat: the message's `tool_calls` (OpenAI's shape); none for a text reply.
     pub tool_calls: Vec<Value>,
+    /// Chat: reasoning kept apart from the content (`message.reasoning_content` when not empty).
+    pub reasoning: String,
 }
 
 /// The `usage` object; `cached` is how many prompt tokens came from the prefix cache (OpenAI's
@@ -705,6 +738,9 @@ pub fn chat_response(meta: &RespMeta, choices: Vec<(ChoiceOut, Value)>, usage: V
         .into_iter()
         .map(|(c, lp)| {
             let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
+            if !c.reasoning.is_empty() {
+                message["reasoning_content"] = c.reasoning.into();
+            }
             if !c.tool_calls.is_empty() {
                 if c.text.is_empty() {
                     message["content"] = Value::Null;
@@ -814,6 +850,49 @@ mod tests {
         assert_eq!(r.common.n, 1);
         assert_eq!(r.common.sampler.temperature, 1.0);
         assert!(!r.common.stream);
+    }
+
+    #[test]
+    fn reasoning_effort_is_one_of_three_levels() {
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let r = chat(json!({"messages": msgs, "reasoning_effort": "high"})).unwrap();
+        assert_eq!(r.reasoning_effort.as_deref(), Some("high"));
+        assert!(chat(json!({"messages": msgs}))
+            .unwrap()
+            .reasoning_effort
+            .is_none());
+        let e = chat(json!({"messages": msgs, "reasoning_effort": "extreme"})).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(e.param.as_deref(), Some("reasoning_effort"));
+        // A reply's reasoning sent back with it is kept; other roles carry none.
+        let r = chat(json!({"messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        ]}))
+        .unwrap();
+        assert_eq!(r.messages[1]["reasoning_content"], "r");
+        let e =
+            chat(json!({"messages": [{"role": "user", "content": "q", "reasoning_content": "r"}]}))
+                .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].reasoning_content"));
+        // The reply's reasoning is returned apart from its content.
+        let choice = ChoiceOut {
+            text: "4".into(),
+            reasoning: "2+2".into(),
+            finish: "stop".into(),
+            ..Default::default()
+        };
+        let meta = RespMeta {
+            id: "x".into(),
+            created: 0,
+            model: "m".into(),
+        };
+        let body = chat_response(&meta, vec![(choice, Value::Null)], usage(1, 1, 0));
+        let m = &body["choices"][0]["message"];
+        assert_eq!(
+            (&m["content"], &m["reasoning_content"]),
+            (&json!("4"), &json!("2+2"))
+        );
     }
 
     #[test]

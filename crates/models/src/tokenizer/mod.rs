@@ -276,6 +276,15 @@ impl Tokenizer {
                 eog.push(id);
             }
         }
+        // Harmony (GPT-OSS): `<|end|>` closes one message of a reply (its reasoning, before the
+        // answer); `<|return|>` and `<|call|>` end generation. As llama.cpp does, a vocabulary
+        // with both of those does not end generation at `<|end|>`.
+        let harmony = ["<|return|>", "<|call|>"]
+            .iter()
+            .all(|t| inner.token_to_id(t).is_some());
+        if let (true, Some(end)) = (harmony, inner.token_to_id("<|end|>")) {
+            eog.retain(|&id| id != end);
+        }
         eog.sort_unstable();
         eog.dedup();
 

@@ -10,6 +10,9 @@
 //! strict).
 //!
 //! FunctionGemma's bodies are not JSON: only the function name is constrained there.
+//! Harmony (GPT-OSS) writes one call per reply (`<|call|>` ends generation), so its `required`
+//! grammar is one call message and there is no lazy grammar: every harmony message starts with
+//! `<|channel|>`, and a call differs from reasoning only in its recipient text.
 
 use serde_json::{json, Value};
 
@@ -84,7 +87,8 @@ fn call_rules(tools: &[GrammarTool], args_key: &str) -> String {
     out
 }
 
-/// `name MARK {args}` for each tool (Mistral's `name[ARGS]{...}`), as alternatives.
+/// `name MARK {args}` for each tool (Mistral's `name[ARGS]{...}`, harmony's
+/// `name <|constrain|>json<|message|>{...}`), as alternatives.
 fn named_args_rules(tools: &[GrammarTool], mark: &str) -> String {
     let mut out = String::new();
     let alts: Vec<String> = (0..tools.len()).map(|i| format!("c{i}")).collect();
@@ -157,6 +161,18 @@ pub fn required(
                 more("block", "\"\""),
                 named_args_rules(tools, &mark("[ARGS]", token))
             )
+        }
+        ToolFormat::Harmony => {
+            let head = format!(
+                "{} \"commentary to=functions.\"",
+                mark("<|channel|>", token)
+            );
+            let sep = format!(
+                "\" \" {} \"json\" {}",
+                mark("<|constrain|>", token),
+                mark("<|message|>", token)
+            );
+            format!("start: {head} call\n{}", named_args_rules(tools, &sep))
         }
         ToolFormat::FunctionGemma => {
             let names: Vec<String> = tools.iter().map(|t| lit(&t.name)).collect();
@@ -236,6 +252,7 @@ pub fn lazy(
             }
             v
         }
+        ToolFormat::Harmony => Vec::new(),
         ToolFormat::Mistral { .. } | ToolFormat::FunctionGemma => {
             let opener = if format == ToolFormat::FunctionGemma {
                 "<start_function_call>"

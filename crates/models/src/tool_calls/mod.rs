@@ -12,6 +12,9 @@
 //!   newer `[TOOL_CALLS]name[ARGS]{...}`;
 //! - [`ToolFormat::FunctionGemma`]: `call:name{key:<escape>v<escape>}` between
 //!   `<start_function_call>` and `<end_function_call>`;
+//! - [`ToolFormat::Harmony`]: GPT-OSS's channels, `<|channel|>commentary to=functions.name
+//!   <|constrain|>json<|message|>{...}<|call|>`, with the `analysis` channel's text as
+//!   reasoning ([`ToolEvent::Reasoning`]) and the `final` channel's as content (see `harmony`);
 //! - [`ToolFormat::Generic`]: templates that know no tools. The tools are described in the
 //!   system prompt ([`generic_tool_prompt`]) and calls are JSON objects, one per line, as in
 //!   Llama 3; Gemma 3's ```` ```tool_code ```` blocks (`name(key="v")`) are read too.
@@ -25,12 +28,14 @@
 
 mod convert;
 pub mod grammar;
+mod harmony;
 mod scan;
 mod stream;
 
 #[cfg(test)]
 mod tests;
 
+pub use harmony::MARKERS as HARMONY_MARKERS;
 pub use stream::{ToolCallParser, ToolEvent};
 
 /// The wire format a model writes tool calls in.
@@ -43,6 +48,9 @@ pub enum ToolFormat {
         v11: bool,
     },
     FunctionGemma,
+    /// GPT-OSS's harmony messages; its parser also separates reasoning from content, so it
+    /// reads every reply of such a model, with tools or without.
+    Harmony,
     Generic,
 }
 
@@ -50,7 +58,9 @@ impl ToolFormat {
     /// The format a chat template's model writes, from the markup the template itself uses
     /// (how it renders assistant tool calls or describes them to the model).
     pub fn detect(template: &str) -> ToolFormat {
-        if template.contains("<tool_call>") {
+        if template.contains("<|channel|>") && template.contains("<|message|>") {
+            ToolFormat::Harmony
+        } else if template.contains("<tool_call>") {
             ToolFormat::Hermes
         } else if template.contains("[TOOL_CALLS]") {
             ToolFormat::Mistral {
@@ -69,6 +79,12 @@ impl ToolFormat {
         }
     }
 
+    /// Whether every reply is parsed, with tools or without: harmony replies carry channels (the
+    /// reasoning apart from the answer) and markup that must not reach the content.
+    pub fn reads_every_reply(self) -> bool {
+        self == ToolFormat::Harmony
+    }
+
     /// Whether the template renders `tools` itself; when not, the caller adds
     /// [`generic_tool_prompt`] to the system message.
     pub fn template_renders_tools(template: &str) -> bool {
@@ -82,6 +98,7 @@ impl ToolFormat {
             ToolFormat::Mistral { v11: false } => "mistral",
             ToolFormat::Mistral { v11: true } => "mistral_v11",
             ToolFormat::FunctionGemma => "function_gemma",
+            ToolFormat::Harmony => "harmony",
             ToolFormat::Generic => "generic",
         }
     }
@@ -114,6 +131,8 @@ pub struct ParsedReply {
     /// The text outside the calls (whitespace-only text around calls is dropped).
     pub content: String,
     pub calls: Vec<ToolCall>,
+    /// The model's reasoning, kept apart from the content (harmony's `analysis` channel).
+    pub reasoning: String,
 }
 
 /// Splits a complete reply into content and tool calls (see the module docs for the rules).
@@ -137,6 +156,7 @@ pub fn collect(events: Vec<ToolEvent>) -> ParsedReply {
     for ev in events {
         match ev {
             ToolEvent::Content(t) => out.content.push_str(&t),
+            ToolEvent::Reasoning(t) => out.reasoning.push_str(&t),
             ToolEvent::Start { index, name, id } => {
                 if calls.len() <= index {
                     calls.resize(index + 1, None);

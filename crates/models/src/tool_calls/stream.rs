@@ -8,8 +8,11 @@
 //! object begins, then the arguments stream as raw fragments. Formats whose calls are not JSON
 //! (FunctionGemma, `tool_code`, Mistral's `name[ARGS]`) buffer a call up to its closer and
 //! convert it ([`super::convert`]). A scan that fails gives its text back as content.
+//! Harmony replies (GPT-OSS) are not text with call segments but channelled messages: the whole
+//! reply goes to their own reader (`super::harmony`).
 
 use super::convert;
+use super::harmony::Harmony;
 use super::scan::{CallScanner, Found, Step};
 use super::{ToolCall, ToolFormat};
 
@@ -18,6 +21,8 @@ use super::{ToolCall, ToolFormat};
 pub enum ToolEvent {
     /// Text outside any call.
     Content(String),
+    /// Reasoning text, not part of the reply's content (harmony's `analysis` channel).
+    Reasoning(String),
     /// Call `index` (0, 1, ... in order) starts; reported once.
     Start {
         index: usize,
@@ -120,6 +125,8 @@ pub struct ToolCallParser {
     completed: usize,
     out: Vec<ToolEvent>,
     found: Vec<Found>,
+    /// The harmony reader, which takes the whole reply for [`ToolFormat::Harmony`].
+    harmony: Option<Harmony>,
 }
 
 const ARGS_KEYS: &[&str] = &["arguments", "parameters"];
@@ -129,6 +136,8 @@ impl ToolCallParser {
     /// than one call allowed (later ones are dropped otherwise).
     pub fn new(format: ToolFormat, tool_names: Vec<String>, parallel: bool) -> ToolCallParser {
         ToolCallParser {
+            harmony: (format == ToolFormat::Harmony)
+                .then(|| Harmony::new(tool_names.clone(), parallel)),
             format,
             names: tool_names,
             parallel,
@@ -144,11 +153,17 @@ impl ToolCallParser {
 
     /// Whether any call has started.
     pub fn has_calls(&self) -> bool {
-        self.next_index > 0
+        match &self.harmony {
+            Some(h) => h.has_calls(),
+            None => self.next_index > 0,
+        }
     }
 
     /// Feeds the next piece of text; returns what became final.
     pub fn push(&mut self, text: &str) -> Vec<ToolEvent> {
+        if let Some(h) = &mut self.harmony {
+            return h.push(text);
+        }
         for c in text.chars() {
             self.feed(c);
         }
@@ -157,6 +172,9 @@ impl ToolCallParser {
 
     /// The reply ended: flushes held text and reports a call left open as incomplete.
     pub fn finish(&mut self) -> Vec<ToolEvent> {
+        if let Some(h) = &mut self.harmony {
+            return h.finish();
+        }
         match std::mem::replace(&mut self.mode, Mode::Text) {
             Mode::Text => {}
             Mode::Fence(buf) => self.held.push_str(&buf),
@@ -183,6 +201,7 @@ impl ToolCallParser {
             ToolFormat::Mistral { .. } => &["[TOOL_CALLS]"],
             ToolFormat::FunctionGemma => &["<start_function_call>"],
             ToolFormat::Generic => &["```tool_code"],
+            ToolFormat::Harmony => &[],
         }
     }
 
@@ -396,6 +415,8 @@ impl ToolCallParser {
                 body: String::new(),
             },
             (ToolFormat::Llama3Json, _) => Mode::Json(JsonSeg::new(Body::Objects, None, raw)),
+            // Harmony replies are read by their own reader and have no opener.
+            (ToolFormat::Harmony, _) => Mode::Text,
         };
     }
 

@@ -79,7 +79,7 @@ fn hermes_plain_text_passes_through() {
         r,
         ParsedReply {
             content: t.into(),
-            calls: vec![]
+            ..Default::default()
         }
     );
     check_streaming(ToolFormat::Hermes, t);
@@ -312,4 +312,193 @@ fn grammars_name_their_tools() {
     );
     // Without the markup tokens there is no lazy trigger for Hermes.
     assert!(grammar::lazy(ToolFormat::Hermes, &tools, false, &|_| None).is_empty());
+}
+
+// ---- harmony (GPT-OSS) ----------------------------------------------------------------------
+
+const H_ANALYSIS: &str = "<|channel|>analysis<|message|>The user wants the weather in Z\u{fc}rich; call get_weather.<|end|>";
+const H_CALL: &str = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"location\":\"Z\u{fc}rich\"}";
+
+/// Feeds `text` split in two at every character boundary (and a character at a time): every
+/// split folds to the one-shot parse, which is returned. No markup reaches content or reasoning.
+fn check_harmony(text: &str, parallel: bool) -> ParsedReply {
+    let whole = parse_tool_calls(ToolFormat::Harmony, &names(), parallel, text);
+    let mut cuts: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+    cuts.push(text.len());
+    for cut in cuts {
+        let mut p = ToolCallParser::new(ToolFormat::Harmony, names(), parallel);
+        let mut ev = p.push(&text[..cut]);
+        ev.extend(p.push(&text[cut..]));
+        ev.extend(p.finish());
+        assert_eq!(collect(ev), whole, "split at {cut}: {text:?}");
+    }
+    let mut p = ToolCallParser::new(ToolFormat::Harmony, names(), parallel);
+    let mut ev = Vec::new();
+    for c in text.chars() {
+        ev.extend(p.push(&c.to_string()));
+    }
+    ev.extend(p.finish());
+    assert_eq!(collect(ev), whole, "a character at a time: {text:?}");
+    for m in HARMONY_MARKERS {
+        assert!(
+            !whole.content.contains(m) && !whole.reasoning.contains(m),
+            "{m} leaked: {whole:?}"
+        );
+    }
+    whole
+}
+
+#[test]
+fn harmony_call_after_analysis() {
+    // As the model writes it: `<|call|>` ends generation, so it usually never arrives.
+    for end in ["", "<|call|>"] {
+        let t = format!("{H_ANALYSIS}{H_CALL}{end}");
+        let r = check_harmony(&t, true);
+        assert_eq!(
+            r.calls,
+            vec![call("get_weather", "{\"location\":\"Z\u{fc}rich\"}")]
+        );
+        assert_eq!(r.content, "");
+        assert_eq!(
+            r.reasoning,
+            "The user wants the weather in Z\u{fc}rich; call get_weather."
+        );
+    }
+    // The template's own form: the recipient before the channel, `json` without `<|constrain|>`.
+    let t = "<|channel|>analysis<|message|>Time?<|end|><|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}<|call|>";
+    let r = check_harmony(t, true);
+    assert_eq!(r.calls, vec![call("now", "{}")]);
+    assert_eq!(r.reasoning, "Time?");
+    // A call without any analysis first.
+    let t =
+        "<|channel|>commentary to=functions.run <|constrain|>json<|message|>{\"cmd\": \"ls <|x\"}";
+    assert_eq!(
+        check_harmony(t, true).calls,
+        vec![call("run", "{\"cmd\": \"ls <|x\"}")]
+    );
+}
+
+#[test]
+fn harmony_final_answer_separates_reasoning_from_content() {
+    let t = "<|channel|>analysis<|message|>2+2 is 4.<|end|><|start|>assistant<|channel|>final<|message|>The answer is **4**.<|return|>";
+    let r = check_harmony(t, true);
+    assert_eq!(r.content, "The answer is **4**.");
+    assert_eq!(r.reasoning, "2+2 is 4.");
+    assert!(r.calls.is_empty());
+    // Cut off inside the analysis (token limit): what came is reasoning, no content.
+    let r = check_harmony("<|channel|>analysis<|message|>Let me th", true);
+    assert_eq!(
+        (r.content.as_str(), r.reasoning.as_str()),
+        ("", "Let me th")
+    );
+    // Text without any markup is content; a commentary preamble without a recipient too.
+    assert_eq!(check_harmony("Hello there.", true).content, "Hello there.");
+    let t = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done";
+    assert_eq!(check_harmony(t, true).content, "Checking.Done");
+}
+
+#[test]
+fn harmony_parallel_calls() {
+    let second = H_CALL.replace("Z\u{fc}rich", "Rome");
+    let t = format!("{H_ANALYSIS}{H_CALL}<|call|>{second}<|call|>");
+    let r = check_harmony(&t, true);
+    assert_eq!(r.calls.len(), 2, "{r:?}");
+    assert_eq!(r.calls[1].arguments, "{\"location\":\"Rome\"}");
+    let r = check_harmony(&t, false);
+    assert_eq!(r.calls.len(), 1, "{r:?}");
+    assert_eq!(r.content, "");
+}
+
+#[test]
+fn harmony_malformed_and_unknown_calls_are_content() {
+    let head = "<|channel|>commentary to=functions.";
+    for (name, body) in [
+        ("get_weather", "{\"location\": Paris}"),
+        ("get_weather", "{\"location\": \"Par"),
+        ("get_weather", "\"Paris\""),
+        ("get_weather", "{} {}"),
+        ("delete_everything", "{}"),
+    ] {
+        let t = format!(
+            "{H_ANALYSIS}<|start|>assistant{head}{name} <|constrain|>json<|message|>{body}<|call|>"
+        );
+        let r = check_harmony(&t, true);
+        assert!(r.calls.is_empty(), "{t}: {r:?}");
+        assert_eq!(r.content, body, "{t}");
+    }
+    // A good call followed by a broken one keeps the good one.
+    let t = format!("{H_CALL}<|call|><|start|>assistant{head}now<|message|>{{oops");
+    let r = check_harmony(&t, true);
+    assert_eq!(r.calls.len(), 1, "{r:?}");
+    assert_eq!(r.content, "{oops");
+}
+
+#[test]
+fn harmony_streams_events_in_order() {
+    let mut p = ToolCallParser::new(ToolFormat::Harmony, names(), true);
+    let mut ev = Vec::new();
+    for piece in [
+        "<|channel|>",
+        "analysis<|message|>Need",
+        " weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_",
+        "weather <|constrain|>json<|message|>{\"loc",
+        "ation\":\"Paris\"}",
+    ] {
+        ev.extend(p.push(piece));
+    }
+    ev.extend(p.finish());
+    assert!(p.has_calls());
+    let reasoning: String = ev
+        .iter()
+        .filter_map(|e| match e {
+            ToolEvent::Reasoning(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasoning, "Need weather.");
+    let args: Vec<&str> = ev
+        .iter()
+        .filter_map(|e| match e {
+            ToolEvent::Args { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert!(args.len() >= 2, "arguments arrive in fragments: {ev:?}");
+    assert_eq!(args.concat(), "{\"location\":\"Paris\"}");
+    let starts = ev
+        .iter()
+        .filter(|e| matches!(e, ToolEvent::Start { .. }))
+        .count();
+    assert_eq!(starts, 1);
+    assert!(
+        !ev.iter().any(|e| matches!(e, ToolEvent::Content(_))),
+        "{ev:?}"
+    );
+}
+
+#[test]
+fn harmony_detection_and_grammar() {
+    // GPT-OSS's template (the whole template: chat_template_parity.rs).
+    let t = "{{- \"<|start|>assistant<|channel|>analysis<|message|>\" + message.thinking + \"<|end|>\" }}";
+    assert_eq!(ToolFormat::detect(t), ToolFormat::Harmony);
+    let tools = vec![grammar::GrammarTool {
+        name: "get_weather".into(),
+        arguments: serde_json::json!({"type": "object"}),
+    }];
+    let tok = |s: &str| {
+        HARMONY_MARKERS
+            .iter()
+            .position(|m| *m == s)
+            .map(|i| 200_000 + i as u32)
+    };
+    let g = grammar::required(ToolFormat::Harmony, &tools, true, &tok);
+    assert!(
+        g.starts_with("start: <[200001]> \"commentary to=functions.\" call\n"),
+        "{g}"
+    );
+    assert!(
+        g.contains("c0: \"get_weather\" \" \" <[200006]> \"json\" <[200002]> a0"),
+        "{g}"
+    );
+    assert!(grammar::lazy(ToolFormat::Harmony, &tools, true, &tok).is_empty());
 }

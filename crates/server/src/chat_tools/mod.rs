@@ -44,6 +44,19 @@ pub struct ToolsRequest {
 }
 
 impl ToolsRequest {
+    /// No tools: for replies that are parsed anyway ([`ToolFormat::reads_every_reply`]); every
+    /// call in them is content.
+    ///
+    /// [`ToolFormat::reads_every_reply`]: hf2q_models::tool_calls::ToolFormat::reads_every_reply
+    pub fn none() -> ToolsRequest {
+        ToolsRequest {
+            tools: Vec::new(),
+            choice: ToolChoice::None,
+            parallel: false,
+            json: Value::Array(Vec::new()),
+        }
+    }
+
     /// Tools are offered to the model (not `none`).
     pub fn active(&self) -> bool {
         self.choice != ToolChoice::None && !self.tools.is_empty()

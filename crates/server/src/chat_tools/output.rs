@@ -1,6 +1,8 @@
 //! The reply side of tool calling: calls taken out of the generated text and shaped as OpenAI
 //! shapes them, whole (`message.tool_calls`) or streamed (`delta.tool_calls`: keyed by `index`,
 //! `id`, `type` and `name` once on a call's first delta, then `arguments` in raw fragments).
+//! Reasoning the format keeps apart (harmony's analysis channel) goes to `reasoning_content`, as
+//! vLLM and llama.cpp's server return it.
 //!
 //! Every call gets a fresh id (`call_` and 24 letters or digits; 9 letters or digits for the
 //! Mistral format, whose templates require exactly that when the id comes back in a `tool`
@@ -49,15 +51,29 @@ fn call_json(id: &str, name: &str, arguments: &str) -> Value {
     json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
 }
 
-/// A finished reply: its content and its `tool_calls` (empty when it made none).
-pub fn message_calls(format: ToolFormat, tools: &ToolsRequest, text: &str) -> (String, Vec<Value>) {
+/// A finished reply taken apart.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MessageParts {
+    pub content: String,
+    /// Empty when the format keeps no reasoning apart.
+    pub reasoning: String,
+    /// Empty when it made no call.
+    pub tool_calls: Vec<Value>,
+}
+
+/// A finished reply: its content, reasoning and `tool_calls`.
+pub fn message_calls(format: ToolFormat, tools: &ToolsRequest, text: &str) -> MessageParts {
     let r = hf2q_models::tool_calls::parse_tool_calls(format, &tools.names(), tools.parallel, text);
-    let calls = r
+    let tool_calls = r
         .calls
         .iter()
         .map(|c| call_json(&call_id(format), &c.name, &c.arguments))
         .collect();
-    (r.content, calls)
+    MessageParts {
+        content: r.content,
+        reasoning: r.reasoning,
+        tool_calls,
+    }
 }
 
 /// One streamed choice's tool-call state.
@@ -96,6 +112,7 @@ impl StreamCalls {
         for e in events {
             match e {
                 ToolEvent::Content(t) => out.push(json!({"content": t})),
+                ToolEvent::Reasoning(t) => out.push(json!({"reasoning_content": t})),
                 ToolEvent::Start { index, name, .. } => {
                     let id = call_id(self.format);
                     let mut c = call_json(&id, &name, "");
@@ -135,6 +152,38 @@ mod tests {
     }
 
     #[test]
+    fn harmony_reasoning_is_kept_apart_whole_and_streamed() {
+        let text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Answer.";
+        let parts = message_calls(ToolFormat::Harmony, &ToolsRequest::none(), text);
+        let want = MessageParts {
+            content: "Answer.".into(),
+            reasoning: "Think.".into(),
+            tool_calls: Vec::new(),
+        };
+        assert_eq!(parts, want);
+        let mut s = StreamCalls::new(ToolFormat::Harmony, &ToolsRequest::none());
+        let mut deltas = Vec::new();
+        for piece in text.as_bytes().chunks(3) {
+            deltas.extend(s.push(std::str::from_utf8(piece).unwrap()));
+        }
+        deltas.extend(s.finish());
+        let field = |k: &str| -> String { deltas.iter().filter_map(|d| d[k].as_str()).collect() };
+        assert_eq!(field("reasoning_content"), "Think.");
+        assert_eq!(field("content"), "Answer.");
+        assert!(!s.has_calls());
+        // With tools, a call to a declared function is a call; without, its body is content.
+        let call = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Paris\"}";
+        let parts = message_calls(ToolFormat::Harmony, &tools(), call);
+        assert_eq!(parts.tool_calls.len(), 1);
+        assert_eq!(
+            parts.tool_calls[0]["function"]["arguments"],
+            "{\"city\":\"Paris\"}"
+        );
+        let parts = message_calls(ToolFormat::Harmony, &ToolsRequest::none(), call);
+        assert_eq!(parts.content, "{\"city\":\"Paris\"}");
+    }
+
+    #[test]
     fn ids_are_unique_and_shaped() {
         let a = call_id(ToolFormat::Hermes);
         let b = call_id(ToolFormat::Hermes);
@@ -150,8 +199,9 @@ mod tests {
     #[test]
     fn stream_deltas_reassemble_to_the_whole_message() {
         let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>";
-        let (content, whole) = message_calls(ToolFormat::Hermes, &tools(), text);
-        assert_eq!(content, "");
+        let parts = message_calls(ToolFormat::Hermes, &tools(), text);
+        assert_eq!(parts.content, "");
+        let whole = parts.tool_calls;
         assert_eq!(whole.len(), 2);
         let mut s = StreamCalls::new(ToolFormat::Hermes, &tools());
         let mut deltas = Vec::new();

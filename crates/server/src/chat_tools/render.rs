@@ -3,7 +3,8 @@
 //! tool-call format).
 //!
 //! Templates that render tools themselves get the messages as OpenAI sends them (assistant
-//! `tool_calls` with their arguments as JSON objects, `tool` messages). For the others
+//! `tool_calls` with their arguments as JSON objects, `tool` messages); GPT-OSS's (harmony) also
+//! gets a call's `reasoning_content` as its `thinking`. For the others
 //! ([`ToolFormat::Generic`]) the tools are described in the system message and calls and
 //! results become plain turns: an assistant turn of JSON call lines, a user turn
 //! "Tool result ...", consecutive results merged (Gemma's template requires alternating
@@ -12,7 +13,7 @@
 use hf2q_models::constraint::{Constraint, ConstraintEnv, GrammarSpec};
 use hf2q_models::tokenizer::Tokenizer;
 use hf2q_models::tool_calls::grammar::{self, GrammarTool};
-use hf2q_models::tool_calls::{generic_tool_prompt, ToolFormat};
+use hf2q_models::tool_calls::{generic_tool_prompt, ToolFormat, HARMONY_MARKERS};
 use hf2q_models::Error as ModelError;
 use serde_json::{json, Value};
 
@@ -27,6 +28,9 @@ pub fn template_inputs(
     renders_tools: bool,
 ) -> (Vec<Value>, Option<Value>) {
     let active = tools.filter(|t| t.active());
+    if format == ToolFormat::Harmony {
+        return (harmony_messages(messages), active.map(|t| t.json.clone()));
+    }
     if renders_tools && format != ToolFormat::Generic {
         return (messages.to_vec(), active.map(|t| t.json.clone()));
     }
@@ -86,6 +90,25 @@ pub fn template_inputs(
     (out, None)
 }
 
+/// GPT-OSS's template renders an assistant call's reasoning from `thinking`, and only for a call
+/// not yet followed by a final answer (earlier reasoning is dropped, as the model was trained).
+/// It refuses `thinking` beside non-empty content on a call message, so the reasoning goes there
+/// only when the content is empty.
+fn harmony_messages(messages: &[Value]) -> Vec<Value> {
+    messages
+        .iter()
+        .map(|m| {
+            let mut m = m.clone();
+            let call = m.get("tool_calls").is_some();
+            let empty = m["content"].as_str().is_none_or(str::is_empty);
+            if let (true, true, Some(r)) = (call, empty, m.get("reasoning_content").cloned()) {
+                m["thinking"] = r;
+            }
+            m
+        })
+        .collect()
+}
+
 /// Tool-call markup that is one special token of `tok`: its text must reach the parser, so the
 /// engine keeps it in the decoded text (special tokens are otherwise skipped).
 pub fn markup_tokens(format: ToolFormat, tok: &Tokenizer) -> Vec<u32> {
@@ -94,6 +117,7 @@ pub fn markup_tokens(format: ToolFormat, tok: &Tokenizer) -> Vec<u32> {
         ToolFormat::Llama3Json => &["<|python_tag|>"],
         ToolFormat::Mistral { .. } => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
         ToolFormat::FunctionGemma => &["<start_function_call>", "<end_function_call>", "<escape>"],
+        ToolFormat::Harmony => HARMONY_MARKERS,
         ToolFormat::Generic => &[],
     };
     markup
@@ -178,5 +202,29 @@ pub fn constraint(
             Ok(Some(env.lazy(lazies)))
         }
         ToolChoice::None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn harmony_call_reasoning_becomes_thinking() {
+        let call =
+            json!([{"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]);
+        let msgs = vec![
+            json!({"role": "user", "content": "q"}),
+            json!({"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": call}),
+            json!({"role": "assistant", "content": "said", "reasoning_content": "r2", "tool_calls": call}),
+            json!({"role": "assistant", "content": "final", "reasoning_content": "r3"}),
+        ];
+        let (out, tools) = template_inputs(&msgs, None, ToolFormat::Harmony, true);
+        assert!(tools.is_none());
+        assert_eq!(out[1]["thinking"], "r");
+        assert!(out[2].get("thinking").is_none() && out[3].get("thinking").is_none());
+        // Other formats get the messages as they came.
+        let (out, _) = template_inputs(&msgs, None, ToolFormat::Hermes, true);
+        assert!(out[1].get("thinking").is_none());
     }
 }

@@ -76,6 +76,7 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
     let adapter = st.resolve_model(req.common.model.as_deref())?;
     let st2 = st.clone();
     let (messages, tools, rf) = (req.messages, req.tools, req.response_format);
+    let extra = template_variables(&st, req.reasoning_effort)?;
     let tools2 = tools.clone();
     let (prompt, extras) = blocking(move || {
         let model = st2.engine.model();
@@ -86,7 +87,7 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
         let opts = RenderOptions {
             add_generation_prompt: true,
             tools: tools_var.as_ref(),
-            extra: None,
+            extra: Some(&extra),
         };
         let ids = encode_chat_json(tok, &st2.template, &msgs, &opts).map_err(|e| {
             ApiError::invalid(
@@ -101,7 +102,7 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
         } else {
             None
         };
-        let keep_tokens = if active {
+        let keep_tokens = if active || fmt.reads_every_reply() {
             render::markup_tokens(fmt, tok)
         } else {
             Vec::new()
@@ -128,9 +129,11 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
         extras,
     )?;
     let meta = meta(st.model_id(adapter.as_ref()), "chatcmpl");
-    let calls = tools
-        .filter(ToolsRequest::active)
-        .map(|t| (st.tool_format, t));
+    let calls = match tools.filter(ToolsRequest::active) {
+        Some(t) => Some((st.tool_format, t)),
+        None if st.tool_format.reads_every_reply() => Some((st.tool_format, ToolsRequest::none())),
+        None => None,
+    };
     respond(
         &st,
         Kind::Chat,
@@ -142,6 +145,25 @@ async fn chat_inner(st: Shared, body: Result<Bytes, BytesRejection>) -> ApiResul
         calls,
     )
     .await
+}
+
+/// The template variables a chat request sets beyond messages and tools: `reasoning_effort`,
+/// refused for templates that do not read it.
+fn template_variables(
+    st: &Shared,
+    reasoning_effort: Option<String>,
+) -> ApiResult<serde_json::Map<String, Value>> {
+    let mut extra = serde_json::Map::new();
+    if let Some(effort) = reasoning_effort {
+        if !st.template.source().contains("reasoning_effort") {
+            return Err(ApiError::unsupported(
+                "reasoning_effort",
+                "'reasoning_effort' is not supported by this model: its chat template has no reasoning effort",
+            ));
+        }
+        extra.insert("reasoning_effort".into(), effort.into());
+    }
+    Ok(extra)
 }
 
 /// What a chat request adds to its engine requests.
@@ -376,12 +398,13 @@ async fn respond(
     for (r, prompt) in results.into_iter().zip(prompts) {
         let (mut choice, lps, n, echo_len, c) = r?;
         if let Some((fmt, tools)) = &calls {
-            let (content, tool_calls) = message_calls(*fmt, tools, &choice.text);
-            if !tool_calls.is_empty() && choice.finish == "stop" {
+            let parts = message_calls(*fmt, tools, &choice.text);
+            if !parts.tool_calls.is_empty() && choice.finish == "stop" {
                 choice.finish = "tool_calls".into();
             }
-            choice.text = content;
-            choice.tool_calls = tool_calls;
+            choice.text = parts.content;
+            choice.reasoning = parts.reasoning;
+            choice.tool_calls = parts.tool_calls;
         }
         completion_tokens += n;
         cached.add(prompt, c);
@@ -444,7 +467,7 @@ async fn collect(mut job: Job) -> ApiResult<Collected> {
                     index: job.index,
                     text,
                     finish: finish.as_str().to_string(),
-                    tool_calls: Vec::new(),
+                    ..Default::default()
                 };
                 return Ok((choice, lps, completion_tokens, echo_len, cached_tokens));
             }
