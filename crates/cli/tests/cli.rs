@@ -59,6 +59,8 @@ fn help_for_every_subcommand() {
                 "--ctx-size",
                 "--json",
                 "--kv-type",
+                "--kv-bits",
+                "--kv-group-size",
             ],
         ),
         (
@@ -74,9 +76,15 @@ fn help_for_every_subcommand() {
         ),
         ("inspect", &["--json", "MODEL"]),
         // Every command that runs a model chooses its KV cache type, and says what it costs.
-        ("bench", &["--kv-type", "halves the cache's memory", "bit"]),
-        ("serve", &["--kv-type", "halves the cache's memory"]),
-        ("perplexity", &["--kv-type"]),
+        (
+            "bench",
+            &["--kv-type", "halves the cache's memory", "bit", "--kv-bits"],
+        ),
+        (
+            "serve",
+            &["--kv-type", "halves the cache's memory", "--kv-bits"],
+        ),
+        ("perplexity", &["--kv-type", "--kv-bits", "--kv-group-size"]),
         ("imatrix", &["--kv-type"]),
     ];
     for (sub, words) in expect {
@@ -112,6 +120,25 @@ fn bad_arguments_fail_clearly() {
             "cannot be used with",
         ),
         (&["pull", "--list", "smollm2-135m"], "cannot be used with"),
+        // mlx-lm's affine cache: 4 or 8 bits in mlx's group sizes, instead of --kv-type*.
+        (
+            &["run", "-p", "x", "--kv-bits", "8", "--kv-type", "q8_0"],
+            "cannot be used with",
+        ),
+        (
+            &["run", "-p", "x", "--kv-bits", "4", "--kv-type-k", "f16"],
+            "cannot be used with",
+        ),
+        (
+            &["bench", "--kv-type-v", "q4_0", "--kv-bits", "8"],
+            "cannot be used with",
+        ),
+        (&["run", "-p", "x", "--kv-bits", "5"], "invalid value '5'"),
+        (
+            &["run", "-p", "x", "--kv-bits", "8", "--kv-group-size", "48"],
+            "invalid value '48'",
+        ),
+        (&["run", "-p", "x", "--kv-group-size", "32"], "--kv-bits"),
     ];
     for (args, needle) in cases {
         let o = run(h.path(), args);
@@ -532,6 +559,59 @@ fn inspect_table_and_json() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["architecture"], "llama");
     assert_eq!(v["chat_template"], true);
+}
+
+/// `inspect --kv` with mlx-lm's affine cache on SmolLM2 (30 layers of 3 kv heads of 64): 8 bits
+/// in groups of 64 are 68 bytes per 64 values, 4 bits 36, against f16's 128; per token, keys
+/// and values of every layer: 30 * 3 * 2 * (68, 36, 128) bytes.
+#[test]
+fn inspect_kv_of_the_affine_cache() {
+    let Some(m) = smollm2() else { return };
+    let h = home();
+    for (bits, name, per) in [("8", "affine8g64", 12240), ("4", "affine4g64", 6480)] {
+        let args = [
+            "inspect",
+            &m,
+            "--json",
+            "--kv",
+            "--kv-bits",
+            bits,
+            "--ctx",
+            "1000",
+        ];
+        let o = run(h.path(), &args);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["kv"]["kv_type"], name);
+        assert_eq!(v["kv"]["bytes_per_token"], per);
+        assert_eq!(v["kv"]["f16_bytes_per_token"], 23040);
+        assert_eq!(v["kv"]["bytes"], 1000 * per);
+        let o = run(h.path(), &["inspect", &m, "--kv", "--kv-bits", bits]);
+        let s = text(&o.stdout);
+        assert!(
+            s.contains(name) && s.contains(&format!("bytes per token  {per}")),
+            "{s}"
+        );
+    }
+    // A group that does not divide the head width is refused naming both numbers.
+    let o = run(
+        h.path(),
+        &[
+            "inspect",
+            &m,
+            "--kv",
+            "--kv-bits",
+            "8",
+            "--kv-group-size",
+            "128",
+        ],
+    );
+    assert!(!o.status.success());
+    let e = text(&o.stderr);
+    assert!(
+        e.contains("head width 64") && e.contains("group size 128"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! backend on first write). Layers may differ in `Hkv` and `Dh` ([`KvCache::per_layer`]).
 
 use hf2q_tensor::kv::KvStore;
-pub use hf2q_tensor::kv::{KvType, KvTypes};
+pub use hf2q_tensor::kv::{AffineKv, KvType, KvTypes};
 use hf2q_tensor::paged::{PagedStep, PagedStore};
 
 use crate::{Error, Result};
