@@ -89,8 +89,8 @@ pub struct SampleArgs {
 /// every command that runs a model.
 #[derive(clap::Args, Debug, Clone, Copy, Default)]
 pub struct KvArgs {
-    #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
-    pub kv_type: KvTypeChoice,
+    #[arg(long, value_enum, value_name = "TYPE", help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
+    pub kv_type: Option<KvTypeChoice>,
     /// The keys' type (llama.cpp's -ctk), instead of --kv-type's.
     #[arg(long, value_enum, value_name = "TYPE")]
     pub kv_type_k: Option<KvTypeChoice>,
@@ -106,16 +106,44 @@ pub struct KvArgs {
 }
 
 impl KvArgs {
-    /// The key and value types: `--kv-bits` (with `--kv-group-size`) where given, else
-    /// `--kv-type-k` / `--kv-type-v` where given, else `--kv-type`.
-    pub fn types(&self) -> KvTypes {
+    /// The key and value types when any of the flags was given: `--kv-bits` (with
+    /// `--kv-group-size`) where given, else `--kv-type-k` / `--kv-type-v` where given, else
+    /// `--kv-type`.
+    pub fn chosen(&self) -> Option<KvTypes> {
         if let Some(bits) = self.kv_bits {
-            return KvType::Affine(bits.layout(self.kv_group_size)).into();
+            return Some(KvType::Affine(bits.layout(self.kv_group_size)).into());
         }
-        KvTypes {
-            k: self.kv_type_k.unwrap_or(self.kv_type).kv_type(),
-            v: self.kv_type_v.unwrap_or(self.kv_type).kv_type(),
+        if (self.kv_type, self.kv_type_k, self.kv_type_v) == (None, None, None) {
+            return None;
         }
+        let one = self.kv_type.unwrap_or_default();
+        Some(KvTypes {
+            k: self.kv_type_k.unwrap_or(one).kv_type(),
+            v: self.kv_type_v.unwrap_or(one).kv_type(),
+        })
+    }
+    /// Sets `model`'s KV cache types and checks them against its head widths: the flags' when
+    /// any was given, else the per-layer affine layouts of the model folder's `kv_config.json`
+    /// when it has one (said on stderr), else f16. Returns the types a device must take (a
+    /// per-layer cache: its first layer's, which the GPU refuses by name).
+    pub fn apply(&self, model: &mut Model) -> Result<KvTypes> {
+        let device_types = match (self.chosen(), model.kv_layer_types()) {
+            (None, Some(layers)) => {
+                let first = layers.first().copied().unwrap_or_default();
+                eprintln!(
+                    "kv cache: {} (the model folder's {})",
+                    model.kv_type_name(),
+                    hf2q_models::kv_config::FILE
+                );
+                first
+            }
+            (chosen, _) => {
+                model.set_kv_type(chosen.unwrap_or_default());
+                model.kv_type()
+            }
+        };
+        model.check_kv_type()?;
+        Ok(device_types)
     }
 }
 
@@ -169,7 +197,8 @@ impl KvBitsChoice {
 
 /// `--kv-type`'s help, the same for every command that runs a model.
 pub const KV_TYPE_HELP: &str = "What the KV cache stores: f16 (half the memory), f32 (exact), \
-q8_0, q4_0, q4_1, q5_0 or q5_1 (ggml blocks, CPU); --kv-type-k / --kv-type-v for each";
+q8_0, q4_0, q4_1, q5_0 or q5_1 (ggml blocks, CPU); --kv-type-k / --kv-type-v for each \
+[default: f16, or the model folder's kv_config.json]";
 pub const KV_TYPE_LONG_HELP: &str = "What the KV cache stores keys and values as (llama.cpp's \
 --cache-type-k/-v). f16, the default, halves the cache's memory (and what each generated token \
 reads); keys and values are rounded to f16 once, when written (next-token distributions move \
@@ -396,9 +425,8 @@ impl SampleArgs {
             );
         }
         model.set_matmul_path(self.matmul.path());
-        model.set_kv_type(self.kv.types());
-        model.check_kv_type()?;
-        model.set_cuda(open_device(self.device, &self.cuda, self.kv.types())?)?;
+        let kv = self.kv.apply(model)?;
+        model.set_cuda(open_device(self.device, &self.cuda, kv)?)?;
         model.warm_up()?;
         Ok(())
     }

@@ -614,6 +614,44 @@ fn inspect_kv_of_the_affine_cache() {
     );
 }
 
+/// A model folder's kv_config.json sets each layer's affine bits when no flag chooses the cache
+/// (tiny Qwen3: 2 layers of 2 kv heads of 32, 8 then 4 bits in groups of 32: 2 heads x keys
+/// and values x (36 + 20) bytes per token); a flag replaces it; a malformed file is refused
+/// naming the field.
+#[test]
+fn inspect_kv_from_kv_config() {
+    let (h, dir) = (home(), home());
+    let tiny =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-qwen3");
+    for e in std::fs::read_dir(tiny).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    let cfg = dir.path().join("kv_config.json");
+    std::fs::write(&cfg, r#"{"group_size": 32, "bits": [8, 4]}"#).unwrap();
+    let d = dir.path().to_str().unwrap();
+    let o = run(h.path(), &["inspect", d, "--json", "--kv"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["kv"]["kv_type"], "affine8g32 x1, affine4g32 x1");
+    assert_eq!(v["kv"]["bytes_per_token"], 2 * 2 * (36 + 20));
+    assert!(text(&o.stderr).contains("kv_config.json"));
+    let o = run(
+        h.path(),
+        &["inspect", d, "--json", "--kv", "--kv-type", "q8_0"],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["kv"]["kv_type"], "q8_0");
+    std::fs::write(&cfg, r#"{"group_size": 32, "bits": [8, 6]}"#).unwrap();
+    let o = run(h.path(), &["inspect", d, "--kv"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o.stderr).contains("bits[1] 6 is not 4 or 8"),
+        "{}",
+        text(&o.stderr)
+    );
+}
+
 #[test]
 fn chat_session_from_piped_input() {
     let Some(m) = smollm2() else { return };

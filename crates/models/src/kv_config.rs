@@ -91,9 +91,9 @@ pub fn parse(text: &str, n_layers: usize) -> Result<Vec<KvTypes>> {
             let Some(layers) = layers else {
                 return Ok(out);
             };
-            let map = layers.as_object().ok_or_else(|| {
-                bad("layers is not an object of layer index to bits".into())
-            })?;
+            let map = layers
+                .as_object()
+                .ok_or_else(|| bad("layers is not an object of layer index to bits".into()))?;
             for (k, b) in map {
                 let i = k
                     .parse::<usize>()
@@ -150,8 +150,14 @@ mod tests {
             (r#"{"default_bits": 2}"#, "default_bits 2"),
             (r#"{"default_bits": 8, "layers": {"3": 4}}"#, "layers.\"3\""),
             (r#"{"default_bits": 8, "layers": {"x": 4}}"#, "layers.\"x\""),
-            (r#"{"default_bits": 8, "layers": {"1": 16}}"#, "layers.\"1\" 16"),
-            (r#"{"default_bits": 8, "layers": [4]}"#, "layers is not an object"),
+            (
+                r#"{"default_bits": 8, "layers": {"1": 16}}"#,
+                "layers.\"1\" 16",
+            ),
+            (
+                r#"{"default_bits": 8, "layers": [4]}"#,
+                "layers is not an object",
+            ),
             (r#"{"bits": [8, 8, 8], "default_bits": 4}"#, "two forms"),
             (r#"{"group_size": 64}"#, "neither bits"),
         ] {

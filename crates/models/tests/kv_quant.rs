@@ -16,7 +16,8 @@
 //! - mlx-lm's affine layouts (`--kv-bits 8|4`, groups of 64) on SmolLM2 against the f16 cache
 //!   (`affine_kv_gate_smollm2`: 8 bits to q8_0's gate, 4 bits to a measured bound); groups of
 //!   32 on the tiny checkpoints (prefill equals decode on the reference path); head widths off
-//!   the group refused naming both numbers.
+//!   the group refused naming both numbers; a folder's `kv_config.json` giving each layer its
+//!   own bits (`per_layer_affine_from_kv_config`).
 
 mod common;
 
@@ -392,6 +393,71 @@ fn affine_kv_refuses_head_widths_off_the_group() {
             .to_string();
         assert!(both(&e), "{name}: {e}");
     }
+}
+
+/// A copy of tiny checkpoint `name` in a temporary folder, with `kv_config` as its
+/// `kv_config.json`.
+fn tiny_with_kv_config(name: &str, kv_config: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixtures().join("tiny").join(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    std::fs::write(dir.path().join("kv_config.json"), kv_config).unwrap();
+    dir
+}
+
+/// A folder's `kv_config.json` gives each layer its own affine layout: tiny Qwen3 (2 layers of
+/// 2 kv heads of 32) with 8 bits in layer 0 and 4 in layer 1, groups of 32, in either form of
+/// the file. Each layer's cache is of its layout, bytes per position are the layers' sum (2
+/// heads x keys and values x (36 + 20) bytes), prefill equals decode bit for bit on the
+/// reference path, and the logits differ from both one-layout caches (so both layouts are in
+/// use). Setting one type replaces the file's; a malformed file fails the load naming the field.
+#[test]
+fn per_layer_affine_from_kv_config() {
+    let (a8, a4) = (
+        KvTypes::from(KvType::Affine(AffineKv::B8G32)),
+        KvTypes::from(KvType::Affine(AffineKv::B4G32)),
+    );
+    for text in [
+        r#"{"group_size": 32, "bits": [8, 4]}"#,
+        r#"{"group_size": 32, "default_bits": 4, "layers": {"0": 8}}"#,
+    ] {
+        let dir = tiny_with_kv_config("tiny-qwen3", text);
+        let mut model = Model::load(dir.path()).unwrap();
+        assert_eq!(model.kv_layer_types(), Some(&[a8, a4][..]), "{text}");
+        model.check_kv_type().unwrap();
+        let types: Vec<KvTypes> = model
+            .new_cache(16)
+            .layers
+            .iter()
+            .map(|l| match l {
+                hf2q_tensor::kv::KvStore::Host(h) => h.kv_types(),
+                _ => panic!("a host cache"),
+            })
+            .collect();
+        assert_eq!(types, vec![a8, a4]);
+        assert_eq!(model.kv_bytes_per_token(), 2 * 2 * (36 + 20));
+        assert_eq!(model.kv_type_name(), "affine8g32 x1, affine4g32 x1");
+        let ids = ids(40, model.vocab_size(), 0x5eed ^ 11);
+        model.set_matmul_path(MatmulPath::Reference);
+        let (per_layer, decode) = last_logits(&model, &ids, 8);
+        assert_eq!(spread(&per_layer, &decode), 0.0, "{text}");
+        for one in [a8, a4] {
+            let mut m = Model::load(dir.path()).unwrap();
+            m.set_matmul_path(MatmulPath::Reference);
+            m.set_kv_type(one);
+            assert_eq!(m.kv_layer_types(), None);
+            let (p, _) = last_logits(&m, &ids, 8);
+            assert!(spread(&p, &per_layer) > 0.0, "{text}: as {}", one.name());
+        }
+    }
+    let dir = tiny_with_kv_config("tiny-qwen3", r#"{"bits": [8, 4, 4]}"#);
+    let e = Model::load(dir.path()).err().expect("refused").to_string();
+    assert!(
+        e.contains("kv_config.json") && e.contains("bits has 3 entries for a model of 2 layers"),
+        "{e}"
+    );
 }
 
 #[test]

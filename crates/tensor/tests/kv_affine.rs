@@ -250,7 +250,9 @@ fn affine_bytes_per_position() {
         assert_eq!(a(8, 64).row_bytes(d) * 32, 17 * f16b);
         assert_eq!(a(4, 64).row_bytes(d) * 32, 9 * f16b);
         assert_eq!(a(8, 32).row_bytes(d) * 32, 36 * d);
-        assert_eq!(a(4, 128).row_bytes(d) * 128, 68 * d);
+        if d % 128 == 0 {
+            assert_eq!(a(4, 128).row_bytes(d) * 128, 68 * d);
+        }
         let (h, n) = (3, 40);
         let t = Tensor::new(&[n, h * d], values(n * h * d, 5)).unwrap();
         let mut kv = HostKv::new(h, d, a(4, 64));
