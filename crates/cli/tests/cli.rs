@@ -120,25 +120,6 @@ fn bad_arguments_fail_clearly() {
             "cannot be used with",
         ),
         (&["pull", "--list", "smollm2-135m"], "cannot be used with"),
-        // mlx-lm's affine cache: 4 or 8 bits in mlx's group sizes, instead of --kv-type*.
-        (
-            &["run", "-p", "x", "--kv-bits", "8", "--kv-type", "q8_0"],
-            "cannot be used with",
-        ),
-        (
-            &["run", "-p", "x", "--kv-bits", "4", "--kv-type-k", "f16"],
-            "cannot be used with",
-        ),
-        (
-            &["bench", "--kv-type-v", "q4_0", "--kv-bits", "8"],
-            "cannot be used with",
-        ),
-        (&["run", "-p", "x", "--kv-bits", "5"], "invalid value '5'"),
-        (
-            &["run", "-p", "x", "--kv-bits", "8", "--kv-group-size", "48"],
-            "invalid value '48'",
-        ),
-        (&["run", "-p", "x", "--kv-group-size", "32"], "--kv-bits"),
     ];
     for (args, needle) in cases {
         let o = run(h.path(), args);
@@ -559,97 +540,6 @@ fn inspect_table_and_json() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["architecture"], "llama");
     assert_eq!(v["chat_template"], true);
-}
-
-/// `inspect --kv` with mlx-lm's affine cache on SmolLM2 (30 layers of 3 kv heads of 64): 8 bits
-/// in groups of 64 are 68 bytes per 64 values, 4 bits 36, against f16's 128; per token, keys
-/// and values of every layer: 30 * 3 * 2 * (68, 36, 128) bytes.
-#[test]
-fn inspect_kv_of_the_affine_cache() {
-    let Some(m) = smollm2() else { return };
-    let h = home();
-    for (bits, name, per) in [("8", "affine8g64", 12240), ("4", "affine4g64", 6480)] {
-        let args = [
-            "inspect",
-            &m,
-            "--json",
-            "--kv",
-            "--kv-bits",
-            bits,
-            "--ctx",
-            "1000",
-        ];
-        let o = run(h.path(), &args);
-        assert!(o.status.success(), "{}", text(&o.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        assert_eq!(v["kv"]["kv_type"], name);
-        assert_eq!(v["kv"]["bytes_per_token"], per);
-        assert_eq!(v["kv"]["f16_bytes_per_token"], 23040);
-        assert_eq!(v["kv"]["bytes"], 1000 * per);
-        let o = run(h.path(), &["inspect", &m, "--kv", "--kv-bits", bits]);
-        let s = text(&o.stdout);
-        assert!(
-            s.contains(name) && s.contains(&format!("bytes per token  {per}")),
-            "{s}"
-        );
-    }
-    // A group that does not divide the head width is refused naming both numbers.
-    let o = run(
-        h.path(),
-        &[
-            "inspect",
-            &m,
-            "--kv",
-            "--kv-bits",
-            "8",
-            "--kv-group-size",
-            "128",
-        ],
-    );
-    assert!(!o.status.success());
-    let e = text(&o.stderr);
-    assert!(
-        e.contains("head width 64") && e.contains("group size 128"),
-        "{e}"
-    );
-}
-
-/// A model folder's kv_config.json sets each layer's affine bits when no flag chooses the cache
-/// (tiny Qwen3: 2 layers of 2 kv heads of 32, 8 then 4 bits in groups of 32: 2 heads x keys
-/// and values x (36 + 20) bytes per token); a flag replaces it; a malformed file is refused
-/// naming the field.
-#[test]
-fn inspect_kv_from_kv_config() {
-    let (h, dir) = (home(), home());
-    let tiny =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny/tiny-qwen3");
-    for e in std::fs::read_dir(tiny).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
-    }
-    let cfg = dir.path().join("kv_config.json");
-    std::fs::write(&cfg, r#"{"group_size": 32, "bits": [8, 4]}"#).unwrap();
-    let d = dir.path().to_str().unwrap();
-    let o = run(h.path(), &["inspect", d, "--json", "--kv"]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["kv"]["kv_type"], "affine8g32 x1, affine4g32 x1");
-    assert_eq!(v["kv"]["bytes_per_token"], 2 * 2 * (36 + 20));
-    assert!(text(&o.stderr).contains("kv_config.json"));
-    let o = run(
-        h.path(),
-        &["inspect", d, "--json", "--kv", "--kv-type", "q8_0"],
-    );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["kv"]["kv_type"], "q8_0");
-    std::fs::write(&cfg, r#"{"group_size": 32, "bits": [8, 6]}"#).unwrap();
-    let o = run(h.path(), &["inspect", d, "--kv"]);
-    assert!(!o.status.success());
-    assert!(
-        text(&o.stderr).contains("bits[1] 6 is not 4 or 8"),
-        "{}",
-        text(&o.stderr)
-    );
 }
 
 #[test]

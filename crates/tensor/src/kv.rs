@@ -120,10 +120,10 @@ impl KvType {
         if let KvType::Affine(a) = self {
             if dh == 0 || !dh.is_multiple_of(b) {
                 return Err(Error::Msg(format!(
-                    "a {}-bit affine KV cache quantizes groups of {b} values along the head; this \
+                    "an affine KV cache ({}) quantizes groups of {b} values along the head; this \
                      model's head width {dh} is not a multiple of the group size {b} (a \
                      --kv-group-size that divides {dh}, or --kv-type f16)",
-                    a.bits()
+                    a.name()
                 )));
             }
         }
