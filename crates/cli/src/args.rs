@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use hf2q_models::chat_template::{self, ChatMessage};
 use hf2q_models::generate::GenerateParams;
 use hf2q_models::generation::GenerationDefaults;
-use hf2q_models::kv_cache::KvTypes;
+use hf2q_models::kv_cache::{AffineKv, KvType, KvTypes};
 use hf2q_models::sampler::SamplerConfig;
 use hf2q_models::Model;
 
@@ -84,33 +84,121 @@ pub struct SampleArgs {
     pub adapter: Option<PathBuf>,
 }
 
-/// `--kv-type`, `--kv-type-k`, `--kv-type-v`: what the KV cache stores keys and values as, on
+/// `--kv-type`, `--kv-type-k`, `--kv-type-v` (llama.cpp's types), or `--kv-bits` and
+/// `--kv-group-size` (mlx-lm's affine layout): what the KV cache stores keys and values as, on
 /// every command that runs a model.
 #[derive(clap::Args, Debug, Clone, Copy, Default)]
 pub struct KvArgs {
-    #[arg(long, value_enum, value_name = "TYPE", default_value_t = KvTypeChoice::F16, help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
-    pub kv_type: KvTypeChoice,
+    #[arg(long, value_enum, value_name = "TYPE", help = KV_TYPE_HELP, long_help = KV_TYPE_LONG_HELP)]
+    pub kv_type: Option<KvTypeChoice>,
     /// The keys' type (llama.cpp's -ctk), instead of --kv-type's.
     #[arg(long, value_enum, value_name = "TYPE")]
     pub kv_type_k: Option<KvTypeChoice>,
     /// The values' type (llama.cpp's -ctv), instead of --kv-type's.
     #[arg(long, value_enum, value_name = "TYPE")]
     pub kv_type_v: Option<KvTypeChoice>,
+    #[arg(long, value_enum, value_name = "BITS", conflicts_with_all = ["kv_type", "kv_type_k", "kv_type_v"], help = KV_BITS_HELP, long_help = KV_BITS_LONG_HELP)]
+    pub kv_bits: Option<KvBitsChoice>,
+    /// Values per scale and bias of --kv-bits (mlx-lm's --kv-group-size); the head width must be
+    /// a multiple of it.
+    #[arg(long, value_enum, value_name = "N", default_value_t = KvGroupChoice::G64, requires = "kv_bits")]
+    pub kv_group_size: KvGroupChoice,
 }
 
 impl KvArgs {
-    /// The key and value types: `--kv-type-k` / `--kv-type-v` where given, else `--kv-type`.
-    pub fn types(&self) -> KvTypes {
-        KvTypes {
-            k: self.kv_type_k.unwrap_or(self.kv_type).kv_type(),
-            v: self.kv_type_v.unwrap_or(self.kv_type).kv_type(),
+    /// The key and value types when any of the flags was given: `--kv-bits` (with
+    /// `--kv-group-size`) where given, else `--kv-type-k` / `--kv-type-v` where given, else
+    /// `--kv-type`.
+    pub fn chosen(&self) -> Option<KvTypes> {
+        if let Some(bits) = self.kv_bits {
+            return Some(KvType::Affine(bits.layout(self.kv_group_size)).into());
+        }
+        if (self.kv_type, self.kv_type_k, self.kv_type_v) == (None, None, None) {
+            return None;
+        }
+        let one = self.kv_type.unwrap_or_default();
+        Some(KvTypes {
+            k: self.kv_type_k.unwrap_or(one).kv_type(),
+            v: self.kv_type_v.unwrap_or(one).kv_type(),
+        })
+    }
+    /// Sets `model`'s KV cache types and checks them against its head widths: the flags' when
+    /// any was given, else the per-layer affine layouts of the model folder's `kv_config.json`
+    /// when it has one (said on stderr), else f16. Returns the types a device must take (a
+    /// per-layer cache: its first layer's, which the GPU refuses by name).
+    pub fn apply(&self, model: &mut Model) -> Result<KvTypes> {
+        let device_types = match (self.chosen(), model.kv_layer_types()) {
+            (None, Some(layers)) => {
+                let first = layers.first().copied().unwrap_or_default();
+                eprintln!(
+                    "kv cache: {} (the model folder's {})",
+                    model.kv_type_name(),
+                    hf2q_models::kv_config::FILE
+                );
+                first
+            }
+            (chosen, _) => {
+                model.set_kv_type(chosen.unwrap_or_default());
+                model.kv_type()
+            }
+        };
+        model.check_kv_type()?;
+        Ok(device_types)
+    }
+}
+
+/// `--kv-bits`'s help, the same for every command that runs a model.
+pub const KV_BITS_HELP: &str = "mlx-lm's quantized KV cache: 4 or 8 bits a value, with an f16 \
+scale and bias per --kv-group-size values (CPU); instead of --kv-type";
+pub const KV_BITS_LONG_HELP: &str = "mlx-lm's quantized KV cache (its --kv-bits, \
+QuantizedKVCache): keys and values stored as 4- or 8-bit unsigned integers with an f16 scale \
+and bias for each group of --kv-group-size (32, 64 or 128; default 64) values along the head, \
+quantized when written as mx.quantize does and read directly by the attention. 8 bits in \
+groups of 64 takes 68 bytes per 64 values (53 % of f16), 4 bits 36 (28 %). The head width must \
+be a multiple of the group size; CPU only for now (--device auto then stays on the CPU). Cannot \
+be combined with --kv-type, --kv-type-k or --kv-type-v.";
+
+/// `--kv-bits`: mlx-lm's affine KV bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvBitsChoice {
+    /// 4-bit integers (4.5 bits a value in groups of 64): 28 % of f16's memory.
+    #[value(name = "4")]
+    B4,
+    /// 8-bit integers (8.5 bits a value in groups of 64): 53 % of f16's memory.
+    #[value(name = "8")]
+    B8,
+}
+
+/// `--kv-group-size`: values per scale and bias of `--kv-bits` (mlx's group sizes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvGroupChoice {
+    #[value(name = "32")]
+    G32,
+    #[default]
+    #[value(name = "64")]
+    G64,
+    #[value(name = "128")]
+    G128,
+}
+
+impl KvBitsChoice {
+    /// The affine layout of these bits in groups of `g`.
+    pub fn layout(self, g: KvGroupChoice) -> AffineKv {
+        match (self, g) {
+            (KvBitsChoice::B8, KvGroupChoice::G32) => AffineKv::B8G32,
+            (KvBitsChoice::B8, KvGroupChoice::G64) => AffineKv::B8G64,
+            (KvBitsChoice::B8, KvGroupChoice::G128) => AffineKv::B8G128,
+            (KvBitsChoice::B4, KvGroupChoice::G32) => AffineKv::B4G32,
+            (KvBitsChoice::B4, KvGroupChoice::G64) => AffineKv::B4G64,
+            (KvBitsChoice::B4, KvGroupChoice::G128) => AffineKv::B4G128,
         }
     }
 }
 
 /// `--kv-type`'s help, the same for every command that runs a model.
 pub const KV_TYPE_HELP: &str = "What the KV cache stores: f16 (half the memory), f32 (exact), \
-q8_0, q4_0, q4_1, q5_0 or q5_1 (ggml blocks, CPU); --kv-type-k / --kv-type-v for each";
+q8_0, q4_0, q4_1, q5_0 or q5_1 (ggml blocks, CPU); --kv-type-k / --kv-type-v for each \
+[default: f16, or the model folder's kv_config.json]";
 pub const KV_TYPE_LONG_HELP: &str = "What the KV cache stores keys and values as (llama.cpp's \
 --cache-type-k/-v). f16, the default, halves the cache's memory (and what each generated token \
 reads); keys and values are rounded to f16 once, when written (next-token distributions move \
@@ -151,8 +239,7 @@ pub enum KvTypeChoice {
 }
 
 impl KvTypeChoice {
-    pub fn kv_type(self) -> hf2q_models::kv_cache::KvType {
-        use hf2q_models::kv_cache::KvType;
+    pub fn kv_type(self) -> KvType {
         match self {
             KvTypeChoice::F16 => KvType::F16,
             KvTypeChoice::F32 => KvType::F32,
@@ -233,6 +320,16 @@ impl CudaOptArgs {
 
 /// Opens the device `choice` asks for, with the CUDA options of `cuda`, its KV caches of types
 /// `kv`: `None` means the CPU. Bad `--cuda-opt` settings are an error even on the CPU.
+/// The flags that choose cache types `kv`, as a message names them.
+fn kv_flags(kv: KvTypes) -> String {
+    match kv.same() {
+        Some(KvType::Affine(a)) => {
+            format!("--kv-bits {} --kv-group-size {}", a.bits(), a.group())
+        }
+        _ => format!("--kv-type {}", kv.name()),
+    }
+}
+
 pub fn open_device(
     choice: DeviceChoice,
     cuda: &CudaOptArgs,
@@ -251,12 +348,12 @@ pub fn open_device(
             let kv_dtype = match hf2q_cuda::KvDtype::try_from(kv) {
                 Ok(t) => t,
                 Err(e) if choice == DeviceChoice::Cuda => {
-                    bail!("--device cuda --kv-type {}: {e}", kv.name())
+                    bail!("--device cuda {}: {e}", kv_flags(kv))
                 }
                 Err(_) => {
                     eprintln!(
-                        "note: --kv-type {} runs on the CPU (the GPU has no such cache yet)",
-                        kv.name()
+                        "note: {} runs on the CPU (the GPU has no such cache yet)",
+                        kv_flags(kv)
                     );
                     return Ok(None);
                 }
@@ -328,9 +425,8 @@ impl SampleArgs {
             );
         }
         model.set_matmul_path(self.matmul.path());
-        model.set_kv_type(self.kv.types());
-        model.check_kv_type()?;
-        model.set_cuda(open_device(self.device, &self.cuda, self.kv.types())?)?;
+        let kv = self.kv.apply(model)?;
+        model.set_cuda(open_device(self.device, &self.cuda, kv)?)?;
         model.warm_up()?;
         Ok(())
     }

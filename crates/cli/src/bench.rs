@@ -489,9 +489,8 @@ fn bench_model(
     let mut model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
     let load_rss = peak_rss_bytes();
     model.set_matmul_path(matmul.path());
-    model.set_kv_type(a.kv.types());
-    model.check_kv_type()?;
-    model.set_cuda(crate::args::open_device(a.device, &a.cuda, a.kv.types())?)?;
+    let kv = a.kv.apply(&mut model)?;
+    model.set_cuda(crate::args::open_device(a.device, &a.cuda, kv)?)?;
     let info = model.info();
     // Keys and values of one position, all layers (what a context of N tokens holds N times).
     let kv_per_token = model.kv_bytes_per_token();
@@ -499,7 +498,7 @@ fn bench_model(
         let f16_per_token = model.kv_bytes_per_token_as(hf2q_models::kv_cache::KvType::F16);
         eprintln!(
             "bench: KV cache {}: {kv_per_token} bytes per token ({:.1} % of f16's {f16_per_token})",
-            a.kv.types().name(),
+            model.kv_type_name(),
             100.0 * kv_per_token as f64 / f16_per_token.max(1) as f64
         );
     }
@@ -593,9 +592,9 @@ fn bench_model(
                     "n_params": info.parameters,
                     "backend": device,
                     "path": path_name,
-                    "kv_type": a.kv.types().name(),
-                    "kv_type_k": a.kv.types().k.name(),
-                    "kv_type_v": a.kv.types().v.name(),
+                    "kv_type": model.kv_type_name(),
+                    "kv_type_k": kv.k.name(),
+                    "kv_type_v": kv.v.name(),
                     "threads": t,
                     "test": test.name(),
                     "n_prompt": n_prompt,
@@ -637,7 +636,7 @@ fn bench_model(
                             (_, Some(g), false) => g.to_string(),
                             _ => path_name.to_string(),
                         },
-                        a.kv.types().name(),
+                        model.kv_type_name(),
                         t.to_string(),
                         test.name(),
                         format!("{mean:.2} ± {sd:.2}"),

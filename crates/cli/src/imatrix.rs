@@ -54,8 +54,7 @@ pub fn run(a: ImatrixArgs) -> Result<()> {
         .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, mut model) = args::load_model(Some(&a.model))?;
     model.set_matmul_path(a.matmul.path());
-    model.set_kv_type(a.kv.types());
-    model.check_kv_type()?;
+    a.kv.apply(&mut model)?;
     let opts = ImatrixOptions {
         ctx: a.ctx,
         max_chunks: a.chunks,

@@ -14,7 +14,8 @@ pub struct InspectArgs {
     #[arg(long)]
     pub json: bool,
     /// Also show the KV cache's size: bytes per token and for --ctx tokens, for the cache
-    /// types of --kv-type / --kv-type-k / --kv-type-v (JSON: a `kv` object).
+    /// types of --kv-type / --kv-type-k / --kv-type-v or --kv-bits, or the model folder's
+    /// kv_config.json (JSON: a `kv` object).
     #[arg(long)]
     pub kv: bool,
     /// Context for --kv, in tokens [default: the model's context length].
@@ -42,13 +43,11 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     let (_, mut model) = args::load_model(a.model.as_deref())?;
     let info = model.info();
     let kv = if a.kv {
-        let types = a.kv_types.types();
-        model.set_kv_type(types);
-        model.check_kv_type()?;
+        let types = a.kv_types.apply(&mut model)?;
         let per = model.kv_bytes_per_token();
         let context = a.ctx.unwrap_or(model.context_length());
         Some(KvSize {
-            kv_type: types.name(),
+            kv_type: model.kv_type_name(),
             kv_type_k: types.k.name(),
             kv_type_v: types.v.name(),
             bytes_per_token: per,

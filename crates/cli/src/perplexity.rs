@@ -38,13 +38,11 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
     let (_, mut model) = args::load_model(Some(&a.model))?;
-    model.set_kv_type(a.kv.types());
-    model.check_kv_type()?;
+    a.kv.apply(&mut model)?;
     let base = match &a.kl_base {
         Some(b) => {
             let mut m = args::load_model(Some(b))?.1;
-            m.set_kv_type(a.kv.types());
-            m.check_kv_type()?;
+            a.kv.apply(&mut m)?;
             Some(m)
         }
         None => None,

@@ -258,9 +258,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     cfg.validate()?;
     let (path, mut model) = args::load_model(Some(&arg))?;
     model.set_matmul_path(a.matmul.path());
-    model.set_kv_type(a.kv.types());
-    model.check_kv_type()?;
-    model.set_cuda(args::open_device(a.device, &a.cuda, a.kv.types())?)?;
+    let kv = a.kv.apply(&mut model)?;
+    model.set_cuda(args::open_device(a.device, &a.cuda, kv)?)?;
     model.warm_up()?;
     let trained = model.context_length();
     cfg.engine.ctx_size = match a.ctx_size {

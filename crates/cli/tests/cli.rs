@@ -59,6 +59,8 @@ fn help_for_every_subcommand() {
                 "--ctx-size",
                 "--json",
                 "--kv-type",
+                "--kv-bits",
+                "--kv-group-size",
             ],
         ),
         (
@@ -74,9 +76,15 @@ fn help_for_every_subcommand() {
         ),
         ("inspect", &["--json", "MODEL"]),
         // Every command that runs a model chooses its KV cache type, and says what it costs.
-        ("bench", &["--kv-type", "halves the cache's memory", "bit"]),
-        ("serve", &["--kv-type", "halves the cache's memory"]),
-        ("perplexity", &["--kv-type"]),
+        (
+            "bench",
+            &["--kv-type", "halves the cache's memory", "bit", "--kv-bits"],
+        ),
+        (
+            "serve",
+            &["--kv-type", "halves the cache's memory", "--kv-bits"],
+        ),
+        ("perplexity", &["--kv-type", "--kv-bits", "--kv-group-size"]),
         ("imatrix", &["--kv-type"]),
     ];
     for (sub, words) in expect {

@@ -23,8 +23,9 @@
 //! values once per call too, since every query row of the head reads them (a copy as large as
 //! Kᵀ, for the call only). The arithmetic after the loads is the same for both types.
 //!
-//! A block cache (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: [`KvBlock`]) stores a row as `Dh / 32`
-//! blocks of an f16 scale (and offset), and 32 small integers. Decode reads the blocks directly
+//! A block cache (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and mlx-lm's affine groups of 32, 64 or
+//! 128 values: [`KvBlock`]) stores a row as `Dh / 32` blocks of an f16 scale (and offset), and 32
+//! small integers (an affine group: one scale and bias for its 32-value parts). Decode reads the blocks directly
 //! ([`BlockRead`]): a key's score is `Σ_b (d_b · Σ_i q[32b+i] · x_b[i] + m_b · Σ_i q[32b+i])`
 //! (the integers widened to f32 in registers, one scale multiply per block), and the weighted
 //! sum adds `(p_j · d_b) · x_b[i]` (one product per block and key, then one multiply-add per
@@ -38,7 +39,7 @@ use rayon::prelude::*;
 
 use super::kernels::Isa;
 use hf2q_tensor::kv::{
-    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KvBlock, Q8_0_VALUES,
+    BlockAffine, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KvBlock, Q8_0_VALUES,
 };
 use hf2q_tensor::op::{AttentionParams, KvElem, KvScalar, LayerCache};
 use hf2q_tensor::{Error, Result, Tensor};
@@ -224,18 +225,20 @@ impl BlockRead for BlockQ4_0 {}
 impl BlockRead for BlockQ4_1 {}
 impl BlockRead for BlockQ5_0 {}
 impl BlockRead for BlockQ5_1 {}
+/// mlx-lm's affine groups: the portable loops, a group read as its 32-value parts.
+impl<const BITS: usize, const N: usize> BlockRead for BlockAffine<BITS, N> {}
 
-/// `Σ_b (d_b · Σ_i q[32b + i] · x_b[i] + m_b · Σ_i q[32b + i])` over a row of blocks (the
-/// offset term for the types that have one): per block, 32 products in 16 lanes (two
-/// multiply-adds each), then one multiply-add by the block's scale into 16 running sums; one
+/// `Σ_b (d_b · Σ_i q[32b + i] · x_b[i] + m_b · Σ_i q[32b + i])` over a row of blocks' 32-value
+/// parts `b` (the offset term for the types that have one): per part, 32 products in 16 lanes
+/// (two multiply-adds each), then one multiply-add by its scale into 16 running sums; one
 /// horizontal sum at the end.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
 fn dot_blocks<B: KvBlock>(q: &[f32], k: &[B]) -> f32 {
     let mut lanes = [0f32; 16];
-    for (qb, b) in q.chunks_exact(Q8_0_VALUES).zip(k) {
+    for (i, qb) in q.chunks_exact(Q8_0_VALUES).enumerate() {
         let qb: &[f32; Q8_0_VALUES] = qb.try_into().expect("a block of 32");
-        let (d, m, x) = b.unpack();
+        let (d, m, x) = k[i / B::SUBS].unpack(i % B::SUBS);
         let mut s = [0f32; 16];
         for u in 0..16 {
             s[u] = qb[u].mul_add(x[u], s[u]);
@@ -253,19 +256,21 @@ fn dot_blocks<B: KvBlock>(q: &[f32], k: &[B]) -> f32 {
     sum16(&lanes)
 }
 
-/// `acc += Σ_j p[j] * v[j]` over value rows of blocks `v (p.len(), Dh / 32)`: a block of 32
-/// columns stays in registers across the rows, each row adding `(p[j] · d) · x[i]`; the rows'
-/// offsets `p[j] · m` (the same for the block's 32 columns) are summed apart and added once.
+/// `acc += Σ_j p[j] * v[j]` over value rows of blocks `v (p.len(), Dh / B::VALUES)`: 32
+/// columns (a block's part) stay in registers across the rows, each row adding `(p[j] · d) ·
+/// x[i]`; the rows' offsets `p[j] · m` (the same for the part's 32 columns) are summed apart and
+/// added once.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
 fn accumulate_blocks<B: KvBlock>(acc: &mut [f32], p: &[f32], v: &[B]) {
-    let rw = acc.len() / Q8_0_VALUES;
+    let rw = acc.len() / B::VALUES;
     assert!(v.len() >= p.len() * rw);
-    for (bi, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
+    for (ci, ac) in acc.chunks_exact_mut(Q8_0_VALUES).enumerate() {
+        let (bi, sub) = (ci / B::SUBS, ci % B::SUBS);
         let mut loc: [f32; Q8_0_VALUES] = (&*ac).try_into().expect("a block of 32");
         let mut off = 0f32;
         for (j, &pj) in p.iter().enumerate() {
-            let (d, m, x) = v[j * rw + bi].unpack();
+            let (d, m, x) = v[j * rw + bi].unpack(sub);
             let w = pj * d;
             for u in 0..Q8_0_VALUES {
                 loc[u] = w.mul_add(x[u], loc[u]);
@@ -2003,12 +2008,13 @@ mod tests {
     }
 
     /// Every kernel form this CPU runs over block caches of every type (and keys and values of
-    /// different types; decode reads the blocks with each form's dot and weighted sum; prefill
-    /// dequantizes rows into its tiles), against the portable form and the reference over the
-    /// same blocks.
+    /// different types; an 8- and a 4-bit affine layout whose groups divide the head, of one,
+    /// two or four 32-value parts; decode reads the blocks with each form's dot and weighted
+    /// sum; prefill dequantizes rows into its tiles), against the portable form and the
+    /// reference over the same blocks.
     #[test]
     fn every_isa_agrees_on_block_caches() {
-        use hf2q_tensor::kv::{HostKv, KvType, KvTypes};
+        use hf2q_tensor::kv::{AffineKv, HostKv, KvType, KvTypes};
         let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
             .into_iter()
             .filter(|i| i.is_available())
@@ -2042,7 +2048,18 @@ mod tests {
                             v: KvType::Q5_1,
                         };
                         let types = KvType::BLOCKS.map(KvTypes::from);
-                        for ty in types.into_iter().chain([split]) {
+                        let affine = [
+                            AffineKv::B8G128,
+                            AffineKv::B4G64,
+                            AffineKv::B8G32,
+                            AffineKv::B4G32,
+                        ]
+                        .map(KvType::Affine)
+                        .into_iter()
+                        .filter(|a| a.check_head_dim(dh).is_ok())
+                        .take(2)
+                        .map(KvTypes::from);
+                        for ty in types.into_iter().chain([split]).chain(affine) {
                             let mut kv = HostKv::new(hkv, dh, ty);
                             kv.write(&kt, &vt, 0, n + 5).unwrap();
                             let what = format!("{} {what}", ty.name());
@@ -2053,7 +2070,7 @@ mod tests {
                                 p: &p,
                                 what: &what,
                             };
-                            crate::kv_view::visit(kv.view(), forms);
+                            crate::kv_view::visit(kv.view(), forms).unwrap();
                         }
                     }
                 }

@@ -1,13 +1,15 @@
 //! From a host cache's [`KvView`] (keys and values each of its own element type, known at run
 //! time) to a kernel generic over both (`K`, `V`: [`KvRead`]): [`visit`] matches the key plane,
 //! then the value plane, and calls the visitor with a typed [`LayerCache`]. Every pair of the
-//! seven types is one instantiation of the visitor; nothing is copied.
+//! seven f16, f32 and ggml block types is one instantiation of the visitor, and each of the six
+//! affine layouts one more (keys and values of one layout, as `KvTypes::check_head_dim` allows;
+//! any other pair with an affine plane is refused); nothing is copied.
 //!
 //! Not here: the kernels (`attention.rs`, the reference in `lib.rs`), the cache (`hf2q_tensor::kv`).
 
 use hf2q_tensor::kv::{KvView, PlaneView};
 use hf2q_tensor::op::{AttentionParams, LayerCache};
-use hf2q_tensor::{Result, Tensor};
+use hf2q_tensor::{Error, Result, Tensor};
 
 use crate::{CpuBackend, KvRead};
 
@@ -17,26 +19,42 @@ pub trait KvVisit {
     fn visit<K: KvRead, V: KvRead>(self, cache: &LayerCache<'_, K, V>) -> Self::Out;
 }
 
-/// `f` over `view` with its keys' and values' element types.
-pub fn visit<F: KvVisit>(view: KvView<'_>, f: F) -> F::Out {
+/// `f` over `view` with its keys' and values' element types; an error for an affine plane
+/// paired with a plane of another type.
+pub fn visit<F: KvVisit>(view: KvView<'_>, f: F) -> Result<F::Out> {
     let (v, capacity) = (view.v, view.capacity);
-    match view.k {
-        PlaneView::F16(k) => with_values(k, v, capacity, f),
-        PlaneView::F32(k) => with_values(k, v, capacity, f),
-        PlaneView::Q8_0(k) => with_values(k, v, capacity, f),
-        PlaneView::Q4_0(k) => with_values(k, v, capacity, f),
-        PlaneView::Q4_1(k) => with_values(k, v, capacity, f),
-        PlaneView::Q5_0(k) => with_values(k, v, capacity, f),
-        PlaneView::Q5_1(k) => with_values(k, v, capacity, f),
-    }
+    let mixed = || Error::Msg("an affine KV cache stores keys and values in one layout".into());
+    Ok(match (view.k, v) {
+        (PlaneView::F16(k), v) => with_values(k, v, capacity, f).ok_or_else(mixed)?,
+        (PlaneView::F32(k), v) => with_values(k, v, capacity, f).ok_or_else(mixed)?,
+        (PlaneView::Q8_0(k), v) => with_values(k, v, capacity, f).ok_or_else(mixed)?,
+        (PlaneView::Q4_0(k), v) => with_values(k, v, capacity, f).ok_or_else(mixed)?,
+        (PlaneView::Q4_1(k), v) => with_values(k, v, capacity, f).ok_or_else(mixed)?,
+        (PlaneView::Q5_0(k), v) => with_values(k, v, capacity, f).ok_or_else(mixed)?,
+        (PlaneView::Q5_1(k), v) => with_values(k, v, capacity, f).ok_or_else(mixed)?,
+        (PlaneView::A8G32(k), PlaneView::A8G32(v)) => go(k, v, capacity, f),
+        (PlaneView::A8G64(k), PlaneView::A8G64(v)) => go(k, v, capacity, f),
+        (PlaneView::A8G128(k), PlaneView::A8G128(v)) => go(k, v, capacity, f),
+        (PlaneView::A4G32(k), PlaneView::A4G32(v)) => go(k, v, capacity, f),
+        (PlaneView::A4G64(k), PlaneView::A4G64(v)) => go(k, v, capacity, f),
+        (PlaneView::A4G128(k), PlaneView::A4G128(v)) => go(k, v, capacity, f),
+        _ => return Err(mixed()),
+    })
 }
 
-/// [`visit`]'s second half: keys of type `K` known, the values' type matched.
-fn with_values<K: KvRead, F: KvVisit>(k: &[K], v: PlaneView<'_>, capacity: usize, f: F) -> F::Out {
-    fn go<K: KvRead, V: KvRead, F: KvVisit>(k: &[K], v: &[V], capacity: usize, f: F) -> F::Out {
-        f.visit(&LayerCache { k, v, capacity })
-    }
-    match v {
+fn go<K: KvRead, V: KvRead, F: KvVisit>(k: &[K], v: &[V], capacity: usize, f: F) -> F::Out {
+    f.visit(&LayerCache { k, v, capacity })
+}
+
+/// [`visit`]'s second half for keys of a non-affine type `K`: the values' type matched (`None`
+/// for affine values).
+fn with_values<K: KvRead, F: KvVisit>(
+    k: &[K],
+    v: PlaneView<'_>,
+    capacity: usize,
+    f: F,
+) -> Option<F::Out> {
+    Some(match v {
         PlaneView::F16(v) => go(k, v, capacity, f),
         PlaneView::F32(v) => go(k, v, capacity, f),
         PlaneView::Q8_0(v) => go(k, v, capacity, f),
@@ -44,7 +62,13 @@ fn with_values<K: KvRead, F: KvVisit>(k: &[K], v: PlaneView<'_>, capacity: usize
         PlaneView::Q4_1(v) => go(k, v, capacity, f),
         PlaneView::Q5_0(v) => go(k, v, capacity, f),
         PlaneView::Q5_1(v) => go(k, v, capacity, f),
-    }
+        PlaneView::A8G32(_)
+        | PlaneView::A8G64(_)
+        | PlaneView::A8G128(_)
+        | PlaneView::A4G32(_)
+        | PlaneView::A4G64(_)
+        | PlaneView::A4G128(_) => return None,
+    })
 }
 
 /// `CpuBackend::attention` (the backend's path: tiled or reference) as a visitor.

@@ -442,7 +442,7 @@ impl Backend for CpuBackend {
                     pos0,
                     p,
                 },
-            ),
+            )?,
             _ => Err(Error::Msg(
                 "the CPU backend was given a device KV cache".into(),
             )),

@@ -1,5 +1,5 @@
-//! Attention over block KV caches (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, quantized when written;
-//! keys and values of one type or of two) against the reference attention over the blocks'
+//! Attention over block KV caches (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and mlx-lm's affine
+//! groups, quantized when written; keys and values of one type or of two) against the reference attention over the blocks'
 //! dequantized values in f32: decode (T = 1) and prefill shapes, GQA ratios, head widths,
 //! sliding windows, spare capacity. The cache is filled through `HostKv::write`, as a model
 //! fills it.
@@ -94,6 +94,20 @@ fn check_blocks<K: KvRead, V: KvRead>(
     assert!(e < 2e-5, "{what}: blocks vs their f32 values, fast {e}");
 }
 
+/// Two of mlx-lm's affine layouts (8 and 4 bits) for head width `dh`: the groups of 32 at 32,
+/// of 64 at 64, of 128 at 128, and 4 bits in groups of 64 with 8 in groups of 32 at 256, so
+/// that every layout is read and two groups share a 64-value row at 256 too.
+fn affine_pair(dh: usize) -> [KvType; 2] {
+    use hf2q_tensor::kv::AffineKv::*;
+    let (a, b) = match dh {
+        32 => (B8G32, B4G32),
+        64 => (B8G64, B4G64),
+        128 => (B8G128, B4G128),
+        _ => (B8G32, B4G64),
+    };
+    [KvType::Affine(a), KvType::Affine(b)]
+}
+
 #[test]
 fn block_attention_equals_attention_over_dequantized_values() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
@@ -135,13 +149,19 @@ fn block_attention_equals_attention_over_dequantized_values() {
                     )
                     .unwrap();
                     // Every block type, and keys and values of different types (a block
-                    // type with f16, two block types).
+                    // type with f16, two block types); an 8- and a 4-bit affine layout per
+                    // head width, every layout over the widths (`affine_pair`).
                     let split = |k, v| KvTypes { k, v };
-                    let types = KvType::BLOCKS.map(KvTypes::from).into_iter().chain([
-                        split(KvType::Q8_0, KvType::Q4_0),
-                        split(KvType::F16, KvType::Q5_1),
-                        split(KvType::Q4_1, KvType::F32),
-                    ]);
+                    let affine = affine_pair(dh).map(KvTypes::from);
+                    let types = KvType::BLOCKS
+                        .map(KvTypes::from)
+                        .into_iter()
+                        .chain([
+                            split(KvType::Q8_0, KvType::Q4_0),
+                            split(KvType::F16, KvType::Q5_1),
+                            split(KvType::Q4_1, KvType::F32),
+                        ])
+                        .chain(affine);
                     for ty in types {
                         let mut kv = HostKv::new(hkv, dh, ty);
                         kv.write(&kt, &vt, 0, 4096).unwrap();
@@ -155,7 +175,7 @@ fn block_attention_equals_attention_over_dequantized_values() {
                             p: &p,
                             what: &what,
                         };
-                        kv_view::visit(kv.view(), check);
+                        kv_view::visit(kv.view(), check).unwrap();
                     }
                     cases += 1;
                 }

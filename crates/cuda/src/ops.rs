@@ -335,8 +335,8 @@ pub enum KvDtype {
     F32,
 }
 
-/// The device cache type for a host [`hf2q_tensor::kv::KvType`]; the block types (Q8_0) have no
-/// device kernels yet and are refused, naming the type.
+/// The device cache type for a host [`hf2q_tensor::kv::KvType`]; the block types (Q8_0 ...) and
+/// mlx-lm's affine layouts have no device kernels yet and are refused, naming the type.
 impl TryFrom<hf2q_tensor::kv::KvType> for KvDtype {
     type Error = Error;
     fn try_from(t: hf2q_tensor::kv::KvType) -> Result<Self> {
@@ -344,14 +344,17 @@ impl TryFrom<hf2q_tensor::kv::KvType> for KvDtype {
         match t {
             KvType::F16 => Ok(KvDtype::F16),
             KvType::F32 => Ok(KvDtype::F32),
-            KvType::Q8_0 | KvType::Q4_0 | KvType::Q4_1 | KvType::Q5_0 | KvType::Q5_1 => {
-                Err(Error::Msg(format!(
-                    "the CUDA backend has no {} KV cache yet (f16 or f32 on the GPU; a {} cache \
+            KvType::Q8_0
+            | KvType::Q4_0
+            | KvType::Q4_1
+            | KvType::Q5_0
+            | KvType::Q5_1
+            | KvType::Affine(_) => Err(Error::Msg(format!(
+                "the CUDA backend has no {} KV cache yet (f16 or f32 on the GPU; a {} cache \
                      runs on the CPU, --device cpu)",
-                    t.name(),
-                    t.name()
-                )))
-            }
+                t.name(),
+                t.name()
+            ))),
         }
     }
 }
@@ -1520,7 +1523,7 @@ mod tests {
         use hf2q_tensor::kv::{KvType, KvTypes};
         assert_eq!(KvDtype::try_from(KvType::F16).unwrap(), KvDtype::F16);
         assert_eq!(KvDtype::try_from(KvType::F32).unwrap(), KvDtype::F32);
-        for t in KvType::BLOCKS {
+        for t in KvType::BLOCKS.into_iter().chain(KvType::AFFINE) {
             let e = KvDtype::try_from(t).unwrap_err().to_string();
             assert!(e.contains(t.name()) && e.contains("CUDA"), "{e}");
         }

@@ -3,7 +3,7 @@
 //! backend on first write). Layers may differ in `Hkv` and `Dh` ([`KvCache::per_layer`]).
 
 use hf2q_tensor::kv::KvStore;
-pub use hf2q_tensor::kv::{KvType, KvTypes};
+pub use hf2q_tensor::kv::{AffineKv, KvType, KvTypes};
 use hf2q_tensor::paged::{PagedStep, PagedStore};
 
 use crate::{Error, Result};
@@ -62,11 +62,15 @@ impl KvCache {
     /// An empty cache of one layer per `(Hkv, Dh)` in `heads` (layers of their own head count
     /// and width, as Gemma 4's sliding and global layers).
     pub fn per_layer(heads: &[(usize, usize)], limit: usize, ty: impl Into<KvTypes>) -> KvCache {
-        let ty = ty.into();
+        KvCache::per_layer_types(heads, &vec![ty.into(); heads.len()], limit)
+    }
+    /// [`KvCache::per_layer`] with each layer's own type (`types[i]` for `heads[i]`).
+    pub fn per_layer_types(heads: &[(usize, usize)], types: &[KvTypes], limit: usize) -> KvCache {
         KvCache {
             layers: heads
                 .iter()
-                .map(|&(h, dh)| KvStore::new(h, dh, ty))
+                .zip(types)
+                .map(|(&(h, dh), &ty)| KvStore::new(h, dh, ty))
                 .collect(),
             graph: None,
             limit,

@@ -12,6 +12,7 @@ pub mod error;
 pub mod generate;
 pub mod generation;
 pub mod kv_cache;
+pub mod kv_config;
 pub mod layers;
 pub mod model;
 pub mod names;

@@ -28,6 +28,7 @@ use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use hf2q_tensor::kv::{KvStore, KvTypes};
 
+mod kv;
 mod paged;
 mod paged_graph;
 pub use paged::{PagedItem, PagedKvCache, Picked, RowPick};
@@ -109,8 +110,10 @@ pub struct Model {
     paged_graphs: bool,
     /// A capture was refused (a step has an op that only runs eagerly): decode eagerly.
     graphs_refused: std::sync::atomic::AtomicBool,
-    /// What new host KV caches store.
+    /// What new host KV caches store (`kv.rs`).
     kv_type: KvTypes,
+    /// Each layer's type instead, from the folder's `kv_config.json` or the caller (`kv.rs`).
+    kv_layers: Option<Vec<KvTypes>>,
     /// Recommended sampling: the folder's generation_config.json, or what the caller set.
     generation: crate::generation::GenerationDefaults,
 }
@@ -165,6 +168,7 @@ impl Model {
         }
         let mut m = Self::load_folder(&dir)?;
         m.generation = crate::generation::GenerationDefaults::from_folder(&dir)?;
+        m.kv_layers = crate::kv_config::from_folder(&dir, m.config.n_layers)?;
         Ok(m)
     }
 
@@ -278,6 +282,7 @@ impl Model {
             // cannot be captured, so such a model decodes eagerly on a GPU.
             graphs_refused: std::sync::atomic::AtomicBool::new(host_steps),
             kv_type: KvTypes::default(),
+            kv_layers: None,
             generation: Default::default(),
         })
     }
@@ -388,39 +393,6 @@ impl Model {
     pub fn matmul_path(&self) -> MatmulPath {
         self.backend.matmul
     }
-    /// What the host KV caches made from now on store keys and values as (one type, or one
-    /// each as `KvTypes { k, v }`): f16 (the default: half the memory, values rounded once when
-    /// written), f32 (bit-exact with the reference) or a ggml block type. A GPU cache's type is
-    /// the [`CudaBackend`]'s.
-    pub fn set_kv_type(&mut self, ty: impl Into<KvTypes>) {
-        self.kv_type = ty.into();
-    }
-    pub fn kv_type(&self) -> KvTypes {
-        self.kv_type
-    }
-    /// Whether the host KV cache type suits every layer's head width (a block type such as
-    /// Q8_0 needs whole blocks): an error naming the width when not.
-    pub fn check_kv_type(&self) -> Result<()> {
-        for &(_, dh) in &self.config.layer_heads {
-            self.kv_type.check_head_dim(dh)?;
-        }
-        Ok(())
-    }
-    /// Bytes of keys and values one position takes in a host cache of the model's KV type,
-    /// summed over layers.
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.kv_bytes_per_token_as(self.kv_type)
-    }
-    /// [`Model::kv_bytes_per_token`] for a cache of type `ty` (one type, or one each).
-    pub fn kv_bytes_per_token_as(&self, ty: impl Into<KvTypes>) -> usize {
-        let (c, ty) = (&self.config, ty.into());
-        (0..c.n_layers)
-            .map(|i| {
-                let (kv, dh) = c.heads_of(i);
-                kv * ty.row_bytes(dh)
-            })
-            .sum()
-    }
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -442,17 +414,6 @@ impl Model {
             pos: 0,
             cache: self.new_cache(max_context),
         }
-    }
-
-    /// An empty KV cache for one sequence of at most `limit` positions (0 = context length).
-    pub fn new_cache(&self, limit: usize) -> KvCache {
-        let limit = if limit == 0 {
-            self.config.context_length
-        } else {
-            limit
-        };
-        let c = &self.config;
-        KvCache::per_layer(&c.layer_heads, limit, self.kv_type)
     }
 
     /// Products of the blocks (the sites of [`crate::layers::linear::Linear`]).

@@ -13,6 +13,11 @@
 //!   a row the same way whatever the batch) their logits are equal bit for bit for every cache
 //!   type; on the fast path they differ as the stated bound of `gate` allows (why: `gate`).
 //! - A model whose head width is not a multiple of 32 (tiny-llama, 16) is refused, naming it.
+//! - mlx-lm's affine layouts (`--kv-bits 8|4`, groups of 64) on SmolLM2 against the f16 cache
+//!   (`affine_kv_gate_smollm2`: 8 bits to q8_0's gate, 4 bits to a measured bound); groups of
+//!   32 on the tiny checkpoints (prefill equals decode on the reference path); head widths off
+//!   the group refused naming both numbers; a folder's `kv_config.json` giving each layer its
+//!   own bits (`per_layer_affine_from_kv_config`).
 
 mod common;
 
@@ -21,7 +26,7 @@ use std::path::{Path, PathBuf};
 use common::{argmax, kl};
 use hf2q_cpu::MatmulPath;
 use hf2q_models::Model;
-use hf2q_tensor::kv::{KvType, KvTypes};
+use hf2q_tensor::kv::{AffineKv, KvType, KvTypes};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -142,7 +147,13 @@ fn reference_prefill_equals_decode_tiny() {
         let mut model = Model::load(&fixtures().join("tiny").join(name))
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let ids = ids(140, model.vocab_size(), 0x5eed ^ seed);
-        let types = KvType::ALL.map(KvTypes::from);
+        // Every type whose blocks fit a head of 32: the affine layouts in groups of 32 too.
+        let affine = [AffineKv::B8G32, AffineKv::B4G32].map(KvType::Affine);
+        let types: Vec<KvTypes> = KvType::ALL
+            .into_iter()
+            .chain(affine)
+            .map(KvTypes::from)
+            .collect();
         reference_prefill_equals_decode(name, &mut model, &ids, &types);
     }
 }
@@ -328,6 +339,125 @@ fn smollm2() -> Option<(Model, Vec<u32>)> {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect();
     Some((model, ids))
+}
+
+/// mlx-lm's affine KV cache on real SmolLM2 (head width 64) in groups of 64, against the f16
+/// cache, prefill and decode on the fast path (the golden text's ids).
+///
+/// 8 bits is held to q8_0's gate (argmax >= 98/100, mean KL <= 1e-3; measured 98/98, KL
+/// 4.4e-4/4.1e-4 prefill/decode, against q8_0's 99/100 and 4.7e-4: an 8-bit grid over 64
+/// values with its own offset is about as fine as Q8_0's over 32 around zero). 4 bits: a bound
+/// from measurement (prefill/decode: argmax 83/79, mean KL 0.19/0.18) with a margin for the
+/// fast path's batch-dependent last bits, which a quantized cache turns into whole-step
+/// differences (`gate`): argmax >= 70, KL <= 0.3, where Q4_0 lands (`low_bit_kv_bound_
+/// smollm2`). It is further from f16 than Q4_1 (4 bits with an offset too, KL 0.084) because a
+/// group spans 64 values, so SmolLM2's few large key channels set each scale for twice as many
+/// others. Bytes per position: 68 (8 bits) and 36 (4 bits) per 64 values against f16's 128.
+#[test]
+fn affine_kv_gate_smollm2() {
+    let Some((mut model, ids)) = smollm2() else {
+        return;
+    };
+    let (a8, a4) = (
+        KvType::Affine(AffineKv::B8G64),
+        KvType::Affine(AffineKv::B4G64),
+    );
+    let f16 = f16_logits(&mut model, &ids);
+    bound("smollm2", &mut model, &ids, &f16, a8.into(), (98, 1e-3));
+    bound("smollm2", &mut model, &ids, &f16, a4.into(), (70, 0.3));
+    let f16b = model.kv_bytes_per_token_as(KvType::F16);
+    assert_eq!(model.kv_bytes_per_token_as(a8) * 128, f16b * 68);
+    assert_eq!(model.kv_bytes_per_token_as(a4) * 128, f16b * 36);
+}
+
+/// An affine layout whose group does not divide the head width is refused, naming both (tiny
+/// Qwen3's heads of 32 in groups of 64; tiny-llama's of 16 in groups of 32), before and at the
+/// first write.
+#[test]
+fn affine_kv_refuses_head_widths_off_the_group() {
+    for (name, ty, dh, g) in [
+        ("tiny-qwen3", AffineKv::B8G64, 32, 64),
+        ("tiny-llama", AffineKv::B4G32, 16, 32),
+    ] {
+        let mut model = Model::load(&fixtures().join("tiny").join(name)).unwrap();
+        model.set_kv_type(KvType::Affine(ty));
+        let e = model.check_kv_type().unwrap_err().to_string();
+        let both = |e: &str| {
+            e.contains(&format!("head width {dh}")) && e.contains(&format!("group size {g}"))
+        };
+        assert!(both(&e), "{name}: {e}");
+        let e = model
+            .session(8)
+            .prefill(&[1, 2, 3])
+            .unwrap_err()
+            .to_string();
+        assert!(both(&e), "{name}: {e}");
+    }
+}
+
+/// A copy of tiny checkpoint `name` in a temporary folder, with `kv_config` as its
+/// `kv_config.json`.
+fn tiny_with_kv_config(name: &str, kv_config: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixtures().join("tiny").join(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    std::fs::write(dir.path().join("kv_config.json"), kv_config).unwrap();
+    dir
+}
+
+/// A folder's `kv_config.json` gives each layer its own affine layout: tiny Qwen3 (2 layers of
+/// 2 kv heads of 32) with 8 bits in layer 0 and 4 in layer 1, groups of 32, in either form of
+/// the file. Each layer's cache is of its layout, bytes per position are the layers' sum (2
+/// heads x keys and values x (36 + 20) bytes), prefill equals decode bit for bit on the
+/// reference path, and the logits differ from both one-layout caches (so both layouts are in
+/// use). Setting one type replaces the file's; a malformed file fails the load naming the field.
+#[test]
+fn per_layer_affine_from_kv_config() {
+    let (a8, a4) = (
+        KvTypes::from(KvType::Affine(AffineKv::B8G32)),
+        KvTypes::from(KvType::Affine(AffineKv::B4G32)),
+    );
+    for text in [
+        r#"{"group_size": 32, "bits": [8, 4]}"#,
+        r#"{"group_size": 32, "default_bits": 4, "layers": {"0": 8}}"#,
+    ] {
+        let dir = tiny_with_kv_config("tiny-qwen3", text);
+        let mut model = Model::load(dir.path()).unwrap();
+        assert_eq!(model.kv_layer_types(), Some(&[a8, a4][..]), "{text}");
+        model.check_kv_type().unwrap();
+        let types: Vec<KvTypes> = model
+            .new_cache(16)
+            .layers
+            .iter()
+            .map(|l| match l {
+                hf2q_tensor::kv::KvStore::Host(h) => h.kv_types(),
+                _ => panic!("a host cache"),
+            })
+            .collect();
+        assert_eq!(types, vec![a8, a4]);
+        assert_eq!(model.kv_bytes_per_token(), 2 * 2 * (36 + 20));
+        assert_eq!(model.kv_type_name(), "affine8g32 x1, affine4g32 x1");
+        let ids = ids(40, model.vocab_size(), 0x5eed ^ 11);
+        model.set_matmul_path(MatmulPath::Reference);
+        let (per_layer, decode) = last_logits(&model, &ids, 8);
+        assert_eq!(spread(&per_layer, &decode), 0.0, "{text}");
+        for one in [a8, a4] {
+            let mut m = Model::load(dir.path()).unwrap();
+            m.set_matmul_path(MatmulPath::Reference);
+            m.set_kv_type(one);
+            assert_eq!(m.kv_layer_types(), None);
+            let (p, _) = last_logits(&m, &ids, 8);
+            assert!(spread(&p, &per_layer) > 0.0, "{text}: as {}", one.name());
+        }
+    }
+    let dir = tiny_with_kv_config("tiny-qwen3", r#"{"bits": [8, 4, 4]}"#);
+    let e = Model::load(dir.path()).err().expect("refused").to_string();
+    assert!(
+        e.contains("kv_config.json") && e.contains("bits has 3 entries for a model of 2 layers"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! Key/value caches: [`KvStore`] is one layer's cache, on the host ([`HostKv`]: keys and values
-//! each f16, f32 or one of ggml's block types, [`KvTypes`]) or on a device. A backend writes and
+//! each f16, f32 or one of ggml's block types, [`KvTypes`]; or both of one of mlx-lm's affine
+//! layouts, [`AffineKv`]) or on a device. A backend writes and
 //! reads it (`Backend::kv_write` / `Backend::attend`); model code only passes it along.
 //!
-//! Not here: the block layouts ([`crate::kv_blocks`]), the kernels that read a cache (the CPU
+//! Not here: the block layouts ([`crate::kv_blocks`], [`crate::kv_affine`]), the kernels that read a cache (the CPU
 //! and CUDA crates), the paged cache of many sequences (`paged`).
 
 use half::f16;
@@ -10,6 +11,9 @@ use half::slice::HalfFloatSliceExt;
 
 use crate::{Error, Result, Tensor};
 
+pub use crate::kv_affine::{
+    AffineKv, BlockA4G128, BlockA4G32, BlockA4G64, BlockA8G128, BlockA8G32, BlockA8G64, BlockAffine,
+};
 pub use crate::kv_blocks::{
     BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KvBlock, Q8_0_VALUES,
 };
@@ -40,6 +44,11 @@ pub enum KvType {
     /// ggml's Q5_1 (`-ctk/-ctv q5_1`): an f16 scale and offset and 32 5-bit values
     /// ([`BlockQ5_1`]), 24 bytes per 32 values (12/32 of f16).
     Q5_1,
+    /// mlx-lm's affine layout (`--kv-bits`, `--kv-group-size`): each group of 32, 64 or 128
+    /// values as an f16 scale and bias and 4- or 8-bit integers ([`BlockAffine`]); 8 bits in
+    /// groups of 64 is 68 bytes per 64 values (17/32 of f16), 4 bits 36 (9/32). The head width
+    /// must be a multiple of the group; keys and values have the same layout.
+    Affine(AffineKv),
 }
 
 impl KvType {
@@ -61,15 +70,25 @@ impl KvType {
         KvType::Q5_0,
         KvType::Q5_1,
     ];
-    /// ggml's type of a block type's blocks (`None` for f16 and f32).
+    /// The affine layouts.
+    pub const AFFINE: [KvType; 6] = [
+        KvType::Affine(AffineKv::B8G32),
+        KvType::Affine(AffineKv::B8G64),
+        KvType::Affine(AffineKv::B8G128),
+        KvType::Affine(AffineKv::B4G32),
+        KvType::Affine(AffineKv::B4G64),
+        KvType::Affine(AffineKv::B4G128),
+    ];
+    /// ggml's type of a ggml block type's blocks (`None` for f16, f32 and the affine layouts).
     pub fn ggml(self) -> Option<crate::GgmlType> {
+        use crate::GgmlType;
         match self {
-            KvType::F16 | KvType::F32 => None,
-            KvType::Q8_0 => Some(BlockQ8_0::GGML),
-            KvType::Q4_0 => Some(BlockQ4_0::GGML),
-            KvType::Q4_1 => Some(BlockQ4_1::GGML),
-            KvType::Q5_0 => Some(BlockQ5_0::GGML),
-            KvType::Q5_1 => Some(BlockQ5_1::GGML),
+            KvType::F16 | KvType::F32 | KvType::Affine(_) => None,
+            KvType::Q8_0 => Some(GgmlType::Q8_0),
+            KvType::Q4_0 => Some(GgmlType::Q4_0),
+            KvType::Q4_1 => Some(GgmlType::Q4_1),
+            KvType::Q5_0 => Some(GgmlType::Q5_0),
+            KvType::Q5_1 => Some(GgmlType::Q5_1),
         }
     }
     /// Bytes of one cache row (one head's `dh` values at one position); for a block type, `dh`
@@ -83,18 +102,31 @@ impl KvType {
             KvType::Q4_1 => dh / Q8_0_VALUES * BlockQ4_1::BYTES,
             KvType::Q5_0 => dh / Q8_0_VALUES * BlockQ5_0::BYTES,
             KvType::Q5_1 => dh / Q8_0_VALUES * BlockQ5_1::BYTES,
+            KvType::Affine(a) => dh / a.group() * a.group_bytes(),
         }
     }
-    /// Values per stored element (1, or the block size).
+    /// Values per stored element (1, the block size, or the affine group).
     pub fn block_values(self) -> usize {
         match self {
             KvType::F16 | KvType::F32 => 1,
+            KvType::Affine(a) => a.group(),
             _ => Q8_0_VALUES,
         }
     }
-    /// Whether heads of width `dh` can be stored: a block type needs whole blocks.
+    /// Whether heads of width `dh` can be stored: a block type needs whole blocks, an affine
+    /// layout whole groups.
     pub fn check_head_dim(self, dh: usize) -> Result<()> {
         let b = self.block_values();
+        if let KvType::Affine(a) = self {
+            if dh == 0 || !dh.is_multiple_of(b) {
+                return Err(Error::Msg(format!(
+                    "an affine KV cache ({}) quantizes groups of {b} values along the head; this \
+                     model's head width {dh} is not a multiple of the group size {b} (a \
+                     --kv-group-size that divides {dh}, or --kv-type f16)",
+                    a.name()
+                )));
+            }
+        }
         if dh == 0 || !dh.is_multiple_of(b) {
             return Err(Error::Msg(format!(
                 "a {} KV cache stores heads in blocks of {b} values; this model's head width \
@@ -113,11 +145,12 @@ impl KvType {
             KvType::Q4_1 => "q4_1",
             KvType::Q5_0 => "q5_0",
             KvType::Q5_1 => "q5_1",
+            KvType::Affine(a) => a.name(),
         }
     }
     /// The type named `name` (as [`KvType::name`] writes it).
     pub fn from_name(name: &str) -> Option<KvType> {
-        KvType::ALL.into_iter().find(|t| t.name() == name)
+        (KvType::ALL.into_iter().chain(KvType::AFFINE)).find(|t| t.name() == name)
     }
 }
 
@@ -144,8 +177,17 @@ impl KvTypes {
     pub fn row_bytes(self, dh: usize) -> usize {
         self.k.row_bytes(dh) + self.v.row_bytes(dh)
     }
-    /// Whether both types can store heads of width `dh` ([`KvType::check_head_dim`]).
+    /// Whether both types can store heads of width `dh` ([`KvType::check_head_dim`]), and
+    /// are a pair a cache stores: an affine layout for keys and values alike (as mlx-lm's
+    /// cache), or any two of the other types.
     pub fn check_head_dim(self, dh: usize) -> Result<()> {
+        let affine = |t: KvType| matches!(t, KvType::Affine(_));
+        if (affine(self.k) || affine(self.v)) && self.k != self.v {
+            return Err(Error::Msg(format!(
+                "an affine KV cache stores keys and values in one layout, not {}",
+                self.name()
+            )));
+        }
         self.k.check_head_dim(dh)?;
         self.v.check_head_dim(dh)
     }
@@ -198,6 +240,12 @@ enum Plane {
     Q4_1(Vec<BlockQ4_1>),
     Q5_0(Vec<BlockQ5_0>),
     Q5_1(Vec<BlockQ5_1>),
+    A8G32(Vec<BlockA8G32>),
+    A8G64(Vec<BlockA8G64>),
+    A8G128(Vec<BlockA8G128>),
+    A4G32(Vec<BlockA4G32>),
+    A4G64(Vec<BlockA4G64>),
+    A4G128(Vec<BlockA4G128>),
 }
 
 /// A plane as the attention reads it: `(Hkv, S_cap, row)` elements.
@@ -210,6 +258,12 @@ pub enum PlaneView<'a> {
     Q4_1(&'a [BlockQ4_1]),
     Q5_0(&'a [BlockQ5_0]),
     Q5_1(&'a [BlockQ5_1]),
+    A8G32(&'a [BlockA8G32]),
+    A8G64(&'a [BlockA8G64]),
+    A8G128(&'a [BlockA8G128]),
+    A4G32(&'a [BlockA4G32]),
+    A4G64(&'a [BlockA4G64]),
+    A4G128(&'a [BlockA4G128]),
 }
 
 /// `$body` with `$x` bound to the vector of whatever variant `$p` (a [`Plane`]) is: one
@@ -224,13 +278,41 @@ macro_rules! each_plane {
             Plane::Q4_1($x) => $body,
             Plane::Q5_0($x) => $body,
             Plane::Q5_1($x) => $body,
+            Plane::A8G32($x) => $body,
+            Plane::A8G64($x) => $body,
+            Plane::A8G128($x) => $body,
+            Plane::A4G32($x) => $body,
+            Plane::A4G64($x) => $body,
+            Plane::A4G128($x) => $body,
+        }
+    };
+}
+
+/// [`each_plane!`] whose body makes the same variant of `$to` (a [`Plane`] or a [`PlaneView`]).
+macro_rules! map_plane {
+    ($p:expr, $to:ident, $x:ident => $body:expr) => {
+        match $p {
+            Plane::F16($x) => $to::F16($body),
+            Plane::F32($x) => $to::F32($body),
+            Plane::Q8_0($x) => $to::Q8_0($body),
+            Plane::Q4_0($x) => $to::Q4_0($body),
+            Plane::Q4_1($x) => $to::Q4_1($body),
+            Plane::Q5_0($x) => $to::Q5_0($body),
+            Plane::Q5_1($x) => $to::Q5_1($body),
+            Plane::A8G32($x) => $to::A8G32($body),
+            Plane::A8G64($x) => $to::A8G64($body),
+            Plane::A8G128($x) => $to::A8G128($body),
+            Plane::A4G32($x) => $to::A4G32($body),
+            Plane::A4G64($x) => $to::A4G64($body),
+            Plane::A4G128($x) => $to::A4G128($body),
         }
     };
 }
 
 /// How a cache element is written from f32 values: f16 rounds to nearest even (hardware
 /// conversion where the CPU has it, the same rounding), f32 copies, a block type quantizes by
-/// ggml's reference quantizer (`quant::quantize`, `quantize_row_*_ref`) into its bytes.
+/// its reference quantizer ([`KvBlock::quantize`]: ggml's `quantize_row_*_ref`, mlx's
+/// `quantize` for an affine group) into its bytes.
 trait StoreElem: Copy + Default {
     /// `out` (one row's elements) from `src` (its `Dh` values).
     fn store(out: &mut [Self], src: &[f32]) -> Result<()>;
@@ -252,7 +334,7 @@ impl StoreElem for f32 {
 
 impl<B: KvBlock> StoreElem for B {
     fn store(out: &mut [B], src: &[f32]) -> Result<()> {
-        crate::quant::quantize(B::GGML, src, B::slice_bytes_mut(out))
+        B::quantize(src, out)
     }
 }
 
@@ -300,6 +382,14 @@ impl Plane {
             KvType::Q4_1 => Plane::Q4_1(Vec::new()),
             KvType::Q5_0 => Plane::Q5_0(Vec::new()),
             KvType::Q5_1 => Plane::Q5_1(Vec::new()),
+            KvType::Affine(a) => match a {
+                AffineKv::B8G32 => Plane::A8G32(Vec::new()),
+                AffineKv::B8G64 => Plane::A8G64(Vec::new()),
+                AffineKv::B8G128 => Plane::A8G128(Vec::new()),
+                AffineKv::B4G32 => Plane::A4G32(Vec::new()),
+                AffineKv::B4G64 => Plane::A4G64(Vec::new()),
+                AffineKv::B4G128 => Plane::A4G128(Vec::new()),
+            },
         }
     }
     fn kv_type(&self) -> KvType {
@@ -311,6 +401,12 @@ impl Plane {
             Plane::Q4_1(_) => KvType::Q4_1,
             Plane::Q5_0(_) => KvType::Q5_0,
             Plane::Q5_1(_) => KvType::Q5_1,
+            Plane::A8G32(_) => KvType::Affine(AffineKv::B8G32),
+            Plane::A8G64(_) => KvType::Affine(AffineKv::B8G64),
+            Plane::A8G128(_) => KvType::Affine(AffineKv::B8G128),
+            Plane::A4G32(_) => KvType::Affine(AffineKv::B4G32),
+            Plane::A4G64(_) => KvType::Affine(AffineKv::B4G64),
+            Plane::A4G128(_) => KvType::Affine(AffineKv::B4G128),
         }
     }
     /// Elements of a row of `d` values.
@@ -322,15 +418,7 @@ impl Plane {
     }
     fn copied(&self, old_cap: usize, cap: usize, len: usize, (h, d): (usize, usize)) -> Plane {
         let hr = (h, self.row(d));
-        match self {
-            Plane::F16(x) => Plane::F16(copy_plane(x, old_cap, cap, len, hr)),
-            Plane::F32(x) => Plane::F32(copy_plane(x, old_cap, cap, len, hr)),
-            Plane::Q8_0(x) => Plane::Q8_0(copy_plane(x, old_cap, cap, len, hr)),
-            Plane::Q4_0(x) => Plane::Q4_0(copy_plane(x, old_cap, cap, len, hr)),
-            Plane::Q4_1(x) => Plane::Q4_1(copy_plane(x, old_cap, cap, len, hr)),
-            Plane::Q5_0(x) => Plane::Q5_0(copy_plane(x, old_cap, cap, len, hr)),
-            Plane::Q5_1(x) => Plane::Q5_1(copy_plane(x, old_cap, cap, len, hr)),
-        }
+        map_plane!(self, Plane, x => copy_plane(x, old_cap, cap, len, hr))
     }
     fn put(
         &mut self,
@@ -342,15 +430,7 @@ impl Plane {
         each_plane!(self, x => put_rows(x, src, at, (h, d, r)))
     }
     fn view(&self) -> PlaneView<'_> {
-        match self {
-            Plane::F16(x) => PlaneView::F16(x),
-            Plane::F32(x) => PlaneView::F32(x),
-            Plane::Q8_0(x) => PlaneView::Q8_0(x),
-            Plane::Q4_0(x) => PlaneView::Q4_0(x),
-            Plane::Q4_1(x) => PlaneView::Q4_1(x),
-            Plane::Q5_0(x) => PlaneView::Q5_0(x),
-            Plane::Q5_1(x) => PlaneView::Q5_1(x),
-        }
+        map_plane!(self, PlaneView, x => x)
     }
 }
 
@@ -363,8 +443,9 @@ pub struct KvView<'a> {
     pub capacity: usize,
 }
 
-/// Keys and values (each f16, f32 or a ggml block type, [`KvTypes`]) laid out `(Hkv, S_cap,
-/// row)` (a head's positions contiguous; a block row is its `Dh / 32` blocks). Capacity grows
+/// Keys and values (each f16, f32 or a ggml block type, or both one affine layout: [`KvTypes`])
+/// laid out `(Hkv, S_cap, row)` (a head's positions contiguous; a block row is its `Dh / 32`
+/// blocks, an affine row its `Dh / group` groups). Capacity grows
 /// by doubling up to the session's limit, so short sessions of long-context models stay small.
 pub struct HostKv {
     k: Plane,
@@ -430,8 +511,8 @@ impl HostKv {
 
     /// Writes host tensors `k`, `v` `(T, Hkv*Dh)` at positions `pos0..pos0+T`, each in its
     /// plane's type (f16 rounds to nearest even, as `half::f16::from_f32`; a block type
-    /// quantizes each head's row as ggml's `quantize_row_*_ref`, so a prefill and a decode of
-    /// the same keys store the same blocks).
+    /// quantizes each head's row as ggml's `quantize_row_*_ref`, an affine layout as mlx's
+    /// `quantize`, so a prefill and a decode of the same keys store the same blocks).
     pub fn write(&mut self, k: &Tensor, v: &Tensor, pos0: usize, limit: usize) -> Result<()> {
         let (t, w) = k.dims2();
         let hd = (self.n_kv_heads, self.head_dim);

@@ -18,6 +18,7 @@ pub mod dtype;
 pub mod error;
 pub mod io;
 pub mod kv;
+pub mod kv_affine;
 pub mod kv_blocks;
 pub mod moe;
 pub mod op;

@@ -126,6 +126,13 @@ impl Model {
                     block_tokens,
                     head_dim,
                 };
+                if self.kv_layers.is_some() {
+                    return Err(hf2q_tensor::Error::Msg(
+                        "the paged KV cache stores one type in every layer, not a per-layer \
+                         affine cache (kv_config.json)"
+                            .into(),
+                    ));
+                }
                 let ty = self.kv_type.same().ok_or_else(|| {
                     hf2q_tensor::Error::Msg(format!(
                         "the paged KV cache stores keys and values in one type, not {}",
