@@ -49,6 +49,7 @@ mod paged_blocks;
 mod preempt;
 mod prefix;
 mod scheduler;
+mod seq;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -40,7 +40,7 @@ use hf2q_tensor::paged::BlockPool;
 use hf2q_tensor::paged_prefix::PrefixBlocks;
 
 use super::paged_blocks;
-use super::scheduler::Seq;
+use super::seq::Seq;
 use super::{Shared, BLOCK_TOKENS};
 
 /// Free blocks admission keeps back while anything runs: 1 % of the pool, at least one block
