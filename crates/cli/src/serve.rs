@@ -40,16 +40,28 @@ pub struct ServeArgs {
     /// its prompt + max_tokens when it starts; requests wait in the queue while it is full.
     #[arg(long, value_name = "SIZE", default_value = "4G")]
     pub kv_mem: String,
-    /// Most requests generated together in one batch.
-    #[arg(long, value_name = "N", default_value_t = 32)]
+    /// Most requests generated together in one batch (vLLM's --max-num-seqs). Requests are
+    /// admitted first come, first served; a request's `priority` field is ignored.
+    #[arg(
+        long,
+        visible_alias = "max-num-seqs",
+        value_name = "N",
+        default_value_t = 32
+    )]
     pub max_seqs: usize,
     /// Most requests waiting for a slot; more get HTTP 429.
     #[arg(long, value_name = "N", default_value_t = 256)]
     pub max_queue: usize,
     /// Most tokens per forward step: running streams get one each, long prompts are fed in
     /// chunks of what is left, so they do not stall the streams for long (on the CPU a step of
-    /// 256 tokens takes about as long as 256 / the prefill rate).
-    #[arg(long, value_name = "N", default_value_t = 256)]
+    /// 256 tokens takes about as long as 256 / the prefill rate). vLLM's
+    /// --max-num-batched-tokens.
+    #[arg(
+        long,
+        visible_alias = "max-num-batched-tokens",
+        value_name = "N",
+        default_value_t = 256
+    )]
     pub max_batch_tokens: usize,
     /// Largest request body (e.g. 4M).
     #[arg(long, value_name = "SIZE", default_value = "4M")]
