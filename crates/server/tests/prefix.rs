@@ -449,3 +449,50 @@ async fn paged_prefix_cache_under_a_tight_pool_evicts_and_preempts_without_chang
         .load(Ordering::Relaxed);
     assert!(preempted > 0, "the load was meant to preempt");
 }
+
+/// Requests arriving together with the same long start, prefilled in chunks: the first computes
+/// the shared blocks and the others take them as they fill instead of computing them beside it
+/// (a batch of chats with one system prompt, all sent at once); every answer is unchanged.
+#[tokio::test]
+async fn paged_requests_arriving_together_share_the_blocks_the_first_computes() {
+    let mut c = paged(256, true);
+    c.engine.max_batch_tokens = 32;
+    let on = start(tiny(), c).await;
+    let off = start(tiny(), paged(256, false)).await;
+    let common: Vec<u32> = (0..100).map(|i| 32 + (i * 5) % 90).collect();
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|k| {
+            let mut p = common.clone();
+            p.extend([40 + k, 50 + k, 60 + k]);
+            p
+        })
+        .collect();
+    let mut want = Vec::new();
+    for p in &prompts {
+        want.push(ok(&off, "/v1/completions", &completion(p, 16)).await);
+    }
+    let mut tasks = Vec::new();
+    for p in prompts.clone() {
+        let addr = on.addr;
+        tasks.push(tokio::spawn(async move {
+            post(addr, "/v1/completions", &completion(&p, 16)).await
+        }));
+    }
+    let mut cached = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        same(&v, &want[i], "together");
+        cached.push(cached_of(&v));
+    }
+    // 100 shared tokens: 6 full blocks; all but the request that computed them share them.
+    let full = (100 / BLOCK * BLOCK) as u64;
+    let sharing = cached.iter().filter(|&&c| c == full).count();
+    assert!(sharing >= prompts.len() - 1, "cached tokens {cached:?}");
+    let m = &on.engine.shared().metrics;
+    assert_eq!(
+        m.prompt_tokens_cached.load(Ordering::Relaxed),
+        cached.iter().sum::<u64>()
+    );
+}

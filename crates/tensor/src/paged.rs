@@ -409,6 +409,26 @@ impl BlockTable {
         self.blocks.extend_from_slice(shared);
     }
 
+    /// Puts `id` (a block another holder has: a cached one) at entry `k`, retained once more,
+    /// in place of the block there (released; it must hold nothing the sequence wrote) or, with
+    /// `k` the table's length, after the last.
+    ///
+    /// # Panics
+    /// If `k` is past the table's length, or `id` is free.
+    pub fn put_shared(&mut self, pool: &mut BlockPool, k: usize, id: BlockId) {
+        assert!(
+            k <= self.blocks.len(),
+            "entry {k} of a table of {}",
+            self.blocks.len()
+        );
+        pool.retain(id);
+        if k == self.blocks.len() {
+            self.blocks.push(id);
+        } else {
+            pool.release(std::mem::replace(&mut self.blocks[k], id));
+        }
+    }
+
     /// Keeps the blocks of positions `0..tokens` and releases the rest.
     pub fn truncate(&mut self, pool: &mut BlockPool, tokens: usize) {
         let keep = pool.blocks_for(tokens);

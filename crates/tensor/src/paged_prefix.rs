@@ -99,17 +99,29 @@ impl PrefixBlocks {
         let b = self.block_tokens;
         let mut chain: Vec<BlockId> = Vec::new();
         for block in tokens.chunks_exact(b).take(max_blocks) {
-            let key = Key {
-                parent: chain.last().copied(),
-                adapter,
-                tokens: block.into(),
-            };
-            match self.by_key.get(&key) {
-                Some(&id) => chain.push(id),
+            match self.find(chain.last().copied(), adapter, block) {
+                Some(id) => chain.push(id),
                 None => break,
             }
         }
         chain
+    }
+
+    /// The cached block holding `tokens` (one block's worth) after the cached block `parent`
+    /// (`None`: a sequence's first block) under `adapter`: one step of [`PrefixBlocks::lookup`],
+    /// for a sequence extending a chain it already shares.
+    pub fn find(
+        &self,
+        parent: Option<BlockId>,
+        adapter: Option<u64>,
+        tokens: &[u32],
+    ) -> Option<BlockId> {
+        let key = Key {
+            parent,
+            adapter,
+            tokens: tokens.into(),
+        };
+        self.by_key.get(&key).copied()
     }
 
     /// Records a use of `blocks` (a chain a new sequence shares), its start the most recent.

@@ -71,6 +71,41 @@ pub(super) fn admit(
     })
 }
 
+/// Lets a sequence still prefilling share blocks cached since it was admitted (a request that
+/// arrived with others starting with the same tokens: the first computes them, the others take
+/// its blocks as they fill instead of computing them beside it). Applies while everything the
+/// sequence wrote is its cached chain (`pos == shared * B`): each next full block of `tokens`
+/// found after its chain replaces the unwritten block the table reserved there. Never the block
+/// of its last token (whose logits it needs). Returns the blocks it took.
+pub(super) fn share_more(
+    pool: &mut BlockPool,
+    prefix: &mut PrefixBlocks,
+    table: &mut BlockTable,
+    tokens: &[u32],
+    adapter: Option<u64>,
+    pos: &mut usize,
+    shared: &mut usize,
+) -> usize {
+    let b = pool.block_tokens();
+    let max_shared = tokens.len().saturating_sub(1) / b;
+    let mut took = 0;
+    while *pos == *shared * b && *shared < max_shared && *shared <= table.blocks().len() {
+        let k = *shared;
+        let parent = k.checked_sub(1).map(|p| table.blocks()[p]);
+        let Some(id) = prefix.find(parent, adapter, &tokens[k * b..(k + 1) * b]) else {
+            break;
+        };
+        if table.blocks().get(k) != Some(&id) {
+            table.put_shared(pool, k, id);
+        }
+        prefix.hit(&[id]);
+        *shared += 1;
+        *pos += b;
+        took += 1;
+    }
+    took
+}
+
 /// Frees cached blocks no table holds until `pool` has `need` free ones, when it can.
 pub(super) fn make_room(pool: &mut BlockPool, prefix: Option<&mut PrefixBlocks>, need: usize) {
     if let Some(c) = prefix {
@@ -150,6 +185,53 @@ mod tests {
                 .is_some_and(|a| a.shared == 0),
             "another adapter shares nothing"
         );
+        // A sequence admitted before the blocks it starts with were cached takes them as they
+        // come (its twin, admitted beside it, computed them).
+        let mut late = admit(
+            &mut pool,
+            Some(&mut cache),
+            &[90, 91, 92, 93, 94],
+            None,
+            false,
+        )
+        .unwrap();
+        let mut twin = admit(
+            &mut pool,
+            Some(&mut cache),
+            &[90, 91, 92, 93, 94],
+            None,
+            false,
+        )
+        .unwrap();
+        let toks = [90, 91, 92, 93, 94];
+        assert_eq!(
+            register(&mut pool, Some(&mut cache), &late.table, &toks, None, 0),
+            1
+        );
+        let (mut pos, mut shared) = (0, 0);
+        let took = share_more(
+            &mut pool,
+            &mut cache,
+            &mut twin.table,
+            &toks,
+            None,
+            &mut pos,
+            &mut shared,
+        );
+        assert_eq!((took, pos, shared), (1, 4, 1));
+        assert_eq!(twin.table.blocks()[0], late.table.blocks()[0]);
+        assert_eq!(
+            pool.refs(late.table.blocks()[0]),
+            3,
+            "two tables and the cache"
+        );
+        assert_eq!(
+            twin.table.blocks().len(),
+            2,
+            "its last token's block stays its own"
+        );
+        release(&mut late.table, &mut pool, Some(&mut cache));
+        release(&mut twin.table, &mut pool, Some(&mut cache));
         // Caching off: nothing shared.
         assert_eq!(
             admit(&mut pool, None, &prompt, None, false).unwrap().shared,

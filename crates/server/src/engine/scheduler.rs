@@ -295,6 +295,36 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             continue;
         }
 
+        // Sequences still prefilling take the blocks cached since they were admitted.
+        if let (Some(pc), Some(c)) = (paged.as_mut(), blocks_cache.as_mut()) {
+            for s in running
+                .iter_mut()
+                .filter(|s| s.done.is_none() && s.next.is_none())
+            {
+                let uid = s.uid();
+                let (pos, shared) = (&mut s.pos, &mut s.shared_blocks);
+                let took = paged_blocks::share_more(
+                    pc.pool_mut(),
+                    c,
+                    &mut s.table,
+                    &s.tokens,
+                    uid,
+                    pos,
+                    shared,
+                );
+                // Prompt tokens (a readmitted sequence's recomputation is not a prompt's).
+                if took > 0 && s.generated == 0 {
+                    if s.cached == 0 {
+                        sh.metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
+                    }
+                    s.cached += took * BLOCK_TOKENS;
+                    sh.metrics
+                        .prompt_tokens_cached
+                        .fetch_add((took * BLOCK_TOKENS) as u64, Ordering::Relaxed);
+                }
+            }
+        }
+
         // 4. The batch: decode tokens first, then prompt chunks. With the paged KV cache, the
         // rows' blocks first: while the pool cannot give them, the youngest sequence is
         // preempted (or, alone, ended) and the batch planned again without it.
