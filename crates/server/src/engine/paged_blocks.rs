@@ -240,6 +240,27 @@ mod tests {
     }
 
     #[test]
+    fn admission_keeps_the_watermark_back_unless_nothing_runs() {
+        let mut pool = BlockPool::new(250, 16).unwrap();
+        assert_eq!(watermark(&pool), 2, "1 % of 250 blocks");
+        assert_eq!(
+            watermark(&BlockPool::new(20, 16).unwrap()),
+            1,
+            "at least one"
+        );
+        let _held = pool.alloc(240).unwrap();
+        // 10 free: an 8-block prompt leaves the 2 kept back, a 9-block one would not.
+        let prompt = |blocks: usize, extra: usize| vec![7u32; blocks * 16 + extra];
+        assert!(admit(&mut pool, None, &prompt(9, 0), None, false).is_none());
+        assert_eq!(pool.free_blocks(), 10, "a refusal takes nothing");
+        assert!(admit(&mut pool, None, &prompt(10, 1), None, true).is_none());
+        let mut a = admit(&mut pool, None, &prompt(8, 0), None, false).unwrap();
+        release(&mut a.table, &mut pool, None);
+        let b = admit(&mut pool, None, &prompt(10, 0), None, true);
+        assert!(b.is_some(), "no watermark when nothing runs");
+    }
+
+    #[test]
     fn admission_evicts_unheld_cached_blocks_but_never_its_own_prefix() {
         let mut pool = BlockPool::new(8, B).unwrap();
         let mut cache = PrefixBlocks::new(B);
