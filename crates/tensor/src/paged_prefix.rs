@@ -124,13 +124,8 @@ impl PrefixBlocks {
         self.by_key.get(&key).copied()
     }
 
-    /// Records a use of `blocks` (a chain a new sequence shares), its start the most recent.
-    pub fn hit(&mut self, blocks: &[BlockId]) {
-        self.touch_chain(blocks);
-    }
-
-    /// Records that the sequence holding `chain` (its table's blocks, in position order) leaves
-    /// it: its cached blocks are touched from the last to the first, so the chain's end is
+    /// Records a use of `chain` (a table's blocks, in position order): a new sequence sharing it
+    /// (a hit), or the sequence holding it leaving: its cached blocks are touched from the last to the first, so the chain's end is
     /// evicted before its start.
     pub fn touch_chain(&mut self, chain: &[BlockId]) {
         for &id in chain.iter().rev() {
@@ -333,7 +328,7 @@ mod tests {
         assert_eq!(shared, first.blocks().to_vec());
         let mut t = BlockTable::new();
         t.share(&mut pool, &shared);
-        cache.hit(&shared);
+        cache.touch_chain(&shared);
         t.reserve(&mut pool, b.len()).unwrap();
         assert_eq!(cache.register(&mut pool, t.blocks(), &b, None, 2), 3);
         assert_eq!(cache.len(), 3);
@@ -383,7 +378,7 @@ mod tests {
         assert_eq!(cache.lookup(&a, None, 8), a_blocks[..1].to_vec());
         assert_eq!(cache.lookup(&b, None, 8).len(), 2);
         // A hit makes `a`'s start the most recent: `b` goes next.
-        cache.hit(&a_blocks[..1]);
+        cache.touch_chain(&a_blocks[..1]);
         assert_eq!(cache.evict(&mut pool, 1), 1);
         assert_eq!(cache.lookup(&b, None, 8), b_blocks[..1].to_vec());
         assert_eq!(cache.lookup(&a, None, 8).len(), 1);

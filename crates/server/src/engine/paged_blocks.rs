@@ -55,7 +55,7 @@ pub(super) fn admit(
     let mut table = BlockTable::new();
     table.share(pool, &shared);
     if let Some(c) = prefix.as_deref_mut() {
-        c.hit(&shared);
+        c.touch_chain(&shared);
         if need > pool.free_blocks() {
             c.evict(pool, need - pool.free_blocks());
         }
@@ -98,7 +98,7 @@ pub(super) fn share_more(
         if table.blocks().get(k) != Some(&id) {
             table.put_shared(pool, k, id);
         }
-        prefix.hit(&[id]);
+        prefix.touch_chain(&[id]);
         *shared += 1;
         *pos += b;
         took += 1;

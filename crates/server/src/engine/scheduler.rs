@@ -354,7 +354,6 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                 &mut blocks_cache,
                 sh,
             );
-            publish(&running, free_blocks, &pool, &paged, &blocks_cache, sh);
             continue;
         }
         let fed: usize = plan.iter().map(|p| p.1).sum();
@@ -463,7 +462,6 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             &mut blocks_cache,
             sh,
         );
-        publish(&running, free_blocks, &pool, &paged, &blocks_cache, sh);
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
         }
@@ -517,7 +515,7 @@ fn planned<'a, 'm>(
 }
 
 /// Finishes and removes sequences whose `done` is set, returning their blocks; their caches go
-/// to the prefix cache.
+/// to the prefix cache. Publishes the gauges (before the clients hear of the end, and after).
 fn retire(
     running: &mut Vec<Seq<'_>>,
     free_blocks: &mut usize,
@@ -531,6 +529,7 @@ fn retire(
         .partition(|s| s.done.is_some());
     *running = still;
     if finished.is_empty() {
+        publish(running, *free_blocks, pool, paged, blocks_cache, sh);
         return;
     }
     // The gauges first: a client that has its answer must also see its slot free (/metrics).
@@ -548,6 +547,8 @@ fn retire(
             offer(&mut s, free_blocks, pool, sh);
         }
     }
+    // And after: the prefix cache took the finished caches.
+    publish(running, *free_blocks, pool, paged, blocks_cache, sh);
 }
 
 /// Gives a finished sequence's cache to the prefix cache, compacted to the positions it holds
