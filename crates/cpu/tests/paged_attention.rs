@@ -1,9 +1,10 @@
 //! The paged KV cache's host twin against the contiguous cache's reference attention: several
 //! sequences of different lengths whose blocks are scattered over one pool (tables taken from
 //! `hf2q_tensor::paged`'s pool after other sequences came and went), decode rows and prefill
-//! chunk rows mixed in one call, padding rows, GQA ratios, sliding windows, f16 and f32 pools.
+//! chunk rows mixed in one call (through the dense kernels and the plain loop), padding rows,
+//! GQA ratios, sliding windows, f16 and f32 pools.
 
-use hf2q_cpu::paged::attention;
+use hf2q_cpu::paged::{attention, paged_attention};
 use hf2q_cpu::CpuBackend;
 use hf2q_tensor::op::{AttentionParams, LayerCache};
 use hf2q_tensor::paged::{
@@ -39,7 +40,7 @@ struct Case {
     sinks: bool,
 }
 
-fn run<T: PagedElem>(c: &Case, rng: &mut Rng) {
+fn run<T: PagedElem + hf2q_cpu::KvRead>(c: &Case, rng: &mut Rng) {
     let width = c.hkv * c.dh;
     let n_blocks = c.lens.iter().map(|l| l.div_ceil(c.block)).sum::<usize>() + 3;
     let layout = PagedLayout {
@@ -109,6 +110,16 @@ fn run<T: PagedElem>(c: &Case, rng: &mut Rng) {
     };
     let q = rng.vec(pos.len() * c.h * c.dh);
     let got = attention(&layer, &q, &rows, &p).unwrap();
+    // The plain loop (the fallback for rows in no consecutive run) agrees with the dense kernels.
+    let plain = paged_attention(&q, &layer.k, &layer.v, &layout, &rows, &p).unwrap();
+    let gap = got
+        .iter()
+        .zip(&plain)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        gap <= 1e-5,
+        "dense kernels vs the plain loop: max |err| {gap}"
+    );
 
     // Reference: the contiguous `(Hkv, S, Dh)` cache of the row's sequence, its values rounded
     // as the pool stored them, one query at a time.
