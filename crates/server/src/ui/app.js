@@ -153,6 +153,19 @@ function fillMessage(div, m) {
   if (m.role === "tool") { fillToolMessage(div, m); return; }
   if (m.role === "assistant" && !m.error) div.innerHTML = markdown(m.content);
   else div.textContent = m.content;
+  if (m.reasoning) {
+    // The model's reasoning (`reasoning_content`), folded above the answer; open while it is
+    // all there is.
+    const d = document.createElement("details");
+    d.className = "reasoning";
+    d.open = !m.content;
+    const s = document.createElement("summary");
+    s.textContent = "Reasoning";
+    const t = document.createElement("div");
+    t.textContent = m.reasoning;
+    d.append(s, t);
+    div.prepend(d);
+  }
   for (const c of m.tool_calls || []) {
     if (!c) continue;
     const t = document.createElement("div");
@@ -231,7 +244,7 @@ function apiMessage(m) {
   return out;
 }
 
-/// Streams one completion into `reply` (content and tool_calls deltas); returns
+/// Streams one completion into `reply` (content, reasoning_content and tool_calls deltas); returns
 /// { finish, usage }. Throws on an HTTP or stream error.
 async function streamReply(body, reply, el, signal) {
   const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
@@ -264,6 +277,7 @@ async function streamReply(body, reply, el, signal) {
         if (j.usage) usage = j.usage;
         for (const c of j.choices || []) {
           if (c.delta && c.delta.content) reply.content += c.delta.content;
+          if (c.delta && c.delta.reasoning_content) reply.reasoning = (reply.reasoning || "") + c.delta.reasoning_content;
           for (const t of (c.delta && c.delta.tool_calls) || []) {
             reply.tool_calls = reply.tool_calls || [];
             if (t.id) reply.tool_calls[t.index] = { id: t.id, type: "function", function: { name: t.function.name, arguments: "" } };

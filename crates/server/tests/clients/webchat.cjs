@@ -113,6 +113,47 @@ async function main() {
       if (html.includes("<img")) throw new Error(`unescaped HTML: ${html}`);
     });
 
+    await check("reasoning is shown folded above the answer, and not sent back", async () => {
+      // A canned stream, as a reasoning model's server sends it (`reasoning_content` deltas, then
+      // content): the tiny model has no reasoning channel.
+      const sent = [];
+      await page.route("**/v1/chat/completions", async (route) => {
+        sent.push(JSON.parse(route.request().postData()));
+        const frames = [
+          { choices: [{ index: 0, delta: { role: "assistant" } }] },
+          { choices: [{ index: 0, delta: { reasoning_content: "The user greets; " } }] },
+          { choices: [{ index: 0, delta: { reasoning_content: "answer briefly." } }] },
+          { choices: [{ index: 0, delta: { content: "Hi!" } }] },
+          { choices: [{ index: 0, delta: {}, finish_reason: "stop" }] },
+        ];
+        const body = frames.map((f) => "data: " + JSON.stringify(f) + "\n\n").join("") + "data: [DONE]\n\n";
+        await route.fulfill({ status: 200, headers: { "content-type": "text/event-stream" }, body });
+      });
+      try {
+        for (const text of ["Think first", "And again"]) {
+          const n = await page.locator("#messages .msg.assistant").count();
+          await page.fill("#input", text);
+          await page.press("#input", "Enter");
+          await page.waitForFunction((n) => document.querySelectorAll("#messages .msg.assistant").length > n
+            && !document.getElementById("send").hidden, n);
+        }
+        const last = page.locator("#messages .msg.assistant").last();
+        const reasoning = await last.locator("details.reasoning").textContent();
+        if (!reasoning.includes("The user greets; answer briefly.")) throw new Error(`reasoning: ${reasoning}`);
+        if (await last.locator("details.reasoning").evaluate((d) => d.open)) {
+          throw new Error("the reasoning should fold once the answer is there");
+        }
+        const answer = await last.evaluate((el) => [...el.childNodes].filter((c) => c.tagName !== "DETAILS")
+          .map((c) => c.textContent).join(""));
+        if (!answer.includes("Hi!") || answer.includes("greets")) throw new Error(`answer: ${answer}`);
+        const second = sent[1].messages;
+        if (second.some((m) => "reasoning" in m || "reasoning_content" in m)) throw new Error("reasoning sent back");
+        if (!second.some((m) => m.role === "assistant" && m.content === "Hi!")) throw new Error(JSON.stringify(second));
+      } finally {
+        await page.unroute("**/v1/chat/completions");
+      }
+    });
+
     await check("no page errors", async () => {
       if (errors.length) throw new Error(errors.map(String).join("\n"));
     });
@@ -125,7 +166,7 @@ async function main() {
   }
   const failed = results.filter((r) => r[1]).length;
   console.log(`web chat: ${results.length - failed} passed, ${failed} failed`);
-  process.exit(failed || results.length < 7 ? 1 : 0);
+  process.exit(failed || results.length < 8 ? 1 : 0);
 }
 
 main().catch((e) => {
