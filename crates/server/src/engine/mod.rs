@@ -45,6 +45,7 @@
 //! reservation never runs out).
 
 pub mod adapters;
+mod kv_state;
 mod paged_blocks;
 mod preempt;
 mod prefix;

@@ -29,11 +29,11 @@ use std::time::{Duration, Instant};
 use hf2q_models::adapter_set::AdapterSet;
 use hf2q_models::generate::FinishReason;
 use hf2q_models::kv_cache::{KvCache, KvType};
-use hf2q_models::{BatchItem, Model, PagedItem, PagedKvCache, Picked, RowPick};
+use hf2q_models::{BatchItem, Model, PagedItem, Picked, RowPick};
 use hf2q_tensor::paged::BlockTable;
-use hf2q_tensor::paged_prefix::PrefixBlocks;
 
 use super::adapters::{valid_name, AdapterInfo, AdapterRef};
+use super::kv_state::KvState;
 use super::paged_blocks;
 use super::preempt::{self, Requeued, Reserved};
 use super::prefix::{common_prefix, usable, PrefixPool, MIN_REUSE};
@@ -51,32 +51,10 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
     let mut requeued = Requeued::default();
     // Admissions so far: the next sequence's `Seq::order`.
     let mut admitted: u64 = 0;
-    // Per-request caches: blocks neither reserved by a running sequence nor held by the prefix
-    // cache. (The paged KV cache counts its blocks in its own pool.)
-    let mut free_blocks = sh.total_blocks;
-    let mut pool = PrefixPool::default();
+    // Where the running sequences' keys and values live, and the prefix caches.
+    let mut kv = KvState::new(model, sh);
     // The served adapters' factors; the registry in `sh` names them.
     let mut set = AdapterSet::new();
-    // With `paged_kv`, one paged store per layer holds every running sequence's keys and values
-    // (its pool is the --kv-mem budget in blocks); a sequence takes its blocks as it grows and
-    // is preempted when a step cannot get them ([`preempt`]).
-    let mut paged: Option<PagedKvCache> = if cfg.paged_kv {
-        match model.paged_cache(sh.total_blocks.max(1), BLOCK_TOKENS, cfg.ctx_size) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                eprintln!("warning: no paged KV cache ({e}); each request keeps its own cache");
-                None
-            }
-        }
-    } else {
-        None
-    };
-    sh.paged.store(paged.is_some(), Ordering::SeqCst);
-    // The paged KV cache's prefix cache: full blocks kept and shared by their tokens.
-    let mut blocks_cache: Option<PrefixBlocks> = match &paged {
-        Some(pc) if cfg.prefix_cache => Some(PrefixBlocks::new(pc.pool().block_tokens())),
-        _ => None,
-    };
     let _ = ready.send(());
     loop {
         sh.beat();
@@ -84,10 +62,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         let released = sh.registry().take_released();
         for a in released {
             set.remove(a.slot);
-            free_blocks += pool.drop_adapter(a.uid);
-            if let (Some(pc), Some(c)) = (paged.as_mut(), blocks_cache.as_mut()) {
-                c.drop_adapter(pc.pool_mut(), a.uid);
-            }
+            kv.drop_adapter(a.uid);
         }
         // 1. Commands; block only when idle (with a timeout, to keep the heartbeat fresh).
         let mut cmds: Vec<Cmd> = Vec::new();
@@ -125,14 +100,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                             status: 503,
                             message: why.clone(),
                         });
-                        match paged.as_mut() {
-                            Some(pc) => paged_blocks::release(
-                                &mut s.table,
-                                pc.pool_mut(),
-                                blocks_cache.as_mut(),
-                            ),
-                            None => free_blocks += s.p.blocks,
-                        }
+                        kv.release(&mut s);
                     }
                     for mut s in requeued.drain(sh) {
                         s.send(Event::Error {
@@ -183,25 +151,18 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         for s in running.iter_mut() {
             s.check_alive(now, sh);
         }
-        if let Some(pc) = paged.as_ref() {
+        if let Some(pc) = kv.paged.as_ref() {
             running.extend(requeued.expire(pc.pool(), now, sh));
         }
-        retire(
-            &mut running,
-            &mut free_blocks,
-            &mut pool,
-            &mut paged,
-            &mut blocks_cache,
-            sh,
-        );
+        retire(&mut running, &mut kv, sh);
 
         // 3. Admission, in arrival order: preempted sequences first (paged KV cache), then
         // new requests. The prefix cache's blocks are free for the taking.
         while running.len() < cfg.max_seqs {
-            if let Some(pc) = paged.as_mut() {
+            if let Some(pc) = kv.paged.as_mut() {
                 if let Some(s) = requeued.front() {
                     let nothing_running = running.is_empty();
-                    let cache = blocks_cache.as_mut();
+                    let cache = kv.blocks_cache.as_mut();
                     match paged_blocks::admit(
                         pc.pool_mut(),
                         cache,
@@ -222,11 +183,11 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             // With the paged KV cache, the prompt's blocks (its cached prefix shared) now.
             let mut blocks = None;
             if valid {
-                match paged.as_mut() {
+                match kv.paged.as_mut() {
                     Some(pc) => {
                         let adapter = front.req.adapter.as_ref().map(|a| a.uid);
                         let prompt = &front.req.prompt;
-                        let cache = blocks_cache.as_mut();
+                        let cache = kv.blocks_cache.as_mut();
                         match paged_blocks::admit(
                             pc.pool_mut(),
                             cache,
@@ -238,7 +199,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                             None => break,
                         }
                     }
-                    None if front.blocks > free_blocks + pool.blocks() => break,
+                    None if front.blocks > kv.free_blocks + kv.pool.blocks() => break,
                     None => {}
                 }
             }
@@ -260,7 +221,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             let mut shared_blocks = 0;
             let (cache, cached) = match blocks {
                 Some(a) => {
-                    if blocks_cache.is_some() {
+                    if kv.blocks_cache.is_some() {
                         let m = &sh.metrics;
                         m.prefix_cache_queries.fetch_add(1, Ordering::Relaxed);
                         if a.shared > 0 {
@@ -276,8 +237,8 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                     )
                 }
                 None => {
-                    let c = start_cache(model, &p, &mut pool, &running, &mut free_blocks, sh);
-                    free_blocks -= p.blocks;
+                    let c = start_cache(model, &p, &mut kv.pool, &running, &mut kv.free_blocks, sh);
+                    kv.free_blocks -= p.blocks;
                     c
                 }
             };
@@ -290,13 +251,13 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             seq.shared_blocks = shared_blocks;
             running.push(seq);
         }
-        publish(&running, free_blocks, &pool, &paged, &blocks_cache, sh);
+        kv.publish(&running, sh);
         if running.is_empty() {
             continue;
         }
 
         // Sequences still prefilling take the blocks cached since they were admitted.
-        if let (Some(pc), Some(c)) = (paged.as_mut(), blocks_cache.as_mut()) {
+        if let (Some(pc), Some(c)) = (kv.paged.as_mut(), kv.blocks_cache.as_mut()) {
             for s in running
                 .iter_mut()
                 .filter(|s| s.done.is_none() && s.next.is_none())
@@ -330,8 +291,10 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         // preempted (or, alone, ended) and the batch planned again without it.
         let plan = loop {
             let plan = plan_batch(&running, cfg.max_batch_tokens);
-            let Some(pc) = paged.as_mut() else { break plan };
-            let cache = blocks_cache.as_mut();
+            let Some(pc) = kv.paged.as_mut() else {
+                break plan;
+            };
+            let cache = kv.blocks_cache.as_mut();
             match preempt::reserve_rows(
                 &mut running,
                 &plan,
@@ -346,14 +309,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         };
         if plan.is_empty() {
             // Everything left was preempted or ended.
-            retire(
-                &mut running,
-                &mut free_blocks,
-                &mut pool,
-                &mut paged,
-                &mut blocks_cache,
-                sh,
-            );
+            retire(&mut running, &mut kv, sh);
             continue;
         }
         let fed: usize = plan.iter().map(|p| p.1).sum();
@@ -361,7 +317,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         let result = {
             let mut seqs = planned(&mut running, &plan);
             let slots: Vec<Option<usize>> = seqs.iter().map(|(s, _)| s.slot()).collect();
-            if let Some(pc) = paged.as_mut() {
+            if let Some(pc) = kv.paged.as_mut() {
                 // Tokens picked on the device where the request allows; only those ids (and
                 // the rows that need their logits here) come back.
                 let picks: Vec<RowPick> = seqs.iter_mut().map(|(s, n)| s.row_pick(*n)).collect();
@@ -418,10 +374,10 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
                         s.tokens.push(t);
                     }
                     // Blocks this step filled join the prefix cache.
-                    if let Some(pc) = paged.as_mut() {
+                    if let Some(pc) = kv.paged.as_mut() {
                         s.shared_blocks = paged_blocks::register(
                             pc.pool_mut(),
-                            blocks_cache.as_mut(),
+                            kv.blocks_cache.as_mut(),
                             &s.table,
                             &s.tokens[..s.pos],
                             s.uid(),
@@ -454,14 +410,7 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add(now, sampled);
-        retire(
-            &mut running,
-            &mut free_blocks,
-            &mut pool,
-            &mut paged,
-            &mut blocks_cache,
-            sh,
-        );
+        retire(&mut running, &mut kv, sh);
         if !cfg.step_delay.is_zero() {
             std::thread::sleep(cfg.step_delay);
         }
@@ -516,39 +465,29 @@ fn planned<'a, 'm>(
 
 /// Finishes and removes sequences whose `done` is set, returning their blocks; their caches go
 /// to the prefix cache. Publishes the gauges (before the clients hear of the end, and after).
-fn retire(
-    running: &mut Vec<Seq<'_>>,
-    free_blocks: &mut usize,
-    pool: &mut PrefixPool,
-    paged: &mut Option<PagedKvCache>,
-    blocks_cache: &mut Option<PrefixBlocks>,
-    sh: &Shared,
-) {
+fn retire(running: &mut Vec<Seq<'_>>, kv: &mut KvState, sh: &Shared) {
     let (mut finished, still): (Vec<Seq<'_>>, Vec<Seq<'_>>) = std::mem::take(running)
         .into_iter()
         .partition(|s| s.done.is_some());
     *running = still;
     if finished.is_empty() {
-        publish(running, *free_blocks, pool, paged, blocks_cache, sh);
+        kv.publish(running, sh);
         return;
     }
     // The gauges first: a client that has its answer must also see its slot free (/metrics).
     for s in &mut finished {
-        match paged.as_mut() {
-            Some(pc) => paged_blocks::release(&mut s.table, pc.pool_mut(), blocks_cache.as_mut()),
-            None => *free_blocks += s.p.blocks,
-        }
+        kv.release(s);
     }
-    publish(running, *free_blocks, pool, paged, blocks_cache, sh);
+    kv.publish(running, sh);
     for mut s in finished {
         let reason = s.done.expect("partitioned on done");
         s.finish(reason, sh);
-        if sh.cfg.prefix_cache && s.poolable && paged.is_none() {
-            offer(&mut s, free_blocks, pool, sh);
+        if sh.cfg.prefix_cache && s.poolable && kv.paged.is_none() {
+            offer(&mut s, &mut kv.free_blocks, &mut kv.pool, sh);
         }
     }
     // And after: the prefix cache took the finished caches.
-    publish(running, *free_blocks, pool, paged, blocks_cache, sh);
+    kv.publish(running, sh);
 }
 
 /// Gives a finished sequence's cache to the prefix cache, compacted to the positions it holds
@@ -702,42 +641,4 @@ fn install(
     let a = std::sync::Arc::new(info);
     reg.insert(a.clone());
     Ok(a)
-}
-
-/// Updates the engine's gauges in `sh`. KV blocks in use: with the paged KV cache those its
-/// pool has handed out (to running sequences' tables); else the blocks reserved by running
-/// sequences and held by the prefix cache (`total - free_blocks`).
-fn publish(
-    running: &[Seq<'_>],
-    free_blocks: usize,
-    pool: &PrefixPool,
-    paged: &Option<PagedKvCache>,
-    blocks_cache: &Option<PrefixBlocks>,
-    sh: &Shared,
-) {
-    let blocks_used = match paged {
-        Some(pc) => paged_blocks::held(pc.pool(), blocks_cache.as_ref()),
-        None => sh.total_blocks - free_blocks - pool.blocks(),
-    };
-    sh.running.store(running.len(), Ordering::SeqCst);
-    sh.kv_reserved_blocks.store(blocks_used, Ordering::Relaxed);
-    let paged_bytes =
-        |s: &Seq<'_>| s.table.blocks().len() * BLOCK_TOKENS * sh.bytes_per_token as usize;
-    let used: usize = running
-        .iter()
-        .map(|s| s.cache.bytes() + paged_bytes(s))
-        .sum();
-    sh.kv_used_bytes.store(used as u64, Ordering::Relaxed);
-    // With the paged KV cache, its prefix cache's blocks (entries are blocks).
-    let (cached_bytes, cached_entries) = match blocks_cache {
-        Some(c) => (
-            c.len() * BLOCK_TOKENS * sh.bytes_per_token as usize,
-            c.len(),
-        ),
-        None => (pool.bytes(), pool.len()),
-    };
-    sh.prefix_cache_bytes
-        .store(cached_bytes as u64, Ordering::Relaxed);
-    sh.prefix_cache_entries
-        .store(cached_entries, Ordering::Relaxed);
 }
