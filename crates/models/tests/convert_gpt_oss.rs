@@ -420,6 +420,8 @@ fn quantize_keeps_the_experts() {
     for (preset, tol, attn_q) in [
         ("Q8_0", 5e-2f32, GgmlType::Q8_0),
         ("Q4_K_M", 0.5, GgmlType::Q5_0),
+        // llama.cpp's preset for the family: Q8_0 for every other weight, as the Q8_0 type.
+        ("MXFP4_MOE", 5e-2, GgmlType::Q8_0),
     ] {
         for (i, source) in [tiny(), gguf.clone()].into_iter().enumerate() {
             let src = SourceModel::open(&source).unwrap();
@@ -431,6 +433,10 @@ fn quantize_keeps_the_experts() {
             };
             let report = quantize(&src, &out, &opts, &NoProgress).unwrap();
             assert!(!report.requantized, "{preset}: nothing is decoded");
+            if preset == "MXFP4_MOE" {
+                let ft = GgufFile::open(&out).unwrap().get_u64("general.file_type");
+                assert_eq!(ft, Some(38), "llama.cpp's LLAMA_FTYPE_MOSTLY_MXFP4_MOE");
+            }
             let f = GgufFile::open(&out).unwrap();
             assert_eq!(f.tensors.len(), reference.tensors.len());
             for t in &f.tensors {
@@ -451,7 +457,7 @@ fn quantize_keeps_the_experts() {
                     assert_eq!(t.ty, GgmlType::F32, "{preset} {n}");
                 } else if n.contains("attn_q.weight") {
                     assert_eq!(t.ty, attn_q, "{preset} {n}");
-                } else if n == "output.weight" {
+                } else if n == "output.weight" || preset == "MXFP4_MOE" {
                     assert_eq!(t.ty, GgmlType::Q8_0, "{preset} {n}");
                 }
             }
