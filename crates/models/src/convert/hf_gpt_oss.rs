@@ -136,13 +136,16 @@ pub fn write_experts(
                 gate.shape, up.shape, down.shape
             )));
         };
+        let whole = |n: usize| n > 0 && n.is_multiple_of(QK_MXFP4);
         if (e2, f2, d2) != (e, f, d)
             || (e3, d3, f3) != (e, d, f)
-            || d % QK_MXFP4 + f % QK_MXFP4 != 0
+            || e == 0
+            || !whole(d)
+            || !whole(f)
         {
             return Err(Error::Msg(format!(
                 "layer {layer}: experts gate {:?}, up {:?}, down {:?} disagree (E x F x D, \
-                 E x D x F, rows of whole 32-blocks)",
+                 E x D x F, none empty, rows of whole 32-blocks)",
                 gate.shape, up.shape, down.shape
             )));
         }
@@ -296,7 +299,7 @@ mod tests {
         let mut ggml = Vec::new();
         for b in 0..40u32 {
             ggml.push((b * 7) as u8);
-            ggml.extend((0..16u32).map(|j| ((j + b) % 16 | ((j * 3 + b) % 16) << 4) as u8));
+            ggml.extend((0..16u32).map(|j| (((j + b) % 16) | (((j * 3 + b) % 16) << 4)) as u8));
         }
         let (blocks, scales) = to_hf_blocks(&ggml).unwrap();
         assert_eq!((blocks.len(), scales.len()), (40 * 16, 40));
