@@ -553,3 +553,43 @@ fn bad_gguf_fails_by_name() {
     let e = Model::load(&p).err().expect("refused").to_string();
     assert!(e.contains("RoPE scaling 'linear'"), "{e}");
 }
+
+/// Mixed precision (`--target-bpw`) from the folder and from its GGUF: the experts are in no
+/// group (their MXFP4 bytes copied at every level), the file loads and runs.
+#[test]
+fn mixed_precision_keeps_the_experts() {
+    use hf2q_models::quantize::mixed::{quantize_mixed, MixedOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = to_gguf(dir.path());
+    let reference = GgufFile::open(&gguf).unwrap();
+    let ids = golden_ids();
+    for (i, source) in [tiny(), gguf.clone()].into_iter().enumerate() {
+        let src = SourceModel::open(&source).unwrap();
+        let out = dir.path().join(format!("mixed-{i}.gguf"));
+        let (_, alloc) = quantize_mixed(
+            &src,
+            &out,
+            &MixedOptions::new(8.0, ids.clone()),
+            &NoProgress,
+            &NoProgress,
+        )
+        .unwrap_or_else(|e| panic!("source {i}: {e}"));
+        assert!(
+            alloc.groups.iter().all(|g| !g.name.contains("ffn")),
+            "{:?}",
+            alloc.groups.iter().map(|g| &g.name).collect::<Vec<_>>()
+        );
+        let f = GgufFile::open(&out).unwrap();
+        for t in reference.tensors.iter().filter(|t| t.ty == GgmlType::MXFP4) {
+            let u = f.tensor(&t.name).unwrap();
+            assert_eq!(u.ty, GgmlType::MXFP4, "{}", t.name);
+            assert!(
+                f.tensor_data(u).unwrap().as_slice()
+                    == reference.tensor_data(t).unwrap().as_slice(),
+                "{}: expert bytes changed",
+                t.name
+            );
+        }
+        assert!(logits(&out, &ids).iter().all(|x| x.is_finite()));
+    }
+}
