@@ -28,9 +28,9 @@ pub struct QuantizeArgs {
     /// Output: a .gguf file for GGUF types, a new folder for MLX types.
     pub output: PathBuf,
     /// Target: a llama.cpp preset (Q2_K Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K
-    /// Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 F16 BF16 F32, with llama.cpp's per-tensor rules), Q3_K / Q4_K /
-    /// Q5_K (that type for every weight), or MLX affine mlxB / mlxBgG (B in 2,3,4,5,6,8; G in
-    /// 32,64,128).
+    /// Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 F16 BF16 F32 MXFP4_MOE, with llama.cpp's per-tensor rules;
+    /// GPT-OSS's MXFP4 experts stay as they are under every type), Q3_K / Q4_K / Q5_K (that type
+    /// for every weight), or MLX affine mlxB / mlxBgG (B in 2,3,4,5,6,8; G in 32,64,128).
     #[arg(
         short = 't',
         long = "type",

@@ -9,6 +9,9 @@
 //! From a GGUF source the config is rebuilt from [`ModelConfig`] and the tokenizer files from
 //! the GGUF tokenizer metadata; from a folder they are copied (an MLX folder's `quantization`
 //! block removed).
+//!
+//! GPT-OSS keeps its experts in MXFP4 (`*_blocks` / `*_scales`, gate and up interleaved) and its
+//! `quantization_config`: [`super::hf_gpt_oss`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -70,6 +73,8 @@ pub fn default_dtype(src: &SourceModel) -> StDtype {
     for t in &src.tensors {
         let d = match t.stored {
             Stored::Ggml(hf2q_tensor::GgmlType::F32) if t.shape.len() == 1 => continue,
+            // GPT-OSS's experts are written as the MXFP4 blocks they are.
+            Stored::Ggml(hf2q_tensor::GgmlType::MXFP4) => continue,
             Stored::Ggml(hf2q_tensor::GgmlType::F32) => StDtype::F32,
             Stored::Ggml(hf2q_tensor::GgmlType::F16) => StDtype::F16,
             Stored::Ggml(hf2q_tensor::GgmlType::BF16) => StDtype::BF16,
@@ -345,6 +350,7 @@ fn insert_llama_variant(m: &mut Map<String, Value>, c: &ModelConfig) {
                 m.insert(k.into(), json!(v));
             }
         }
+        Arch::GptOss => super::hf_gpt_oss::insert_keys(m, c),
         _ => {}
     }
 }
@@ -357,6 +363,13 @@ pub fn output_config(src: &SourceModel, tok: Option<&Tokenizer>, dtype: StDtype)
             if let Some(o) = v.as_object_mut() {
                 o.remove("quantization");
                 o.remove("quantization_config");
+                if src.config.arch == Arch::GptOss {
+                    // Its experts stay MXFP4 (check_hf refused any other method).
+                    o.insert(
+                        "quantization_config".into(),
+                        super::hf_gpt_oss::quantization_config(),
+                    );
+                }
                 o.insert("torch_dtype".into(), json!(torch_dtype_name(dtype)));
                 add_legacy_rope_keys(o, &src.config);
             }
@@ -636,15 +649,6 @@ pub fn write_hf(
     opts: &HfOptions,
     progress: &dyn Progress,
 ) -> Result<WriteReport> {
-    if src.config.arch == crate::config::Arch::GptOss {
-        // Its checkpoint keeps the experts as MXFP4 `*_blocks` / `*_scales` with gate and up
-        // interleaved; this writer has no such layout yet.
-        return Err(Error::Msg(format!(
-            "{}: writing GPT-OSS as a Hugging Face folder is not supported yet (its MXFP4 \
-             experts); GPT-OSS converts to GGUF only",
-            src.path.display()
-        )));
-    }
     let dtype = opts.dtype.unwrap_or_else(|| default_dtype(src));
     if !matches!(dtype, StDtype::F32 | StDtype::F16 | StDtype::BF16) {
         return Err(Error::Msg(format!(
@@ -664,11 +668,15 @@ pub fn write_hf(
             BTreeMap::from([("format".to_string(), "pt".to_string())]),
         );
         let mut report = WriteReport::default();
+        let gpt_oss = src.config.arch == Arch::GptOss;
         let mut order: Vec<usize> = (0..src.tensors.len()).collect();
         order.sort_by(|&a, &b| src.tensors[a].hf.cmp(&src.tensors[b].hf));
         progress.start(order.len());
         for (k, i) in order.into_iter().enumerate() {
             let t = &src.tensors[i];
+            if gpt_oss && super::hf_gpt_oss::is_expert_tensor(t) {
+                continue; // below, in the checkpoint's MXFP4 layout
+            }
             if t.hf == super::source::ROPE_FREQS {
                 continue; // refused above by the config builder when it matters
             }
@@ -697,6 +705,9 @@ pub fn write_hf(
                 shards.add(name, dtype, shape, bytes)?;
             }
             progress.tensor(k + 1, &t.hf, &t.stored.name(), dtype.name());
+        }
+        if gpt_oss {
+            super::hf_gpt_oss::write_experts(src, &mut shards, &mut report, dtype)?;
         }
         progress.finish();
         shards.finish(false)?;

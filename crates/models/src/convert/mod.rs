@@ -4,7 +4,8 @@
 //!   in either tensor layout (llama.cpp's permuted Llama q/k rows, Gemma's `1 + w` norms).
 //! - [`gguf_out`]: GGUF writing (llama-quantize's tensor order and metadata handling).
 //! - [`gguf_meta`]: GGUF metadata built from a Hugging Face config.json + tokenizer files.
-//! - [`hf_out`]: Hugging Face folder (config.json, sharded safetensors + index, tokenizer files).
+//! - [`hf_out`]: Hugging Face folder (config.json, sharded safetensors + index, tokenizer files);
+//!   [`hf_gpt_oss`]: GPT-OSS's MXFP4 experts in that folder.
 //! - [`mlx_out`]: mlx-lm's affine-quantized folder layout.
 //!
 //! Every writer streams: one tensor (or one safetensors shard) in memory at a time, and output
@@ -13,6 +14,7 @@
 
 pub mod gguf_meta;
 pub mod gguf_out;
+pub mod hf_gpt_oss;
 pub mod hf_out;
 pub mod mlx_out;
 pub mod source;

@@ -233,7 +233,8 @@ pub fn plan_mixed(
     let mut groups: Vec<Group> = Vec::new();
     for &i in &gguf_tensor_order(src) {
         let t = &src.tensors[i];
-        if !allows_quantization(&t.gguf, t.shape.len()) {
+        // GPT-OSS's MXFP4 experts keep their blocks at every level (counted in `fixed`).
+        if !allows_quantization(&t.gguf, t.shape.len()) || super::keeps_stored_blocks(t) {
             continue;
         }
         let Some((name, protected)) = group_of(&t.gguf, src.config.n_layers, tied) else {

@@ -7,13 +7,21 @@
 //! - [`collect`]: computing an importance matrix by running a model over a text.
 //! - [`mixed`]: per-group types chosen by measured KL under a bits-per-weight budget.
 //! - [`sensitivity`]: how far swapping weights moves a loaded model's logits (mixed's measure).
+//! - [`mxfp4`]: quantizing to MXFP4 (ggml's reference quantizer), for `MXFP4_MOE`'s experts.
 //!
 //! The bytes themselves come from `hf2q_tensor::quant` (ggml's quantizers, byte for byte) and are
 //! written by `crate::convert`.
+//!
+//! GPT-OSS: its MXFP4 experts (`ffn_{gate,up,down}_exps`, the only MXFP4 tensors a source holds)
+//! stay MXFP4 under every type, their bytes copied as they are (never decoded and quantized
+//! again: MXFP4 is the format the model was trained for, as llama.cpp's `MXFP4_MOE` keeps them);
+//! every other tensor follows the chosen type's per-tensor rules, which leave the sinks, norms,
+//! biases and the router (`ffn_gate_inp`) in their float type as llama-quantize does.
 
 pub mod collect;
 pub mod imatrix;
 pub mod mixed;
+pub mod mxfp4;
 pub mod presets;
 pub mod rules;
 pub mod sensitivity;
@@ -80,6 +88,14 @@ pub fn plan_gguf(
     let mut plan = Vec::with_capacity(order.len());
     for i in order {
         let t = &src.tensors[i];
+        if keeps_stored_blocks(t) {
+            // Not shown to the chooser: no rule or fallback applies to it.
+            plan.push(GgufPlanEntry {
+                src: i,
+                to: GgmlType::MXFP4,
+            });
+            continue;
+        }
         // A tensor that is not quantized keeps its type; float sources store 1-D tensors and
         // routers as F32 in GGUF (as llama.cpp's converter does), MLX affine ones cannot stay
         // affine.
@@ -102,25 +118,26 @@ pub fn quantize(
     opts: &QuantizeOptions,
     progress: &dyn Progress,
 ) -> Result<QuantizeReport> {
-    if src.config.arch == crate::config::Arch::GptOss {
-        return Err(crate::Error::Msg(format!(
-            "{}: quantizing GPT-OSS is not supported yet; `hf2q convert --to gguf` (no \
-             quantization) writes it with its MXFP4 experts, as llama.cpp's converter does",
-            src.path.display()
-        )));
-    }
-    let requantized = src.is_quantized();
-    if requantized {
-        progress.warn(&format!(
-            "{} holds quantized weights: they are decoded and quantized again, which adds the new \
-             format's error to the old one (quantize from the original float checkpoint when you can)",
-            src.path.display()
-        ));
-    }
+    let warn_requantized = |requantized: bool| {
+        if requantized {
+            progress.warn(&format!(
+                "{} holds quantized weights: they are decoded and quantized again, which adds the \
+                 new format's error to the old one (quantize from the original float checkpoint \
+                 when you can)",
+                src.path.display()
+            ));
+        }
+        requantized
+    };
     match opts.target {
         QuantTarget::Gguf(recipe) => {
             let imatrix = opts.imatrix.as_ref();
             let (plan, fallbacks) = plan_gguf(src, recipe, opts.overrides, imatrix.is_some())?;
+            // Only what the plan decodes counts (GPT-OSS's MXFP4 experts are copied).
+            let requantized = warn_requantized(plan.iter().any(|e| {
+                let t = &src.tensors[e.src];
+                !t.stored.is_float() && Stored::Ggml(e.to) != t.stored
+            }));
             for (name, want, got) in &fallbacks {
                 let cols = src.tensor_by_gguf(name).map(|t| t.cols()).unwrap_or(0);
                 progress.warn(&format!(
@@ -163,6 +180,7 @@ pub fn quantize(
             })
         }
         QuantTarget::Mlx(MlxRecipe { params }) => {
+            let requantized = warn_requantized(src.is_quantized());
             let imatrix = opts.imatrix.as_ref();
             // The tensors mlx_out quantizes: 2-D weights whose rows are whole groups.
             let quantized = |t: &&SrcTensor| {
@@ -231,6 +249,12 @@ fn check_imatrix_entries<'a>(
         }
     }
     Ok(())
+}
+
+/// Whether a tensor keeps its stored blocks under every quantization type: GPT-OSS's MXFP4
+/// experts (`(E, R, C)`, 17 bytes per 32 values), whose bytes `gguf_out::produce` copies.
+pub fn keeps_stored_blocks(t: &SrcTensor) -> bool {
+    t.stored == Stored::Ggml(GgmlType::MXFP4)
 }
 
 /// The GGUF type of a tensor that is not quantized: a GGUF source's own; from a folder, F32 for

@@ -10,7 +10,7 @@ use hf2q_tensor::GgmlType;
 
 use crate::{Error, Result};
 
-/// A llama.cpp file type that hf2q can produce (the IQ*, TQ* and MXFP4 ones are not here).
+/// A llama.cpp file type that hf2q can produce (the IQ*, TQ* and NVFP4 ones are not here).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types)]
 pub enum Preset {
@@ -31,6 +31,8 @@ pub enum Preset {
     Q5_K_S,
     Q5_K_M,
     Q6_K,
+    /// llama.cpp's `MXFP4_MOE`: stacked experts MXFP4, every other quantized weight Q8_0.
+    MXFP4_MOE,
 }
 
 use Preset::*;
@@ -54,6 +56,7 @@ const PRESETS: &[(Preset, &str, u32, GgmlType)] = &[
     (Q5_K_M, "Q5_K_M", 17, GgmlType::Q5_K),
     (Q6_K, "Q6_K", 18, GgmlType::Q6_K),
     (BF16, "BF16", 32, GgmlType::BF16),
+    (MXFP4_MOE, "MXFP4_MOE", 38, GgmlType::MXFP4),
 ];
 
 impl Preset {
@@ -125,7 +128,7 @@ impl QuantTarget {
     /// name does not carry one (`mlx4` vs `mlx4g32`).
     ///
     /// - llama.cpp presets: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S Q3_K_M Q3_K_L
-    ///   Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K (llama.cpp's per-tensor rules apply);
+    ///   Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K MXFP4_MOE (llama.cpp's per-tensor rules apply);
     /// - Q3_K, Q4_K, Q5_K: that type for every weight (pure);
     /// - mlxB or mlxBgG, B in {2,3,4,5,6,8}, G in {32,64,128} (default 64).
     pub fn parse(s: &str, group: Option<usize>) -> Result<QuantTarget> {

@@ -17,6 +17,9 @@
 //! rather than counted (llama.cpp's `layer_info` when the model has experts); the router
 //! `ffn_gate_inp` is never quantized; a model of exactly 8 experts (Mixtral) gets `attn_v` and
 //! `attn_k` in Q8_0 and, for the Q2_K..Q4_K_M presets, `attn_output` in Q5_K.
+//!
+//! `MXFP4_MOE` (made for GPT-OSS): the output (or tied embeddings) Q8_0, stacked experts MXFP4,
+//! every other quantized weight Q8_0; a row that is not whole 32-blocks has no fallback.
 
 use hf2q_tensor::GgmlType;
 
@@ -231,11 +234,14 @@ impl TypeChooser {
             i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2
         };
         if cat == Category::Output || (self.has_tied_embeddings && cat == Category::TokenEmbd) {
-            if !t.cols.is_multiple_of(ty.block_size()) {
+            if ft == MXFP4_MOE || !t.cols.is_multiple_of(ty.block_size()) {
                 ty = G::Q8_0;
             } else if ty != G::Q8_0 {
                 ty = G::Q6_K;
             }
+        } else if ft == MXFP4_MOE {
+            // Stacked experts (E, R, C) MXFP4, everything else Q8_0 (untied embeddings too).
+            ty = if t.n_dims == 3 { G::MXFP4 } else { G::Q8_0 };
         } else if cat == Category::TokenEmbd {
             // Untied embeddings keep the default type for these presets.
         } else if is_attn_v(cat) {
