@@ -68,9 +68,11 @@ pub struct CudaOptions {
     pub mv_min_blocks: Vec<(String, u32)>,
     /// Mixture-of-experts decode in its fused form (`moe-fused`).
     pub moe_fused: bool,
-    /// Batched decode steps over a paged KV cache (`serve --kv-paged`) replay one CUDA graph
-    /// per batch-size bucket instead of launching their kernels one by one (`paged-graphs`).
-    pub paged_graphs: bool,
+    /// Batched decode steps over a paged KV cache (`serve --kv-paged`) of at most this many
+    /// rows replay one CUDA graph per batch-size bucket instead of launching their kernels one
+    /// by one (`paged-graphs`; 0: never). Default 16: measured faster up to 16 rows and slower
+    /// at 64 (BENCHMARKS.md).
+    pub paged_graphs: usize,
 }
 
 impl Default for CudaOptions {
@@ -94,7 +96,7 @@ impl Default for CudaOptions {
             mv_early: true,
             mv_min_blocks: Vec::new(),
             moe_fused: false,
-            paged_graphs: false,
+            paged_graphs: 16,
         }
     }
 }
@@ -212,10 +214,11 @@ impl CudaOptions {
         },
         OptionKey {
             key: "paged-graphs",
-            values: BOOL,
-            help: "batched decode steps over the paged KV cache (serve --kv-paged) replay one \
-                   CUDA graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128 \
-                   rows) instead of launching each kernel (off)",
+            values: "on|off|N",
+            help: "batched decode steps over the paged KV cache (serve --kv-paged) of at most N \
+                   rows replay one CUDA graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, \
+                   64, 96, 128 rows) instead of launching each kernel; on = 128, off = 0 \
+                   (default 16: faster up to 16 rows, slower at 64)",
         },
     ];
 
@@ -343,7 +346,17 @@ impl CudaOptions {
                 self.mv_min_blocks.push((family, n));
             }
             "moe-fused" => self.moe_fused = flag()?,
-            "paged-graphs" => self.paged_graphs = flag()?,
+            "paged-graphs" => {
+                self.paged_graphs = match value {
+                    "on" => 128,
+                    "off" => 0,
+                    _ => value
+                        .parse()
+                        .ok()
+                        .filter(|&n: &usize| n <= 128)
+                        .ok_or_else(bad)?,
+                }
+            }
             _ => unreachable!("every key of KEYS has an arm"),
         }
         Ok(())
@@ -439,7 +452,7 @@ impl CudaOptions {
         push(
             self.paged_graphs != d.paged_graphs,
             "paged-graphs",
-            on(self.paged_graphs).into(),
+            self.paged_graphs.to_string(),
         );
         out
     }

@@ -105,9 +105,10 @@ pub struct Model {
     /// Set: every op runs on this GPU instead of `backend`.
     cuda: Option<Arc<CudaBackend>>,
     cuda_graphs: bool,
-    /// Paged decode steps replay a graph per batch-size bucket (`paged_graph.rs`): the
-    /// device's `paged-graphs` option when [`Model::set_cuda`] is given one.
-    paged_graphs: bool,
+    /// Paged decode steps of at most this many rows replay a graph per batch-size bucket
+    /// (`paged_graph.rs`; 0: never): the device's `paged-graphs` option when
+    /// [`Model::set_cuda`] is given one.
+    paged_graph_rows: usize,
     /// A capture was refused (a step has an op that only runs eagerly): decode eagerly.
     graphs_refused: std::sync::atomic::AtomicBool,
     /// What new host KV caches store (`kv.rs`).
@@ -276,7 +277,7 @@ impl Model {
             backend: CpuBackend::default(),
             cuda: None,
             cuda_graphs: true,
-            paged_graphs: false,
+            paged_graph_rows: 0,
             // Granite's residual multiplier and LongRoPE's attention factor on a partly rotated
             // head scale through the host (no device op scales a tensor yet): a step with them
             // cannot be captured, so such a model decodes eagerly on a GPU.
@@ -370,9 +371,9 @@ impl Model {
     /// Adapters move with the model (see [`Model::place_adapters`]).
     pub fn set_cuda(&mut self, cuda: Option<Arc<CudaBackend>>) -> Result<()> {
         self.adapters_to_host()?;
-        self.paged_graphs = cuda
+        self.paged_graph_rows = cuda
             .as_ref()
-            .is_some_and(|c| c.device().options().paged_graphs);
+            .map_or(0, |c| c.device().options().paged_graphs);
         self.cuda = cuda;
         self.place_adapters()
     }
@@ -610,11 +611,11 @@ impl Model {
         self.cuda_graphs = on;
     }
 
-    /// Enables or disables replaying paged decode steps as one graph per batch-size bucket
-    /// ([`Model::step_paged_pick`] on a GPU; the default is the device's `paged-graphs`
-    /// option). Graphs already captured in a paged cache stay there.
+    /// Enables (for every bucket, up to 128 rows) or disables replaying paged decode steps as
+    /// one graph per batch-size bucket ([`Model::step_paged_pick`] on a GPU; the default is the
+    /// device's `paged-graphs` option). Graphs already captured in a paged cache stay there.
     pub fn set_paged_graphs(&mut self, on: bool) {
-        self.paged_graphs = on;
+        self.paged_graph_rows = if on { 128 } else { 0 };
     }
 
     /// One-token decode of one sequence as a replayed CUDA graph: `None` when this model does

@@ -588,6 +588,7 @@ fn bench_paged_decode_steps() {
             }
             (b * steps) as f64 / t0.elapsed().as_secs_f64()
         };
+        m.set_paged_graphs(false); // the eager columns (the device's default may replay graphs)
         let paged = timed(&m, &mut cache, &mut tables, 0);
         // Picking on the device: only ids back.
         let greedy = timed(&m, &mut cache, &mut tables, 1);
