@@ -14,7 +14,8 @@
 //! `exp` is a polynomial (relative error under 5e-7 for the weights that matter, plus the f32
 //! rounding of `x * log2 e`, about |x| * 1e-7: far below the rounding of the sums it feeds).
 //! The scalar reference (`CpuBackend::attention` on the reference path) is what this is tested
-//! against (`tests/attention_fast.rs`).
+//! against (`tests/attention_fast.rs`). One token (decode) is `decode.rs`, by kv head, reading
+//! the cache through the same [`KvRead`].
 //!
 //! The cache holds f32 or f16 values ([`KvElem`]). Decode widens f16 rows to f32 where it reads
 //! them, inside the dot products and weighted sums (hardware conversion on x86-64: F16C with
