@@ -14,7 +14,8 @@
 //! `exp` is a polynomial (relative error under 5e-7 for the weights that matter, plus the f32
 //! rounding of `x * log2 e`, about |x| * 1e-7: far below the rounding of the sums it feeds).
 //! The scalar reference (`CpuBackend::attention` on the reference path) is what this is tested
-//! against (`tests/attention_fast.rs`).
+//! against (`tests/attention_fast.rs`). One token (decode) is `decode.rs`, by kv head, reading
+//! the cache through the same [`KvRead`].
 //!
 //! The cache holds f32 or f16 values ([`KvElem`]). Decode widens f16 rows to f32 where it reads
 //! them, inside the dot products and weighted sums (hardware conversion on x86-64: F16C with
@@ -48,11 +49,11 @@ use hf2q_tensor::{Error, Result, Tensor};
 /// specialised: the portable loops (vectorised by the compiler for whatever the caller enables),
 /// AVX2 + FMA + F16C, or AVX-512 F/BW/VL. A body is only instantiated with `AVX2` or `AVX512`
 /// inside a function compiled with those features, which runs only where the CPU has them.
-const PORTABLE: u8 = 0;
+pub(crate) const PORTABLE: u8 = 0;
 #[cfg(target_arch = "x86_64")]
-const AVX2: u8 = 1;
+pub(crate) const AVX2: u8 = 1;
 #[cfg(target_arch = "x86_64")]
-const AVX512: u8 = 2;
+pub(crate) const AVX512: u8 = 2;
 
 /// How the kernels read a cache row of one element type (the sealed part of [`KvElem`]). A row
 /// of `Dh` values is `Dh / Self::VALUES` elements.
@@ -65,6 +66,46 @@ pub trait KvRead: KvElem + Sized {
     fn as_f32(v: &[Self]) -> Option<&[f32]>;
     /// `out = v` as f32 (`out.len() == v.len() * VALUES`).
     fn widen<const L: u8>(v: &[Self], out: &mut [f32]);
+    /// The scores of query rows `q (G, Dh)` over key rows `k (n, Dh / VALUES)`:
+    /// `s[r * n + j] = q_r · k_j` (`s (G, n)`). By default [`KvRead::dot`] per row and key; a
+    /// type may read each key once for all `G` rows (decode's grouped kernels).
+    #[inline(always)]
+    fn scores<const L: u8>(q: &[f32], dh: usize, k: &[Self], s: &mut [f32]) {
+        scores_by_row::<L, Self>(q, dh, k, s)
+    }
+    /// `acc (G, Dh) += p (G, n) · v (n, Dh / VALUES)`. By default [`KvRead::accumulate`] per
+    /// row; a type may read each value row once for all `G` rows.
+    #[inline(always)]
+    fn accumulate_rows<const L: u8>(acc: &mut [f32], dh: usize, p: &[f32], v: &[Self]) {
+        accumulate_by_row::<L, Self>(acc, dh, p, v)
+    }
+}
+
+/// [`KvRead::scores`] a row and a key at a time.
+#[inline(always)]
+fn scores_by_row<const L: u8, T: KvRead>(q: &[f32], dh: usize, k: &[T], s: &mut [f32]) {
+    let rw = dh / T::VALUES;
+    let n = k.len() / rw;
+    if n == 0 {
+        return;
+    }
+    for (qr, sr) in q.chunks_exact(dh).zip(s.chunks_exact_mut(n)) {
+        for (e, kr) in sr.iter_mut().zip(k.chunks_exact(rw)) {
+            *e = T::dot::<L>(qr, kr);
+        }
+    }
+}
+
+/// [`KvRead::accumulate_rows`] a row at a time.
+#[inline(always)]
+fn accumulate_by_row<const L: u8, T: KvRead>(acc: &mut [f32], dh: usize, p: &[f32], v: &[T]) {
+    let n = p.len() / (acc.len() / dh).max(1);
+    if n == 0 {
+        return;
+    }
+    for (ar, pr) in acc.chunks_exact_mut(dh).zip(p.chunks_exact(n)) {
+        T::accumulate::<L>(ar, pr, v);
+    }
 }
 
 impl KvRead for f32 {
@@ -160,6 +201,21 @@ pub trait BlockRead: KvBlock {
     fn accumulate_simd<const L: u8>(_acc: &mut [f32], _p: &[f32], _v: &[Self]) -> bool {
         false
     }
+    /// [`KvRead::scores`] in a grouped SIMD form for `L`; false if it has none.
+    #[inline(always)]
+    fn scores_simd<const L: u8>(_q: &[f32], _dh: usize, _k: &[Self], _s: &mut [f32]) -> bool {
+        false
+    }
+    /// [`KvRead::accumulate_rows`] in a grouped SIMD form for `L`; false if it has none.
+    #[inline(always)]
+    fn accumulate_rows_simd<const L: u8>(
+        _acc: &mut [f32],
+        _dh: usize,
+        _p: &[f32],
+        _v: &[Self],
+    ) -> bool {
+        false
+    }
 }
 
 impl<B: BlockRead> KvRead for B {
@@ -184,6 +240,52 @@ impl<B: BlockRead> KvRead for B {
     fn widen<const L: u8>(v: &[B], out: &mut [f32]) {
         B::dequantize_row(v, out)
     }
+    #[inline(always)]
+    fn scores<const L: u8>(q: &[f32], dh: usize, k: &[B], s: &mut [f32]) {
+        if !B::scores_simd::<L>(q, dh, k, s) {
+            scores_by_row::<L, B>(q, dh, k, s)
+        }
+    }
+    #[inline(always)]
+    fn accumulate_rows<const L: u8>(acc: &mut [f32], dh: usize, p: &[f32], v: &[B]) {
+        if !B::accumulate_rows_simd::<L>(acc, dh, p, v) {
+            accumulate_by_row::<L, B>(acc, dh, p, v)
+        }
+    }
+}
+
+/// The grouped decode kernels of the 8-bit block types (`decode::x512`), for AVX-512.
+macro_rules! int8_grouped {
+    () => {
+        #[inline(always)]
+        fn scores_simd<const L: u8>(q: &[f32], dh: usize, k: &[Self], s: &mut [f32]) -> bool {
+            #[cfg(target_arch = "x86_64")]
+            if L == AVX512 {
+                // SAFETY: L names features the enclosing body was compiled for (AVX-512 F,
+                // FMA, F16C: see `PORTABLE`).
+                unsafe { crate::decode::x512::scores(q, dh, k, s) };
+                return true;
+            }
+            let _ = (q, dh, k, s);
+            false
+        }
+        #[inline(always)]
+        fn accumulate_rows_simd<const L: u8>(
+            acc: &mut [f32],
+            dh: usize,
+            p: &[f32],
+            v: &[Self],
+        ) -> bool {
+            #[cfg(target_arch = "x86_64")]
+            if L == AVX512 {
+                // SAFETY: as in `scores_simd`.
+                unsafe { crate::decode::x512::accumulate_rows(acc, dh, p, v) };
+                return true;
+            }
+            let _ = (acc, dh, p, v);
+            false
+        }
+    };
 }
 
 /// Q8_0: its AVX-512 and AVX2 forms (`x512`, `x256`).
@@ -220,13 +322,19 @@ impl BlockRead for BlockQ8_0 {
         let _ = (acc, p, v);
         false
     }
+    int8_grouped!();
 }
 impl BlockRead for BlockQ4_0 {}
 impl BlockRead for BlockQ4_1 {}
 impl BlockRead for BlockQ5_0 {}
 impl BlockRead for BlockQ5_1 {}
-/// mlx-lm's affine groups: the portable loops, a group read as its 32-value parts.
-impl<const BITS: usize, const N: usize> BlockRead for BlockAffine<BITS, N> {}
+/// mlx-lm's 8-bit affine groups: the portable loops (a group read as its 32-value parts), and
+/// decode's grouped AVX-512 kernels.
+impl<const N: usize> BlockRead for BlockAffine<8, N> {
+    int8_grouped!();
+}
+/// mlx-lm's 4-bit affine groups: the portable loops, a group read as its 32-value parts.
+impl<const N: usize> BlockRead for BlockAffine<4, N> {}
 
 /// `Σ_b (d_b · Σ_i q[32b + i] · x_b[i] + m_b · Σ_i q[32b + i])` over a row of blocks' 32-value
 /// parts `b` (the offset term for the types that have one): per part, 32 products in 16 lanes
@@ -293,7 +401,7 @@ const KB: usize = 32;
 /// `e^x` for `x <= 0` (and moderately positive x), vectorisable: `2^(x log2 e)` split into an
 /// integer power of two and a degree-6 polynomial on [-0.5, 0.5].
 #[inline(always)]
-fn exp_fast(x: f32) -> f32 {
+pub(crate) fn exp_fast(x: f32) -> f32 {
     // 1.5 * 2^23: adding it rounds to the nearest integer, which lands in the low mantissa
     // bits (no float-to-int conversion, so the loop vectorises); valid for |t| < 2^22.
     const MAGIC: f32 = 12_582_912.0;
@@ -512,7 +620,7 @@ pub(crate) fn attention_on<K: KvRead, V: KvRead>(
     }
     let t = hf2q_tensor::op::check_attention(q, cache, pos0, p)?;
     if t == 1 {
-        return decode(isa, q, cache, pos0, p);
+        return crate::decode::decode(isa, q, cache, pos0, p);
     }
     let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
     // A key and a value row's lengths in elements (Dh, or Dh / 32 blocks).
@@ -599,166 +707,6 @@ pub(crate) fn attention_on<K: KvRead, V: KvRead>(
     Tensor::new(&[t, width], out)
 }
 
-thread_local! {
-    /// Scores of one decode head (grows to the longest context seen, then is reused).
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Attention of one token (decode): each query head reads its kv head's key rows directly
-/// (two passes: scores, then the weighted sum of values). The tiled path would transpose every
-/// visible key of every kv head for this one row, which cost more than the attention itself.
-/// Already checked by the caller: `q` is one row, the cache holds `pos0 + 1` positions.
-fn decode<K: KvRead, V: KvRead>(
-    isa: Isa,
-    q: &Tensor,
-    cache: &LayerCache<'_, K, V>,
-    pos0: usize,
-    p: &AttentionParams,
-) -> Result<Tensor> {
-    let (h, dh) = (p.n_heads, p.head_dim);
-    let (rk, rv) = (dh / K::VALUES, dh / V::VALUES);
-    let group = h / p.n_kv_heads;
-    let lo = match p.window {
-        Some(w) => (pos0 + 1).saturating_sub(w),
-        None => 0,
-    };
-    let mut out = vec![0f32; h * dh];
-    let run = |hi: usize, o: &mut [f32]| {
-        let (kb, vb) = (
-            (hi / group) * cache.capacity * rk,
-            (hi / group) * cache.capacity * rv,
-        );
-        let keys = &cache.k[kb + lo * rk..kb + (pos0 + 1) * rk];
-        let vals = &cache.v[vb + lo * rv..vb + (pos0 + 1) * rv];
-        let qh = &q.data()[hi * dh..(hi + 1) * dh];
-        let mut with =
-            |s: &mut Vec<f32>| decode_dispatch(isa, qh, keys, vals, (p.scale, p.sink(hi)), s, o);
-        SCORES.with(|c| match c.try_borrow_mut() {
-            Ok(mut s) => with(&mut s),
-            Err(_) => with(&mut Vec::new()),
-        });
-    };
-    // A head is about 4 * S * Dh flops: hand heads to other threads only when that outweighs
-    // waking them.
-    if rayon::current_num_threads() > 1 && h * (pos0 + 1 - lo) * dh >= 1 << 16 {
-        out.par_chunks_mut(dh)
-            .enumerate()
-            .for_each(|(hi, o)| run(hi, o));
-    } else {
-        out.chunks_mut(dh)
-            .enumerate()
-            .for_each(|(hi, o)| run(hi, o));
-    }
-    Tensor::new(&[1, h * dh], out)
-}
-
-/// [`decode_head`] compiled for `isa` (available: checked by [`attention_on`]).
-fn decode_dispatch<K: KvRead, V: KvRead>(
-    isa: Isa,
-    q: &[f32],
-    k: &[K],
-    v: &[V],
-    sm: (f32, f32),
-    s: &mut Vec<f32>,
-    o: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if isa == Isa::Avx512Vnni {
-            // SAFETY: the CPU has AVX-512 F/BW/VL, FMA and F16C (`isa` is available).
-            return unsafe { decode_avx512(q, k, v, sm, s, o) };
-        }
-        if isa == Isa::Avx2 {
-            // SAFETY: the CPU has AVX2, FMA and F16C (`isa` is available).
-            return unsafe { decode_avx2(q, k, v, sm, s, o) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = isa;
-    decode_head::<PORTABLE, K, V>(q, k, v, sm, s, o)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn decode_avx512<K: KvRead, V: KvRead>(
-    q: &[f32],
-    k: &[K],
-    v: &[V],
-    sm: (f32, f32),
-    s: &mut Vec<f32>,
-    o: &mut [f32],
-) {
-    decode_head::<AVX512, K, V>(q, k, v, sm, s, o)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_avx2<K: KvRead, V: KvRead>(
-    q: &[f32],
-    k: &[K],
-    v: &[V],
-    sm: (f32, f32),
-    s: &mut Vec<f32>,
-    o: &mut [f32],
-) {
-    decode_head::<AVX2, K, V>(q, k, v, sm, s, o)
-}
-
-/// One query head `q (Dh)` over key and value rows `k`, `v` (n, Dh) -> `o (Dh)`: scores,
-/// softmax (with [`exp_fast`]), weighted sum. `sm`: the score scale and the head's sink logit
-/// (`-inf`: none). `s` is scratch. `L`: the vector unit the caller
-/// was compiled for (the dot products and the weighted sum use its vectors directly).
-#[inline(always)]
-fn decode_head<const L: u8, K: KvRead, V: KvRead>(
-    q: &[f32],
-    k: &[K],
-    v: &[V],
-    sm: (f32, f32),
-    s: &mut Vec<f32>,
-    o: &mut [f32],
-) {
-    let rw = q.len() / K::VALUES;
-    let n = k.len() / rw;
-    if n == 0 {
-        // No visible key (a zero-width window): the reference's empty sum.
-        o.fill(0.0);
-        return;
-    }
-    // Plain loops, no closures: a closure is compiled without the caller's target features,
-    // and its `mul_add` would become a library call.
-    let (scale, sink) = sm;
-    s.clear();
-    s.resize(n, 0.0);
-    // A sink (GPT-OSS; -inf without one) joins the max and, below, the denominator only.
-    let mut m = sink;
-    for (e, kr) in s.iter_mut().zip(k.chunks_exact(rw)) {
-        *e = K::dot::<L>(q, kr) * scale;
-        m = m.max(*e);
-    }
-    let mut lanes = [0f32; 16];
-    let mut chunks = s.chunks_exact_mut(16);
-    for c in &mut chunks {
-        for (u, e) in c.iter_mut().enumerate() {
-            *e = exp_fast(*e - m);
-            lanes[u] += *e;
-        }
-    }
-    let mut l = sum16(&lanes);
-    if sink != f32::NEG_INFINITY {
-        l += exp_fast(sink - m);
-    }
-    for e in chunks.into_remainder() {
-        *e = exp_fast(*e - m);
-        l += *e;
-    }
-    o.fill(0.0);
-    V::accumulate::<L>(o, &s[..n], v);
-    let inv = 1.0 / l;
-    for x in o.iter_mut() {
-        *x *= inv;
-    }
-}
-
 /// `Σ a[i] * b[i]` in 16 interleaved partial sums (one vector of multiply-adds).
 #[inline(always)]
 fn dot16<T: KvRead + KvScalar>(a: &[f32], b: &[T]) -> f32 {
@@ -781,7 +729,7 @@ fn dot16<T: KvRead + KvScalar>(a: &[f32], b: &[T]) -> f32 {
 /// The sum of 16 values, by halving.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn sum16(v: &[f32; 16]) -> f32 {
+pub(crate) fn sum16(v: &[f32; 16]) -> f32 {
     let mut h = [0f32; 8];
     for u in 0..8 {
         h[u] = v[u] + v[u + 8];
@@ -1757,9 +1705,8 @@ mod tests {
     use half::f16;
 
     use super::KvRead;
-    use super::{attention_on, decode_head, exp_fast, Isa, PORTABLE};
-    #[cfg(target_arch = "x86_64")]
-    use super::{decode_avx2, decode_avx512};
+    use super::{attention_on, exp_fast, Isa};
+    use crate::decode::decode_head_on;
     use hf2q_tensor::op::{AttentionParams, LayerCache};
     use hf2q_tensor::Tensor;
 
@@ -1876,7 +1823,8 @@ mod tests {
         let mut s = Vec::new();
         // No visible key: zeros, as the reference's empty sum.
         let mut o = vec![f32::NAN; 8];
-        decode_head::<PORTABLE, T, T>(
+        decode_head_on::<T, T>(
+            Isa::Scalar,
             &[1.0; 8],
             &[],
             &[],
@@ -1906,7 +1854,8 @@ mod tests {
                 let l: f64 = p.iter().sum();
                 let mut forms: Vec<(&str, Vec<f32>)> = Vec::new();
                 let mut o = vec![f32::NAN; dh];
-                decode_head::<PORTABLE, T, T>(
+                decode_head_on::<T, T>(
+                    Isa::Scalar,
                     &q,
                     &k,
                     &v,
@@ -1919,18 +1868,14 @@ mod tests {
                 {
                     if Isa::Avx2.is_available() {
                         o.fill(f32::NAN);
-                        // SAFETY: AVX2, FMA and F16C checked just above.
-                        unsafe {
-                            decode_avx2(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o)
-                        };
+                        let sm = (scale, f32::NEG_INFINITY);
+                        decode_head_on(Isa::Avx2, &q, &k, &v, sm, &mut s, &mut o);
                         forms.push(("avx2", o.clone()));
                     }
                     if Isa::Avx512Vnni.is_available() {
                         o.fill(f32::NAN);
-                        // SAFETY: AVX-512 F/BW/VL checked just above.
-                        unsafe {
-                            decode_avx512(&q, &k, &v, (scale, f32::NEG_INFINITY), &mut s, &mut o)
-                        };
+                        let sm = (scale, f32::NEG_INFINITY);
+                        decode_head_on(Isa::Avx512Vnni, &q, &k, &v, sm, &mut s, &mut o);
                         forms.push(("avx512", o.clone()));
                     }
                 }

@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 mod attention;
+mod decode;
 pub mod dense;
 pub mod kernels;
 pub mod kv_view;
