@@ -269,18 +269,7 @@ pub(super) fn insert_keys(m: &mut Map<String, Value>, c: &ModelConfig) {
     m.insert("rope_parameters".into(), Value::Object(rope));
     m.remove("use_sliding_window");
     m.insert("sliding_window".into(), json!(c.sliding_window));
-    let types: Vec<&str> = c
-        .sliding_layers
-        .iter()
-        .map(|&s| {
-            if s {
-                "sliding_attention"
-            } else {
-                "full_attention"
-            }
-        })
-        .collect();
-    m.insert("layer_types".into(), json!(types));
+    m.insert("layer_types".into(), super::hf_out::layer_types(c));
     if let Some(limit) = c.moe.as_ref().and_then(|m| m.clamped_swiglu) {
         m.insert("swiglu_limit".into(), json!(limit));
     }

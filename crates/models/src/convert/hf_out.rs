@@ -286,18 +286,7 @@ pub fn config_from_model(
             "query_pre_attn_scalar".into(),
             json!((1.0 / (c.attn_scale * c.attn_scale)).round()),
         );
-        let types: Vec<&str> = c
-            .sliding_layers
-            .iter()
-            .map(|&s| {
-                if s {
-                    "sliding_attention"
-                } else {
-                    "full_attention"
-                }
-            })
-            .collect();
-        m.insert("layer_types".into(), json!(types));
+        m.insert("layer_types".into(), layer_types(c));
         if let Some(cap) = c.final_logit_softcap {
             m.insert("final_logit_softcapping".into(), json!(cap));
         }
@@ -310,6 +299,22 @@ pub fn config_from_model(
 }
 
 /// The Llama variants' own keys (as [`ModelConfig::from_hf_json`] reads them).
+/// transformers' `layer_types`: each layer's attention, `sliding_attention` or `full_attention`.
+pub(super) fn layer_types(c: &ModelConfig) -> Value {
+    let types: Vec<&str> = c
+        .sliding_layers
+        .iter()
+        .map(|&s| {
+            if s {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    json!(types)
+}
+
 fn insert_llama_variant(m: &mut Map<String, Value>, c: &ModelConfig) {
     match c.arch {
         Arch::Phi3 => {

@@ -41,6 +41,21 @@ fn e8m0_half(e: u8) -> Result<f32> {
     Ok(v[0])
 }
 
+/// The code values and the 256 scales, read from the decoder once per process (quantizing
+/// calls this for every chunk of rows).
+fn tables() -> Result<&'static ([f32; 16], [f32; 256])> {
+    static TABLES: std::sync::OnceLock<([f32; 16], [f32; 256])> = std::sync::OnceLock::new();
+    if let Some(t) = TABLES.get() {
+        return Ok(t);
+    }
+    let k = kvalues()?;
+    let mut scales = [0f32; 256];
+    for (e, s) in scales.iter_mut().enumerate() {
+        *s = e8m0_half(e as u8)?;
+    }
+    Ok(TABLES.get_or_init(|| (k, scales)))
+}
+
 /// ggml's `best_index_mxfp4`: the first code whose value under `d` is nearest `x`.
 fn best_index(k: &[f32; 16], x: f32, d: f32) -> u8 {
     let mut best = 0;
@@ -69,11 +84,7 @@ pub fn quantize_mxfp4(x: &[f32], dst: &mut [u8]) -> Result<()> {
     if let Some(bad) = x.iter().find(|v| !v.is_finite()) {
         return Err(Error::Msg(format!("MXFP4: cannot quantize {bad}")));
     }
-    let k = kvalues()?;
-    let mut scales = [0f32; 256];
-    for (e, s) in scales.iter_mut().enumerate() {
-        *s = e8m0_half(e as u8)?;
-    }
+    let (k, scales) = tables()?;
     for (xb, y) in x
         .chunks_exact(QK_MXFP4)
         .zip(dst.chunks_exact_mut(BLOCK_BYTES))
@@ -88,7 +99,7 @@ pub fn quantize_mxfp4(x: &[f32], dst: &mut [u8]) -> Result<()> {
         let d = scales[e as usize];
         y[0] = e;
         for j in 0..QK_MXFP4 / 2 {
-            y[1 + j] = best_index(&k, xb[j], d) | (best_index(&k, xb[j + QK_MXFP4 / 2], d) << 4);
+            y[1 + j] = best_index(k, xb[j], d) | (best_index(k, xb[j + QK_MXFP4 / 2], d) << 4);
         }
     }
     Ok(())
