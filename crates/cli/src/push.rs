@@ -2,8 +2,11 @@
 //! to a Hub repository in one commit (the hub crate's `push`), with a model card written when
 //! neither the upload nor the branch has a README.md. The card's facts come from the files
 //! themselves: GGUF metadata (base model, file type), `adapter_config.json` (base model, LoRA
-//! settings), `config.json` (architecture, MLX quantization). The Hub settings (endpoint, token)
-//! come from `pull::hub_config`, the one place that reads them from the environment.
+//! settings), `config.json` (architecture, MLX quantization). A GGUF file larger than
+//! `--max-file-size` is first written as llama.cpp's gguf-split parts (`PREFIX-00001-of-0000N.gguf`,
+//! `hf2q_tensor`'s `write_split`) in a temporary folder, and the parts go up in the one commit.
+//! The Hub settings (endpoint, token) come from `pull::hub_config`, the one place that reads
+//! them from the environment.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +14,7 @@ use anyhow::{anyhow, Context, Result};
 use hf2q_hub::card::{CardFacts, CardKind};
 use hf2q_hub::{PushRequest, RepoId, RepoKind};
 use hf2q_models::quantize::presets::Preset;
-use hf2q_tensor::io::gguf::GgufFile;
+use hf2q_tensor::io::gguf::{split_file_name, write_split, GgufFile};
 use serde_json::Value;
 
 use crate::pull;
@@ -36,6 +39,12 @@ pub struct PushArgs {
     /// What the repository holds.
     #[arg(long, value_name = "TYPE", default_value = "model", value_parser = ["model", "dataset"])]
     repo_type: String,
+    /// A GGUF file larger than this is split into llama.cpp's gguf-split parts
+    /// (`NAME-00001-of-0000N.gguf`) before the upload. K, M, G, T count powers of 1000 (as
+    /// gguf-split's --split-max-size), Ki, Mi, Gi, Ti powers of 1024. The parts are written under
+    /// the temporary folder (TMPDIR) and removed afterwards.
+    #[arg(long, value_name = "SIZE", default_value = "20G", value_parser = parse_size)]
+    max_file_size: u64,
     /// Do not write a README.md model card when there is none.
     #[arg(long)]
     no_card: bool,
@@ -52,12 +61,117 @@ fn read_json(p: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
 }
 
+fn is_gguf(p: &Path) -> bool {
+    p.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// `20G`, `500M`, `1.5Gi`, `4096`: a size in bytes (K, M, G, T powers of 1000; Ki, Mi, Gi, Ti
+/// powers of 1024; a trailing `B` allowed).
+pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
+    let t = text.trim();
+    let at = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(at);
+    let u = unit.trim().to_ascii_uppercase();
+    let u = u.strip_suffix('B').unwrap_or(&u);
+    let mult: u64 = match u {
+        "" => 1,
+        "K" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        "KI" => 1 << 10,
+        "MI" => 1 << 20,
+        "GI" => 1 << 30,
+        "TI" => 1 << 40,
+        _ => {
+            return Err(format!(
+                "'{text}': unknown unit '{}' (use K, M, G, T or Ki, Mi, Gi, Ti, e.g. 20G or 500M)",
+                unit.trim()
+            ))
+        }
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("'{text}' is not a size (a number with K, M, G or T, e.g. 20G)"))?;
+    let bytes = v * mult as f64;
+    if !(1.0..1.8e19).contains(&bytes) {
+        return Err(format!("'{text}': a size of at least one byte expected"));
+    }
+    Ok(bytes as u64)
+}
+
+/// A folder removed with everything in it when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// When `path` is a GGUF file of more than `max` bytes: its gguf-split parts of at most `max`
+/// bytes each (a tensor larger than that gets a part of its own), written to a temporary folder
+/// under `tmp`, which is what gets pushed. `None` for anything else.
+fn split_for_push(path: &Path, max: u64, tmp: &Path) -> Result<Option<TempDir>> {
+    if !path.is_file() || !is_gguf(path) {
+        return Ok(None);
+    }
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
+    if len <= max {
+        return Ok(None);
+    }
+    if split_file_name(path).is_some() {
+        return Err(anyhow!(
+            "{}: {} is more than --max-file-size {} and the file is already a part of a split \
+             model: push the folder of its parts, or give a larger --max-file-size",
+            path.display(),
+            pull::human(len),
+            pull::human(max)
+        ));
+    }
+    let g = GgufFile::open(path).with_context(|| format!("reading {}", path.display()))?;
+    // Each part's header is at most the whole file's (metadata, tensor infos, alignment) plus the
+    // `split.*` keys: the tensor data a part may hold is what is left of `max`.
+    let data: u64 = g.tensors.iter().map(|t| t.nbytes()).sum();
+    let overhead = len.saturating_sub(data) + 1024;
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let dir = TempDir(tmp.join(format!("hf2q-split-{}-{stem}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&dir.0);
+    std::fs::create_dir_all(&dir.0).with_context(|| format!("creating {}", dir.0.display()))?;
+    let parts = write_split(&g, &dir.0.join(&stem), max.saturating_sub(overhead).max(1))
+        .with_context(|| format!("splitting {} into {}", path.display(), dir.0.display()))?;
+    let biggest = parts
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok().map(|m| m.len()))
+        .max()
+        .unwrap_or(0);
+    eprintln!(
+        "{}: {} split into {} parts of at most {} (--max-file-size {})",
+        path.display(),
+        pull::human(len),
+        parts.len(),
+        pull::human(biggest),
+        pull::human(max)
+    );
+    if biggest > max {
+        eprintln!(
+            "warning: a tensor is larger than --max-file-size: its part has {}",
+            pull::human(biggest)
+        );
+    }
+    Ok(Some(dir))
+}
+
 /// The GGUF files of `path` (the file itself, or the folder's `.gguf` files), sorted.
 fn gguf_files(path: &Path) -> Vec<PathBuf> {
-    let is_gguf = |p: &Path| {
-        p.extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-    };
     if path.is_file() {
         return if is_gguf(path) {
             vec![path.to_path_buf()]
@@ -177,7 +291,9 @@ pub fn run(a: PushArgs) -> Result<()> {
         return Err(anyhow!("{}: no such file or folder", a.path.display()));
     }
     let cfg = pull::hub_config(a.hf_token, false)?;
-    let files: Vec<String> = hf2q_hub::push::local_files(&a.path)?
+    let split = split_for_push(&a.path, a.max_file_size, &std::env::temp_dir())?;
+    let upload = split.as_ref().map_or(a.path.clone(), |d| d.0.clone());
+    let files: Vec<String> = hf2q_hub::push::local_files(&upload)?
         .into_iter()
         .map(|(p, _)| p)
         .collect();
@@ -195,7 +311,7 @@ pub fn run(a: PushArgs) -> Result<()> {
         cfg.endpoint
     );
     let req = PushRequest {
-        path: a.path.clone(),
+        path: upload,
         repo,
         revision: a.revision,
         private: a.private,
@@ -239,6 +355,18 @@ pub fn run(a: PushArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_with_units() {
+        assert_eq!(parse_size("20G"), Ok(20_000_000_000));
+        assert_eq!(parse_size("500M"), Ok(500_000_000));
+        assert_eq!(parse_size("500mb"), Ok(500_000_000));
+        assert_eq!(parse_size("1.5Gi"), Ok(3 << 29));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("20X").unwrap_err().contains("unknown unit 'X'"));
+        assert!(parse_size("G").unwrap_err().contains("not a size"));
+        assert!(parse_size("0").is_err());
+    }
 
     #[test]
     fn adapter_and_mlx_facts_come_from_their_configs() {

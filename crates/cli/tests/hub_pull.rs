@@ -381,6 +381,87 @@ fn pull_push_pull_round_trips_a_quantized_model() {
         .contains_key("train.jsonl"));
 }
 
+/// A GGUF file larger than `--max-file-size` goes up as llama.cpp's gguf-split parts in one
+/// commit; pulled back by `ORG/NAME:QUANT` (every part), they join to the original's metadata and
+/// tensors, and the model runs by its name.
+#[test]
+fn push_splits_a_gguf_past_the_max_file_size() {
+    use hf2q_tensor::io::gguf::GgufFile;
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path();
+    let hub = MockHub::start();
+    let ep = hub.endpoint();
+    let run = |extra: &[(&str, &str)], args: &[&str]| hf2q_env(home, &ep, extra, args);
+
+    let q8 = home.join("tiny-Q8_0.gguf");
+    ok(&run(
+        &[],
+        &["quantize", s(&tiny()), s(&q8), "--type", "Q8_0"],
+    ));
+    let size = std::fs::metadata(&q8).unwrap().len();
+    let max = size / 3;
+    let tmp = home.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let max_arg = max.to_string();
+    let o = run(
+        &[("HF_TOKEN", "tok"), ("TMPDIR", s(&tmp))],
+        &["push", s(&q8), "me/tiny-split", "--max-file-size", &max_arg],
+    );
+    ok(&o);
+    assert!(stderr(&o).contains("split into"), "{}", stderr(&o));
+    // The temporary parts are gone.
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0);
+
+    let files = hub.files("me/tiny-split", "main").unwrap();
+    let parts: Vec<&String> = files.keys().filter(|k| k.ends_with(".gguf")).collect();
+    let n = parts.len();
+    assert!(n >= 3, "{parts:?}");
+    for (i, p) in parts.iter().enumerate() {
+        assert_eq!(**p, format!("tiny-Q8_0-{:05}-of-{n:05}.gguf", i + 1));
+        assert!(files[*p].len() as u64 <= max, "{p}: {}", files[*p].len());
+    }
+    let card = String::from_utf8(files["README.md"].clone()).unwrap();
+    assert!(card.contains("**Q8_0**"), "{card}");
+
+    let first = ok(&run(&[], &["pull", "me/tiny-split:Q8_0"]));
+    let first = Path::new(first.trim());
+    assert!(first
+        .to_string_lossy()
+        .ends_with(&format!("-00001-of-{n:05}.gguf")));
+    let joined = GgufFile::open_joined(first).unwrap();
+    let orig = GgufFile::open(&q8).unwrap();
+    assert_eq!(joined.metadata, orig.metadata);
+    assert_eq!(joined.tensors.len(), orig.tensors.len());
+    for (a, b) in joined.tensors.iter().zip(&orig.tensors) {
+        assert_eq!((&a.name, &a.dims, a.ty), (&b.name, &b.dims, b.ty));
+        assert_eq!(
+            joined.tensor_data(a).unwrap().as_slice(),
+            orig.tensor_data(b).unwrap().as_slice(),
+            "{}",
+            a.name
+        );
+    }
+    ok(&run(
+        &[],
+        &[
+            "run",
+            "me/tiny-split",
+            "-p",
+            "hi",
+            "-n",
+            "3",
+            "--device",
+            "cpu",
+        ],
+    ));
+
+    // A bad size is refused naming it.
+    fails_with(
+        &run(&[], &["push", s(&q8), "me/x", "--max-file-size", "20X"]),
+        "unknown unit 'X'",
+    );
+}
+
 /// `dataset build ORG/NAME[:SPLIT]` reads a Hub dataset's split (its JSONL and CSV files) through
 /// the shared cache (`datasets--ORG--NAME`); an unknown split names the files there are, and a
 /// `.parquet` file that is not Parquet is refused by name.

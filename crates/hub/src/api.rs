@@ -269,16 +269,21 @@ impl Client {
         Ok(RepoInfo { sha, siblings })
     }
 
-    /// `HEAD /{repo}/resolve/{rev}/{path}`: relative redirects (renamed repositories) are
-    /// followed; a redirect to another host is where the bytes are (not followed here).
-    pub fn file_meta(&self, repo: &RepoId, revision: &str, path: &str) -> Result<FileMeta> {
-        let mut url = format!(
+    /// `{endpoint}/{repo}/resolve/{rev}/{path}`: where a file's bytes are asked for.
+    pub fn resolve_url(&self, repo: &RepoId, revision: &str, path: &str) -> String {
+        format!(
             "{}/{}/resolve/{}/{}",
             self.endpoint,
             repo.url_path(),
             encode_segment(revision),
             encode_path(path)
-        );
+        )
+    }
+
+    /// `HEAD /{repo}/resolve/{rev}/{path}`: relative redirects (renamed repositories) are
+    /// followed; a redirect to another host is where the bytes are (not followed here).
+    pub fn file_meta(&self, repo: &RepoId, revision: &str, path: &str) -> Result<FileMeta> {
+        let mut url = self.resolve_url(repo, revision, path);
         let target = Target::new(repo, revision, Some(path));
         for _ in 0..5 {
             let r = self.request("HEAD", &url, 0)?;

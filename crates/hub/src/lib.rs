@@ -2,7 +2,7 @@
 //! with huggingface_hub and llama.cpp (`cache`), the HTTP API (`api`) and its tree listing (`tree`), resumable checked
 //! downloads (`download`), which files a model needs (`select`) or a dataset split (`data_select`), errors that say what to do
 //! (`error`), and the pull that ties them together (`pull`). Pushing: the write API
-//! (`write_api`), the push of a folder or file in one commit (`push`), the model card written
+//! (`write_api`) and its multipart LFS transfer (`lfs_multipart`), the push of a folder or file in one commit (`push`), the model card written
 //! when a folder has none (`card`), base64 for the commit API (`b64`). With the `mock` feature, a Hub on
 //! loopback with fault injection for tests (`mock`).
 //!
@@ -15,6 +15,7 @@ pub mod card;
 pub mod data_select;
 pub mod download;
 pub mod error;
+pub mod lfs_multipart;
 #[cfg(feature = "mock")]
 pub mod mock;
 pub mod pull;

@@ -1,6 +1,7 @@
 //! `pull`: a repository reference to a loadable path in the cache. Online: ask the Hub for the
-//! revision's commit and files, select the files, HEAD each missing one for its ETag and size,
-//! download the missing blobs (one progress bar per file and a total), link them into
+//! revision's commit and files, select the files, learn each missing one's blob name (ETag) and
+//! size (`file_metas`: from a listing of its folder for LFS files, else a HEAD), download the
+//! missing blobs (one progress bar per file and a total), link them into
 //! `snapshots/<commit>/`, and point `refs/<revision>` at the commit. Offline (or to avoid the
 //! network when everything is there): [`find_cached`] resolves from the cache alone and names
 //! what is missing.
@@ -8,17 +9,19 @@
 //! conversion. The file list comes from the repo info's `siblings`, else the tree listing
 //! ([`crate::tree`]).
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::api::{Client, DEFAULT_ENDPOINT};
+use crate::api::{Client, FileMeta, DEFAULT_ENDPOINT};
 use crate::cache::Cache;
 use crate::data_select::select_dataset;
 use crate::download::fetch_blob;
 use crate::error::{HubError, Result, Target};
 use crate::repo::{is_commit, RepoId, RepoKind, RepoRef};
 use crate::select::{missing, select, Filter, Selection};
+use crate::tree::{EntryType, TreeEntry};
 
 /// Everything the binary gathers from flags and the environment; library code reads none.
 #[derive(Clone, Debug)]
@@ -195,12 +198,14 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
     }
     let snapshot = cache.snapshot_dir(id, &commit);
     let present = cache.snapshot_files(id, &commit);
-    // The files not yet in this snapshot: HEAD each for its blob name and size.
-    let mut todo = Vec::new();
-    for f in sel.files.iter().filter(|f| !present.contains(f)) {
-        let meta = client.file_meta(id, &commit, f)?;
-        todo.push((f.clone(), meta));
-    }
+    // The files not yet in this snapshot, with their blob names and sizes.
+    let absent: Vec<String> = sel
+        .files
+        .iter()
+        .filter(|f| !present.contains(f))
+        .cloned()
+        .collect();
+    let todo = file_metas(&client, id, &commit, &absent)?;
     let total: u64 = todo
         .iter()
         .filter(|(_, m)| !cache.blob_path(id, &m.etag).is_file())
@@ -266,6 +271,54 @@ pub fn pull(cfg: &HubConfig, req: &PullRequest) -> Result<Pulled> {
         downloaded,
         bytes,
     })
+}
+
+/// An LFS file's blob name, size and URL from its listing entry: the name is its sha256
+/// (`lfs.oid`, what the Hub's `X-Linked-Etag` is and huggingface_hub names the blob by), and the
+/// download checks the bytes against both. `None` for other entries.
+fn lfs_meta(client: &Client, id: &RepoId, commit: &str, e: &TreeEntry) -> Option<FileMeta> {
+    let lfs = e.lfs.as_ref().filter(|_| e.kind == EntryType::File)?;
+    let oid = lfs.oid.to_ascii_lowercase();
+    let meta = FileMeta {
+        commit: commit.to_string(),
+        etag: oid,
+        size: lfs.size,
+        location: client.resolve_url(id, commit, &e.path),
+    };
+    meta.sha256().is_some().then_some(meta)
+}
+
+/// Each of `files`' blob name, size and URL at `commit`. Where two or more files share a folder,
+/// one listing of that folder (`tree`, not recursive) describes its LFS files, which then need no
+/// HEAD; every other file is asked with HEAD: a regular file's blob name is its git blob id,
+/// which the download does not check (see ARCHITECTURE.md, the Hub client). A failed listing
+/// (a mirror without the tree API) falls back to HEAD for all.
+fn file_metas(
+    client: &Client,
+    id: &RepoId,
+    commit: &str,
+    files: &[String],
+) -> Result<Vec<(String, FileMeta)>> {
+    let folder = |f: &str| f.rsplit_once('/').map_or("", |(d, _)| d).to_string();
+    let mut per_folder: BTreeMap<String, usize> = BTreeMap::new();
+    for f in files {
+        *per_folder.entry(folder(f)).or_default() += 1;
+    }
+    let mut listed: HashMap<String, FileMeta> = HashMap::new();
+    for (dir, _) in per_folder.iter().filter(|(_, &n)| n >= 2) {
+        for e in client.tree(id, commit, dir, false).unwrap_or_default() {
+            if let Some(m) = lfs_meta(client, id, commit, &e) {
+                listed.insert(e.path, m);
+            }
+        }
+    }
+    files
+        .iter()
+        .map(|f| match listed.remove(f) {
+            Some(m) => Ok((f.clone(), m)),
+            None => Ok((f.clone(), client.file_meta(id, commit, f)?)),
+        })
+        .collect()
 }
 
 /// The revision where the Hub keeps the Parquet conversion of a dataset (one per config and

@@ -1,14 +1,15 @@
 //! `push`: a local folder or file to a Hub repository in one commit, as huggingface_hub's
 //! `upload_folder` does it: create the repository if missing (and the branch), ask the preupload
-//! API which files go through LFS, upload those with the LFS batch API's basic transfer (PUT,
-//! then verify when asked; objects the Hub already holds are skipped), then commit everything
+//! API which files go through LFS, upload those with the LFS batch API's basic transfer (one
+//! PUT) or, where its answer asks, the multipart one (`lfs_multipart`), then verify when asked
+//! (objects the Hub already holds are skipped), then commit everything
 //! with the NDJSON commit API (small files inline, LFS files by sha256). A README.md (the card)
 //! given by the caller is added when neither the upload nor the branch has one.
 //!
 //! Not here: what the card says (`card`, facts from the binary) or splitting large files.
 
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -250,12 +251,25 @@ pub fn push(cfg: &HubConfig, req: &PushRequest) -> Result<Pushed> {
             let bar = multi.insert_before(&total_bar, ProgressBar::new(u.size));
             bar.set_style(style.clone());
             bar.set_message(u.path.clone());
-            let file = File::open(local).at(local)?;
-            let reader = Counted {
-                inner: file,
-                bars: [bar.clone(), total_bar.clone()],
+            let bars = [bar.clone(), total_bar.clone()];
+            let r = match &action.multipart {
+                Some(mp) => {
+                    let mut part = |from: u64, len: u64| -> Result<Box<dyn Read>> {
+                        let mut f = File::open(local).at(local)?;
+                        f.seek(SeekFrom::Start(from)).at(local)?;
+                        Ok(Box::new(Counted {
+                            inner: f.take(len),
+                            bars: bars.clone(),
+                        }))
+                    };
+                    client.lfs_put_multipart(mp, &action.oid, u.size, &u.path, &mut part)
+                }
+                None => {
+                    let inner = File::open(local).at(local)?;
+                    let reader = Counted { inner, bars };
+                    client.lfs_put(action, href, u.size, reader, &u.path)
+                }
             };
-            let r = client.lfs_put(action, href, u.size, reader, &u.path);
             bar.finish_and_clear();
             r?;
             if let Some(v) = action.verify.as_deref() {

@@ -6,8 +6,9 @@
 //! [`Client::repo_files`] is where the rest of the crate gets a revision's file list: the repo
 //! info's `siblings` when the answer has them, else the recursive tree listing.
 //!
-//! Not here: HEAD of each file for its ETag and where its bytes are ([`Client::file_meta`]);
-//! the listing's sizes are informative, the download checks the HEAD's.
+//! Not here: HEAD of a file for its ETag and where its bytes are ([`Client::file_meta`]), and
+//! which files a pull takes from a listing instead (an LFS entry's sha256 and size, checked by
+//! the download: `pull::file_metas`).
 
 use crate::api::{encode_path, encode_segment, header, origin, Client, RepoInfo};
 use crate::error::{HubError, Result, Target};

@@ -10,12 +10,13 @@
 //!   first 512 bytes), "size"}]}` -> `{"files": [{"path", "uploadMode": "lfs"|"regular",
 //!   "shouldIgnore", "oid"?}]}`.
 //! - `POST /{prefix}{repo}.git/info/lfs/objects/batch` (`application/vnd.git-lfs+json`)
-//!   `{"operation": "upload", "transfers": ["basic"], "objects": [{"oid", "size"}],
+//!   `{"operation": "upload", "transfers": ["basic", "multipart"], "objects": [{"oid", "size"}],
 //!   "hash_algo": "sha256", "ref": {"name"}}` -> `{"transfer"?, "objects": [{"oid", "size",
 //!   "actions"?: {"upload": {"href", "header"?}, "verify"?: {"href", "header"?}}, "error"?:
 //!   {"code", "message"}}]}`; no `actions`: the object is already stored.
-//! - `PUT {upload.href}` the bytes (`Content-Length` set: storage refuses chunked bodies), then
-//!   `POST {verify.href}` `{"oid", "size"}`.
+//! - basic: `PUT {upload.href}` the bytes (`Content-Length` set: storage refuses chunked
+//!   bodies); multipart (`upload.header` has `chunk_size` and numbered part URLs): the parts,
+//!   then the completion (`lfs_multipart`); then `POST {verify.href}` `{"oid", "size"}`.
 //! - `POST /api/{kind}/{repo}/commit/{rev}` (`application/x-ndjson`): a `header` line
 //!   `{"summary", "description"}`, then `file` lines `{"content" (base64), "path", "encoding":
 //!   "base64"}` and `lfsFile` lines `{"path", "algo": "sha256", "oid", "size"}` ->
@@ -30,6 +31,7 @@ use serde_json::{json, Value};
 
 use crate::api::{encode_segment, header, Client};
 use crate::error::{HubError, Result};
+use crate::lfs_multipart::{self, refusal_text, Multipart};
 use crate::repo::RepoId;
 
 /// One file as the preupload API is asked about it.
@@ -56,6 +58,8 @@ pub struct LfsAction {
     /// `None`: already stored, nothing to upload.
     pub upload: Option<String>,
     pub upload_headers: Vec<(String, String)>,
+    /// `Some`: upload in parts (then `upload` is the completion URL).
+    pub multipart: Option<Multipart>,
     pub verify: Option<String>,
     pub verify_headers: Vec<(String, String)>,
 }
@@ -122,11 +126,24 @@ impl Client {
         headers: &[(String, String)],
         body: impl ureq::AsSendBody,
     ) -> Result<Response> {
+        self.send_as(method, url, self.auth_for(url), content_type, headers, body)
+    }
+
+    /// Sends `body` with `method` (`PUT` or `POST`) to `url` with `auth` as `Authorization`.
+    pub(crate) fn send_as(
+        &self,
+        method: &str,
+        url: &str,
+        auth: Option<String>,
+        content_type: &str,
+        headers: &[(String, String)],
+        body: impl ureq::AsSendBody,
+    ) -> Result<Response> {
         let mut req = match method {
             "PUT" => self.agent.put(url),
             _ => self.agent.post(url),
         };
-        if let Some(a) = self.auth_for(url) {
+        if let Some(a) = auth {
             req = req.header("Authorization", a);
         }
         if !content_type.is_empty() {
@@ -152,19 +169,7 @@ impl Client {
     fn write_error(&self, r: Response, url: &str, repo: &str, revision: &str) -> HubError {
         let status = r.status().as_u16();
         let code = header(&r, "x-error-code").unwrap_or_default();
-        let mut message = header(&r, "x-error-message").unwrap_or_default();
-        if message.is_empty() {
-            let text = r
-                .into_body()
-                .with_config()
-                .limit(1 << 16)
-                .read_to_string()
-                .unwrap_or_default();
-            message = serde_json::from_str::<Value>(&text)
-                .ok()
-                .and_then(|v| v.get("error").and_then(Value::as_str).map(String::from))
-                .unwrap_or(text);
-        }
+        let message = refusal_text(r);
         let had_token = self.token.is_some();
         match (code.as_str(), status) {
             (_, 401) if !had_token => HubError::PushNeedsToken {
@@ -317,7 +322,7 @@ impl Client {
             self.endpoint(),
             repo.url_path()
         );
-        let body = json!({"operation": "upload", "transfers": ["basic"],
+        let body = json!({"operation": "upload", "transfers": ["basic", "multipart"],
             "objects": objects.iter().map(|(oid, size)| json!({"oid": oid, "size": size})).collect::<Vec<_>>(),
             "hash_algo": "sha256", "ref": {"name": rev}});
         let bytes = body.to_string().into_bytes();
@@ -338,9 +343,10 @@ impl Client {
             why,
         };
         if let Some(t) = v.get("transfer").and_then(Value::as_str) {
-            if t != "basic" {
+            if t != "basic" && t != "multipart" {
                 return Err(bad(format!(
-                    "the LFS server chose transfer '{t}' (only 'basic' is supported)"
+                    "the LFS server chose transfer '{t}' (only 'basic' and 'multipart' are \
+                     supported)"
                 )));
             }
         }
@@ -377,17 +383,29 @@ impl Client {
                         .ok_or_else(|| bad(format!("an action of {oid} has no href"))),
                 }
             };
-            let upload_headers = headers_of(upload.and_then(|u| u.get("header")));
-            if upload_headers.iter().any(|(k, _)| k == "chunk_size") {
-                return Err(bad(
-                    "the LFS server asked for a multipart upload (only 'basic' is supported)"
-                        .into(),
-                ));
-            }
+            let upload_href = href(upload)?;
+            let header = upload.and_then(|u| u.get("header"));
+            let size = objects
+                .iter()
+                .find(|(o, _)| o == oid)
+                .map(|(_, s)| *s)
+                .ok_or_else(|| bad(format!("an object {oid} that was not asked for")))?;
+            let multipart = match &upload_href {
+                Some(h) => lfs_multipart::parse(header, h, size)
+                    .map_err(|why| bad(format!("the multipart upload of {oid}: {why}")))?,
+                None => None,
+            };
+            // A multipart action's header holds the part URLs, not HTTP headers.
+            let upload_headers = if multipart.is_some() {
+                Vec::new()
+            } else {
+                headers_of(header)
+            };
             out.push(LfsAction {
                 oid: oid.to_string(),
-                upload: href(upload)?,
+                upload: upload_href,
                 upload_headers,
+                multipart,
                 verify: href(verify)?,
                 verify_headers: headers_of(verify.and_then(|u| u.get("header"))),
             });

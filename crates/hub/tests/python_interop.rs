@@ -149,7 +149,8 @@ fn python_run(py: &str, endpoint: &str, home: &str, script: &str, args: &[&str])
 }
 
 /// The mock's write side in huggingface_hub's own shapes: `upload_folder` (preupload, LFS batch,
-/// PUT, verify, NDJSON commit) pushes to the mock and hf2q pulls it back; hf2q pushes and
+/// PUT or the parts of a multipart upload, verify, NDJSON commit) pushes to the mock and hf2q
+/// pulls it back; hf2q pushes and
 /// `hf_hub_download` fetches each file back; byte for byte both ways.
 #[test]
 fn huggingface_hub_and_hf2q_push_to_each_other() {
@@ -193,6 +194,33 @@ fn huggingface_hub_and_hf2q_push_to_each_other() {
     for (p, d) in &files {
         assert_eq!(&fs::read(got.snapshot.join(p)).unwrap()[..], *d, "{p}");
     }
+
+    // The multipart transfer in huggingface_hub's own shapes: parts PUT with their ETags
+    // collected, the completion, then verify; hf2q pulls the object back.
+    hub.set_multipart(Some((100_000, 40_000)));
+    let big: Vec<u8> = (0..150_001u32).map(|i| (i * 7 % 251) as u8).collect();
+    fs::write(src.join("model.safetensors"), &big).unwrap();
+    python_run(
+        &py,
+        &endpoint,
+        home_s,
+        UPLOAD,
+        &[&endpoint, "py/parts", src.to_str().unwrap(), "model"],
+    );
+    let parts = hub
+        .requests()
+        .iter()
+        .filter(|r| r.path.starts_with("/lfs-part/"))
+        .count();
+    assert_eq!(parts, 4);
+    assert!(!hub.cdn_saw_authorization());
+    let got = pull(&cfg, &PullRequest::new(RepoRef::parse("py/parts").unwrap())).unwrap();
+    assert_eq!(
+        fs::read(got.snapshot.join("model.safetensors")).unwrap(),
+        big
+    );
+    fs::write(src.join("model.safetensors"), &weights).unwrap();
+    hub.set_multipart(None);
 
     // hf2q pushes a dataset, huggingface_hub downloads it.
     let pushed = push(

@@ -11,8 +11,9 @@
 //!   `X-Linked-Etag` (the sha256) and `X-Linked-Size`; both carry `X-Repo-Commit`.
 //! - the same under `/api/datasets/..` and `/datasets/{org}/{name}/resolve/..` for datasets;
 //! - the write API (`write`): repository and branch creation, preupload, the LFS batch API with
-//!   uploads to the CDN host and a verify step, and NDJSON commits, each commit a new snapshot
-//!   that the read routes serve;
+//!   uploads to the CDN host (in parts above [`MockHub::set_multipart`]'s threshold:
+//!   `multipart`) and a verify step, and NDJSON commits, each commit a new snapshot that the read
+//!   routes serve;
 //! - errors as the Hub words them: `X-Error-Code` `GatedRepo` (401 without a token, 403 with one
 //!   that has no access), `RepoNotFound`, `RevisionNotFound`, `EntryNotFound` (404).
 //!
@@ -32,6 +33,7 @@ use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
 
+mod multipart;
 mod tree;
 mod write;
 
@@ -46,6 +48,15 @@ pub struct Faults {
     pub corrupt: BTreeSet<String>,
     /// Serve these files with one byte too many.
     pub oversize: BTreeSet<String>,
+    /// A multipart upload's part (1-based) answered without its ETag or with a wrong one.
+    pub part_etag: Option<PartFault>,
+}
+
+/// What the CDN does to one part's ETag of a multipart upload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PartFault {
+    Missing(u64),
+    Wrong(u64),
 }
 
 /// Which host a request came to.
@@ -90,6 +101,11 @@ struct State {
     /// LFS objects by sha256: verified (`lfs`) and uploaded, not yet verified (`lfs_pending`).
     lfs: BTreeMap<String, Vec<u8>>,
     lfs_pending: BTreeMap<String, Vec<u8>>,
+    /// Objects of `.0` bytes and more are uploaded in parts of `.1` bytes.
+    multipart: Option<(u64, u64)>,
+    /// Multipart uploads started: oid -> (size, chunk size); parts stored by (oid, number).
+    multipart_expect: BTreeMap<String, (u64, u64)>,
+    parts: BTreeMap<(String, u64), Vec<u8>>,
     /// Tokens refused (403) on writes.
     read_only_tokens: Vec<String>,
     /// Entries a page of the tree listing.
@@ -228,6 +244,12 @@ impl MockHub {
     /// Files of this many bytes and more are LFS files (on reads and in preupload answers).
     pub fn set_lfs_threshold(&self, bytes: u64) {
         self.state.lock().unwrap().lfs_threshold = bytes;
+    }
+
+    /// LFS objects of `threshold` bytes and more are uploaded in parts of `chunk` bytes (the
+    /// batch answer's multipart action); `None` (the default): every object in one PUT.
+    pub fn set_multipart(&self, threshold_chunk: Option<(u64, u64)>) {
+        self.state.lock().unwrap().multipart = threshold_chunk;
     }
 
     /// Entries a page of the tree listing (1000 unless set).

@@ -3,7 +3,8 @@
 //! `/preupload/{rev}` and `/commit/{rev}` (NDJSON), the LFS batch API at
 //! `/[datasets/]{org}/{name}.git/info/lfs/objects/batch` with uploads to the CDN host
 //! (`PUT /lfs-upload/{oid}`, kept pending) and a verify step on the hub host (`.../verify`, which
-//! checks the sha256 and size and only then stores the object). A commit's `lfsFile` must name a
+//! checks the sha256 and size and only then stores the object); large objects in parts
+//! (`multipart`). A commit's `lfsFile` must name a
 //! verified object of that size. Every write needs a token (401 without, 403 for a token of
 //! [`super::MockHub::set_read_only_tokens`]).
 
@@ -46,6 +47,9 @@ pub(super) fn handle(
     state: &Mutex<State>,
 ) -> std::io::Result<()> {
     if req.host == Host::Cdn {
+        if let ("PUT", Some(rest)) = (req.method, req.path.strip_prefix("/lfs-part/")) {
+            return super::multipart::put_part(rest, req.body, reply, state);
+        }
         return match (req.method, req.path.strip_prefix("/lfs-upload/")) {
             ("PUT", Some(oid)) => {
                 let mut s = state.lock().unwrap();
@@ -55,6 +59,10 @@ pub(super) fn handle(
             }
             _ => reply.error(404, "", "not found"),
         };
+    }
+    // The completion URL is presigned, as the Hub's: no token needed.
+    if let Some(oid) = req.path.strip_prefix("/api/complete_multipart/") {
+        return super::multipart::complete(oid, req.body, reply, state);
     }
     let Some(token) = req.token else {
         return reply.error(401, "", "Invalid username or password.");
@@ -239,15 +247,14 @@ fn preupload(
 }
 
 fn batch(k: &str, body: &Value, reply: &mut Reply, state: &Mutex<State>) -> std::io::Result<()> {
-    let s = state.lock().unwrap();
+    let mut s = state.lock().unwrap();
     if !s.repos.contains_key(k) {
         drop(s);
         return repo_missing(reply, k);
     }
-    let basic = body
-        .get("transfers")
-        .and_then(Value::as_array)
-        .is_none_or(|t| t.iter().any(|x| x == "basic"));
+    let transfers = body.get("transfers").and_then(Value::as_array);
+    let basic = transfers.is_none_or(|t| t.iter().any(|x| x == "basic"));
+    let multipart = transfers.is_some_and(|t| t.iter().any(|x| x == "multipart"));
     let (Some(objects), "upload", true) = (
         body.get("objects").and_then(Value::as_array),
         body.get("operation").and_then(Value::as_str).unwrap_or(""),
@@ -270,8 +277,19 @@ fn batch(k: &str, body: &Value, reply: &mut Reply, state: &Mutex<State>) -> std:
             drop(s);
             return reply.error(422, "", "each object needs oid and size");
         };
+        let verify = json!({"href": format!("{git}/verify"), "header": {}});
         if s.lfs.get(oid).is_some_and(|d| d.len() as u64 == size) {
             out.push(json!({"oid": oid, "size": size}));
+        } else if s.multipart.is_some_and(|(t, _)| size >= t) {
+            match multipart
+                .then(|| super::multipart::action(&mut s, oid, size))
+                .flatten()
+            {
+                Some(upload) => out.push(json!({"oid": oid, "size": size, "authenticated": true,
+                    "actions": {"upload": upload, "verify": verify}})),
+                None => out.push(json!({"oid": oid, "size": size, "error": {"code": 422,
+                    "message": "too large for the basic transfer: ask for 'multipart'"}})),
+            }
         } else {
             out.push(
                 json!({"oid": oid, "size": size, "authenticated": true, "actions": {
