@@ -19,7 +19,7 @@
 use rayon::prelude::*;
 
 use hf2q_tensor::op::{AttentionParams, KvScalar, LayerCache};
-use hf2q_tensor::paged::{HostPagedLayer, PagedElem, PagedLayout, PagedRows};
+use hf2q_tensor::paged::{HostPagedLayer, PagedElem, PagedLayout, PagedRows, RowRun};
 use hf2q_tensor::{Error, Result, Tensor};
 
 use crate::KvRead;
@@ -35,7 +35,7 @@ pub fn attention<T: PagedElem + KvRead>(
     let (k, v, layout) = (&layer.k[..], &layer.v[..], &layer.layout);
     check(q, k, v, layout, rows, p)?;
     let width = p.n_heads * p.head_dim;
-    let runs = consecutive_runs(rows);
+    let runs = rows.runs();
     // Each row through the one-row kernel at its own position, whatever run it is in: a row's
     // output then never depends on the rows beside it (a preempted sequence's recomputed rows,
     // or shared prefix blocks, give the bits a decode step gave).
@@ -70,40 +70,6 @@ pub fn attention<T: PagedElem + KvRead>(
     Ok(out)
 }
 
-/// Rows `row..row + n` of one sequence at positions `pos0..pos0 + n`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Run {
-    row: usize,
-    n: usize,
-    seq: usize,
-    pos0: usize,
-}
-
-/// The rows as maximal runs of one sequence at consecutive positions, in row order; padding
-/// rows (`pos < 0`) belong to none (their output stays zeros).
-fn consecutive_runs(rows: &PagedRows<'_>) -> Vec<Run> {
-    let mut runs: Vec<Run> = Vec::new();
-    for (r, (&s, &pos)) in rows.seq.iter().zip(rows.pos).enumerate() {
-        let Ok(pos) = usize::try_from(pos) else {
-            continue;
-        };
-        match runs.last_mut() {
-            Some(run)
-                if run.row + run.n == r && run.seq == s as usize && run.pos0 + run.n == pos =>
-            {
-                run.n += 1
-            }
-            _ => runs.push(Run {
-                row: r,
-                n: 1,
-                seq: s as usize,
-                pos0: pos,
-            }),
-        }
-    }
-    runs
-}
-
 /// A run's sequence's keys and values at positions `0..pos0 + n`, each as `(Hkv, S, Dh)`
 /// (S = pos0 + n), copied a block's rows at a time from the pool.
 fn gather<T: Copy + Default>(
@@ -111,7 +77,7 @@ fn gather<T: Copy + Default>(
     v: &[T],
     layout: &PagedLayout,
     rows: &PagedRows<'_>,
-    run: &Run,
+    run: &RowRun,
 ) -> (Vec<T>, Vec<T>) {
     let (hkv, dh, bt) = (layout.n_kv_heads, layout.head_dim, layout.block_tokens);
     let s_len = run.pos0 + run.n;

@@ -9,6 +9,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use crate::backend::{CudaBackend, Raw};
+use crate::paged::prefill_tiles;
 use crate::{DevicePagedLayer, DevicePagedRows, KvDtype, SampleArgs};
 use hf2q_tensor::kv::{DeviceKv, KvType};
 use hf2q_tensor::op::{AttentionParams, RopeParams};
@@ -47,11 +48,25 @@ pub struct PagedInputs {
     max_blocks: usize,
 }
 
+/// A step's prefill chunks as tensor-core tiles ([`CudaDev::paged_prefill_tc`]), and the rows
+/// left to the row kernel: their positions with every tiled row's set to -1 (padding to it).
+struct PrefillTiles {
+    /// `(n_tiles, 4)`: first row, rows (<= 64), sequence, position of the first row.
+    tiles: CudaSlice<i32>,
+    n_tiles: usize,
+    rest_pos: CudaSlice<i32>,
+    /// Bounds every remaining row's position + 1; `None` when every row is in a tile.
+    rest_max_len: Option<usize>,
+}
+
 /// A step's rows on the device (`PagedStep::device`).
 struct DeviceStep {
     bufs: std::sync::Arc<RowBufs>,
     /// Bounds every row's position + 1: sets the attention's key splits.
     max_len: usize,
+    /// The prefill runs as tensor-core tiles (eager steps only: a captured step's rows are
+    /// decode rows, and its arrays are written at replay).
+    prefill: Option<PrefillTiles>,
     /// The pool shape `(n_blocks, B)` the rows were checked against: every layer of a model's
     /// paged cache shares it, so the host checks the rows once a step, not once a layer.
     checked: std::sync::OnceLock<(usize, usize)>,
@@ -163,6 +178,15 @@ impl CudaBackend {
                 .map(|&p| p.max(0) as usize + 1)
                 .max()
                 .unwrap_or(1),
+            prefill: match prefill_tiles(&step.rows()).filter(|_| dev.options().paged_prefill_tc) {
+                Some(t) => Some(PrefillTiles {
+                    n_tiles: t.tiles.len() / 4,
+                    tiles: dev.upload(&t.tiles)?,
+                    rest_pos: up(&t.rest_pos)?,
+                    rest_max_len: t.rest_max_len,
+                }),
+                None => None,
+            },
             checked: std::sync::OnceLock::new(),
         };
         step.device = Some(Box::new(d));
@@ -225,6 +249,7 @@ impl CudaBackend {
         step.device = Some(Box::new(DeviceStep {
             bufs: inputs.bufs.clone(),
             max_len: max_len.max(1),
+            prefill: None,
             checked: std::sync::OnceLock::new(),
         }));
         Ok(())
@@ -274,22 +299,47 @@ impl CudaBackend {
         let l = layer(kv, "paged attention")?;
         check_rows(step, ds, l.layout())?;
         let r = step.len();
-        let rows = DevicePagedRows {
-            seq: &ds.bufs.seq,
-            pos: &ds.bufs.pos,
-            tables: &ds.bufs.tables,
-            rows: r,
-            max_blocks: step.max_blocks,
-            max_len: ds.max_len,
-        };
         let dev = self.device();
-        let n = dev.paged_attention_scratch_len(p, r, ds.max_len)?;
-        let scratch = self.alloc(&[n.max(1)])?;
+        // Prefill runs on tensor cores (`paged-prefill=tc`), the other rows through the row
+        // kernel.
+        let tiled = ds
+            .prefill
+            .as_ref()
+            .filter(|_| dev.options().paged_prefill_tc && dev.paged_prefill_tc_fits(l, p));
+        let (pos, max_len) = match tiled {
+            Some(t) => (&t.rest_pos, t.rest_max_len),
+            None => (&ds.bufs.pos, Some(ds.max_len)),
+        };
         let out = self.alloc(&[r, p.n_heads * p.head_dim])?;
         let qi = self.raw(q, "paged attention")?;
-        let mut s = self.raw(&scratch, "paged attention")?;
         let mut o = self.raw(&out, "paged attention")?;
-        dev.paged_attention(&qi, l, &rows, p, &mut s, &mut o)?;
+        if let Some(max_len) = max_len {
+            let rows = DevicePagedRows {
+                seq: &ds.bufs.seq,
+                pos,
+                tables: &ds.bufs.tables,
+                rows: r,
+                max_blocks: step.max_blocks,
+                max_len,
+            };
+            let n = dev.paged_attention_scratch_len(p, r, max_len)?;
+            let scratch = self.alloc(&[n.max(1)])?;
+            let mut s = self.raw(&scratch, "paged attention")?;
+            dev.paged_attention(&qi, l, &rows, p, &mut s, &mut o)?;
+        }
+        if let Some(t) = tiled {
+            let tables = &ds.bufs.tables;
+            dev.paged_prefill_tc(
+                &qi,
+                l,
+                &t.tiles,
+                t.n_tiles,
+                tables,
+                step.max_blocks,
+                p,
+                &mut o,
+            )?;
+        }
         Ok(out)
     }
 }

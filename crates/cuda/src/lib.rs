@@ -74,7 +74,10 @@ pub use ops::{
     SAMPLE_MAX_K,
 };
 pub use options::{CudaOptions, OptionKey};
-pub use paged::{DevicePagedLayer, DevicePagedRows};
+pub use paged::{
+    prefill_tiles, DevicePagedLayer, DevicePagedRows, PrefillTileRows, PREFILL_MIN_RUN,
+    PREFILL_TILE_ROWS,
+};
 pub use weight::DeviceWeight;
 
 use hf2q_tensor::{Error, Result};
@@ -526,7 +529,7 @@ impl CudaDev {
         // tiles up to 104 KB: above the 48 KB a kernel gets without asking.
         let smem = if name.starts_with("attn_prefill") && name.ends_with("_16") {
             Some(ops::PREFILL_WIDE_SMEM)
-        } else if name.starts_with("attn_prefill") {
+        } else if name.starts_with("attn_prefill") || name.starts_with("paged_prefill") {
             Some(ops::PREFILL_MAX_SMEM)
         } else if name.starts_with("ta_") {
             Some(train::TRAIN_ATTN_MAX_SMEM)

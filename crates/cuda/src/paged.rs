@@ -1,17 +1,18 @@
 //! The paged KV cache on the device: one layer's keys and values in blocks of a shared pool,
-//! written at slots and read through block tables by one attention launch over a whole batch
-//! of query rows (decode rows and prefill chunk rows of many sequences alike).
+//! written at slots (with RoPE, `paged_rope_store`) and read through block tables by attention
+//! over a whole batch of query rows: one launch of the row kernel for decode rows (split over
+//! keys, then merged), and one tensor-core launch for the prefill chunks' runs of rows
+//! ([`prefill_tiles`], [`CudaDev::paged_prefill_tc`]). Every launch takes its row arrays from
+//! device memory, so a captured graph replays them with new rows written in place.
 //!
 //! The bookkeeping (which blocks a sequence holds, its table, admission) is backend-neutral in
 //! `hf2q_tensor::paged`; the host twin of these ops, and the reference of their tests, is
-//! `hf2q_cpu::paged`. Not here yet: RoPE and norms over the batch's rows, graph capture per
-//! batch size (the launches take their row arrays from device memory, so a graph can replay
-//! them with new rows written in place).
+//! `hf2q_cpu::paged`. Not here: choosing between the kernels per step (`backend_paged.rs`).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use hf2q_tensor::op::AttentionParams;
-use hf2q_tensor::paged::PagedLayout;
+use hf2q_tensor::paged::{PagedLayout, PagedRows};
 use hf2q_tensor::Result;
 
 use super::ops::{
@@ -39,6 +40,61 @@ pub struct DevicePagedRows<'a> {
     pub rows: usize,
     pub max_blocks: usize,
     pub max_len: usize,
+}
+
+/// Rows of one query tile of the tensor-core prefill (`FA_BQ` in attention.cu).
+pub const PREFILL_TILE_ROWS: usize = 64;
+
+/// Runs of at least this many rows go through the tensor-core prefill; shorter ones (decode
+/// rows) through the row kernel, as the contiguous cache runs one token through its decode
+/// kernel and more through its prefill.
+pub const PREFILL_MIN_RUN: usize = 2;
+
+/// A batch's prefill runs cut into tensor-core tiles ([`CudaDev::paged_prefill_tc`]), and what
+/// is left to the row kernel ([`CudaDev::paged_attention`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefillTileRows {
+    /// `(n_tiles, 4)`: first row, rows (<= [`PREFILL_TILE_ROWS`]), sequence, position of the
+    /// first row.
+    pub tiles: Vec<i32>,
+    /// The rows' positions with every tiled row's set to -1 (padding to the row kernel).
+    pub rest_pos: Vec<i32>,
+    /// Bounds every remaining row's position + 1 (the row kernel's `max_len`); `None` when every
+    /// row is in a tile (the row kernel need not run).
+    pub rest_max_len: Option<usize>,
+}
+
+/// The tiles of `rows`' runs of [`PREFILL_MIN_RUN`] rows or more; `None` when there are none.
+pub fn prefill_tiles(rows: &PagedRows<'_>) -> Option<PrefillTileRows> {
+    let runs: Vec<_> = rows
+        .runs()
+        .into_iter()
+        .filter(|r| r.n >= PREFILL_MIN_RUN)
+        .collect();
+    if runs.is_empty() {
+        return None;
+    }
+    let (mut tiles, mut rest_pos) = (Vec::new(), rows.pos.to_vec());
+    for run in runs {
+        for t0 in (0..run.n).step_by(PREFILL_TILE_ROWS) {
+            let n = PREFILL_TILE_ROWS.min(run.n - t0);
+            tiles.extend([run.row + t0, n, run.seq, run.pos0 + t0].map(|x| x as i32));
+        }
+        rest_pos[run.row..run.row + run.n].fill(-1);
+    }
+    let longest = rest_pos
+        .iter()
+        .filter(|&&p| p >= 0)
+        .map(|&p| p as usize + 1)
+        .max();
+    // Padding rows still need the row kernel's zeros.
+    let padding = rows.pos.iter().any(|&p| p < 0);
+    let rest_max_len = longest.or(if padding { Some(1) } else { None });
+    Some(PrefillTileRows {
+        tiles,
+        rest_pos,
+        rest_max_len,
+    })
 }
 
 impl DevicePagedLayer {
@@ -290,5 +346,132 @@ impl CudaDev {
         let op = self.ptr_mut(out);
         let grid = u32::try_from(r * h).map_err(|_| shape(format!("{r} rows of {h} heads")))?;
         launch!(self, m, (grid, 1, 1), (64, 1, 1), 0; scp, pp, op, hi, dhi, ns)
+    }
+
+    /// Whether [`CudaDev::paged_prefill_tc`] can run attention `p` over `layer`: an f16 pool,
+    /// heads of 64 or 128, no sinks (none on the device yet); any window. Whether it should is
+    /// the `paged-prefill` option's say ([`super::CudaOptions::paged_prefill_tc`]).
+    pub fn paged_prefill_tc_fits(&self, layer: &DevicePagedLayer, p: &AttentionParams) -> bool {
+        layer.dtype == KvDtype::F16
+            && (p.head_dim == 64 || p.head_dim == 128)
+            && p.head_dim == layer.layout.head_dim
+            && p.sinks.is_none()
+    }
+
+    /// Causal attention of the rows of `tiles` (`(n_tiles, 4)` = first row, rows <= 64,
+    /// sequence, position of the first row: runs of one sequence at consecutive positions) of
+    /// `q (R, H*Dh)` over `layer` -> those rows of `out (R, H*Dh)`, on tensor cores as the
+    /// contiguous prefill (`attn_fa_impl`: q and p rounded to f16, sums in f32); other rows of
+    /// `out` are not written. Needs [`CudaDev::paged_prefill_tc_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_prefill_tc(
+        &self,
+        q: &impl DevicePtr<f32>,
+        layer: &DevicePagedLayer,
+        tiles: &CudaSlice<i32>,
+        n_tiles: usize,
+        tables: &CudaSlice<i32>,
+        max_blocks: usize,
+        p: &AttentionParams,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+        let l = layer.layout;
+        if !self.paged_prefill_tc_fits(layer, p)
+            || hkv == 0
+            || !h.is_multiple_of(hkv)
+            || hkv != l.n_kv_heads
+        {
+            return Err(shape(format!(
+                "paged prefill (tensor cores): {h} heads over {hkv} kv heads of {dh} on a {:?} \
+                 pool of {} kv heads of {}",
+                layer.dtype, l.n_kv_heads, l.head_dim
+            )));
+        }
+        need("paged prefill tiles", tiles.len(), 4 * n_tiles)?;
+        need("paged prefill tables", tables.len(), max_blocks)?;
+        if n_tiles == 0 {
+            return Ok(());
+        }
+        if p.window == Some(0) {
+            return Err(shape("paged prefill: a window of 0 sees no key".into()));
+        }
+        self.bind()?;
+        let f = self.function(Program::Attention, &format!("paged_prefill_tc_{dh}"))?;
+        let (qp, op) = (self.ptr(q), self.ptr_mut(out));
+        if !qp.is_multiple_of(16) || !op.is_multiple_of(8) {
+            return Err(shape("paged prefill: misaligned query or output".into()));
+        }
+        let (tp, tbp) = (self.ptr(tiles), self.ptr(tables));
+        let (kcp, vcp) = (
+            layer.k.device_ptr(self.stream()).0,
+            layer.v.device_ptr(self.stream()).0,
+        );
+        let (mb, lb) = (to_i32("table width", max_blocks)?, block_shift(&l)?);
+        let (hi, hkvi, scale) = (to_i32("heads", h)?, hkv as i32, p.scale);
+        let window = match p.window {
+            Some(w) => to_i32("window", w)?,
+            None => 0,
+        };
+        let grid = u32::try_from(n_tiles).map_err(|_| shape(format!("{n_tiles} tiles")))?;
+        let smem = 3 * 64 * (dh + 8) * 2;
+        launch!(self, f, (grid, h as u32, 1), (128, 1, 1), smem;
+            qp, kcp, vcp, tp, tbp, mb, lb, op, hi, hkvi, scale, window)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows<'a>(seq: &'a [i32], pos: &'a [i32], tables: &'a [i32]) -> PagedRows<'a> {
+        PagedRows {
+            seq,
+            pos,
+            tables,
+            max_blocks: 1,
+        }
+    }
+
+    #[test]
+    fn decode_rows_alone_make_no_tiles() {
+        let (seq, pos) = ([0, 1, 2], [5, 9, -1]);
+        assert_eq!(prefill_tiles(&rows(&seq, &pos, &[0; 3])), None);
+    }
+
+    #[test]
+    fn runs_become_tiles_of_64_rows_and_leave_the_rest() {
+        // A decode row of sequence 1, 150 rows of sequence 0 from 850, a padding row, two rows
+        // of sequence 2 from 0, and sequence 0 again at an unrelated position (its own run).
+        let mut seq = vec![1];
+        let mut pos = vec![69];
+        seq.extend([0; 150]);
+        pos.extend(850..1000);
+        seq.extend([3, 2, 2, 0]);
+        pos.extend([-1, 0, 1, 7]);
+        let t = prefill_tiles(&rows(&seq, &pos, &[0; 4])).unwrap();
+        assert_eq!(
+            t.tiles,
+            vec![1, 64, 0, 850, 65, 64, 0, 914, 129, 22, 0, 978, 152, 2, 2, 0]
+        );
+        let mut rest = vec![-1; pos.len()];
+        rest[0] = 69;
+        rest[154] = 7;
+        assert_eq!(t.rest_pos, rest);
+        assert_eq!(t.rest_max_len, Some(70));
+    }
+
+    #[test]
+    fn every_row_tiled_leaves_no_row_kernel() {
+        let (seq, pos) = ([0, 0, 0], [3, 4, 5]);
+        let t = prefill_tiles(&rows(&seq, &pos, &[0])).unwrap();
+        assert_eq!(t.tiles, vec![0, 3, 0, 3]);
+        assert_eq!(t.rest_max_len, None);
+        // A padding row keeps it (its zeros come from the row kernel's merge).
+        let (seq, pos) = ([0, 0, 0], [3, 4, -1]);
+        assert_eq!(
+            prefill_tiles(&rows(&seq, &pos, &[0])).unwrap().rest_max_len,
+            Some(1)
+        );
     }
 }

@@ -244,6 +244,149 @@ fn paged_write_and_attention_equal_the_host_twin() {
     }
 }
 
+/// A step's prefill runs on tensor cores (`prefill_tiles` + `paged_prefill_tc`) with the other
+/// rows through the row kernel, as `backend_paged` runs them, against the host twin over the
+/// same pool: runs longer than one 64-row tile, a run from position 0, a two-row run, decode
+/// rows and a padding row in one batch; windows; both head widths the kernel has.
+#[test]
+fn paged_prefill_on_tensor_cores_equals_the_host_twin() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng(0x0bad_cafe_1234_5678);
+    // (H, Hkv, Dh, B, lengths, rows as (sequence, first position, rows), window)
+    type Rows = &'static [(usize, usize, usize)];
+    let cases: [(usize, usize, usize, usize, &[usize], Rows, Option<usize>); 3] = [
+        // Llama-3.2-1B's heads: a 150-row chunk deep in a long prompt (three tiles), a decode
+        // row, a first chunk of 5, and a chunk of 2 beside them.
+        (
+            32,
+            8,
+            64,
+            16,
+            &[1000, 70, 5, 40],
+            &[(1, 69, 1), (0, 850, 150), (2, 0, 5), (3, 38, 2)],
+            None,
+        ),
+        // Qwen2.5's ratio with a window narrower than the chunk.
+        (
+            14,
+            2,
+            64,
+            16,
+            &[300, 90],
+            &[(0, 200, 100), (1, 89, 1)],
+            Some(40),
+        ),
+        // Dh 128, blocks of 32, a chunk from position 0 and one under a window.
+        (
+            16,
+            4,
+            128,
+            32,
+            &[129, 300],
+            &[(0, 0, 129), (1, 290, 10)],
+            Some(100),
+        ),
+    ];
+    for (h, hkv, dh, block, lens, runs, window) in cases {
+        let b = batch(lens, hkv, dh, block);
+        let width = hkv * dh;
+        let (mut k, mut v, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for (tab, &len) in b.tables.iter().zip(lens) {
+            k.extend(rng.vec(len * width, 1.0));
+            v.extend(rng.vec(len * width, 1.0));
+            slots.extend((0..len).map(|p| b.layout.slot(tab.blocks(), p).unwrap() as i32));
+        }
+        let mut layer = dev.alloc_paged_layer(b.layout, KvDtype::F16).unwrap();
+        let (kd, vd, sd) = (
+            dev.upload(&k).unwrap(),
+            dev.upload(&v).unwrap(),
+            dev.upload(&slots).unwrap(),
+        );
+        dev.paged_kv_write(&mut layer, &kd, &vd, slots.len(), &sd)
+            .unwrap();
+        let (kc, vc) = layer.to_host(&dev).unwrap();
+        let (mut seq, mut pos) = (Vec::new(), Vec::new());
+        for &(s, p0, n) in runs {
+            seq.extend(std::iter::repeat_n(s as i32, n));
+            pos.extend((p0..p0 + n).map(|p| p as i32));
+        }
+        seq.push(0);
+        pos.push(-1);
+        let r = pos.len();
+        let p = AttentionParams {
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: dh,
+            scale: 1.0 / (dh as f32).sqrt(),
+            window,
+            sinks: None,
+        };
+        let q = rng.vec(r * h * dh, 2.0);
+        let rows = PagedRows {
+            seq: &seq,
+            pos: &pos,
+            tables: &b.flat,
+            max_blocks: b.max_blocks,
+        };
+        let want = paged_attention(&q, &kc, &vc, &b.layout, &rows, &p).unwrap();
+        let tiles = hf2q_cuda::prefill_tiles(&rows).expect("runs of two rows or more");
+        assert!(dev.paged_prefill_tc_fits(&layer, &p));
+        let (seq_d, rest_d, tab_d, tiles_d) = (
+            dev.upload(&seq).unwrap(),
+            dev.upload(&tiles.rest_pos).unwrap(),
+            dev.upload(&b.flat).unwrap(),
+            dev.upload(&tiles.tiles).unwrap(),
+        );
+        let qd = dev.upload(&q).unwrap();
+        let mut out = dev.upload(&vec![f32::NAN; r * h * dh]).unwrap();
+        let max_len = tiles.rest_max_len.expect("decode and padding rows remain");
+        let drows = DevicePagedRows {
+            seq: &seq_d,
+            pos: &rest_d,
+            tables: &tab_d,
+            rows: r,
+            max_blocks: b.max_blocks,
+            max_len,
+        };
+        let n = dev.paged_attention_scratch_len(&p, r, max_len).unwrap();
+        let mut scratch = dev.upload(&vec![f32::NAN; n.max(1)]).unwrap();
+        dev.paged_attention(&qd, &layer, &drows, &p, &mut scratch, &mut out)
+            .unwrap();
+        let n_tiles = tiles.tiles.len() / 4;
+        dev.paged_prefill_tc(
+            &qd,
+            &layer,
+            &tiles_d,
+            n_tiles,
+            &tab_d,
+            b.max_blocks,
+            &p,
+            &mut out,
+        )
+        .unwrap();
+        let got = dev.download(&out).unwrap();
+        // Rows the row kernel ran: its bound above (2e-5). Tiled rows: the tensor-core prefill
+        // rounds q·scale and the probabilities to f16 (2^-11 relative each), the contiguous
+        // cache's tensor-core bound (4e-3, cuda_ops). Padding: zeros.
+        let (mut worst_row, mut worst_tc) = (0f32, 0f32);
+        let w = h * dh;
+        for i in 0..r {
+            let d = max_diff(&got[i * w..][..w], &want[i * w..][..w]);
+            if tiles.rest_pos[i] >= 0 || pos[i] < 0 {
+                worst_row = worst_row.max(d);
+            } else {
+                worst_tc = worst_tc.max(d);
+            }
+        }
+        println!(
+            "paged prefill H={h} Hkv={hkv} Dh={dh} B={block} rows={r} tiles={n_tiles} \
+             window={window:?}: row kernel max |err| {worst_row:.2e}, tensor cores {worst_tc:.2e}"
+        );
+        assert!(worst_row <= 2e-5, "row kernel rows: max |err| {worst_row}");
+        assert!(worst_tc <= 4e-3, "tensor-core rows: max |err| {worst_tc}");
+    }
+}
+
 /// The fused batched RoPE + paged store against its parts run row by row: the contiguous
 /// `rope` at each row's position on q and k, then `paged_kv_write` at each row's slot. Rows of
 /// three sequences at scattered positions (decode rows and a chunk), one padding row.

@@ -112,6 +112,43 @@ impl PagedRows<'_> {
     }
 }
 
+/// Rows `row..row + n` of one batched call: one sequence at positions `pos0..pos0 + n` (a
+/// prefill chunk, or one decode row when `n` is 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowRun {
+    pub row: usize,
+    pub n: usize,
+    pub seq: usize,
+    pub pos0: usize,
+}
+
+impl PagedRows<'_> {
+    /// The rows as maximal runs of one sequence at consecutive positions, in row order; padding
+    /// rows (`pos < 0`) belong to none.
+    pub fn runs(&self) -> Vec<RowRun> {
+        let mut runs: Vec<RowRun> = Vec::new();
+        for (r, (&s, &pos)) in self.seq.iter().zip(self.pos).enumerate() {
+            let Ok(pos) = usize::try_from(pos) else {
+                continue;
+            };
+            match runs.last_mut() {
+                Some(run)
+                    if run.row + run.n == r && run.seq == s as usize && run.pos0 + run.n == pos =>
+                {
+                    run.n += 1
+                }
+                _ => runs.push(RowRun {
+                    row: r,
+                    n: 1,
+                    seq: s as usize,
+                    pos0: pos,
+                }),
+            }
+        }
+        runs
+    }
+}
+
 /// A KV element a host paged layer stores, from f32 (rounded to nearest, ties to even).
 pub trait PagedElem: KvScalar + Default {
     fn from_f32(v: f32) -> Self;

@@ -410,13 +410,15 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
                  : "r"(addr));
 }
 
-template <int DH>
+// The block's queries are rows qt0 .. qt0 + 64 (those below T) of `q (T, H*DH)` at positions
+// pos0 + row, its head blockIdx.y; `keys` places key j of that head's kv head (contiguous or
+// paged: the same arithmetic either way, so both forms give the same bits for the same keys).
+template <int DH, typename Keys>
 __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
                                              const u16* __restrict__ kc,
-                                             const u16* __restrict__ vc,
-                                             const i32* __restrict__ pos0p,
-                                             float* __restrict__ out, int T, int H, int hkv,
-                                             int cap, float scale, int window) {
+                                             const u16* __restrict__ vc, const Keys keys,
+                                             int pos0, float* __restrict__ out, int qt0, int T,
+                                             int H, int cap, float scale, int window) {
     // Row pitch in halves: 16-byte aligned rows, and the eight rows one fragment load or
     // ldmatrix touches start in eight different bank groups.
     constexpr int P = DH + 8, KS = DH / 16, NT = FA_BK / 8, DT = DH / 8;
@@ -424,9 +426,8 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
     u16* Qs = fsm;
     u16* Ks = Qs + FA_BQ * P;
     u16* Vs = Ks + FA_BK * P;
-    const int h = blockIdx.y, kvh = h / (H / hkv), qt0 = blockIdx.x * FA_BQ;
+    const int h = blockIdx.y;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-    const int pos0 = *pos0p;
     const i64 qstride = (i64)H * DH;
     const float qscale = scale * 1.44269504f;
 
@@ -462,8 +463,6 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
     float o[DT][4];
 #pragma unroll
     for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    const u16* kb = kc + (i64)kvh * cap * DH;
-    const u16* vb = vc + (i64)kvh * cap * DH;
 
     for (int kt = kbeg; kt < kend; kt += FA_BK) {
         __syncthreads();
@@ -471,8 +470,9 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
             const int j = idx / (DH / 8), d = (idx % (DH / 8)) * 8;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
             if (kt + j < kend) {
-                kv = *(const uint4*)(kb + (i64)(kt + j) * DH + d);
-                vv = *(const uint4*)(vb + (i64)(kt + j) * DH + d);
+                const i64 row = keys.row(kt + j);
+                kv = *(const uint4*)(kc + row + d);
+                vv = *(const uint4*)(vc + row + d);
             }
             *(uint4*)&Ks[j * P + d] = kv;
             *(uint4*)&Vs[j * P + d] = vv;
@@ -561,17 +561,25 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
     }
 }
 
+// Contiguous cache `(Hkv, cap, DH)`: block (64 queries, head).
+template <int DH>
+__device__ __forceinline__ void attn_prefill_tc(const float* q, const u16* kc, const u16* vc,
+                                                const i32* pos0p, float* out, int T, int H,
+                                                int hkv, int cap, float scale, int window) {
+    pdl_wait();
+    const int kvh = blockIdx.y / (H / hkv);
+    const ContigKeys keys{(i64)kvh * cap * DH, DH};
+    attn_fa_impl<DH>(q, kc, vc, keys, *pos0p, out, blockIdx.x * FA_BQ, T, H, cap, scale, window);
+}
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attn_prefill_tc_64(const float* q, const u16* kc, const u16* vc, const i32* pos0p, float* out,
                        int T, int H, int hkv, int cap, float scale, int window) {
-    pdl_wait();
-    attn_fa_impl<64>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
+    attn_prefill_tc<64>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attn_prefill_tc_128(const float* q, const u16* kc, const u16* vc, const i32* pos0p,
                         float* out, int T, int H, int hkv, int cap, float scale, int window) {
-    pdl_wait();
-    attn_fa_impl<128>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
+    attn_prefill_tc<128>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
 }
 
 #define HF2Q_ATTN_KERNELS(KVN, KV, DPL)                                                        \
@@ -663,3 +671,34 @@ HF2Q_PAGED_KERNELS(f32, float, 2)
 HF2Q_PAGED_KERNELS(f32, float, 4)
 HF2Q_PAGED_KERNELS(f32, float, 8)
 HF2Q_PAGED_KERNELS(f32, float, 16)
+
+// ---- Paged prefill on tensor cores: runs of query rows of one sequence at consecutive positions
+// A step's prefill chunks as tiles of up to 64 rows: `tiles (n_tiles, 4)` = (first row, rows,
+// sequence, position of the first row). Block (tile, head) runs `attn_fa_impl` over the tile's
+// rows with the sequence's keys read through its block table (f16 pool, Dh 64 or 128); rows
+// outside every tile are left untouched (the row kernel above writes them).
+template <int DH>
+__device__ __forceinline__ void paged_prefill_tc(const float* q, const u16* kc, const u16* vc,
+                                                 const i32* tiles, const i32* tables,
+                                                 int max_blocks, int lb, float* out, int H,
+                                                 int hkv, float scale, int window) {
+    pdl_wait();
+    const int4 t = ((const int4*)tiles)[blockIdx.x];
+    const int kvh = blockIdx.y / (H / hkv);
+    const PagedKeys keys{tables + (i64)t.z * max_blocks, kvh, hkv, lb, DH};
+    const i64 first = (i64)t.x * H * DH;
+    attn_fa_impl<DH>(q + first, kc, vc, keys, t.w, out + first, 0, t.y, H, 0x7fffffff, scale,
+                     window);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    paged_prefill_tc_64(const float* q, const u16* kc, const u16* vc, const i32* tiles,
+                        const i32* tables, int max_blocks, int lb, float* out, int H, int hkv,
+                        float scale, int window) {
+    paged_prefill_tc<64>(q, kc, vc, tiles, tables, max_blocks, lb, out, H, hkv, scale, window);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    paged_prefill_tc_128(const float* q, const u16* kc, const u16* vc, const i32* tiles,
+                         const i32* tables, int max_blocks, int lb, float* out, int H, int hkv,
+                         float scale, int window) {
+    paged_prefill_tc<128>(q, kc, vc, tiles, tables, max_blocks, lb, out, H, hkv, scale, window);
+}
