@@ -205,6 +205,7 @@ kind_tests! {
     q5_k_matches_reference => Kind::Ggml(GgmlType::Q5_K),
     q6_k_matches_reference => Kind::Ggml(GgmlType::Q6_K),
     q8_k_matches_reference => Kind::Ggml(GgmlType::Q8_K),
+    mxfp4_matches_reference => Kind::Ggml(GgmlType::MXFP4),
     mlx4_matches_reference => Kind::Mlx { bits: 4, group: 64 },
     mlx8_matches_reference => Kind::Mlx { bits: 8, group: 64 },
 }

@@ -67,7 +67,7 @@ impl Kind {
 pub fn all_kinds() -> Vec<Kind> {
     use GgmlType::*;
     let mut v: Vec<Kind> = [
-        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, MXFP4,
     ]
     .into_iter()
     .map(Kind::Ggml)
@@ -106,8 +106,9 @@ fn put_half(b: &mut [u8], off: usize, v: f32) {
     b[off..off + 2].copy_from_slice(&f32_to_f16_bits(v).to_le_bytes());
 }
 
-/// Random k-quant blocks: random bytes (every code, scale and high bit pattern), with the f16
-/// super-block scales set to small finite values.
+/// Random k-quant (and MXFP4) blocks: random bytes (every code, scale and high bit pattern),
+/// with the f16 super-block scales set to small finite values; MXFP4's E8M0 scale byte mostly
+/// in 2^-18..2^-6 (values up to 12 times that), one block in 16 at the subnormal 2^-128 / 2^-127.
 fn kquant_bytes(ty: GgmlType, n_blocks: usize, rng: &mut Rng) -> Vec<u8> {
     let ts = ty.type_size();
     let mut b: Vec<u8> = (0..n_blocks * ts).map(|_| rng.u64() as u8).collect();
@@ -126,6 +127,13 @@ fn kquant_bytes(ty: GgmlType, n_blocks: usize, rng: &mut Rng) -> Vec<u8> {
             }
             GgmlType::Q6_K => put_half(blk, 208, d),
             GgmlType::Q8_K => blk[0..4].copy_from_slice(&(d * 0.1).to_le_bytes()),
+            GgmlType::MXFP4 => {
+                blk[0] = if rng.below(16) == 0 {
+                    rng.below(2) as u8
+                } else {
+                    110 + rng.below(13) as u8
+                }
+            }
             _ => unreachable!(),
         }
     }
