@@ -106,10 +106,8 @@ fn put_half(b: &mut [u8], off: usize, v: f32) {
     b[off..off + 2].copy_from_slice(&f32_to_f16_bits(v).to_le_bytes());
 }
 
-/// Random k-quant (and MXFP4) blocks: random bytes (every code, scale and high bit pattern),
-/// with the f16 super-block scales set to small finite values; MXFP4's E8M0 scale byte in
-/// 110..=122 (half-scales 2^-18..2^-6, values up to 12 times that; subnormal scales are tested
-/// apart, `kernels_parity.rs`, as f32 subnormals would slow the benchmarks many times over).
+/// Random k-quant blocks: random bytes (every code, scale and high bit pattern), with the f16
+/// super-block scales set to small finite values.
 fn kquant_bytes(ty: GgmlType, n_blocks: usize, rng: &mut Rng) -> Vec<u8> {
     let ts = ty.type_size();
     let mut b: Vec<u8> = (0..n_blocks * ts).map(|_| rng.u64() as u8).collect();
@@ -128,7 +126,6 @@ fn kquant_bytes(ty: GgmlType, n_blocks: usize, rng: &mut Rng) -> Vec<u8> {
             }
             GgmlType::Q6_K => put_half(blk, 208, d),
             GgmlType::Q8_K => blk[0..4].copy_from_slice(&(d * 0.1).to_le_bytes()),
-            GgmlType::MXFP4 => blk[0] = 110 + rng.below(13) as u8,
             _ => unreachable!(),
         }
     }
