@@ -33,7 +33,7 @@ const SHAPES: [(usize, usize); 7] = [
 fn kinds() -> Vec<Kind> {
     use GgmlType::*;
     let mut v: Vec<Kind> = [
-        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16, F32,
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, F16, BF16, F32,
     ]
     .into_iter()
     .map(Kind::Ggml)

@@ -205,8 +205,55 @@ kind_tests! {
     q5_k_matches_reference => Kind::Ggml(GgmlType::Q5_K),
     q6_k_matches_reference => Kind::Ggml(GgmlType::Q6_K),
     q8_k_matches_reference => Kind::Ggml(GgmlType::Q8_K),
+    mxfp4_matches_reference => Kind::Ggml(GgmlType::MXFP4),
     mlx4_matches_reference => Kind::Mlx { bits: 4, group: 64 },
     mlx8_matches_reference => Kind::Mlx { bits: 8, group: 64 },
+}
+
+/// MXFP4 blocks at the scale bytes the random weights avoid: 0 and 1 (the subnormal
+/// half-scales 2^-128, 2^-127), 2 (the smallest normal one) and 150 (values up to 12 * 2^22),
+/// mixed in each row, on every ISA, one-token and GEMM paths, with the bounds of the header.
+#[test]
+fn mxfp4_extreme_scales_match_reference() {
+    let mut rng = Rng::new(77);
+    for isa in Isa::available() {
+        for (rows, k, t) in [(16, 96, 1), (33, 576, 1), (32, 64, 9), (17, 32, 3)] {
+            let mut w = make_weight(Kind::Ggml(GgmlType::MXFP4), rows, k, &mut rng);
+            let hf2q_tensor::WeightData::Ggml { data, .. } = &w.data else {
+                unreachable!()
+            };
+            let mut bytes = data.as_slice().to_vec();
+            for (i, blk) in bytes.chunks_mut(17).enumerate() {
+                blk[0] = [0u8, 1, 2, 150][i % 4];
+            }
+            w = hf2q_tensor::QTensor::ggml(
+                "w",
+                GgmlType::MXFP4,
+                rows,
+                k,
+                hf2q_tensor::Bytes::from_vec(bytes),
+            )
+            .unwrap();
+            let x = make_x(t, k, &mut rng);
+            for bits in [ActBits::Q8, ActBits::Split16] {
+                let mut got = vec![f32::NAN; t * rows];
+                kernels::linear_with(isa, bits, &w, &x, t, &mut got).unwrap();
+                let kind = Kind::Ggml(GgmlType::MXFP4);
+                check_outputs(
+                    kind,
+                    isa,
+                    bits,
+                    &w,
+                    &x,
+                    rows,
+                    k,
+                    t,
+                    &got,
+                    " (extreme scales)",
+                );
+            }
+        }
+    }
 }
 
 #[test]

@@ -1,11 +1,14 @@
 //! Fused decode + dot for one activation row (decode, T = 1) on AVX-512 VNNI, for ggml's
-//! 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): two blocks per 512-bit step, decoded in
+//! 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4): two blocks per 512-bit step, decoded in
 //! registers straight from the mapped bytes and dotted with `vpdpbusd`, no scratch. At T = 1 the
 //! decode is the whole cost (each block is used once), so skipping the store and reload of the
 //! generic path (`unpack.rs` + `dot_x86.rs`) is what brings the matvec toward memory speed.
 //!
 //! Same arithmetic as the generic engines: codes `u` (unsigned), per block `a * u + c`,
 //! `out = Σ_b (a_b * dx_b) * Σ u * q + Σ_b c_b * sx_b` (`sx_b = dx_b * Σ q` over the block).
+//!
+//! MXFP4 is Q4_0's nibbles through a byte shuffle of its code table and an E8M0 scale
+//! (`mxfp4.rs`): `a = 2^(e - 128)`, `c = -12a`.
 //!
 //! Q4_K and Q6_K (256-element super-blocks) the same way: 64 codes per step, their scales per
 //! super-block in one vector, spread over the dot's lanes by a permute.
@@ -18,7 +21,8 @@ use super::q8act::ActQ8;
 use super::unpack::WView;
 use hf2q_tensor::GgmlType;
 
-use super::legacy::{block_bytes, qs_at, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use super::legacy::{block_bytes, qs_at, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use super::mxfp4;
 
 /// Rows `r0..r1` of `w` against the single activation row of `act` (`split`: the two rows of a
 /// two-part activation, summed), into `out[r]`. Returns false (doing nothing) when the weight
@@ -55,6 +59,7 @@ pub(crate) unsafe fn matvec_avx512(
         GgmlType::Q5_0 => rows::<Q5_0>(p, row_bytes, r0, r1, act, split, out),
         GgmlType::Q5_1 => rows::<Q5_1>(p, row_bytes, r0, r1, act, split, out),
         GgmlType::Q8_0 => rows::<Q8_0>(p, row_bytes, r0, r1, act, split, out),
+        GgmlType::MXFP4 => rows::<MXFP4>(p, row_bytes, r0, r1, act, split, out),
         GgmlType::Q4_K | GgmlType::Q6_K => {
             let q4 = ty == GgmlType::Q4_K;
             for r in r0..r1 {
@@ -117,10 +122,11 @@ unsafe fn rows<const F: u8>(
     }
 }
 
-/// The 64 codes of the blocks at `p0` and `p1`, in element order.
+/// The 64 codes of the blocks at `p0` and `p1`, in element order (`lut`: MXFP4's code table,
+/// `mxfp4::x86::lut`; unused by the other formats).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn codes2<const F: u8>(p0: *const u8, p1: *const u8) -> __m512i {
+unsafe fn codes2<const F: u8>(p0: *const u8, p1: *const u8, lut: __m512i) -> __m512i {
     if F == Q8_0 {
         let a = _mm256_loadu_si256(p0.add(2) as *const __m256i);
         let b = _mm256_loadu_si256(p1.add(2) as *const __m256i);
@@ -149,6 +155,9 @@ unsafe fn codes2<const F: u8>(p0: *const u8, p1: *const u8) -> __m512i {
         let h0 = (p0.add(h) as *const u32).read_unaligned() as u64;
         let h1 = (p1.add(h) as *const u32).read_unaligned() as u64;
         return _mm512_mask_add_epi8(z, h0 | (h1 << 32), z, _mm512_set1_epi8(16));
+    }
+    if F == MXFP4 {
+        return mxfp4::x86::lookup(lut, z);
     }
     z
 }
@@ -238,16 +247,25 @@ unsafe fn row<const F: u8, const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 
     let (dxs, sxs) = act_scales::<SPLIT>(act, false);
     let mut acc = _mm512_setzero_ps();
     let mut off = _mm256_setzero_ps();
+    let (lut, kmin) = if F == MXFP4 {
+        (mxfp4::x86::lut(), mxfp4::tables().kmin)
+    } else {
+        (_mm512_setzero_si512(), offset_k(F))
+    };
     let mut c0 = 0;
     while c0 < nb {
         let nc = 8.min(nb - c0);
         let m8: __mmask8 = if nc == 8 { 0xff } else { (1u8 << nc) - 1 };
         let base = p.add(c0 * bs);
-        let d = halves8(base, bs, nc);
+        let d = if F == MXFP4 {
+            mxfp4::x86::half_scales8(base, bs, nc)
+        } else {
+            halves8(base, bs, nc)
+        };
         let sc = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_maskz_loadu_ps(m8, dxs.add(c0))));
         let c = match F {
             Q4_1 | Q5_1 => halves8(base.add(2), bs, nc),
-            _ => _mm256_mul_ps(d, _mm256_set1_ps(offset_k(F))),
+            _ => _mm256_mul_ps(d, _mm256_set1_ps(kmin)),
         };
         off = _mm256_fmadd_ps(c, _mm256_maskz_loadu_ps(m8, sxs.add(c0)), off);
         let mut j = 0;
@@ -255,7 +273,7 @@ unsafe fn row<const F: u8, const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 
             let b = c0 + j;
             let p0 = p.add(b * bs);
             prefetch::<F>(p0);
-            let z = codes2::<F>(p0, p0.add(bs));
+            let z = codes2::<F>(p0, p0.add(bs), lut);
             let dot = dot64::<SPLIT, false>(z, qx, 32 * b, k);
             let idx = _mm512_loadu_si512(PAIR_IDX[j / 2].as_ptr() as *const __m512i);
             let s = _mm512_permutexvar_ps(idx, sc);
@@ -267,7 +285,7 @@ unsafe fn row<const F: u8, const SPLIT: bool>(p: *const u8, act: &ActQ8) -> f32 
             // copy (its lanes take the same scale, times a zero dot).
             let b = c0 + j;
             let p0 = p.add(b * bs);
-            let z = codes2::<F>(p0, p0);
+            let z = codes2::<F>(p0, p0, lut);
             let dot = dot64::<SPLIT, true>(z, qx, 32 * b, k);
             let s = _mm512_permutexvar_ps(_mm512_set1_epi32(j as i32), sc);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);

@@ -4,11 +4,12 @@
 //!
 //! A 16-row panel is laid out row-interleaved: codes as `[C/4][16 rows][4 bytes]`, scales and
 //! offsets as `[C/16][16 rows]` (lanes past R repeat the last row and are never stored). The
-//! 32-element ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) of whole panels are decoded straight
+//! 32-element ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) of whole panels are decoded straight
 //! from the mapped bytes into that layout: per block, the 16 rows' packed quants are loaded four
 //! rows to a 512-bit vector and transposed at 4-byte granularity (8 unpacks), so a nibble mask
-//! and shift give the 8 interleaved code vectors; the block headers (f16 scales, Q5's high
-//! bits) come in the same way (a 16-lane gather costs more on Zen 4), and the next panel's
+//! and shift give the 8 interleaved code vectors (MXFP4's then go through its code table, one
+//! byte shuffle each); the block headers (f16 scales, Q5's high bits, MXFP4's E8M0 byte) come
+//! in the same way (a 16-lane gather costs more on Zen 4), and the next panel's
 //! bytes are prefetched as the blocks go. Other formats (and a partial last panel) are decoded
 //! row-major (`unpack.rs`) and transposed the same way. At small T the panel layout was the
 //! larger part of the work (a scalar move per 4 codes); now it is a few vector operations per
@@ -37,7 +38,8 @@ pub(crate) const ROWS: usize = 16;
 /// Tokens per tile (accumulators kept in registers).
 const NT: usize = 8;
 
-use super::legacy::{block_bytes, qs_at, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use super::legacy::{block_bytes, qs_at, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use super::mxfp4;
 
 /// Whether the weight's scales and offsets are constant over each 32 elements.
 fn per32(w: &WView<'_>) -> bool {
@@ -82,6 +84,7 @@ pub(crate) unsafe fn gemm_panel_avx512(p: &PanelArgs<'_>, s: &mut Scratch) {
                 GgmlType::Q5_0 => layout_direct::<Q5_0>(base, row_bytes, k, s),
                 GgmlType::Q5_1 => layout_direct::<Q5_1>(base, row_bytes, k, s),
                 GgmlType::Q8_0 => layout_direct::<Q8_0>(base, row_bytes, k, s),
+                GgmlType::MXFP4 => layout_direct::<MXFP4>(base, row_bytes, k, s),
                 _ => false,
             }
         }
@@ -298,6 +301,11 @@ unsafe fn layout_direct<const F: u8>(
     let w = s.icodes.as_mut_ptr() as *mut __m512i;
     let (ia, ic) = (s.ia.as_mut_ptr(), s.ic.as_mut_ptr());
     let lo4 = _mm512_set1_epi8(0x0f);
+    let (lut, kmin) = if F == MXFP4 {
+        (mxfp4::x86::lut(), mxfp4::tables().kmin)
+    } else {
+        (_mm512_setzero_si512(), 0.0)
+    };
     for b in 0..k / 32 {
         let at = b * bs;
         // The next panel's bytes of this block, in L2 by the time its layout runs (the 16-row
@@ -307,11 +315,16 @@ unsafe fn layout_direct<const F: u8>(
         for i in 0..ROWS {
             _mm_prefetch::<_MM_HINT_T1>(rows.at(i, at + next) as *const i8);
         }
-        // The first 8 bytes of each row's block: d (and m for Q4_1 / Q5_1) as f16, then qh.
-        // (A gather of 16 dwords costs more than these 16 loads.)
+        // The first 8 bytes of each row's block: d (and m for Q4_1 / Q5_1) as f16, then qh;
+        // MXFP4's E8M0 byte. (A gather of 16 dwords costs more than these 16 loads.)
         let [h0, h1] = transpose16x2_rows(&rows, at);
-        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h0));
+        let d = if F == MXFP4 {
+            mxfp4::x86::half_scales(_mm512_and_si512(h0, _mm512_set1_epi32(0xff)))
+        } else {
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h0))
+        };
         let c = match F {
+            MXFP4 => _mm512_mul_ps(d, _mm512_set1_ps(kmin)),
             Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
             Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
             Q8_0 => _mm512_mul_ps(d, _mm512_set1_ps(-128.0)),
@@ -347,6 +360,11 @@ unsafe fn layout_direct<const F: u8>(
                 h1
             };
             super::packed::x86::add_fifth_bits(&mut u, qh);
+        }
+        if F == MXFP4 {
+            for v in u.iter_mut() {
+                *v = mxfp4::x86::lookup(lut, *v);
+            }
         }
         for q in 0..8 {
             _mm512_storeu_si512(wb.add(q), u[q]);

@@ -396,7 +396,12 @@ fn gemm_pays(wv: &WView<'_>, rows: usize) -> bool {
     let direct = matches!(
         wv,
         WView::Ggml {
-            ty: GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0,
+            ty: GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q8_0
+                | GgmlType::MXFP4,
             ..
         } | WView::Packed { .. }
     );

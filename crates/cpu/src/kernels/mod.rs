@@ -29,6 +29,10 @@
 //!   out from it with a mask and a shift. `CpuBackend` packs the weights it runs on the fast
 //!   paths.
 //!
+//! MXFP4 (GPT-OSS's experts) is the same integer product, its non-uniform E2M1 codes made
+//! unsigned codes through a 16-entry table (`mxfp4.rs`): the generic engines on every ISA, and
+//! on AVX-512 VNNI the fused one-token kernel and the GEMM panels straight from its blocks.
+//!
 //! F32 / F16 / BF16 weights take an f32 FMA path (converted on the fly), no activation rounding.
 //!
 //! The ISA is picked at run time (the best the CPU has); [`set_isa_override`] forces one (for
@@ -54,6 +58,8 @@ mod legacy {
     pub(super) const Q5_0: u8 = 2;
     pub(super) const Q5_1: u8 = 3;
     pub(super) const Q8_0: u8 = 4;
+    /// One E8M0 scale byte, then Q4_0's nibble order; codes through a table (`mxfp4.rs`).
+    pub(super) const MXFP4: u8 = 5;
 
     /// Bytes per block.
     pub(super) const fn block_bytes(f: u8) -> usize {
@@ -62,6 +68,7 @@ mod legacy {
             Q4_1 => 20,
             Q5_0 => 22,
             Q5_1 => 24,
+            MXFP4 => 17,
             _ => 34,
         }
     }
@@ -69,6 +76,7 @@ mod legacy {
     /// Offset of the packed quants in a block.
     pub(super) const fn qs_at(f: u8) -> usize {
         match f {
+            MXFP4 => 1,
             Q4_0 | Q8_0 => 2,
             Q4_1 => 4,
             Q5_0 => 6,
@@ -77,6 +85,7 @@ mod legacy {
     }
 }
 mod matmul;
+mod mxfp4;
 mod packed;
 pub use packed::{PackArena, Packed};
 pub mod q8act;

@@ -2,7 +2,7 @@
 //! 8-bit codes `u` (C of them) and, per 16 elements, a scale `a` and an offset `c` with
 //! `weight = a * u + c`. The values are the reference dequantizer's (`quant/legacy.rs`,
 //! `quant/kquants.rs`, `quant/mlx.rs`) up to f32 rounding of `a * u + c` against ggml's
-//! `d * q - m` order (one rounding, ~6e-8 relative).
+//! `d * q - m` order (one rounding, ~6e-8 relative; MXFP4's are exact, `mxfp4.rs`).
 //!
 //! | format | u | a | c |
 //! |---|---|---|---|
@@ -13,6 +13,7 @@
 //! | Q3_K | low 2 bits + 4 * high bit | d * (sc - 32) | -4a |
 //! | Q4_K / Q5_K | 4 / 5-bit q | d * sc | -dmin * m |
 //! | Q6_K | 6-bit q | d * sc | -32a |
+//! | MXFP4 | table(E2M1 code) = kvalue + 12 | 2^(e - 128) | -12a |
 //! | MLX affine | q | scale | bias |
 //!
 //! "Wide" codes use all 8 bits; the AVX2 and NEON engines, whose 8-bit multiplies need one side
@@ -77,7 +78,17 @@ impl<'a> WView<'a> {
                 use GgmlType::*;
                 if !matches!(
                     ty,
-                    Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K
+                    Q4_0 | Q4_1
+                        | Q5_0
+                        | Q5_1
+                        | Q8_0
+                        | Q2_K
+                        | Q3_K
+                        | Q4_K
+                        | Q5_K
+                        | Q6_K
+                        | Q8_K
+                        | MXFP4
                 ) {
                     return None;
                 }
@@ -135,6 +146,7 @@ impl<'a> WView<'a> {
                     GgmlType::Q5_K => q5_k(src, codes, a, c),
                     GgmlType::Q6_K => q6_k(src, codes, a, c),
                     GgmlType::Q8_K => q8_k(src, codes, a, c),
+                    GgmlType::MXFP4 => super::mxfp4::unpack_row(src, codes, a, c),
                     _ => unreachable!("WView::new admits only the types above"),
                 }
             }

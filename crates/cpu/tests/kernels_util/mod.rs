@@ -67,7 +67,7 @@ impl Kind {
 pub fn all_kinds() -> Vec<Kind> {
     use GgmlType::*;
     let mut v: Vec<Kind> = [
-        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, MXFP4,
     ]
     .into_iter()
     .map(Kind::Ggml)

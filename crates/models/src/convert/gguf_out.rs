@@ -105,7 +105,7 @@ pub fn quantize_rows(
         .try_for_each(|(dst, src)| -> Result<()> {
             match weights {
                 // ggml's MXFP4 quantizer takes no importance weights.
-                _ if ty == GgmlType::MXFP4 => crate::quantize::mxfp4::quantize_mxfp4(src, dst)?,
+                _ if ty == GgmlType::MXFP4 => quant::quantize(ty, src, dst)?,
                 Some(w) => quantize_weighted(ty, src, dst, w)?,
                 None => quant::quantize(ty, src, dst)?,
             }
@@ -133,7 +133,7 @@ pub fn write_gguf(
             .tensors
             .get(e.src)
             .ok_or_else(|| Error::Msg("plan names a tensor the source lacks".into()))?;
-        let writable = quant::can_quantize(e.to) || e.to == GgmlType::MXFP4;
+        let writable = quant::can_quantize(e.to);
         if !writable && Stored::Ggml(e.to) != t.stored {
             return Err(Error::Msg(format!(
                 "tensor '{}': cannot write type {}",

@@ -7,7 +7,6 @@
 //! - [`collect`]: computing an importance matrix by running a model over a text.
 //! - [`mixed`]: per-group types chosen by measured KL under a bits-per-weight budget.
 //! - [`sensitivity`]: how far swapping weights moves a loaded model's logits (mixed's measure).
-//! - [`mxfp4`]: quantizing to MXFP4 (ggml's reference quantizer), for `MXFP4_MOE`'s experts.
 //!
 //! The bytes themselves come from `hf2q_tensor::quant` (ggml's quantizers, byte for byte) and are
 //! written by `crate::convert`.
@@ -21,7 +20,6 @@
 pub mod collect;
 pub mod imatrix;
 pub mod mixed;
-pub mod mxfp4;
 pub mod presets;
 pub mod rules;
 pub mod sensitivity;

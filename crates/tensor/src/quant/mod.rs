@@ -10,8 +10,8 @@
 //! - [`legacy`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 (32-element blocks).
 //! - [`kquants`]: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K (256-element super-blocks).
 //! - [`mlx`]: MLX affine (`mx.quantize` / `mx.dequantize`), 2..8 bits.
-//! - [`mxfp4`]: MXFP4 (E2M1 codes, an E8M0 scale per 32), dequantization only, and the
-//!   Hugging Face checkpoints' packing of it.
+//! - [`mxfp4`]: MXFP4 (E2M1 codes, an E8M0 scale per 32): ggml's dequantization and reference
+//!   quantizer, and the Hugging Face checkpoints' packing of it.
 //! - [`kquant_quantize`]: the k-quant quantizers (ggml's `quantize_row_q*_K_ref` and their
 //!   importance-weighted variants).
 //!
@@ -98,6 +98,7 @@ pub fn can_quantize(ty: GgmlType) -> bool {
             | GgmlType::Q5_K
             | GgmlType::Q6_K
             | GgmlType::Q8_K
+            | GgmlType::MXFP4
     )
 }
 
@@ -106,7 +107,8 @@ pub fn can_quantize(ty: GgmlType) -> bool {
 /// [`kquant_quantize`], which also has the importance-weighted variants). Types without a quantizer
 /// here (see [`can_quantize`]) give [`Error::UnsupportedType`].
 ///
-/// NaN or infinite input gives garbage blocks, as in ggml; only F16/BF16 carry NaN through.
+/// NaN or infinite input gives garbage blocks, as in ggml; only F16/BF16 carry NaN through, and
+/// MXFP4 refuses it (ggml's cast of its exponent is undefined there).
 pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
     if !can_quantize(ty) {
         return Err(unsupported(ty));
@@ -136,6 +138,7 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
         GgmlType::Q5_K => kquant_quantize::quantize_q5_k(src, dst),
         GgmlType::Q6_K => kquant_quantize::quantize_q6_k(src, dst),
         GgmlType::Q8_K => kquant_quantize::quantize_q8_k(src, dst),
+        GgmlType::MXFP4 => mxfp4::quantize_mxfp4(src, dst)?,
         other => return Err(unsupported(other)),
     }
     Ok(())
