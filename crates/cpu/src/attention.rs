@@ -254,7 +254,8 @@ impl<B: BlockRead> KvRead for B {
     }
 }
 
-/// The grouped decode kernels of the 8-bit block types (`decode::x512`), for AVX-512.
+/// The grouped decode kernels of the 8-bit block types (`decode::x512`, `decode::x256`), for
+/// AVX-512 and AVX2.
 macro_rules! int8_grouped {
     () => {
         #[inline(always)]
@@ -264,6 +265,12 @@ macro_rules! int8_grouped {
                 // SAFETY: L names features the enclosing body was compiled for (AVX-512 F,
                 // FMA, F16C: see `PORTABLE`).
                 unsafe { crate::decode::x512::scores(q, dh, k, s) };
+                return true;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if L == AVX2 {
+                // SAFETY: as above (AVX2, FMA, F16C).
+                unsafe { crate::decode::x256::scores(q, dh, k, s) };
                 return true;
             }
             let _ = (q, dh, k, s);
@@ -280,6 +287,12 @@ macro_rules! int8_grouped {
             if L == AVX512 {
                 // SAFETY: as in `scores_simd`.
                 unsafe { crate::decode::x512::accumulate_rows(acc, dh, p, v) };
+                return true;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if L == AVX2 {
+                // SAFETY: as in `scores_simd`.
+                unsafe { crate::decode::x256::accumulate_rows(acc, dh, p, v) };
                 return true;
             }
             let _ = (acc, dh, p, v);
@@ -329,7 +342,7 @@ impl BlockRead for BlockQ4_1 {}
 impl BlockRead for BlockQ5_0 {}
 impl BlockRead for BlockQ5_1 {}
 /// mlx-lm's 8-bit affine groups: the portable loops (a group read as its 32-value parts), and
-/// decode's grouped AVX-512 kernels.
+/// decode's grouped AVX-512 and AVX2 kernels.
 impl<const N: usize> BlockRead for BlockAffine<8, N> {
     int8_grouped!();
 }

@@ -17,8 +17,9 @@
 //! The grouped kernels for 8-bit blocks (ggml's Q8_0, mlx-lm's 8-bit affine groups) are in
 //! [`x512`] (AVX-512: each key's integers widened once, the `G` rows' 16-lane sums kept apart
 //! and reduced sixteen keys at a time by a transposing tree instead of one horizontal sum per
-//! key). Every other type and vector unit reads row by row through [`KvRead::dot`] and
-//! [`KvRead::accumulate`]. This is not the prefill path (`attention.rs`'s tiles) nor the
+//! key) and [`x256`] (AVX2: the same on 8-lane vectors, eight keys reduced at a time), both
+//! reading blocks through [`int8`]. Every other type and vector unit reads row by row through
+//! [`KvRead::dot`] and [`KvRead::accumulate`]. This is not the prefill path (`attention.rs`'s tiles) nor the
 //! reference (`CpuBackend::attention` on the reference path), which the tests hold it to.
 
 use rayon::prelude::*;
@@ -263,9 +264,9 @@ fn part<const L: u8, K: KvRead, V: KvRead>(
     V::accumulate_rows::<L>(acc, dh, s, v);
 }
 
-/// Grouped kernels for blocks of 8-bit parts on AVX-512 (module header).
+/// What the grouped kernels of [`x512`] and [`x256`] read: blocks of 8-bit parts.
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod x512 {
+pub(crate) mod int8 {
     use std::arch::x86_64::*;
 
     use hf2q_tensor::kv::{BlockAffine, BlockQ8_0, KvBlock, Q8_0_VALUES};
@@ -296,6 +297,25 @@ pub(crate) mod x512 {
         }
     }
 
+    /// The f32 value of f16 bits (F16C).
+    ///
+    /// # Safety
+    /// The CPU must have F16C.
+    #[inline]
+    #[target_feature(enable = "f16c")]
+    pub(crate) unsafe fn f16x(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+}
+
+/// Grouped kernels for blocks of 8-bit parts on AVX-512 (module header).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x512 {
+    use std::arch::x86_64::*;
+
+    use super::int8::{f16x, Int8Parts};
+    use hf2q_tensor::kv::Q8_0_VALUES;
+
     /// 16 integers from `p` widened to f32.
     ///
     /// # Safety
@@ -309,16 +329,6 @@ pub(crate) mod x512 {
         } else {
             _mm512_cvtepu8_epi32(x)
         })
-    }
-
-    /// The f32 value of f16 bits (F16C).
-    ///
-    /// # Safety
-    /// The CPU must have F16C.
-    #[inline]
-    #[target_feature(enable = "f16c")]
-    unsafe fn f16x(bits: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
     /// The sums of sixteen vectors, one per lane: lane `4c + k` is the sum of `v[4k + c]` (a
@@ -512,6 +522,429 @@ pub(crate) mod x512 {
                 _mm512_storeu_ps(ap, _mm512_add_ps(ri[0], o));
                 _mm512_storeu_ps(ap.add(16), _mm512_add_ps(ri[1], o));
             }
+        }
+    }
+}
+
+/// Grouped kernels for blocks of 8-bit parts on AVX2 (module header): [`x512`]'s structure on
+/// 8-lane vectors (a 32-value part is four), the `G` rows' sums reduced eight keys at a time.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x256 {
+    use std::arch::x86_64::*;
+
+    use super::int8::{f16x, Int8Parts};
+    use hf2q_tensor::kv::Q8_0_VALUES;
+
+    /// 8 integers from `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `p..p+8` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8<B: Int8Parts>(p: *const u8) -> __m256 {
+        let x = _mm_loadl_epi64(p as *const __m128i);
+        _mm256_cvtepi32_ps(if B::SIGNED {
+            _mm256_cvtepi8_epi32(x)
+        } else {
+            _mm256_cvtepu8_epi32(x)
+        })
+    }
+
+    /// A part's 32 integers at `p` widened to f32, four vectors of 8.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `p..p+32` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load32<B: Int8Parts>(p: *const u8) -> [__m256; 4] {
+        [
+            load8::<B>(p),
+            load8::<B>(p.add(8)),
+            load8::<B>(p.add(16)),
+            load8::<B>(p.add(24)),
+        ]
+    }
+
+    /// The sums of eight vectors, one per lane: lane `j` is the sum of `v[j]`'s lanes. Pairwise
+    /// horizontal adds within 128-bit halves (four sums of `v[0..4]`, four of `v[4..8]`, per
+    /// half), then the two halves added: 9 operations for 8 sums.
+    ///
+    /// # Safety
+    /// The CPU must have AVX.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    unsafe fn reduce8(v: &[__m256; 8]) -> __m256 {
+        let (a, b) = (_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+        let (c, d) = (_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+        // Per half: lanes 0..4 are v[0..4]'s (x) and v[4..8]'s (y) partial sums.
+        let (x, y) = (_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(x, y),
+            _mm256_permute2f128_ps::<0x31>(x, y),
+        )
+    }
+
+    /// `s (G, n) = q (G, Dh) · k (n keys)ᵀ` over 8-bit blocks: rows four at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn scores<B: Int8Parts>(q: &[f32], dh: usize, k: &[B], s: &mut [f32]) {
+        let g = q.len() / dh;
+        let n = k.len() / (dh / (B::SUBS * Q8_0_VALUES));
+        assert!(dh % Q8_0_VALUES == 0 && q.len() == g * dh && s.len() >= g * n);
+        let mut r0 = 0;
+        while r0 < g {
+            let (qp, sp) = (q.as_ptr().add(r0 * dh), s.as_mut_ptr().add(r0 * n));
+            match g - r0 {
+                1 => score_rows::<B, 1>(qp, dh, k, n, sp),
+                2 => score_rows::<B, 2>(qp, dh, k, n, sp),
+                3 => score_rows::<B, 3>(qp, dh, k, n, sp),
+                _ => score_rows::<B, 4>(qp, dh, k, n, sp),
+            }
+            r0 += 4;
+        }
+    }
+
+    /// [`scores`] for `R` rows at `q` (`R * Dh` values), into `s + r * n`. With a bias, each
+    /// row's part sums `Σ_i q[32c + i]` (8 lanes) are made once, not once per key.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn score_rows<B: Int8Parts, const R: usize>(
+        q: *const f32,
+        dh: usize,
+        k: &[B],
+        n: usize,
+        s: *mut f32,
+    ) {
+        let parts = dh / Q8_0_VALUES;
+        let rw = parts / B::SUBS;
+        // qsum (R, parts), lane sums of each row's parts: empty without a bias. A plain loop:
+        // a closure is compiled without this function's features.
+        let mut qsum: Vec<__m256> = Vec::new();
+        if B::HAS_MIN {
+            for i in 0..R * parts {
+                let qp = q.add((i / parts) * dh + Q8_0_VALUES * (i % parts));
+                let lo = _mm256_add_ps(_mm256_loadu_ps(qp), _mm256_loadu_ps(qp.add(8)));
+                let hi = _mm256_add_ps(_mm256_loadu_ps(qp.add(16)), _mm256_loadu_ps(qp.add(24)));
+                qsum.push(_mm256_add_ps(lo, hi));
+            }
+        }
+        let mut tmp = [[_mm256_setzero_ps(); 8]; R];
+        let mut j0 = 0;
+        while j0 < n {
+            let m = (n - j0).min(8);
+            for jj in 0..m {
+                let key = k.as_ptr().add((j0 + jj) * rw);
+                let mut acc = [_mm256_setzero_ps(); R];
+                for c in 0..parts {
+                    let (db, mb, x) = (*key.add(c / B::SUBS)).part(c % B::SUBS);
+                    let x = load32::<B>(x);
+                    let d = _mm256_set1_ps(f16x(db));
+                    let mv = _mm256_set1_ps(if B::HAS_MIN { f16x(mb) } else { 0.0 });
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let qp = q.add(r * dh + Q8_0_VALUES * c);
+                        let t = _mm256_mul_ps(_mm256_loadu_ps(qp), x[0]);
+                        let t = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8)), x[1], t);
+                        let t = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(16)), x[2], t);
+                        let t = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(24)), x[3], t);
+                        *a = _mm256_fmadd_ps(d, t, *a);
+                        if B::HAS_MIN {
+                            *a = _mm256_fmadd_ps(mv, qsum[r * parts + c], *a);
+                        }
+                    }
+                }
+                for (t, a) in tmp.iter_mut().zip(acc) {
+                    t[jj] = a;
+                }
+            }
+            for (r, t) in tmp.iter().enumerate() {
+                let sums = reduce8(t);
+                if m == 8 {
+                    _mm256_storeu_ps(s.add(r * n + j0), sums);
+                } else {
+                    // The slots past `m` hold the previous keys' sums: only lanes < m are read.
+                    let mut out = [0f32; 8];
+                    _mm256_storeu_ps(out.as_mut_ptr(), sums);
+                    std::ptr::copy_nonoverlapping(out.as_ptr(), s.add(r * n + j0), m);
+                }
+            }
+            j0 += 8;
+        }
+    }
+
+    /// `acc (G, Dh) += p (G, n) · v (n rows)` over 8-bit blocks: rows four at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn accumulate_rows<B: Int8Parts>(
+        acc: &mut [f32],
+        dh: usize,
+        p: &[f32],
+        v: &[B],
+    ) {
+        let g = acc.len() / dh;
+        let n = p.len() / g;
+        assert!(
+            dh % Q8_0_VALUES == 0
+                && p.len() == g * n
+                && v.len() >= n * (dh / (B::SUBS * Q8_0_VALUES))
+        );
+        let mut r0 = 0;
+        while r0 < g {
+            let (ap, pp) = (acc.as_mut_ptr().add(r0 * dh), p.as_ptr().add(r0 * n));
+            match g - r0 {
+                1 => acc_rows::<B, 1>(ap, dh, pp, n, v),
+                2 => acc_rows::<B, 2>(ap, dh, pp, n, v),
+                3 => acc_rows::<B, 3>(ap, dh, pp, n, v),
+                _ => acc_rows::<B, 4>(ap, dh, pp, n, v),
+            }
+            r0 += 4;
+        }
+    }
+
+    /// [`accumulate_rows`] for `R` rows at `a` (`R * Dh` values) with weights at `p + r * n`:
+    /// half a part (16 columns) of every row in registers across the value rows (a whole part
+    /// of four rows would take all sixteen registers), each half widened once for the `R` rows;
+    /// offsets `p · m` summed apart in the first half and added to both.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn acc_rows<B: Int8Parts, const R: usize>(
+        a: *mut f32,
+        dh: usize,
+        p: *const f32,
+        n: usize,
+        v: &[B],
+    ) {
+        let parts = dh / Q8_0_VALUES;
+        let rw = parts / B::SUBS;
+        for c in 0..parts {
+            let mut off = [0f32; R];
+            for half in 0..2 {
+                let col = Q8_0_VALUES * c + 16 * half;
+                let mut r = [[_mm256_setzero_ps(); 2]; R];
+                for (i, ri) in r.iter_mut().enumerate() {
+                    let ap = a.add(i * dh + col);
+                    *ri = [_mm256_loadu_ps(ap), _mm256_loadu_ps(ap.add(8))];
+                }
+                for j in 0..n {
+                    let (db, mb, x) = (*v.as_ptr().add(j * rw + c / B::SUBS)).part(c % B::SUBS);
+                    let x = x.add(16 * half);
+                    let (x0, x1) = (load8::<B>(x), load8::<B>(x.add(8)));
+                    let d = f16x(db);
+                    let m = if B::HAS_MIN && half == 0 {
+                        f16x(mb)
+                    } else {
+                        0.0
+                    };
+                    for (i, ri) in r.iter_mut().enumerate() {
+                        let pj = *p.add(i * n + j);
+                        let w = _mm256_set1_ps(pj * d);
+                        ri[0] = _mm256_fmadd_ps(w, x0, ri[0]);
+                        ri[1] = _mm256_fmadd_ps(w, x1, ri[1]);
+                        if B::HAS_MIN && half == 0 {
+                            off[i] = pj.mul_add(m, off[i]);
+                        }
+                    }
+                }
+                for (i, ri) in r.iter().enumerate() {
+                    let ap = a.add(i * dh + col);
+                    let o = _mm256_set1_ps(off[i]);
+                    _mm256_storeu_ps(ap, _mm256_add_ps(ri[0], o));
+                    _mm256_storeu_ps(ap.add(8), _mm256_add_ps(ri[1], o));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode;
+    use crate::attention::KvRead;
+    use crate::kernels::Isa;
+    use hf2q_tensor::kv::{AffineKv, HostKv, KvType, KvTypes};
+    use hf2q_tensor::op::{AttentionParams, LayerCache};
+    use hf2q_tensor::Tensor;
+
+    /// Decode with each vector unit this CPU runs.
+    struct EveryIsa<'a> {
+        q: &'a Tensor,
+        pos0: usize,
+        p: &'a AttentionParams,
+        what: &'a str,
+    }
+
+    impl crate::kv_view::KvVisit for EveryIsa<'_> {
+        type Out = ();
+        fn visit<K: KvRead, V: KvRead>(self, c: &LayerCache<'_, K, V>) {
+            let max_err = |a: &Tensor, b: &Tensor| {
+                a.data()
+                    .iter()
+                    .zip(b.data())
+                    .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+            };
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let run = |isa| pool.install(|| decode(isa, self.q, c, self.pos0, self.p).unwrap());
+                let portable = run(Isa::Scalar);
+                for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+                    if isa.is_available() {
+                        // Convex combinations of values in [-1, 1]: the same products summed
+                        // in another order (16, 8 or the compiler's lanes) over ~2000 keys.
+                        let e = max_err(&run(isa), &portable);
+                        let what = self.what;
+                        assert!(
+                            e < 1e-5,
+                            "{what} threads={threads}: {isa:?} vs portable {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The grouped 8-bit kernels of every vector unit (AVX-512, AVX2) at depth against the
+    /// portable loops over the same blocks: Q8_0 and 8-bit affine groups of one, two and four
+    /// parts, groups of 1 to 7 query heads per kv head (every row count of the four-row kernels,
+    /// and a remainder), key counts off the 8- and 16-key reduction, one part per kv head (one
+    /// thread) and split parts (three).
+    #[test]
+    fn grouped_kernels_of_every_isa_agree_at_depth() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut f = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        };
+        for &(h, hkv, dh, affine) in &[
+            (2, 2, 64, AffineKv::B8G64),
+            (4, 2, 128, AffineKv::B8G128),
+            (6, 2, 32, AffineKv::B8G32),
+            (4, 1, 256, AffineKv::B8G64),
+            (5, 1, 64, AffineKv::B8G32),
+            (7, 1, 96, AffineKv::B8G32),
+        ] {
+            for pos0 in [2050, 1203] {
+                let n = pos0 + 1;
+                let p = AttentionParams {
+                    n_heads: h,
+                    n_kv_heads: hkv,
+                    head_dim: dh,
+                    scale: 1.0 / (dh as f32).sqrt(),
+                    window: None,
+                    sinks: None,
+                };
+                let k = (0..n * hkv * dh)
+                    .map(|i| 3.0 * f() * (1.0 + (i / 32 % 5) as f32))
+                    .collect();
+                let v = (0..n * hkv * dh).map(|_| f()).collect();
+                let (kt, vt) = (
+                    Tensor::new(&[n, hkv * dh], k).unwrap(),
+                    Tensor::new(&[n, hkv * dh], v).unwrap(),
+                );
+                let q = Tensor::new(&[1, h * dh], (0..h * dh).map(|_| f()).collect()).unwrap();
+                for ty in [KvType::Q8_0, KvType::Affine(affine)] {
+                    let mut kv = HostKv::new(hkv, dh, KvTypes::from(ty));
+                    kv.write(&kt, &vt, 0, n + 3).unwrap();
+                    let what = format!("{} h={h} hkv={hkv} dh={dh} pos0={pos0}", ty.name());
+                    let every = EveryIsa {
+                        q: &q,
+                        pos0,
+                        p: &p,
+                        what: &what,
+                    };
+                    crate::kv_view::visit(kv.view(), every).unwrap();
+                }
+            }
+        }
+    }
+
+    /// Decode at depth 4096 of one layer of SmolLM2-135M's shape (9 query heads, 3 kv heads of
+    /// 64) over Q8_0, 8-bit affine (groups of 64) and f16 caches, one thread, with each vector
+    /// unit this CPU runs: microseconds per call (median of 7 runs of 50 calls). A measurement,
+    /// not a check: `cargo test --release -p hf2q-cpu --lib decode_timing -- --ignored
+    /// --nocapture`. `hf2q bench` always takes the best unit, so this is how the AVX2 kernels
+    /// are timed on an AVX-512 machine.
+    #[test]
+    #[ignore]
+    fn decode_timing_at_depth() {
+        let (h, hkv, dh, n) = (9, 3, 64, 4096);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut f = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        };
+        let p = AttentionParams {
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: dh,
+            scale: 0.125,
+            window: None,
+            sinks: None,
+        };
+        let kt = Tensor::new(
+            &[n, hkv * dh],
+            (0..n * hkv * dh).map(|_| 3.0 * f()).collect(),
+        );
+        let vt = Tensor::new(&[n, hkv * dh], (0..n * hkv * dh).map(|_| f()).collect());
+        let (kt, vt) = (kt.unwrap(), vt.unwrap());
+        let q = Tensor::new(&[1, h * dh], (0..h * dh).map(|_| f()).collect()).unwrap();
+        for ty in [KvType::Q8_0, KvType::Affine(AffineKv::B8G64), KvType::F16] {
+            let mut kv = HostKv::new(hkv, dh, KvTypes::from(ty));
+            kv.write(&kt, &vt, 0, n).unwrap();
+            for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni] {
+                if !isa.is_available() {
+                    continue;
+                }
+                let timing = Timing {
+                    isa,
+                    q: &q,
+                    pos0: n - 1,
+                    p: &p,
+                };
+                let us = crate::kv_view::visit(kv.view(), timing).unwrap();
+                println!("{} {isa:?}: {us:.1} us per call", ty.name());
+            }
+        }
+    }
+
+    /// [`decode_timing_at_depth`]'s timing of one cache with one unit.
+    struct Timing<'a> {
+        isa: Isa,
+        q: &'a Tensor,
+        pos0: usize,
+        p: &'a AttentionParams,
+    }
+
+    impl crate::kv_view::KvVisit for Timing<'_> {
+        type Out = f64;
+        fn visit<K: KvRead, V: KvRead>(self, c: &LayerCache<'_, K, V>) -> f64 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            let mut runs: Vec<f64> = (0..7)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    for _ in 0..50 {
+                        let o = pool.install(|| decode(self.isa, self.q, c, self.pos0, self.p));
+                        std::hint::black_box(o.unwrap());
+                    }
+                    t.elapsed().as_secs_f64() * 1e6 / 50.0
+                })
+                .collect();
+            runs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            runs[3]
         }
     }
 }
