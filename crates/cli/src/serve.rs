@@ -104,7 +104,8 @@ pub struct ServeArgs {
     pub kv: args::KvArgs,
     /// Serve a LoRA adapter (a PEFT folder) beside the base as NAME: requests pick it with
     /// `"model": "BASE:NAME"` (or `NAME`), and sequences of different adapters share one batch.
-    /// Repeat for several. CPU only.
+    /// Repeat for several. CPU and GPU (`--device cuda`: the adapters' terms are device
+    /// products over their rows; such steps are never replayed as graphs).
     #[arg(long = "adapter", value_name = "NAME=DIR")]
     pub adapters: Vec<String>,
     /// Allow `POST /v1/adapters` to load adapter folders under DIR while the server runs

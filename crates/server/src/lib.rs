@@ -163,9 +163,6 @@ impl ServerHandle {
 /// tokio runtime.
 pub async fn start(model: Arc<Model>, cfg: ServerConfig) -> Result<ServerHandle, Error> {
     cfg.validate()?;
-    if !cfg.adapters.is_empty() && model.cuda().is_some() {
-        return Err(Error::Config(routes::CUDA_ADAPTERS.into()));
-    }
     let engine = Engine::start(model, cfg.engine.clone())?;
     for (name, dir) in &cfg.adapters {
         let read = engine

@@ -171,7 +171,7 @@ fn fill_blocks(ty: GgmlType, dst: &mut [u8], rng: &mut Rng, std: f32) -> Result<
                 }
             }
         }
-        // The rarer formats (Q2_K, Q3_K): quantize random floats.
+        // The rarer formats (Q2_K, Q3_K, MXFP4): quantize random floats.
         other if hf2q_tensor::quant::can_quantize(other) => {
             let n = dst.len() / bs * other.block_size();
             let a = std * 3f32.sqrt();

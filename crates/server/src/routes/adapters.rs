@@ -95,9 +95,6 @@ pub async fn load(
             format!("'{name}' is the base model's name"),
         ));
     }
-    if st.engine.model().cuda().is_some() {
-        return Err(ApiError::unsupported("name", super::CUDA_ADAPTERS));
-    }
     if st.engine.shared().registry().contains(&name) {
         return Err(conflict(&name));
     }

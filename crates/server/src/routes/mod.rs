@@ -152,11 +152,6 @@ impl AppState {
     }
 }
 
-/// Why served adapters are refused on a GPU.
-pub(crate) const CUDA_ADAPTERS: &str =
-    "served adapters (--adapter, POST /v1/adapters) run on the CPU only for now: \
-     start the server with --device cpu, or apply one adapter with `hf2q run --adapter` on the GPU";
-
 /// The application: every route with its layers.
 pub fn router(state: Shared) -> Router {
     let protected = Router::new()
