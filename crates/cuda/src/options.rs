@@ -544,7 +544,7 @@ mod tests {
             "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,batch-tc=48,pdl=0,prefetch=on,norm-fold=off,act8=all,\
              p8=off,p8-blocks=1,p8-rows=4,q4k-relayout=all,q6k-relayout=off,mv-early=off,\
              mv-min-blocks=q4_k:5,mv-min-blocks=Q8_0s:0,mv-min-blocks=q4_k:6,moe-fused=yes,\
-             paged-graphs=on",
+             paged-graphs=on,paged-prefill=rows",
         )
         .unwrap();
         let report = o.changed();
