@@ -61,6 +61,47 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Sequences of a test batch: `(prompt, token fed next, adapter slot)`.
+type Seqs = [(Vec<u32>, u32, Option<usize>)];
+
+/// Every sequence in one `step_batch_served` prefill, then one decode step of its next token:
+/// each sequence's logits of both steps.
+fn batched_served(
+    base: &Model,
+    set: &AdapterSet,
+    seqs: &Seqs,
+    slots: &[Option<usize>],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut caches: Vec<_> = seqs.iter().map(|_| base.new_cache(64)).collect();
+    let mut items: Vec<BatchItem> = caches
+        .iter_mut()
+        .zip(seqs)
+        .map(|(c, s)| BatchItem {
+            cache: c,
+            pos0: 0,
+            tokens: &s.0,
+        })
+        .collect();
+    let first = base
+        .step_batch_served(&mut items, Some((set, slots)))
+        .unwrap();
+    let nexts: Vec<[u32; 1]> = seqs.iter().map(|s| [s.1]).collect();
+    let mut items: Vec<BatchItem> = caches
+        .iter_mut()
+        .zip(seqs)
+        .zip(&nexts)
+        .map(|((c, s), n)| BatchItem {
+            cache: c,
+            pos0: s.0.len(),
+            tokens: n,
+        })
+        .collect();
+    let second = base
+        .step_batch_served(&mut items, Some((set, slots)))
+        .unwrap();
+    (first, second)
+}
+
 #[test]
 fn a_mixed_batch_equals_each_sequence_alone_with_its_adapter() {
     let tmp = std::env::temp_dir().join(format!("hf2q-served-lora-{}", std::process::id()));
@@ -99,33 +140,7 @@ fn a_mixed_batch_equals_each_sequence_alone_with_its_adapter() {
             ((0..4).map(|i| 80 + i * 2).collect(), 94, Some(sb)),
         ];
         let slots: Vec<Option<usize>> = seqs.iter().map(|s| s.2).collect();
-        let mut caches: Vec<_> = seqs.iter().map(|_| base.new_cache(64)).collect();
-        let mut items: Vec<BatchItem> = caches
-            .iter_mut()
-            .zip(&seqs)
-            .map(|(c, s)| BatchItem {
-                cache: c,
-                pos0: 0,
-                tokens: &s.0,
-            })
-            .collect();
-        let first = base
-            .step_batch_served(&mut items, Some((&set, &slots)))
-            .unwrap();
-        let nexts: Vec<[u32; 1]> = seqs.iter().map(|s| [s.1]).collect();
-        let mut items: Vec<BatchItem> = caches
-            .iter_mut()
-            .zip(&seqs)
-            .zip(&nexts)
-            .map(|((c, s), n)| BatchItem {
-                cache: c,
-                pos0: s.0.len(),
-                tokens: n,
-            })
-            .collect();
-        let second = base
-            .step_batch_served(&mut items, Some((&set, &slots)))
-            .unwrap();
+        let (first, second) = batched_served(&base, &set, &seqs, &slots);
 
         for (i, (prompt, next, slot)) in seqs.iter().enumerate() {
             let m = match *slot {
@@ -247,35 +262,10 @@ fn a_mixed_batch_on_the_gpu_equals_each_sequence_alone_with_its_adapter() {
             .collect();
 
         // The per-sequence batched step.
-        let mut caches: Vec<_> = seqs.iter().map(|_| base.new_cache(64)).collect();
-        let mut items: Vec<BatchItem> = caches
-            .iter_mut()
-            .zip(&seqs)
-            .map(|(c, s)| BatchItem {
-                cache: c,
-                pos0: 0,
-                tokens: &s.0,
-            })
-            .collect();
-        let first = base
-            .step_batch_served(&mut items, Some((&set, &slots)))
-            .unwrap();
-        let nexts: Vec<[u32; 1]> = seqs.iter().map(|s| [s.1]).collect();
-        let mut items: Vec<BatchItem> = caches
-            .iter_mut()
-            .zip(&seqs)
-            .zip(&nexts)
-            .map(|((c, s), n)| BatchItem {
-                cache: c,
-                pos0: s.0.len(),
-                tokens: n,
-            })
-            .collect();
-        let second = base
-            .step_batch_served(&mut items, Some((&set, &slots)))
-            .unwrap();
+        let (first, second) = batched_served(&base, &set, &seqs, &slots);
 
         // The paged step, logits of every item's last row.
+        let nexts: Vec<[u32; 1]> = seqs.iter().map(|s| [s.1]).collect();
         let blocks = seqs.len() * 2;
         let mut cache = base.paged_cache(blocks, 16, 64).unwrap();
         let mut tables = vec![BlockTable::new(); seqs.len()];
