@@ -300,12 +300,12 @@ impl CudaBackend {
         check_rows(step, ds, l.layout())?;
         let r = step.len();
         let dev = self.device();
-        // Prefill runs on tensor cores (`paged-prefill=tc`), the other rows through the row
-        // kernel.
+        // Prefill runs on tensor cores (tiles exist only under `paged-prefill=tc`), the other
+        // rows through the row kernel.
         let tiled = ds
             .prefill
             .as_ref()
-            .filter(|_| dev.options().paged_prefill_tc && dev.paged_prefill_tc_fits(l, p));
+            .filter(|_| dev.paged_prefill_tc_fits(l, p));
         let (pos, max_len) = match tiled {
             Some(t) => (&t.rest_pos, t.rest_max_len),
             None => (&ds.bufs.pos, Some(ds.max_len)),

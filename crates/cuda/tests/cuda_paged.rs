@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use hf2q_cpu::paged::paged_attention;
-use hf2q_cuda::{CudaDev, DevicePagedRows, KvDtype};
+use hf2q_cuda::{CudaDev, DevicePagedLayer, DevicePagedRows, KvDtype};
 use hf2q_tensor::op::{AttentionParams, RopeParams, RopeStyle};
 use hf2q_tensor::paged::{BlockPool, BlockTable, HostPagedLayer, PagedLayout, PagedRows};
 
@@ -92,21 +92,27 @@ struct Case {
     dtype: KvDtype,
 }
 
-fn run(dev: &CudaDev, rng: &mut Rng, c: &Case) {
-    let b = batch(c.lens, c.hkv, c.dh, c.block);
-    let width = c.hkv * c.dh;
-    // Every sequence's keys and values, written by one launch (all rows of the batch at once).
+/// A layer of `dtype` over `b`'s pool holding random keys and values for every position of each
+/// sequence of `lens`, written by one launch (all rows at once, and one padding row whose slot
+/// -1 writes nothing); with the rows written: `(layer, keys, values, slots)`.
+fn fill(
+    dev: &CudaDev,
+    rng: &mut Rng,
+    b: &Batch,
+    lens: &[usize],
+    dtype: KvDtype,
+) -> (DevicePagedLayer, Vec<f32>, Vec<f32>, Vec<i32>) {
+    let width = b.layout.n_kv_heads * b.layout.head_dim;
     let (mut k, mut v, mut slots) = (Vec::new(), Vec::new(), Vec::new());
-    for (tab, &len) in b.tables.iter().zip(c.lens) {
+    for (tab, &len) in b.tables.iter().zip(lens) {
         k.extend(rng.vec(len * width, 1.0));
         v.extend(rng.vec(len * width, 1.0));
         slots.extend((0..len).map(|p| b.layout.slot(tab.blocks(), p).unwrap() as i32));
     }
-    // A padding row's slot: nothing written.
     k.extend(rng.vec(width, 1.0));
     v.extend(rng.vec(width, 1.0));
     slots.push(-1);
-    let mut layer = dev.alloc_paged_layer(b.layout, c.dtype).unwrap();
+    let mut layer = dev.alloc_paged_layer(b.layout, dtype).unwrap();
     let (kd, vd, sd) = (
         dev.upload(&k).unwrap(),
         dev.upload(&v).unwrap(),
@@ -114,6 +120,12 @@ fn run(dev: &CudaDev, rng: &mut Rng, c: &Case) {
     );
     dev.paged_kv_write(&mut layer, &kd, &vd, slots.len(), &sd)
         .unwrap();
+    (layer, k, v, slots)
+}
+
+fn run(dev: &CudaDev, rng: &mut Rng, c: &Case) {
+    let b = batch(c.lens, c.hkv, c.dh, c.block);
+    let (layer, k, v, slots) = fill(dev, rng, &b, c.lens, c.dtype);
     let (kc, vc) = layer.to_host(dev).unwrap();
     // The host twin given the same rows holds the same values, bit for bit.
     let (tk, tv) = match c.dtype {
@@ -289,21 +301,7 @@ fn paged_prefill_on_tensor_cores_equals_the_host_twin() {
     ];
     for (h, hkv, dh, block, lens, runs, window) in cases {
         let b = batch(lens, hkv, dh, block);
-        let width = hkv * dh;
-        let (mut k, mut v, mut slots) = (Vec::new(), Vec::new(), Vec::new());
-        for (tab, &len) in b.tables.iter().zip(lens) {
-            k.extend(rng.vec(len * width, 1.0));
-            v.extend(rng.vec(len * width, 1.0));
-            slots.extend((0..len).map(|p| b.layout.slot(tab.blocks(), p).unwrap() as i32));
-        }
-        let mut layer = dev.alloc_paged_layer(b.layout, KvDtype::F16).unwrap();
-        let (kd, vd, sd) = (
-            dev.upload(&k).unwrap(),
-            dev.upload(&v).unwrap(),
-            dev.upload(&slots).unwrap(),
-        );
-        dev.paged_kv_write(&mut layer, &kd, &vd, slots.len(), &sd)
-            .unwrap();
+        let (layer, ..) = fill(&dev, &mut rng, &b, lens, KvDtype::F16);
         let (kc, vc) = layer.to_host(&dev).unwrap();
         let (mut seq, mut pos) = (Vec::new(), Vec::new());
         for &(s, p0, n) in runs {

@@ -4,6 +4,10 @@
 //! answered without an ETag, or with a wrong one, is refused with an error that says which part,
 //! and nothing is committed.
 
+mod common;
+
+use common::bytes;
+
 use std::fs;
 use std::path::Path;
 
@@ -12,18 +16,6 @@ use hf2q_hub::{pull, push, HubConfig, HubError, PullRequest, PushRequest, RepoId
 
 const CHUNK: u64 = 40_000;
 const SIZE: usize = 3 * CHUNK as usize + 12_345;
-
-fn bytes(n: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
 
 fn setup(hub: &MockHub, dir: &Path) -> (HubConfig, PushRequest, Vec<u8>) {
     hub.set_multipart(Some((100_000, CHUNK)));

@@ -3,25 +3,16 @@
 //! that ignores Range, refusal of a wrong sha256 or size with nothing half-written, the error of
 //! each refusal, the token policy, and offline mode.
 
+mod common;
+
+use common::bytes;
+
 use std::fs;
 use std::path::Path;
 
 use hf2q_hub::api::Client;
 use hf2q_hub::mock::{Faults, Host, MockHub};
 use hf2q_hub::{find_cached, pull, HubConfig, HubError, PullRequest, RepoRef};
-
-/// Deterministic bytes that differ at every offset (so a misplaced resume shows).
-fn bytes(n: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
 
 struct Fixture {
     hub: MockHub,

@@ -4,6 +4,10 @@
 //! sent again, a branch, a dataset repository, the card added only when there is no README.md,
 //! and the refusals (no token: 401; a read-only token: 403).
 
+mod common;
+
+use common::bytes;
+
 use std::fs;
 use std::path::Path;
 
@@ -11,18 +15,6 @@ use hf2q_hub::mock::{Host, MockHub};
 use hf2q_hub::{
     pull, push, HubConfig, HubError, PullRequest, PushRequest, RepoId, RepoKind, RepoRef,
 };
-
-fn bytes(n: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
 
 fn cfg(hub: &MockHub, cache: &Path, token: Option<&str>) -> HubConfig {
     let mut c = HubConfig::new(cache);
