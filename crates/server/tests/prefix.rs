@@ -458,6 +458,46 @@ async fn paged_requests_arriving_together_share_the_blocks_the_first_computes() 
     let mut c = paged(256, true);
     c.engine.max_batch_tokens = 32;
     let on = start(tiny(), c).await;
+    arriving_together(&on).await;
+}
+
+/// The same with a budget that fits every prompt in one step, the six admitted in one iteration
+/// while another request keeps the engine busy: the planner lets the first compute the shared
+/// blocks and the others wait a step for them instead of computing them beside it.
+#[tokio::test]
+async fn paged_requests_arriving_together_under_a_large_budget_compute_the_shared_blocks_once() {
+    let mut c = paged(256, true);
+    c.engine.max_batch_tokens = 1024;
+    c.engine.step_delay = Duration::from_millis(40);
+    let on = start(tiny(), c).await;
+    let busy = {
+        let addr = on.addr;
+        // What the tiny model's 256 positions allow (about 8 s at this pace): outlasts the
+        // six, then cancelled.
+        let body = completion(&prompt(99), 200);
+        tokio::spawn(async move { post(addr, "/v1/completions", &body).await })
+    };
+    let started = wait_until(Duration::from_secs(5), || {
+        on.engine.shared().gauges().running == 1
+    })
+    .await;
+    if !started {
+        let r = busy.await.unwrap();
+        panic!("the busy request did not start: {} {}", r.status, r.text());
+    }
+    arriving_together(&on).await;
+    assert_eq!(
+        on.engine.shared().gauges().running,
+        1,
+        "the busy request ended early"
+    );
+    busy.abort();
+}
+
+/// Six prompts with the same 100-token start sent at once to `on` (paged, prefix cache on):
+/// every answer equals the one computed without the prefix cache, and all but the one that
+/// computed them take the 6 shared full blocks from the cache.
+async fn arriving_together(on: &ServerHandle) {
     let off = start(tiny(), paged(256, false)).await;
     let common: Vec<u32> = (0..100).map(|i| 32 + (i * 5) % 90).collect();
     let prompts: Vec<Vec<u32>> = (0..6u32)

@@ -47,6 +47,7 @@
 pub mod adapters;
 mod kv_state;
 mod paged_blocks;
+mod plan;
 mod preempt;
 mod prefix;
 mod scheduler;

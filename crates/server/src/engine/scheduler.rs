@@ -9,10 +9,11 @@
 //!    new sequence starts from the longest cached prefix of its prompt ([`super::prefix`]).
 //!    With the paged KV cache, preempted sequences come first and a sequence takes only the
 //!    blocks of the tokens it prefills ([`super::preempt`]);
-//! 4. build the batch under the token budget: every decoding sequence's one token first, then
-//!    chunks of prompts being prefilled (oldest first) with what budget is left. With the paged
-//!    KV cache the rows' blocks are taken now, preempting the youngest sequences while the pool
-//!    cannot give them, and the batch is planned again without them;
+//! 4. build the batch under the token budget ([`super::plan`]): every decoding sequence's one
+//!    token first, then chunks of prompts being prefilled (oldest first) with what budget is
+//!    left, a prompt whose next block another computes in the same step waiting for it. With
+//!    the paged KV cache the rows' blocks are taken now, preempting the youngest sequences
+//!    while the pool cannot give them, and the batch is planned again without them;
 //! 5. one `Model::step_batch_served` (sequences ordered by served adapter, so each adapter's
 //!    rows are one run); sample for every sequence whose prompt is complete;
 //! 6. retire finished sequences: their blocks return to the budget and their caches (compacted)
@@ -35,6 +36,7 @@ use hf2q_tensor::paged::BlockTable;
 use super::adapters::{valid_name, AdapterInfo, AdapterRef};
 use super::kv_state::KvState;
 use super::paged_blocks;
+use super::plan::{self, Candidate};
 use super::preempt::{self, Requeued, Reserved};
 use super::prefix::{common_prefix, usable, PrefixPool, MIN_REUSE};
 use super::seq::{cache_limit, Seq};
@@ -289,8 +291,9 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
         // 4. The batch: decode tokens first, then prompt chunks. With the paged KV cache, the
         // rows' blocks first: while the pool cannot give them, the youngest sequence is
         // preempted (or, alone, ended) and the batch planned again without it.
+        let share_block = (kv.paged.is_some() && kv.blocks_cache.is_some()).then_some(BLOCK_TOKENS);
         let plan = loop {
-            let plan = plan_batch(&running, cfg.max_batch_tokens);
+            let plan = plan_batch(&running, cfg.max_batch_tokens, share_block);
             let Some(pc) = kv.paged.as_mut() else {
                 break plan;
             };
@@ -417,29 +420,26 @@ pub(super) fn run(model: &Model, sh: &Shared, rx: mpsc::Receiver<Cmd>, ready: mp
     }
 }
 
-/// One step's batch under the token budget `max_batch_tokens`: (index in `running`, tokens
-/// fed), every decoding sequence's one token first, then chunks of the tokens still to prefill
-/// (in admission order) with what budget is left; sequences already `done` sit out. Ordered by
-/// adapter, then index: each adapter's rows are one run of the batch.
-fn plan_batch(running: &[Seq<'_>], max_batch_tokens: usize) -> Vec<(usize, usize)> {
-    let mut budget = max_batch_tokens.max(1);
-    let mut plan: Vec<(usize, usize)> = Vec::new();
-    let live = || running.iter().enumerate().filter(|(_, s)| s.done.is_none());
-    for (i, s) in live() {
-        if s.next.is_some() && budget > 0 {
-            plan.push((i, 1));
-            budget -= 1;
-        }
-    }
-    for (i, s) in live() {
-        if s.prefilling() && budget > 0 {
-            let n = (s.tokens.len() - s.pos).min(budget);
-            plan.push((i, n));
-            budget -= n;
-        }
-    }
-    plan.sort_unstable_by_key(|&(i, _)| (running[i].slot(), i));
-    plan
+/// One step's batch under the token budget `max_batch_tokens` ([`plan::plan`]): (index in
+/// `running`, tokens fed). `share_block`: the paged prefix cache's block tokens when it is on.
+fn plan_batch(
+    running: &[Seq<'_>],
+    max_batch_tokens: usize,
+    share_block: Option<usize>,
+) -> Vec<(usize, usize)> {
+    let cands: Vec<Candidate<'_>> = running
+        .iter()
+        .map(|s| Candidate {
+            live: s.done.is_none(),
+            decoding: s.next.is_some(),
+            tokens: &s.tokens,
+            pos: s.pos,
+            slot: s.slot(),
+            adapter: s.uid(),
+            can_share: s.pos == s.shared_blocks * BLOCK_TOKENS,
+        })
+        .collect();
+    plan::plan(&cands, max_batch_tokens, share_block)
 }
 
 /// The tokens a sequence feeds this step: its sampled token, or the next `n` of its tokens to
