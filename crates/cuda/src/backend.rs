@@ -1019,7 +1019,7 @@ impl Backend for CudaBackend {
     }
 
     fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
-        refuse_sinks(p)?;
+        hf2q_tensor::op::check_sinks(p)?;
         let KvStore::Device(d) = kv else {
             return Err(Error::Msg(
                 "cuda attention: the cache is not on the device (write it first)".into(),
@@ -1038,6 +1038,7 @@ impl Backend for CudaBackend {
                 cache.capacity()
             )));
         }
+        let sinks = p.sinks.as_ref().map(|s| self.vector(s)).transpose()?;
         let scratch = self.alloc(&[self.dev.attention_scratch_len(p, cache.capacity()).max(1)])?;
         let out = self.alloc(q.shape())?;
         let pos = self.set_pos(pos0)?;
@@ -1045,7 +1046,7 @@ impl Backend for CudaBackend {
         let mut s = self.raw(&scratch, "attention")?;
         let mut o = self.raw(&out, "attention")?;
         self.dev
-            .attention(&qi, t, cache, &pos.buf, p, &mut s, &mut o)?;
+            .attention(&qi, t, cache, &pos.buf, p, &mut s, &mut o, sinks.as_deref())?;
         Ok(out)
     }
 
@@ -1077,7 +1078,7 @@ impl Backend for CudaBackend {
         step: &PagedStep,
         p: &AttentionParams,
     ) -> Result<Tensor> {
-        refuse_sinks(p)?;
+        hf2q_tensor::op::check_sinks(p)?;
         self.paged_attend_device(q, kv, step, p)
     }
 
@@ -1371,16 +1372,6 @@ impl Backend for CudaBackend {
     fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()> {
         crate::backend_train::matmul_acc(self, out, a, b, spec)
     }
-}
-
-/// GPT-OSS's attention sinks have no device kernel yet: refused by name, never ignored.
-fn refuse_sinks(p: &AttentionParams) -> Result<()> {
-    if p.sinks.is_some() {
-        return Err(Error::Msg(
-            "attention sinks (GPT-OSS) are not supported on CUDA yet; run on the CPU".into(),
-        ));
-    }
-    Ok(())
 }
 
 /// GPT-OSS's clamped SwiGLU has no device kernel yet: refused by name, never run as SiLU.
