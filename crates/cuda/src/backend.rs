@@ -369,7 +369,11 @@ impl CudaBackend {
         up: &QTensor,
         act: GateAct,
     ) -> Result<Option<Tensor>> {
-        refuse_act(act)?;
+        // The one-token gated kernels know SiLU and GELU; the clamped SwiGLU takes the two
+        // products and `gated_act`.
+        if matches!(act, GateAct::ClampedSwiglu { .. }) {
+            return Ok(None);
+        }
         let (t, c) = x.dims2();
         let (g, u) = (self.weight(gate)?, self.weight(up)?);
         if t != 1
@@ -1100,6 +1104,22 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn gated_act(&self, gate: &Tensor, up: &Tensor, act: GateAct) -> Result<Tensor> {
+        match act {
+            GateAct::Silu => self.silu_mul(gate, up),
+            GateAct::GeluTanh => self.gelu_tanh_mul(gate, up),
+            GateAct::ClampedSwiglu { alpha, limit } => {
+                same_shape(gate, up, "clamped_swiglu")?;
+                let out = self.alloc(gate.shape())?;
+                let (g, u) = (self.raw(gate, "swiglu")?, self.raw(up, "swiglu")?);
+                let mut o = self.raw(&out, "swiglu")?;
+                self.dev
+                    .clamped_swiglu_mul(&g, &u, gate.len(), alpha, limit, &mut o)?;
+                Ok(out)
+            }
+        }
+    }
+
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         same_shape(x, y, "add")?;
         let n = x.len();
@@ -1302,8 +1322,6 @@ impl Backend for CudaBackend {
         spec: &MoeSpec<'_>,
     ) -> Result<Tensor> {
         let t = check_moe(x, logits, experts)?;
-        refuse_act(spec.act)?;
-        refuse_expert_biases(experts)?;
         if t == 0 {
             return self.upload(&Tensor::zeros(&[0, experts.hidden()]));
         }
@@ -1331,8 +1349,6 @@ impl Backend for CudaBackend {
         spec: &MoeSpec<'_>,
         residual: &mut Tensor,
     ) -> Result<()> {
-        refuse_act(spec.act)?;
-        refuse_expert_biases(experts)?;
         let (t, d) = x.dims2();
         if d != experts.hidden() || router.rows != experts.n_experts() || router.cols != d {
             return Err(Error::Shape(format!(
@@ -1380,16 +1396,6 @@ pub(crate) fn refuse_act(act: GateAct) -> Result<()> {
         return Err(Error::Msg(
             "the clamped SwiGLU (GPT-OSS experts) is not supported on CUDA yet; run on the CPU"
                 .into(),
-        ));
-    }
-    Ok(())
-}
-
-/// Experts with biases (GPT-OSS) have no device path yet.
-fn refuse_expert_biases(ex: &Experts) -> Result<()> {
-    if ex.has_biases() {
-        return Err(Error::Msg(
-            "experts with biases (GPT-OSS) are not supported on CUDA yet; run on the CPU".into(),
         ));
     }
     Ok(())

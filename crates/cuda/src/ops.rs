@@ -1384,6 +1384,31 @@ impl CudaDev {
         self.elementwise2("gelu_tanh_mul", gate, up, n, out)
     }
 
+    /// GPT-OSS's clamped SwiGLU ([`hf2q_tensor::op::clamped_swiglu`]) of `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub fn clamped_swiglu_mul(
+        &self,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        n: usize,
+        alpha: f32,
+        limit: f32,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let name = "clamped_swiglu_mul";
+        need(name, gate.len(), n)?;
+        need(name, up.len(), n)?;
+        need(name, out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, name)?;
+        let (gp, upp, op) = (self.ptr(gate), self.ptr(up), self.ptr_mut(out));
+        let ni = n as i64;
+        launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; gp, upp, op, ni, alpha, limit)
+    }
+
     /// `x[i] += y[i]` for `n` elements.
     pub fn add_assign(
         &self,
