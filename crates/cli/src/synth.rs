@@ -15,9 +15,9 @@ use crate::quantize::Bar;
 #[derive(clap::Args, Debug)]
 pub struct SynthArgs {
     /// Model shape: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen3-8b, smollm2-135m, and the
-    /// mixtures of experts qwen3-30b-a3b and mixtral-8x7b (the real models' dimensions,
+    /// mixtures of experts qwen3-30b-a3b, mixtral-8x7b and gpt-oss-20b (the real models' dimensions,
     /// vocabulary size, RoPE settings and experts, stacked as llama.cpp stores them), or tiny /
-    /// tiny-qwen3 / tiny-qwen3-moe / tiny-mixtral (2-layer models of width 256 for tests, whose
+    /// tiny-qwen3 / tiny-qwen3-moe / tiny-mixtral / tiny-gpt-oss (2-layer models of width 256 for tests, whose
     /// vocabulary is the tokenizer's).
     #[arg(long, value_name = "NAME")]
     pub shape: String,

@@ -369,7 +369,11 @@ impl CudaBackend {
         up: &QTensor,
         act: GateAct,
     ) -> Result<Option<Tensor>> {
-        refuse_act(act)?;
+        // The one-token gated kernels know SiLU and GELU; the clamped SwiGLU takes the two
+        // products and `gated_act`.
+        if matches!(act, GateAct::ClampedSwiglu { .. }) {
+            return Ok(None);
+        }
         let (t, c) = x.dims2();
         let (g, u) = (self.weight(gate)?, self.weight(up)?);
         if t != 1
@@ -1019,7 +1023,7 @@ impl Backend for CudaBackend {
     }
 
     fn attend(&self, q: &Tensor, kv: &KvStore, pos0: usize, p: &AttentionParams) -> Result<Tensor> {
-        refuse_sinks(p)?;
+        hf2q_tensor::op::check_sinks(p)?;
         let KvStore::Device(d) = kv else {
             return Err(Error::Msg(
                 "cuda attention: the cache is not on the device (write it first)".into(),
@@ -1038,6 +1042,7 @@ impl Backend for CudaBackend {
                 cache.capacity()
             )));
         }
+        let sinks = p.sinks.as_ref().map(|s| self.vector(s)).transpose()?;
         let scratch = self.alloc(&[self.dev.attention_scratch_len(p, cache.capacity()).max(1)])?;
         let out = self.alloc(q.shape())?;
         let pos = self.set_pos(pos0)?;
@@ -1045,7 +1050,7 @@ impl Backend for CudaBackend {
         let mut s = self.raw(&scratch, "attention")?;
         let mut o = self.raw(&out, "attention")?;
         self.dev
-            .attention(&qi, t, cache, &pos.buf, p, &mut s, &mut o)?;
+            .attention(&qi, t, cache, &pos.buf, p, &mut s, &mut o, sinks.as_deref())?;
         Ok(out)
     }
 
@@ -1077,7 +1082,7 @@ impl Backend for CudaBackend {
         step: &PagedStep,
         p: &AttentionParams,
     ) -> Result<Tensor> {
-        refuse_sinks(p)?;
+        hf2q_tensor::op::check_sinks(p)?;
         self.paged_attend_device(q, kv, step, p)
     }
 
@@ -1097,6 +1102,22 @@ impl Backend for CudaBackend {
         let mut o = self.raw(&out, "gelu")?;
         self.dev.gelu_tanh_mul(&g, &u, gate.len(), &mut o)?;
         Ok(out)
+    }
+
+    fn gated_act(&self, gate: &Tensor, up: &Tensor, act: GateAct) -> Result<Tensor> {
+        match act {
+            GateAct::Silu => self.silu_mul(gate, up),
+            GateAct::GeluTanh => self.gelu_tanh_mul(gate, up),
+            GateAct::ClampedSwiglu { alpha, limit } => {
+                same_shape(gate, up, "clamped_swiglu")?;
+                let out = self.alloc(gate.shape())?;
+                let (g, u) = (self.raw(gate, "swiglu")?, self.raw(up, "swiglu")?);
+                let mut o = self.raw(&out, "swiglu")?;
+                self.dev
+                    .clamped_swiglu_mul(&g, &u, gate.len(), alpha, limit, &mut o)?;
+                Ok(out)
+            }
+        }
     }
 
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
@@ -1301,8 +1322,6 @@ impl Backend for CudaBackend {
         spec: &MoeSpec<'_>,
     ) -> Result<Tensor> {
         let t = check_moe(x, logits, experts)?;
-        refuse_act(spec.act)?;
-        refuse_expert_biases(experts)?;
         if t == 0 {
             return self.upload(&Tensor::zeros(&[0, experts.hidden()]));
         }
@@ -1330,8 +1349,6 @@ impl Backend for CudaBackend {
         spec: &MoeSpec<'_>,
         residual: &mut Tensor,
     ) -> Result<()> {
-        refuse_act(spec.act)?;
-        refuse_expert_biases(experts)?;
         let (t, d) = x.dims2();
         if d != experts.hidden() || router.rows != experts.n_experts() || router.cols != d {
             return Err(Error::Shape(format!(
@@ -1373,32 +1390,12 @@ impl Backend for CudaBackend {
     }
 }
 
-/// GPT-OSS's attention sinks have no device kernel yet: refused by name, never ignored.
-fn refuse_sinks(p: &AttentionParams) -> Result<()> {
-    if p.sinks.is_some() {
-        return Err(Error::Msg(
-            "attention sinks (GPT-OSS) are not supported on CUDA yet; run on the CPU".into(),
-        ));
-    }
-    Ok(())
-}
-
 /// GPT-OSS's clamped SwiGLU has no device kernel yet: refused by name, never run as SiLU.
 pub(crate) fn refuse_act(act: GateAct) -> Result<()> {
     if let GateAct::ClampedSwiglu { .. } = act {
         return Err(Error::Msg(
             "the clamped SwiGLU (GPT-OSS experts) is not supported on CUDA yet; run on the CPU"
                 .into(),
-        ));
-    }
-    Ok(())
-}
-
-/// Experts with biases (GPT-OSS) have no device path yet.
-fn refuse_expert_biases(ex: &Experts) -> Result<()> {
-    if ex.has_biases() {
-        return Err(Error::Msg(
-            "experts with biases (GPT-OSS) are not supported on CUDA yet; run on the CPU".into(),
         ));
     }
     Ok(())

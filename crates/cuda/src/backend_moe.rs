@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::backend::{lock, weight_key, CudaBackend};
+use crate::moe::{ExpertAct, ExpertOps};
 use crate::DeviceWeight;
 use hf2q_tensor::moe::{Experts, MoeSpec};
 use hf2q_tensor::op::{Backend, GateAct};
@@ -108,6 +109,30 @@ impl CudaBackend {
         };
         let li = self.raw(&logits, "moe_ffn")?;
         let scale = spec.expert_scale.map(|s| self.vector(s)).transpose()?;
+        // GPT-OSS's expert biases (kept alive to the launches) and activation.
+        let biases = ex
+            .all_biases()
+            .map(|b| -> Result<_> {
+                Ok([
+                    self.vector(&b.gate)?,
+                    self.vector(&b.up)?,
+                    self.vector(&b.down)?,
+                ])
+            })
+            .transpose()?;
+        let addr = |i: usize| biases.as_ref().map_or(0, |b| self.device().ptr(&*b[i]));
+        let ops = ExpertOps {
+            act: match spec.act {
+                GateAct::Silu => ExpertAct::Silu,
+                GateAct::GeluTanh => ExpertAct::GeluTanh,
+                GateAct::ClampedSwiglu { alpha, limit } => {
+                    ExpertAct::ClampedSwiglu { alpha, limit }
+                }
+            },
+            gate_bias: addr(0),
+            up_bias: addr(1),
+            down_bias: addr(2),
+        };
         let (ids, wts) = (self.alloc(&[t, k])?, self.alloc(&[t, k])?);
         let (mut idi, mut wti) = (self.raw(&ids, "moe_ffn")?, self.raw(&wts, "moe_ffn")?);
         self.device().moe_route(
@@ -121,7 +146,9 @@ impl CudaBackend {
             &mut idi,
             &mut wti,
         )?;
-        if self.device().int8_experts(t, &[&g, &u, &dn]) {
+        // The integer prefill products know neither biases nor the clamped SwiGLU.
+        let plain = biases.is_none() && matches!(spec.act, GateAct::Silu | GateAct::GeluTanh);
+        if plain && self.device().int8_experts(t, &[&g, &u, &dn]) {
             let gelu = matches!(spec.act, GateAct::GeluTanh);
             let out = self.moe_int8(xi.ptr, t, k, [&g, &u, &dn], e, gelu, &idi, wti.ptr)?;
             return Ok(Some(MoeOut::Out(out)));
@@ -150,19 +177,28 @@ impl CudaBackend {
         let pp = order.as_ref().map(|o| o.1);
         let h = self.alloc(&[t * k, f])?;
         let mut hi = self.raw(&h, "moe_ffn")?;
-        let gelu = matches!(spec.act, GateAct::GeluTanh);
         self.device()
-            .moe_gated(&xi, t, k, &g, &u, e, gelu, &idi, pp, &mut hi)?;
+            .moe_gated(&xi, t, k, &g, &u, e, &ops, &idi, pp, &mut hi)?;
         if let Some(r) = fused {
             let mut ri = self.raw(r, "moe_ffn")?;
-            self.device()
-                .moe_down_sum(&hi, t, k, &dn, e, &idi, &wti, true, &mut ri)?;
+            self.device().moe_down_sum(
+                &hi,
+                t,
+                k,
+                &dn,
+                e,
+                &idi,
+                &wti,
+                true,
+                ops.down_bias,
+                &mut ri,
+            )?;
             return Ok(Some(MoeOut::Added));
         }
         let y = self.alloc(&[t * k, d])?;
         let mut yi = self.raw(&y, "moe_ffn")?;
         self.device()
-            .moe_down(&hi, t * k, &dn, e, &idi, &wti, pp, &mut yi)?;
+            .moe_down(&hi, t * k, &dn, e, &idi, &wti, pp, ops.down_bias, &mut yi)?;
         let out = self.alloc(&[t, d])?;
         let mut oi = self.raw(&out, "moe_ffn")?;
         self.device().moe_combine(&yi, t, k, d, &mut oi)?;

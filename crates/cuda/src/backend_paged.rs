@@ -310,6 +310,7 @@ impl CudaBackend {
             Some(t) => (&t.rest_pos, t.rest_max_len),
             None => (&ds.bufs.pos, Some(ds.max_len)),
         };
+        let sinks = p.sinks.as_ref().map(|s| self.vector(s)).transpose()?;
         let out = self.alloc(&[r, p.n_heads * p.head_dim])?;
         let qi = self.raw(q, "paged attention")?;
         let mut o = self.raw(&out, "paged attention")?;
@@ -325,7 +326,7 @@ impl CudaBackend {
             let n = dev.paged_attention_scratch_len(p, r, max_len)?;
             let scratch = self.alloc(&[n.max(1)])?;
             let mut s = self.raw(&scratch, "paged attention")?;
-            dev.paged_attention(&qi, l, &rows, p, &mut s, &mut o)?;
+            dev.paged_attention(&qi, l, &rows, p, &mut s, &mut o, sinks.as_deref())?;
         }
         if let Some(t) = tiled {
             let tables = &ds.bufs.tables;
@@ -338,6 +339,7 @@ impl CudaBackend {
                 step.max_blocks,
                 p,
                 &mut o,
+                sinks.as_deref(),
             )?;
         }
         Ok(out)

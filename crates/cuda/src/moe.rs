@@ -20,6 +20,40 @@ pub const MOE_MAX_K: usize = 32;
 /// Most experts of one layer the routing kernel takes (its shared memory: E floats).
 pub const MOE_MAX_EXPERTS: usize = 8192;
 
+/// The activation and biases of the expert products (`kernels/matvec_id.cuh`): SiLU or GELU
+/// (tanh), or GPT-OSS's clamped SwiGLU at `(alpha, limit)`; the device addresses of the gate,
+/// up `(E·F)` and down `(E·D)` biases, 0 for none.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExpertOps {
+    pub act: ExpertAct,
+    pub gate_bias: u64,
+    pub up_bias: u64,
+    pub down_bias: u64,
+}
+
+/// The gated activation of [`ExpertOps`] (codes 0, 1, 2 of the kernels' `act`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum ExpertAct {
+    #[default]
+    Silu,
+    GeluTanh,
+    ClampedSwiglu {
+        alpha: f32,
+        limit: f32,
+    },
+}
+
+impl ExpertAct {
+    /// The kernels' (act, alpha, limit).
+    fn args(self) -> (i32, f32, f32) {
+        match self {
+            ExpertAct::Silu => (0, 0.0, 0.0),
+            ExpertAct::GeluTanh => (1, 0.0, 0.0),
+            ExpertAct::ClampedSwiglu { alpha, limit } => (2, alpha, limit),
+        }
+    }
+}
+
 impl CudaDev {
     /// Whether a decode step's routed MLP takes its fused form: the f32 router product inside
     /// the routing kernel and the down products summed into the residual stream by one kernel
@@ -111,8 +145,9 @@ impl CudaDev {
             lp, xp, rp, di, ip, wp, sp, ei, ki, ri)
     }
 
-    /// `h (t·k, F) = act(x_t · G_eᵀ) * (x_t · U_eᵀ)` for each pair `p = t·k + j` with
-    /// `e = ids[p]`: `gate`, `up` hold `n_experts` stacked experts of `F` rows each; `x (t, D)`.
+    /// `h (t·k, F) = act(x_t · G_eᵀ + bg_e, x_t · U_eᵀ + bu_e)` for each pair `p = t·k + j`
+    /// with `e = ids[p]`: `gate`, `up` hold `n_experts` stacked experts of `F` rows each;
+    /// `x (t, D)`; the activation and biases of `ops` (its down bias is not read here).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gated(
         &self,
@@ -122,7 +157,7 @@ impl CudaDev {
         gate: &DeviceWeight,
         up: &DeviceWeight,
         n_experts: usize,
-        gelu: bool,
+        ops: &ExpertOps,
         ids: &impl DevicePtr<f32>,
         perm: Option<u64>,
         out: &mut impl DevicePtrMut<f32>,
@@ -154,12 +189,16 @@ impl CudaDev {
         let nr = mvf_rows_per_group(gate.kind).1;
         let ks = self.mv_split(f * pairs, gate.cols, nr);
         let grid = (blocks(f, nr * 4 / ks)?, pair_grid(pairs)?, 1);
-        let (rows, act, ksi, ki) = (to_i32("rows", f)?, i32::from(gelu), ks as i32, k as i32);
-        launch!(self, func, grid, (128, 1, 1), 0; gw, uw, xp, op, ip, pp, rows, act, ksi, ki)
+        let (rows, ksi, ki) = (to_i32("rows", f)?, ks as i32, k as i32);
+        let (act, alpha, limit) = ops.act.args();
+        let (bg, bu) = (ops.gate_bias, ops.up_bias);
+        launch!(self, func, grid, (128, 1, 1), 0;
+            gw, uw, xp, op, ip, pp, rows, act, ksi, ki, bg, bu, alpha, limit)
     }
 
-    /// `y (P, D) = wts[p] · (h_p · Down_eᵀ)` for each pair `p` with `e = ids[p]`: `down` holds
-    /// `n_experts` stacked experts of `D` rows each; `h (P, F)`.
+    /// `y (P, D) = wts[p] · (h_p · Down_eᵀ + bd_e)` for each pair `p` with `e = ids[p]`: `down`
+    /// holds `n_experts` stacked experts of `D` rows each; `h (P, F)`; `down_bias` the device
+    /// address of the `(E·D)` biases, 0 for none.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -170,6 +209,7 @@ impl CudaDev {
         ids: &impl DevicePtr<f32>,
         wts: &impl DevicePtr<f32>,
         perm: Option<u64>,
+        down_bias: u64,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let d = expert_rows(down, n_experts)?;
@@ -190,10 +230,10 @@ impl CudaDev {
         let ks = self.mv_split(d * pairs, down.cols, rpw);
         let grid = (blocks(d, rpw * 4 / ks)?, pair_grid(pairs)?, 1);
         let (rows, ksi) = (to_i32("rows", d)?, ks as i32);
-        launch!(self, func, grid, (128, 1, 1), 0; w, hp, yp, ip, wp, pp, rows, ksi)
+        launch!(self, func, grid, (128, 1, 1), 0; w, hp, yp, ip, wp, pp, rows, ksi, down_bias)
     }
 
-    /// `out (t, D) (+)= Σ_j wts[t·k + j] · (h_{t·k + j} · Down_eᵀ)`, j ascending (`accumulate`:
+    /// `out (t, D) (+)= Σ_j wts[t·k + j] · (h_{t·k + j} · Down_eᵀ + bd_e)`, j ascending (`accumulate`:
     /// added to `out`, a residual stream): [`CudaDev::moe_down`], [`CudaDev::moe_combine`] and the
     /// residual add in one kernel, for decode.
     #[allow(clippy::too_many_arguments)]
@@ -207,6 +247,7 @@ impl CudaDev {
         ids: &impl DevicePtr<f32>,
         wts: &impl DevicePtr<f32>,
         accumulate: bool,
+        down_bias: u64,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let d = expert_rows(down, n_experts)?;
@@ -231,7 +272,7 @@ impl CudaDev {
             k as i32,
             i32::from(accumulate),
         );
-        launch!(self, func, grid, (128, 1, 1), 0; w, hp, op, ip, wp, rows, ksi, ki, acc)
+        launch!(self, func, grid, (128, 1, 1), 0; w, hp, op, ip, wp, rows, ksi, ki, acc, down_bias)
     }
 
     /// `perm (P)` = the pairs `0..P` ordered by their expert `ids[p]` (i32 values written into

@@ -1233,6 +1233,7 @@ impl CudaDev {
     /// Causal attention of `q (t, H*Dh)` at positions `pos0[0] ..` over the cache (positions
     /// `0 .. pos0[0] + t` must have been written) -> `out (t, H*Dh)`. One token: split-K decode
     /// (needs `scratch` of [`CudaDev::attention_scratch_len`]); more: tiled flash attention.
+    /// `sinks`: the device copy of `p.sinks` (`(H)`), given exactly when `p` has sinks.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -1243,8 +1244,10 @@ impl CudaDev {
         p: &AttentionParams,
         scratch: &mut impl DevicePtrMut<f32>,
         out: &mut impl DevicePtrMut<f32>,
+        sinks: Option<&CudaSlice<f32>>,
     ) -> Result<()> {
         let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+        let skp = self.sinks_ptr(p, sinks)?;
         if hkv == 0 || !h.is_multiple_of(hkv) || hkv != cache.n_kv_heads || dh != cache.head_dim {
             return Err(shape(format!(
                 "attention: {h} heads over {hkv} kv heads of {dh}, cache has {} of {}",
@@ -1292,7 +1295,7 @@ impl CudaDev {
             }
             let cp = self.done_counters.device_ptr(self.stream()).0;
             launch!(self, f, (hkv as u32, ns as u32, chunks), (128, 1, 1), 0;
-                qp, kcp, vcp, pp, sp, hi, hkvi, dhi, cap, scale, window, ns, op, cp)
+                qp, kcp, vcp, pp, sp, hi, hkvi, dhi, cap, scale, window, ns, op, cp, skp)
         } else if cache.dtype == KvDtype::F16
             && (dh == 64 || dh == 128)
             && self.attn_tensor_cores
@@ -1304,13 +1307,37 @@ impl CudaDev {
             let ti = to_i32("tokens", t)?;
             let smem = 3 * 64 * (dh + 8) * 2;
             launch!(self, f, (blocks(t, 64)?, h as u32, 1), (128, 1, 1), smem;
-                qp, kcp, vcp, pp, op, ti, hi, hkvi, cap, scale, window)
+                qp, kcp, vcp, pp, op, ti, hi, hkvi, cap, scale, window, skp)
         } else {
             let f = self.function(Program::Attention, &format!("attn_prefill_{kv}_{dpl}"))?;
             let ti = to_i32("tokens", t)?;
             let smem = prefill_smem(dh);
             launch!(self, f, (blocks(t, 16)?, h as u32, 1), (256, 1, 1), smem;
-                qp, kcp, vcp, pp, op, ti, hi, hkvi, dhi, cap, scale, window)
+                qp, kcp, vcp, pp, op, ti, hi, hkvi, dhi, cap, scale, window, skp)
+        }
+    }
+
+    /// The kernels' `sinks` argument: the device address of `p`'s sinks (0: none), checked
+    /// against `p` (given exactly when it has sinks, one per query head).
+    pub(crate) fn sinks_ptr(
+        &self,
+        p: &AttentionParams,
+        sinks: Option<&CudaSlice<f32>>,
+    ) -> Result<u64> {
+        match (&p.sinks, sinks) {
+            (None, None) => Ok(0),
+            (Some(_), Some(d)) if d.len() == p.n_heads => Ok(d.device_ptr(self.stream()).0),
+            (Some(_), Some(d)) => Err(shape(format!(
+                "attention: {} sinks on the device for {} heads",
+                d.len(),
+                p.n_heads
+            ))),
+            (Some(_), None) => Err(shape(
+                "attention: the sinks (GPT-OSS) have no device copy".into(),
+            )),
+            (None, Some(_)) => Err(shape(
+                "attention: device sinks given for attention without sinks".into(),
+            )),
         }
     }
 
@@ -1355,6 +1382,31 @@ impl CudaDev {
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         self.elementwise2("gelu_tanh_mul", gate, up, n, out)
+    }
+
+    /// GPT-OSS's clamped SwiGLU ([`hf2q_tensor::op::clamped_swiglu`]) of `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub fn clamped_swiglu_mul(
+        &self,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        n: usize,
+        alpha: f32,
+        limit: f32,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let name = "clamped_swiglu_mul";
+        need(name, gate.len(), n)?;
+        need(name, up.len(), n)?;
+        need(name, out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.function(Program::Elementwise, name)?;
+        let (gp, upp, op) = (self.ptr(gate), self.ptr(up), self.ptr_mut(out));
+        let ni = n as i64;
+        launch!(self, f, (blocks(n, 256)?, 1, 1), (256, 1, 1), 0; gp, upp, op, ni, alpha, limit)
     }
 
     /// `x[i] += y[i]` for `n` elements.

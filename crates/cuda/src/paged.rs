@@ -286,8 +286,10 @@ impl CudaDev {
         p: &AttentionParams,
         scratch: &mut impl DevicePtrMut<f32>,
         out: &mut impl DevicePtrMut<f32>,
+        sinks: Option<&CudaSlice<f32>>,
     ) -> Result<()> {
         let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+        let skp = self.sinks_ptr(p, sinks)?;
         let l = layer.layout;
         if hkv == 0 || !h.is_multiple_of(hkv) || hkv != l.n_kv_heads || dh != l.head_dim {
             return Err(shape(format!(
@@ -345,17 +347,16 @@ impl CudaDev {
         let m = self.function(Program::Attention, "paged_attn_merge")?;
         let op = self.ptr_mut(out);
         let grid = u32::try_from(r * h).map_err(|_| shape(format!("{r} rows of {h} heads")))?;
-        launch!(self, m, (grid, 1, 1), (64, 1, 1), 0; scp, pp, op, hi, dhi, ns)
+        launch!(self, m, (grid, 1, 1), (64, 1, 1), 0; scp, pp, op, hi, dhi, ns, skp)
     }
 
     /// Whether [`CudaDev::paged_prefill_tc`] can run attention `p` over `layer`: an f16 pool,
-    /// heads of 64 or 128, no sinks (none on the device yet); any window. Whether it should is
+    /// heads of 64 or 128; any window, sinks or none. Whether it should is
     /// the `paged-prefill` option's say ([`super::CudaOptions::paged_prefill_tc`]).
     pub fn paged_prefill_tc_fits(&self, layer: &DevicePagedLayer, p: &AttentionParams) -> bool {
         layer.dtype == KvDtype::F16
             && (p.head_dim == 64 || p.head_dim == 128)
             && p.head_dim == layer.layout.head_dim
-            && p.sinks.is_none()
     }
 
     /// Causal attention of the rows of `tiles` (`(n_tiles, 4)` = first row, rows <= 64,
@@ -374,8 +375,10 @@ impl CudaDev {
         max_blocks: usize,
         p: &AttentionParams,
         out: &mut impl DevicePtrMut<f32>,
+        sinks: Option<&CudaSlice<f32>>,
     ) -> Result<()> {
         let (h, hkv, dh) = (p.n_heads, p.n_kv_heads, p.head_dim);
+        let skp = self.sinks_ptr(p, sinks)?;
         let l = layer.layout;
         if !self.paged_prefill_tc_fits(layer, p)
             || hkv == 0
@@ -416,7 +419,7 @@ impl CudaDev {
         let grid = u32::try_from(n_tiles).map_err(|_| shape(format!("{n_tiles} tiles")))?;
         let smem = 3 * 64 * (dh + 8) * 2;
         launch!(self, f, (grid, h as u32, 1), (128, 1, 1), smem;
-            qp, kcp, vcp, tp, tbp, mb, lb, op, hi, hkvi, scale, window)
+            qp, kcp, vcp, tp, tbp, mb, lb, op, hi, hkvi, scale, window, skp)
     }
 }
 

@@ -2,8 +2,8 @@
 //!
 //! Most formats are copied unchanged: ggml blocks (packed structs of 18, 20, ..., 292 bytes, so
 //! only 2-byte alignment inside a row is assumed by the kernels), dense f32/f16/bf16 rows, or MLX
-//! packed words with their f32 scales and biases. Q4_0 and Q8_0 are split at upload (all quants,
-//! 16-byte aligned, then all scales: [`split_blocks`]) and Q6_K's 210-byte super-blocks are
+//! packed words with their f32 scales and biases. Q4_0, Q8_0 and MXFP4 are split at upload (all
+//! quants, 16-byte aligned, then all scales: [`split_blocks`]) and Q6_K's 210-byte super-blocks are
 //! padded to 224 ([`pad_blocks`]), so that one lane reads its block with aligned wide loads in
 //! the decode kernels (`kernels/matvec.cuh`). One kernel set per
 //! format dequantizes on the fly (`kernels/quant.cuh`); the format picks the kernel names.
@@ -101,17 +101,18 @@ pub(crate) fn pad_blocks(data: &[u8], block: usize, stride: usize) -> Vec<u8> {
     out
 }
 
-/// Rearranges ggml blocks of `block` bytes (a 2-byte f16 scale, then `block - 2` quant bytes)
-/// into all quants (block after block) followed by all scales, so that every block's quants are
-/// aligned for 16-byte loads: the device layout of the `q4_0s` / `q8_0s` kernels.
-pub(crate) fn split_blocks(data: &[u8], block: usize) -> Vec<u8> {
+/// Rearranges ggml blocks of `block` bytes (a scale of `head` bytes: Q4_0's and Q8_0's f16, or
+/// MXFP4's E8M0 byte, then `block - head` quant bytes) into all quants (block after block)
+/// followed by all scales, so that every block's quants are aligned for 16-byte loads: the
+/// device layout of the `q4_0s` / `q8_0s` / `mxfp4s` kernels.
+pub(crate) fn split_blocks(data: &[u8], block: usize, head: usize) -> Vec<u8> {
     let n = data.len() / block;
-    let q = block - 2;
+    let q = block - head;
     let mut out = vec![0u8; n * block];
     let (qs, ds) = out.split_at_mut(n * q);
     for (i, b) in data.chunks_exact(block).enumerate() {
-        ds[2 * i..2 * i + 2].copy_from_slice(&b[..2]);
-        qs[q * i..q * (i + 1)].copy_from_slice(&b[2..]);
+        ds[head * i..head * (i + 1)].copy_from_slice(&b[..head]);
+        qs[q * i..q * (i + 1)].copy_from_slice(&b[head..]);
     }
     out
 }
@@ -242,6 +243,7 @@ fn ggml_kind(ty: GgmlType) -> Option<(&'static str, Program)> {
         Q5_0 => ("q5_0", Program::LinearLegacy),
         Q5_1 => ("q5_1", Program::LinearLegacy),
         Q8_0 => ("q8_0", Program::LinearLegacy),
+        MXFP4 => ("mxfp4", Program::LinearLegacy),
         F32 => ("f32", Program::LinearLegacy),
         F16 => ("f16", Program::LinearLegacy),
         BF16 => ("bf16", Program::LinearLegacy),
@@ -335,9 +337,11 @@ impl CudaDev {
                 let rb = ty
                     .row_bytes(w.cols)
                     .ok_or_else(|| Error::Shape(format!("cuda: weight '{}' rows", w.name)))?;
+                // (kind, block bytes, scale bytes at the block's start)
                 let split = match ty {
-                    GgmlType::Q4_0 => Some(("q4_0s", 18)),
-                    GgmlType::Q8_0 => Some(("q8_0s", 34)),
+                    GgmlType::Q4_0 => Some(("q4_0s", 18, 2)),
+                    GgmlType::Q8_0 => Some(("q8_0s", 34, 2)),
+                    GgmlType::MXFP4 => Some(("mxfp4s", 17, 1)),
                     _ => None,
                 };
                 // The k-quants re-laid in three ranges (quants at 16 bytes per 32 weights first).
@@ -357,11 +361,11 @@ impl CudaDev {
                         supers_at = Some(da);
                         (rkind, program, self.upload(&bytes)?, None, rb / block * 128)
                     }
-                    (_, Some((skind, block))) if whole => {
-                        let q = block - 2;
+                    (_, Some((skind, block, head))) if whole => {
+                        let q = block - head;
                         let blocks = data.len() / block;
                         scales_at = Some(blocks * q);
-                        let bytes = split_blocks(data.as_slice(), block);
+                        let bytes = split_blocks(data.as_slice(), block, head);
                         (skind, program, self.upload(&bytes)?, None, rb / block * q)
                     }
                     _ if *ty == GgmlType::Q6_K && whole => {
@@ -414,7 +418,16 @@ impl CudaDev {
         let fast = if w.cols % 32 == 0
             && matches!(
                 kind,
-                "q4_0s" | "q8_0s" | "q4_k" | "q4_ks" | "q6_kp" | "q6_ks" | "f16" | "bf16" | "f32"
+                "q4_0s"
+                    | "q8_0s"
+                    | "mxfp4s"
+                    | "q4_k"
+                    | "q4_ks"
+                    | "q6_kp"
+                    | "q6_ks"
+                    | "f16"
+                    | "bf16"
+                    | "f32"
             ) {
             Some(fns('v')?)
         } else {
@@ -482,7 +495,7 @@ mod tests {
     #[test]
     fn split_and_padded_layouts_keep_every_byte() {
         let data: Vec<u8> = (0..18 * 5).map(|i| (i * 7 % 251) as u8).collect();
-        let s = split_blocks(&data, 18);
+        let s = split_blocks(&data, 18, 2);
         for (i, b) in data.chunks_exact(18).enumerate() {
             assert_eq!(&s[16 * i..16 * (i + 1)], &b[2..], "quants of block {i}");
             assert_eq!(
@@ -497,6 +510,16 @@ mod tests {
         for (i, b) in data.chunks_exact(210).enumerate() {
             assert_eq!(&p[224 * i..224 * i + 210], b);
             assert!(p[224 * i + 210..224 * (i + 1)].iter().all(|&v| v == 0));
+        }
+        let data: Vec<u8> = (0..17 * 3).map(|i| (i * 11 % 251) as u8).collect();
+        let s = split_blocks(&data, 17, 1);
+        for (i, b) in data.chunks_exact(17).enumerate() {
+            assert_eq!(
+                &s[16 * i..16 * (i + 1)],
+                &b[1..],
+                "MXFP4 quants of block {i}"
+            );
+            assert_eq!(s[48 + i], b[0], "MXFP4 scale of block {i}");
         }
     }
 

@@ -167,6 +167,7 @@ fn expert_products_match_the_cpu_every_format() {
                 GgmlType::Q6_K,
                 GgmlType::Q4_0,
                 GgmlType::Q8_0,
+                GgmlType::MXFP4,
                 GgmlType::F16,
                 GgmlType::BF16,
                 GgmlType::F32,
@@ -301,4 +302,159 @@ fn moe_step_replays_in_a_graph() {
         );
     }
     be.device().set_moe_fused(false);
+}
+
+/// MXFP4 on the device decodes every code under every scale byte as the CPU decoder does, bit
+/// for bit: 256 blocks, block b with scale byte b (subnormal 2^-128 and 2^-127, and the scales
+/// whose largest codes overflow to infinity) and its 32 codes every one of the 16 twice, in an
+/// order that moves with b; read back through the embedding gather (scale 1, so the gathered
+/// values are the decoded ones).
+#[test]
+fn mxfp4_decodes_every_code_and_scale_as_the_cpu() {
+    let Some(be) = gpu(false) else { return };
+    let (rows, cols) = (8, 32 * 32);
+    let mut bytes = Vec::with_capacity(rows * cols / 32 * 17);
+    for b in 0..256usize {
+        bytes.push(b as u8);
+        for j in 0..16 {
+            let lo = (j + b) % 16;
+            let hi = (j + 3 * b + 5) % 16;
+            bytes.push((lo | hi << 4) as u8);
+        }
+    }
+    let w = QTensor::ggml("mxfp4", GgmlType::MXFP4, rows, cols, Bytes::from_vec(bytes)).unwrap();
+    let ids: Vec<u32> = (0..rows as u32).collect();
+    let want = CpuBackend::REFERENCE.embedding(&w, &ids, 1.0).unwrap();
+    let got = be.to_host(&be.embedding(&w, &ids, 1.0).unwrap()).unwrap();
+    let differ = got
+        .data()
+        .iter()
+        .zip(want.data())
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    let finite = want.data().iter().filter(|v| v.is_finite()).count();
+    println!(
+        "MXFP4 decode: {} values ({finite} finite), {differ} differ in their bits",
+        want.len()
+    );
+    assert_eq!(differ, 0, "MXFP4 values differ from the CPU decoder");
+    assert!(
+        want.data()
+            .iter()
+            .any(|v| *v != 0.0 && v.abs() < f32::MIN_POSITIVE),
+        "the cases include subnormal values"
+    );
+}
+
+/// MXFP4 products on the device against the CPU: one token (the split-layout one-token kernel,
+/// plain and with a bias), a few tokens and a prefill batch (the dequantizing products). Same
+/// tolerance as the expert products (1e-4 of the largest output): the same decoded values
+/// summed in another order; the prefill products round the weights to f16 for cuBLAS (2^-11
+/// relative, which e2m1 values times a power of two keep exactly) and the activations too, at
+/// most 2^-11 of each: 2e-3 of the largest output there.
+#[test]
+fn mxfp4_linear_matches_the_cpu() {
+    let Some(be) = gpu(false) else { return };
+    let (r, c) = (2880, 2880);
+    let w = weight(GgmlType::MXFP4, "mxfp4", r, c, 41);
+    let bias = noise(r, 43, 1.0);
+    for t in [1, 3, 8, 64, 200] {
+        let x = Tensor::new(&[t, c], noise(t * c, 45, 1.0)).unwrap();
+        let xd = be.upload(&x).unwrap();
+        for b in [None, Some(bias.as_slice())] {
+            let want = CpuBackend::REFERENCE.linear(&x, &w, b).unwrap();
+            let got = be.to_host(&be.linear(&xd, &w, b).unwrap()).unwrap();
+            let scale = want.data().iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = got
+                .data()
+                .iter()
+                .zip(want.data())
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let tol = if t > 8 { 2e-3 } else { 1e-4 };
+            println!(
+                "MXFP4 linear {r}x{c} t {t} bias {}: max |diff| {err:.3e} of {scale:.3e}",
+                b.is_some()
+            );
+            assert!(
+                err <= tol * scale,
+                "MXFP4 linear t {t}: {err} > {tol} * {scale}"
+            );
+        }
+    }
+}
+
+/// GPT-OSS's clamped SwiGLU on the device against the CPU reference element for element, with
+/// gates and ups well past the limit on both sides. Tolerance 1e-6 relative: the same formula
+/// in f32, the device's `expf` within 2 ulp of the CPU's.
+#[test]
+fn clamped_swiglu_matches_the_cpu() {
+    let Some(be) = gpu(false) else { return };
+    let n = 4096;
+    let (g, u) = (noise(n, 51, 20.0), noise(n, 53, 20.0));
+    let act = GateAct::ClampedSwiglu {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    let gate = Tensor::new(&[4, n / 4], g).unwrap();
+    let up = Tensor::new(&[4, n / 4], u).unwrap();
+    let want = CpuBackend::REFERENCE.gated_act(&gate, &up, act).unwrap();
+    let (gd, ud) = (be.upload(&gate).unwrap(), be.upload(&up).unwrap());
+    let got = be.to_host(&be.gated_act(&gd, &ud, act).unwrap()).unwrap();
+    let mut worst = 0f32;
+    for (a, b) in got.data().iter().zip(want.data()) {
+        let e = (a - b).abs() / b.abs().max(1.0);
+        worst = worst.max(e);
+    }
+    println!("clamped SwiGLU: max relative diff {worst:.3e}");
+    assert!(worst <= 1e-6, "clamped SwiGLU: relative diff {worst}");
+    assert!(
+        want.data().iter().any(|v| *v > 7.0 * 8.0 * 0.99),
+        "the cases reach the clamps (gate and up at the limit)"
+    );
+}
+
+/// GPT-OSS's experts on the device: MXFP4, biases on the three products, the clamped SwiGLU,
+/// top 4 of 32 with the weights a softmax over the chosen (softmax then renormalise), at its
+/// hidden size (2880) and width (2880); one token, a few and a batch (pairs in expert order),
+/// through `moe_ffn` and `moe_ffn_add` (default and fused forms): the device path, biases and
+/// the activation inside the expert kernels. Tolerance as the expert products above, 1e-4 of
+/// the largest output (the same f32 products as the other formats' expert kernels).
+#[test]
+fn gpt_oss_experts_match_the_cpu() {
+    let Some(be) = gpu(false) else { return };
+    let (e, f, d) = (32, 2880, 2880);
+    let (stacked, _) = experts(GgmlType::MXFP4, e, f, d, 61);
+    let ex = stacked
+        .with_biases(hf2q_tensor::moe::ExpertBiases {
+            gate: noise(e * f, 63, 0.5),
+            up: noise(e * f, 65, 0.5),
+            down: noise(e * d, 67, 0.5),
+        })
+        .unwrap();
+    let s = MoeSpec {
+        top_k: 4,
+        renormalize: true,
+        expert_scale: None,
+        act: GateAct::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 7.0,
+        },
+    };
+    for t in [1, 5, 40] {
+        let x = Tensor::new(&[t, d], noise(t * d, 69, 1.0)).unwrap();
+        let logits = Tensor::new(&[t, e], noise(t * e, 71, 3.0)).unwrap();
+        let want = CpuBackend::REFERENCE.moe_ffn(&x, &logits, &ex, &s).unwrap();
+        let got = run(&be, &x, &logits, &ex, &s);
+        let scale = want.data().iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got
+            .iter()
+            .zip(want.data())
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        println!("GPT-OSS experts t {t}: max |diff| {err:.3e} of {scale:.3e}");
+        assert!(
+            err <= 1e-4 * scale,
+            "GPT-OSS experts t {t}: {err} > 1e-4 * {scale}"
+        );
+        added(&be, &x, &ex, &s, &format!("GPT-OSS experts t {t}"));
+    }
 }

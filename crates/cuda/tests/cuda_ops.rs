@@ -1046,6 +1046,8 @@ struct AttnCase {
     t: usize,
     window: Option<usize>,
     dtype: KvDtype,
+    /// Random per-head sink logits (GPT-OSS).
+    sinks: bool,
 }
 
 fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
@@ -1092,20 +1094,35 @@ fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
             }
         }
     }
+    // Sinks from -3 to 5: some below every score, some above most (the sink then takes most
+    // of the row's weight and the output shrinks towards zero).
+    let sinks: Option<Arc<[f32]>> = c
+        .sinks
+        .then(|| rng.vec(c.h, 4.0).iter().map(|s| s + 1.0).collect());
     let p = AttentionParams {
         n_heads: c.h,
         n_kv_heads: c.hkv,
         head_dim: c.dh,
         scale: 1.0 / (c.dh as f32).sqrt(),
         window: c.window,
-        sinks: None,
+        sinks: sinks.clone(),
     };
     let q = rng.vec(c.t * c.h * c.dh, 2.0);
     let qd = dev.upload(&q).unwrap();
+    let sinks_d = sinks.map(|s| dev.upload(&s).unwrap());
     let mut scratch = poisoned(dev, dev.attention_scratch_len(&p, c.cap).max(1));
     let mut out = poisoned(dev, c.t * c.h * c.dh);
-    dev.attention(&qd, c.t, &cache, &pos, &p, &mut scratch, &mut out)
-        .unwrap();
+    dev.attention(
+        &qd,
+        c.t,
+        &cache,
+        &pos,
+        &p,
+        &mut scratch,
+        &mut out,
+        sinks_d.as_ref(),
+    )
+    .unwrap();
     let got = dev.download(&out).unwrap();
     // Reference over the device cache's own (rounded) values: the comparison measures the
     // attention arithmetic only; f16 rounding of the cache was checked exactly above.
@@ -1133,8 +1150,8 @@ fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
     };
     check(
         &format!(
-            "attention {path} H={} Hkv={} Dh={} cap={} pos0={} T={} window={:?} {:?}",
-            c.h, c.hkv, c.dh, c.cap, c.pos0, c.t, c.window, c.dtype
+            "attention {path} H={} Hkv={} Dh={} cap={} pos0={} T={} window={:?} {:?} sinks={}",
+            c.h, c.hkv, c.dh, c.cap, c.pos0, c.t, c.window, c.dtype, c.sinks
         ),
         &got,
         want.data(),
@@ -1182,6 +1199,51 @@ fn kv_write_and_attention() {
                 t,
                 window,
                 dtype,
+                sinks: false,
+            },
+        );
+    }
+}
+
+/// Attention sinks (GPT-OSS) against the CPU reference on every contiguous-cache path: one-token
+/// decode with one and many key splits (the sink joins the merge of the splits), the f32-tile
+/// prefill, the tensor-core prefill; GPT-OSS's heads (64 query, 8 kv, 64 wide) with its
+/// 128-key window and without, a window shorter than the history, two head chunks in decode.
+#[test]
+fn attention_sinks() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new("attention-sinks");
+    let f16 = KvDtype::F16;
+    let f32 = KvDtype::F32;
+    let cases = [
+        // Decode: one split (short cache), many splits, a window inside the history.
+        (8, 2, 64, 16, 3, 1, None, f16),
+        (64, 8, 64, 2048, 1500, 1, None, f16),
+        (64, 8, 64, 2048, 1500, 1, Some(128), f16),
+        (16, 1, 128, 1024, 700, 1, Some(100), f32),
+        (4, 4, 80, 128, 0, 1, None, f32),
+        // Prefill, f32 tiles (f32 cache, or a head width without tensor-core kernels).
+        (8, 2, 64, 512, 40, 100, Some(128), f32),
+        (6, 2, 96, 256, 0, 37, None, f16),
+        // Prefill on tensor cores: GPT-OSS's heads, a chunk after a history, windows.
+        (64, 8, 64, 1024, 0, 512, Some(128), f16),
+        (64, 8, 64, 1024, 300, 200, None, f16),
+        (8, 2, 128, 600, 100, 130, Some(77), f16),
+    ];
+    for (h, hkv, dh, cap, pos0, t, window, dtype) in cases {
+        run_attention(
+            &dev,
+            &mut rng,
+            &AttnCase {
+                h,
+                hkv,
+                dh,
+                cap,
+                pos0,
+                t,
+                window,
+                dtype,
+                sinks: true,
             },
         );
     }
@@ -1226,6 +1288,7 @@ fn attention_head_width_512() {
                 t,
                 window,
                 dtype,
+                sinks: false,
             },
         );
     }
@@ -1246,7 +1309,7 @@ fn attention_head_width_512() {
         );
         let mut scratch = poisoned(&dev, dev.attention_scratch_len(&p, 16).max(1));
         let mut out = poisoned(&dev, dh);
-        let r = dev.attention(&q, 1, &cache, &pos, &p, &mut scratch, &mut out);
+        let r = dev.attention(&q, 1, &cache, &pos, &p, &mut scratch, &mut out, None);
         assert!(r.is_err(), "head width {dh} was taken");
     }
 }
@@ -1422,8 +1485,17 @@ impl Step {
         dev.rope(&mut s.q, 1, h, dh, &s.pos, &s.rope).unwrap();
         dev.rope(&mut s.k, 1, hkv, dh, &s.pos, &s.rope).unwrap();
         dev.kv_write(&mut s.cache, &s.k, &s.v, 1, &s.pos).unwrap();
-        dev.attention(&s.q, 1, &s.cache, &s.pos, &s.p, &mut s.scratch, &mut s.att)
-            .unwrap();
+        dev.attention(
+            &s.q,
+            1,
+            &s.cache,
+            &s.pos,
+            &s.p,
+            &mut s.scratch,
+            &mut s.att,
+            None,
+        )
+        .unwrap();
         dev.linear(&s.att, 1, &s.wo, None, &mut s.o).unwrap();
         dev.add_assign(&mut s.x, &s.o, D).unwrap();
         dev.rms_norm(&s.x, &s.norm, 1, D, 1e-6, 0.0, &mut s.xn)
@@ -1912,7 +1984,7 @@ fn bench_ops() {
         let q = dev.upload(&rng.vec(h * dh, 1.0)).unwrap();
         let mut out: CudaSlice<f32> = dev.alloc(h * dh).unwrap();
         let ms = time_ms(&dev, 50, |_| {
-            dev.attention(&q, 1, &cache, &pos, &p, &mut scratch, &mut out)
+            dev.attention(&q, 1, &cache, &pos, &p, &mut scratch, &mut out, None)
                 .unwrap()
         });
         let bytes = 2 * hkv * (pos0 + 1) * dh * 2;
@@ -1943,7 +2015,7 @@ fn bench_ops() {
             let q = dev.upload(&rng.vec(t * h * dh, 1.0)).unwrap();
             let mut out: CudaSlice<f32> = dev.alloc(t * h * dh).unwrap();
             let ms = time_ms(&dev, 10, |_| {
-                dev.attention(&q, t, cache, &zero, p, scratch, &mut out)
+                dev.attention(&q, t, cache, &zero, p, scratch, &mut out, None)
                     .unwrap()
             });
             let flops = 4.0 * (h * dh) as f64 * (t * (t + 1) / 2) as f64;

@@ -198,7 +198,7 @@ fn run(dev: &CudaDev, rng: &mut Rng, c: &Case) {
     let mut scratch = dev.upload(&vec![f32::NAN; n.max(1)]).unwrap();
     let mut out = dev.upload(&vec![f32::NAN; r * c.h * c.dh]).unwrap();
     let qd = dev.upload(&q).unwrap();
-    dev.paged_attention(&qd, &layer, &drows, &p, &mut scratch, &mut out)
+    dev.paged_attention(&qd, &layer, &drows, &p, &mut scratch, &mut out, None)
         .unwrap();
     let got = dev.download(&out).unwrap();
     // Outputs are convex combinations of |v| <= 1: f32 softmax and sums in another order (split
@@ -299,7 +299,9 @@ fn paged_prefill_on_tensor_cores_equals_the_host_twin() {
             Some(100),
         ),
     ];
-    for (h, hkv, dh, block, lens, runs, window) in cases {
+    // Every other case with GPT-OSS's attention sinks (random per-head logits from -3 to 5),
+    // through both the row kernel's merge and the tensor-core tiles.
+    for (ci, (h, hkv, dh, block, lens, runs, window)) in cases.into_iter().enumerate() {
         let b = batch(lens, hkv, dh, block);
         let (layer, ..) = fill(&dev, &mut rng, &b, lens, KvDtype::F16);
         let (kc, vc) = layer.to_host(&dev).unwrap();
@@ -317,8 +319,9 @@ fn paged_prefill_on_tensor_cores_equals_the_host_twin() {
             head_dim: dh,
             scale: 1.0 / (dh as f32).sqrt(),
             window,
-            sinks: None,
+            sinks: (ci % 2 == 1).then(|| rng.vec(h, 4.0).iter().map(|s| s + 1.0).collect()),
         };
+        let sinks_d = p.sinks.as_ref().map(|s| dev.upload(s).unwrap());
         let q = rng.vec(r * h * dh, 2.0);
         let rows = PagedRows {
             seq: &seq,
@@ -348,8 +351,16 @@ fn paged_prefill_on_tensor_cores_equals_the_host_twin() {
         };
         let n = dev.paged_attention_scratch_len(&p, r, max_len).unwrap();
         let mut scratch = dev.upload(&vec![f32::NAN; n.max(1)]).unwrap();
-        dev.paged_attention(&qd, &layer, &drows, &p, &mut scratch, &mut out)
-            .unwrap();
+        dev.paged_attention(
+            &qd,
+            &layer,
+            &drows,
+            &p,
+            &mut scratch,
+            &mut out,
+            sinks_d.as_ref(),
+        )
+        .unwrap();
         let n_tiles = tiles.tiles.len() / 4;
         dev.paged_prefill_tc(
             &qd,
@@ -360,6 +371,7 @@ fn paged_prefill_on_tensor_cores_equals_the_host_twin() {
             b.max_blocks,
             &p,
             &mut out,
+            sinks_d.as_ref(),
         )
         .unwrap();
         let got = dev.download(&out).unwrap();
@@ -378,7 +390,8 @@ fn paged_prefill_on_tensor_cores_equals_the_host_twin() {
         }
         println!(
             "paged prefill H={h} Hkv={hkv} Dh={dh} B={block} rows={r} tiles={n_tiles} \
-             window={window:?}: row kernel max |err| {worst_row:.2e}, tensor cores {worst_tc:.2e}"
+             window={window:?} sinks={}: row kernel max |err| {worst_row:.2e}, tensor cores {worst_tc:.2e}",
+            p.sinks.is_some()
         );
         assert!(worst_row <= 2e-5, "row kernel rows: max |err| {worst_row}");
         assert!(worst_tc <= 4e-3, "tensor-core rows: max |err| {worst_tc}");
@@ -535,7 +548,7 @@ fn bench_paged_decode() {
         let mut out = dev.upload(&vec![0f32; bsz * h * dh]).unwrap();
         let reps = 50;
         let paged = time_ms(&dev, reps, || {
-            dev.paged_attention(&qd, &layer, &rows, &p, &mut scratch, &mut out)
+            dev.paged_attention(&qd, &layer, &rows, &p, &mut scratch, &mut out, None)
                 .unwrap()
         });
         // The same keys in one contiguous cache per sequence, one launch each.
@@ -549,7 +562,7 @@ fn bench_paged_decode() {
         let mut o1 = dev.upload(&vec![0f32; h * dh]).unwrap();
         let per_seq = time_ms(&dev, reps, || {
             for c in &caches {
-                dev.attention(&q1, 1, c, &pos1, &p, &mut s1, &mut o1)
+                dev.attention(&q1, 1, c, &pos1, &p, &mut s1, &mut o1, None)
                     .unwrap();
             }
         });

@@ -74,6 +74,33 @@ fn tiny_qwen3_moe_synth_is_stacked_and_runs() {
     runs(&out);
 }
 
+/// GPT-OSS at llama.cpp's MXFP4_MOE: MXFP4 stacked experts, their biases, the sinks, the
+/// family's keys; hf2q loads it as GPT-OSS (sinks, sliding even layers, YaRN) and runs it.
+#[test]
+fn tiny_gpt_oss_synth_has_the_family_tensors_and_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("g.gguf");
+    write("tiny-gpt-oss", Preset::MXFP4_MOE, &out);
+    let g = GgufFile::open(&out).unwrap();
+    assert_eq!(g.get_str("general.architecture"), Some("gpt-oss"));
+    assert_eq!(g.get_u64("gpt-oss.expert_count"), Some(8));
+    assert_eq!(g.get_u64("gpt-oss.expert_used_count"), Some(2));
+    assert_eq!(g.get_u64("gpt-oss.attention.sliding_window"), Some(128));
+    assert_eq!(g.get_str("gpt-oss.rope.scaling.type"), Some("yarn"));
+    assert_eq!(ty(&g, "blk.1.ffn_down_exps.weight"), GgmlType::MXFP4);
+    assert_eq!(ty(&g, "blk.1.ffn_gate_exps.weight"), GgmlType::MXFP4);
+    assert_eq!(ty(&g, "blk.1.attn_q.weight"), GgmlType::Q8_0);
+    assert_eq!(ty(&g, "blk.1.attn_sinks.weight"), GgmlType::F32);
+    assert_eq!(g.tensor("blk.1.ffn_down_exps.bias").unwrap().dims, [256, 8]);
+    drop(g);
+    let m = Model::load(&out).unwrap();
+    let c = &m.config;
+    assert!(c.attention_sinks && c.attention_bias && c.yarn.is_some());
+    assert_eq!(c.sliding_layers, [true, false]);
+    drop(m);
+    runs(&out);
+}
+
 #[test]
 fn tiny_mixtral_synth_gets_the_eight_expert_rules_and_runs() {
     let dir = tempfile::tempdir().unwrap();

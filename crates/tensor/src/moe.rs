@@ -72,6 +72,10 @@ impl Experts {
     pub fn has_biases(&self) -> bool {
         self.biases.is_some()
     }
+    /// Every expert's biases as stored (a device kernel that indexes experts by id reads them).
+    pub fn all_biases(&self) -> Option<&ExpertBiases> {
+        self.biases.as_ref()
+    }
     /// Expert `e`'s gate `(F)`, up `(F)` and down `(D)` biases, when it has them.
     pub fn biases(&self, e: usize) -> Option<[&[f32]; 3]> {
         let b = self.biases.as_ref()?;

@@ -18,6 +18,10 @@
 //   the warp updates its online softmax and accumulates P·V with each lane owning dims
 //   lane + 32 i. Memory is O(tile), never O(T * S). CUDA cores in f32. At Dh = 512 the tiles
 //   take 160 KB of shared memory (one block per multiprocessor; the launcher raises the limit).
+// * Sinks (GPT-OSS): `sinks (H)`, or null for none, gives each query head one more logit that
+//   joins the softmax's max and denominator and nothing of its numerator (the CPU reference's
+//   rule). Every path applies it once, where a row's sums are final (`sink_norm`), so the
+//   per-key loops are those of a plain softmax.
 #include "common.cuh"
 
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -93,11 +97,32 @@ __device__ __forceinline__ void visible_range(int qpos, int cap, int window, int
     lo = window > 0 ? max(0, qpos + 1 - window) : 0;
 }
 
-// out[d] for d = t0, t0 + nt, ... of one head from its nsplit partials (max, sum, o[dh]):
-// sum_s O_s e^(M_s - M) / sum_s L_s e^(M_s - M).
+// Head h's sink logit, NEG_INF where there are none.
+__device__ __forceinline__ float sink_of(const float* __restrict__ sinks, int h) {
+    return sinks ? sinks[h] : NEG_INF;
+}
+
+// A row's final softmax scale with its sink: from the running max m and sum l of its keys
+// (weighted values acc summed at e^(s - m)), returns f with out = acc * f, i.e.
+// e^(m - M) / (l e^(m - M) + e^(sink - M)), M = max(m, sink); without a sink (NEG_INF) 1 / l.
+// Zero when nothing is weighed (no visible key, no sink). `ex` is the exponential of the
+// row's units (expf, or exp2 where m, l and sink are in base 2).
+template <class Ex>
+__device__ __forceinline__ float sink_norm(float m, float l, float sink, Ex ex) {
+    if (sink == NEG_INF) return l > 0.0f ? 1.0f / l : 0.0f;
+    const float M = fmaxf(m, sink);
+    const float c = m == NEG_INF ? 0.0f : ex(m - M);
+    return c / (l * c + ex(sink - M));
+}
+struct ExpE {
+    __device__ __forceinline__ float operator()(float x) const { return expf(x); }
+};
+
+// out[d] for d = t0, t0 + nt, ... of one head from its nsplit partials (max, sum, o[dh]) and
+// its sink: sum_s O_s e^(M_s - M) / (sum_s L_s e^(M_s - M) + e^(sink - M)).
 __device__ __forceinline__ void merge_splits(const float* ph, float* oh, int dh, int nsplit,
-                                             int t0, int nt) {
-    float M = NEG_INF;
+                                             int t0, int nt, float sink) {
+    float M = sink;
 #pragma unroll 8
     for (int s = 0; s < nsplit; s++) M = fmaxf(M, ph[(i64)s * (dh + 2)]);
     for (int d = t0; d < dh; d += nt) {
@@ -110,6 +135,7 @@ __device__ __forceinline__ void merge_splits(const float* ph, float* oh, int dh,
                 L += pr[1] * e;
                 O += pr[2 + d] * e;
             }
+            if (sink != NEG_INF) L += expf(sink - M);
         }
         oh[d] = L > 0.0f ? O / L : 0.0f;
     }
@@ -241,7 +267,8 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
                                                  const i32* __restrict__ pos0p,
                                                  float* __restrict__ part, int H, int hkv, int dh,
                                                  int cap, float scale, int window, int nsplit,
-                                                 float* __restrict__ out, u32* counters) {
+                                                 float* __restrict__ out, u32* counters,
+                                                 const float* __restrict__ sinks) {
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int G = H / hkv, hc0 = blockIdx.z * MAXG;
     const int ng = min(MAXG, G - hc0), h0 = kvh * G + hc0;
@@ -270,7 +297,7 @@ __device__ __forceinline__ void attn_decode_impl(const float* __restrict__ q,
     __threadfence();
     for (int hh = warp; hh < ng; hh += AD_WARPS)
         merge_splits(part + (i64)(h0 + hh) * nsplit * (dh + 2), out + (i64)(h0 + hh) * dh, dh,
-                     nsplit, lane, 32);
+                     nsplit, lane, 32, sink_of(sinks, h0 + hh));
     if (threadIdx.x == 0) counters[slot] = 0;  // ready for the next call (or graph replay)
 }
 
@@ -286,7 +313,8 @@ __device__ __forceinline__ void attn_prefill_impl(const float* __restrict__ q,
                                                   const KV* __restrict__ vc,
                                                   const i32* __restrict__ pos0p,
                                                   float* __restrict__ out, int T, int H, int hkv,
-                                                  int dh, int cap, float scale, int window) {
+                                                  int dh, int cap, float scale, int window,
+                                                  const float* __restrict__ sinks) {
     extern __shared__ float smem[];
     float* Qs = smem;
     float* Ks = Qs + AP_BQ * dh;
@@ -371,7 +399,7 @@ __device__ __forceinline__ void attn_prefill_impl(const float* __restrict__ q,
         if (!valid[a]) continue;
         const int qi = warp * 2 + a;
         float* o = out + (i64)(qt0 + qi) * qstride + (i64)h * dh;
-        const float inv = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
+        const float inv = sink_norm(m[a], l[a], sink_of(sinks, h), ExpE{});
 #pragma unroll
         for (int i = 0; i < DPL; i++) {
             const int d = lane + 32 * i;
@@ -397,6 +425,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+struct Exp2 {
+    __device__ __forceinline__ float operator()(float x) const { return exp2f(x); }
+};
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -418,7 +450,8 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
                                              const u16* __restrict__ kc,
                                              const u16* __restrict__ vc, const Keys keys,
                                              int pos0, float* __restrict__ out, int qt0, int T,
-                                             int H, int cap, float scale, int window) {
+                                             int H, int cap, float scale, int window,
+                                             const float* __restrict__ sinks) {
     // Row pitch in halves: 16-byte aligned rows, and the eight rows one fragment load or
     // ldmatrix touches start in eight different bank groups.
     constexpr int P = DH + 8, KS = DH / 16, NT = FA_BK / 8, DT = DH / 8;
@@ -553,7 +586,10 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
         l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
         l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
         if (!qv[r]) continue;
-        const float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;
+        // The sink in the scores' base-2 units (they were scaled by log2 e with q).
+        const float sk = sink_of(sinks, h);
+        const float inv = sink_norm(m[r], l[r], sk == NEG_INF ? NEG_INF : sk * 1.44269504f,
+                                    Exp2{});
         float* orow = out + (i64)(qt0 + r0 + 8 * r) * qstride + (i64)h * DH + 2 * c;
 #pragma unroll
         for (int i = 0; i < DT; i++)
@@ -565,36 +601,41 @@ __device__ __forceinline__ void attn_fa_impl(const float* __restrict__ q,
 template <int DH>
 __device__ __forceinline__ void attn_prefill_tc(const float* q, const u16* kc, const u16* vc,
                                                 const i32* pos0p, float* out, int T, int H,
-                                                int hkv, int cap, float scale, int window) {
+                                                int hkv, int cap, float scale, int window,
+                                                const float* sinks) {
     pdl_wait();
     const int kvh = blockIdx.y / (H / hkv);
     const ContigKeys keys{(i64)kvh * cap * DH, DH};
-    attn_fa_impl<DH>(q, kc, vc, keys, *pos0p, out, blockIdx.x * FA_BQ, T, H, cap, scale, window);
+    attn_fa_impl<DH>(q, kc, vc, keys, *pos0p, out, blockIdx.x * FA_BQ, T, H, cap, scale, window,
+                     sinks);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attn_prefill_tc_64(const float* q, const u16* kc, const u16* vc, const i32* pos0p, float* out,
-                       int T, int H, int hkv, int cap, float scale, int window) {
-    attn_prefill_tc<64>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
+                       int T, int H, int hkv, int cap, float scale, int window,
+                       const float* sinks) {
+    attn_prefill_tc<64>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window, sinks);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attn_prefill_tc_128(const float* q, const u16* kc, const u16* vc, const i32* pos0p,
-                        float* out, int T, int H, int hkv, int cap, float scale, int window) {
-    attn_prefill_tc<128>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window);
+                        float* out, int T, int H, int hkv, int cap, float scale, int window,
+                        const float* sinks) {
+    attn_prefill_tc<128>(q, kc, vc, pos0p, out, T, H, hkv, cap, scale, window, sinks);
 }
 
 #define HF2Q_ATTN_KERNELS(KVN, KV, DPL)                                                        \
     extern "C" __global__ void __launch_bounds__(AD_WARPS * 32) attn_decode_##KVN##_##DPL(     \
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* part, int H,      \
         int hkv, int dh, int cap, float scale, int window, int nsplit, float* out,             \
-        u32* counters) {                                                                       \
+        u32* counters, const float* sinks) {                                                   \
         attn_decode_impl<DPL, KV>(q, kc, vc, pos0p, part, H, hkv, dh, cap, scale, window,      \
-                                  nsplit, out, counters);                                      \
+                                  nsplit, out, counters, sinks);                               \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(AP_WARPS * 32) attn_prefill_##KVN##_##DPL(    \
         const float* q, const KV* kc, const KV* vc, const i32* pos0p, float* out, int T,       \
-        int H, int hkv, int dh, int cap, float scale, int window) {                            \
+        int H, int hkv, int dh, int cap, float scale, int window, const float* sinks) {        \
         pdl_wait();                                                                            \
-        attn_prefill_impl<DPL, KV>(q, kc, vc, pos0p, out, T, H, hkv, dh, cap, scale, window);  \
+        attn_prefill_impl<DPL, KV>(q, kc, vc, pos0p, out, T, H, hkv, dh, cap, scale, window,   \
+                                   sinks);                                                     \
     }
 
 HF2Q_ATTN_KERNELS(f16, u16, 2)
@@ -643,7 +684,8 @@ __device__ __forceinline__ void paged_attn_impl(const float* __restrict__ q,
 // out (R, H, Dh): block (row x head) merges that head's nsplit partials (zeros for padding).
 extern "C" __global__ void __launch_bounds__(64)
     paged_attn_merge(const float* __restrict__ part, const i32* __restrict__ row_pos,
-                     float* __restrict__ out, int H, int dh, int nsplit) {
+                     float* __restrict__ out, int H, int dh, int nsplit,
+                     const float* __restrict__ sinks) {
     pdl_wait();
     const i64 rh = blockIdx.x;
     float* oh = out + rh * dh;
@@ -651,7 +693,8 @@ extern "C" __global__ void __launch_bounds__(64)
         for (int d = threadIdx.x; d < dh; d += blockDim.x) oh[d] = 0.0f;
         return;
     }
-    merge_splits(part + rh * nsplit * (dh + 2), oh, dh, nsplit, threadIdx.x, blockDim.x);
+    merge_splits(part + rh * nsplit * (dh + 2), oh, dh, nsplit, threadIdx.x, blockDim.x,
+                 sink_of(sinks, (int)(rh % H)));
 }
 
 #define HF2Q_PAGED_KERNELS(KVN, KV, DPL)                                                       \
@@ -681,24 +724,27 @@ template <int DH>
 __device__ __forceinline__ void paged_prefill_tc(const float* q, const u16* kc, const u16* vc,
                                                  const i32* tiles, const i32* tables,
                                                  int max_blocks, int lb, float* out, int H,
-                                                 int hkv, float scale, int window) {
+                                                 int hkv, float scale, int window,
+                                                 const float* sinks) {
     pdl_wait();
     const int4 t = ((const int4*)tiles)[blockIdx.x];
     const int kvh = blockIdx.y / (H / hkv);
     const PagedKeys keys{tables + (i64)t.z * max_blocks, kvh, hkv, lb, DH};
     const i64 first = (i64)t.x * H * DH;
     attn_fa_impl<DH>(q + first, kc, vc, keys, t.w, out + first, 0, t.y, H, 0x7fffffff, scale,
-                     window);
+                     window, sinks);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     paged_prefill_tc_64(const float* q, const u16* kc, const u16* vc, const i32* tiles,
                         const i32* tables, int max_blocks, int lb, float* out, int H, int hkv,
-                        float scale, int window) {
-    paged_prefill_tc<64>(q, kc, vc, tiles, tables, max_blocks, lb, out, H, hkv, scale, window);
+                        float scale, int window, const float* sinks) {
+    paged_prefill_tc<64>(q, kc, vc, tiles, tables, max_blocks, lb, out, H, hkv, scale, window,
+                          sinks);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     paged_prefill_tc_128(const float* q, const u16* kc, const u16* vc, const i32* tiles,
                          const i32* tables, int max_blocks, int lb, float* out, int H, int hkv,
-                         float scale, int window) {
-    paged_prefill_tc<128>(q, kc, vc, tiles, tables, max_blocks, lb, out, H, hkv, scale, window);
+                         float scale, int window, const float* sinks) {
+    paged_prefill_tc<128>(q, kc, vc, tiles, tables, max_blocks, lb, out, H, hkv, scale, window,
+                          sinks);
 }

@@ -113,6 +113,13 @@ __device__ __forceinline__ float gelu_tanh_f(float g) {
     return 0.5f * g * (1.0f + tanhf(k));
 }
 
+// GPT-OSS's clamped SwiGLU (the CPU reference `op::clamped_swiglu`): g = min(gate, limit),
+// u = clamp(up, -limit, limit), (u + 1) * (g / (1 + e^(-alpha g))).
+__device__ __forceinline__ float clamped_swiglu_f(float gate, float up, float alpha, float limit) {
+    const float g = fminf(gate, limit), u = fminf(fmaxf(up, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
 // D (16 x 8, f32) += A (16 x 16, f16, row-major) · B (16 x 8, f16, column-major): one warp, the
 // fragment layouts of the PTX ISA (a: 4 words, b: 2 words, c/d: 4 floats per lane).
 __device__ __forceinline__ void mma_16816(float* c, const u32* a, const u32* b) {

@@ -120,6 +120,17 @@ extern "C" __global__ void gelu_tanh_mul(const float* __restrict__ gate,
     out[i] = gelu_tanh_f(gate[i]) * up[i];
 }
 
+// GPT-OSS's clamped SwiGLU (`clamped_swiglu_f`, common.cuh).
+extern "C" __global__ void clamped_swiglu_mul(const float* __restrict__ gate,
+                                              const float* __restrict__ up,
+                                              float* __restrict__ out, i64 n, float alpha,
+                                              float limit) {
+    pdl_wait();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = clamped_swiglu_f(gate[i], up[i], alpha, limit);
+}
+
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, i64 n) {
     pdl_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -1,4 +1,5 @@
-// Linear / embedding kernels for the 32-element ggml formats and dense weights.
+// Linear / embedding kernels for the 32-element ggml formats (MXFP4 among them) and dense
+// weights.
 #include "linear.cuh"
 #include "matvec.cuh"
 #include "matvec_id.cuh"
@@ -12,6 +13,9 @@
 #endif
 #ifndef HF2Q_MV_MINB_Q8_0S
 #define HF2Q_MV_MINB_Q8_0S 8
+#endif
+#ifndef HF2Q_MV_MINB_MXFP4S
+#define HF2Q_MV_MINB_MXFP4S 0
 #endif
 #ifndef HF2Q_MV_MINB_F32
 #define HF2Q_MV_MINB_F32 0
@@ -33,6 +37,10 @@ HF2Q_LINEAR_KERNELS(f16, FF16)
 HF2Q_LINEAR_KERNELS(bf16, FBF16)
 HF2Q_LINEAR_KERNELS(q4_0s, FQ4_0S)
 HF2Q_LINEAR_KERNELS(q8_0s, FQ8_0S)
+HF2Q_LINEAR_KERNELS(mxfp4, FMXFP4)
+HF2Q_LINEAR_KERNELS(mxfp4s, FMXFP4S)
+HF2Q_MATVEC_FAST(mxfp4s, DMXFP4S, HF2Q_MV_MINB_MXFP4S)
+HF2Q_MATVEC_ID(mxfp4s, DMXFP4S, HF2Q_MV_MINB_MXFP4S)
 HF2Q_MATVEC_FAST(q4_0s, DQ4_0S, HF2Q_MV_MINB_Q4_0S)
 HF2Q_MATVEC_ID(q4_0s, DQ4_0S, HF2Q_MV_MINB_Q4_0S)
 HF2Q_MATVEC_FAST(q8_0s, DQ8_0S, HF2Q_MV_MINB_Q8_0S)

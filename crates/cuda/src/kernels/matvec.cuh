@@ -198,6 +198,40 @@ struct DQ8_0S : Quad {
     }
 };
 
+// Split MXFP4 ("mxfp4s"): split Q4_0's quants and lanes, the E8M0 scale byte at scales[blk].
+// A lane's sixteen codes as doubled E2M1 values (e2m1x4), dotted in two chains, times 2^(e - 128).
+struct DMXFP4S : NoAux {
+    static constexpr int N = 16, RPW = 2, GNR = 2;
+    static __device__ __forceinline__ void load_x(const float* __restrict__ x, int u, float* xr) {
+        DQ4_0S::load_x(x, u, xr);
+    }
+    struct WR {
+        uint2 q;
+        float d;
+    };
+    static __device__ __forceinline__ WR ldw(const WRef& w, int row, int u) {
+        const i64 blk = (i64)row * (w.cols >> 5) + (u >> 1);
+        return WR{ld_stream_u2((const uint2*)w.data + 2 * blk + (u & 1)),
+                  e8m0_half(((const u8*)w.scales)[blk])};
+    }
+    static __device__ __forceinline__ float dotw(const WR& a, int, const float* xr, XA) {
+        float s0 = 0.0f, s1 = 0.0f;
+        const u32 ws[2] = {a.q.x, a.q.y};
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            float lo[4], hi[4];
+            e2m1x4(ws[k] & 0x0F0F0F0Fu, lo);
+            e2m1x4((ws[k] >> 4) & 0x0F0F0F0Fu, hi);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s0 = fmaf(lo[j], xr[4 * k + j], s0);
+                s1 = fmaf(hi[j], xr[8 + 4 * k + j], s1);
+            }
+        }
+        return (s0 + s1) * a.d;
+    }
+};
+
 template <>
 struct SplitScales<DQ4_0S> {
     static constexpr bool V = true;

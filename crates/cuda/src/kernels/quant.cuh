@@ -206,6 +206,72 @@ struct RQ8_0S {
 typedef OffsetBytes<RQ8_0S, 128, 32> FQ8_0S;
 
 // ---------------------------------------------------------------------------------------------
+// MXFP4 (GPT-OSS's experts), ggml's block_mxfp4 { u8 e; u8 qs[16]; } (17 bytes): code q of
+// element i (Q4_0's nibble order) gives x = kv[q] * 2^(e - 128), kv the E2M1 values doubled as
+// integers {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ..., -12} (code 8, E2M1's -0, is +0), exactly as
+// the CPU decoder (`quant/mxfp4.rs`): the product of a small integer and a power of two is
+// exact, so the values are the CPU's bit for bit (subnormal scales included: NVRTC keeps
+// denormals unless asked for fast math).
+// ---------------------------------------------------------------------------------------------
+
+// 2^(e - 128) as f32, exactly (ggml's GGML_E8M0_TO_FP32_HALF): subnormal for e < 2.
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// The four codes in the bytes of w (each 0..15) as their doubled E2M1 values: the magnitudes
+// (0, 1, 2, 3, 4, 6, 8, 12) picked by one byte permute of the three low bits, then the sign of
+// bit 3 (a - MAGIC or MAGIC - a: zero stays +0).
+__device__ __forceinline__ void e2m1x4(u32 w, float* v) {
+    const u32 m = w & 0x07070707u, t = m | (m >> 4);
+    const u32 mags = __byte_perm(0x03020100u, 0x0C080604u, (t & 0xffu) | ((t >> 8) & 0xff00u));
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float a = byte_magic(mags, j);
+        v[j] = (w >> (8 * j + 3)) & 1u ? MAGIC - a : a - MAGIC;
+    }
+}
+
+// v[i] = kv(byte i of q0) * d, v[4 + i] likewise of q1 (bytes are codes 0..15).
+__device__ __forceinline__ void deq_e2m1x8(u32 q0, u32 q1, float d, float* v) {
+    e2m1x4(q0, v);
+    e2m1x4(q1, v + 4);
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = __fmul_rn(v[i], d);
+}
+
+struct FMXFP4 {  // { u8 e; u8 qs[16]; } as stored (byte reads: blocks are 17 bytes)
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const u8* b = rp + (g >> 2) * 17;
+        const int p = g & 3, sh = (p >> 1) * 4;
+        const u8* q = b + 1 + (p & 1) * 8;
+        u32 q0 = 0, q1 = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            q0 |= (u32)q[i] << (8 * i);
+            q1 |= (u32)q[4 + i] << (8 * i);
+        }
+        deq_e2m1x8((q0 >> sh) & 0x0F0F0F0Fu, (q1 >> sh) & 0x0F0F0F0Fu, e8m0_half(b[0]), v);
+    }
+};
+
+// The split layout made at upload ("mxfp4s", weight.rs `split_blocks` with a one-byte scale):
+// the 16 quant bytes of block blk = row * (cols / 32) + b at data + 16 blk (aligned as split
+// Q4_0's), the scale byte e at ((u8*)scales)[blk].
+struct FMXFP4S {
+    template <bool AL = true>
+    static __device__ __forceinline__ void deq8(const WRef& w, const u8* rp, int row, int g,
+                                                float* v) {
+        const int b = g >> 2, p = g & 3, sh = (p >> 1) * 4;
+        const float d = e8m0_half(((const u8*)w.scales)[(i64)row * (w.cols >> 5) + b]);
+        const uint2 q = *(const uint2*)(rp + 16 * b + (p & 1) * 8);
+        deq_e2m1x8((q.x >> sh) & 0x0F0F0F0Fu, (q.y >> sh) & 0x0F0F0F0Fu, d, v);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
 // k-quants, 256-element super-blocks; `kb` the super-block, `e0` the group's first element in it.
 // ---------------------------------------------------------------------------------------------
 

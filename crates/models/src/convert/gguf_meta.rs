@@ -474,7 +474,7 @@ fn llama_variant_metadata(c: &ModelConfig) -> Result<Meta> {
 /// original context, betas; the attention factor only where it is not YaRN's default). What
 /// llama.cpp fixes for the family (even layers sliding, SwiGLU limit 7) is checked, never
 /// silently changed; the ramp's truncation has no key (the loader restores GPT-OSS's own).
-fn gpt_oss_metadata(c: &ModelConfig) -> Result<Meta> {
+pub(crate) fn gpt_oss_metadata(c: &ModelConfig) -> Result<Meta> {
     let k = |s: &str| format!("{}.{s}", c.arch.name());
     let mut m: Meta = Vec::new();
     if c.sliding_window.is_some() && (0..c.n_layers).any(|i| c.sliding_layers[i] != (i % 2 == 0)) {

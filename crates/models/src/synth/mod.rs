@@ -1,6 +1,6 @@
 //! Random-weight models at real shapes: a GGUF file with the architecture metadata llama.cpp's
 //! converter writes for a known model (Llama 3.x, Qwen3, SmolLM2, the mixtures of experts
-//! Qwen3-30B-A3B and Mixtral-8x7B, or a tiny test shape), a real
+//! Qwen3-30B-A3B, Mixtral-8x7B and GPT-OSS-20B, or a tiny test shape), a real
 //! tokenizer copied from another file, and random weights. For speed and load tests of real sizes
 //! where the real weights cannot be had (or moved).
 //!
@@ -97,14 +97,51 @@ pub fn plan(
         ));
     }
     for l in 0..cfg.n_layers {
+        let gpt_oss = cfg.arch == Arch::GptOss;
         let mut layer: Vec<(&str, Vec<usize>, Fill)> = vec![
             ("attn_norm.weight", vec![d], Fill::Ones),
             ("attn_q.weight", vec![d, q], Fill::Random),
             ("attn_k.weight", vec![d, kv], Fill::Random),
             ("attn_v.weight", vec![d, kv], Fill::Random),
             ("attn_output.weight", vec![q, d], Fill::Random),
-            ("ffn_norm.weight", vec![d], Fill::Ones),
+            // GPT-OSS's pre-MLP norm under llama.cpp's name for it.
+            (
+                if gpt_oss {
+                    "post_attention_norm.weight"
+                } else {
+                    "ffn_norm.weight"
+                },
+                vec![d],
+                Fill::Ones,
+            ),
         ];
+        if gpt_oss {
+            // q/k/v/o biases, per-head sinks, the router's and the experts' biases
+            // (`[F, E]`, `[D, E]`), all F32 under every type.
+            let m = cfg
+                .moe
+                .as_ref()
+                .ok_or_else(|| Error::Msg("a GPT-OSS shape without experts".into()))?;
+            layer.extend([
+                ("attn_q.bias", vec![q], Fill::Random),
+                ("attn_k.bias", vec![kv], Fill::Random),
+                ("attn_v.bias", vec![kv], Fill::Random),
+                ("attn_output.bias", vec![d], Fill::Random),
+                ("attn_sinks.weight", vec![cfg.n_heads], Fill::Random),
+                ("ffn_gate_inp.bias", vec![m.n_experts], Fill::Random),
+                (
+                    "ffn_gate_exps.bias",
+                    vec![m.expert_width, m.n_experts],
+                    Fill::Random,
+                ),
+                (
+                    "ffn_up_exps.bias",
+                    vec![m.expert_width, m.n_experts],
+                    Fill::Random,
+                ),
+                ("ffn_down_exps.bias", vec![d, m.n_experts], Fill::Random),
+            ]);
+        }
         match cfg.moe.as_ref().filter(|m| m.layers[l]) {
             // llama.cpp's shapes: gate/up (D, F_e, E), down (F_e, D, E), router (D, E).
             Some(m) => layer.extend([
@@ -337,7 +374,7 @@ impl SynthReport {
 }
 
 /// llama.cpp's converter metadata for `cfg` (everything but the tokenizer).
-fn model_metadata(shape: &SynthShape, cfg: &ModelConfig) -> Meta {
+fn model_metadata(shape: &SynthShape, cfg: &ModelConfig) -> Result<Meta> {
     let a = cfg.arch.name();
     let k = |s: &str| format!("{a}.{s}");
     let u = |x: usize| GgufValue::U32(x as u32);
@@ -366,8 +403,14 @@ fn model_metadata(shape: &SynthShape, cfg: &ModelConfig) -> Meta {
         m.push((k("vocab_size"), u(cfg.vocab_size)));
         m.push((k("rope.dimension_count"), u(cfg.head_dim)));
     }
+    if cfg.arch == Arch::GptOss {
+        if let Some(w) = cfg.sliding_window {
+            m.push((k("attention.sliding_window"), u(w)));
+        }
+        m.extend(gguf_meta::gpt_oss_metadata(cfg)?);
+    }
     m.extend(gguf_meta::moe_metadata(cfg));
-    m
+    Ok(m)
 }
 
 /// Writes a random-weight model to `out` (atomically). The tokenizer is padded to the shape's
@@ -384,7 +427,7 @@ pub fn synthesize(opts: &SynthOptions, out: &Path, progress: &dyn Progress) -> R
     let rope_freqs = cfg.llama3_freq_factors();
 
     let mut w = GgufWriter::new();
-    for (k, v) in model_metadata(&opts.shape, &cfg) {
+    for (k, v) in model_metadata(&opts.shape, &cfg)? {
         w.add_metadata(k, v)?;
     }
     for (k, v) in tokenizer {
@@ -577,16 +620,67 @@ mod tests {
         let total: u64 = t.iter().map(SynthTensor::numel).sum();
         assert_eq!(total, 46_702_792_704);
         // The metadata llama.cpp's loader reads.
-        let meta = model_metadata(&s, &cfg);
+        let meta = model_metadata(&s, &cfg).unwrap();
         let has = |k: &str, v: u32| meta.iter().any(|(a, b)| a == k && *b == GgufValue::U32(v));
         assert!(has("llama.expert_count", 8) && has("llama.expert_used_count", 2));
         assert!(has("llama.feed_forward_length", 14336));
         let s = SynthShape::by_name("qwen3-30b-a3b").unwrap();
-        let meta = model_metadata(&s, &s.config(151936).unwrap());
+        let meta = model_metadata(&s, &s.config(151936).unwrap()).unwrap();
         let has = |k: &str, v: u32| meta.iter().any(|(a, b)| a == k && *b == GgufValue::U32(v));
         assert!(has("qwen3moe.expert_count", 128) && has("qwen3moe.expert_used_count", 8));
         assert!(has("qwen3moe.expert_feed_forward_length", 768));
         assert!(has("qwen3moe.feed_forward_length", 6144));
+    }
+
+    /// gpt-oss-20b at llama.cpp's MXFP4_MOE: its published 20.9B parameters, MXFP4 experts,
+    /// Q8_0 attention, F32 biases, sinks and router, the family's tensors and keys; the plan
+    /// loads back as the model's config (even layers sliding at 128, YaRN 32 over 4096).
+    #[test]
+    fn gpt_oss_shape_plans_the_family_tensors() {
+        let s = SynthShape::by_name("gpt-oss-20b").unwrap();
+        let cfg = s.config(201088).unwrap();
+        assert_eq!(cfg.arch, Arch::GptOss);
+        assert!(cfg.attention_bias && cfg.attention_sinks);
+        assert_eq!(cfg.sliding_window, Some(128));
+        assert!((0..24).all(|i| cfg.sliding_layers[i] == (i % 2 == 0)));
+        let y = cfg.yarn.as_ref().unwrap();
+        assert_eq!((y.factor, y.original_max_position), (32.0, 4096.0));
+        let m = cfg.moe.as_ref().unwrap();
+        assert_eq!((m.n_experts, m.n_used, m.expert_width), (32, 4, 2880));
+        assert_eq!(m.clamped_swiglu, Some(7.0));
+        let recipe = GgufRecipe {
+            preset: Preset::MXFP4_MOE,
+            pure: false,
+        };
+        let (t, _) = plan(&cfg, recipe).unwrap();
+        let get = |n: &str| t.iter().find(|x| x.name == n).unwrap();
+        assert_eq!(get("blk.0.ffn_gate_exps.weight").ty, GgmlType::MXFP4);
+        assert_eq!(get("blk.23.ffn_down_exps.weight").dims, [2880, 2880, 32]);
+        assert_eq!(get("blk.23.ffn_down_exps.weight").ty, GgmlType::MXFP4);
+        assert_eq!(get("blk.0.attn_q.weight").ty, GgmlType::Q8_0);
+        for n in [
+            "blk.0.attn_sinks.weight",
+            "blk.0.attn_q.bias",
+            "blk.0.ffn_gate_inp.weight",
+            "blk.0.ffn_gate_inp.bias",
+            "blk.0.ffn_down_exps.bias",
+            "blk.0.post_attention_norm.weight",
+        ] {
+            assert_eq!(get(n).ty, GgmlType::F32, "{n}");
+        }
+        assert_eq!(get("blk.0.ffn_up_exps.bias").dims, [2880, 32]);
+        assert!(!t.iter().any(|x| x.name == "blk.0.ffn_norm.weight"));
+        let total: u64 = t.iter().map(SynthTensor::numel).sum();
+        assert!((20.8e9..21.0e9).contains(&(total as f64)), "{total}");
+        let meta = model_metadata(&s, &cfg).unwrap();
+        let has = |k: &str, v: GgufValue| meta.iter().any(|(a, b)| a == k && *b == v);
+        assert!(has("gpt-oss.attention.sliding_window", GgufValue::U32(128)));
+        assert!(has(
+            "gpt-oss.expert_feed_forward_length",
+            GgufValue::U32(2880)
+        ));
+        assert!(has("gpt-oss.rope.scaling.type", "yarn".into()));
+        assert!(has("gpt-oss.rope.scaling.factor", GgufValue::F32(32.0)));
     }
 
     #[test]

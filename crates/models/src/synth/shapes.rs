@@ -161,6 +161,31 @@ pub const SHAPES: &[SynthShape] = &[
             renormalize: true,
         }),
     },
+    // openai/gpt-oss-20b: 32 experts of width 2880, 4 per token, every layer routed; 64 query
+    // and 8 kv heads of 64; even layers a 128-key window; YaRN 32 over 4096 positions (the
+    // rest of GPT-OSS's settings, fixed for the family, in `SynthShape::config`).
+    SynthShape {
+        name: "gpt-oss-20b",
+        arch: Arch::GptOss,
+        vocab_size: Some(201088),
+        hidden_size: 2880,
+        intermediate_size: 2880,
+        n_layers: 24,
+        n_heads: 64,
+        n_kv_heads: 8,
+        head_dim: 64,
+        context_length: 131072,
+        rope_theta: 150000.0,
+        rms_eps: 1e-5,
+        tie_embeddings: false,
+        llama3_rope: None,
+        moe: Some(SynthMoe {
+            n_experts: 32,
+            n_used: 4,
+            expert_width: 2880,
+            renormalize: true,
+        }),
+    },
     // mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336, 2 per token.
     SynthShape {
         name: "mixtral-8x7b",
@@ -263,6 +288,29 @@ pub const SHAPES: &[SynthShape] = &[
             renormalize: true,
         }),
     },
+    // GPT-OSS's block at the test width: 8 experts of 256, 2 per token.
+    SynthShape {
+        name: "tiny-gpt-oss",
+        arch: Arch::GptOss,
+        vocab_size: None,
+        hidden_size: 256,
+        intermediate_size: 256,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        context_length: 512,
+        rope_theta: 150000.0,
+        rms_eps: 1e-5,
+        tie_embeddings: false,
+        llama3_rope: None,
+        moe: Some(SynthMoe {
+            n_experts: 8,
+            n_used: 2,
+            expert_width: 256,
+            renormalize: true,
+        }),
+    },
     // Eight experts, as Mixtral: llama.cpp's 8-expert rules apply.
     SynthShape {
         name: "tiny-mixtral",
@@ -308,6 +356,7 @@ impl SynthShape {
             (Arch::Llama, Some(_)) => "mixtral",
             (Arch::Qwen3, None) => "qwen3",
             (Arch::Qwen3Moe, Some(_)) => "qwen3_moe",
+            (Arch::GptOss, Some(_)) => "gpt_oss",
             _ => {
                 return Err(Error::Msg(format!(
                     "synthetic models of architecture {}{} are not supported",
@@ -336,7 +385,32 @@ impl SynthShape {
         });
         if let Some(m) = self.moe {
             v["num_experts_per_tok"] = json!(m.n_used);
-            if self.arch == Arch::Qwen3Moe {
+            if self.arch == Arch::GptOss {
+                // gpt-oss-20b's config.json: the expert width is intermediate_size; biases,
+                // sinks, the clamped SwiGLU at 7; even layers a 128-key window; YaRN 32 over
+                // the context / 32 (4096 of 131072).
+                v["num_local_experts"] = json!(m.n_experts);
+                v["intermediate_size"] = json!(m.expert_width);
+                v["attention_bias"] = json!(true);
+                v["swiglu_limit"] = json!(7.0);
+                v["sliding_window"] = json!(128);
+                v["layer_types"] = json!((0..self.n_layers)
+                    .map(|i| if i % 2 == 0 {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    })
+                    .collect::<Vec<_>>());
+                v["rope_parameters"] = json!({
+                    "rope_type": "yarn",
+                    "rope_theta": self.rope_theta,
+                    "factor": 32.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": false,
+                    "original_max_position_embeddings": self.context_length / 32,
+                });
+            } else if self.arch == Arch::Qwen3Moe {
                 v["num_experts"] = json!(m.n_experts);
                 v["moe_intermediate_size"] = json!(m.expert_width);
                 v["norm_topk_prob"] = json!(m.renormalize);
