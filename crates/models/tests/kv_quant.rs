@@ -26,7 +26,8 @@
 //!   (`q8_0_kv_gate_qwen25`); Gemma 3 and the 8-bit affine layout are held to bounds from
 //!   measurement, and why (their keys) is stated and tested in `q8_0_kv_bound_gemma3`.
 //! - Held-out greedy text on SmolLM2 with the q8_0 cache against the f16 cache
-//!   (`q8_0_kv_greedy_text_smollm2`: 4/8 prompts equal, short of the 6/8).
+//!   (`q8_0_kv_greedy_text_smollm2`: 5/8 prompts equal with centred keys, 4/8 without; short
+//!   of the 6/8).
 
 mod common;
 
@@ -345,11 +346,11 @@ fn low_bit_kv_bound_smollm2() {
     if let Some((mut model, ids)) = smollm2() {
         #[rustfmt::skip]
         let limits = [
-            (65, 0.3),  // q4_0: 74/74, KL 0.19/0.18
-            (80, 0.15), // q4_1: 88/90, KL 0.084/0.086
-            (85, 6e-2), // q5_0: 96/92, KL 0.035/0.034
-            (88, 3e-2), // q5_1: 97/95, KL 0.016/0.017
-            (90, 1.5e-2), // q8_0 / q4_0: 96/97, KL 8.4e-3/8.5e-3
+            (65, 0.3),  // q4_0: 94/94, KL 0.024/0.024 (uncentred keys 74/74, 0.19/0.18)
+            (80, 0.15), // q4_1: 94/93, KL 0.015/0.016 (88/90, 0.084/0.086)
+            (85, 6e-2), // q5_0: 95/95, KL 6.2e-3/5.7e-3 (96/92, 0.035/0.034)
+            (88, 3e-2), // q5_1: 96/97, KL 4.2e-3/3.7e-3 (97/95, 0.016/0.017)
+            (90, 1.5e-2), // q8_0 / q4_0: 98/97, KL 8.3e-3/8.3e-3 (96/97, 8.4e-3/8.5e-3)
         ];
         let f16 = f16_logits(&mut model, &ids);
         low_bit_bounds("smollm2", &mut model, &ids, &f16, limits);
@@ -409,10 +410,11 @@ fn smollm2() -> Option<(Model, Vec<u32>)> {
 /// mlx-lm's affine KV cache on real SmolLM2 (head width 64) in groups of 64, against the f16
 /// cache, prefill and decode on the fast path (the golden text's ids).
 ///
-/// 8 bits is held to q8_0's gate (argmax >= 98/100, mean KL <= 1e-3; measured 98/98, KL
-/// 4.4e-4/4.1e-4 prefill/decode, against q8_0's 99/100 and 4.7e-4: an 8-bit grid over 64
-/// values with its own offset is about as fine as Q8_0's over 32 around zero). 4 bits: a bound
-/// from measurement (prefill/decode: argmax 83/79, mean KL 0.19/0.18) with a margin for the
+/// 8 bits is held to q8_0's gate (argmax >= 98/100, mean KL <= 1e-3; measured with centred
+/// keys 100/100, KL 1.1e-4/1.2e-4 prefill/decode, uncentred 98/98 and 4.4e-4, against q8_0's
+/// 100/100 and 9.6e-5: an 8-bit grid over 64 values with its own offset is about as fine as
+/// Q8_0's over 32 around zero). 4 bits: a bound from measurement (prefill/decode: argmax 91/92,
+/// mean KL 4.9e-2/4.5e-2; uncentred 83/79 and 0.19/0.18) with a margin for the
 /// fast path's batch-dependent last bits, which a quantized cache turns into whole-step
 /// differences (`gate`): argmax >= 70, KL <= 0.3, where Q4_0 lands (`low_bit_kv_bound_
 /// smollm2`). It is further from f16 than Q4_1 (4 bits with an offset too, KL 0.084) because a
@@ -452,14 +454,14 @@ fn affine_bounds(name: &str, model: &mut Model, ids: &[u32], a8: (usize, f64), a
 /// logits of one text, not greedy continuations, so this compares against hf2q's own caches
 /// (the f32 one is held to transformers' logits by `parity.rs`).
 ///
-/// Measured: the f16 cache's text equals the f32 cache's on 8/8 prompts; q8_0's equals f16's on
-/// 4/8 only, short of the 6/8: it leaves f16's text at tokens 3, 5, 21 and 25 of the
-/// other four, each time at a near-tie of two natural continuations ("wizard" / "woman",
-/// "# Test the function" / "print(", a sentence or a new paragraph) after which the texts go
-/// their own ways, as greedy decoding does. The bounds are therefore the measurements less one
-/// prompt each (another vector unit rounds the fast path's sums differently, which can tip one
-/// near-tie): f16 >= 7/8, q8_0 >= 3/8; the q8_0 one states what this model does, not the
-/// issue's target.
+/// Measured: the f16 cache's text equals the f32 cache's on 8/8 prompts; q8_0's (centred keys)
+/// equals f16's on 5/8 (4/8 with uncentred keys), short of the 6/8: it leaves f16's
+/// text at tokens 5, 21 and 29 of the other three, each time at a near-tie of two natural
+/// continuations ("wizard" / "woman", a sentence or a new paragraph, "is: 5" / "is 5") after
+/// which the texts go their own ways, as greedy decoding does. The bounds are therefore the
+/// measurements less one prompt each (another vector unit rounds the fast path's sums
+/// differently, which can tip one near-tie): f16 >= 7/8, q8_0 >= 4/8; the q8_0 one states what
+/// this model does, not the target.
 #[test]
 fn q8_0_kv_greedy_text_smollm2() {
     let Some((mut model, _)) = smollm2() else {
@@ -516,7 +518,7 @@ fn q8_0_kv_greedy_text_smollm2() {
     let s16 = same(&f32, &f16, "f16 cache against f32");
     let s8 = same(&f16, &q8, "q8_0 cache against f16");
     assert!(s16 >= 7, "f16 against f32: {s16}/8");
-    assert!(s8 >= 3, "q8_0 against f16: {s8}/8");
+    assert!(s8 >= 4, "q8_0 against f16: {s8}/8");
 }
 
 /// Gemma 3 270M (`HF2Q_TEST_GEMMA3_GGUF`; 1 kv head of 256) and its golden text's 264 ids.
@@ -557,8 +559,8 @@ fn q8_0_bound(name: &str, model: &mut Model, ids: &[u32], q8: (usize, f64)) {
 /// Qwen2.5 then meets the gate ([`q8_0_kv_gate_qwen25`]). Gemma 3's outlier pair is rotated by
 /// its rotary frequency (about 0.0045 rad per position in the sliding layers), so a centre
 /// fixed by the first positions leaves more of it the further a key is from them: centring
-/// halves its distance to f16 but not below the gate (prefill 98/100 and KL 2.2e-3, decode
-/// below). This test states that with a bound: the measurements with a margin (about 2x the
+/// halves its distance to f16 but not below the gate (measured prefill / decode: argmax
+/// 98/100, mean KL 2.2e-3/2.1e-3). This test states that with a bound: the measurements with a margin (about 2x the
 /// KL, argmax 3 below), for the fast path's batch-dependent last bits that a block cache turns
 /// into whole steps (`gate`); f16 keys with q8_0 values are held to the gate.
 #[test]
@@ -569,7 +571,8 @@ fn q8_0_kv_bound_gemma3() {
 }
 
 /// The gate on Qwen2.5 with centred keys ([`q8_0_kv_bound_gemma3`] says why it needs
-/// them): measured below.
+/// them): measured (prefill / decode) argmax 99/99, mean KL 8.1e-4/7.5e-4; its own prefill
+/// against decode 100/100 and 6.3e-5.
 #[test]
 fn q8_0_kv_gate_qwen25() {
     if let Some((mut model, ids)) = qwen25() {
@@ -577,63 +580,68 @@ fn q8_0_kv_gate_qwen25() {
     }
 }
 
-/// mlx-lm's 8-bit affine groups of 64 with centred keys on Gemma 3 and Qwen2.5: uncentred they
-/// sat further from f16 than q8_0 (one scale per 64 values, a whole head of Qwen2.5, lets the
-/// few large key channels set the step of twice as many others: Gemma 3 92/100 and KL 1.05e-2,
-/// Qwen2.5 86/100 and 0.23, prefill). Centred, measured (prefill / decode): Gemma 3 8 bits
-/// 95/?, KL 3.8e-3/?; 4 bits ?. Bounds: those with a margin (as q8_0's).
+/// mlx-lm's 8-bit affine groups of 64 with centred keys on Gemma 3: uncentred they sat further
+/// from f16 than q8_0 (one scale per 64 values lets the few large key channels set the step of
+/// twice as many others: 92/100 and KL 1.05e-2 prefill), centred closer but not within the
+/// gate, as q8_0 ([`q8_0_kv_bound_gemma3`]). Measured (prefill / decode): 8 bits 95/94, KL
+/// 3.8e-3/3.4e-3; 4 bits 50/45, KL 0.49/0.55. Bounds: those with a margin (as q8_0's).
 #[test]
 fn affine_kv_bound_gemma3() {
     if let Some((mut model, ids)) = gemma3() {
-        affine_bounds("gemma3", &mut model, &ids, (90, 1e-2), (25, 1.0));
+        affine_bounds("gemma3", &mut model, &ids, (90, 8e-3), (30, 1.0));
     }
 }
 
-/// [`affine_kv_bound_gemma3`] on Qwen2.5, measured (prefill / decode): 8 bits 98/?, KL 8.0e-4/?;
-/// 4 bits ?.
+/// mlx-lm's affine groups of 64 on Qwen2.5 with centred keys: 8 bits meets the gate
+/// (argmax >= 98/100, mean KL <= 1e-3; measured prefill / decode 98/99, KL 8.0e-4/8.7e-4, where
+/// uncentred keys gave 86/86 and 0.23: a group is a whole head of 64, so the k projection's
+/// bias set every key's step). 4 bits: a bound from measurement (87/88, KL 4.0e-2/4.1e-2;
+/// uncentred 62/63 and 0.61) with a margin as q8_0's.
 #[test]
-fn affine_kv_bound_qwen25() {
+fn affine_kv_gate_qwen25() {
     if let Some((mut model, ids)) = qwen25() {
-        affine_bounds("qwen25", &mut model, &ids, (90, 5e-3), (50, 1.0));
+        affine_bounds("qwen25", &mut model, &ids, (98, 1e-3), (80, 0.1));
     }
 }
 
 /// The 4- and 5-bit types on Gemma 3 against the f16 cache, prefill ([`f16_prefill_logits`]).
 /// Bounds set from measurement (each row's comment) with a margin as q8_0's
 /// ([`q8_0_kv_bound_gemma3`], whose keys are why these types move this model far: q8_0 keys
-/// with q4_0 values stay 8x closer than q4_0 for both); they state how far each type moves
-/// this model, not a quality promise.
+/// with q4_0 values stay 7x closer than q4_0 for both); they state how far each type moves
+/// this model, not a quality promise. Measured with centred keys (uncentred in parentheses):
+/// centring changes these types little here (its rotated outlier pair).
 #[test]
 fn low_bit_kv_bound_gemma3() {
     if let Some((mut model, ids)) = gemma3() {
         #[rustfmt::skip]
         let limits = [
-            (40, 0.6),  // q4_0: 53, KL 0.36
-            (45, 0.6),  // q4_1: 59, KL 0.35
-            (55, 0.3),  // q5_0: 67, KL 0.16
-            (70, 0.15), // q5_1: 83, KL 0.077
-            (72, 0.1),  // q8_0 / q4_0: 84, KL 0.047
+            (40, 0.6),  // q4_0: 61, KL 0.41 (uncentred keys 53, 0.36)
+            (45, 0.6),  // q4_1: 56, KL 0.27 (59, 0.35)
+            (55, 0.3),  // q5_0: 73, KL 0.12 (67, 0.16)
+            (70, 0.15), // q5_1: 75, KL 0.084 (83, 0.077)
+            (72, 0.1),  // q8_0 / q4_0: 85, KL 0.063 (84, 0.047)
         ];
         let f16 = f16_prefill_logits(&mut model, &ids);
         low_bit_bounds("gemma3", &mut model, &ids, &f16, limits);
     }
 }
 
-/// [`low_bit_kv_bound_gemma3`] for Qwen2.5. Its layer 0 keys (`q8_0_kv_bound_gemma3`) make
-/// every 4- and 5-bit key type move it far, not in order of their precision: q5_1's blocks
-/// are the closest to its keys of the four (relative error 5.3e-2 in layer 0, against q5_0's
-/// 6.3e-2, q4_1's 9.6e-2 and q4_0's 0.13), yet its logits are the furthest measured here; q8_0
-/// keys with q4_0 values stay near q8_0 (KL 2.2e-2 against 1.7e-2).
+/// [`low_bit_kv_bound_gemma3`] for Qwen2.5. Its layer 0 keys (`q8_0_kv_bound_gemma3`) made
+/// every 4- and 5-bit key type move it far when stored uncentred (each row's parentheses);
+/// centred, q4_0, q4_1 and q5_0 come within KL 0.1, but q5_1 stays far (0.63), not in order of
+/// precision: uncentred, q5_1's blocks were the closest to its layer 0 keys of the four
+/// (relative error 5.3e-2, against q5_0's 6.3e-2, q4_1's 9.6e-2 and q4_0's 0.13), yet its
+/// logits the furthest (not explained yet). The bounds are the uncentred ones, still met.
 #[test]
 fn low_bit_kv_bound_qwen25() {
     if let Some((mut model, ids)) = qwen25() {
         #[rustfmt::skip]
         let limits = [
-            (45, 1.5),  // q4_0: 57, KL 0.90
-            (58, 1.2),  // q4_1: 71, KL 0.72
-            (60, 0.6),  // q5_0: 74, KL 0.35
-            (48, 1.5),  // q5_1: 60, KL 0.97
-            (88, 4e-2), // q8_0 / q4_0: 94, KL 2.2e-2
+            (45, 1.5),  // q4_0: 89, KL 0.024 (uncentred keys 57, 0.90)
+            (58, 1.2),  // q4_1: 87, KL 0.095 (71, 0.72)
+            (60, 0.6),  // q5_0: 96, KL 0.015 (74, 0.35)
+            (48, 1.5),  // q5_1: 80, KL 0.63 (60, 0.97)
+            (88, 4e-2), // q8_0 / q4_0: 92, KL 8.9e-3 (94, 2.2e-2)
         ];
         let f16 = f16_prefill_logits(&mut model, &ids);
         low_bit_bounds("qwen25", &mut model, &ids, &f16, limits);
