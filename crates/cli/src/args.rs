@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use hf2q_models::chat_template::{self, ChatMessage};
 use hf2q_models::generate::GenerateParams;
 use hf2q_models::generation::GenerationDefaults;
-use hf2q_models::kv_cache::{AffineKv, KvType, KvTypes};
+use hf2q_models::kv_cache::{AffineKv, KeyCentering, KvType, KvTypes};
 use hf2q_models::sampler::SamplerConfig;
 use hf2q_models::Model;
 
@@ -103,6 +103,12 @@ pub struct KvArgs {
     /// a multiple of it.
     #[arg(long, value_enum, value_name = "N", default_value_t = KvGroupChoice::G64, requires = "kv_bits")]
     pub kv_group_size: KvGroupChoice,
+    /// Quantized keys (a block type or --kv-bits): this many first positions of a sequence are
+    /// kept in f16 and every later key is stored less their mean, which attention adds back
+    /// (key centring: a few large key channels no longer set every block's scale). 0 stores
+    /// keys as written. f16 and f32 keys are never centred.
+    #[arg(long, value_name = "N", default_value_t = KeyCentering::DEFAULT.sinks)]
+    pub kv_key_sinks: usize,
 }
 
 impl KvArgs {
@@ -142,6 +148,9 @@ impl KvArgs {
                 model.kv_type()
             }
         };
+        model.set_kv_key_centering(KeyCentering {
+            sinks: self.kv_key_sinks,
+        });
         model.check_kv_type()?;
         Ok(device_types)
     }

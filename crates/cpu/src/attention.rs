@@ -654,14 +654,35 @@ pub(crate) fn attention_on<K: KvRead, V: KvRead>(
             let off = buf.as_ptr().align_offset(64).min(16);
             let kt = &mut buf[off..off + dh * s_all];
             let mut row = vec![0f32; dh];
-            for j in 0..total {
+            // Centred keys (`KeyCentre`): a sink position's f16 row, a later one's plane row
+            // plus the head's centre (so its scores are `q · dq + q · c` within f32 rounding).
+            let sinks = cache.centre.map_or(0, |c| c.sinks).min(total);
+            if let Some(c) = &cache.centre {
+                for j in 0..sinks {
+                    let krow = as_f32(isa, c.sink_row(g, j, dh), &mut row);
+                    for (d, &kv) in krow.iter().enumerate() {
+                        kt[d * s_all + j] = kv;
+                    }
+                }
+            }
+            let centre = cache.centre.map(|c| c.centre(g, dh));
+            for j in sinks..total {
                 let krow = as_f32(
                     isa,
                     &cache.k[kbase + j * rk..kbase + (j + 1) * rk],
                     &mut row,
                 );
-                for (d, &kv) in krow.iter().enumerate() {
-                    kt[d * s_all + j] = kv;
+                match centre {
+                    Some(c) => {
+                        for (d, (&kv, &cd)) in krow.iter().zip(c).enumerate() {
+                            kt[d * s_all + j] = kv + cd;
+                        }
+                    }
+                    None => {
+                        for (d, &kv) in krow.iter().enumerate() {
+                            kt[d * s_all + j] = kv;
+                        }
+                    }
                 }
             }
             (buf, off)
@@ -1779,6 +1800,7 @@ mod tests {
                     k: &k,
                     v: &v,
                     capacity: cap,
+                    centre: None,
                 };
                 // One pool thread, so that the switch (a thread-local) reaches every tile.
                 let pool = rayon::ThreadPoolBuilder::new()
@@ -1949,11 +1971,13 @@ mod tests {
                             k: &kh,
                             v: &vh,
                             capacity: cap,
+                            centre: None,
                         };
                         let c32 = LayerCache {
                             k: &k,
                             v: &v,
                             capacity: cap,
+                            centre: None,
                         };
                         all_forms_agree(&isas, &q, &c16, pos0, &p, &format!("f16 {what}"));
                         all_forms_agree(&isas, &q, &c32, pos0, &p, &format!("f32 {what}"));

@@ -14,6 +14,11 @@
 //! `m_c` (and the head's sink logit, if any). One thread (or a short context) runs one part per
 //! kv head, in order.
 //!
+//! Centred keys (`KeyCentre`: a quantized key plane whose first positions are f16 rows of their
+//! own and whose later rows hold `k - c`): a kv head's sink positions are one part of their own
+//! over the f16 rows, and every other part adds each row's `q · c` to its scores before the
+//! scale, so the parts merge as any others.
+//!
 //! The grouped kernels for 8-bit blocks (ggml's Q8_0, mlx-lm's 8-bit affine groups) are in
 //! [`x512`] (AVX-512: each key's integers widened once, the `G` rows' 16-lane sums kept apart
 //! and reduced sixteen keys at a time by a transposing tree instead of one horizontal sum per
@@ -29,6 +34,7 @@ use super::attention::{exp_fast, sum16, KvRead, PORTABLE};
 use super::attention::{AVX2, AVX512};
 use super::kernels::Isa;
 use hf2q_tensor::op::{AttentionParams, LayerCache};
+use hf2q_tensor::weight::dot;
 use hf2q_tensor::{Result, Tensor};
 
 /// Fewest keys in a part when a kv head's keys are split over threads.
@@ -73,21 +79,51 @@ pub(crate) fn decode<K: KvRead, V: KvRead>(
         1
     };
     let len = n.div_ceil(parts).max(1);
-    let per_head = n.div_ceil(len);
-    let items: Vec<(usize, usize)> = (0..hkv)
-        .flat_map(|g| (0..per_head).map(move |c| (g, c * len)))
-        .collect();
-    let run = |&(g, a): &(usize, usize), s: &mut Vec<f32>| {
-        let b = (a + len).min(n);
-        let (kb, vb) = (g * cache.capacity * rk, g * cache.capacity * rv);
-        let keys = &cache.k[kb + (lo + a) * rk..kb + (lo + b) * rk];
-        let vals = &cache.v[vb + (lo + a) * rv..vb + (lo + b) * rv];
+    // Centred keys (`KeyCentre`): a kv head's sink positions are one part of their own (f16
+    // keys), the rest parts of the plane's rows whose scores get `q · c` added.
+    let sinks = cache.centre.map_or(0, |c| c.sinks);
+    // Items `(kv head, first position, end)`, a head's in order; `heads[g]..heads[g + 1]` are
+    // head g's.
+    let mut items: Vec<(usize, usize, usize)> = Vec::new();
+    let mut heads = vec![0usize];
+    for g in 0..hkv {
+        let mut a = lo;
+        if sinks > lo {
+            let b = sinks.min(pos0 + 1);
+            items.push((g, a, b));
+            a = b;
+        }
+        while a <= pos0 {
+            let b = (a + len).min(pos0 + 1);
+            items.push((g, a, b));
+            a = b;
+        }
+        heads.push(items.len());
+    }
+    let run = |&(g, a, b): &(usize, usize, usize), s: &mut Vec<f32>| {
+        let vb = g * cache.capacity * rv;
+        let vals = &cache.v[vb + a * rv..vb + b * rv];
         let qg = &q.data()[g * group * dh..(g + 1) * group * dh];
         let mut part = Part {
             ml: vec![(0.0, 0.0); group],
             acc: vec![0f32; group * dh],
         };
-        part_on(isa, qg, keys, vals, p.scale, s, &mut part.acc, &mut part.ml);
+        let (acc, ml) = (&mut part.acc[..], &mut part.ml[..]);
+        match &cache.centre {
+            Some(c) if a < sinks => {
+                let keys = &c.sink[(g * sinks + a) * dh..(g * sinks + b) * dh];
+                part_on(isa, qg, keys, vals, (p.scale, None), s, acc, ml);
+            }
+            centre => {
+                let kb = g * cache.capacity * rk;
+                let keys = &cache.k[kb + a * rk..kb + b * rk];
+                let qc: Option<Vec<f32>> = centre.map(|c| {
+                    let cg = c.centre(g, dh);
+                    qg.chunks_exact(dh).map(|qr| dot(qr, cg)).collect()
+                });
+                part_on(isa, qg, keys, vals, (p.scale, qc.as_deref()), s, acc, ml);
+            }
+        }
         part
     };
     let done: Vec<Part> = if parallel && items.len() > 1 {
@@ -104,7 +140,7 @@ pub(crate) fn decode<K: KvRead, V: KvRead>(
     let mut out = vec![0f32; h * dh];
     for (hi, o) in out.chunks_exact_mut(dh).enumerate() {
         let (g, r) = (hi / group, hi % group);
-        let mine = done[g * per_head..(g + 1) * per_head]
+        let mine = done[heads[g]..heads[g + 1]]
             .iter()
             .map(|pt| (pt.ml[r], &pt.acc[r * dh..(r + 1) * dh]));
         combine(mine, p.sink(hi), o);
@@ -158,7 +194,7 @@ pub(crate) fn decode_head_on<K: KvRead, V: KvRead>(
     let mut ml = [(f32::NEG_INFINITY, 0.0)];
     let mut acc = vec![0f32; o.len()];
     if !k.is_empty() {
-        part_on(isa, q, k, v, sm.0, s, &mut acc, &mut ml);
+        part_on(isa, q, k, v, (sm.0, None), s, &mut acc, &mut ml);
     }
     let parts = (!k.is_empty()).then_some((ml[0], &acc[..]));
     combine(parts.into_iter(), sm.1, o);
@@ -171,7 +207,7 @@ fn part_on<K: KvRead, V: KvRead>(
     q: &[f32],
     k: &[K],
     v: &[V],
-    scale: f32,
+    scale: (f32, Option<&[f32]>),
     s: &mut Vec<f32>,
     acc: &mut [f32],
     ml: &mut [(f32, f32)],
@@ -184,7 +220,7 @@ fn part_on<K: KvRead, V: KvRead>(
             q: &[f32],
             k: &[K],
             v: &[V],
-            scale: f32,
+            scale: (f32, Option<&[f32]>),
             s: &mut Vec<f32>,
             acc: &mut [f32],
             ml: &mut [(f32, f32)],
@@ -197,7 +233,7 @@ fn part_on<K: KvRead, V: KvRead>(
             q: &[f32],
             k: &[K],
             v: &[V],
-            scale: f32,
+            scale: (f32, Option<&[f32]>),
             s: &mut Vec<f32>,
             acc: &mut [f32],
             ml: &mut [(f32, f32)],
@@ -219,7 +255,8 @@ fn part_on<K: KvRead, V: KvRead>(
 }
 
 /// One part (module header): `q (G, Dh)` over `n >= 1` key and value rows `k`, `v` ->
-/// `acc (G, Dh)` unnormalised and `ml[r] = (m_r, l_r)`. `L`: the vector unit the caller was
+/// `acc (G, Dh)` unnormalised and `ml[r] = (m_r, l_r)`. `scale`: the score scale, and for
+/// centred keys each row's `q · c` (`G` values), added to its scores before the scale. `L`: the vector unit the caller was
 /// compiled for. Plain loops, no closures: a closure is compiled without the caller's target
 /// features, and its `mul_add` would become a library call.
 #[inline(always)]
@@ -228,7 +265,7 @@ fn part<const L: u8, K: KvRead, V: KvRead>(
     q: &[f32],
     k: &[K],
     v: &[V],
-    scale: f32,
+    scale: (f32, Option<&[f32]>),
     s: &mut Vec<f32>,
     acc: &mut [f32],
     ml: &mut [(f32, f32)],
@@ -239,11 +276,23 @@ fn part<const L: u8, K: KvRead, V: KvRead>(
     s.clear();
     s.resize(g * n, 0.0);
     K::scores::<L>(q, dh, k, s);
-    for (row, ml) in s.chunks_exact_mut(n).zip(ml.iter_mut()) {
+    let (scale, add) = scale;
+    for (r, (row, ml)) in s.chunks_exact_mut(n).zip(ml.iter_mut()).enumerate() {
         let mut m = f32::NEG_INFINITY;
-        for e in row.iter_mut() {
-            *e *= scale;
-            m = m.max(*e);
+        match add {
+            // Centred keys: the row's `q · c` back onto each score, then the scale.
+            Some(add) => {
+                for e in row.iter_mut() {
+                    *e = (*e + add[r]) * scale;
+                    m = m.max(*e);
+                }
+            }
+            None => {
+                for e in row.iter_mut() {
+                    *e *= scale;
+                    m = m.max(*e);
+                }
+            }
         }
         let mut lanes = [0f32; 16];
         let mut chunks = row.chunks_exact_mut(16);
@@ -766,7 +815,7 @@ mod tests {
     use super::decode;
     use crate::attention::KvRead;
     use crate::kernels::Isa;
-    use hf2q_tensor::kv::{AffineKv, HostKv, KvType, KvTypes};
+    use hf2q_tensor::kv::{AffineKv, HostKv, KeyCentering, KvType, KvTypes};
     use hf2q_tensor::op::{AttentionParams, LayerCache};
     use hf2q_tensor::Tensor;
 
@@ -899,8 +948,17 @@ mod tests {
         let vt = Tensor::new(&[n, hkv * dh], (0..n * hkv * dh).map(|_| f()).collect());
         let (kt, vt) = (kt.unwrap(), vt.unwrap());
         let q = Tensor::new(&[1, h * dh], (0..h * dh).map(|_| f()).collect()).unwrap();
-        for ty in [KvType::Q8_0, KvType::Affine(AffineKv::B8G64), KvType::F16] {
-            let mut kv = HostKv::new(hkv, dh, KvTypes::from(ty));
+        // Quantized keys centred (the default) and as written (`KeyCentering::OFF`): what
+        // the centring costs a decode step (one sink part per kv head, `q · c` per row).
+        let cases = [
+            (KvType::Q8_0, KeyCentering::DEFAULT),
+            (KvType::Q8_0, KeyCentering::OFF),
+            (KvType::Affine(AffineKv::B8G64), KeyCentering::DEFAULT),
+            (KvType::Affine(AffineKv::B8G64), KeyCentering::OFF),
+            (KvType::F16, KeyCentering::OFF),
+        ];
+        for (ty, centring) in cases {
+            let mut kv = HostKv::with_centering(hkv, dh, KvTypes::from(ty), centring);
             kv.write(&kt, &vt, 0, n).unwrap();
             for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni] {
                 if !isa.is_available() {
@@ -913,7 +971,8 @@ mod tests {
                     p: &p,
                 };
                 let us = crate::kv_view::visit(kv.view(), timing).unwrap();
-                println!("{} {isa:?}: {us:.1} us per call", ty.name());
+                let sinks = centring.sinks;
+                println!("{} (sinks {sinks}) {isa:?}: {us:.1} us per call", ty.name());
             }
         }
     }

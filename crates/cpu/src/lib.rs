@@ -219,10 +219,24 @@ impl CpuBackend {
             let (rk, rv) = (dh / K::VALUES, dh / V::VALUES);
             let (kbase, vbase) = (kvh * cache.capacity * rk, kvh * cache.capacity * rv);
             let mut row = vec![0f32; dh];
+            // Centred keys: a sink position's score from its f16 row; a later one's from its
+            // plane row plus `q · c` (`KeyCentre`).
+            let centre = cache.centre.as_ref();
+            let (sinks, qc) = centre.map_or((0, 0.0), |c| (c.sinks, dot(qv, c.centre(kvh, dh))));
             let mut scores: Vec<f32> = (lo..=qpos)
-                .map(|j| {
-                    K::dequantize_row(&cache.k[kbase + j * rk..kbase + (j + 1) * rk], &mut row);
-                    dot(qv, &row) * p.scale
+                .map(|j| match centre {
+                    Some(c) if j < sinks => {
+                        let sink = c.sink_row(kvh, j, dh);
+                        row.iter_mut().zip(sink).for_each(|(r, s)| *r = s.to_f32());
+                        dot(qv, &row) * p.scale
+                    }
+                    _ => {
+                        K::dequantize_row(&cache.k[kbase + j * rk..kbase + (j + 1) * rk], &mut row);
+                        match centre {
+                            Some(_) => (dot(qv, &row) + qc) * p.scale,
+                            None => dot(qv, &row) * p.scale,
+                        }
+                    }
                 })
                 .collect();
             // A sink (GPT-OSS) is one more score whose value is zero: it joins the max and
@@ -716,6 +730,7 @@ mod tests {
             k: &k,
             v: &v,
             capacity: 2,
+            centre: None,
         };
         let q = Tensor::new(&[1, 4], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
         let o = CpuBackend::REFERENCE.attention(&q, &cache, 0, &p).unwrap();

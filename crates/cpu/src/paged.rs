@@ -47,6 +47,7 @@ pub fn attention<T: PagedElem + KvRead>(
                 k: &kc,
                 v: &vc,
                 capacity: run.pos0 + run.n,
+                centre: None,
             };
             let rows_out: Vec<Result<Vec<f32>>> = (0..run.n)
                 .into_par_iter()

@@ -42,11 +42,13 @@ struct Check<'a> {
 impl KvVisit for Check<'_> {
     type Out = ();
     fn visit<K: KvRead, V: KvRead>(self, c: &LayerCache<'_, K, V>) {
-        let (kd, vd) = (dequantized(c.k), dequantized(c.v));
+        let (hkv, dh) = (self.p.n_kv_heads, self.p.head_dim);
+        let (kd, vd) = (c.keys_f32(hkv, dh), dequantized(c.v));
         let c32 = LayerCache {
             k: &kd,
             v: &vd,
             capacity: c.capacity,
+            centre: None,
         };
         let want = CpuBackend::default()
             .attention(self.q, &c32, self.pos0, self.p)

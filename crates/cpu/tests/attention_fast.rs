@@ -54,6 +54,7 @@ fn tiled_attention_matches_reference() {
                         k: &k,
                         v: &v,
                         capacity: cap,
+                        centre: None,
                     };
                     let what = format!("h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}");
                     let want32 = check(&fast, &q, &c, pos0, &p, &format!("f32 {what}"));
@@ -67,6 +68,7 @@ fn tiled_attention_matches_reference() {
                         k: &kh,
                         v: &vh,
                         capacity: cap,
+                        centre: None,
                     };
                     let want16 = check(&fast, &q, &c, pos0, &p, &format!("f16 {what}"));
                     // And the rounding itself stays small: 2^-12 relative on each key and value
@@ -124,6 +126,7 @@ fn sinks_join_the_denominator() {
         k: &k,
         v: &v,
         capacity: 1,
+        centre: None,
     };
     let sinks = [0.5f32, -2.0];
     let p = AttentionParams {
@@ -179,6 +182,7 @@ fn tiled_attention_checks_shapes() {
         k: &kv,
         v: &kv,
         capacity: 4,
+        centre: None,
     };
     let q = Tensor::new(&[2, 8], vec![0.1; 16]).unwrap();
     assert!(fast.attention(&q, &c, 3, &p).is_err(), "past the capacity");

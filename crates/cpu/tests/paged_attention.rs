@@ -151,6 +151,7 @@ fn run<T: PagedElem + hf2q_cpu::KvRead>(c: &Case, rng: &mut Rng) {
             k: &kc,
             v: &vc,
             capacity: cap,
+            centre: None,
         };
         let qt = Tensor::new(&[1, qw], q[r * qw..][..qw].to_vec()).unwrap();
         let want = CpuBackend::REFERENCE

@@ -1130,6 +1130,7 @@ fn run_attention(dev: &CudaDev, rng: &mut Rng, c: &AttnCase) {
         k: &kc,
         v: &vc,
         capacity: c.cap,
+        centre: None,
     };
     let qt = Tensor::new(&[c.t, c.h * c.dh], q).unwrap();
     let want = CpuBackend::REFERENCE

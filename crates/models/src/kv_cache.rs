@@ -2,8 +2,8 @@
 //! `(Hkv, S_cap, Dh)` growing by doubling up to the limit; or on the device, allocated by the
 //! backend on first write). Layers may differ in `Hkv` and `Dh` ([`KvCache::per_layer`]).
 
-use hf2q_tensor::kv::KvStore;
-pub use hf2q_tensor::kv::{AffineKv, KvType, KvTypes};
+pub use hf2q_tensor::kv::{AffineKv, KeyCentering, KvType, KvTypes};
+use hf2q_tensor::kv::{HostKv, KvStore};
 use hf2q_tensor::paged::{PagedStep, PagedStore};
 
 use crate::{Error, Result};
@@ -62,15 +62,22 @@ impl KvCache {
     /// An empty cache of one layer per `(Hkv, Dh)` in `heads` (layers of their own head count
     /// and width, as Gemma 4's sliding and global layers).
     pub fn per_layer(heads: &[(usize, usize)], limit: usize, ty: impl Into<KvTypes>) -> KvCache {
-        KvCache::per_layer_types(heads, &vec![ty.into(); heads.len()], limit)
+        let types = vec![ty.into(); heads.len()];
+        KvCache::per_layer_types(heads, &types, KeyCentering::DEFAULT, limit)
     }
-    /// [`KvCache::per_layer`] with each layer's own type (`types[i]` for `heads[i]`).
-    pub fn per_layer_types(heads: &[(usize, usize)], types: &[KvTypes], limit: usize) -> KvCache {
+    /// [`KvCache::per_layer`] with each layer's own type (`types[i]` for `heads[i]`), quantized
+    /// keys centred as `centering` says.
+    pub fn per_layer_types(
+        heads: &[(usize, usize)],
+        types: &[KvTypes],
+        centering: KeyCentering,
+        limit: usize,
+    ) -> KvCache {
         KvCache {
             layers: heads
                 .iter()
                 .zip(types)
-                .map(|(&(h, dh), &ty)| KvStore::new(h, dh, ty))
+                .map(|(&(h, dh), &ty)| KvStore::Host(HostKv::with_centering(h, dh, ty, centering)))
                 .collect(),
             graph: None,
             limit,

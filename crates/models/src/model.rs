@@ -115,6 +115,8 @@ pub struct Model {
     kv_type: KvTypes,
     /// Each layer's type instead, from the folder's `kv_config.json` or the caller (`kv.rs`).
     kv_layers: Option<Vec<KvTypes>>,
+    /// Whether new host caches with quantized keys centre them (`kv.rs`).
+    kv_centering: hf2q_tensor::kv::KeyCentering,
     /// Recommended sampling: the folder's generation_config.json, or what the caller set.
     generation: crate::generation::GenerationDefaults,
 }
@@ -284,6 +286,7 @@ impl Model {
             graphs_refused: std::sync::atomic::AtomicBool::new(host_steps),
             kv_type: KvTypes::default(),
             kv_layers: None,
+            kv_centering: Default::default(),
             generation: Default::default(),
         })
     }

@@ -2,6 +2,8 @@
 //! each f16, f32 or one of ggml's block types, [`KvTypes`]; or both of one of mlx-lm's affine
 //! layouts, [`AffineKv`]) or on a device. A backend writes and
 //! reads it (`Backend::kv_write` / `Backend::attend`); model code only passes it along.
+//! A quantized key plane is centred by default ([`KeyCentering`]: f16 first positions, later
+//! keys stored less their head's mean of those).
 //!
 //! Not here: the block layouts ([`crate::kv_blocks`], [`crate::kv_affine`]), the kernels that read a cache (the CPU
 //! and CUDA crates), the paged cache of many sequences (`paged`).
@@ -197,6 +199,100 @@ impl KvTypes {
             Some(t) => t.name().to_string(),
             None => format!("k {} / v {}", self.k.name(), self.v.name()),
         }
+    }
+}
+
+/// Whether a host cache with a quantized key plane centres its keys, and on how many first
+/// positions (as SageAttention's "smooth K"): a few key channels of some models are many times
+/// larger than the rest (Qwen2.5's k projection bias, Gemma 3's normed keys), so one scale per
+/// block or group spends most of its codes on them. The first `sinks` positions of a sequence
+/// are kept whole (f16, each kv head's rows), and when position `sinks - 1` is written each kv
+/// head's centre `c` (`Dh` values) is set to the mean of those f16 keys; every later position is
+/// stored as `quantize(k - c)`, and attention adds `q · c` back to its score (`KeyCentre`), so
+/// scores stay those of the keys written up to the quantization of `k - c`. The centre depends
+/// only on the stored first positions, so any chunking of the same tokens stores the same bytes.
+/// Values, and f16 or f32 key planes, are stored as before. `sinks == 0`: off.
+///
+/// [`KeyCentre`]: crate::op::KeyCentre
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyCentering {
+    pub sinks: usize,
+}
+
+impl KeyCentering {
+    /// Keys stored as written (no centre, no sink positions).
+    pub const OFF: KeyCentering = KeyCentering { sinks: 0 };
+    /// The default: 16 first positions (`kv_quant.rs`'s `key_centring_sweep` says what was
+    /// measured: 16 and 32 alike on Gemma 3 and SmolLM2, 16 closer to f16 on Qwen2.5).
+    pub const DEFAULT: KeyCentering = KeyCentering { sinks: 16 };
+}
+
+impl Default for KeyCentering {
+    fn default() -> KeyCentering {
+        KeyCentering::DEFAULT
+    }
+}
+
+/// A centring cache's sink keys and centres ([`KeyCentering`]).
+struct Centre {
+    sinks: usize,
+    /// `(Hkv, sinks, Dh)`, allocated at the first write.
+    sink: Vec<f16>,
+    /// `(Hkv, Dh)`: zeros until position `sinks - 1` is written.
+    c: Vec<f32>,
+}
+
+impl Centre {
+    /// Stores the keys `k (T, Hkv*Dh)` at positions `pos0..pos0+T` below `sinks` as f16, sets
+    /// the centres when position `sinks - 1` is among them (the mean of the stored f16 rows,
+    /// summed in position order), and returns the keys to quantize: rows at positions >= `sinks`
+    /// less their head's centre, the others as written (their plane rows are read by nothing).
+    fn absorb(&mut self, k: &[f32], pos0: usize, t: usize, (h, d): (usize, usize)) -> Vec<f32> {
+        let ks = self.sinks;
+        if self.sink.is_empty() {
+            self.sink = vec![f16::ZERO; h * ks * d];
+            self.c = vec![0.0; h * d];
+        }
+        for ti in 0..t.min(ks.saturating_sub(pos0)) {
+            for hi in 0..h {
+                let at = (hi * ks + pos0 + ti) * d;
+                let from = ti * h * d + hi * d;
+                self.sink[at..at + d].convert_from_f32_slice(&k[from..from + d]);
+            }
+        }
+        if pos0 < ks && ks <= pos0 + t {
+            for hi in 0..h {
+                let c = &mut self.c[hi * d..(hi + 1) * d];
+                c.fill(0.0);
+                for j in 0..ks {
+                    let row = &self.sink[(hi * ks + j) * d..(hi * ks + j + 1) * d];
+                    for (x, y) in c.iter_mut().zip(row) {
+                        *x += y.to_f32();
+                    }
+                }
+                c.iter_mut().for_each(|x| *x /= ks as f32);
+            }
+        }
+        let mut out = k.to_vec();
+        for ti in ks.saturating_sub(pos0)..t {
+            for hi in 0..h {
+                let from = ti * h * d + hi * d;
+                for (x, c) in out[from..from + d].iter_mut().zip(&self.c[hi * d..]) {
+                    *x -= c;
+                }
+            }
+        }
+        out
+    }
+    fn bytes(&self) -> usize {
+        2 * self.sink.len() + 4 * self.c.len()
+    }
+    fn view(&self) -> Option<crate::op::KeyCentre<'_>> {
+        (!self.sink.is_empty()).then_some(crate::op::KeyCentre {
+            sinks: self.sinks,
+            sink: &self.sink,
+            c: &self.c,
+        })
     }
 }
 
@@ -441,6 +537,8 @@ pub struct KvView<'a> {
     pub v: PlaneView<'a>,
     /// S_cap: capacity in positions (stride between heads).
     pub capacity: usize,
+    /// The sink keys and centres of a centring cache ([`KeyCentering`]) once written.
+    pub centre: Option<crate::op::KeyCentre<'a>>,
 }
 
 /// Keys and values (each f16, f32 or a ggml block type, or both one affine layout: [`KvTypes`])
@@ -453,17 +551,42 @@ pub struct HostKv {
     capacity: usize,
     n_kv_heads: usize,
     head_dim: usize,
+    /// Centred keys ([`KeyCentering`]): a quantized key plane with sink positions only.
+    centre: Option<Centre>,
 }
 
 impl HostKv {
+    /// A cache of `ty` that centres quantized keys as [`KeyCentering::DEFAULT`].
     pub fn new(n_kv_heads: usize, head_dim: usize, ty: impl Into<KvTypes>) -> HostKv {
+        HostKv::with_centering(n_kv_heads, head_dim, ty, KeyCentering::DEFAULT)
+    }
+    /// A cache of `ty` whose keys, if of a quantized type, are centred as `centering` says
+    /// (f16 and f32 keys never are).
+    pub fn with_centering(
+        n_kv_heads: usize,
+        head_dim: usize,
+        ty: impl Into<KvTypes>,
+        centering: KeyCentering,
+    ) -> HostKv {
         let ty = ty.into();
+        let quantized = !matches!(ty.k, KvType::F16 | KvType::F32);
         HostKv {
             k: Plane::new(ty.k),
             v: Plane::new(ty.v),
             capacity: 0,
             n_kv_heads,
             head_dim,
+            centre: (quantized && centering.sinks > 0).then(|| Centre {
+                sinks: centering.sinks,
+                sink: Vec::new(),
+                c: Vec::new(),
+            }),
+        }
+    }
+    /// How this cache centres its keys ([`KeyCentering::OFF`] for f16 and f32 keys).
+    pub fn centering(&self) -> KeyCentering {
+        KeyCentering {
+            sinks: self.centre.as_ref().map_or(0, |c| c.sinks),
         }
     }
 
@@ -529,7 +652,10 @@ impl HostKv {
         check_fits(pos0, t, limit)?;
         self.grow(pos0 + t, limit);
         let at = (pos0, t, self.capacity);
-        self.k.put(k.data(), at, hd)?;
+        match &mut self.centre {
+            Some(c) => self.k.put(&c.absorb(k.data(), pos0, t, hd), at, hd)?,
+            None => self.k.put(k.data(), at, hd)?,
+        }
         self.v.put(v.data(), at, hd)
     }
 
@@ -546,13 +672,23 @@ impl HostKv {
                 self.capacity
             )));
         }
-        let mut out = HostKv::new(self.n_kv_heads, self.head_dim, self.kv_types());
+        let mut out = HostKv::with_centering(
+            self.n_kv_heads,
+            self.head_dim,
+            self.kv_types(),
+            self.centering(),
+        );
         if len == 0 {
             return Ok(out);
         }
         let cap = Self::grown_capacity(len, limit);
         (out.k, out.v) = self.copied(cap, len);
         out.capacity = cap;
+        // The sink keys and centres as they are: positions below `len` are final, and a later
+        // write of position `sinks - 1` (when `len < sinks`) sets the centres again from them.
+        if let (Some(o), Some(c)) = (&mut out.centre, &self.centre) {
+            (o.sink, o.c) = (c.sink.clone(), c.c.clone());
+        }
         Ok(out)
     }
 
@@ -561,12 +697,14 @@ impl HostKv {
             k: self.k.view(),
             v: self.v.view(),
             capacity: self.capacity,
+            centre: self.centre.as_ref().and_then(Centre::view),
         }
     }
 
-    /// Bytes held (keys and values at the current capacity).
+    /// Bytes held (keys and values at the current capacity, and a centring cache's sink keys
+    /// and centres).
     pub fn bytes(&self) -> usize {
-        self.k.bytes() + self.v.bytes()
+        self.k.bytes() + self.v.bytes() + self.centre.as_ref().map_or(0, Centre::bytes)
     }
 }
 

@@ -1,9 +1,11 @@
 //! Tests of the host KV cache's affine layouts (mlx-lm's `QuantizedKVCache`): what a write
 //! stores against mlx's quantizer written out here, the error of the stored values, bytes per
 //! position, and the refusals (head widths off the group, affine keys with other values).
+//! Keys are stored as written here (`KeyCentering::OFF`): what centred keys store is tested
+//! with the block types (`hf2q_tensor::kv`'s tests) and end to end (`kv_quant.rs`).
 
 use half::f16;
-use hf2q_tensor::kv::{AffineKv, BlockAffine, HostKv, KvType, KvTypes, PlaneView};
+use hf2q_tensor::kv::{AffineKv, BlockAffine, HostKv, KeyCentering, KvType, KvTypes, PlaneView};
 use hf2q_tensor::op::KvElem;
 use hf2q_tensor::Tensor;
 
@@ -122,9 +124,9 @@ fn affine_write_equals_mlxs_quantizer() {
             let vv_vals = values(n * h * d, 0x9876 + h as u64);
             let kt = Tensor::new(&[n, h * d], kv_vals.clone()).unwrap();
             let vt = Tensor::new(&[n, h * d], vv_vals.clone()).unwrap();
-            let mut whole = HostKv::new(h, d, ty);
+            let mut whole = HostKv::with_centering(h, d, ty, KeyCentering::OFF);
             whole.write(&kt, &vt, 0, 4096).unwrap();
-            let mut steps = HostKv::new(h, d, ty);
+            let mut steps = HostKv::with_centering(h, d, ty, KeyCentering::OFF);
             for ti in 0..n {
                 let row = |t: &Tensor| {
                     let w = h * d;
@@ -174,7 +176,7 @@ fn affine_error_is_half_a_step() {
         let n_bins = ((1u32 << bits) - 1) as f64;
         let x = values(n * d, 0xabc ^ g as u64);
         let t = Tensor::new(&[n, d], x.clone()).unwrap();
-        let mut kv = HostKv::new(1, d, ty);
+        let mut kv = HostKv::with_centering(1, d, ty, KeyCentering::OFF);
         kv.write(&t, &t, 0, n).unwrap();
         let mut back = vec![0f32; n * d];
         dequantized_keys(&kv, n, &mut back);
@@ -255,7 +257,7 @@ fn affine_bytes_per_position() {
         }
         let (h, n) = (3, 40);
         let t = Tensor::new(&[n, h * d], values(n * h * d, 5)).unwrap();
-        let mut kv = HostKv::new(h, d, a(4, 64));
+        let mut kv = HostKv::with_centering(h, d, a(4, 64), KeyCentering::OFF);
         kv.write(&t, &t, 0, n).unwrap();
         assert_eq!(kv.bytes(), 2 * h * n * a(4, 64).row_bytes(d));
     }
@@ -270,7 +272,7 @@ fn affine_bytes_per_position() {
 #[test]
 fn affine_refusals() {
     let ty = KvType::Affine(AffineKv::B8G128);
-    let mut kv = HostKv::new(2, 64, ty);
+    let mut kv = HostKv::with_centering(2, 64, ty, KeyCentering::OFF);
     let t = Tensor::new(&[1, 128], vec![0.5; 128]).unwrap();
     let e = kv.write(&t, &t, 0, 16).unwrap_err().to_string();
     assert!(

@@ -5,7 +5,7 @@
 //! Not here: the cache itself (`crate::kv_cache`, `hf2q_tensor::kv`), the device's cache type
 //! (the [`hf2q_cuda::backend::CudaBackend`]'s).
 
-use hf2q_tensor::kv::KvTypes;
+use hf2q_tensor::kv::{KeyCentering, KvTypes};
 
 use super::Model;
 use crate::kv_cache::KvCache;
@@ -21,6 +21,16 @@ impl Model {
     pub fn set_kv_type(&mut self, ty: impl Into<KvTypes>) {
         self.kv_type = ty.into();
         self.kv_layers = None;
+    }
+    /// Whether the host KV caches made from now on centre quantized keys, and on how many
+    /// first positions ([`KeyCentering`]: on by default, [`KeyCentering::OFF`] to store keys
+    /// as written). f16 and f32 keys are never centred.
+    pub fn set_kv_key_centering(&mut self, centering: KeyCentering) {
+        self.kv_centering = centering;
+    }
+    /// How new host caches centre quantized keys.
+    pub fn kv_key_centering(&self) -> KeyCentering {
+        self.kv_centering
     }
     /// The one type of every layer (the default's when the layers have their own:
     /// [`Model::kv_layer_types`]).
@@ -107,6 +117,6 @@ impl Model {
         let types: Vec<KvTypes> = (0..c.layer_heads.len())
             .map(|i| self.layer_kv_type(i))
             .collect();
-        KvCache::per_layer_types(&c.layer_heads, &types, limit)
+        KvCache::per_layer_types(&c.layer_heads, &types, self.kv_centering, limit)
     }
 }

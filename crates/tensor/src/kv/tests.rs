@@ -184,7 +184,9 @@ fn awkward(n: usize, seed: u64) -> Vec<f32> {
 /// reference quantizer of its type (`quant::quantize`), whether the positions came in one
 /// prefill or one by one (and across a growth of the capacity); prefix copies keep the
 /// blocks as they are. Keys and values of different types (every pair) each get their own
-/// type's bytes.
+/// type's bytes. Keys are centred ([`KeyCentering::DEFAULT`]): the first `sinks` positions'
+/// rows are kept as f16, and every later key row is the quantizer's bytes of `k - c`, `c` the
+/// mean of those f16 rows of its head (summed in position order).
 #[test]
 fn block_write_equals_the_reference_quantizer() {
     for ty in KvType::BLOCKS {
@@ -218,21 +220,65 @@ fn block_write_case(ty: KvTypes) {
             let (k1, v1) = (rows_of(&kt, ti..ti + 1), rows_of(&vt, ti..ti + 1));
             steps.write(&k1, &v1, ti, 4096).unwrap();
         }
+        // Chunks of 7 (one spans the last sink position and the first centred one), and a
+        // prefix copy of 10 positions (fewer than the sinks: the centres are set again by the
+        // write of the last sink position) written on from there.
+        let mut chunks = HostKv::new(h, d, ty);
+        for a in (0..n).step_by(7) {
+            let r = a..(a + 7).min(n);
+            chunks
+                .write(&rows_of(&kt, r.clone()), &rows_of(&vt, r), a, 4096)
+                .unwrap();
+        }
+        let mut resumed = chunks.prefix(10, 4096).unwrap();
+        resumed
+            .write(&rows_of(&kt, 10..n), &rows_of(&vt, 10..n), 10, 4096)
+            .unwrap();
         assert_eq!((whole.capacity(), whole.kv_types()), (512, ty));
-        assert_eq!(whole.bytes(), h * 512 * (d / 32) * (bk + bv));
+        let ks = KeyCentering::DEFAULT.sinks;
+        let centre_bytes = h * ks * d * 2 + h * d * 4;
+        assert_eq!(whole.bytes(), h * 512 * (d / 32) * (bk + bv) + centre_bytes);
         let copy = whole.prefix(n, n).unwrap();
+        let f16_of = |x: f32| f16::from_f32(x).to_f32();
+        let centre: Vec<f32> = (0..h * d)
+            .map(|i| {
+                let (hi, x) = (i / d, i % d);
+                let sum = (0..ks).fold(0f32, |a, j| a + f16_of(kv_vals[j * h * d + hi * d + x]));
+                sum / ks as f32
+            })
+            .collect();
+        for kv in [&whole, &steps, &copy, &chunks, &resumed] {
+            let c = kv.view().centre.expect("centred keys");
+            assert_eq!(c.c, &centre[..], "{}", ty.name());
+            for (j, hi) in (0..ks).flat_map(|j| (0..h).map(move |hi| (j, hi))) {
+                let want: Vec<f32> = kv_vals[j * h * d + hi * d..][..d]
+                    .iter()
+                    .map(|&x| f16_of(x))
+                    .collect();
+                let got: Vec<f32> = c.sink_row(hi, j, d).iter().map(|x| x.to_f32()).collect();
+                assert_eq!(got, want, "{} sink {j}", ty.name());
+            }
+        }
         for ti in 0..n {
             for hi in 0..h {
                 let at = ti * h * d + hi * d;
                 let mut want_k = vec![0u8; d / 32 * bk];
                 let mut want_v = vec![0u8; d / 32 * bv];
-                crate::quant::quantize(gk, &kv_vals[at..at + d], &mut want_k).unwrap();
+                let key: Vec<f32> = match ti < ks {
+                    true => kv_vals[at..at + d].to_vec(),
+                    false => (0..d)
+                        .map(|x| kv_vals[at + x] - centre[hi * d + x])
+                        .collect(),
+                };
+                crate::quant::quantize(gk, &key, &mut want_k).unwrap();
                 crate::quant::quantize(gv, &vv_vals[at..at + d], &mut want_v).unwrap();
                 let want = (want_k, want_v);
                 let what = format!("{} h {h} d {d} pos {ti}", ty.name());
                 assert_eq!(block_bytes_at(&whole, hi, ti), want, "{what}");
                 assert_eq!(block_bytes_at(&steps, hi, ti), want, "{what}");
                 assert_eq!(block_bytes_at(&copy, hi, ti), want, "{what}");
+                assert_eq!(block_bytes_at(&chunks, hi, ti), want, "{what}");
+                assert_eq!(block_bytes_at(&resumed, hi, ti), want, "{what}");
             }
         }
     }
@@ -265,8 +311,9 @@ fn q8_0_bytes_per_position() {
         assert_eq!((100.0 * q4 as f64 / f16b as f64).round(), 28.0);
         let (h, n) = (3, 40);
         let t = Tensor::new(&[n, h * d], awkward(n * h * d, 5)).unwrap();
+        // Keys as written (centred keys add their sink rows and centres: `centring_*`).
         let (mut a, mut b) = (
-            HostKv::new(h, d, KvType::Q8_0),
+            HostKv::with_centering(h, d, KvType::Q8_0, KeyCentering::OFF),
             HostKv::new(h, d, KvType::F16),
         );
         a.write(&t, &t, 0, n).unwrap();
@@ -282,7 +329,7 @@ fn q8_0_bytes_per_position() {
             v: KvType::Q4_0,
         };
         assert_eq!(split.row_bytes(d), q8 + q4);
-        let mut c = HostKv::new(h, d, split);
+        let mut c = HostKv::with_centering(h, d, split, KeyCentering::OFF);
         c.write(&t, &t, 0, n).unwrap();
         assert_eq!(c.bytes(), h * n * (q8 + q4));
     }
@@ -295,4 +342,40 @@ fn q8_0_bytes_per_position() {
 fn rows_of(t: &Tensor, r: std::ops::Range<usize>) -> Tensor {
     let w = t.dims2().1;
     Tensor::new(&[r.len(), w], t.data()[r.start * w..r.end * w].to_vec()).unwrap()
+}
+
+/// Key centring applies to quantized key planes only, and [`KeyCentering::OFF`] stores keys as
+/// written: f16 and f32 key planes (with quantized values too) have no sink rows or centres;
+/// an OFF block cache's key rows are the quantizer's bytes of the keys themselves, past the
+/// sink positions too; a centring cache shorter than its sinks has no centres yet (zeros).
+#[test]
+fn centring_is_for_quantized_keys_only() {
+    let (h, d, n) = (2, 64, 40);
+    let kt = Tensor::new(&[n, h * d], awkward(n * h * d, 77)).unwrap();
+    let f16_keys = KvTypes {
+        k: KvType::F16,
+        v: KvType::Q8_0,
+    };
+    for ty in [KvType::F16.into(), KvType::F32.into(), f16_keys] {
+        let mut kv = HostKv::new(h, d, ty);
+        kv.write(&kt, &kt, 0, n).unwrap();
+        assert!(kv.view().centre.is_none(), "{}", ty.name());
+        assert_eq!(kv.centering(), KeyCentering::OFF);
+    }
+    let mut off = HostKv::with_centering(h, d, KvType::Q8_0, KeyCentering::OFF);
+    off.write(&kt, &kt, 0, n).unwrap();
+    assert!(off.view().centre.is_none());
+    for (ti, hi) in [(0, 0), (33, 1), (39, 0)] {
+        let at = ti * h * d + hi * d;
+        let mut want = vec![0u8; d / 32 * 34];
+        crate::quant::quantize(crate::GgmlType::Q8_0, &kt.data()[at..at + d], &mut want).unwrap();
+        assert_eq!(block_bytes_at(&off, hi, ti).0, want);
+    }
+    let mut short = HostKv::new(h, d, KvType::Q4_0);
+    short
+        .write(&rows_of(&kt, 0..9), &rows_of(&kt, 0..9), 0, n)
+        .unwrap();
+    let c = short.view().centre.expect("sink rows");
+    assert!(c.c.iter().all(|&x| x == 0.0));
+    assert_eq!(c.sinks, KeyCentering::DEFAULT.sinks);
 }
