@@ -94,6 +94,22 @@ fn decode_rows(model: &mut Model, gpu: &Arc<CudaBackend>, toks: &[u32]) -> (Vec<
     (rows, nodes)
 }
 
+/// Greedy decode tokens/s on `gpu` over 128 steps after 8 untimed ones (the token picked on the
+/// device, as `hf2q bench`'s tg test; information, not a gate).
+fn greedy_speed(model: &mut Model, gpu: &Arc<CudaBackend>) -> f64 {
+    model.set_cuda(Some(gpu.clone())).unwrap();
+    let mut s = model.session(256);
+    let mut t = s.prefill(&[1]).map(|l| argmax(&l) as u32).unwrap();
+    for _ in 0..8 {
+        t = s.decode_greedy(t).unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    for _ in 0..128 {
+        t = s.decode_greedy(t).unwrap();
+    }
+    128.0 / t0.elapsed().as_secs_f64()
+}
+
 /// (argmax agreements, mean KL) of `got` against `want`'s rows.
 fn gate(want: &[Vec<f32>], got: &[Vec<f32>]) -> (usize, f64) {
     let mut agree = 0;
@@ -121,9 +137,7 @@ fn check_shape(shape: &str) {
     let want: Vec<Vec<f32>> = (0..n).map(|i| all.row(i).to_vec()).collect();
 
     let (by_graph, graph_nodes) = decode_rows(&mut m, &graph, &toks);
-    let t0 = std::time::Instant::now();
     let (by_mega, mega_nodes) = decode_rows(&mut m, &mega, &toks);
-    let mega_s = t0.elapsed().as_secs_f64();
     let (again, _) = decode_rows(&mut m, &mega, &toks);
     let (ga, gk) = gate(&want, &by_graph);
     let (ma, mk) = gate(&want, &by_mega);
@@ -135,13 +149,15 @@ fn check_shape(shape: &str) {
         .fold(0f32, |d, (a, b)| d.max((a - b).abs()));
     eprintln!(
         "{shape}: graph ({graph_nodes} nodes) vs CPU reference argmax {ga}/{n}, mean KL {gk:.2e}; \
-         mega ({mega_nodes} nodes, {mega_s:.2} s for {n} steps) argmax {ma}/{n}, mean KL {mk:.2e}; \
+         mega ({mega_nodes} nodes) argmax {ma}/{n}, mean KL {mk:.2e}; \
          mega vs graph mean KL {gm:.2e}, max |diff| {diff:.2e}"
     );
     assert!(
         mega_nodes > 0 && mega_nodes <= MEGA_NODES,
         "{shape}: the step was captured as {mega_nodes} nodes: the megakernel did not run"
     );
+    let (gs, ms) = (greedy_speed(&mut m, &graph), greedy_speed(&mut m, &mega));
+    eprintln!("{shape}: greedy decode, graph {gs:.0} tokens/s, mega {ms:.0} tokens/s");
     // Bit for bit: every block sums in a fixed order, whatever the timing.
     for (i, (a, b)) in by_mega.iter().zip(&again).enumerate() {
         assert!(
