@@ -92,6 +92,8 @@ pub struct CudaBackend {
     pub(crate) poison: std::sync::atomic::AtomicBool,
     /// Depth alignment of `linear_low_rank`'s appended products ([`CudaBackend::set_low_rank_align`]).
     pub(crate) low_rank_align: std::sync::atomic::AtomicUsize,
+    /// Models prepared for the decode megakernel (`crate::mega`), kept while the backend lives.
+    pub(crate) mega: Mutex<Vec<crate::mega::MegaState>>,
 }
 
 /// One buffer shared by every captured step: while capturing, each op's output is the next
@@ -226,7 +228,7 @@ impl DevicePtrMut<f32> for Raw<'_> {
 }
 
 /// The device KV cache as a [`KvStore`] payload.
-struct Kv(DeviceKvCache);
+pub(crate) struct Kv(pub(crate) DeviceKvCache);
 
 impl DeviceKv for Kv {
     fn bytes(&self) -> usize {
@@ -278,6 +280,7 @@ impl CudaBackend {
             low_rank_align: std::sync::atomic::AtomicUsize::new(
                 crate::backend_train::LOW_RANK_ALIGN,
             ),
+            mega: Mutex::new(Vec::new()),
         })
     }
 
@@ -512,6 +515,16 @@ impl CudaBackend {
             self.write_pos(&mut g, pos0)?;
         }
         Ok(g)
+    }
+
+    /// [`CudaBackend::set_pos`] for kernels that take the word's address themselves.
+    pub(crate) fn set_pos_word(&self, pos0: usize) -> Result<()> {
+        self.set_pos(pos0).map(drop)
+    }
+
+    /// The device address of the `pos0` word.
+    pub(crate) fn pos_ptr(&self) -> u64 {
+        lock(&self.pos).buf.device_ptr(self.dev.stream()).0
     }
 
     fn write_pos(&self, w: &mut PosWord, pos0: usize) -> Result<()> {

@@ -21,7 +21,7 @@ use super::{cuda_err, CudaOptions, DeviceInfo, Program};
 use hf2q_tensor::{Error, Result};
 
 /// Headers every program may `#include "..."` by these names.
-const HEADERS: [(&str, &str); 11] = [
+const HEADERS: [(&str, &str); 12] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
     ("linear.cuh", include_str!("kernels/linear.cuh")),
@@ -33,6 +33,8 @@ const HEADERS: [(&str, &str); 11] = [
     ("matvec_p8.cuh", include_str!("kernels/matvec_p8.cuh")),
     ("mmq.cuh", include_str!("kernels/mmq.cuh")),
     ("train.cuh", include_str!("kernels/train.cuh")),
+    // Included by the megakernel for its device functions (its kernels come along unused).
+    ("attention.cu", include_str!("kernels/attention.cu")),
 ];
 
 fn source(p: Program) -> (&'static str, &'static str) {
@@ -44,6 +46,7 @@ fn source(p: Program) -> (&'static str, &'static str) {
         Program::LinearMlx => ("linear_mlx.cu", include_str!("kernels/linear_mlx.cu")),
         Program::Train => ("train.cu", include_str!("kernels/train.cu")),
         Program::TrainAttn => ("train_attn.cu", include_str!("kernels/train_attn.cu")),
+        Program::Mega => ("mega.cu", include_str!("kernels/mega.cu")),
     }
 }
 
@@ -347,8 +350,14 @@ pub(crate) fn load_all(
     info: &DeviceInfo,
     options: &CudaOptions,
 ) -> Result<HashMap<Program, Arc<CudaModule>>> {
+    // The megakernel is compiled only for the option that runs it.
+    let wanted: Vec<Program> = Program::ALL
+        .iter()
+        .copied()
+        .filter(|&p| p != Program::Mega || options.decode_mega)
+        .collect();
     let cubins: Vec<Result<(Vec<u8>, Option<PathBuf>)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = Program::ALL
+        let handles: Vec<_> = wanted
             .iter()
             .map(|&p| s.spawn(move || cubin_for(p, info, options, false)))
             .collect();
@@ -361,7 +370,7 @@ pub(crate) fn load_all(
             .collect()
     });
     let mut modules = HashMap::new();
-    for (&p, c) in Program::ALL.iter().zip(cubins) {
+    for (&p, c) in wanted.iter().zip(cubins) {
         let (cubin, _) = c?;
         let module = match ctx.load_module(Ptx::from_binary(cubin)) {
             Ok(m) => m,

@@ -46,6 +46,7 @@ mod backend_paged;
 mod backend_train;
 mod blas;
 mod compile;
+pub mod mega;
 mod mmq;
 pub(crate) mod moe;
 mod ops;
@@ -113,10 +114,12 @@ pub(crate) enum Program {
     Train,
     /// Attention of a training forward and its backward (`train_attn.cu`).
     TrainAttn,
+    /// The decode megakernel (`mega.cu`); loaded only with `decode=mega`.
+    Mega,
 }
 
 impl Program {
-    const ALL: [Program; 7] = [
+    const ALL: [Program; 8] = [
         Program::Elementwise,
         Program::Attention,
         Program::LinearLegacy,
@@ -124,6 +127,7 @@ impl Program {
         Program::LinearMlx,
         Program::Train,
         Program::TrainAttn,
+        Program::Mega,
     ];
 }
 
@@ -533,6 +537,8 @@ impl CudaDev {
             Some(ops::PREFILL_MAX_SMEM)
         } else if name.starts_with("ta_") {
             Some(train::TRAIN_ATTN_MAX_SMEM)
+        } else if name.starts_with("mega_") {
+            Some(mega::MEGA_MAX_SMEM)
         } else {
             None
         };

@@ -430,6 +430,14 @@ impl DeviceKvCache {
         self.capacity
     }
 
+    /// The device addresses of the key and the value arrays.
+    pub(crate) fn raw_ptrs(&self, dev: &CudaDev) -> (u64, u64) {
+        (
+            self.k.device_ptr(dev.stream()).0,
+            self.v.device_ptr(dev.stream()).0,
+        )
+    }
+
     /// Both arrays as f32 on the host (waits for the stream), for tests and inspection.
     pub fn to_host(&self, dev: &CudaDev) -> Result<(Vec<f32>, Vec<f32>)> {
         Ok((

@@ -80,6 +80,10 @@ pub struct CudaOptions {
     /// tok/s instead of 11,511, and 32 streams' ITL p99 under injected 4k-16k prompts is 44 ms
     /// instead of 655.
     pub paged_prefill_tc: bool,
+    /// A batch-1 decode step of a dense Llama-family Q4_0 model runs as one persistent kernel
+    /// (`decode=mega`, `kernels/mega.cu`) instead of the per-op graph (`decode=graph`, the
+    /// default); steps it cannot run take the graph.
+    pub decode_mega: bool,
 }
 
 impl Default for CudaOptions {
@@ -105,6 +109,7 @@ impl Default for CudaOptions {
             moe_fused: false,
             paged_graphs: 16,
             paged_prefill_tc: true,
+            decode_mega: false,
         }
     }
 }
@@ -234,6 +239,13 @@ impl CudaOptions {
             help: "attention of prefill chunks over the paged KV cache (serve --kv-paged): \
                    tensor-core tiles of 64 rows (tc, the default; f16 cache, heads of 64 or \
                    128) or each row through the one-row kernel (rows)",
+        },
+        OptionKey {
+            key: "decode",
+            values: "graph|mega",
+            help: "a batch-1 decode step: the per-op CUDA graph (graph, the default) or one \
+                   persistent kernel for all layers (mega: dense Llama-family models whose \
+                   products are Q4_0; other models take the graph)",
         },
     ];
 
@@ -379,6 +391,13 @@ impl CudaOptions {
                     _ => return Err(bad()),
                 }
             }
+            "decode" => {
+                self.decode_mega = match value {
+                    "graph" => false,
+                    "mega" => true,
+                    _ => return Err(bad()),
+                }
+            }
             _ => unreachable!("every key of KEYS has an arm"),
         }
         Ok(())
@@ -481,6 +500,11 @@ impl CudaOptions {
             "paged-prefill",
             if self.paged_prefill_tc { "tc" } else { "rows" }.into(),
         );
+        push(
+            self.decode_mega != d.decode_mega,
+            "decode",
+            if self.decode_mega { "mega" } else { "graph" }.into(),
+        );
         out
     }
 
@@ -544,7 +568,7 @@ mod tests {
             "gemm=f16, attn-tc=off,attn-chunk=32,batch-mv=24,batch-tc=48,pdl=0,prefetch=on,norm-fold=off,act8=all,\
              p8=off,p8-blocks=1,p8-rows=4,q4k-relayout=all,q6k-relayout=off,mv-early=off,\
              mv-min-blocks=q4_k:5,mv-min-blocks=Q8_0s:0,mv-min-blocks=q4_k:6,moe-fused=yes,\
-             paged-graphs=on,paged-prefill=rows",
+             paged-graphs=on,paged-prefill=rows,decode=mega",
         )
         .unwrap();
         let report = o.changed();
@@ -572,6 +596,7 @@ mod tests {
         assert!(err("attn-chunk=4").contains("attn-chunk"));
         assert!(err("attn-chunk=x").contains("attn-chunk"));
         assert!(err("pdl=maybe").contains("'maybe' is not on|off"));
+        assert!(err("decode=fast").contains("decode: 'fast' is not graph|mega"));
         let unknown = err("warp=9");
         assert!(unknown.contains("unknown CUDA option 'warp'") && unknown.contains("gemm, "));
         assert!(err("gemm").contains("not key=value"));

@@ -29,6 +29,7 @@ use crate::{Error, Result};
 use hf2q_tensor::kv::{KvStore, KvTypes};
 
 mod kv;
+mod mega;
 mod paged;
 mod paged_graph;
 pub use paged::{PagedItem, PagedKvCache, Picked, RowPick};
@@ -684,7 +685,15 @@ impl Model {
             Some(g) => g,
             None => {
                 let vocab = self.lm_head.rows;
+                // `decode=mega`: the layers as one persistent kernel where it runs this model
+                // (its buffers are made here: a capture cannot upload).
+                let mega = self.mega_prepare(cuda, cache)?;
                 let step = || {
+                    if mega {
+                        if let Some(h) = self.mega_hidden(cuda, cache, pos0, token)? {
+                            return self.logits(&h);
+                        }
+                    }
                     let mut item = [BatchItem {
                         cache: &mut *cache,
                         pos0,

@@ -15,7 +15,7 @@ use hf2q_tensor::Tensor;
 
 use super::{
     attention_linears, attention_linears_mut, attention_mlp_linears, attention_mlp_linears_mut,
-    downcast, Block, Saved,
+    downcast, Block, DenseLlama, Saved,
 };
 use crate::config::ModelConfig;
 use crate::kv_cache::SeqRef;
@@ -162,6 +162,19 @@ impl Block for LlamaBlock {
             &be.rms_norm_backward(x, &self.attn_norm, self.eps, 0.0, &dh1)?,
         )?;
         Ok(dx)
+    }
+
+    fn dense_llama(&self) -> Option<DenseLlama<'_>> {
+        match &self.mlp {
+            Ffn::Dense(mlp) if self.residual_scale == 1.0 => Some(DenseLlama {
+                attn_norm: &self.attn_norm,
+                attn: &self.attn,
+                mlp_norm: &self.mlp_norm,
+                mlp,
+                eps: self.eps,
+            }),
+            _ => None,
+        }
     }
 
     /// A routed layer's products are its attention's alone (adapters do not reach experts).

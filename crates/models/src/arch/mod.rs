@@ -65,6 +65,23 @@ pub trait Block: Send + Sync {
     fn kv_source(&self) -> Option<usize> {
         None
     }
+    /// The block's parts when it is a plain pre-norm Llama layer (attention, then a dense gated
+    /// MLP, residual sums unscaled): what the decode megakernel may run (`crate::model::mega`).
+    fn dense_llama(&self) -> Option<DenseLlama<'_>> {
+        None
+    }
+}
+
+/// A plain pre-norm Llama layer's parts ([`Block::dense_llama`]): `x += attn(rmsnorm(x));
+/// x += mlp(rmsnorm(x))`, both norms of `eps` and weight offset 0.
+pub struct DenseLlama<'a> {
+    /// (D)
+    pub attn_norm: &'a [f32],
+    pub attn: &'a Attention,
+    /// (D)
+    pub mlp_norm: &'a [f32],
+    pub mlp: &'a Mlp,
+    pub eps: f32,
 }
 
 /// What a block may read besides the residual stream: the batch's token ids `(ΣT)` and their
