@@ -210,7 +210,8 @@ __device__ __forceinline__ void mg_attention(const MegaArgs& a, const MegaLayer&
             __threadfence();
             for (int hh = warp; hh < ng; hh += MG_WARPS)
                 merge_splits(part + (i64)(h0 + hh) * a.nsplit * (a.dh + 2),
-                             att + (i64)(h0 + hh) * a.dh, a.dh, a.nsplit, lane, 32);
+                             att + (i64)(h0 + hh) * a.dh, a.dh, a.nsplit, lane, 32,
+                             NEG_INF);  // no sinks: models with them run the per-op step
             if (threadIdx.x == 0) cnt[g] = 0;  // ready for the next launch
         }
         __syncthreads();  // shared memory reused by the next item
