@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{argmax, kl, tiny};
+use common::{argmax, gpu_with, kl, tiny, walk_ids};
 use hf2q_cpu::MatmulPath;
 use hf2q_cuda::backend::CudaBackend;
 use hf2q_models::convert::NoProgress;
@@ -27,37 +27,8 @@ const MEGA_NODES: usize = 8;
 /// The per-op backend and the megakernel backend, from this environment's options, or `None`
 /// without a device.
 fn backends() -> Option<(Arc<CudaBackend>, Arc<CudaBackend>)> {
-    let open = |mega: bool| {
-        let mut opts = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
-        opts.decode_mega = mega;
-        match hf2q_cuda::CudaDev::open(0, &opts) {
-            Ok(Some(dev)) => Some(Arc::new(
-                CudaBackend::new(dev, hf2q_cuda::KvDtype::F16).unwrap(),
-            )),
-            Ok(None) => None,
-            Err(e) => panic!("a CUDA device is present but does not work: {e}"),
-        }
-    };
-    match (open(false), open(true)) {
-        (Some(g), Some(m)) => Some((g, m)),
-        _ => {
-            eprintln!("skipped: no CUDA device");
-            None
-        }
-    }
-}
-
-/// Token ids: a deterministic walk over the vocabulary.
-fn ids(n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9u64;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
+    let graph = gpu_with(|o| o.decode_mega = false)?;
+    Some((graph, gpu_with(|o| o.decode_mega = true)?))
 }
 
 /// A random-weight Q4_0 model of `shape` (as `hf2q synth --type q4_0`), written once per run.
@@ -130,7 +101,7 @@ fn check_shape(shape: &str) {
     };
     let n = 100;
     let mut m = Model::load(&synthesized(shape)).unwrap();
-    let toks = ids(n, m.vocab_size().min(32000));
+    let toks = walk_ids(n, m.vocab_size().min(32000));
     m.set_cuda(None).unwrap();
     m.set_matmul_path(MatmulPath::Reference);
     let all = m.session(n).forward_all(&toks).unwrap();
@@ -189,7 +160,7 @@ fn mega_falls_back_where_it_does_not_apply() {
         return;
     };
     let mut m = Model::load(&tiny("tiny-qwen2")).unwrap();
-    let toks = ids(12, m.vocab_size().min(32000));
+    let toks = walk_ids(12, m.vocab_size().min(32000));
     let (a, an) = decode_rows(&mut m, &graph, &toks);
     let (b, bn) = decode_rows(&mut m, &mega, &toks);
     eprintln!("tiny-qwen2: graph {an} nodes, with decode=mega {bn} nodes");

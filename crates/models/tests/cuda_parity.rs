@@ -11,30 +11,17 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
-use common::{argmax, gpu, kl, tiny};
+use common::{argmax, gpu, kl, tiny, walk_ids};
 use hf2q_cpu::MatmulPath;
 use hf2q_cuda::backend::CudaBackend;
 use hf2q_models::model::BatchItem;
 use hf2q_models::Model;
 
-/// Token ids for a test text: a deterministic walk over the vocabulary.
-fn ids(n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9u64;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
-}
-
 /// GPU vs CPU reference on `n` teacher-forced positions; returns (agreements, mean KL) of the
 /// GPU's prefill (one forward of all positions: the tiled kernels) and of its decode (one token
 /// at a time after the first: the one-token kernels, fused ops and the captured graph).
 fn compare(model: &mut Model, gpu: &Arc<CudaBackend>, n: usize) -> [(usize, f64); 2] {
-    let toks = ids(n, model.vocab_size().min(32000));
+    let toks = walk_ids(n, model.vocab_size().min(32000));
     model.set_cuda(None).unwrap();
     model.set_matmul_path(MatmulPath::Reference);
     let want = model.session(n).forward_all(&toks).unwrap();
@@ -86,7 +73,7 @@ fn agreement(
 /// a batch of two sequences equals each alone (all on the GPU).
 fn decode_consistency(model: &mut Model, gpu: &Arc<CudaBackend>) {
     model.set_cuda(Some(gpu.clone())).unwrap();
-    let toks = ids(24, model.vocab_size().min(32000));
+    let toks = walk_ids(24, model.vocab_size().min(32000));
     let mut s = model.session(64);
     let full = s.prefill(&toks).unwrap();
     // Decode with the captured graph (the default) and eagerly: the same kernels in the same
@@ -243,7 +230,7 @@ fn decode_speed(model: &mut Model, gpu: &Arc<CudaBackend>) {
     for graphs in [false, true] {
         model.set_cuda_graphs(graphs);
         let mut s = model.session(512);
-        let toks = ids(200, model.vocab_size().min(32000));
+        let toks = walk_ids(200, model.vocab_size().min(32000));
         s.prefill(&toks[..8]).unwrap();
         let t0 = std::time::Instant::now();
         for &t in &toks[8..136] {
@@ -326,7 +313,7 @@ fn masked_decode_on_the_device_picks_only_allowed_tokens() {
         }
         m
     };
-    let prompt = ids(6, v);
+    let prompt = walk_ids(6, v);
     for cfg in [
         SamplerConfig::greedy(),
         SamplerConfig {
@@ -389,7 +376,7 @@ fn overlapped_grammar_masks_give_the_host_tokens() {
         "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
         "required": ["name", "n"], "additionalProperties": false});
     let g = env.compile(&GrammarSpec::JsonSchema(schema)).unwrap();
-    let prompt = ids(6, model.vocab_size());
+    let prompt = walk_ids(6, model.vocab_size());
     for sampler in [
         SamplerConfig::greedy(),
         SamplerConfig {

@@ -33,7 +33,15 @@ pub fn tiny(name: &str) -> std::path::PathBuf {
 /// environment (the kernel cache, `--cuda-opt` settings as `HF2Q_CUDA_OPT`), or `None` (and
 /// "skipped") without a device.
 pub fn gpu() -> Option<std::sync::Arc<hf2q_cuda::backend::CudaBackend>> {
-    let opts = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
+    gpu_with(|_| {})
+}
+
+/// [`gpu`] with the environment's options changed by `edit` first.
+pub fn gpu_with(
+    edit: impl FnOnce(&mut hf2q_cuda::CudaOptions),
+) -> Option<std::sync::Arc<hf2q_cuda::backend::CudaBackend>> {
+    let mut opts = hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap();
+    edit(&mut opts);
     match hf2q_cuda::CudaDev::open(0, &opts) {
         Ok(Some(dev)) => Some(std::sync::Arc::new(
             hf2q_cuda::backend::CudaBackend::new(dev, hf2q_cuda::KvDtype::F16).unwrap(),
@@ -44,4 +52,17 @@ pub fn gpu() -> Option<std::sync::Arc<hf2q_cuda::backend::CudaBackend>> {
         }
         Err(e) => panic!("a CUDA device is present but does not work: {e}"),
     }
+}
+
+/// `n` token ids below `vocab`: a deterministic xorshift walk (the same ids on every run).
+pub fn walk_ids(n: usize, vocab: usize) -> Vec<u32> {
+    let mut s = 0x9E37_79B9u64;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
 }
