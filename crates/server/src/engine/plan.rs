@@ -30,6 +30,7 @@ pub(super) struct Candidate<'a> {
 }
 
 impl Candidate<'_> {
+    /// Still prefilling (its prompt, or after a preemption its prompt and generated tokens).
     fn prefilling(&self) -> bool {
         !self.decoding && self.pos < self.tokens.len()
     }

@@ -125,11 +125,6 @@ impl<'m> Seq<'m> {
         }
     }
 
-    /// Still prefilling (its prompt, or after a preemption its prompt and generated tokens).
-    pub(super) fn prefilling(&self) -> bool {
-        self.next.is_none() && self.pos < self.tokens.len()
-    }
-
     pub(super) fn send(&mut self, ev: Event) {
         if self.p.out.send(ev).is_err() {
             self.done.get_or_insert(FinishReason::Cancelled);
