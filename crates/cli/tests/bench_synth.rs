@@ -127,13 +127,15 @@ fn bench_json_lines_and_table() {
     );
 }
 
-/// `--kv-type q8_0` on a model with 32-wide heads: KV bytes per token (and the cache's bytes)
-/// are 34/64 of f16's, reported in the JSON lines and on stderr.
+/// `--kv-type q8_0` on a model with 32-wide heads: KV bytes per token (and, with key centring
+/// off, the cache's bytes) are 34/64 of f16's, reported in the JSON lines and on stderr; key
+/// centring (the default) holds more bytes (its f16 first positions and centres), never fewer,
+/// at the same bytes per token.
 #[test]
 fn bench_reports_q8_0_kv_bytes() {
     let t = fixture("tiny-qwen3");
-    let run = |kv: &str| {
-        let o = hf2q(&[
+    let run = |kv: &str, extra: &[&str]| {
+        let mut args = vec![
             "bench",
             s(&t),
             "-p",
@@ -149,13 +151,17 @@ fn bench_reports_q8_0_kv_bytes() {
             "--device",
             "cpu",
             "--json",
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        let o = hf2q(&args);
         assert!(o.status.success(), "{}", stderr(&o));
         (json_lines(&o), stderr(&o))
     };
-    let (q8, err) = run("q8_0");
-    let (f16, _) = run("f16");
-    let (q4, err4) = run("q4_0");
+    let off = ["--kv-key-sinks", "0"];
+    let (q8, err) = run("q8_0", &off);
+    let (q8c, _) = run("q8_0", &[]);
+    let (f16, _) = run("f16", &[]);
+    let (q4, err4) = run("q4_0", &off);
     assert!(err4.contains("28.1 % of f16"), "{err4}");
     for (a, b) in q4.iter().zip(&f16) {
         assert_eq!(a["kv_type"], "q4_0");
@@ -175,6 +181,11 @@ fn bench_reports_q8_0_kv_bytes() {
         );
         assert_eq!(per(a, "kv_cache_bytes") * 64, per(b, "kv_cache_bytes") * 34);
         assert!(a["tokens_per_second"].as_f64().unwrap() > 0.0);
+    }
+    for (c, a) in q8c.iter().zip(&q8) {
+        let per = |v: &Value, k: &str| v[k].as_u64().unwrap();
+        assert_eq!(per(c, "kv_bytes_per_token"), per(a, "kv_bytes_per_token"));
+        assert!(per(c, "kv_cache_bytes") > per(a, "kv_cache_bytes"));
     }
 }
 
