@@ -10,6 +10,8 @@
 //! `HF2Q_TEST_SMOLLM2_GGUF` (skipped when unset). The GPU test prints "skipped: no CUDA
 //! device" and passes without one.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -27,6 +29,8 @@ use hf2q_models::quantize::sensitivity::{mean_kl, Sensitivity};
 use hf2q_models::Model;
 use hf2q_tensor::{Bytes, GgmlType, QTensor};
 
+use common::walk_ids;
+
 fn tiny_llama() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/tiny-llama")
 }
@@ -39,19 +43,6 @@ fn smollm2() -> Option<PathBuf> {
             None
         }
     }
-}
-
-/// Token ids: a deterministic walk over the first `vocab` ids.
-fn ids(n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9u64;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
 }
 
 /// The source tensors (indices) of a group, by GGUF name prefix (`blk.1.ffn_`).
@@ -152,7 +143,7 @@ fn rel(a: f64, b: f64) -> f64 {
 fn in_memory_kl_equals_the_file_based_one_on_tiny_llama() {
     let path = tiny_llama();
     let src = SourceModel::open(&path).unwrap();
-    let calib = ids(48, 200);
+    let calib = walk_ids(48, 200);
     // On the reference path, as the file-based measurement ran. Groups measured in block order
     // (the second reuses the first's prefix), then one before them (the prefix is rebuilt):
     // layer 1's MLP, the output layer (tied: the embeddings), layer 0's attention (q/k rows
@@ -183,7 +174,7 @@ fn in_memory_kl_equals_the_file_based_one_on_tiny_llama() {
 fn swapping_back_restores_and_bad_swaps_are_refused() {
     let path = tiny_llama();
     let src = SourceModel::open(&path).unwrap();
-    let calib = ids(16, 200);
+    let calib = walk_ids(16, 200);
     let mut model = Model::load(&path).unwrap();
     let before = model.session(16).forward_all(&calib).unwrap();
     let m = members(&src, "blk.0.ffn_");
@@ -215,7 +206,7 @@ fn swapping_back_restores_and_bad_swaps_are_refused() {
 #[test]
 fn the_forward_in_parts_equals_forward_all() {
     let model = Model::load(&tiny_llama()).unwrap();
-    let calib = ids(24, 200);
+    let calib = walk_ids(24, 200);
     let want = model.session(24).forward_all(&calib).unwrap();
     let n = model.config.n_layers;
     for split in 0..=n {
@@ -235,7 +226,7 @@ fn the_forward_in_parts_equals_forward_all() {
 fn in_memory_kl_equals_the_file_based_one_on_smollm2() {
     let Some(path) = smollm2() else { return };
     let src = SourceModel::open(&path).unwrap();
-    let calib = ids(64, 32000);
+    let calib = walk_ids(64, 32000);
     let m = members(&src, "blk.5.ffn_");
     let tys = types(&src, &m, GgmlType::Q2_K);
     // Both on the fast kernels, the path `--target-bpw` measures on.
@@ -266,7 +257,7 @@ fn gpu_measures_what_the_cpu_measures() {
     };
     let path = smollm2().unwrap_or_else(tiny_llama);
     let src = SourceModel::open(&path).unwrap();
-    let calib = ids(64, src.config.vocab_size.min(32000));
+    let calib = walk_ids(64, src.config.vocab_size.min(32000));
     let mut cpu = sensitivity(&path, MatmulPath::Fast, None, &calib);
     let mut dev = sensitivity(&path, MatmulPath::Fast, Some(gpu), &calib);
     for prefix in ["token_embd", "blk.0.attn_", "blk.1.ffn_"] {

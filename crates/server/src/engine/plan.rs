@@ -89,7 +89,6 @@ fn computed_beside(
         o.adapter == c.adapter
             && o.pos <= p
             && o.pos + n >= end
-            && o.tokens.len() >= end
             && o.tokens[..end] == c.tokens[..end]
     })
 }
