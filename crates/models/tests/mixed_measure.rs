@@ -17,7 +17,6 @@ use std::sync::Arc;
 
 use hf2q_cpu::MatmulPath;
 use hf2q_cuda::backend::CudaBackend;
-use hf2q_cuda::{CudaDev, KvDtype};
 use hf2q_models::convert::gguf_meta::metadata_from_hf;
 use hf2q_models::convert::gguf_out::{metadata_from_gguf, write_gguf};
 use hf2q_models::convert::source::SourceModel;
@@ -29,7 +28,7 @@ use hf2q_models::quantize::sensitivity::{mean_kl, Sensitivity};
 use hf2q_models::Model;
 use hf2q_tensor::{Bytes, GgmlType, QTensor};
 
-use common::walk_ids;
+use common::{gpu, walk_ids};
 
 fn tiny_llama() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/tiny-llama")
@@ -244,17 +243,7 @@ fn in_memory_kl_equals_the_file_based_one_on_smollm2() {
 
 #[test]
 fn gpu_measures_what_the_cpu_measures() {
-    let gpu = match CudaDev::open(
-        0,
-        &hf2q_cuda::CudaOptions::from_environment(|k| std::env::var_os(k)).unwrap(),
-    ) {
-        Ok(Some(dev)) => Arc::new(CudaBackend::new(dev, KvDtype::F16).unwrap()),
-        Ok(None) => {
-            eprintln!("skipped: no CUDA device");
-            return;
-        }
-        Err(e) => panic!("a CUDA device is present but does not work: {e}"),
-    };
+    let Some(gpu) = gpu() else { return };
     let path = smollm2().unwrap_or_else(tiny_llama);
     let src = SourceModel::open(&path).unwrap();
     let calib = walk_ids(64, src.config.vocab_size.min(32000));
