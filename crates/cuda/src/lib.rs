@@ -398,6 +398,25 @@ impl CudaDev {
         self.stream.synchronize().map_err(cuda_err("synchronizing"))
     }
 
+    /// Opens (`true`) or closes the span an attached profiler records when it was started with
+    /// `--profile-from-start off` (Nsight Compute, Nsight Systems): benchmarks mark the work
+    /// they time so a profile holds only it. Without a profiler it does nothing.
+    pub fn profiler_span(&self, on: bool) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronizing"))?;
+        // SAFETY: plain driver calls on the bound context; they take no pointers.
+        let r = unsafe {
+            if on {
+                sys::cuProfilerStart()
+            } else {
+                sys::cuProfilerStop()
+            }
+        };
+        r.result().map_err(cuda_err("marking the profiler's span"))
+    }
+
     /// The totals so far (subtract two snapshots for a span of work).
     pub fn counters(&self) -> DeviceCounters {
         use std::sync::atomic::Ordering::Relaxed;

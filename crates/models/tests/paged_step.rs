@@ -541,10 +541,25 @@ fn bench_paged_decode_steps() {
     let path = std::env::var_os("HF2Q_BENCH_MODEL").expect("HF2Q_BENCH_MODEL names a GGUF");
     let Some(gpu) = gpu() else { return };
     let mut m = Model::load(Path::new(&path)).unwrap();
-    m.set_cuda(Some(gpu)).unwrap();
-    let (prompt, steps) = (128usize, 32usize);
+    m.set_cuda(Some(gpu.clone())).unwrap();
+    // Optional knobs: HF2Q_BENCH_ROWS (batch sizes, default 1,16,64), HF2Q_BENCH_PROMPT (128),
+    // HF2Q_BENCH_STEPS (32), HF2Q_BENCH_PROFILE=eager|graphs (marks that pass as the span an
+    // attached profiler records, `ncu --profile-from-start off`, and skips the chunk and
+    // per-sequence columns so a profile stays small).
+    let knob = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let rows: Vec<usize> = knob("HF2Q_BENCH_ROWS").map_or(vec![1, 16, 64], |v| {
+        v.split(',').map(|r| r.trim().parse().unwrap()).collect()
+    });
+    let prompt: usize = knob("HF2Q_BENCH_PROMPT").map_or(128, |v| v.parse().unwrap());
+    let steps: usize = knob("HF2Q_BENCH_STEPS").map_or(32, |v| v.parse().unwrap());
+    let profile = knob("HF2Q_BENCH_PROFILE");
+    let span = |on: bool, pass: &str| {
+        if profile.as_deref() == Some(pass) {
+            gpu.device().profiler_span(on).unwrap();
+        }
+    };
     let vocab = m.vocab_size().min(32000);
-    for b in [1usize, 16, 64] {
+    for b in rows {
         let toks: Vec<Vec<u32>> = (0..b)
             .map(|i| ids(i as u64, prompt + steps, vocab))
             .collect();
@@ -591,12 +606,23 @@ fn bench_paged_decode_steps() {
         m.set_paged_graphs(false); // the eager columns (the device's default may replay graphs)
         let paged = timed(&m, &mut cache, &mut tables, 0);
         // Picking on the device: only ids back.
+        span(true, "eager");
         let greedy = timed(&m, &mut cache, &mut tables, 1);
+        span(false, "eager");
         // The same as replayed graphs (the first pass captures).
         m.set_paged_graphs(true);
         timed(&m, &mut cache, &mut tables, 2);
+        span(true, "graphs");
         let graphs = timed(&m, &mut cache, &mut tables, 2);
+        span(false, "graphs");
         m.set_paged_graphs(false);
+        if profile.is_some() {
+            println!(
+                "batched decode, {b} sequences at {prompt}..{} tokens: paged {paged:.0} tok/s, picking on the device {greedy:.0} tok/s, as graphs {graphs:.0} tok/s",
+                prompt + steps
+            );
+            continue;
+        }
         // The same rows as one sequence's chunk: one forward of b rows, one row of logits.
         for t in &mut tables {
             t.clear(cache.pool_mut());
