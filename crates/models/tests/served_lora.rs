@@ -332,11 +332,12 @@ fn a_mixed_batch_on_the_gpu_equals_each_sequence_alone_with_its_adapter() {
 }
 
 /// Where the served adapters' time goes on the CPU (a benchmark, not a check): SmolLM2 from
-/// `HF2Q_TEST_SMOLLM2_GGUF` as `serve` loads it, 16 sequences of 48 prompt tokens, then decode
-/// steps of 16 rows through `step_batch_served`, the base alone against four adapters (PEFT's
-/// r 16 / alpha 32 on every linear, 4 sequences each, rows grouped by adapter as the server's
-/// planner orders them). The two batches alternate step by step so they share the machine's
-/// load. `cargo test --release --workspace --test served_lora -- --ignored --nocapture speed`.
+/// `HF2Q_TEST_SMOLLM2_GGUF` on `serve`'s default (fast) matmul path, 16 sequences of 48 prompt
+/// tokens, then decode steps of 16 rows through `step_batch_served`, the base alone against
+/// four adapters (PEFT's r 16 / alpha 32 on every linear, 4 sequences each, rows grouped by
+/// adapter as the server's planner orders them). The two batches alternate step by step so
+/// they share the machine's load.
+/// `cargo test --release --workspace --test served_lora -- --ignored --nocapture speed`.
 #[test]
 #[ignore]
 fn speed_of_four_adapters_at_sixteen_rows_on_the_cpu() {
@@ -355,7 +356,9 @@ fn speed_of_four_adapters_at_sixteen_rows_on_the_cpu() {
         alpha: 32.0,
         ..LoraConfig::default()
     };
-    let base = Model::load(&gguf).unwrap();
+    let mut base = Model::load(&gguf).unwrap();
+    // `serve`'s default matmul path.
+    base.set_matmul_path(MatmulPath::Fast);
     let mut set = AdapterSet::new();
     let mut slots = Vec::new();
     for i in 0..4u64 {
