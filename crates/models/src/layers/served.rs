@@ -5,8 +5,9 @@
 //! (`x · Aᵀ`, then `· Bᵀ · scale`) is added onto the rows of its sequences in one segmented
 //! product ([`hf2q_tensor::lora_rows`]).
 //!
-//! Architectures only pass the context on; [`crate::layers::linear::Linear`] is the one place
-//! that reads it (through its `site`, its index among the model's products).
+//! Architectures only pass the context on; [`crate::layers::linear::Linear`] adds the terms
+//! (through its `site`, its index among the model's products), and the attention and MLP
+//! layers only ask whether a batch has terms on their products, to keep the normed rows.
 //!
 //! Not here: where the factors come from and which slot holds which adapter
 //! (`crate::adapter_set`); an adapter attached to the model itself, for training and
