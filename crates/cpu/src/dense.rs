@@ -1,13 +1,15 @@
 //! Dense f32 products on the CPU over the `gemm` crate (packed micro-kernels for the CPU at
-//! hand, rayon-parallel): LoRA's factors, training's gradient products, and the backward of a
-//! product through a frozen weight, whose rows are dequantized in chunks (as the forward's
-//! reference path reads them) and multiplied in f32.
+//! hand, rayon-parallel): LoRA's factors (served adapters' terms written onto their rows in
+//! place), training's gradient products, and the backward of a product through a frozen
+//! weight, whose rows are dequantized in chunks (as the forward's reference path reads them)
+//! and multiplied in f32.
 //!
 //! Not here: the forward `x · Wᵀ` of a stored weight (`CpuBackend::linear`, which keeps its
 //! reference and SIMD paths).
 
 use rayon::prelude::*;
 
+use hf2q_tensor::lora_rows::{check_terms, RowsTerm};
 use hf2q_tensor::op::MatmulSpec;
 use hf2q_tensor::{Error, QTensor, Result, Tensor};
 
@@ -166,6 +168,69 @@ pub fn matmul_acc(out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) ->
         spec.tb,
         spec.alpha,
     )
+}
+
+/// [`hf2q_tensor::op::Backend::add_row_terms`] on host tensors: each run's rows of `x` and `y`
+/// read and written in place (no gather, no scatter), `x[run] · Aᵀ` into a `(n, r)` scratch
+/// and `scale · (·) · Bᵀ` accumulated straight into `y[run]`; the runs split over threads.
+pub fn add_row_terms(x: &Tensor, y: &mut Tensor, terms: &[RowsTerm<'_>]) -> Result<()> {
+    check_terms(x, y, terms)?;
+    let (c, r) = (x.dims2().1, y.dims2().1);
+    // (first row, rows, term), in row order (runs are disjoint: checked).
+    let mut runs: Vec<(usize, usize, &RowsTerm<'_>)> = terms
+        .iter()
+        .flat_map(|t| t.runs.iter().map(move |&(s, n)| (s, n, t)))
+        .filter(|&(_, n, _)| n > 0)
+        .collect();
+    runs.sort_unstable_by_key(|&(s, _, _)| s);
+    // Each run's input rows and its own slice of the output.
+    let xd = x.data();
+    let mut rest = y.data_mut();
+    let mut at = 0;
+    let mut jobs = Vec::with_capacity(runs.len());
+    for (s, n, term) in runs {
+        let tail = std::mem::take(&mut rest).split_at_mut((s - at) * r).1;
+        let (mine, tail) = tail.split_at_mut(n * r);
+        rest = tail;
+        at = s + n;
+        jobs.push((&xd[s * c..(s + n) * c], mine, term));
+    }
+    let run = |(xs, ys, term): (&[f32], &mut [f32], &RowsTerm<'_>)| -> Result<()> {
+        let (n, rank) = (xs.len() / c, term.a.dims2().0);
+        // (n, r)
+        let mut xa = vec![0f32; n * rank];
+        gemm_f32(
+            &mut xa,
+            false,
+            xs,
+            term.a.data(),
+            (n, c, rank),
+            false,
+            true,
+            1.0,
+        )?;
+        gemm_f32(
+            ys,
+            true,
+            &xa,
+            term.b.data(),
+            (n, rank, r),
+            false,
+            true,
+            term.scale,
+        )
+    };
+    // Multiply-adds of all the runs: a decode step's few rows per adapter run on this thread
+    // (splitting them costs more than they take).
+    let macs: usize = jobs
+        .iter()
+        .map(|(xs, _, t)| xs.len() / c * t.a.dims2().0 * (c + r))
+        .sum();
+    if jobs.len() > 1 && macs >= PARALLEL_MACS {
+        jobs.into_par_iter().try_for_each(run)
+    } else {
+        jobs.into_iter().try_for_each(run)
+    }
 }
 
 /// A source of a weight's f32 rows: the weight itself, or the fast path's packed copy (whose

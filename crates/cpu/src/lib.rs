@@ -586,6 +586,15 @@ impl Backend for CpuBackend {
     fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()> {
         dense::matmul_acc(out, a, b, spec)
     }
+
+    fn add_row_terms(
+        &self,
+        x: &Tensor,
+        y: &mut Tensor,
+        terms: &[hf2q_tensor::lora_rows::RowsTerm<'_>],
+    ) -> Result<()> {
+        dense::add_row_terms(x, y, terms)
+    }
 }
 
 /// RoPE in place on `x (T, nh * Dh)`, row `ti` at position `pos(ti)` (divided by the linear

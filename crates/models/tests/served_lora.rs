@@ -330,3 +330,100 @@ fn a_mixed_batch_on_the_gpu_equals_each_sequence_alone_with_its_adapter() {
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// Where the served adapters' time goes on the CPU (a benchmark, not a check): SmolLM2 from
+/// `HF2Q_TEST_SMOLLM2_GGUF` on `serve`'s default (fast) matmul path, 16 sequences of 48 prompt
+/// tokens, then decode steps of 16 rows through `step_batch_served`, the base alone against
+/// four adapters (PEFT's r 16 / alpha 32 on every linear, 4 sequences each, rows grouped by
+/// adapter as the server's planner orders them). The two batches alternate step by step so
+/// they share the machine's load.
+/// `cargo test --release --workspace --test served_lora -- --ignored --nocapture speed`.
+#[test]
+#[ignore]
+fn speed_of_four_adapters_at_sixteen_rows_on_the_cpu() {
+    let Ok(gguf) = std::env::var("HF2Q_TEST_SMOLLM2_GGUF") else {
+        eprintln!("skipped: HF2Q_TEST_SMOLLM2_GGUF is not set");
+        return;
+    };
+    let steps: usize = std::env::var("HF2Q_BENCH_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(24);
+    let gguf = PathBuf::from(gguf);
+    let tmp = std::env::temp_dir().join(format!("hf2q-served-lora-speed-{}", std::process::id()));
+    let cfg = LoraConfig {
+        r: 16,
+        alpha: 32.0,
+        ..LoraConfig::default()
+    };
+    let mut base = Model::load(&gguf).unwrap();
+    // `serve`'s default matmul path.
+    base.set_matmul_path(MatmulPath::Fast);
+    let mut set = AdapterSet::new();
+    let mut slots = Vec::new();
+    for i in 0..4u64 {
+        let dir = tmp.join(format!("a{i}"));
+        let mut m = Model::load(&gguf).unwrap();
+        m.attach_lora(&cfg, 7 + i).unwrap();
+        for (_, l) in m.adapters_mut() {
+            let shape = l.b.shape().to_vec();
+            let v = (0..l.b.len())
+                .map(|j| ((j * 37 + i as usize) % 19) as f32 * 1e-3 - 9e-3)
+                .collect();
+            l.b = Tensor::new(&shape, v).unwrap();
+        }
+        m.save_adapter(&dir, &cfg, "smollm2").unwrap();
+        slots.push(set.insert(&base, base.read_adapter(&dir).unwrap()).unwrap());
+    }
+    let n = 16;
+    let vocab = base.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..n as u32)
+        .map(|i| (0..48).map(|j| (i * 131 + j * 17 + 5) % vocab).collect())
+        .collect();
+    let with: Vec<Option<usize>> = (0..n).map(|i| Some(slots[i / 4])).collect();
+    let without = vec![None; n];
+    // (caches, slots, seconds of decode steps)
+    let mut runs = [(Vec::new(), without, 0f64), (Vec::new(), with, 0f64)];
+    for (caches, sl, _) in &mut runs {
+        *caches = (0..n).map(|_| base.new_cache(48 + steps + 1)).collect();
+        let mut items: Vec<BatchItem> = caches
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(c, p)| BatchItem {
+                cache: c,
+                pos0: 0,
+                tokens: p,
+            })
+            .collect();
+        base.step_batch_served(&mut items, Some((&set, sl)))
+            .unwrap();
+    }
+    for s in 0..steps {
+        for (caches, sl, secs) in &mut runs {
+            let toks: Vec<[u32; 1]> = (0..n as u32)
+                .map(|i| [(i * 7 + s as u32 * 3) % vocab])
+                .collect();
+            let mut items: Vec<BatchItem> = caches
+                .iter_mut()
+                .zip(&toks)
+                .map(|(c, t)| BatchItem {
+                    cache: c,
+                    pos0: 48 + s,
+                    tokens: t,
+                })
+                .collect();
+            let t0 = std::time::Instant::now();
+            base.step_batch_served(&mut items, Some((&set, sl)))
+                .unwrap();
+            *secs += t0.elapsed().as_secs_f64();
+        }
+    }
+    let (b, a) = (runs[0].2 / steps as f64, runs[1].2 / steps as f64);
+    println!(
+        "16 rows, {steps} decode steps: base {:.1} ms/step, 4 adapters {:.1} ms/step, ratio {:.2}x",
+        b * 1e3,
+        a * 1e3,
+        b / a
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}

@@ -10,6 +10,7 @@
 //! - [`kv`]: the per-layer KV cache a backend reads and writes (host planes or a device cache).
 //! - [`paged`]: the paged KV cache's block pool, block tables and layout (no storage).
 //! - [`paged_prefix`]: the paged KV cache's prefix cache (full blocks found again by their tokens).
+//! - [`lora_rows`]: several LoRA adapters' low-rank terms over one batch, each on its rows.
 //! - [`moe`]: mixture-of-experts routing and expert products over the op set.
 //! - [`train_op`]: the training op set (backward of every op, attention with its log-sum-exp,
 //!   the fused output layer and loss, AdamW) and the shape checks every backend shares.
@@ -20,6 +21,7 @@ pub mod io;
 pub mod kv;
 pub mod kv_affine;
 pub mod kv_blocks;
+pub mod lora_rows;
 pub mod moe;
 pub mod op;
 pub mod paged;

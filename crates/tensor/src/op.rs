@@ -303,6 +303,17 @@ pub trait Backend: Send + Sync {
     fn matmul(&self, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<Tensor>;
     /// `out += alpha · op(a) · op(b)`, `out (M, N)`.
     fn matmul_acc(&self, out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) -> Result<()>;
+    /// `y (T, R) += scale · (x[rows] · Aᵀ) · Bᵀ` for each term on its own rows of `x (T, C)`
+    /// (several served LoRA adapters over one batch, [`crate::lora_rows`]). The default gathers,
+    /// multiplies and scatters through the ops above.
+    fn add_row_terms(
+        &self,
+        x: &Tensor,
+        y: &mut Tensor,
+        terms: &[crate::lora_rows::RowsTerm<'_>],
+    ) -> Result<()> {
+        crate::lora_rows::add_row_terms_composed(self, x, y, terms)
+    }
 
     // Fused forms of common sequences. The defaults compose the ops above; a backend overrides
     // them where one kernel does the work of several (the GPU at decode), with the same result

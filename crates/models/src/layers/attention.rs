@@ -232,9 +232,13 @@ impl Attention {
         };
         let ws: Vec<(&hf2q_tensor::QTensor, Option<&[f32]>)> =
             lins.iter().map(|l| (&l.w, l.b.as_deref())).collect();
-        let adapted = lins.iter().any(|l| l.adapted(cx));
+        let attached = lins.iter().any(|l| l.lora.is_some());
+        let served = cx
+            .lora
+            .is_some_and(|b| lins.iter().any(|l| b.touches(l.site)));
         let mut qkv = match norm {
-            _ if adapted => {
+            // An attached adapter: each product with its term.
+            _ if attached => {
                 let h = match norm {
                     Some(n) => be.rms_norm(x, n.w, n.eps, n.offset)?,
                     None => x.clone(),
@@ -242,6 +246,23 @@ impl Attention {
                 lins.iter()
                     .map(|l| l.forward(cx, &h))
                     .collect::<Result<Vec<_>>>()?
+            }
+            // Served adapters: the base products together over every row, then each
+            // adapter's terms on its rows (they read the normed rows too).
+            _ if served => {
+                let normed;
+                let h = match norm {
+                    Some(n) => {
+                        normed = be.rms_norm(x, n.w, n.eps, n.offset)?;
+                        &normed
+                    }
+                    None => x,
+                };
+                let mut ys = be.linear_many(h, &ws)?;
+                for (l, y) in lins.iter().zip(ys.iter_mut()) {
+                    l.add_served(cx, h, y)?;
+                }
+                ys
             }
             Some(n) => be.norm_linear_many(x, n, &ws)?,
             None => be.linear_many(x, &ws)?,

@@ -84,15 +84,11 @@ impl Linear {
         }
         Ok(out)
     }
-    /// Whether an adapter adds to this product in this forward (attached, or served to some
-    /// rows of the batch).
-    pub fn adapted(&self, cx: &Fwd) -> bool {
-        self.lora.is_some() || cx.lora.is_some_and(|b| b.touches(self.site))
-    }
-    /// Whether the product is the plain stored weight in this forward (no bias, no adapter):
-    /// the only form the backends' fused launches take.
-    pub fn is_plain(&self, cx: &Fwd) -> bool {
-        self.b.is_none() && !self.adapted(cx)
+    /// Whether the product is the plain stored weight (no bias, no attached adapter): the
+    /// only form the backends' fused launches take. Served adapters do not change it: their
+    /// terms are added after the base product ([`Linear::add_served`]).
+    pub fn is_plain(&self) -> bool {
+        self.b.is_none() && self.lora.is_none()
     }
     /// `x (T, C) -> (T, R)`.
     pub fn forward(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
@@ -101,18 +97,27 @@ impl Linear {
         if let Some(l) = &self.lora {
             l.forward(be, x, &mut y)?;
         }
-        if let Some(b) = cx.lora {
-            b.apply(be, self.site, x, &mut y)?;
-        }
+        self.add_served(cx, x, &mut y)?;
         Ok(y)
+    }
+    /// `y (T, R) +=` the served adapters' terms of this product on their rows of `x (T, C)`
+    /// (nothing when the batch has none here): after a base product that ran on every row,
+    /// fused with others or not.
+    pub fn add_served(&self, cx: &Fwd, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        match cx.lora {
+            Some(b) => b.apply(cx.be, self.site, x, y),
+            None => Ok(()),
+        }
     }
     /// `residual (T, R) += forward(x)`.
     pub fn forward_add(&self, cx: &Fwd, x: &Tensor, residual: &mut Tensor) -> Result<()> {
-        if !self.is_plain(cx) {
+        if !self.is_plain() {
             let y = self.forward(cx, x)?;
             return Ok(cx.be.add_assign(residual, &y)?);
         }
-        Ok(cx.be.linear_add(x, &self.w, residual)?)
+        cx.be.linear_add(x, &self.w, residual)?;
+        // The served terms straight onto the residual: `r + xWᵀ + Δ`.
+        self.add_served(cx, x, residual)
     }
 
     /// The training forward of `x (N, C) -> (N, R)`: the adapter's input dropout applies; the

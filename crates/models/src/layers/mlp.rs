@@ -55,12 +55,36 @@ impl Mlp {
     /// `act(gate(x)) * up(x)`, `(T, D) -> (T, F)`.
     fn hidden(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
         let (be, act) = (cx.be, self.gate_act());
-        if !self.gate.is_plain(cx) || !self.up.is_plain(cx) {
+        if !self.gate.is_plain() || !self.up.is_plain() {
             let g = self.gate.forward(cx, x)?;
             let u = self.up.forward(cx, x)?;
             return Ok(be.gated_act(&g, &u, act)?);
         }
+        if self.served(cx) {
+            return self.hidden_served(cx, x);
+        }
         Ok(be.linear_gated(x, &self.gate.w, &self.up.w, act)?)
+    }
+    /// Whether served adapters add to the gate or up product in this forward.
+    fn served(&self, cx: &Fwd) -> bool {
+        cx.lora
+            .is_some_and(|b| b.touches(self.gate.site) || b.touches(self.up.site))
+    }
+    /// [`Mlp::hidden`] with served adapters: the gate and up products together over every
+    /// row, each adapter's terms added to its rows, then the activation.
+    fn hidden_served(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
+        let be = cx.be;
+        let mut gu = be
+            .linear_many(x, &[(&self.gate.w, None), (&self.up.w, None)])?
+            .into_iter();
+        let (Some(mut g), Some(mut u)) = (gu.next(), gu.next()) else {
+            return Err(crate::Error::Msg(
+                "linear_many gave fewer than two outputs".into(),
+            ));
+        };
+        self.gate.add_served(cx, x, &mut g)?;
+        self.up.add_served(cx, x, &mut u)?;
+        Ok(be.gated_act(&g, &u, self.gate_act())?)
     }
     /// `x (T, D) -> (T, D)`.
     pub fn forward(&self, cx: &Fwd, x: &Tensor) -> Result<Tensor> {
@@ -68,10 +92,10 @@ impl Mlp {
         self.down.forward(cx, &h)
     }
     /// `x += forward(rms_norm(x))`: a pre-norm block's MLP half (the backend may fold the norm
-    /// into the gate and up product).
+    /// into the gate and up product; not when served adapters need the normed rows too).
     pub fn forward_residual(&self, cx: &Fwd, norm: PreNorm<'_>, x: &mut Tensor) -> Result<()> {
         let be = cx.be;
-        let h = if !self.gate.is_plain(cx) || !self.up.is_plain(cx) {
+        let h = if !self.gate.is_plain() || !self.up.is_plain() || self.served(cx) {
             let n = be.rms_norm(x, norm.w, norm.eps, norm.offset)?;
             self.hidden(cx, &n)?
         } else {
