@@ -763,7 +763,10 @@ fn centring_sweep(name: &str, model: &mut Model, ids: &[u32]) -> Vec<(KvType, us
     for ty in [KvType::Q8_0, KvType::Affine(AffineKv::B8G64)] {
         model.set_kv_type(ty);
         for sinks in [0, 1, 16, 32, 64] {
-            model.set_kv_key_centering(KeyCentering { sinks });
+            model.set_kv_key_centering(KeyCentering {
+                sinks,
+                ..KeyCentering::DEFAULT
+            });
             let got = prefill_logits(model, ids, 100);
             let what = format!("{} keys centred on {sinks} first positions", ty.name());
             let (agree, kl) = compare(name, &what, &f16, &got);
@@ -814,6 +817,50 @@ fn key_centring_sweep() {
                     ty.name()
                 );
             }
+        }
+    }
+}
+
+/// Rotating pairs of key centring (`KeyCentering::rotated`) on `model`, prefill against the f16
+/// cache (fast path): q8_0 and 8-bit affine (groups of 64) with 16 first positions and each
+/// head's `rotated` largest pairs following the rotation (0: a fixed centre). Rows `(type,
+/// rotated, argmax agreement, mean KL)`; the model is left with the default centring.
+fn rotation_sweep(name: &str, model: &mut Model, ids: &[u32]) -> Vec<(KvType, usize, usize, f64)> {
+    let (f16, _) = f16_prefill_logits(model, ids);
+    let mut rows = Vec::new();
+    for ty in [KvType::Q8_0, KvType::Affine(AffineKv::B8G64)] {
+        model.set_kv_type(ty);
+        for (rotated, skip) in [
+            (0, 0),
+            (0, 1),
+            (4, 0),
+            (KeyCentering::ALL, 0),
+            (KeyCentering::ALL, 1),
+        ] {
+            model.set_kv_key_centering(KeyCentering {
+                rotated,
+                skip,
+                ..KeyCentering::DEFAULT
+            });
+            let got = prefill_logits(model, ids, 100);
+            let what = format!("{} keys, {rotated} rotating pairs, skip {skip}", ty.name());
+            let (agree, kl) = compare(name, &what, &f16, &got);
+            rows.push((ty, rotated, agree, kl));
+        }
+    }
+    model.set_kv_key_centering(KeyCentering::DEFAULT);
+    rows
+}
+
+#[test]
+fn key_rotation_sweep() {
+    for (name, m) in [
+        ("gemma3", gemma3()),
+        ("qwen25", qwen25()),
+        ("smollm2", smollm2()),
+    ] {
+        if let Some((mut model, ids)) = m {
+            rotation_sweep(name, &mut model, &ids);
         }
     }
 }
