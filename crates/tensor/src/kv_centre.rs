@@ -28,7 +28,7 @@ use crate::{Error, Result};
 /// centre is set from those f16 keys; every later position `p` is stored as
 /// `quantize(k - centre(p))`, and attention adds `q · centre(p)` back to its score
 /// ([`KeyCentre`]), so scores stay those of the keys written up to the quantization of
-/// `k - centre(p)`. The centre is the mean of the sink keys (less the first `skip`), except,
+/// `k - centre(p)`. The centre is the mean of the sink keys, except,
 /// when the cache knows the layer's RoPE ([`KeyRope`]), on each head's `rotated` rotary pairs
 /// of the largest mean before the rotation: those follow the rotation (`R(p)` of the mean of
 /// `R(-j) k_j`). The centre depends only on the stored first positions, so any chunking of the
@@ -40,9 +40,6 @@ pub struct KeyCentering {
     /// Rotary pairs per kv head whose centre follows the rotation (0: a fixed centre on every
     /// channel; [`KeyCentering::ALL`] or more than the head has: all of them).
     pub rotated: usize,
-    /// The first `skip` sink positions are kept whole but left out of the centre's mean (a
-    /// model's first key, its attention sink's, is often unlike the rest); below `sinks`.
-    pub skip: usize,
 }
 
 impl KeyCentering {
@@ -50,7 +47,6 @@ impl KeyCentering {
     pub const OFF: KeyCentering = KeyCentering {
         sinks: 0,
         rotated: 0,
-        skip: 0,
     };
     /// Every rotary pair follows the rotation ([`KeyCentering::rotated`]).
     pub const ALL: usize = usize::MAX;
@@ -59,7 +55,6 @@ impl KeyCentering {
     pub const DEFAULT: KeyCentering = KeyCentering {
         sinks: 16,
         rotated: KeyCentering::ALL,
-        skip: 0,
     };
 }
 
@@ -126,8 +121,6 @@ pub(crate) struct Centre {
     /// As asked for.
     centering: KeyCentering,
     pub(crate) sinks: usize,
-    /// Sink positions left out of the mean (below `sinks`).
-    skip: usize,
     /// Pairs per head to rotate (at most the rope's pairs; 0 without one).
     rotated: usize,
     rope: Option<KeyRope>,
@@ -150,7 +143,6 @@ impl Centre {
         Centre {
             centering,
             sinks: centering.sinks,
-            skip: centering.skip.min(centering.sinks.saturating_sub(1)),
             rotated,
             rope: rope.filter(|_| rotated > 0),
             sink: Vec::new(),
@@ -218,14 +210,14 @@ impl Centre {
         Ok(out)
     }
 
-    /// Head `hi`'s centre from its f16 sink rows past the first `skip` (summed in position
-    /// order): the mean of the rows, and with a rotation the mean of each pair turned back to
-    /// position 0 (`R(-j) k_j`); the `rotated` pairs of the largest such mean (the lower pair on
-    /// a tie) keep it, zero in the fixed centre.
+    /// Head `hi`'s centre from its f16 sink rows (summed in position order): the mean of the
+    /// rows, and with a rotation the mean of each pair turned back to position 0 (`R(-j) k_j`);
+    /// the `rotated` pairs of the largest such mean (the lower pair on a tie) keep it, zero in
+    /// the fixed centre.
     fn set(&mut self, hi: usize, d: usize) {
-        let (ks, skip) = (self.sinks, self.skip);
-        let rows = &self.sink[(hi * ks + skip) * d..(hi + 1) * ks * d];
-        let count = (ks - skip) as f32;
+        let ks = self.sinks;
+        let rows = &self.sink[hi * ks * d..(hi + 1) * ks * d];
+        let count = ks as f32;
         let c = &mut self.c[hi * d..(hi + 1) * d];
         c.fill(0.0);
         for row in rows.chunks_exact(d) {
@@ -239,7 +231,7 @@ impl Centre {
         };
         let n = rope.pairs();
         let mut pre = vec![[0f32; 2]; n];
-        for (j, row) in (skip..).zip(rows.chunks_exact(d)) {
+        for (j, row) in rows.chunks_exact(d).enumerate() {
             for (i, m) in pre.iter_mut().enumerate() {
                 let (a, b) = rope.pair(i);
                 let (cos, sin) = rope.cos_sin(i, j);
@@ -270,7 +262,6 @@ impl Centre {
         Centre {
             centering: self.centering,
             sinks: self.sinks,
-            skip: self.skip,
             rotated: self.rotated,
             rope: self.rope.clone(),
             sink: self.sink.clone(),

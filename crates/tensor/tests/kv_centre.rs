@@ -143,11 +143,7 @@ fn rotated_centre_write_equals_the_reference_quantizer() {
             (KvType::Q4_0, GgmlType::Q4_0),
         ] {
             for rotated in [1, 4, d / 2] {
-                let centering = KeyCentering {
-                    sinks: 16,
-                    rotated,
-                    skip: 0,
-                };
+                let centering = KeyCentering { sinks: 16, rotated };
                 let new = || {
                     HostKv::with_centering(h, d, KvTypes::from(ty), centering)
                         .with_key_rope(Some(r.clone()))
@@ -219,11 +215,7 @@ fn rotated_centre_follows_a_steady_pair() {
     let kv_vals = keys(n, (h, d), &r, 20.0, 0x5eed);
     let kt = Tensor::new(&[n, h * d], kv_vals.clone()).unwrap();
     let largest_left = |rotated: usize| -> f32 {
-        let centering = KeyCentering {
-            sinks: 16,
-            rotated,
-            skip: 0,
-        };
+        let centering = KeyCentering { sinks: 16, rotated };
         let mut kv =
             HostKv::with_centering(h, d, KvType::Q8_0, centering).with_key_rope(Some(r.clone()));
         kv.write(&kt, &kt, 0, n).unwrap();
@@ -255,7 +247,6 @@ fn rotated_centre_follows_a_steady_pair() {
         KeyCentering {
             sinks: 16,
             rotated: 2,
-            skip: 0,
         },
     )
     .with_key_rope(Some(r.clone()));
