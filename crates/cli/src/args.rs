@@ -105,8 +105,9 @@ pub struct KvArgs {
     pub kv_group_size: KvGroupChoice,
     /// Quantized keys (a block type or --kv-bits): this many first positions of a sequence are
     /// kept in f16 and every later key is stored less their mean, which attention adds back
-    /// (key centring: a few large key channels no longer set every block's scale). 0 stores
-    /// keys as written. f16 and f32 keys are never centred.
+    /// (key centring: a few large key channels no longer set every block's scale; the largest
+    /// rotary pairs' mean follows the rotation). 0 stores keys as written. f16 and f32 keys are
+    /// never centred.
     #[arg(long, value_name = "N", default_value_t = KeyCentering::DEFAULT.sinks)]
     pub kv_key_sinks: usize,
 }
@@ -150,6 +151,7 @@ impl KvArgs {
         };
         model.set_kv_key_centering(KeyCentering {
             sinks: self.kv_key_sinks,
+            ..KeyCentering::DEFAULT
         });
         model.check_kv_type()?;
         Ok(device_types)

@@ -655,7 +655,8 @@ pub(crate) fn attention_on<K: KvRead, V: KvRead>(
             let kt = &mut buf[off..off + dh * s_all];
             let mut row = vec![0f32; dh];
             // Centred keys (`KeyCentre`): a sink position's f16 row, a later one's plane row
-            // plus the head's centre (so its scores are `q · dq + q · c` within f32 rounding).
+            // plus the head's centre at its position (so its scores are `q · dq + q · c(j)`
+            // within f32 rounding).
             let sinks = cache.centre.map_or(0, |c| c.sinks).min(total);
             if let Some(c) = &cache.centre {
                 for j in 0..sinks {
@@ -665,20 +666,29 @@ pub(crate) fn attention_on<K: KvRead, V: KvRead>(
                     }
                 }
             }
-            let centre = cache.centre.map(|c| c.centre(g, dh));
+            // `(S - sinks, Dh)` centres of a centre that rotates, else the head's one.
+            let centres = cache.centre.map(|c| match c.rotates() {
+                true => {
+                    let mut cs = vec![0f32; (total - sinks) * dh];
+                    c.centres(g, sinks, &mut cs, dh);
+                    (cs, dh)
+                }
+                false => (c.centre(g, dh).to_vec(), 0),
+            });
             for j in sinks..total {
                 let krow = as_f32(
                     isa,
                     &cache.k[kbase + j * rk..kbase + (j + 1) * rk],
                     &mut row,
                 );
-                match centre {
-                    Some(c) => {
-                        for (d, (&kv, &cd)) in krow.iter().zip(c).enumerate() {
+                match &centres {
+                    Some((cs, stride)) => {
+                        let cj = &cs[(j - sinks) * stride..][..dh];
+                        for (d, (&kv, &cd)) in krow.iter().zip(cj).enumerate() {
                             kt[d * s_all + j] = kv + cd;
                         }
                     }
-                    None => {
+                    _ => {
                         for (d, &kv) in krow.iter().enumerate() {
                             kt[d * s_all + j] = kv;
                         }

@@ -15,9 +15,10 @@
 //! kv head, in order.
 //!
 //! Centred keys (`KeyCentre`: a quantized key plane whose first positions are f16 rows of their
-//! own and whose later rows hold `k - c`): a kv head's sink positions are one part of their own
-//! over the f16 rows, and every other part adds each row's `q · c` to its scores before the
-//! scale, so the parts merge as any others.
+//! own and whose later rows hold `k - c(j)`): a kv head's sink positions are one part of their
+//! own over the f16 rows, and every other part adds each row's `q · c` to its scores before the
+//! scale (a centre that follows RoPE on a few pairs: each row's and key's `q · c(j)`, its angles
+//! stepped from key to key), so the parts merge as any others.
 //!
 //! The grouped kernels for 8-bit blocks (ggml's Q8_0, mlx-lm's 8-bit affine groups) are in
 //! [`x512`] (AVX-512: each key's integers widened once, the `G` rows' 16-lane sums kept apart
@@ -117,9 +118,18 @@ pub(crate) fn decode<K: KvRead, V: KvRead>(
             centre => {
                 let kb = g * cache.capacity * rk;
                 let keys = &cache.k[kb + a * rk..kb + b * rk];
-                let qc: Option<Vec<f32>> = centre.map(|c| {
-                    let cg = c.centre(g, dh);
-                    qg.chunks_exact(dh).map(|qr| dot(qr, cg)).collect()
+                // `q · c` per row, or with rotating pairs `q · c(j)` per row and key.
+                let qc: Option<Vec<f32>> = centre.map(|c| match c.rotates() {
+                    false => {
+                        let cg = c.centre(g, dh);
+                        qg.chunks_exact(dh).map(|qr| dot(qr, cg)).collect()
+                    }
+                    true => {
+                        let qcs: Vec<_> = qg.chunks_exact(dh).map(|qr| c.q_centre(g, qr)).collect();
+                        let mut add = vec![0f32; group * (b - a)];
+                        c.add_scores(g, &qcs, a, &mut add);
+                        add
+                    }
                 });
                 part_on(isa, qg, keys, vals, (p.scale, qc.as_deref()), s, acc, ml);
             }
@@ -256,7 +266,8 @@ fn part_on<K: KvRead, V: KvRead>(
 
 /// One part (module header): `q (G, Dh)` over `n >= 1` key and value rows `k`, `v` ->
 /// `acc (G, Dh)` unnormalised and `ml[r] = (m_r, l_r)`. `scale`: the score scale, and for
-/// centred keys each row's `q · c` (`G` values), added to its scores before the scale. `L`: the vector unit the caller was
+/// centred keys each row's `q · c` (`G` values) or, for a centre that rotates, each row's and
+/// key's (`(G, n)`), added to its scores before the scale. `L`: the vector unit the caller was
 /// compiled for. Plain loops, no closures: a closure is compiled without the caller's target
 /// features, and its `mul_add` would become a library call.
 #[inline(always)]
@@ -281,9 +292,16 @@ fn part<const L: u8, K: KvRead, V: KvRead>(
         let mut m = f32::NEG_INFINITY;
         match add {
             // Centred keys: the row's `q · c` back onto each score, then the scale.
-            Some(add) => {
+            Some(add) if add.len() == g => {
                 for e in row.iter_mut() {
                     *e = (*e + add[r]) * scale;
+                    m = m.max(*e);
+                }
+            }
+            // A centre that rotates: each key's own `q · c(j)`.
+            Some(add) => {
+                for (e, a) in row.iter_mut().zip(&add[r * n..(r + 1) * n]) {
+                    *e = (*e + a) * scale;
                     m = m.max(*e);
                 }
             }

@@ -220,9 +220,9 @@ impl CpuBackend {
             let (kbase, vbase) = (kvh * cache.capacity * rk, kvh * cache.capacity * rv);
             let mut row = vec![0f32; dh];
             // Centred keys: a sink position's score from its f16 row; a later one's from its
-            // plane row plus `q · c` (`KeyCentre`).
+            // plane row plus `q · c(j)`, the centre at its position (`KeyCentre`).
             let centre = cache.centre.as_ref();
-            let (sinks, qc) = centre.map_or((0, 0.0), |c| (c.sinks, dot(qv, c.centre(kvh, dh))));
+            let (sinks, qc) = centre.map_or((0, None), |c| (c.sinks, Some(c.q_centre(kvh, qv))));
             let mut scores: Vec<f32> = (lo..=qpos)
                 .map(|j| match centre {
                     Some(c) if j < sinks => {
@@ -232,9 +232,11 @@ impl CpuBackend {
                     }
                     _ => {
                         K::dequantize_row(&cache.k[kbase + j * rk..kbase + (j + 1) * rk], &mut row);
-                        match centre {
-                            Some(_) => (dot(qv, &row) + qc) * p.scale,
-                            None => dot(qv, &row) * p.scale,
+                        match (centre, &qc) {
+                            (Some(c), Some(qc)) => {
+                                (dot(qv, &row) + c.q_dot_at(kvh, qc, j)) * p.scale
+                            }
+                            _ => dot(qv, &row) * p.scale,
                         }
                     }
                 })

@@ -1,13 +1,13 @@
 //! Attention over block KV caches (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and mlx-lm's affine
 //! groups, quantized when written; keys and values of one type or of two) against the reference attention over the blocks'
 //! dequantized values in f32: decode (T = 1) and prefill shapes, GQA ratios, head widths,
-//! sliding windows, spare capacity. The cache is filled through `HostKv::write`, as a model
-//! fills it.
+//! sliding windows, spare capacity, centred keys fixed or following a rotation. The cache is
+//! filled through `HostKv::write`, as a model fills it.
 
 use hf2q_cpu::kv_view::{self, KvVisit};
 use hf2q_cpu::{CpuBackend, KvRead, MatmulPath};
-use hf2q_tensor::kv::{BlockQ8_0, HostKv, KvType, KvTypes, PlaneView};
-use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache};
+use hf2q_tensor::kv::{BlockQ8_0, HostKv, KeyRope, KvType, KvTypes, PlaneView};
+use hf2q_tensor::op::{AttentionParams, KvElem, LayerCache, RopeParams, RopeStyle};
 use hf2q_tensor::Tensor;
 
 struct Rng(u64);
@@ -116,6 +116,23 @@ fn affine_pair(dh: usize) -> [KvType; 2] {
     [KvType::Affine(a), KvType::Affine(b)]
 }
 
+/// A rotation for centred keys to follow (`HostKv::with_key_rope`) in case `i`: none for even
+/// cases, else NeoX or interleaved pairs of a fast base (so that far positions turn far).
+fn key_rope(dh: usize, i: usize) -> Option<KeyRope> {
+    let style = match i % 4 {
+        1 => RopeStyle::Neox,
+        3 => RopeStyle::Interleaved,
+        _ => return None,
+    };
+    KeyRope::of(&RopeParams {
+        style,
+        theta: 100.0,
+        dims: dh,
+        freq_factors: None,
+        linear_scale: 1.0,
+    })
+}
+
 #[test]
 fn block_attention_equals_attention_over_dequantized_values() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
@@ -171,7 +188,9 @@ fn block_attention_equals_attention_over_dequantized_values() {
                         ])
                         .chain(affine);
                     for ty in types {
-                        let mut kv = HostKv::new(hkv, dh, ty);
+                        // Centred keys that follow a rotation in every other case (both pair
+                        // layouts), fixed ones in the rest.
+                        let mut kv = HostKv::new(hkv, dh, ty).with_key_rope(key_rope(dh, cases));
                         kv.write(&kt, &vt, 0, 4096).unwrap();
                         let what = format!(
                             "{} h={h} hkv={hkv} dh={dh} t={t} pos0={pos0} {window:?}",
@@ -194,9 +213,16 @@ fn block_attention_equals_attention_over_dequantized_values() {
 }
 
 /// Decode at a position a prefill wrote and at one written alone reads the same blocks: the
-/// quantization happens on write, per row, whatever the call's length.
+/// quantization happens on write, per row, whatever the call's length (centred keys fixed, and
+/// following a rotation).
 #[test]
 fn prefill_and_decode_see_the_same_values() {
+    for rope in [None, key_rope(64, 1)] {
+        prefill_and_decode_case(rope);
+    }
+}
+
+fn prefill_and_decode_case(rope: Option<KeyRope>) {
     let (h, hkv, dh, n) = (4, 2, 64, 50);
     let mut rng = Rng(0x0123_4567_89AB_CDEF);
     let k: Vec<f32> = (0..n * hkv * dh).map(|_| 2.0 * rng.f()).collect();
@@ -210,9 +236,9 @@ fn prefill_and_decode_see_the_same_values() {
         )
         .unwrap()
     };
-    let mut whole = HostKv::new(hkv, dh, KvType::Q8_0);
+    let mut whole = HostKv::new(hkv, dh, KvType::Q8_0).with_key_rope(rope.clone());
     whole.write(&kt, &vt, 0, n).unwrap();
-    let mut steps = HostKv::new(hkv, dh, KvType::Q8_0);
+    let mut steps = HostKv::new(hkv, dh, KvType::Q8_0).with_key_rope(rope);
     for i in 0..n {
         steps.write(&row(&kt, i), &row(&vt, i), i, n).unwrap();
     }

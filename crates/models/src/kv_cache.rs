@@ -2,7 +2,7 @@
 //! `(Hkv, S_cap, Dh)` growing by doubling up to the limit; or on the device, allocated by the
 //! backend on first write). Layers may differ in `Hkv` and `Dh` ([`KvCache::per_layer`]).
 
-pub use hf2q_tensor::kv::{AffineKv, KeyCentering, KvType, KvTypes};
+pub use hf2q_tensor::kv::{AffineKv, KeyCentering, KeyRope, KvType, KvTypes};
 use hf2q_tensor::kv::{HostKv, KvStore};
 use hf2q_tensor::paged::{PagedStep, PagedStore};
 
@@ -63,21 +63,29 @@ impl KvCache {
     /// and width, as Gemma 4's sliding and global layers).
     pub fn per_layer(heads: &[(usize, usize)], limit: usize, ty: impl Into<KvTypes>) -> KvCache {
         let types = vec![ty.into(); heads.len()];
-        KvCache::per_layer_types(heads, &types, KeyCentering::DEFAULT, limit)
+        KvCache::per_layer_types(heads, &types, KeyCentering::DEFAULT, &[], limit)
     }
     /// [`KvCache::per_layer`] with each layer's own type (`types[i]` for `heads[i]`), quantized
-    /// keys centred as `centering` says.
+    /// keys centred as `centering` says, following layer `i`'s RoPE `ropes[i]` (the rotation
+    /// its keys get before they are written; none where `ropes` is shorter or holds `None`:
+    /// [`HostKv::with_key_rope`]).
     pub fn per_layer_types(
         heads: &[(usize, usize)],
         types: &[KvTypes],
         centering: KeyCentering,
+        ropes: &[Option<KeyRope>],
         limit: usize,
     ) -> KvCache {
         KvCache {
             layers: heads
                 .iter()
                 .zip(types)
-                .map(|(&(h, dh), &ty)| KvStore::Host(HostKv::with_centering(h, dh, ty, centering)))
+                .enumerate()
+                .map(|(i, (&(h, dh), &ty))| {
+                    let rope = ropes.get(i).cloned().flatten();
+                    let kv = HostKv::with_centering(h, dh, ty, centering).with_key_rope(rope);
+                    KvStore::Host(kv)
+                })
                 .collect(),
             graph: None,
             limit,

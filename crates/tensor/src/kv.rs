@@ -3,14 +3,17 @@
 //! layouts, [`AffineKv`]) or on a device. A backend writes and
 //! reads it (`Backend::kv_write` / `Backend::attend`); model code only passes it along.
 //! A quantized key plane is centred by default ([`KeyCentering`]: f16 first positions, later
-//! keys stored less their head's mean of those).
+//! keys stored less their head's centre, which follows the layer's RoPE on its largest pairs
+//! when the cache is given it, [`HostKv::with_key_rope`]).
 //!
-//! Not here: the block layouts ([`crate::kv_blocks`], [`crate::kv_affine`]), the kernels that read a cache (the CPU
-//! and CUDA crates), the paged cache of many sequences (`paged`).
+//! Not here: the block layouts ([`crate::kv_blocks`], [`crate::kv_affine`]), the centring
+//! ([`crate::kv_centre`]), the kernels that read a cache (the CPU and CUDA crates), the paged
+//! cache of many sequences (`paged`).
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use crate::kv_centre::Centre;
 use crate::{Error, Result, Tensor};
 
 pub use crate::kv_affine::{
@@ -19,6 +22,7 @@ pub use crate::kv_affine::{
 pub use crate::kv_blocks::{
     BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KvBlock, Q8_0_VALUES,
 };
+pub use crate::kv_centre::{KeyCentering, KeyRope};
 
 /// What a KV cache stores keys and values as.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -199,100 +203,6 @@ impl KvTypes {
             Some(t) => t.name().to_string(),
             None => format!("k {} / v {}", self.k.name(), self.v.name()),
         }
-    }
-}
-
-/// Whether a host cache with a quantized key plane centres its keys, and on how many first
-/// positions (as SageAttention's "smooth K"): a few key channels of some models are many times
-/// larger than the rest (Qwen2.5's k projection bias, Gemma 3's normed keys), so one scale per
-/// block or group spends most of its codes on them. The first `sinks` positions of a sequence
-/// are kept whole (f16, each kv head's rows), and when position `sinks - 1` is written each kv
-/// head's centre `c` (`Dh` values) is set to the mean of those f16 keys; every later position is
-/// stored as `quantize(k - c)`, and attention adds `q · c` back to its score (`KeyCentre`), so
-/// scores stay those of the keys written up to the quantization of `k - c`. The centre depends
-/// only on the stored first positions, so any chunking of the same tokens stores the same bytes.
-/// Values, and f16 or f32 key planes, are stored as before. `sinks == 0`: off.
-///
-/// [`KeyCentre`]: crate::op::KeyCentre
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KeyCentering {
-    pub sinks: usize,
-}
-
-impl KeyCentering {
-    /// Keys stored as written (no centre, no sink positions).
-    pub const OFF: KeyCentering = KeyCentering { sinks: 0 };
-    /// The default: 16 first positions (`kv_quant.rs`'s `key_centring_sweep` says what was
-    /// measured: 16 and 32 alike on Gemma 3 and SmolLM2, 16 closer to f16 on Qwen2.5).
-    pub const DEFAULT: KeyCentering = KeyCentering { sinks: 16 };
-}
-
-impl Default for KeyCentering {
-    fn default() -> KeyCentering {
-        KeyCentering::DEFAULT
-    }
-}
-
-/// A centring cache's sink keys and centres ([`KeyCentering`]).
-struct Centre {
-    sinks: usize,
-    /// `(Hkv, sinks, Dh)`, allocated at the first write.
-    sink: Vec<f16>,
-    /// `(Hkv, Dh)`: zeros until position `sinks - 1` is written.
-    c: Vec<f32>,
-}
-
-impl Centre {
-    /// Stores the keys `k (T, Hkv*Dh)` at positions `pos0..pos0+T` below `sinks` as f16, sets
-    /// the centres when position `sinks - 1` is among them (the mean of the stored f16 rows,
-    /// summed in position order), and returns the keys to quantize: rows at positions >= `sinks`
-    /// less their head's centre, the others as written (their plane rows are read by nothing).
-    fn absorb(&mut self, k: &[f32], pos0: usize, t: usize, (h, d): (usize, usize)) -> Vec<f32> {
-        let ks = self.sinks;
-        if self.sink.is_empty() {
-            self.sink = vec![f16::ZERO; h * ks * d];
-            self.c = vec![0.0; h * d];
-        }
-        for ti in 0..t.min(ks.saturating_sub(pos0)) {
-            for hi in 0..h {
-                let at = (hi * ks + pos0 + ti) * d;
-                let from = ti * h * d + hi * d;
-                self.sink[at..at + d].convert_from_f32_slice(&k[from..from + d]);
-            }
-        }
-        if pos0 < ks && ks <= pos0 + t {
-            for hi in 0..h {
-                let c = &mut self.c[hi * d..(hi + 1) * d];
-                c.fill(0.0);
-                for j in 0..ks {
-                    let row = &self.sink[(hi * ks + j) * d..(hi * ks + j + 1) * d];
-                    for (x, y) in c.iter_mut().zip(row) {
-                        *x += y.to_f32();
-                    }
-                }
-                c.iter_mut().for_each(|x| *x /= ks as f32);
-            }
-        }
-        let mut out = k.to_vec();
-        for ti in ks.saturating_sub(pos0)..t {
-            for hi in 0..h {
-                let from = ti * h * d + hi * d;
-                for (x, c) in out[from..from + d].iter_mut().zip(&self.c[hi * d..]) {
-                    *x -= c;
-                }
-            }
-        }
-        out
-    }
-    fn bytes(&self) -> usize {
-        2 * self.sink.len() + 4 * self.c.len()
-    }
-    fn view(&self) -> Option<crate::op::KeyCentre<'_>> {
-        (!self.sink.is_empty()).then_some(crate::op::KeyCentre {
-            sinks: self.sinks,
-            sink: &self.sink,
-            c: &self.c,
-        })
     }
 }
 
@@ -538,7 +448,7 @@ pub struct KvView<'a> {
     /// S_cap: capacity in positions (stride between heads).
     pub capacity: usize,
     /// The sink keys and centres of a centring cache ([`KeyCentering`]) once written.
-    pub centre: Option<crate::op::KeyCentre<'a>>,
+    pub centre: Option<crate::kv_centre::KeyCentre<'a>>,
 }
 
 /// Keys and values (each f16, f32 or a ggml block type, or both one affine layout: [`KvTypes`])
@@ -576,18 +486,29 @@ impl HostKv {
             capacity: 0,
             n_kv_heads,
             head_dim,
-            centre: (quantized && centering.sinks > 0).then(|| Centre {
-                sinks: centering.sinks,
-                sink: Vec::new(),
-                c: Vec::new(),
-            }),
+            centre: (quantized && centering.sinks > 0).then(|| Centre::new(centering, None)),
         }
     }
-    /// How this cache centres its keys ([`KeyCentering::OFF`] for f16 and f32 keys).
-    pub fn centering(&self) -> KeyCentering {
-        KeyCentering {
-            sinks: self.centre.as_ref().map_or(0, |c| c.sinks),
+    /// This cache, whose keys are rotated by `rope` before they are written (the layer's
+    /// RoPE), so that a centring cache's centre follows the rotation on each head's largest
+    /// pairs ([`KeyCentering::rotated`]); `None`, or a cache that does not centre: as it was.
+    /// Given before the first write.
+    pub fn with_key_rope(mut self, rope: Option<KeyRope>) -> HostKv {
+        if let Some(c) = &mut self.centre {
+            *c = Centre::new(c.centering(), rope);
         }
+        self
+    }
+    /// How this cache centres its keys ([`KeyCentering::OFF`] for f16 and f32 keys; as asked
+    /// for otherwise, whether or not it was given a rotation to follow).
+    pub fn centering(&self) -> KeyCentering {
+        self.centre
+            .as_ref()
+            .map_or(KeyCentering::OFF, Centre::centering)
+    }
+    /// The rotation a centring cache follows ([`HostKv::with_key_rope`]).
+    pub fn key_rope(&self) -> Option<&KeyRope> {
+        self.centre.as_ref().and_then(Centre::rope)
     }
 
     pub fn n_kv_heads(&self) -> usize {
@@ -653,7 +574,7 @@ impl HostKv {
         self.grow(pos0 + t, limit);
         let at = (pos0, t, self.capacity);
         match &mut self.centre {
-            Some(c) => self.k.put(&c.absorb(k.data(), pos0, t, hd), at, hd)?,
+            Some(c) => self.k.put(&c.absorb(k.data(), pos0, t, hd)?, at, hd)?,
             None => self.k.put(k.data(), at, hd)?,
         }
         self.v.put(v.data(), at, hd)
@@ -676,19 +597,21 @@ impl HostKv {
             self.n_kv_heads,
             self.head_dim,
             self.kv_types(),
-            self.centering(),
+            KeyCentering::OFF,
         );
+        // The sink keys, centres and rotation as they are: positions below `len` are final,
+        // and a later write of position `sinks - 1` (when `len < sinks`) sets the centres
+        // again from them.
+        out.centre = self.centre.as_ref().map(Centre::copied);
         if len == 0 {
+            if let Some(c) = &self.centre {
+                out.centre = Some(Centre::new(c.centering(), c.rope().cloned()));
+            }
             return Ok(out);
         }
         let cap = Self::grown_capacity(len, limit);
         (out.k, out.v) = self.copied(cap, len);
         out.capacity = cap;
-        // The sink keys and centres as they are: positions below `len` are final, and a later
-        // write of position `sinks - 1` (when `len < sinks`) sets the centres again from them.
-        if let (Some(o), Some(c)) = (&mut out.centre, &self.centre) {
-            (o.sink, o.c) = (c.sink.clone(), c.c.clone());
-        }
         Ok(out)
     }
 

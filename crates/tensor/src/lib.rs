@@ -21,6 +21,7 @@ pub mod io;
 pub mod kv;
 pub mod kv_affine;
 pub mod kv_blocks;
+pub mod kv_centre;
 pub mod lora_rows;
 pub mod moe;
 pub mod op;

@@ -86,29 +86,18 @@ pub struct LayerCache<'a, K = f32, V = K> {
     pub centre: Option<KeyCentre<'a>>,
 }
 
-/// How the keys of a centring cache are read ([`crate::kv::KeyCentering`]): positions
-/// `0..sinks` are f16 rows of their own (`sink`), not the plane's; a position `j >= sinks` is
-/// its plane row plus the head's centre `c`, so that its score is `q · dq(row_j) + q · c`, the
-/// score of the key as written up to the quantization of `k - c`.
-#[derive(Clone, Copy)]
-pub struct KeyCentre<'a> {
-    /// Positions kept whole (f16) at the start of the sequence.
-    pub sinks: usize,
-    /// `(Hkv, sinks, Dh)`: their keys.
-    pub sink: &'a [half::f16],
-    /// `(Hkv, Dh)`: each kv head's centre (zeros until position `sinks - 1` is written).
-    pub c: &'a [f32],
-}
+pub use crate::kv_centre::{KeyCentre, QCentre, Rotated};
 
 impl<K: KvElem, V> LayerCache<'_, K, V> {
     /// The keys as attention reads them, in f32, `(Hkv, S_cap, Dh)` for `hkv` heads of `dh`:
     /// each plane row dequantized, or with centred keys ([`KeyCentre`]) a sink position's f16
-    /// row and a later position's row plus its head's centre. What the kernels' tests hold
-    /// attention over the cache to.
+    /// row and a later position's row plus its head's centre at that position. What the
+    /// kernels' tests hold attention over the cache to.
     pub fn keys_f32(&self, hkv: usize, dh: usize) -> Vec<f32> {
         let mut out = vec![0f32; self.k.len() * K::VALUES];
         K::dequantize_row(self.k, &mut out);
         if let Some(c) = &self.centre {
+            let mut centre = vec![0f32; dh];
             for (g, head) in out
                 .chunks_exact_mut(self.capacity * dh)
                 .take(hkv)
@@ -120,29 +109,15 @@ impl<K: KvElem, V> LayerCache<'_, K, V> {
                             .iter_mut()
                             .zip(c.sink_row(g, j, dh))
                             .for_each(|(r, s)| *r = s.to_f32()),
-                        false => row
-                            .iter_mut()
-                            .zip(c.centre(g, dh))
-                            .for_each(|(r, x)| *r += x),
+                        false => {
+                            c.centre_at(g, j, &mut centre);
+                            row.iter_mut().zip(&centre).for_each(|(r, x)| *r += x)
+                        }
                     }
                 }
             }
         }
         out
-    }
-}
-
-impl<'a> KeyCentre<'a> {
-    /// Sink row of kv head `g` at position `j < sinks` (`dh` values).
-    #[inline]
-    pub fn sink_row(&self, g: usize, j: usize, dh: usize) -> &'a [half::f16] {
-        let at = (g * self.sinks + j) * dh;
-        &self.sink[at..at + dh]
-    }
-    /// Kv head `g`'s centre (`dh` values).
-    #[inline]
-    pub fn centre(&self, g: usize, dh: usize) -> &'a [f32] {
-        &self.c[g * dh..(g + 1) * dh]
     }
 }
 
@@ -599,15 +574,7 @@ pub fn check_attention<K: KvElem, V: KvElem>(
         )));
     }
     if let Some(c) = &cache.centre {
-        if c.sink.len() < hkv * c.sinks * dh || c.c.len() < hkv * dh {
-            return Err(crate::Error::Shape(format!(
-                "attention: centred keys of {} f16 and {} f32 values for {hkv} kv heads of {dh} \
-                 with {} sink positions",
-                c.sink.len(),
-                c.c.len(),
-                c.sinks
-            )));
-        }
+        c.check(hkv, dh)?;
     }
     Ok(t)
 }

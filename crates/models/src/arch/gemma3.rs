@@ -57,6 +57,9 @@ impl Gemma3Block {
 }
 
 impl Block for Gemma3Block {
+    fn rope(&self) -> Option<&RopeParams> {
+        Some(&self.attn.rope)
+    }
     fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let be = cx.be;
         let h = be.rms_norm(x, &self.input_norm, self.eps, self.offset)?;

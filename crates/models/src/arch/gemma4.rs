@@ -434,6 +434,9 @@ fn scale_in_place(be: &dyn Backend, x: &mut Tensor, s: f32) -> Result<()> {
 }
 
 impl Block for Gemma4Block {
+    fn rope(&self) -> Option<&RopeParams> {
+        Some(&self.attn.rope)
+    }
     fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         self.forward_with(cx, x, seqs, None)
     }

@@ -65,6 +65,9 @@ impl LlamaBlock {
 }
 
 impl Block for LlamaBlock {
+    fn rope(&self) -> Option<&RopeParams> {
+        Some(&self.attn.rope)
+    }
     fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let (eps, offset) = (self.eps, 0.0);
         if self.residual_scale != 1.0 {

@@ -60,6 +60,11 @@ pub trait Block: Send + Sync {
     ) -> Result<()> {
         self.forward(cx, x, seqs)
     }
+    /// The RoPE of the keys this block writes to its KV cache (what a cache's centred keys
+    /// follow: `hf2q_tensor::kv::KeyRope`); `None` when it rotates none.
+    fn rope(&self) -> Option<&RopeParams> {
+        None
+    }
     /// The earlier layer whose KV cache this block attends over instead of its own (Gemma 4's
     /// KV-shared layers, which write none).
     fn kv_source(&self) -> Option<usize> {

@@ -51,6 +51,9 @@ impl Olmo2Block {
 }
 
 impl Block for Olmo2Block {
+    fn rope(&self) -> Option<&RopeParams> {
+        Some(&self.attn.rope)
+    }
     fn forward(&self, cx: &Fwd, x: &mut Tensor, seqs: &mut [SeqRef<'_>]) -> Result<()> {
         let be = cx.be;
         let a = self.attn.forward(cx, x, seqs)?;

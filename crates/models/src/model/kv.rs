@@ -5,7 +5,7 @@
 //! Not here: the cache itself (`crate::kv_cache`, `hf2q_tensor::kv`), the device's cache type
 //! (the [`hf2q_cuda::backend::CudaBackend`]'s).
 
-use hf2q_tensor::kv::{KeyCentering, KvTypes};
+use hf2q_tensor::kv::{KeyCentering, KeyRope, KvTypes};
 
 use super::Model;
 use crate::kv_cache::KvCache;
@@ -117,6 +117,13 @@ impl Model {
         let types: Vec<KvTypes> = (0..c.layer_heads.len())
             .map(|i| self.layer_kv_type(i))
             .collect();
-        KvCache::per_layer_types(&c.layer_heads, &types, self.kv_centering, limit)
+        // Each layer's RoPE, so that centred keys follow the rotation (`KeyCentering`).
+        let ropes: Vec<Option<KeyRope>> = (0..c.layer_heads.len())
+            .map(|i| {
+                let b = self.blocks.get(i);
+                b.and_then(|b| b.rope()).and_then(KeyRope::of)
+            })
+            .collect();
+        KvCache::per_layer_types(&c.layer_heads, &types, self.kv_centering, &ropes, limit)
     }
 }
