@@ -494,10 +494,18 @@ fn bench_model(
     let info = model.info();
     // Keys and values of one position, all layers (what a context of N tokens holds N times).
     let kv_per_token = model.kv_bytes_per_token();
+    // Plus what a sequence's cache holds whatever its length (centred keys' first positions).
+    let kv_fixed = model.kv_fixed_bytes();
     {
         let f16_per_token = model.kv_bytes_per_token_as(hf2q_models::kv_cache::KvType::F16);
+        let fixed = if kv_fixed > 0 {
+            format!(", plus {kv_fixed} bytes per sequence for the centred keys")
+        } else {
+            String::new()
+        };
         eprintln!(
-            "bench: KV cache {}: {kv_per_token} bytes per token ({:.1} % of f16's {f16_per_token})",
+            "bench: KV cache {}: {kv_per_token} bytes per token ({:.1} % of f16's \
+             {f16_per_token}){fixed}",
             model.kv_type_name(),
             100.0 * kv_per_token as f64 / f16_per_token.max(1) as f64
         );
@@ -608,6 +616,7 @@ fn bench_model(
                     "peak_rss_bytes": rss,
                     "kv_cache_bytes": m.kv_cache_bytes,
                     "kv_bytes_per_token": kv_per_token,
+                    "kv_fixed_bytes": kv_fixed,
                     "seed": a.seed,
                     "bandwidth_floor_pct": floor_pct,
                     "decode_path": m.decode_path.filter(|_| test.is_gen()),

@@ -34,8 +34,12 @@ struct KvSize {
     bytes_per_token: usize,
     /// What an f16 cache takes per token (the default, for comparison).
     f16_bytes_per_token: usize,
+    /// What one sequence's cache holds whatever its length (centred keys' first positions and
+    /// centres; 0 for f16 / f32 keys).
+    fixed_bytes: usize,
     context: usize,
-    /// Keys and values of `context` tokens, all layers.
+    /// Keys and values of `context` tokens, all layers (`context * bytes_per_token +
+    /// fixed_bytes`).
     bytes: u64,
 }
 
@@ -45,6 +49,7 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     let kv = if a.kv {
         let types = a.kv_types.apply(&mut model)?;
         let per = model.kv_bytes_per_token();
+        let fixed = model.kv_fixed_bytes();
         let context = a.ctx.unwrap_or(model.context_length());
         Some(KvSize {
             kv_type: model.kv_type_name(),
@@ -52,8 +57,9 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
             kv_type_v: types.v.name(),
             bytes_per_token: per,
             f16_bytes_per_token: model.kv_bytes_per_token_as(hf2q_models::kv_cache::KvType::F16),
+            fixed_bytes: fixed,
             context,
-            bytes: per as u64 * context as u64,
+            bytes: per as u64 * context as u64 + fixed as u64,
         })
     } else {
         None
@@ -78,10 +84,12 @@ fn kv_table(kv: &KvSize) -> String {
     let pct = 100.0 * kv.bytes_per_token as f64 / kv.f16_bytes_per_token.max(1) as f64;
     format!(
         "\nkv cache:\n  type             {}\n  bytes per token  {} ({pct:.1} % of f16's {})\n  \
+         fixed per seq.   {} bytes (centred keys' first positions)\n  \
          context          {} tokens: {} ({} bytes)\n",
         kv.kv_type,
         kv.bytes_per_token,
         kv.f16_bytes_per_token,
+        kv.fixed_bytes,
         kv.context,
         human_bytes(kv.bytes),
         kv.bytes,

@@ -129,8 +129,8 @@ fn bench_json_lines_and_table() {
 
 /// `--kv-type q8_0` on a model with 32-wide heads: KV bytes per token (and, with key centring
 /// off, the cache's bytes) are 34/64 of f16's, reported in the JSON lines and on stderr; key
-/// centring (the default) holds more bytes (its f16 first positions and centres), never fewer,
-/// at the same bytes per token.
+/// centring (the default) holds more bytes (its f16 first positions and centres, reported as
+/// `kv_fixed_bytes`), never fewer, at the same bytes per token.
 #[test]
 fn bench_reports_q8_0_kv_bytes() {
     let t = fixture("tiny-qwen3");
@@ -186,6 +186,16 @@ fn bench_reports_q8_0_kv_bytes() {
         let per = |v: &Value, k: &str| v[k].as_u64().unwrap();
         assert_eq!(per(c, "kv_bytes_per_token"), per(a, "kv_bytes_per_token"));
         assert!(per(c, "kv_cache_bytes") > per(a, "kv_cache_bytes"));
+        // The difference is what `kv_fixed_bytes` reports: the centring's first positions and
+        // centres, the same whatever the context.
+        assert_eq!(per(a, "kv_fixed_bytes"), 0);
+        assert_eq!(
+            per(c, "kv_cache_bytes"),
+            per(a, "kv_cache_bytes") + per(c, "kv_fixed_bytes")
+        );
+    }
+    for v in &f16 {
+        assert_eq!(v["kv_fixed_bytes"].as_u64(), Some(0), "{v}");
     }
 }
 

@@ -549,20 +549,7 @@ impl CudaDev {
             // A captured step of 65..=128 rows: two halves on the small-batch kernels, each
             // reading the weight once (see `tc_rows`).
             let first = t.div_ceil(2);
-            for (t0, n) in [(0, first), (first, t - first)] {
-                let xs = Raw {
-                    ptr: xp + 4 * (t0 * w.cols) as u64,
-                    len: n * w.cols,
-                    stream: self.stream(),
-                };
-                let mut os = Raw {
-                    ptr: op + 4 * (t0 * w.rows) as u64,
-                    len: n * w.rows,
-                    stream: self.stream(),
-                };
-                self.linear(&xs, n, w, bias, &mut os)?;
-            }
-            return Ok(());
+            return self.linear_parts(xp, op, [(0, first), (first, t - first)], w, bias);
         }
         if t > 8 && xp % 16 == 0 && self.tc_rows(t, w)? {
             // A batched decode step on the tensor-core small-batch kernel (linear_tc.cuh).
@@ -581,21 +568,8 @@ impl CudaDev {
         if t > 8 && t <= self.batch_mv.load(std::sync::atomic::Ordering::Relaxed) {
             // A batched decode step: chunks of 8 rows on the small-batch kernels, each chunk
             // reading the weight once (`batch-mv`).
-            for t0 in (0..t).step_by(8) {
-                let n = (t - t0).min(8);
-                let xs = Raw {
-                    ptr: xp + 4 * (t0 * w.cols) as u64,
-                    len: n * w.cols,
-                    stream: self.stream(),
-                };
-                let mut os = Raw {
-                    ptr: op + 4 * (t0 * w.rows) as u64,
-                    len: n * w.rows,
-                    stream: self.stream(),
-                };
-                self.linear(&xs, n, w, bias, &mut os)?;
-            }
-            return Ok(());
+            let parts = (0..t).step_by(8).map(|t0| (t0, (t - t0).min(8)));
+            return self.linear_parts(xp, op, parts, w, bias);
         }
         let wa = w.args(self);
         let (rows, ti) = (to_i32("rows", w.rows)?, to_i32("tokens", t)?);
@@ -635,6 +609,33 @@ impl CudaDev {
             }
             launch!(self, f, (gx, gy, 1), (256, 1, 1), 0; wa, xp, bp, op, rows, ti)
         }
+    }
+
+    /// [`CudaDev::linear`] of the input rows `t0..t0 + n` of `x` (at device address `xp`) into
+    /// the same rows of `out` (at `op`), for each `(t0, n)` of `parts`: a product cut into
+    /// launches that each read the weight once.
+    fn linear_parts(
+        &self,
+        xp: u64,
+        op: u64,
+        parts: impl IntoIterator<Item = (usize, usize)>,
+        w: &DeviceWeight,
+        bias: Option<&CudaSlice<f32>>,
+    ) -> Result<()> {
+        for (t0, n) in parts {
+            let xs = Raw {
+                ptr: xp + 4 * (t0 * w.cols) as u64,
+                len: n * w.cols,
+                stream: self.stream(),
+            };
+            let mut os = Raw {
+                ptr: op + 4 * (t0 * w.rows) as u64,
+                len: n * w.rows,
+                stream: self.stream(),
+            };
+            self.linear(&xs, n, w, bias, &mut os)?;
+        }
+        Ok(())
     }
 
     /// Most rows of a product that run as chunks of the small-batch matrix-vector kernels (the

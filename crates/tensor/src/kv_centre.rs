@@ -58,6 +58,20 @@ impl KeyCentering {
     };
 }
 
+impl KeyCentering {
+    /// Bytes a centred key plane holds per kv head of width `dh` however long the sequence is
+    /// (what [`Centre`] allocates at its first write): the `sinks` f16 rows, the f32 centre
+    /// and, per pair that follows `rope`, its index and its centre before the rotation. 0 when
+    /// off.
+    pub fn fixed_bytes_per_head(&self, dh: usize, rope: Option<&KeyRope>) -> usize {
+        if self.sinks == 0 {
+            return 0;
+        }
+        let rotated = rope.map_or(0, |r| self.rotated.min(r.pairs()));
+        2 * self.sinks * dh + 4 * (dh + 3 * rotated)
+    }
+}
+
 impl Default for KeyCentering {
     fn default() -> KeyCentering {
         KeyCentering::DEFAULT

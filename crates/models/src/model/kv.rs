@@ -5,7 +5,7 @@
 //! Not here: the cache itself (`crate::kv_cache`, `hf2q_tensor::kv`), the device's cache type
 //! (the [`hf2q_cuda::backend::CudaBackend`]'s).
 
-use hf2q_tensor::kv::{KeyCentering, KeyRope, KvTypes};
+use hf2q_tensor::kv::{KeyCentering, KeyRope, KvType, KvTypes};
 
 use super::Model;
 use crate::kv_cache::KvCache;
@@ -103,6 +103,25 @@ impl Model {
             .map(|i| {
                 let (kv, dh) = c.heads_of(i);
                 kv * ty(i).row_bytes(dh)
+            })
+            .sum()
+    }
+    /// Bytes one sequence's cache holds whatever its length: the centred key planes' first
+    /// positions and centres ([`KeyCentering::fixed_bytes_per_head`]) in every layer whose keys
+    /// are quantized; 0 for f16 / f32 keys or with centring off. A cache of `n` tokens takes
+    /// `n * kv_bytes_per_token() + kv_fixed_bytes()`.
+    pub fn kv_fixed_bytes(&self) -> usize {
+        let c = &self.config;
+        (0..c.n_layers)
+            .filter(|&i| !matches!(self.layer_kv_type(i).k, KvType::F16 | KvType::F32))
+            .map(|i| {
+                let (kv, dh) = c.heads_of(i);
+                let rope = self
+                    .blocks
+                    .get(i)
+                    .and_then(|b| b.rope())
+                    .and_then(KeyRope::of);
+                kv * self.kv_centering.fixed_bytes_per_head(dh, rope.as_ref())
             })
             .sum()
     }
