@@ -45,15 +45,8 @@ fn fixtures() -> PathBuf {
 
 /// `n` token ids below `vocab` from a fixed generator (a text the model did not see; the tiny
 /// models are random anyway).
-fn ids(n: usize, vocab: usize, mut seed: u64) -> Vec<u32> {
-    (0..n)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % vocab as u64) as u32
-        })
-        .collect()
+fn ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    common::walk_ids_from(seed, n, vocab)
 }
 
 /// (argmax agreement, mean KL) of `q8_0` against `f16` logits over their last 100 rows.

@@ -24,15 +24,11 @@ use hf2q_models::{Error, Model, PagedItem, PagedKvCache, Picked, RowPick};
 use hf2q_tensor::paged::BlockTable;
 
 fn ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9u64 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
+    common::walk_ids_from(
+        0x9E37_79B9u64 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D),
+        n,
+        vocab,
+    )
 }
 
 /// One step of the scenario: (sequence, tokens fed this step).
@@ -542,17 +538,14 @@ fn bench_paged_decode_steps() {
     let Some(gpu) = gpu() else { return };
     let mut m = Model::load(Path::new(&path)).unwrap();
     m.set_cuda(Some(gpu.clone())).unwrap();
-    // Optional knobs: HF2Q_BENCH_ROWS (batch sizes, default 1,16,64), HF2Q_BENCH_PROMPT (128),
-    // HF2Q_BENCH_STEPS (32), HF2Q_BENCH_PROFILE=eager|graphs (marks that pass as the span an
-    // attached profiler records, `ncu --profile-from-start off`, and skips the chunk and
-    // per-sequence columns so a profile stays small).
-    let knob = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let rows: Vec<usize> = knob("HF2Q_BENCH_ROWS").map_or(vec![1, 16, 64], |v| {
-        v.split(',').map(|r| r.trim().parse().unwrap()).collect()
-    });
-    let prompt: usize = knob("HF2Q_BENCH_PROMPT").map_or(128, |v| v.parse().unwrap());
-    let steps: usize = knob("HF2Q_BENCH_STEPS").map_or(32, |v| v.parse().unwrap());
-    let profile = knob("HF2Q_BENCH_PROFILE");
+    // Optional knobs (`common::BenchKnobs`): the batch sizes, prompt and steps, and the pass
+    // marked as a profiler's span (then the chunk and per-sequence columns are skipped so a
+    // profile stays small).
+    let knobs = common::bench_knobs();
+    let rows = knobs.rows.unwrap_or(vec![1, 16, 64]);
+    let prompt = knobs.prompt.unwrap_or(128);
+    let steps = knobs.steps.unwrap_or(32);
+    let profile = knobs.profile;
     let span = |on: bool, pass: &str| {
         if profile.as_deref() == Some(pass) {
             gpu.device().profiler_span(on).unwrap();

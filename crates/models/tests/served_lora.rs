@@ -345,10 +345,7 @@ fn speed_of_four_adapters_at_sixteen_rows_on_the_cpu() {
         eprintln!("skipped: HF2Q_TEST_SMOLLM2_GGUF is not set");
         return;
     };
-    let steps: usize = std::env::var("HF2Q_BENCH_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(24);
+    let steps = common::bench_knobs().steps.unwrap_or(24);
     let gguf = PathBuf::from(gguf);
     let tmp = std::env::temp_dir().join(format!("hf2q-served-lora-speed-{}", std::process::id()));
     let cfg = LoraConfig {

@@ -29,6 +29,36 @@ pub fn tiny(name: &str) -> std::path::PathBuf {
         .join(name)
 }
 
+/// Knobs of the benchmarks (`--ignored` tests), read from the environment here only, as the
+/// binary reads its own: `HF2Q_BENCH_ROWS` (batch sizes, comma-separated), `HF2Q_BENCH_PROMPT`
+/// (prompt tokens), `HF2Q_BENCH_STEPS` (timed steps), `HF2Q_BENCH_PROFILE` (`eager` or
+/// `graphs`: the pass an attached profiler records). Unset or empty: `None`, the bench's own
+/// default.
+#[derive(Debug, Default)]
+pub struct BenchKnobs {
+    pub rows: Option<Vec<usize>>,
+    pub prompt: Option<usize>,
+    pub steps: Option<usize>,
+    pub profile: Option<String>,
+}
+
+/// [`BenchKnobs`] from the environment; a value that does not parse fails the bench, naming it.
+pub fn bench_knobs() -> BenchKnobs {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let num = |k: &str, v: &str| -> usize {
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{k}: '{v}' is not a count"))
+    };
+    BenchKnobs {
+        rows: var("HF2Q_BENCH_ROWS")
+            .map(|v| v.split(',').map(|r| num("HF2Q_BENCH_ROWS", r)).collect()),
+        prompt: var("HF2Q_BENCH_PROMPT").map(|v| num("HF2Q_BENCH_PROMPT", &v)),
+        steps: var("HF2Q_BENCH_STEPS").map(|v| num("HF2Q_BENCH_STEPS", &v)),
+        profile: var("HF2Q_BENCH_PROFILE"),
+    }
+}
+
 /// The CUDA backend with the options the binary would open the device with in this
 /// environment (the kernel cache, `--cuda-opt` settings as `HF2Q_CUDA_OPT`), or `None` (and
 /// "skipped") without a device.
@@ -56,7 +86,11 @@ pub fn gpu_with(
 
 /// `n` token ids below `vocab`: a deterministic xorshift walk (the same ids on every run).
 pub fn walk_ids(n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9u64;
+    walk_ids_from(0x9E37_79B9, n, vocab)
+}
+
+/// [`walk_ids`] from the generator state `s` (nonzero): another fixed text per state.
+pub fn walk_ids_from(mut s: u64, n: usize, vocab: usize) -> Vec<u32> {
     (0..n)
         .map(|_| {
             s ^= s << 13;
