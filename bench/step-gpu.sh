@@ -11,7 +11,8 @@
 # (`ncu --csv --page raw`, one line per kernel of the profiled pass: sum gpu__time_duration.sum
 # by kernel name to see where a step goes), serve/ (bench/serve-gpu.sh's table) and logs.
 # Environment: WORK (default /tmp/hf2q-step), ROWS (1,16,32,48,64,96,128), SERVE_CONFIGS
-# (bench/serve-gpu.sh's CONFIGS; default `default;g64:paged-graphs=64`), SERVE=0 to skip it.
+# (bench/serve-gpu.sh's CONFIGS; default `default;g64:paged-graphs=64`), SERVE=0 to skip it,
+# NCU_ROWS (batch sizes to profile, default "16 64"; empty: none).
 set -uo pipefail
 BIN=$(cd "${1:?usage: step-gpu.sh BIN_DIR [OUT_DIR]}" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,7 +39,7 @@ for b in "$BIN"/paged_step*; do
     done
 done
 b=$(ls "$BIN"/paged_step* | tail -1)
-for r in 16 64; do
+for r in ${NCU_ROWS-16 64}; do
     HF2Q_CUDA_OPT=paged-graphs=128 HF2Q_BENCH_MODEL=$M HF2Q_BENCH_ROWS=$r HF2Q_BENCH_STEPS=4 \
         HF2Q_BENCH_PROFILE=graphs timeout 300 ncu --profile-from-start off --clock-control none \
         --cache-control none --metrics gpu__time_duration.sum --csv --page raw --print-units base \

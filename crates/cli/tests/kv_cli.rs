@@ -65,7 +65,10 @@ fn kv_bits_flags_parse_and_conflict() {
 
 /// `inspect --kv` with mlx-lm's affine cache on SmolLM2 (30 layers of 3 kv heads of 64): 8 bits
 /// in groups of 64 are 68 bytes per 64 values, 4 bits 36, against f16's 128; per token, keys
-/// and values of every layer: 30 * 3 * 2 * (68, 36, 128) bytes.
+/// and values of every layer: 30 * 3 * 2 * (68, 36, 128) bytes. The centred keys add a fixed
+/// cost per sequence and head (`KeyCentering::fixed_bytes_per_head`): 16 first positions in
+/// f16, the f32 centre and, for each of the 32 rotated pairs, three f32 numbers:
+/// 30 * 3 * (2 * 16 * 64 + 4 * (64 + 3 * 32)) bytes.
 #[test]
 fn inspect_kv_of_the_affine_cache() {
     let Some(m) = smollm2("inspect_kv_of_the_affine_cache") else {
@@ -88,7 +91,9 @@ fn inspect_kv_of_the_affine_cache() {
         assert_eq!(v["kv"]["kv_type"], name);
         assert_eq!(v["kv"]["bytes_per_token"], per);
         assert_eq!(v["kv"]["f16_bytes_per_token"], 23040);
-        assert_eq!(v["kv"]["bytes"], 1000 * per);
+        let fixed = 30 * 3 * (2 * 16 * 64 + 4 * (64 + 3 * 32));
+        assert_eq!(v["kv"]["fixed_bytes"], fixed);
+        assert_eq!(v["kv"]["bytes"], 1000 * per + fixed);
         let out = stdout(&hf2q(&["inspect", s(&m), "--kv", "--kv-bits", bits]));
         let line = format!("bytes per token  {per}");
         assert!(out.contains(name) && out.contains(&line), "{out}");
