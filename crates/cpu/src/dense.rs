@@ -173,6 +173,9 @@ pub fn matmul_acc(out: &mut Tensor, a: &Tensor, b: &Tensor, spec: MatmulSpec) ->
 /// [`hf2q_tensor::op::Backend::add_row_terms`] on host tensors: each run's rows of `x` and `y`
 /// read and written in place (no gather, no scatter), `x[run] · Aᵀ` into a `(n, r)` scratch
 /// and `scale · (·) · Bᵀ` accumulated straight into `y[run]`; the runs split over threads.
+/// A run of a term that brings `Bᵀ` (`RowsTerm::b_t`) runs on the direct kernel when it is
+/// short (`low_rank`: a decode step's few rows per adapter, where a general product's set-up
+/// outweighs the work); longer runs and terms without `Bᵀ` on `gemm_f32`.
 pub fn add_row_terms(x: &Tensor, y: &mut Tensor, terms: &[RowsTerm<'_>]) -> Result<()> {
     check_terms(x, y, terms)?;
     let (c, r) = (x.dims2().1, y.dims2().1);
@@ -199,6 +202,12 @@ pub fn add_row_terms(x: &Tensor, y: &mut Tensor, terms: &[RowsTerm<'_>]) -> Resu
         let (n, rank) = (xs.len() / c, term.a.dims2().0);
         // (n, r)
         let mut xa = vec![0f32; n * rank];
+        if let Some(b_t) = term.b_t.filter(|_| n <= crate::low_rank::MAX_ROWS) {
+            let dims = (c, rank, r);
+            let (a, b_t) = (term.a.data(), b_t.data());
+            crate::low_rank::add_low_rank_rows(xs, ys, a, b_t, term.scale, dims, &mut xa);
+            return Ok(());
+        }
         gemm_f32(
             &mut xa,
             false,

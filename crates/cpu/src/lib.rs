@@ -14,6 +14,7 @@ mod decode;
 pub mod dense;
 pub mod kernels;
 pub mod kv_view;
+mod low_rank;
 pub mod paged;
 pub(crate) mod train;
 

@@ -14,6 +14,7 @@ use crate::adapter::LoraConfig;
 use crate::layers::lora::Lora;
 use crate::model::Model;
 use crate::{Error, Result};
+use hf2q_tensor::Tensor;
 
 /// An adapter read from its files, not attached to the model: its settings and its factors by
 /// product site.
@@ -38,10 +39,11 @@ impl ReadAdapter {
     }
 }
 
-/// Adapters in slots.
+/// Adapters in slots: per slot, per product, the factors and, for host factors, `Bᵀ (r, R)`
+/// (what the CPU's segmented product reads: its second product runs along output rows).
 #[derive(Default)]
 pub struct AdapterSet {
-    slots: Vec<Option<Vec<Option<Lora>>>>,
+    slots: Vec<Option<Vec<Option<(Lora, Option<Tensor>)>>>>,
 }
 
 impl AdapterSet {
@@ -60,10 +62,17 @@ impl AdapterSet {
             )));
         }
         let be = model.be();
-        let mut factors = adapter.factors;
-        for l in factors.iter_mut().flatten() {
-            l.a = be.upload(&l.a)?;
-            l.b = be.upload(&l.b)?;
+        let mut factors = Vec::with_capacity(adapter.factors.len());
+        for l in adapter.factors {
+            factors.push(match l {
+                Some(mut l) => {
+                    l.a = be.upload(&l.a)?;
+                    l.b = be.upload(&l.b)?;
+                    let b_t = l.b.is_host().then(|| transposed(&l.b)).transpose()?;
+                    Some((l, b_t))
+                }
+                None => None,
+            });
         }
         let slot = match self.slots.iter().position(Option::is_none) {
             Some(s) => s,
@@ -94,8 +103,22 @@ impl AdapterSet {
         self.len() == 0
     }
 
-    /// The factors slot `slot` holds for the product `site`.
-    pub(crate) fn lora(&self, slot: usize, site: usize) -> Option<&Lora> {
-        self.slots.get(slot)?.as_ref()?.get(site)?.as_ref()
+    /// The factors slot `slot` holds for the product `site`, and `Bᵀ` when they are on the host.
+    pub(crate) fn lora(&self, slot: usize, site: usize) -> Option<(&Lora, Option<&Tensor>)> {
+        let (l, b_t) = self.slots.get(slot)?.as_ref()?.get(site)?.as_ref()?;
+        Some((l, b_t.as_ref()))
     }
+}
+
+/// `m (R, C)` -> `mᵀ (C, R)`, host tensors.
+fn transposed(m: &Tensor) -> Result<Tensor> {
+    let (r, c) = m.dims2();
+    let d = m.data();
+    let mut out = vec![0f32; r * c];
+    for (i, row) in d.chunks_exact(c).enumerate() {
+        for (j, &x) in row.iter().enumerate() {
+            out[j * r + i] = x;
+        }
+    }
+    Ok(Tensor::new(&[c, r], out)?)
 }

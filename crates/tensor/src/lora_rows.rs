@@ -19,6 +19,9 @@ use crate::{Error, Result, Tensor};
 pub struct RowsTerm<'a> {
     pub a: &'a Tensor,
     pub b: &'a Tensor,
+    /// `Bᵀ (r, R)`, when the holder keeps one (host factors of served adapters): a backend may
+    /// read it instead of `b`, so that the second product runs along rows of `R`.
+    pub b_t: Option<&'a Tensor>,
     pub scale: f32,
     /// (first row, rows)
     pub runs: &'a [(usize, usize)],
@@ -39,6 +42,12 @@ pub fn check_terms(x: &Tensor, y: &Tensor, terms: &[RowsTerm<'_>]) -> Result<()>
         if ca != c || rb != r || cb != ra {
             return Err(Error::Shape(format!(
                 "low-rank rows: A ({ra}, {ca}) and B ({rb}, {cb}) for ({t}, {c}) -> ({t}, {r})"
+            )));
+        }
+        if let Some(bt) = term.b_t.filter(|bt| bt.shape() != [ra, r]) {
+            return Err(Error::Shape(format!(
+                "low-rank rows: Bᵀ {:?} for B ({rb}, {cb})",
+                bt.shape()
             )));
         }
         for &(s, n) in term.runs {

@@ -102,9 +102,10 @@ impl<'a> BatchLora<'a> {
             .groups
             .iter()
             .filter_map(|(slot, runs)| {
-                self.set.lora(*slot, site).map(|l| RowsTerm {
+                self.set.lora(*slot, site).map(|(l, b_t)| RowsTerm {
                     a: &l.a,
                     b: &l.b,
+                    b_t,
                     scale: l.scale,
                     runs,
                 })
