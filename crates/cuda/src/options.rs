@@ -70,8 +70,10 @@ pub struct CudaOptions {
     pub moe_fused: bool,
     /// Batched decode steps over a paged KV cache (`serve --kv-paged`) of at most this many
     /// rows replay one CUDA graph per batch-size bucket instead of launching their kernels one
-    /// by one (`paged-graphs`; 0: never). Default 16: measured faster up to 16 rows and slower
-    /// at 64 (BENCHMARKS.md).
+    /// by one (`paged-graphs`; 0: never). Default 64: graphs measured faster than eager steps
+    /// at 16 rows (1.30-1.39x) and, once captured products of 33-64 rows ran on the small-batch
+    /// tensor-core kernels, at 64 (1.14-1.31x); 96 and 128 rows (two 64-row halves per product)
+    /// are not measured yet (BENCHMARKS.md).
     pub paged_graphs: usize,
     /// The prefill chunks of batched steps over a paged KV cache run their attention on tensor
     /// cores, 64 rows of a sequence per block reading keys through its block table, instead of
@@ -107,7 +109,7 @@ impl Default for CudaOptions {
             mv_early: true,
             mv_min_blocks: Vec::new(),
             moe_fused: false,
-            paged_graphs: 16,
+            paged_graphs: 64,
             paged_prefill_tc: true,
             decode_mega: false,
         }
@@ -231,7 +233,7 @@ impl CudaOptions {
             help: "batched decode steps over the paged KV cache (serve --kv-paged) of at most N \
                    rows replay one CUDA graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, \
                    64, 96, 128 rows) instead of launching each kernel; on = 128, off = 0 \
-                   (default 16: faster up to 16 rows, slower at 64)",
+                   (default 64: measured faster than eager steps at 16 and 64 rows)",
         },
         OptionKey {
             key: "paged-prefill",

@@ -1,5 +1,5 @@
 //! Paged decode steps replayed as CUDA graphs (`--cuda-opt paged-graphs=N`: steps of up to N
-//! rows, default 16; [`Model::set_paged_graphs`]): a step whose items are all one-token decode rows is padded up to a batch-size bucket ([`BUCKETS`]) and
+//! rows, default 64; [`Model::set_paged_graphs`]): a step whose items are all one-token decode rows is padded up to a batch-size bucket ([`BUCKETS`]) and
 //! run as that bucket's graph, captured once per [`PagedKvCache`]. Each graph reads its rows
 //! (sequence, position, slot of every row, the block tables) from arrays at fixed device
 //! addresses ([`hf2q_cuda::PagedInputs`]) that the host writes before the launch, its token
@@ -11,9 +11,9 @@
 //! rows' kernels come onto the device then; capturing runs nothing), then the bucket is
 //! captured for the next steps. A model whose step has an op that only runs eagerly (or that
 //! already refused a one-sequence capture) runs its paged steps eagerly from then on. Steps with
-//! prompt chunks (items of several tokens), more rows than `paged-graphs` allows (16 by
-//! default: above that, graphs measured slower than eager steps, their attention split for the
-//! cache's longest context), or on the CPU take the eager path of [`Model::step_paged_pick`].
+//! prompt chunks (items of several tokens), more rows than `paged-graphs` allows (64 by
+//! default: 96 and 128 rows are not measured as graphs yet), or on the CPU take the eager path
+//! of [`Model::step_paged_pick`].
 //!
 //! Not here: the forward itself and the eager picks (`paged.rs`), capture and replay
 //! (`hf2q_cuda::CudaBackend::capture`).
