@@ -1,7 +1,7 @@
 //! One run of a served adapter's low-rank term on its rows, in place and on the calling thread:
 //! `y (n, R) += scale · (x (n, C) · Aᵀ) · Bᵀ` for `A (k, C)` and `Bᵀ (k, R)` kept transposed
 //! (`RowsTerm::b_t`), so that both products read whole rows: `k · n` dot products of length
-//! `C`, then `k · n` row updates of length `R`. A decode step's runs are a few rows against a
+//! `C`, then `k · n` row updates of length `R`, on the attention's f32 kernels. A decode step's runs are a few rows against a
 //! rank of 8-64, where a general matrix product's set-up (packing, blocking, dispatch) costs
 //! more than the arithmetic; here there is none. Longer runs (prefill chunks) go to the general
 //! products, whose blocking pays there ([`MAX_ROWS`]).
@@ -9,6 +9,9 @@
 //! Not here: splitting the batch into runs and over threads (`dense::add_row_terms`), or the
 //! general products (`dense::gemm_f32`).
 
+use super::attention::{KvRead, PORTABLE};
+#[cfg(target_arch = "x86_64")]
+use super::attention::{AVX2, AVX512};
 use super::kernels::Isa;
 
 /// `ys (n, R) += scale · (xs (n, C) · Aᵀ) · Bᵀ` with `a (k, C)` and `b_t (k, R)`; `xa` is scratch
@@ -35,7 +38,7 @@ pub(crate) fn add_low_rank_rows(
             dims: (usize, usize, usize),
             xa: &mut [f32],
         ) {
-            body(xs, ys, a, b_t, scale, dims, xa)
+            body::<AVX512>(xs, ys, a, b_t, scale, dims, xa)
         }
         #[target_feature(enable = "avx2,fma")]
         #[allow(clippy::too_many_arguments)]
@@ -48,7 +51,7 @@ pub(crate) fn add_low_rank_rows(
             dims: (usize, usize, usize),
             xa: &mut [f32],
         ) {
-            body(xs, ys, a, b_t, scale, dims, xa)
+            body::<AVX2>(xs, ys, a, b_t, scale, dims, xa)
         }
         match Isa::best() {
             // SAFETY: `Isa::best` names a level this CPU runs.
@@ -58,13 +61,14 @@ pub(crate) fn add_low_rank_rows(
             _ => {}
         }
     }
-    body(xs, ys, a, b_t, scale, (c, k, r), xa)
+    body::<PORTABLE>(xs, ys, a, b_t, scale, (c, k, r), xa)
 }
 
-/// [`add_low_rank_rows`] in plain loops that the vector unit of the enclosing function
-/// compiles (lanes kept apart, so no reassociation is needed).
+/// [`add_low_rank_rows`] with the f32 cache kernels of the attention (`KvRead for f32` at
+/// vector level `L`): each row's `k` dot products against `A`'s rows, then its update along
+/// `Bᵀ`'s rows (`acc += Σ_j p_j v_j`, 64 columns kept in registers across the `k` rows).
 #[inline(always)]
-fn body(
+fn body<const L: u8>(
     xs: &[f32],
     ys: &mut [f32],
     a: &[f32],
@@ -73,51 +77,16 @@ fn body(
     (c, k, r): (usize, usize, usize),
     xa: &mut [f32],
 ) {
-    // xa (n, k) = scale · xs · Aᵀ
     for (x, out) in xs.chunks_exact(c).zip(xa.chunks_exact_mut(k)) {
         for (o, arow) in out.iter_mut().zip(a.chunks_exact(c)) {
-            *o = scale * dot16(x, arow);
+            *o = scale * <f32 as KvRead>::dot::<L>(x, arow);
         }
     }
-    // ys[i] += Σ_j xa[i, j] · Bᵀ[j], by blocks of COLUMNS outputs: a block of Bᵀ (k rows of
-    // COLUMNS) stays in the first-level cache for every row.
-    for o in (0..r).step_by(COLUMNS) {
-        let w = COLUMNS.min(r - o);
-        for (y, s) in ys.chunks_exact_mut(r).zip(xa.chunks_exact(k)) {
-            let y = &mut y[o..o + w];
-            for (&s, brow) in s.iter().zip(b_t.chunks_exact(r)) {
-                for (yv, &bv) in y.iter_mut().zip(&brow[o..o + w]) {
-                    *yv += s * bv;
-                }
-            }
-        }
+    for (y, s) in ys.chunks_exact_mut(r).zip(xa.chunks_exact(k)) {
+        <f32 as KvRead>::accumulate::<L>(y, s, b_t);
     }
 }
-
-/// Outputs per block of the second product: a block of `Bᵀ` is `k · COLUMNS` f32 (16 KiB at
-/// rank 16).
-const COLUMNS: usize = 256;
 
 /// Runs of at most this many rows take the direct kernel; longer ones (a prompt's prefill
 /// chunk) are products large enough for the general kernels' blocking to pay.
 pub(crate) const MAX_ROWS: usize = 16;
-
-/// `x · y` over 16 lanes kept apart, then summed by halving.
-#[inline(always)]
-#[allow(clippy::needless_range_loop)]
-fn dot16(x: &[f32], y: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (xc, yc) = (x.chunks_exact(16), y.chunks_exact(16));
-    let tail: f32 = xc
-        .remainder()
-        .iter()
-        .zip(yc.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
-    for (xv, yv) in xc.zip(yc) {
-        for l in 0..16 {
-            acc[l] += xv[l] * yv[l];
-        }
-    }
-    super::attention::sum16(&acc) + tail
-}

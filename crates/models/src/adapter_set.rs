@@ -113,12 +113,8 @@ impl AdapterSet {
 /// `m (R, C)` -> `mᵀ (C, R)`, host tensors.
 fn transposed(m: &Tensor) -> Result<Tensor> {
     let (r, c) = m.dims2();
-    let d = m.data();
-    let mut out = vec![0f32; r * c];
-    for (i, row) in d.chunks_exact(c).enumerate() {
-        for (j, &x) in row.iter().enumerate() {
-            out[j * r + i] = x;
-        }
-    }
-    Ok(Tensor::new(&[c, r], out)?)
+    Ok(Tensor::new(
+        &[c, r],
+        crate::adapter::mlx::transpose(m.data(), r, c),
+    )?)
 }

@@ -25,7 +25,7 @@ use crate::{Error, Result};
 pub const WEIGHTS_FILE: &str = "adapters.safetensors";
 
 /// `(rows, cols)` row-major -> `(cols, rows)`.
-fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut t = vec![0f32; v.len()];
     for i in 0..rows {
         for j in 0..cols {

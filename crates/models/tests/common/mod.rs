@@ -42,20 +42,29 @@ pub struct BenchKnobs {
     pub profile: Option<String>,
 }
 
-/// [`BenchKnobs`] from the environment; a value that does not parse fails the bench, naming it.
+/// [`BenchKnobs`] from the environment (the harness's one read of it, as `gpu_with` reads the
+/// device options).
 pub fn bench_knobs() -> BenchKnobs {
-    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let num = |k: &str, v: &str| -> usize {
-        v.trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{k}: '{v}' is not a count"))
-    };
-    BenchKnobs {
-        rows: var("HF2Q_BENCH_ROWS")
-            .map(|v| v.split(',').map(|r| num("HF2Q_BENCH_ROWS", r)).collect()),
-        prompt: var("HF2Q_BENCH_PROMPT").map(|v| num("HF2Q_BENCH_PROMPT", &v)),
-        steps: var("HF2Q_BENCH_STEPS").map(|v| num("HF2Q_BENCH_STEPS", &v)),
-        profile: var("HF2Q_BENCH_PROFILE"),
+    BenchKnobs::from_lookup(|k| std::env::var(k).ok())
+}
+
+impl BenchKnobs {
+    /// The knobs from `get` (a variable's value, if set); a value that does not parse fails
+    /// the bench, naming it.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> BenchKnobs {
+        let var = |k: &str| get(k).filter(|v| !v.is_empty());
+        let num = |k: &str, v: &str| -> usize {
+            v.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{k}: '{v}' is not a count"))
+        };
+        BenchKnobs {
+            rows: var("HF2Q_BENCH_ROWS")
+                .map(|v| v.split(',').map(|r| num("HF2Q_BENCH_ROWS", r)).collect()),
+            prompt: var("HF2Q_BENCH_PROMPT").map(|v| num("HF2Q_BENCH_PROMPT", &v)),
+            steps: var("HF2Q_BENCH_STEPS").map(|v| num("HF2Q_BENCH_STEPS", &v)),
+            profile: var("HF2Q_BENCH_PROFILE"),
+        }
     }
 }
 
